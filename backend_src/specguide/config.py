@@ -1,0 +1,75 @@
+"""Engine configuration, parsed and validated from config.pbtxt `parameters`."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Every engine setting; the Triton adapter fills it from config.pbtxt parameters."""
+
+    model_dir: str = ""  # HF folder (safetensors); "" = the embedded default model
+    gguf_file: str = ""  # optional GGUF file inside model_dir (converted once, cached)
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu", "cuda", "auto"
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    max_slots: int = 8  # sequences decoded together (static KV cache rows)
+    max_seq_len: int = 2048  # prompt + generated tokens per slot
+    prefill_chunk: int = 256  # prefill token budget per engine step
+    max_queue: int = 256  # waiting requests before new ones are refused
+    default_max_tokens: int = 64  # when a request gives no max_tokens
+    max_tokens_limit: int = 0  # 0 = max_seq_len
+    warmup: bool = True  # run one forward at start so the first request is not slow
+
+    def __post_init__(self) -> None:
+        assert self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"
+        assert self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:"), self.device
+        assert self.max_slots >= 1, "max_slots must be >= 1"
+        assert self.max_seq_len >= 16, "max_seq_len must be >= 16"
+        assert self.prefill_chunk >= 1, "prefill_chunk must be >= 1"
+        assert self.max_queue >= 1, "max_queue must be >= 1"
+        assert self.default_max_tokens >= 1, "default_max_tokens must be >= 1"
+        if self.max_tokens_limit <= 0:
+            self.max_tokens_limit = self.max_seq_len
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":
+        """Build from `{key: value}` or Triton's `{key: {"string_value": value}}`; unknown keys are ignored."""
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in params:
+                continue
+            raw = params[f.name]
+            if isinstance(raw, Mapping):
+                raw = raw.get("string_value", "")
+            kwargs[f.name] = _coerce(f, raw)
+        return cls(**kwargs)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _coerce(f: dataclasses.Field, raw: Any) -> Any:
+    typ = f.type if isinstance(f.type, str) else f.type.__name__
+    if not isinstance(raw, str):
+        return raw
+    raw = raw.strip()
+    if typ == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"parameter {f.name}: expected a boolean, got {raw!r}")
+    if typ == "int":
+        return int(raw)
+    if typ == "float":
+        return float(raw)
+    return raw

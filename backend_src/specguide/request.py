@@ -1,0 +1,93 @@
+"""Request messages: sampling parameters, guided-decoding parameters, output events."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the adapter turns it into INVALID_ARG."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is full; the adapter turns it into UNAVAILABLE."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; the adapter turns it into UNAVAILABLE."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters. Greedy when temperature == 0 or top_k == 1."""
+
+    max_tokens: int = 64
+    min_tokens: int = 0  # EOS and stop tokens are suppressed before this many tokens
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: Optional[int] = None  # None = a random seed drawn at submit
+    stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
+    stop_token_ids: list[int] = field(default_factory=list)
+    end_id: Optional[int] = None  # None = the tokenizer's EOS tokens
+    ignore_eos: bool = False
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never generated
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, max_tokens_limit: int) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        if self.max_tokens > max_tokens_limit:
+            raise InvalidRequestError(f"max_tokens {self.max_tokens} exceeds the limit {max_tokens_limit}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise InvalidRequestError(f"seed must be in [0, 2^64), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop words must be non-empty strings")
+        if any(not seq for seq in self.bad_words_ids):
+            raise InvalidRequestError("bad words must be non-empty")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """One guide per request (TensorRT-LLM's GuidedDecodingParams plus vLLM's `choice`)."""
+
+    guide_type: str  # json | json_schema | regex | ebnf_grammar | structural_tag | choice
+    guide: str = ""
+
+
+@dataclass
+class Request:
+    """What a client asks for. Either `prompt` (text) or `prompt_ids` must be given."""
+
+    prompt: Optional[str] = None
+    prompt_ids: Optional[list[int]] = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    guided: Optional[GuidedDecodingParams] = None
+    num_draft_tokens: Optional[int] = None  # None = the configured K; 0 = no speculation
+    request_id: str = ""  # the client's id, echoed in logs
+
+
+@dataclass
+class RequestOutput:
+    """One event for one request: the delta since the previous event."""
+
+    seq_id: int
+    text: str = ""  # new text since the last event (never half a UTF-8 character)
+    token_ids: list[int] = field(default_factory=list)  # new tokens since the last event
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "error"
+    error: Optional[str] = None
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    first_token: bool = False  # this event carries the request's first token(s)
