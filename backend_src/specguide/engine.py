@@ -1,0 +1,292 @@
+"""Engine: thread-safe submit / cancel / shutdown around one background loop thread."""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from .config import EngineConfig
+from .models.loader import load_model, resolve_model_dir
+from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
+from .runner import Runner
+from .scheduler import Scheduler, Sequence, Status, StepPlan
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("specguide")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Callback = Callable[[RequestOutput], None]
+
+
+class Engine:
+    """In-flight batched generation. `submit` returns at once; events arrive on the callback
+    from the loop thread: one per step with new text, and exactly one with `finished=True`."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.resolved_device())
+        folder = resolve_model_dir(config.model_dir, config.gguf_file)
+        self.tokenizer = Tokenizer(folder)
+        self.model = load_model(folder, DTYPES[config.dtype], str(self.device))
+        model_eos = getattr(self.model, "eos_token_ids", frozenset())
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(model_eos))
+        self.runner = Runner(self.model, config, self.device)
+        self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
+        self._ids = itertools.count(1)
+        self._seqs: dict[int, Sequence] = {}  # loop thread only
+        self._inbox: list[tuple[str, object]] = []
+        self._cv = threading.Condition()
+        self._pending_submits = 0
+        self._stopping = False
+        self._drain = True
+        self._dead: Optional[BaseException] = None
+        self.num_steps = 0
+        if config.warmup:
+            self.runner.warmup()
+        self._thread = threading.Thread(target=self._loop, name="specguide-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API (any thread) ------------------------------------------------------------
+    def submit(self, request: Request, callback: Optional[Callback] = None) -> int:
+        """Validate and queue a request; returns its sequence id. Raises InvalidRequestError,
+        QueueFullError or EngineDeadError; never blocks on generation."""
+        seq = self._make_sequence(request, callback or (lambda out: None))
+        with self._cv:
+            if self._dead is not None or not self._thread.is_alive():
+                raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
+            if self._stopping:
+                raise EngineDeadError("the engine is shutting down")
+            if self.scheduler.num_waiting + self._pending_submits >= self.config.max_queue:
+                raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} requests)")
+            self._pending_submits += 1
+            self._inbox.append(("submit", seq))
+            self._cv.notify()
+        return seq.seq_id
+
+    def generate(self, request: Request) -> Iterator[RequestOutput]:
+        """Submit and iterate over the request's events until the final one."""
+        events: queue.Queue[RequestOutput] = queue.Queue()
+        self.submit(request, events.put)
+        while True:
+            out = events.get()
+            yield out
+            if out.finished:
+                return
+
+    def cancel(self, seq_id: int) -> None:
+        """Stop a request; its slot is freed at the next step and a final 'cancelled' event follows."""
+        with self._cv:
+            self._inbox.append(("cancel", seq_id))
+            self._cv.notify()
+
+    def stats(self) -> dict[str, int]:
+        return {"active_slots": self.scheduler.num_active,
+                "queue_depth": self.scheduler.num_waiting + self._pending_submits,
+                "steps": self.num_steps}
+
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop the loop: finish in-flight requests first when `drain`, else cancel them.
+        After `timeout` seconds of draining, whatever is left is cancelled."""
+        with self._cv:
+            self._stopping = True
+            self._drain = drain
+            self._cv.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._cv:
+                self._drain = False
+                self._cv.notify()
+            self._thread.join()
+
+    # ---- validation -------------------------------------------------------------------------
+    def _make_sequence(self, request: Request, callback: Callback) -> Sequence:
+        cfg = self.config
+        if request.prompt_ids is not None:
+            ids = [int(t) for t in request.prompt_ids]
+            bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"input token ids out of range [0, {self.runner.vocab_size}): {bad[:5]}")
+        elif request.prompt is not None:
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            raise InvalidRequestError("a request needs a prompt (text_input) or input_ids")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= cfg.max_seq_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; max_seq_len is {cfg.max_seq_len} "
+                f"(the prompt must leave room for at least one generated token)")
+        p = request.params
+        p.validate(cfg.max_tokens_limit)
+        if request.num_draft_tokens is not None and request.num_draft_tokens < 0:
+            raise InvalidRequestError(f"num_draft_tokens must be >= 0, got {request.num_draft_tokens}")
+        if request.guided is not None:
+            raise InvalidRequestError("guided decoding is not enabled in this engine")
+        if p.end_id is not None and not 0 <= p.end_id < self.runner.vocab_size:
+            raise InvalidRequestError(f"end_id {p.end_id} is outside the vocabulary")
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids |= {p.end_id} if p.end_id is not None else set(self.eos_token_ids)
+        seq = Sequence(
+            seq_id=next(self._ids), prompt_ids=ids, params=p,
+            seed=p.seed if p.seed is not None else random.getrandbits(64), callback=callback,
+            stop_ids=frozenset(stop_ids), guided=request.guided,
+            num_draft_tokens=request.num_draft_tokens or 0, request_id=request.request_id)
+        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        return seq
+
+    # ---- loop thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._inbox or self._stopping or self.scheduler.has_work()):
+                        self._cv.wait()
+                    inbox, self._inbox = self._inbox, []
+                    self._pending_submits -= sum(1 for kind, _ in inbox if kind == "submit")
+                    stopping, drain = self._stopping, self._drain
+                self._apply(inbox)
+                if stopping and not drain:
+                    for seq in list(self._seqs.values()):
+                        self._finish(seq, "cancelled")
+                if stopping and not self.scheduler.has_work():
+                    return
+                if self.scheduler.has_work():
+                    self.step()
+        except BaseException as exc:  # the loop must never die silently
+            log.exception("engine loop crashed")
+            self._dead = exc
+            for seq in list(self._seqs.values()):
+                self._finish(seq, "error", f"engine failure: {exc!r}")
+
+    def _apply(self, inbox: list[tuple[str, object]]) -> None:
+        for kind, item in inbox:
+            if kind == "submit":
+                assert isinstance(item, Sequence)
+                self._seqs[item.seq_id] = item
+                self.scheduler.waiting.append(item)
+            elif kind == "cancel":
+                seq = self._seqs.get(item)  # type: ignore[arg-type]
+                if seq is not None:
+                    seq.cancelled = True
+                    self._finish(seq, "cancelled")
+
+    def step(self) -> None:
+        """One engine iteration: admit, prefill chunks, one batched decode, emit events."""
+        plan: StepPlan = self.scheduler.schedule()
+        self.num_steps += 1
+        touched: list[Sequence] = []
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            if chunk.start == 0:
+                self.runner.bind(seq)
+            tok = self._guarded(seq, lambda: self.runner.prefill(chunk))
+            if seq.status is Status.FINISHED:
+                continue
+            seq.num_cached = chunk.end
+            if tok is not None:
+                seq.status = Status.DECODE
+                self._append(seq, [tok])
+                touched.append(seq)
+        if plan.decodes:
+            try:
+                toks = self.runner.decode(plan.decodes)
+            except Exception as exc:  # fails this batch's requests, not the engine
+                log.exception("decode step failed")
+                for seq in plan.decodes:
+                    self._finish(seq, "error", f"decode failed: {exc!r}")
+                return
+            for seq, tok in zip(plan.decodes, toks):
+                seq.num_cached = seq.num_tokens
+                self._append(seq, [tok])
+                touched.append(seq)
+        for seq in touched:
+            if seq.status is not Status.FINISHED:
+                self._emit(seq, finished=False)
+
+    def _guarded(self, seq: Sequence, fn: Callable[[], Optional[int]]) -> Optional[int]:
+        try:
+            return fn()
+        except Exception as exc:
+            log.exception("request %s failed", seq.seq_id)
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            return None
+
+    # ---- per-request bookkeeping -----------------------------------------------------------
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append accepted tokens up to the first finish condition; detokenize; check stop strings."""
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        reason = None
+        new: list[int] = []
+        for t in tokens:
+            seq.output_ids.append(t)
+            new.append(t)
+            reason = self.scheduler.check_stop_token(seq)
+            if reason:
+                break
+        seq.pending_text += seq.detok.add(new)
+        if self._cut_stop_string(seq, final=reason is not None):
+            reason = "stop"
+        if reason:
+            self._finish(seq, reason)
+
+    def _cut_stop_string(self, seq: Sequence, final: bool) -> bool:
+        """Move pending text to emitted text, holding back a possible stop-string prefix.
+        Returns True when a stop string was found (the text is cut right before it)."""
+        if final:
+            seq.pending_text += seq.detok.finish()
+        stops = seq.params.stop
+        if stops:
+            hits = [i for i in (seq.pending_text.find(s) for s in stops) if i >= 0]
+            if hits:
+                seq.text += seq.pending_text[: min(hits)]
+                seq.pending_text = ""
+                return True
+            keep = 0 if final else max(len(s) for s in stops) - 1
+            cut = max(len(seq.pending_text) - keep, 0)
+        else:
+            cut = len(seq.pending_text)
+        seq.delta += seq.pending_text[:cut]
+        seq.text += seq.pending_text[:cut]
+        seq.pending_text = seq.pending_text[cut:]
+        return False
+
+    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        if reason in ("cancelled", "error"):
+            seq.pending_text = ""
+        self.scheduler.finish(seq, reason, error)
+        self._seqs.pop(seq.seq_id, None)
+        self._emit(seq, finished=True)
+
+    def _emit(self, seq: Sequence, finished: bool) -> None:
+        delta, seq.delta = seq.delta, ""
+        new_ids = seq.output_ids[seq.ids_sent:]
+        if not finished and not delta and not new_ids:
+            return
+        out = RequestOutput(
+            seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
+            finish_reason=seq.finish_reason if finished else None, error=seq.error,
+            num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
+            first_token=seq.ids_sent == 0 and bool(new_ids))
+        seq.ids_sent = len(seq.output_ids)
+        try:
+            seq.callback(out)
+        except Exception:
+            log.exception("callback of request %s raised; cancelling it", seq.seq_id)
+            if not finished:
+                seq.cancelled = True
+                self._finish(seq, "cancelled")

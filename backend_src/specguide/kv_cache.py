@@ -1,0 +1,23 @@
+"""Static per-slot KV cache, allocated once."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K and V of shape [layers, max_slots, kv_heads, max_seq_len, head_dim].
+
+    A slot's valid length lives in the scheduler; entries past it are dead and overwritten later,
+    so rejecting draft tokens needs no cache work."""
+
+    def __init__(self, num_layers: int, max_slots: int, num_kv_heads: int, max_seq_len: int,
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
+        shape = (num_layers, max_slots, num_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_slots = max_slots
+        self.max_seq_len = max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()

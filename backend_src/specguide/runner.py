@@ -1,0 +1,109 @@
+"""Model runner: prefill chunks and batched decode steps over the static per-slot KV cache."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .config import EngineConfig
+from .kv_cache import KVCache
+from .models.llama import LlamaModel
+from .sampling import SamplingBatch, sample
+from .scheduler import PrefillChunk, Sequence
+
+NEG_INF = float("-inf")
+
+
+class Runner:
+    """Owns the model, the KV cache and per-slot sampling buffers (allocated once, indexed by slot)."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, device: torch.device):
+        cfg = model.cfg
+        self.model = model
+        self.device = device
+        self.vocab_size = cfg.vocab_size
+        dtype = model.embed.weight.dtype
+        self.kv = KVCache(cfg.num_layers, config.max_slots, cfg.num_kv_heads, config.max_seq_len,
+                          cfg.head_dim, dtype, device)
+        S = config.max_slots
+        # per-slot sampling parameters, written on admission
+        self.temperature = torch.ones(S, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(S, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(S, dtype=torch.float32, device=device)
+        self.greedy = torch.ones(S, dtype=torch.bool, device=device)
+        self.seed = torch.zeros(S, dtype=torch.int64, device=device)
+        self._slot_params: dict[int, tuple[bool, bool]] = {}  # slot -> (greedy, uses top-k/top-p)
+
+    def bind(self, seq: Sequence) -> None:
+        """Write a newly admitted sequence's sampling parameters into its slot row."""
+        s, p = seq.slot, seq.params
+        assert s is not None
+        self.temperature[s] = p.temperature if p.temperature > 0 else 1.0
+        self.top_k[s] = p.top_k
+        self.top_p[s] = p.top_p
+        self.greedy[s] = p.greedy
+        self.seed[s] = seq.seed - 2**64 if seq.seed >= 2**63 else seq.seed  # uint64 bits as int64
+        self._slot_params[s] = (p.greedy, p.top_k > 1 or p.top_p < 1.0)
+
+    # ---- forward passes ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, chunk: PrefillChunk) -> Optional[int]:
+        """Run one prompt chunk; returns the first output token when the chunk ends the prompt."""
+        seq = chunk.seq
+        ids = torch.tensor([seq.prompt_ids[chunk.start: chunk.end]], dtype=torch.int64, device=self.device)
+        positions = torch.arange(chunk.start, chunk.end, device=self.device)[None, :]
+        slots = torch.tensor([seq.slot], device=self.device)
+        ctx = self.model.make_context(slots, positions, [seq.slot], chunk.end)
+        hidden = self.model(ids, ctx, self.kv)
+        if not chunk.is_last:
+            return None
+        logits = self.model.logits(hidden[:, -1])  # [1, V]
+        return self._sample(logits, [seq])[0]
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One token for each decoding sequence (sorted by slot), in one batched forward."""
+        slot_list = [s.slot for s in seqs]
+        ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
+        positions = torch.tensor([[s.num_tokens - 1] for s in seqs], dtype=torch.int64, device=self.device)
+        slots = torch.tensor(slot_list, device=self.device)
+        ctx = self.model.make_context(slots, positions, slot_list, max(s.num_tokens for s in seqs))
+        logits = self.model.logits(self.model(ids, ctx, self.kv)[:, -1])  # [B, V]
+        return self._sample(logits, seqs)
+
+    # ---- sampling ---------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        self._ban(logits, seqs)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        flags = [self._slot_params[s.slot] for s in seqs]
+        batch = SamplingBatch(
+            temperature=self.temperature[slots], top_k=self.top_k[slots], top_p=self.top_p[slots],
+            greedy=self.greedy[slots], seed=self.seed[slots],
+            counter=torch.tensor([len(s.output_ids) for s in seqs], device=self.device),
+            all_greedy=all(g for g, _ in flags), any_top_k_p=any(f for g, f in flags if not g))
+        return sample(logits, batch).tolist()
+
+    @staticmethod
+    def _ban(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """-inf for stop tokens before min_tokens and for the last token of matching bad words."""
+        rows: list[int] = []
+        toks: list[int] = []
+        for r, seq in enumerate(seqs):
+            if len(seq.output_ids) < seq.params.min_tokens:
+                rows += [r] * len(seq.stop_ids)
+                toks += list(seq.stop_ids)
+            for word in seq.params.bad_words_ids:
+                prefix = word[:-1]
+                n = len(seq.output_ids)
+                if n >= len(prefix) and seq.output_ids[n - len(prefix):] == prefix:
+                    rows.append(r)
+                    toks.append(word[-1])
+        if rows:
+            logits[torch.tensor(rows), torch.tensor(toks)] = NEG_INF
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One tiny forward so the first request does not pay for lazy initialisation."""
+        slots = torch.tensor([0], device=self.device)
+        ctx = self.model.make_context(slots, torch.zeros(1, 1, dtype=torch.int64, device=self.device), [0], 1)
+        self.model.logits(self.model(torch.zeros(1, 1, dtype=torch.int64, device=self.device), ctx, self.kv))

@@ -1,0 +1,83 @@
+"""Batched sampling (greedy, temperature, top-k, top-p, per-request seed) with no host syncs.
+
+Randomness is counter-based: the uniform for (row, vocab entry) is a hash of the request's seed,
+the token's index in the request and a stream id. A request's samples therefore depend only on
+its own seed and position, never on which other requests share the batch, and the whole thing is
+plain tensor arithmetic (capturable in a CUDA graph)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+M32 = 0xFFFFFFFF
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons) on int64 tensors holding values in [0, 2^32)."""
+    # NOTE: int64 products wrap around; only the low 32 bits are kept, which is all we need
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = 0) -> torch.Tensor:
+    """Uniforms in (0, 1): [B, n] for seeds [B] (uint64 as int64) and counters [B] (int64)."""
+    lo, hi = seed & M32, (seed >> 32) & M32
+    key = hash32(lo ^ hash32(hi ^ hash32((counter * 2654435761 + stream * 40503) & M32)))  # [B]
+    idx = torch.arange(n, device=seed.device, dtype=torch.int64)
+    bits = hash32(hash32((key[:, None] ^ (idx[None, :] * 0x9E3779B1)) & M32) ^ key[:, None])  # [B, n]
+    return (bits.double() + 0.5).mul_(1.0 / 4294967296.0).float()
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, built by the runner from host-side values."""
+
+    temperature: torch.Tensor  # [B] f32 (> 0 for sampled rows)
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] f32, 1.0 = off
+    greedy: torch.Tensor  # [B] bool
+    seed: torch.Tensor  # [B] int64
+    counter: torch.Tensor  # [B] int64: index of the token being sampled within its request
+    all_greedy: bool  # host-side facts that let us skip work (known at schedule time)
+    any_top_k_p: bool
+
+
+def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """logits [B, V] -> temperature-scaled logits with entries outside top-k / top-p at -inf."""
+    temp = torch.where(b.greedy, torch.ones_like(b.temperature), b.temperature)
+    logits = logits / temp[:, None]
+    if not b.any_top_k_p:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    V = logits.shape[-1]
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, V))
+    drop = rank >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    drop |= (probs.cumsum(dim=-1) - probs) >= b.top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """logits [B, V] (fp32, already masked) -> tokens [B] int64."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if b.all_greedy:
+        return greedy_tokens
+    scaled = filter_logits(logits, b)
+    # Gumbel-max: argmax(l + g), g = -log(-log u), is a sample from softmax(l)
+    u = uniform(b.seed, b.counter, logits.shape[-1])
+    sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+    return torch.where(b.greedy, greedy_tokens, sampled)
+
+
+def probabilities(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The distribution `sample` draws from, [B, V] (one-hot at the argmax for greedy rows)."""
+    probs = filter_logits(logits, b).softmax(dim=-1)
+    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(b.greedy[:, None], onehot, probs)

@@ -1,0 +1,168 @@
+"""Slots, waiting queue, admission, chunked prefill under a token budget, finish conditions.
+
+Pure Python: no torch. The runner turns a `StepPlan` into tensors."""
+from __future__ import annotations
+
+import enum
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .request import GuidedDecodingParams, QueueFullError, RequestOutput, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Per-request state. `num_cached` tokens of prompt+output are in the slot's KV cache."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    callback: Callable[[RequestOutput], None]
+    stop_ids: frozenset[int]  # tokens that end the sequence (EOS, end_id, stop_token_ids)
+    guided: Optional[GuidedDecodingParams] = None
+    num_draft_tokens: int = 0
+    request_id: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    slot: Optional[int] = None
+    num_cached: int = 0
+    status: Status = Status.WAITING
+    cancelled: bool = False
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: Optional[float] = None
+    detok: object = None  # IncrementalDetokenizer, set by the engine
+    text: str = ""  # text emitted so far (after stop-string handling)
+    pending_text: str = ""  # decoded but held back: could be the start of a stop string
+    delta: str = ""  # emitted text not yet reported to the callback
+    ids_sent: int = 0  # output tokens already reported
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int  # first prompt position in this chunk
+    end: int  # one past the last
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == len(self.seq.prompt_ids)
+
+
+@dataclass
+class StepPlan:
+    prefills: list[PrefillChunk]
+    decodes: list[Sequence]  # sorted by slot
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """Owns the waiting queue and the slot free list; decides each step's work."""
+
+    def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, max_queue: int):
+        self.max_slots = max_slots
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.max_queue = max_queue
+        self.free_slots: list[int] = list(range(max_slots))  # heap: lowest slot first keeps rows packed
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+
+    # ---- admission -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
+        self.waiting.append(seq)
+
+    def schedule(self, ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
+        """Admit waiting sequences into free slots, then plan prefill chunks and the decode batch."""
+        blocked: list[Sequence] = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            if seq.cancelled:
+                continue
+            if not ready(seq):  # e.g. its grammar is still compiling
+                blocked.append(seq)
+                continue
+            seq.slot = heapq.heappop(self.free_slots)
+            seq.status = Status.PREFILL
+            self.running[seq.slot] = seq
+        self.waiting.extendleft(reversed(blocked))
+        budget = self.prefill_chunk
+        prefills: list[PrefillChunk] = []
+        for slot in sorted(self.running):
+            seq = self.running[slot]
+            if seq.status is Status.PREFILL and budget > 0:
+                n = min(budget, len(seq.prompt_ids) - seq.num_cached)
+                prefills.append(PrefillChunk(seq, seq.num_cached, seq.num_cached + n))
+                budget -= n
+        decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
+        return StepPlan(prefills, decodes)
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
+        """Mark finished and free the slot (idempotent)."""
+        if seq.status is Status.FINISHED:
+            return
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        if seq.slot is not None:
+            assert self.running.get(seq.slot) is seq
+            del self.running[seq.slot]
+            heapq.heappush(self.free_slots, seq.slot)
+            seq.slot = None
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def check_stop_token(self, seq: Sequence) -> Optional[str]:
+        """Finish reason after the newest output token, or None to go on."""
+        n = len(seq.output_ids)
+        if n >= seq.params.min_tokens and seq.output_ids[-1] in seq.stop_ids:
+            return "stop"
+        if n >= seq.params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_seq_len:
+            return "length"
+        return None
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def check_integrity(self) -> None:
+        """Every slot is either free or held by exactly one running sequence."""
+        held = set(self.running)
+        free = set(self.free_slots)
+        assert not held & free, f"slots both free and held: {held & free}"
+        assert held | free == set(range(self.max_slots)), "a slot leaked"
+        assert len(self.free_slots) == len(free), "a slot was freed twice"

@@ -1,0 +1,66 @@
+"""Tokenizer wrapper and an incremental detokenizer that never splits a UTF-8 character."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """Thread-safe wrapper over a Hugging Face fast tokenizer."""
+
+    def __init__(self, folder: Path | str):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(folder))
+        self._lock = threading.Lock()  # NOTE: a Rust tokenizer object is not safe to share across threads
+        eos = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        with self._lock:
+            return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        with self._lock:
+            return self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        with self._lock:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas.
+
+    Decodes a short window (`prefix_offset:`) instead of the whole output each time and holds
+    back text that ends in an incomplete UTF-8 sequence (decoded as U+FFFD). `finish()` returns
+    whatever the full decode has beyond what was emitted, so the deltas always add up to it."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.emitted = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset: self.read_offset])
+        new_text = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.emitted += delta
+        return delta
+
+    def finish(self) -> str:
+        """The rest of the text at the end of the sequence (including a trailing U+FFFD, if real)."""
+        full = self.tok.decode(self.ids)
+        assert full.startswith(self.emitted), "incremental decode diverged from the full decode"
+        delta = full[len(self.emitted):]
+        self.emitted = full
+        return delta
