@@ -251,6 +251,7 @@ class Engine:
         if stops:
             hits = [i for i in (seq.pending_text.find(s) for s in stops) if i >= 0]
             if hits:
+                seq.delta += seq.pending_text[: min(hits)]
                 seq.text += seq.pending_text[: min(hits)]
                 seq.pending_text = ""
                 return True
