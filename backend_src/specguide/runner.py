@@ -74,8 +74,10 @@ class Runner:
     # ---- sampling ---------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         self._ban(logits, seqs)
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
         flags = [self._slot_params[s.slot] for s in seqs]
+        if all(g for g, _ in flags):
+            return logits.argmax(dim=-1).tolist()
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
         batch = SamplingBatch(
             temperature=self.temperature[slots], top_k=self.top_k[slots], top_p=self.top_p[slots],
             greedy=self.greedy[slots], seed=self.seed[slots],
