@@ -2,14 +2,13 @@
 
 At decode batch sizes (1..16 rows) MKL's plain GEMV reads fp32 weights at ~10 GB/s on these
 machines; oneDNN with weights reordered once for a batch hint of 16 reaches ~20 GB/s, which is
-what decides decode speed for a memory-bound model. Elsewhere (CUDA, no oneDNN) plain F.linear.
+what decides decode speed for a memory-bound model. Elsewhere (CUDA, no oneDNN) plain nn.Linear.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 16
@@ -29,11 +28,23 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
         self.bias = None if bias is None else bias.detach()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x W^T + b, plus `residual` fused into the same kernel when given."""
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
-                                               "none", [], "")
+        x2 = x.reshape(-1, self.in_features)
+        if residual is None:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        else:
+            y = torch.ops.mkldnn._linear_pointwise.binary(
+                x2, residual.reshape(-1, self.out_features), self.packed, self.bias, "add")
         return y.view(*shape[:-1], self.out_features)
+
+
+def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + layer(x), fused when the layer is packed."""
+    if isinstance(layer, PackedLinear):
+        return layer(x, residual)
+    return residual + layer(x)
 
 
 def pack_linears(module: nn.Module) -> int:
@@ -57,4 +68,3 @@ def packed_head(weight: torch.Tensor) -> nn.Module:
     return lin
 
 
-__all__ = ["PackedLinear", "pack_linears", "packed_head", "packing_available", "F"]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kv_cache import KVCache
-from .linear import pack_linears, packed_head, packing_available
+from .linear import linear_add, pack_linears, packed_head, packing_available
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,10 @@ class DecoderLayer(nn.Module):
         keys, values = ctx.read(k_cache), ctx.read(v_cache)  # [B, kvh, L, hd]
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
                                               enable_gqa=nh != kvh)  # [B, nh, T, hd]
-        x = x + self.o(attn.transpose(1, 2).reshape(B, T, nh * hd))
+        x = linear_add(self.o, attn.transpose(1, 2).reshape(B, T, nh * hd), x)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return linear_add(self.down, F.silu(gate) * up, x)
 
 
 @dataclass
