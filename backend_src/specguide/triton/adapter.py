@@ -1,0 +1,252 @@
+"""TritonPythonModel: decoupled requests in, engine sequences, streamed responses out.
+
+Threads:
+- Triton's execute thread maps each request (triton/io), submits its rows to the engine and
+  returns at once. A bad request gets one error response + FINAL and touches nothing else.
+- The engine loop thread calls `_on_output` once per step per sequence; it only enqueues.
+- The response thread builds and sends responses, records metrics, and every few
+  milliseconds checks cancellation (`response_sender.is_cancelled()`), engine health and the
+  slot / queue gauges. A cancelled request is cancelled in the engine at once, so its slot is
+  free at the next step.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import queue
+import threading
+import time
+from typing import Any, Optional
+
+import triton_python_backend_utils as pb_utils
+
+from ..config import EngineConfig
+from ..request import EngineDeadError, RequestOutput
+from . import io
+from .metrics import Metrics
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+WAKE_S = 0.02  # the response thread wakes at least this often
+POLL_S = 0.05  # cancellation / engine health / gauge poll period
+_STOP = object()
+
+
+class _Group:
+    """One Triton request: its sender and the sequences (rows) still running. Sends FINAL once."""
+
+    def __init__(self, request: Any, sender: Any, n: int):
+        self.request = request  # held until the group is done
+        self.sender, self.remaining, self.closed = sender, n, False
+        self.cancel_seen = False
+        self.lock = threading.Lock()
+
+    def send(self, response: Any, seq_finished: bool) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            if seq_finished:
+                self.remaining -= 1
+            final = seq_finished and self.remaining == 0
+            self.closed = final
+            _safe_send(self.sender, response, FINAL if final else 0)
+            if final:
+                self.request = None
+
+    def fail(self, response: Any) -> bool:
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            _safe_send(self.sender, response, FINAL)
+            self.request = None
+            return True
+
+
+class _Seq:
+    """One engine sequence: its response shaping, its timings."""
+
+    def __init__(self, group: _Group, parsed: io.ParsedRequest, t_arrival: float):
+        self.group, self.parsed, self.stream = group, parsed, io.SequenceStream(parsed)
+        self.seq_id: Optional[int] = None
+        self.t_arrival = t_arrival
+        self.t_last: Optional[float] = None
+        self.prompt_counted = False
+        self.cancel_sent = False
+        self.done = False
+
+
+def _safe_send(sender: Any, response: Any, flags: int) -> None:
+    try:
+        if response is None:
+            sender.send(flags=flags)
+        else:
+            sender.send(response, flags=flags)
+    except Exception as e:  # the client is gone or the sender is closed; nothing else to do
+        pb_utils.Logger.log_warn(f"specguide: could not send a response: {e}")
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("specguide needs `model_transaction_policy { decoupled: true }`")
+        self.config = EngineConfig.from_parameters(model_config.get("parameters", {}))
+        from ..engine import Engine  # imported here: loading the engine pulls in torch
+
+        self.engine = Engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self.guided_enabled = bool(getattr(self.engine, "supports_guided_decoding", False))
+        self.metrics = Metrics(pb_utils, args.get("model_name", "specguide"), args.get("model_version", "1"))
+        self._outbox: "queue.Queue[Any]" = queue.Queue()
+        self._live: set[_Seq] = set()
+        self._live_lock = threading.Lock()
+        self._closing = False
+        self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
+        self._thread.start()
+        pb_utils.Logger.log_info(f"specguide: engine ready ({self.config})")
+
+    # ------------------------------------------------------------------ execute thread
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            self._handle(request)
+        return None
+
+    def _handle(self, request: Any) -> None:
+        t_arrival = time.perf_counter()
+        sender = request.get_response_sender()
+        try:
+            if self._closing:
+                raise EngineDeadError("the model is shutting down")
+            parsed = io.parse_request(
+                io.read_tensors(pb_utils, request),
+                io.read_parameters(request),
+                default_max_tokens=self.config.default_max_tokens,
+                max_tokens_limit=self.config.max_tokens_limit,
+                tokenizer=self.tokenizer,
+                guided_enabled=self.guided_enabled,
+                request_id=request.request_id(),
+            )
+        except Exception as exc:
+            self._reject(sender, exc)
+            return
+        group = _Group(request, sender, len(parsed))
+        seqs = [_Seq(group, p, t_arrival) for p in parsed]
+        with self._live_lock:
+            self._live.update(seqs)
+        try:
+            for seq in seqs:
+                seq.seq_id = self.engine.submit(seq.parsed.request, lambda out, seq=seq: self._on_output(seq, out))
+        except Exception as exc:  # e.g. prompt too long, queue full: the whole request fails
+            for seq in seqs:
+                seq.done = True
+                if seq.seq_id is not None:
+                    self.engine.cancel(seq.seq_id)  # its final event is swallowed: the group is closed
+            if group.fail(io.error_response(pb_utils, str(exc), io.error_code(exc))):
+                self.metrics.finished("rejected")
+            with self._live_lock:
+                self._live.difference_update(seqs)
+
+    def _reject(self, sender: Any, exc: Exception) -> None:
+        _safe_send(sender, io.error_response(pb_utils, str(exc), io.error_code(exc)), FINAL)
+        self.metrics.finished("rejected")
+
+    # ------------------------------------------------------------------ engine loop thread
+
+    def _on_output(self, seq: _Seq, out: RequestOutput) -> None:
+        self._outbox.put((seq, out, time.perf_counter()))
+
+    # ------------------------------------------------------------------ response thread
+
+    def _response_loop(self) -> None:
+        next_poll = 0.0
+        while True:
+            try:
+                item = self._outbox.get(timeout=WAKE_S)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                return
+            try:
+                if item is not None:
+                    self._deliver(*item)
+                now = time.perf_counter()
+                if now >= next_poll:
+                    next_poll = now + POLL_S
+                    self._poll()
+            except Exception as e:  # never let the response thread die
+                pb_utils.Logger.log_error(f"specguide: response thread: {e!r}")
+
+    def _deliver(self, seq: _Seq, out: RequestOutput, t: float) -> None:
+        if seq.done:
+            return
+        if seq.seq_id is None:
+            seq.seq_id = out.seq_id
+        m = self.metrics
+        if out.token_ids:
+            if not seq.prompt_counted:
+                m.prompt_tokens.increment(out.num_input_tokens)
+                seq.prompt_counted = True
+            m.generation_tokens.increment(len(out.token_ids))
+            if seq.t_last is None:
+                m.ttft.observe(t - seq.t_arrival)
+            else:
+                m.tpot.observe((t - seq.t_last) / len(out.token_ids))
+            seq.t_last = t
+        payload = seq.stream.on_output(out)
+        if payload is not None:
+            seq.group.send(io.to_response(pb_utils, payload), payload.finished)
+        if out.finished:
+            seq.done = True
+            m.latency.observe(t - seq.t_arrival)
+            m.finished(out.finish_reason or "error")
+            with self._live_lock:
+                self._live.discard(seq)
+        elif seq.parsed.stream:
+            self._check_cancel(seq)
+
+    def _check_cancel(self, seq: _Seq) -> None:
+        if seq.cancel_sent or seq.seq_id is None:
+            return
+        g = seq.group
+        if not g.cancel_seen:
+            try:
+                g.cancel_seen = bool(g.sender.is_cancelled())
+            except Exception:
+                return
+        if g.cancel_seen:
+            seq.cancel_sent = True
+            self.engine.cancel(seq.seq_id)
+
+    def _poll(self) -> None:
+        with self._live_lock:
+            live = list(self._live)
+        for seq in live:
+            self._check_cancel(seq)
+        try:
+            self.metrics.engine_stats(self.engine.stats())
+        except Exception:
+            pass
+        if live and not self.engine.is_alive():
+            self._fail_all("the engine stopped; see the server log")
+
+    def _fail_all(self, message: str) -> None:
+        with self._live_lock:
+            live, self._live = list(self._live), set()
+        for seq in live:
+            seq.done = True
+            if seq.group.fail(io.error_response(pb_utils, message, "UNAVAILABLE")):
+                self.metrics.finished("error")
+
+    # ------------------------------------------------------------------ shutdown
+
+    def finalize(self) -> None:
+        self._closing = True
+        try:
+            self.engine.shutdown(drain=True, timeout=30.0)
+        except Exception as e:
+            pb_utils.Logger.log_error(f"specguide: engine shutdown: {e!r}")
+        self._outbox.put(_STOP)  # after every final event the engine delivered
+        self._thread.join(timeout=10.0)
+        self._fail_all("the model was unloaded")
+        gc.collect()

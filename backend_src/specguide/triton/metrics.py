@@ -1,0 +1,68 @@
+"""Custom metrics on Triton's metrics port (`/metrics`), through `pb_utils.MetricFamily`.
+
+    specguide_requests_total{finish_reason}        sequences finished (stop|length|cancelled|error|rejected)
+    specguide_prompt_tokens_total                  prompt tokens of admitted sequences
+    specguide_generation_tokens_total              generated tokens
+    specguide_time_to_first_token_seconds          histogram: arrival -> first generated token
+    specguide_time_per_output_token_seconds        histogram: gap between responses / tokens in the later one
+    specguide_request_latency_seconds              histogram: arrival -> last response
+    specguide_active_slots                         gauge: sequences in the running batch
+    specguide_queue_depth                          gauge: sequences waiting for a slot
+
+Every metric carries the labels `model` and `version`. `pb` is triton_python_backend_utils.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0]
+FINISH_REASONS = ("stop", "length", "cancelled", "error", "rejected")
+
+
+class Metrics:
+    def __init__(self, pb: Any, model: str, version: str):
+        labels = {"model": model, "version": str(version)}
+        MF = pb.MetricFamily
+
+        def family(name, doc, kind):
+            return MF(name=name, description=doc, kind=kind)
+
+        self._families = []  # keep families alive as long as their metrics
+
+        def counter(name, doc, **extra):
+            f = family(name, doc, MF.COUNTER)
+            self._families.append(f)
+            return f.Metric(labels={**labels, **extra})
+
+        def gauge(name, doc):
+            f = family(name, doc, MF.GAUGE)
+            self._families.append(f)
+            return f.Metric(labels=labels)
+
+        def histogram(name, doc, buckets):
+            f = family(name, doc, MF.HISTOGRAM)
+            self._families.append(f)
+            return f.Metric(labels=labels, buckets=buckets)
+
+        req = family("specguide_requests_total", "Sequences finished, by finish reason", MF.COUNTER)
+        self._families.append(req)
+        self.requests = {r: req.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
+        self.prompt_tokens = counter("specguide_prompt_tokens_total", "Prompt tokens processed")
+        self.generation_tokens = counter("specguide_generation_tokens_total", "Tokens generated")
+        self.ttft = histogram("specguide_time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token", TTFT_BUCKETS)
+        self.tpot = histogram("specguide_time_per_output_token_seconds",
+                              "Gap between consecutive responses divided by the tokens in the later one", TPOT_BUCKETS)
+        self.latency = histogram("specguide_request_latency_seconds",
+                                 "Time from request arrival to its last response", LATENCY_BUCKETS)
+        self.active_slots = gauge("specguide_active_slots", "Sequences in the running batch")
+        self.queue_depth = gauge("specguide_queue_depth", "Sequences waiting for a slot")
+
+    def finished(self, reason: str) -> None:
+        self.requests.get(reason if reason in self.requests else "error").increment(1)
+
+    def engine_stats(self, stats: dict) -> None:
+        self.active_slots.set(float(stats.get("active_slots", 0)))
+        self.queue_depth.set(float(stats.get("queue_depth", 0)))

@@ -1,0 +1,396 @@
+"""specguide.triton.io against a tiny fake of triton_python_backend_utils (no server needed)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from specguide.request import InvalidRequestError, QueueFullError, RequestOutput
+from specguide.triton import io
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------- fakes
+
+
+class FakeTensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class FakeTritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message, code=1):
+        self._message, self._code = message, code
+
+    def message(self):
+        return self._message
+
+    def code(self):
+        return self._code
+
+
+class FakeResponse:
+    def __init__(self, output_tensors=(), error=None):
+        self.tensors = {t.name(): t.as_numpy() for t in output_tensors}
+        self.err = error
+
+    def has_error(self):
+        return self.err is not None
+
+
+class FakeRequest:
+    def __init__(self, inputs, parameters="{}"):
+        self.inputs = {k: FakeTensor(k, v) for k, v in inputs.items()}
+        self._parameters = parameters
+
+    def parameters(self):
+        return self._parameters
+
+
+pb = SimpleNamespace(
+    Tensor=FakeTensor,
+    TritonError=FakeTritonError,
+    InferenceResponse=FakeResponse,
+    get_input_tensor_by_name=lambda req, name: req.inputs.get(name),
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
+)
+
+
+class FakeTokenizer:
+    """Bytes as tokens (id = byte value); the interface of specguide.tokenizer.Tokenizer."""
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(ids).decode(errors="replace")
+
+
+TOK = FakeTokenizer()
+
+
+def s(*vals):  # one row of strings, batch 1: shape [1, n]
+    return np.array([[v.encode() if isinstance(v, str) else v for v in vals]], dtype=np.object_)
+
+
+def parse(inputs, parameters="{}", **kw):
+    req = FakeRequest(inputs, parameters)
+    kw.setdefault("tokenizer", TOK)
+    kw.setdefault("max_tokens_limit", 2048)
+    return io.parse_request(io.read_tensors(pb, req), io.read_parameters(req), **kw)
+
+
+def one(inputs, **kw):
+    rows = parse(inputs, **kw)
+    assert len(rows) == 1
+    return rows[0]
+
+
+# ---------------------------------------------------------------------------------- inputs
+
+
+def test_minimal_text_request_gets_trtllm_defaults():
+    p = one({"text_input": s("Hello")}, default_max_tokens=64)
+    r = p.request
+    assert r.prompt == "Hello" and r.prompt_ids is None
+    assert r.params.max_tokens == 64
+    assert r.params.greedy and r.params.temperature == 0.0
+    assert r.params.stop == [] and r.params.seed is None
+    assert r.guided is None and r.num_draft_tokens is None
+    assert p.stream is False
+    assert p.exclude_input is False and p.echo_text == "Hello"  # non-streaming echoes the prompt by default
+    assert p.batch_index == 0
+
+
+def test_streaming_excludes_input_by_default():
+    p = one({"text_input": s("Hi"), "stream": np.array([[True]])})
+    assert p.stream and p.exclude_input and p.echo_text == ""
+
+
+def test_all_trtllm_tensors_map_to_sampling_params():
+    p = one({
+        "text_input": s("Hi"),
+        "max_tokens": np.array([[7]], np.int32),
+        "min_tokens": np.array([[2]], np.int32),
+        "temperature": np.array([[0.5]], np.float32),
+        "top_k": np.array([[40]], np.int32),
+        "top_p": np.array([[0.9]], np.float32),
+        "seed": np.array([[2**63 + 5]], np.uint64),
+        "stop_words": s("\n\n", "", "END"),
+        "bad_words": s("ab"),
+        "end_id": np.array([[2]], np.int32),
+        "pad_id": np.array([[0]], np.int32),
+        "num_draft_tokens": np.array([[0]], np.int32),
+        "exclude_input_in_output": np.array([[True]]),
+        "return_num_input_tokens": np.array([[True]]),
+        "return_num_output_tokens": np.array([[True]]),
+        "return_perf_metrics": np.array([[True]]),
+        "beam_width": np.array([[1]], np.int32),
+        "frequency_penalty": np.array([[0.0]], np.float32),
+        "presence_penalty": np.array([[0.0]], np.float32),
+        "repetition_penalty": np.array([[1.0]], np.float32),
+        "length_penalty": np.array([[1.3]], np.float32),
+    })
+    sp = p.request.params
+    assert (sp.max_tokens, sp.min_tokens, sp.top_k, sp.seed, sp.end_id) == (7, 2, 40, 2**63 + 5, 2)
+    assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
+    assert sp.stop == ["\n\n", "END"]  # empty strings (as curl examples send) are skipped
+    assert sp.bad_words_ids == [[97, 98]]
+    assert p.request.num_draft_tokens == 0
+    assert p.exclude_input and p.return_num_input_tokens and p.return_num_output_tokens and p.return_perf_metrics
+
+
+@pytest.mark.parametrize("name,value,dtype", [("top_p", 0.8, np.float32), ("top_k", 5, np.int32)])
+def test_any_sampling_knob_turns_on_sampling_with_temperature_1(name, value, dtype):
+    sp = one({"text_input": s("Hi"), name: np.array([[value]], dtype)}).request.params
+    assert sp.temperature == 1.0 and not sp.greedy
+
+
+def test_aliases_min_length_and_random_seed():
+    sp = one({"text_input": s("Hi"), "min_length": np.array([[3]], np.int32),
+              "random_seed": np.array([[11]], np.uint64)}).request.params
+    assert sp.min_tokens == 3 and sp.seed == 11
+
+
+def test_input_ids_with_lengths():
+    p = one({"input_ids": np.array([[5, 6, 7, 0]], np.int32), "input_lengths": np.array([[3]], np.int32)})
+    assert p.request.prompt_ids == [5, 6, 7] and p.request.prompt is None
+    assert p.echo_ids == [5, 6, 7]
+
+
+def test_batch_rows_become_sequences_with_their_own_values():
+    rows = parse({
+        "text_input": np.array([[b"a"], [b"b"]], dtype=np.object_),
+        "max_tokens": np.array([[3], [4]], np.int32),
+    })
+    assert [r.request.prompt for r in rows] == ["a", "b"]
+    assert [r.request.params.max_tokens for r in rows] == [3, 4]
+    assert [r.batch_index for r in rows] == [0, 1]
+
+
+def test_request_parameters_fill_missing_scalars():
+    p = one({"text_input": s("Hi")}, parameters=json.dumps({"max_tokens": 5, "temperature": 0.0, "unrelated": "x"}))
+    assert p.request.params.max_tokens == 5
+
+
+def test_vllm_sampling_parameters_with_string_values_and_vllm_defaults():
+    sp = one({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"min_tokens": "2", "top_k": -1}))}).request.params
+    assert sp.max_tokens == 16 and sp.temperature == 1.0 and sp.top_k == 0 and sp.min_tokens == 2
+    sp = one({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({
+        "max_tokens": "8", "temperature": 0, "stop": "x", "stop_token_ids": [1, 2], "ignore_eos": True,
+        "seed": 3, "n": 1, "frequency_penalty": 0.0, "lora_name": None, "some_future_key": 1}))}).request.params
+    assert (sp.max_tokens, sp.temperature, sp.stop, sp.stop_token_ids, sp.ignore_eos, sp.seed) == (8, 0.0, ["x"], [1, 2], True, 3)
+
+
+def test_tensors_override_vllm_json():
+    sp = one({"text_input": s("Hi"), "sampling_parameters": s('{"max_tokens": 8, "temperature": 0.7}'),
+              "max_tokens": np.array([[3]], np.int32)}).request.params
+    assert sp.max_tokens == 3 and sp.temperature == pytest.approx(0.7)
+
+
+BAD_INPUTS = [
+    ({}, "missing prompt"),
+    ({"text_input": s("")}, "text_input is empty"),
+    ({"text_input": s("a"), "input_ids": np.array([[1]], np.int32)}, "not both"),
+    ({"input_ids": np.array([[1, 2]], np.int32), "input_lengths": np.array([[5]], np.int32)}, "input_lengths"),
+    ({"text_input": s("a"), "max_tokens": np.array([[0]], np.int32)}, "max_tokens"),
+    ({"text_input": s("a"), "max_tokens": np.array([[10**6]], np.int32)}, "exceeds the limit"),
+    ({"text_input": s("a"), "temperature": np.array([[-1.0]], np.float32)}, "temperature"),
+    ({"text_input": s("a"), "top_p": np.array([[1.5]], np.float32)}, "top_p"),
+    ({"text_input": s("a"), "top_k": np.array([[-2]], np.int32)}, "top_k"),
+    ({"text_input": s("a"), "min_tokens": np.array([[100]], np.int32)}, "min_tokens"),
+    ({"text_input": s("a"), "num_draft_tokens": np.array([[-1]], np.int32)}, "num_draft_tokens"),
+    ({"text_input": s("a"), "beam_width": np.array([[4]], np.int32)}, "beam_width"),
+    ({"text_input": s("a"), "presence_penalty": np.array([[0.5]], np.float32)}, "presence_penalty"),
+    ({"text_input": s("a"), "sampling_parameters": s("{not json")}, "not valid JSON"),
+    ({"text_input": s("a"), "sampling_parameters": s("[1]")}, "JSON object"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"max_tokens": "many"}')}, "max_tokens must be an integer"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"n": 2}')}, "n=2"),
+    ({"text_input": s("a"), "guided_decoding_guide_type": s("xml"), "guided_decoding_guide": s("x")}, "guide_type must be one of"),
+    ({"text_input": s("a"), "guided_decoding_guide": s("{}")}, "needs guided_decoding_guide_type"),
+    ({"text_input": s("a"), "guided_decoding_guide_type": s("regex")}, "guided_decoding_guide is required"),
+    ({"text_input": np.array([[b"\xff\xfe"]], dtype=np.object_)}, "UTF-8"),
+]
+
+
+@pytest.mark.parametrize("inputs,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_inputs_raise_clear_invalid_request_errors(inputs, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as e:
+        parse(inputs, max_tokens_limit=1024)
+    assert io.error_code(e.value) in ("INVALID_ARG", "UNSUPPORTED")
+
+
+@pytest.mark.parametrize("inputs", [
+    {"guided_decoding_guide_type": s("json_schema"), "guided_decoding_guide": s('{"type": "object"}')},
+    {"guided_decoding_guide_type": s("json")},
+    {"sampling_parameters": s(json.dumps({"structured_outputs": json.dumps({"choice": ["yes", "no"]})}))},
+    {"sampling_parameters": s(json.dumps({"guided_decoding": {"regex": "[0-9]+", "json": None, "choice": None}}))},
+])
+def test_guided_inputs_are_unsupported_until_enabled(inputs):
+    with pytest.raises(io.UnsupportedError, match="guided decoding is not enabled yet") as e:
+        parse({"text_input": s("a"), **inputs})
+    assert io.error_code(e.value) == "UNSUPPORTED"
+
+
+def test_guided_inputs_map_to_params_when_enabled():
+    g = one({"text_input": s("a"), "guided_decoding_guide_type": s("json_schema"),
+             "guided_decoding_guide": s('{"type": "object"}')}, guided_enabled=True).request.guided
+    assert (g.guide_type, g.guide) == ("json_schema", '{"type": "object"}')
+    for so, expected in [
+        ({"json": {"type": "integer"}}, ("json_schema", '{"type": "integer"}')),
+        ({"regex": "[a-z]+"}, ("regex", "[a-z]+")),
+        ({"grammar": 'root ::= "x"'}, ("ebnf_grammar", 'root ::= "x"')),
+        ({"choice": ["yes", "no"]}, ("choice", '["yes", "no"]')),
+        ({"json_object": True}, ("json", "")),
+    ]:
+        sp = json.dumps({"structured_outputs": json.dumps(so)})
+        g = one({"text_input": s("a"), "sampling_parameters": s(sp)}, guided_enabled=True).request.guided
+        assert (g.guide_type, g.guide) == expected
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        parse({"text_input": s("a"), "sampling_parameters": s(json.dumps(
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}}))}, guided_enabled=True)
+
+
+def test_error_codes():
+    assert io.error_code(InvalidRequestError("x")) == "INVALID_ARG"
+    assert io.error_code(io.UnsupportedError("x")) == "UNSUPPORTED"
+    assert io.error_code(QueueFullError("x")) == "UNAVAILABLE"
+    assert io.error_code(RuntimeError("x")) == "INTERNAL"
+    resp = io.error_response(pb, "bad", "INVALID_ARG")
+    assert resp.err.code() == FakeTritonError.INVALID_ARG and resp.err.message() == "bad"
+
+
+# ---------------------------------------------------------------------------------- outputs
+
+
+def out(text, ids, finished=False, reason=None, n_in=3, n_out=0, error=None):
+    return RequestOutput(seq_id=1, text=text, token_ids=ids, finished=finished, finish_reason=reason,
+                         error=error, num_input_tokens=n_in, num_output_tokens=n_out)
+
+
+def texts(payload):
+    return payload.outputs["text_output"].reshape(-1)[0].decode()
+
+
+def test_streaming_sends_one_delta_per_event_and_final_last():
+    p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "return_num_output_tokens": np.array([[True]]),
+             "return_num_input_tokens": np.array([[True]])})
+    st = io.SequenceStream(p)
+    a = st.on_output(out("He", [1, 2], n_out=2))
+    assert st.on_output(out("", [], n_out=2)) is None  # nothing new: nothing sent
+    b = st.on_output(out("llo", [3], finished=True, reason="length", n_out=3))
+    assert [texts(a), texts(b)] == ["He", "llo"]
+    assert not a.finished and b.finished
+    assert a.outputs["text_output"].shape == (1, 1)
+    assert a.outputs["output_ids"].tolist() == [[1, 2]] and a.outputs["output_ids"].dtype == np.int32
+    assert a.outputs["finish_reason"].tolist() == [[b""]] and b.outputs["finish_reason"].tolist() == [[b"length"]]
+    assert b.outputs["num_output_tokens"].tolist() == [[1]] and b.outputs["num_output_tokens"].dtype == np.uint32
+    assert b.outputs["num_input_tokens"].tolist() == [[3]]
+    assert "total_draft_tokens" not in b.outputs
+
+
+def test_non_streaming_accumulates_into_exactly_one_payload_with_echo():
+    p = one({"text_input": s("Hi"), "return_num_output_tokens": np.array([[True]])})
+    st = io.SequenceStream(p)
+    assert st.on_output(out(" there", [1, 2], n_out=2)) is None
+    final = st.on_output(out("!", [3], finished=True, reason="stop", n_out=3))
+    assert texts(final) == "Hi there!"
+    assert final.outputs["output_ids"].tolist() == [list(b"Hi") + [1, 2, 3]]
+    assert final.outputs["num_output_tokens"].tolist() == [[3]]
+    assert final.finished
+
+
+def test_stream_with_echo_prepends_prompt_to_first_delta_only():
+    p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "exclude_input_in_output": np.array([[False]])})
+    st = io.SequenceStream(p)
+    assert texts(st.on_output(out("a", [1]))) == "Hia"
+    assert texts(st.on_output(out("b", [2], finished=True, reason="stop"))) == "b"
+
+
+def test_error_and_cancel_events_become_error_payloads():
+    p = one({"text_input": s("Hi"), "stream": np.array([[True]])})
+    e = io.SequenceStream(p).on_output(out("", [], finished=True, reason="error", error="boom"))
+    assert e.error == "boom" and e.error_code == "INTERNAL" and e.finished
+    c = io.SequenceStream(p).on_output(out("", [], finished=True, reason="cancelled"))
+    assert c.error_code == "CANCELLED" and c.finished
+    resp = io.to_response(pb, c)
+    assert resp.err.code() == FakeTritonError.CANCELLED
+
+
+def test_perf_metrics_outputs_when_asked():
+    p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "return_perf_metrics": np.array([[True]])})
+    o = out("a", [1], finished=True, reason="stop")
+    o.total_draft_tokens, o.total_accepted_draft_tokens = 6, 3
+    pl = io.SequenceStream(p).on_output(o)
+    assert pl.outputs["total_draft_tokens"].tolist() == [[6]]
+    assert pl.outputs["acceptance_rate"].tolist() == [[0.5]]
+    resp = io.to_response(pb, pl)
+    assert set(resp.tensors) == {"text_output", "output_ids", "finish_reason", "batch_index",
+                                 "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate"}
+
+
+def test_batch_index_output():
+    rows = parse({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_), "stream": np.array([[True], [True]])})
+    pl = io.SequenceStream(rows[1]).on_output(out("x", [1]))
+    assert pl.outputs["batch_index"].tolist() == [[1]]
+
+
+# ---------------------------------------------------------------------------------- config.pbtxt
+
+
+def _pbtxt_entries(section):
+    text = (ROOT / "model_repository" / "specguide" / "config.pbtxt").read_text()
+    body = re.search(section + r"\s*\[(.*?)\n\]", text, re.S).group(1)
+    entries = {}
+    for block in re.findall(r"\{(.*?)\}", body, re.S):
+        name = re.search(r'name:\s*"([^"]+)"', block).group(1)
+        dtype = re.search(r"data_type:\s*(\w+)", block).group(1)
+        dims = tuple(int(d) for d in re.search(r"dims:\s*\[([^\]]*)\]", block).group(1).split(","))
+        optional = re.search(r"optional:\s*true", block) is not None
+        entries[name] = (dtype, dims, optional)
+    return text, entries
+
+
+def test_config_pbtxt_declares_exactly_the_io_specs():
+    text, inputs = _pbtxt_entries("input")
+    _, outputs = _pbtxt_entries("output")
+    assert {k: v[:2] for k, v in inputs.items()} == {sp.name: (sp.dtype, sp.dims) for sp in io.INPUTS}
+    assert all(opt for _, _, opt in inputs.values()), "every input is optional"
+    assert {k: v[:2] for k, v in outputs.items()} == {sp.name: (sp.dtype, sp.dims) for sp in io.OUTPUTS}
+    assert re.search(r"decoupled:\s*true", text)
+    assert int(re.search(r"max_batch_size:\s*(\d+)", text).group(1)) > 0
+    assert 'backend: "python"' in text
+
+
+def test_config_pbtxt_parameters_build_an_engine_config():
+    from specguide.config import EngineConfig
+
+    text = (ROOT / "model_repository" / "specguide" / "config.pbtxt").read_text()
+    params = {k: {"string_value": v} for k, v in
+              re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}', text)}
+    assert params, "config.pbtxt has engine parameters"
+    cfg = EngineConfig.from_parameters(params)
+    known = {f for f in EngineConfig.__dataclass_fields__}
+    assert set(params) <= known, f"unknown parameters: {set(params) - known}"
+    assert cfg.max_slots >= 1
+
+
+def test_readme_documents_every_input_with_its_default():
+    readme = (ROOT / "README.md").read_text()
+    for sp in io.INPUTS:
+        assert f"`{sp.name}`" in readme, sp.name
+    for sp in io.OUTPUTS:
+        assert f"`{sp.name}`" in readme, sp.name
