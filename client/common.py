@@ -196,6 +196,18 @@ def _chunk_from_json(d: dict, t: float, final: bool) -> Chunk:
     return c
 
 
+def _error_body(e: "urllib.error.HTTPError") -> dict:
+    """An HTTP error's JSON body ({"error": ...}); generate_stream sends it as one SSE event."""
+    raw = (e.read() or b"").decode("utf-8", errors="replace").strip()
+    if raw.startswith("data:"):
+        raw = raw[len("data:"):].strip()
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        d = None
+    return d if isinstance(d, dict) and "error" in d else {"error": f"HTTP {e.code}: {raw or e.reason}"}
+
+
 def http_generate(values: dict[str, Any], url: str = "localhost:8000", model: str = MODEL, timeout: float = 300.0) -> Chunk:
     """POST /v2/models/<model>/generate: exactly one response."""
     req = urllib.request.Request(f"http://{url}/v2/models/{model}/generate", data=_http_body(values),
@@ -204,7 +216,7 @@ def http_generate(values: dict[str, Any], url: str = "localhost:8000", model: st
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return _chunk_from_json(json.loads(r.read()), time.perf_counter(), True)
     except urllib.error.HTTPError as e:
-        return _chunk_from_json(json.loads(e.read() or b"{}") or {"error": str(e)}, time.perf_counter(), True)
+        return _chunk_from_json(_error_body(e), time.perf_counter(), True)
 
 
 def http_generate_stream(values: dict[str, Any], url: str = "localhost:8000", model: str = MODEL,
@@ -219,7 +231,7 @@ def http_generate_stream(values: dict[str, Any], url: str = "localhost:8000", mo
     try:
         r = urllib.request.urlopen(req, timeout=timeout)
     except urllib.error.HTTPError as e:
-        yield _chunk_from_json(json.loads(e.read() or b"{}") or {"error": str(e)}, time.perf_counter(), True)
+        yield _chunk_from_json(_error_body(e), time.perf_counter(), True)
         return
     with r:
         for raw in r:

@@ -394,3 +394,12 @@ def test_readme_documents_every_input_with_its_default():
         assert f"`{sp.name}`" in readme, sp.name
     for sp in io.OUTPUTS:
         assert f"`{sp.name}`" in readme, sp.name
+
+
+def test_client_sends_the_declared_dtypes():
+    from client.common import INPUT_TYPES
+
+    triton = {"TYPE_STRING": "BYTES"}
+    assert set(INPUT_TYPES) == set(io.INPUT_NAMES)
+    for sp in io.INPUTS:
+        assert INPUT_TYPES[sp.name][1] == triton.get(sp.dtype, sp.dtype[5:]), sp.name

@@ -1,0 +1,115 @@
+"""One real tritonserver per test session, on 127.0.0.1 with free ports, serving model_repository/."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "specguide"
+STARTUP_TIMEOUT_S = 600
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class Server:
+    http: str  # host:port
+    grpc: str
+    metrics_url: str
+    log: Path
+    proc: subprocess.Popen
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample (labels must match those given); 0.0 if absent."""
+        for line in self.metrics_text().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            m = re.match(r"(\w+)(?:\{(.*)\})?\s+(\S+)", line)
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if m.group(1) == name and all(got.get(k) == v for k, v in labels.items()):
+                return float(m.group(3))
+        return 0.0
+
+    def wait_metric(self, name: str, value: float, timeout: float = 10.0, **labels: str) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.metric(name, **labels)
+            if got == value or time.monotonic() > deadline:
+                return got
+            time.sleep(0.02)
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def _ready(http: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{http}/v2/health/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "setup"], check=True,
+                   stdout=subprocess.DEVNULL)
+    http, grpc, metrics = _free_ports(3)
+    log = tmp_path_factory.mktemp("tritonserver") / "server.log"
+    env = {**os.environ, "TRITON_HTTP_PORT": str(http), "TRITON_GRPC_PORT": str(grpc),
+           "TRITON_METRICS_PORT": str(metrics), "MODEL_REPOSITORY": str(ROOT / "model_repository")}
+    with open(log, "wb") as f:
+        # the script exec()s tritonserver, so proc.pid is the server; its own session lets us
+        # clean up the Python backend stub with it
+        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "serve"],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    srv = Server(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics", log, proc)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not _ready(srv.http):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            pytest.fail(f"tritonserver did not become ready (exit code {proc.poll()}):\n{srv.log_tail()}")
+        time.sleep(0.5)
+    yield srv
+    _stop(proc)
+    if proc.returncode not in (0, -signal.SIGTERM):
+        print(f"tritonserver exited with {proc.returncode}:\n{srv.log_tail()}", file=sys.stderr)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # graceful: the model's finalize drains and stops the engine
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group (the backend stub)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
