@@ -1,0 +1,218 @@
+"""GuidedDecoder: per-slot grammar matchers and one token bitmask buffer, allocated once.
+
+Row layout: slot s owns rows [s*(K+1), (s+1)*(K+1)); row `s*(K+1) + i` is the mask for the token
+at draft position i of slot s (i = 0 for plain decoding; 0..K for a verification step). A draft
+step i and the target's position i share one mask row (same vocabulary), so each is computed once.
+
+The operations (`advance`, `rollback`, `fill`, `apply`) are separate methods over slot-indexed
+state and touch no request objects, so they can become host callbacks on a CUDA stream.
+"""
+from __future__ import annotations
+
+from typing import Literal, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+Row = tuple[int, int]  # (slot, draft position)
+
+
+class GuidedDecoder:
+    """Grammar state for up to `max_slots` sequences with up to `max_draft_tokens` (K) drafts each."""
+
+    def __init__(self, max_slots: int, max_draft_tokens: int, vocab_size: int, *,
+                 num_threads: Union[int, Literal["auto"]] = "auto", pin_memory: Optional[bool] = None):
+        assert max_slots >= 1 and max_draft_tokens >= 0 and vocab_size >= 1
+        self.max_slots = max_slots
+        self.max_draft_tokens = max_draft_tokens
+        self.rows_per_slot = max_draft_tokens + 1
+        self.num_rows = max_slots * self.rows_per_slot
+        self.vocab_size = vocab_size  # the model's logits width == TokenizerInfo.vocab_size
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        shape = xgr.get_bitmask_shape(self.num_rows, vocab_size)  # [max_slots*(K+1), ceil(V/32)]
+        self.bitmask = torch.full(shape, -1, dtype=xgr.bitmask_dtype, pin_memory=pin_memory)
+        self.token_mask = np.zeros(self.num_rows, dtype=bool)  # [rows]: row holds a mask to apply
+        self.matchers: list[Optional[xgr.GrammarMatcher]] = [None] * max_slots
+        self.grammars: list[Optional[xgr.CompiledGrammar]] = [None] * max_slots
+        self.history: list[list[int]] = [[] for _ in range(max_slots)]  # tokens each matcher holds
+        self._batch = xgr.BatchGrammarMatcher(num_threads)
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def row(self, slot: int, pos: int = 0) -> int:
+        assert 0 <= pos < self.rows_per_slot, f"draft position {pos} out of range"
+        return slot * self.rows_per_slot + pos
+
+    def add(self, slot: int, compiled: xgr.CompiledGrammar) -> None:
+        """Start a matcher for a newly admitted guided request (rollback is unlimited in xgrammar 0.2.8)."""
+        assert self.matchers[slot] is None, f"slot {slot} already has a matcher"
+        assert compiled.tokenizer_info.vocab_size == self.vocab_size, "grammar compiled for another vocab size"
+        self.matchers[slot] = xgr.GrammarMatcher(compiled)
+        self.grammars[slot] = compiled
+        self.history[slot] = []
+        self.clear_slot(slot)
+
+    def remove(self, slot: int) -> None:
+        """Free the slot's matcher (finish, cancel, error). A slot without one is a no-op."""
+        self.matchers[slot] = None
+        self.grammars[slot] = None
+        self.history[slot] = []
+        self.clear_slot(slot)
+
+    def is_guided(self, slot: int) -> bool:
+        return self.matchers[slot] is not None
+
+    def clear_slot(self, slot: int) -> None:
+        """Mark all of the slot's rows unconstrained."""
+        self.token_mask[self.row(slot): self.row(slot) + self.rows_per_slot] = False
+
+    # -- matcher state -------------------------------------------------------------------------
+
+    def advance(self, slot: int, token: int) -> bool:
+        """Feed one token; False (state unchanged) when the grammar rejects it or has terminated."""
+        ok = self._matcher(slot).accept_token(int(token))
+        if ok:
+            self.history[slot].append(int(token))
+        return ok
+
+    def advance_many(self, slot: int, tokens: Sequence[int]) -> int:
+        """Feed tokens until one is rejected or the grammar terminates; the number accepted."""
+        m, n = self._matcher(slot), 0
+        for t in tokens:
+            if m.is_terminated() or not m.accept_token(int(t)):
+                break
+            self.history[slot].append(int(t))
+            n += 1
+        return n
+
+    def rollback(self, slot: int, n: int) -> None:
+        """Undo the last `n` accepted tokens (e.g. drafts rejected by verification)."""
+        if n <= 0:
+            return
+        h = self.history[slot]
+        assert n <= len(h), f"slot {slot}: rollback of {n} tokens but only {len(h)} accepted"
+        self._matcher(slot).rollback(n)
+        del h[len(h) - n:]
+
+    def is_terminated(self, slot: int) -> bool:
+        """The grammar ended and its stop token was accepted."""
+        return self._matcher(slot).is_terminated()
+
+    def is_completed(self, slot: int) -> bool:
+        """The accepted text is a complete match (the stop token may still be to come)."""
+        return self._matcher(slot).is_completed()
+
+    def num_tokens(self, slot: int) -> int:
+        return len(self.history[slot])
+
+    # -- masks ---------------------------------------------------------------------------------
+
+    def fill(self, rows: Sequence[Row]) -> None:
+        """Fill the masks of `rows` from each slot's current state in one batched, multi-threaded call.
+
+        A slot appears at most once (its matcher has one state). Rows of unguided or terminated
+        slots are marked unconstrained."""
+        matchers, indices = [], []
+        for slot, pos in rows:
+            r, m = self.row(slot, pos), self.matchers[slot]
+            if m is None or m.is_terminated():
+                self.token_mask[r] = False
+                continue
+            matchers.append(m)
+            indices.append(r)
+        assert len(set(id(m) for m in matchers)) == len(matchers), "a slot appears twice in one fill"
+        if matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, self.bitmask, indices)
+            self.token_mask[indices] = True
+
+    def fill_verify_rows(self, drafts: Mapping[int, Sequence[int]]) -> dict[int, int]:
+        """Masks for a verification step whose drafts are known (n-gram drafter): rows 0..len(d).
+
+        For each guided slot: fill row 0, feed d_0, fill row 1, ... (batched across slots at
+        each position). Stops at a draft the grammar rejects or that terminates it; later rows
+        stay unconstrained (verification rejects that draft anyway, so they are never used).
+        Returns {slot: drafts fed}: after verification accepts `a` drafts, roll back `fed - a`."""
+        fed = {s: 0 for s in drafts if self.is_guided(s)}
+        for s in fed:
+            self.clear_slot(s)
+        active = [s for s in fed if not self.is_terminated(s)]
+        self.fill([(s, 0) for s in active])
+        for i in range(max((len(drafts[s]) for s in active), default=0)):
+            active = [s for s in active if i < len(drafts[s])]
+            if not active:
+                break
+            ok = self._batch.batch_accept_token([self.matchers[s] for s in active], [int(drafts[s][i]) for s in active])
+            nxt = []
+            for s, accepted in zip(active, ok):
+                if accepted:
+                    self.history[s].append(int(drafts[s][i]))
+                    fed[s] += 1
+                    if not self.is_terminated(s):
+                        nxt.append(s)
+            active = nxt
+            self.fill([(s, i + 1) for s in active])
+        return fed
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[Row]) -> None:
+        """Mask `logits` [B, V'] in place: logits row b gets mask row `rows[b]` when constrained.
+
+        Unconstrained rows are not touched. Ids past `vocab_size` (V' > V) are disallowed too."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        idx = [self.row(s, p) for s, p in rows]
+        active = [b for b, r in enumerate(idx) if self.token_mask[r]]
+        if not active:
+            return
+        mask = self.bitmask[idx]  # [B, ceil(V/32)] gathered copy
+        if mask.device != logits.device:
+            mask = mask.to(logits.device, non_blocking=True)
+        width = min(self.vocab_size, logits.shape[-1])
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=width, indices=active)
+        if logits.shape[-1] > self.vocab_size:
+            logits[active, self.vocab_size:] = float("-inf")
+
+    def allowed_tokens(self, slot: int, pos: int = 0) -> np.ndarray:
+        """Token ids a mask row allows (tests and debugging); all ids when unconstrained."""
+        r = self.row(slot, pos)
+        if not self.token_mask[r]:
+            return np.arange(self.vocab_size)
+        return bitmask_to_ids(self.bitmask[r], self.vocab_size)
+
+    # -- invariant 3 ---------------------------------------------------------------------------
+
+    def check_fresh(self, slot: int) -> Optional[str]:
+        """None when the slot's matcher equals a fresh matcher fed the slot's accepted tokens
+        (same termination, same completion, same next-token mask); else what differs."""
+        m, g = self.matchers[slot], self.grammars[slot]
+        if m is None:
+            return None
+        fresh = xgr.GrammarMatcher(g)
+        for i, t in enumerate(self.history[slot]):
+            if not fresh.accept_token(t):
+                return f"a fresh matcher rejects token {i} ({t}) of the slot's history"
+        if fresh.is_terminated() != m.is_terminated():
+            return f"terminated: slot {m.is_terminated()}, fresh {fresh.is_terminated()}"
+        if fresh.is_completed() != m.is_completed():
+            return f"completed: slot {m.is_completed()}, fresh {fresh.is_completed()}"
+        if m.is_terminated():
+            return None
+        masks = xgr.allocate_token_bitmask(2, self.vocab_size)
+        m.fill_next_token_bitmask(masks, 0)
+        fresh.fill_next_token_bitmask(masks, 1)
+        if not torch.equal(masks[0], masks[1]):
+            diff = np.setxor1d(bitmask_to_ids(masks[0], self.vocab_size), bitmask_to_ids(masks[1], self.vocab_size))
+            return f"next-token masks differ on {len(diff)} ids, e.g. {diff[:5].tolist()}"
+        return None
+
+    def _matcher(self, slot: int) -> xgr.GrammarMatcher:
+        m = self.matchers[slot]
+        if m is None:
+            raise KeyError(f"slot {slot} has no grammar matcher")
+        return m
+
+
+def bitmask_to_ids(row: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """The ids whose bit is set in one bitmask row [ceil(V/32)] int32."""
+    bits = np.unpackbits(row.cpu().numpy().view(np.uint8), bitorder="little")[:vocab_size]  # [V]
+    return np.flatnonzero(bits)
