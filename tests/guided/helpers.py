@@ -1,0 +1,122 @@
+"""Shared helpers for guided tests: sample data, model-free logits, tiny decode loops, checks."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import xgrammar as xgr
+
+from specguide.guided import GuidedDecoder
+from specguide.request import GuidedDecodingParams
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def data_dir(name: str) -> Optional[Path]:
+    """tests/guided/data/<name>, else $SPECGUIDE_DATA_DIR/<name>, else <repo>/../shared/data/<name>."""
+    for base in (HERE / "data", Path(os.environ.get("SPECGUIDE_DATA_DIR", "/nonexistent")), REPO.parent / "shared" / "data"):
+        if (base / name).is_dir():
+            return base / name
+    return None
+
+
+@dataclass
+class Sample:
+    name: str
+    kind: str  # regex | json_schema | ebnf | lark | choice | structural_tag
+    params: GuidedDecodingParams
+    text: str  # the guide as stored (pattern, schema, grammar, choices)
+
+
+def load_guided_samples() -> list[Sample]:
+    folder = data_dir("guided_samples")
+    assert folder is not None, "guided_samples not found"
+    out = []
+    for entry in json.loads((folder / "manifest.json").read_text()):
+        text = (folder / entry["file"]).read_text()
+        kind = entry["kind"].split()[0]
+        if entry["file"].endswith(".regex"):
+            text = text[:-1] if text.endswith("\n") else text
+            gtype = "regex"
+        elif kind in ("ebnf", "lark"):
+            gtype = "ebnf_grammar"
+        else:
+            gtype = kind
+        out.append(Sample(entry["file"], kind, GuidedDecodingParams(gtype, text), text))
+    return out
+
+
+def token_bonus(hf_tokenizer, vocab_size: int, stop_ids: list[int]) -> torch.Tensor:
+    """A per-token logit bias [V] that steers random decoding to short, closing output."""
+    bonus = torch.zeros(vocab_size)
+    for tok, i in hf_tokenizer.get_vocab().items():
+        if i >= vocab_size:
+            continue
+        text = hf_tokenizer.convert_tokens_to_string([tok])
+        if any(c in text for c in '"}]'):
+            bonus[i] += 3.0
+        if text.strip() == "":
+            bonus[i] -= 3.0
+        elif text.startswith(" "):
+            bonus[i] += 2.0  # ends runs like [a-z]+ that a literal with a space follows
+        bonus[i] -= 0.1 * len(text)
+    bonus[stop_ids] += 8.0
+    return bonus
+
+
+def target_logits(bonus: torch.Tensor, seed: int, prefix: list[int]) -> torch.Tensor:
+    """A deterministic "model": logits [V] that depend only on (seed, prefix)."""
+    key = zlib.crc32(torch.tensor(prefix, dtype=torch.int64).numpy().tobytes(), seed) if prefix else seed
+    g = torch.Generator().manual_seed(key)
+    return torch.rand(bonus.shape[0], generator=g) * 4.0 + bonus
+
+
+def greedy_decode(dec: GuidedDecoder, slot: int, bonus: torch.Tensor, seed: int, max_steps: int = 400,
+                  check_every: int = 0) -> list[int]:
+    """Plain guided greedy decoding of one slot (one mask row per step); returns the tokens."""
+    out: list[int] = []
+    for step in range(max_steps):
+        if dec.is_terminated(slot):
+            break
+        dec.fill([(slot, 0)])
+        logits = target_logits(bonus, seed, out)[None]
+        dec.apply(logits, [(slot, 0)])
+        tok = int(logits.argmax())
+        assert dec.advance(slot, tok), f"masked argmax {tok} rejected at step {step}"
+        out.append(tok)
+        if check_every and step % check_every == 0:
+            assert dec.check_fresh(slot) is None, dec.check_fresh(slot)
+    return out
+
+
+def output_text(hf_tokenizer, tokens: list[int], stop_ids: list[int]) -> str:
+    body = [t for t in tokens if t not in stop_ids]
+    return hf_tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def grammar_accepts(compiled: xgr.CompiledGrammar, tokens: list[int]) -> bool:
+    """A fresh matcher accepts the whole token sequence and ends terminated."""
+    m = xgr.GrammarMatcher(compiled)
+    return all(m.accept_token(t) for t in tokens) and m.is_terminated()
+
+
+def check_output(sample: Sample, text: str) -> None:
+    """The sample-specific check on the generated text (json: jsonschema; regex: fullmatch; choice: in list)."""
+    import jsonschema
+
+    if sample.kind == "json_schema":
+        jsonschema.validate(json.loads(text), json.loads(sample.text))
+    elif sample.kind == "regex":
+        assert re.fullmatch(sample.text, text), (sample.text, text)
+    elif sample.kind == "choice":
+        assert text in json.loads(sample.text), text
+    elif sample.kind == "structural_tag":
+        for body in re.findall(r"<function=\w+>(.*?)</function>", text, re.S):
+            json.loads(body)
