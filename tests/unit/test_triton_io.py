@@ -403,3 +403,222 @@ def test_client_sends_the_declared_dtypes():
     assert set(INPUT_TYPES) == set(io.INPUT_NAMES)
     for sp in io.INPUTS:
         assert INPUT_TYPES[sp.name][1] == triton.get(sp.dtype, sp.dtype[5:]), sp.name
+
+
+# ---------------------------------------------------------------------------------- adapter with fakes
+
+
+class FakeMetric:
+    def __init__(self):
+        self.value = 0.0
+        self.observed = []
+
+    def increment(self, v):
+        self.value += v
+
+    def set(self, v):
+        self.value = v
+
+    def observe(self, v):
+        self.observed.append(v)
+
+
+class FakeMetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    families = {}
+
+    def __init__(self, name, description, kind):
+        self.name, self.metrics = name, {}
+        FakeMetricFamily.families[name] = self
+
+    def Metric(self, labels, buckets=None):
+        m = FakeMetric()
+        self.metrics[tuple(sorted(labels.items()))] = m
+        return m
+
+
+class FakeSender:
+    def __init__(self):
+        self.sent = []  # (response, flags)
+        self.cancelled = False
+        self.lock = __import__("threading").Lock()
+
+    def send(self, response=None, flags=0):
+        with self.lock:
+            self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    def finished(self):
+        return any(f == 1 for _, f in self.sent)
+
+
+class FakeTritonRequest(FakeRequest):
+    def __init__(self, inputs, parameters="{}"):
+        super().__init__(inputs, parameters)
+        self.sender = FakeSender()
+
+    def get_response_sender(self):
+        return self.sender
+
+    def request_id(self):
+        return "rid"
+
+
+class FakeEngine:
+    """Emits `max_tokens` one-token events per request from its own thread, one every few ms."""
+
+    instances = []
+
+    def __init__(self, config):
+        import threading
+
+        self.config, self.tokenizer, self.supports_guided_decoding = config, TOK, False
+        self.submitted, self.cancelled, self.shutdown_args = [], set(), None
+        self.fail_with = None
+        self._next = 0
+        self._lock = threading.Lock()
+        FakeEngine.instances.append(self)
+
+    def submit(self, request, callback):
+        import threading
+
+        if self.fail_with is not None:
+            raise self.fail_with
+        with self._lock:
+            self._next += 1
+            seq_id = self._next
+        self.submitted.append(request)
+        threading.Thread(target=self._run, args=(seq_id, request, callback), daemon=True).start()
+        return seq_id
+
+    def _run(self, seq_id, request, callback):
+        import time
+
+        n = request.params.max_tokens
+        for i in range(1, n + 1):
+            time.sleep(0.005)
+            if seq_id in self.cancelled:
+                callback(RequestOutput(seq_id=seq_id, finished=True, finish_reason="cancelled", num_output_tokens=i - 1))
+                return
+            callback(RequestOutput(seq_id=seq_id, text=f"t{i}", token_ids=[i], finished=i == n,
+                                   finish_reason="length" if i == n else None, num_input_tokens=2, num_output_tokens=i))
+
+    def cancel(self, seq_id):
+        self.cancelled.add(seq_id)
+
+    def stats(self):
+        return {"active_slots": 0, "queue_depth": 0}
+
+    def is_alive(self):
+        return True
+
+    def shutdown(self, drain=True, timeout=None):
+        self.shutdown_args = (drain, timeout)
+
+
+@pytest.fixture
+def model(monkeypatch):
+    import importlib
+    import sys
+
+    fake_pb = SimpleNamespace(
+        **vars(pb),
+        Logger=SimpleNamespace(log_info=lambda m: None, log_warn=lambda m: None, log_error=lambda m: None),
+        TritonModelException=RuntimeError,
+        MetricFamily=FakeMetricFamily,
+        using_decoupled_model_transaction_policy=lambda cfg: cfg.get("model_transaction_policy", {}).get("decoupled", False),
+    )
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb)
+    monkeypatch.delitem(sys.modules, "specguide.triton.adapter", raising=False)
+    import specguide.engine
+
+    monkeypatch.setattr(specguide.engine, "Engine", FakeEngine)
+    adapter = importlib.import_module("specguide.triton.adapter")
+    m = adapter.TritonPythonModel()
+    m.initialize({"model_config": json.dumps({"model_transaction_policy": {"decoupled": True},
+                                              "parameters": {"max_slots": {"string_value": "2"}, "warmup": {"string_value": "false"}}}),
+                  "model_name": "specguide", "model_version": "1"})
+    yield m
+    m.finalize()
+    sys.modules.pop("specguide.triton.adapter", None)
+
+
+def wait_for(cond, timeout=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_adapter_streams_deltas_and_one_final(model):
+    req = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[3]], np.int32), "stream": np.array([[True]])})
+    assert model.execute([req]) is None
+    wait_for(req.sender.finished)
+    assert [f for _, f in req.sender.sent] == [0, 0, 1]
+    assert [r.tensors["text_output"][0, 0] for r, _ in req.sender.sent] == [b"t1", b"t2", b"t3"]
+    assert model.engine.config.max_slots == 2  # config.pbtxt parameters reach the engine
+    fam = FakeMetricFamily.families
+    wait_for(lambda: fam["specguide_generation_tokens_total"].metrics[(("model", "specguide"), ("version", "1"))].value == 3)
+    assert len(fam["specguide_time_to_first_token_seconds"].metrics[(("model", "specguide"), ("version", "1"))].observed) == 1
+
+
+def test_adapter_non_streaming_sends_exactly_one_final_response(model):
+    req = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[4]], np.int32)})
+    model.execute([req])
+    wait_for(req.sender.finished)
+    assert len(req.sender.sent) == 1 and req.sender.sent[0][1] == 1
+    assert req.sender.sent[0][0].tensors["text_output"][0, 0] == b"Hit1t2t3t4"
+
+
+def test_adapter_bad_request_gets_an_error_and_touches_nothing(model):
+    bad = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[0]], np.int32)})
+    good = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[2]], np.int32), "stream": np.array([[True]])})
+    model.execute([bad, good])
+    wait_for(good.sender.finished)
+    assert len(bad.sender.sent) == 1
+    resp, flags = bad.sender.sent[0]
+    assert flags == 1 and resp.err.code() == FakeTritonError.INVALID_ARG and "max_tokens" in resp.err.message()
+    assert len(model.engine.submitted) == 1
+    assert [f for _, f in good.sender.sent] == [0, 1]
+
+
+def test_adapter_engine_refusal_becomes_unavailable(model):
+    model.engine.fail_with = QueueFullError("the waiting queue is full")
+    req = FakeTritonRequest({"text_input": s("Hi")})
+    model.execute([req])
+    (resp, flags), = req.sender.sent
+    assert flags == 1 and resp.err.code() == FakeTritonError.UNAVAILABLE
+
+
+def test_adapter_cancellation_cancels_the_engine_sequence(model):
+    req = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[500]], np.int32), "stream": np.array([[True]])})
+    model.execute([req])
+    wait_for(lambda: len(req.sender.sent) >= 2)
+    req.sender.cancelled = True
+    wait_for(req.sender.finished)
+    assert model.engine.cancelled == {1}
+    resp, flags = req.sender.sent[-1]
+    assert flags == 1 and resp.err.code() == FakeTritonError.CANCELLED
+    assert len(req.sender.sent) < 100
+
+
+def test_adapter_batch_rows_share_one_final(model):
+    req = FakeTritonRequest({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_),
+                             "max_tokens": np.array([[2], [3]], np.int32), "stream": np.array([[True], [True]])})
+    model.execute([req])
+    wait_for(req.sender.finished)
+    flags = [f for _, f in req.sender.sent]
+    assert flags.count(1) == 1 and flags[-1] == 1 and len(flags) == 5
+    rows = sorted(int(r.tensors["batch_index"][0, 0]) for r, _ in req.sender.sent)
+    assert rows == [0, 0, 1, 1, 1]
+
+
+def test_adapter_finalize_drains_the_engine(model):
+    engine = model.engine
+    model.finalize()
+    assert engine.shutdown_args[0] is True
+    assert not model._thread.is_alive()
