@@ -88,6 +88,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "error"
     error: Optional[str] = None
+    error_code: Optional[str] = None  # with finish_reason "error": INVALID_ARG (bad guide) | INTERNAL
     num_input_tokens: int = 0
     num_output_tokens: int = 0  # total so far
     first_token: bool = False  # this event carries the request's first token(s)
+    total_draft_tokens: int = 0  # speculative decoding counters (totals so far)
+    total_accepted_draft_tokens: int = 0
