@@ -220,7 +220,7 @@ BAD_INPUTS = [
     ({"text_input": s("a"), "sampling_parameters": s('{"max_tokens": "many"}')}, "max_tokens must be an integer"),
     ({"text_input": s("a"), "sampling_parameters": s('{"n": 2}')}, "n=2"),
     ({"text_input": s("a"), "guided_decoding_guide_type": s("xml"), "guided_decoding_guide": s("x")}, "guide_type must be one of"),
-    ({"text_input": s("a"), "guided_decoding_guide": s("{}")}, "needs guided_decoding_guide_type"),
+    ({"text_input": s("a"), "guided_decoding_guide": s("{}")}, "is given without guided_decoding_guide_type"),
     ({"text_input": s("a"), "guided_decoding_guide_type": s("regex")}, "guided_decoding_guide is required"),
     ({"text_input": np.array([[b"\xff\xfe"]], dtype=np.object_)}, "UTF-8"),
 ]
@@ -239,29 +239,100 @@ def test_bad_inputs_raise_clear_invalid_request_errors(inputs, message):
     {"sampling_parameters": s(json.dumps({"structured_outputs": json.dumps({"choice": ["yes", "no"]})}))},
     {"sampling_parameters": s(json.dumps({"guided_decoding": {"regex": "[0-9]+", "json": None, "choice": None}}))},
 ])
-def test_guided_inputs_are_unsupported_until_enabled(inputs):
+def test_guided_inputs_are_unsupported_when_the_engine_has_no_guided_decoding(inputs):
     with pytest.raises(io.UnsupportedError, match="guided decoding is not enabled yet") as e:
         parse({"text_input": s("a"), **inputs})
     assert io.error_code(e.value) == "UNSUPPORTED"
+
+
+def vllm(**sp):
+    return s(json.dumps(sp))
 
 
 def test_guided_inputs_map_to_params_when_enabled():
     g = one({"text_input": s("a"), "guided_decoding_guide_type": s("json_schema"),
              "guided_decoding_guide": s('{"type": "object"}')}, guided_enabled=True).request.guided
     assert (g.guide_type, g.guide) == ("json_schema", '{"type": "object"}')
-    for so, expected in [
-        ({"json": {"type": "integer"}}, ("json_schema", '{"type": "integer"}')),
-        ({"regex": "[a-z]+"}, ("regex", "[a-z]+")),
-        ({"grammar": 'root ::= "x"'}, ("ebnf_grammar", 'root ::= "x"')),
-        ({"choice": ["yes", "no"]}, ("choice", '["yes", "no"]')),
-        ({"json_object": True}, ("json", "")),
-    ]:
-        sp = json.dumps({"structured_outputs": json.dumps(so)})
-        g = one({"text_input": s("a"), "sampling_parameters": s(sp)}, guided_enabled=True).request.guided
-        assert (g.guide_type, g.guide) == expected
-    with pytest.raises(InvalidRequestError, match="exactly one"):
-        parse({"text_input": s("a"), "sampling_parameters": s(json.dumps(
-            {"structured_outputs": {"regex": "a", "choice": ["b"]}}))}, guided_enabled=True)
+    g = one({"text_input": s("a"), "guided_decoding_guide_type": s(" Regex "), "guided_decoding_guide": s("[a-z]+")},
+            guided_enabled=True).request.guided
+    assert (g.guide_type, g.guide) == ("regex", "[a-z]+")  # guided.params normalizes the type
+    g = one({"text_input": s("a"), "guided_decoding_guide_type": s("json"), "guided_decoding_guide": s("")},
+            guided_enabled=True).request.guided
+    assert (g.guide_type, g.guide) == ("json", "")
+    for key in ("structured_outputs", "guided_decoding"):
+        for so, expected in [
+            ({"json": {"type": "integer"}}, ("json_schema", '{"type": "integer"}')),
+            ({"json": '{"type": "string"}'}, ("json_schema", '{"type": "string"}')),
+            ({"regex": "[a-z]+"}, ("regex", "[a-z]+")),
+            ({"grammar": 'root ::= "x"'}, ("ebnf_grammar", 'root ::= "x"')),
+            ({"choice": ["yes", "no"]}, ("choice", '["yes", "no"]')),
+            ({"json_object": True}, ("json", "")),
+            ({"regex": "[0-9]{3}", "backend": "xgrammar", "json": None}, ("regex", "[0-9]{3}")),  # options ignored
+        ]:
+            for value in (so, json.dumps(so)):  # an object or its JSON string
+                g = one({"text_input": s("a"), "sampling_parameters": vllm(**{key: value})},
+                        guided_enabled=True).request.guided
+                assert (g.guide_type, g.guide) == expected, (key, value)
+
+
+def test_guided_mapping_is_guided_params():
+    """io has no guided mapping of its own: what it returns is guided.params.resolve_guided's answer."""
+    from specguide.guided import params as gp
+
+    cases = [
+        ("json_schema", '{"type": "object", "properties": {"a": {"type": "string"}}}', None),
+        ("choice", '["a", "b"]', None),
+        (None, None, {"structured_outputs": {"choice": ["x", "y"]}}),
+        (None, None, {"guided_decoding": {"grammar": 'root ::= "a" | "b"'}}),
+    ]
+    for gtype, guide, sp in cases:
+        inputs = {"text_input": s("a")}
+        if gtype:
+            inputs.update(guided_decoding_guide_type=s(gtype), guided_decoding_guide=s(guide))
+        if sp:
+            inputs["sampling_parameters"] = vllm(**sp)
+        assert one(inputs, guided_enabled=True).request.guided == gp.resolve_guided(gtype, guide, sp)
+
+
+GUIDE_T, GUIDE = "guided_decoding_guide_type", "guided_decoding_guide"
+BAD_GUIDES = [
+    ({GUIDE_T: s("xml"), GUIDE: s("<a/>")}, "guided_decoding_guide_type must be one of"),
+    ({GUIDE_T: s("json_schema")}, "guided_decoding_guide is required"),
+    ({GUIDE_T: s("json_schema"), GUIDE: s("{not json")}, "json_schema guide is not valid JSON"),
+    ({GUIDE_T: s("json_schema"), GUIDE: s("[1, 2]")}, "json_schema must be a JSON object"),
+    ({GUIDE_T: s("json"), GUIDE: s('{"type": "object"}')}, "takes no guide"),
+    ({GUIDE_T: s("choice"), GUIDE: s("[]")}, "non-empty list of strings"),
+    ({GUIDE_T: s("choice"), GUIDE: s("[1]")}, "list of strings"),
+    ({GUIDE: s("[0-9]+")}, "is given without guided_decoding_guide_type"),
+    ({"sampling_parameters": vllm(structured_outputs={"regex": "a", "choice": ["b"]})}, "give exactly one guide"),
+    ({"sampling_parameters": vllm(structured_outputs={"xml": "a"})}, "unknown key(s) ['xml']"),
+    ({"sampling_parameters": vllm(guided_decoding={"choise": ["a"]})}, "guided_decoding: unknown key(s)"),
+    ({"sampling_parameters": vllm(structured_outputs=[1])}, "structured_outputs must be a JSON object"),
+    ({"sampling_parameters": vllm(structured_outputs="{oops")}, "structured_outputs is not valid JSON"),
+    ({"sampling_parameters": vllm(structured_outputs={"choice": "yes"})}, "structured_outputs.choice must be a non-empty list"),
+    ({"sampling_parameters": vllm(structured_outputs={"json_object": "yes"})}, "json_object must be a boolean"),
+    ({"sampling_parameters": vllm(structured_outputs={"regex": ""})}, "guided_decoding_guide is required"),
+    ({"sampling_parameters": vllm(structured_outputs={"regex": "a"}, guided_decoding={"regex": "b"})},
+     "structured_outputs or guided_decoding, not both"),
+    ({GUIDE_T: s("regex"), GUIDE: s("a"), "sampling_parameters": vllm(structured_outputs={"regex": "b"})},
+     "give one guide"),
+]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+@pytest.mark.parametrize("inputs,message", BAD_GUIDES, ids=[m for _, m in BAD_GUIDES])
+def test_bad_guides_are_invalid_arg_with_guided_params_messages(inputs, message, enabled):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as e:
+        parse({"text_input": s("a"), **inputs}, guided_enabled=enabled)
+    assert io.error_code(e.value) == "INVALID_ARG"
+
+
+def test_vllm_sampling_still_maps_with_a_guide():
+    p = one({"text_input": s("a"), "sampling_parameters": vllm(max_tokens="9", temperature=0,
+                                                                 structured_outputs={"choice": ["yes", "no"]})},
+            guided_enabled=True)
+    assert p.request.params.max_tokens == 9 and p.request.params.greedy
+    assert p.request.guided.guide_type == "choice"
 
 
 def test_error_codes():
@@ -328,6 +399,20 @@ def test_error_and_cancel_events_become_error_payloads():
     assert c.error_code == "CANCELLED" and c.finished
     resp = io.to_response(pb, c)
     assert resp.err.code() == FakeTritonError.CANCELLED
+
+
+@pytest.mark.parametrize("code,expected", [
+    (None, "INTERNAL"), ("INTERNAL", "INTERNAL"), ("INVALID_ARG", "INVALID_ARG"), ("invalid_arg", "INVALID_ARG"),
+    ("UNAVAILABLE", "UNAVAILABLE"), ("BOGUS", "INTERNAL"),
+])
+def test_error_event_code_comes_from_the_engine_event(code, expected):
+    p = one({"text_input": s("Hi"), "stream": np.array([[True]])})
+    o = out("", [], finished=True, reason="error", error="grammar compile failed: bad regex")
+    o.error_code = code
+    e = io.SequenceStream(p).on_output(o)
+    assert e.error == "grammar compile failed: bad regex" and e.error_code == expected and e.finished
+    resp = io.to_response(pb, e)
+    assert resp.err.code() == getattr(FakeTritonError, expected) and resp.err.message() == e.error
 
 
 def test_perf_metrics_outputs_when_asked():
@@ -466,6 +551,9 @@ class FakeTritonRequest(FakeRequest):
         return "rid"
 
 
+BAD_REGEX = "(ab"
+
+
 class FakeEngine:
     """Emits `max_tokens` one-token events per request from its own thread, one every few ms."""
 
@@ -496,6 +584,10 @@ class FakeEngine:
     def _run(self, seq_id, request, callback):
         import time
 
+        if request.guided is not None and request.guided.guide == BAD_REGEX:  # found at compile, after submit
+            callback(RequestOutput(seq_id=seq_id, finished=True, finish_reason="error",
+                                   error="invalid regex guide: (ab", error_code="INVALID_ARG"))
+            return
         n = request.params.max_tokens
         for i in range(1, n + 1):
             time.sleep(0.005)
@@ -584,6 +676,23 @@ def test_adapter_bad_request_gets_an_error_and_touches_nothing(model):
     assert flags == 1 and resp.err.code() == FakeTritonError.INVALID_ARG and "max_tokens" in resp.err.message()
     assert len(model.engine.submitted) == 1
     assert [f for _, f in good.sender.sent] == [0, 1]
+
+
+def test_adapter_guide_error_after_submit_is_invalid_arg_and_others_run(model):
+    model.guided_enabled = True  # as with an engine that supports guided decoding
+    bad = FakeTritonRequest({"text_input": s("Hi"), "guided_decoding_guide_type": s("regex"),
+                             "guided_decoding_guide": s(BAD_REGEX), "stream": np.array([[True]])})
+    good = FakeTritonRequest({"text_input": s("Hi"), "guided_decoding_guide_type": s("regex"),
+                              "guided_decoding_guide": s("t[0-9]+"), "max_tokens": np.array([[2]], np.int32)})
+    model.execute([bad, good])
+    wait_for(bad.sender.finished)
+    wait_for(good.sender.finished)
+    (resp, flags), = bad.sender.sent
+    assert flags == 1 and resp.err.code() == FakeTritonError.INVALID_ARG and "(ab" in resp.err.message()
+    (resp, flags), = good.sender.sent
+    assert flags == 1 and resp.err is None and resp.tensors["finish_reason"][0, 0] == b"length"
+    fam = FakeMetricFamily.families["specguide_requests_total"].metrics
+    wait_for(lambda: fam[(("finish_reason", "error"), ("model", "specguide"), ("version", "1"))].value == 1)
 
 
 def test_adapter_engine_refusal_becomes_unavailable(model):

@@ -1,7 +1,9 @@
 """Triton tensors <-> engine messages. The only place that knows tensor names and dtypes.
 
 Inputs follow the TensorRT-LLM ensemble (`text_input`, `max_tokens`, `temperature`, ...) and the
-vLLM backend's `sampling_parameters` JSON string. Every function here is pure: the Triton module
+vLLM backend's `sampling_parameters` JSON string. The guide (`guided_decoding_guide_type` /
+`guided_decoding_guide`, or vLLM's `structured_outputs` / `guided_decoding`) is read and checked by
+`specguide.guided.params`, the one mapping of guides. Every function here is pure: the Triton module
 (`triton_python_backend_utils`) is passed in as `pb` where a Triton object must be built, so the
 unit tests run with a tiny fake of it.
 
@@ -17,9 +19,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..guided.params import GUIDE_TYPES, resolve_guided
 from ..request import (
     EngineDeadError,
-    GuidedDecodingParams,
     InvalidRequestError,
     QueueFullError,
     Request,
@@ -68,7 +70,7 @@ INPUTS: tuple[Spec, ...] = (
     Spec("pad_id", "TYPE_INT32", (1,), "-", "accepted and ignored"),
     Spec("num_draft_tokens", "TYPE_INT32", (1,), "the configured K", "draft tokens per step; 0 turns speculation off"),
     Spec("guided_decoding_guide_type", "TYPE_STRING", (1,), "none",
-         "one of `json`, `json_schema`, `regex`, `ebnf_grammar`, `structural_tag`, `choice`"),
+         "one of " + ", ".join(f"`{g}`" for g in GUIDE_TYPES)),
     Spec("guided_decoding_guide", "TYPE_STRING", (1,), "\"\"", "the schema / regex / grammar / tag / JSON list of choices"),
     Spec("sampling_parameters", "TYPE_STRING", (1,), "none",
          "vLLM backend JSON (max_tokens 16, temperature 1.0 when given); individual tensors override it"),
@@ -95,7 +97,6 @@ OUTPUTS: tuple[Spec, ...] = (
 )
 
 INPUT_NAMES = tuple(s.name for s in INPUTS)
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag", "choice")
 GUIDED_DISABLED_MESSAGE = "guided decoding is not enabled yet"
 VLLM_DEFAULT_MAX_TOKENS = 16
 
@@ -247,20 +248,18 @@ def _parse_row(tensors, parameters, b, default_max_tokens, max_tokens_limit, tok
     # sampling: vLLM JSON first (with vLLM's defaults), then the individual tensors override it
     sp_json = row.str("sampling_parameters")
     if sp_json:
-        sp, guided = _from_vllm_json(sp_json, tokenizer)
+        vllm = _parse_vllm_json(sp_json)
+        sp = _from_vllm(vllm, tokenizer)
     else:
-        sp, guided = SamplingParams(max_tokens=default_max_tokens, temperature=0.0), None
+        vllm, sp = None, SamplingParams(max_tokens=default_max_tokens, temperature=0.0)
     _apply_tensor_sampling(row, sp, explicit_sampling=bool(sp_json), tokenizer=tokenizer)
     sp.validate(max_tokens_limit)
     req.params = sp
 
-    # guided decoding: the TensorRT-LLM tensors or the vLLM JSON
-    guide_type = row.str("guided_decoding_guide_type")
-    if guide_type:
-        guided = make_guided(guide_type, row.str("guided_decoding_guide") or "")
-    elif row.str("guided_decoding_guide"):
-        raise InvalidRequestError("guided_decoding_guide needs guided_decoding_guide_type")
-    req.guided = check_guided(guided, guided_enabled)
+    # guided decoding: the TensorRT-LLM tensors or the vLLM JSON (one guide; guided.params checks it)
+    req.guided = resolve_guided(row.str("guided_decoding_guide_type"), row.str("guided_decoding_guide"), vllm)
+    if req.guided is not None and not guided_enabled:
+        raise UnsupportedError(GUIDED_DISABLED_MESSAGE)
 
     # speculation
     k = row.int("num_draft_tokens")
@@ -333,17 +332,22 @@ _VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
 _VLLM_FLOATS = ("temperature", "top_p")
 
 
-def _from_vllm_json(text: str, tokenizer: Any) -> tuple[SamplingParams, Optional[GuidedDecodingParams]]:
-    """The vLLM backend's `sampling_parameters` JSON, with vLLM's defaults (max_tokens 16, temperature 1.0).
-
-    Values may be strings ("max_tokens": "16"), as genai-perf sends them. Unknown keys are ignored.
-    """
+def _parse_vllm_json(text: str) -> dict[str, Any]:
     try:
         d = json.loads(text)
     except ValueError as e:
         raise InvalidRequestError(f"sampling_parameters is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise InvalidRequestError("sampling_parameters must be a JSON object")
+    return d
+
+
+def _from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
+    """The vLLM backend's `sampling_parameters`, with vLLM's defaults (max_tokens 16, temperature 1.0).
+
+    Values may be strings ("max_tokens": "16"), as genai-perf sends them. Unknown keys are ignored.
+    The guide (`structured_outputs` / `guided_decoding`) is read by guided.params.resolve_guided.
+    """
     sp = SamplingParams(max_tokens=VLLM_DEFAULT_MAX_TOKENS, temperature=1.0)
     for key in _VLLM_INTS:
         if d.get(key) is not None:
@@ -368,65 +372,7 @@ def _from_vllm_json(text: str, tokenizer: Any) -> tuple[SamplingParams, Optional
         v = d.get(key)
         if v is not None:
             _check_neutral(key, _as_bool(v, key) if isinstance(neutral, bool) else _as_float(v, key), neutral)
-    guided = None
-    for key in ("structured_outputs", "guided_decoding"):
-        if d.get(key) is not None:
-            guided = guided_from_vllm(d[key])
-            break
-    return sp, guided
-
-
-# --------------------------------------------------------------------------------------------
-# Guided decoding: the one switch to turn on when the engine supports it
-# --------------------------------------------------------------------------------------------
-
-
-def make_guided(guide_type: str, guide: str) -> GuidedDecodingParams:
-    if guide_type not in GUIDE_TYPES:
-        raise InvalidRequestError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}; got {guide_type!r}")
-    if guide_type != "json" and not guide:
-        raise InvalidRequestError(f"guided_decoding_guide is required for guide type {guide_type!r}")
-    return GuidedDecodingParams(guide_type=guide_type, guide=guide)
-
-
-def guided_from_vllm(value: Any) -> Optional[GuidedDecodingParams]:
-    """vLLM `structured_outputs` / `guided_decoding` (a JSON string or an object) -> one guide."""
-    if isinstance(value, (str, bytes)):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InvalidRequestError(f"structured_outputs is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise InvalidRequestError("structured_outputs must be a JSON object")
-    found = []
-    for key in ("json", "regex", "grammar", "choice", "json_object", "structural_tag"):
-        v = value.get(key)
-        if v is None or v is False:
-            continue
-        if key == "json":
-            found.append(make_guided("json_schema", v if isinstance(v, str) else json.dumps(v)))
-        elif key == "regex":
-            found.append(make_guided("regex", _as_str(v, key)))
-        elif key == "grammar":
-            found.append(make_guided("ebnf_grammar", _as_str(v, key)))
-        elif key == "choice":
-            choices = _as_list(v, key)
-            if not choices or not all(isinstance(c, str) for c in choices):
-                raise InvalidRequestError("structured_outputs.choice must be a non-empty list of strings")
-            found.append(make_guided("choice", json.dumps(choices)))
-        elif key == "json_object":
-            found.append(make_guided("json", ""))
-        else:
-            found.append(make_guided("structural_tag", v if isinstance(v, str) else json.dumps(v)))
-    if len(found) > 1:
-        raise InvalidRequestError("structured_outputs must set exactly one of json, regex, grammar, choice, json_object, structural_tag")
-    return found[0] if found else None
-
-
-def check_guided(guided: Optional[GuidedDecodingParams], enabled: bool) -> Optional[GuidedDecodingParams]:
-    if guided is not None and not enabled:
-        raise UnsupportedError(GUIDED_DISABLED_MESSAGE)
-    return guided
+    return sp
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,7 +406,7 @@ class SequenceStream:
     def on_output(self, out: RequestOutput) -> Optional[Payload]:
         p = self.parsed
         if out.finished and out.finish_reason == "error":
-            return Payload(error=out.error or "generation failed", error_code="INTERNAL", finished=True)
+            return Payload(error=out.error or "generation failed", error_code=event_error_code(out), finished=True)
         if out.finished and out.finish_reason == "cancelled":
             return Payload(error="request was cancelled", error_code="CANCELLED", finished=True)
         if not p.stream:
@@ -510,6 +456,16 @@ def error_code(exc: BaseException) -> str:
     if isinstance(exc, (QueueFullError, EngineDeadError)):
         return "UNAVAILABLE"
     return "INTERNAL"
+
+
+# codes an engine error event may carry (RequestOutput.error_code); anything else is INTERNAL
+_EVENT_ERROR_CODES = ("INVALID_ARG", "UNSUPPORTED", "UNAVAILABLE", "INTERNAL")
+
+
+def event_error_code(out: RequestOutput) -> str:
+    """The pb.TritonError code name for an engine error event (e.g. INVALID_ARG for a bad guide)."""
+    code = (getattr(out, "error_code", None) or "INTERNAL").upper()
+    return code if code in _EVENT_ERROR_CODES else "INTERNAL"
 
 
 def error_response(pb: Any, message: str, code: str = "INTERNAL") -> Any:
