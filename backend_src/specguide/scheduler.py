@@ -47,6 +47,9 @@ class Sequence:
     pending_text: str = ""  # decoded but held back: could be the start of a stop string
     delta: str = ""  # emitted text not yet reported to the callback
     ids_sent: int = 0  # output tokens already reported
+    compile: object = None  # CompileHandle while the grammar compiles (guided requests)
+    grammar: object = None  # xgrammar CompiledGrammar once ready
+    error_code: Optional[str] = None
 
     @property
     def num_tokens(self) -> int:
@@ -110,14 +113,17 @@ class Scheduler:
             seq.status = Status.PREFILL
             self.running[seq.slot] = seq
         self.waiting.extendleft(reversed(blocked))
+        # NOTE: a request's chunks are always [k*chunk, (k+1)*chunk), whatever else is running, so
+        # its prompt's numerics never depend on its neighbours; a chunk that does not fit the
+        # remaining budget waits for the next step (the first one always fits)
         budget = self.prefill_chunk
         prefills: list[PrefillChunk] = []
-        for slot in sorted(self.running):
-            seq = self.running[slot]
-            if seq.status is Status.PREFILL and budget > 0:
-                n = min(budget, len(seq.prompt_ids) - seq.num_cached)
-                prefills.append(PrefillChunk(seq, seq.num_cached, seq.num_cached + n))
-                budget -= n
+        for seq in sorted((s for s in self.running.values() if s.status is Status.PREFILL), key=lambda s: s.seq_id):
+            n = min(self.prefill_chunk, len(seq.prompt_ids) - seq.num_cached)
+            if n > budget:
+                break
+            prefills.append(PrefillChunk(seq, seq.num_cached, seq.num_cached + n))
+            budget -= n
         decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
         return StepPlan(prefills, decodes)
 

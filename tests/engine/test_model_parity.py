@@ -70,3 +70,33 @@ def test_bf16_stays_close_to_fp32(model_dir):
     assert l16.dtype == torch.float32
     agree = (l16.argmax(-1) == l32.argmax(-1)).float().mean().item()
     assert agree > 0.8, agree
+
+
+@torch.inference_mode()
+def test_decode_logits_are_batch_and_query_count_invariant(ours):
+    """A slot's logits are bit-identical alone, inside a batch, and as one row of a multi-token step."""
+    if not ours.invariant_attention:
+        pytest.skip("C kernels unavailable")
+    kv = KVCache(30, 8, 3, 64, 64, torch.float32)
+    prompt = list(range(300, 320))
+    for s in range(8):
+        _forward(ours, kv, prompt, slot=s, start=0)
+    nxt = [11, 12, 13, 14]
+
+    def step(slots, tokens_per_slot):
+        T = len(tokens_per_slot)
+        ids = torch.tensor([tokens_per_slot] * len(slots))
+        pos = torch.arange(20, 20 + T).expand(len(slots), T)
+        ctx = ours.make_context(torch.tensor(slots), pos, slots, 20 + T)
+        return ours.logits(ours(ids, ctx, kv))
+
+    alone = step([5], nxt[:1])[0, 0]
+    assert torch.equal(step(list(range(8)), nxt[:1])[5, 0], alone)
+    assert torch.equal(step([2, 5], nxt[:1])[1, 0], alone)
+    # T = 4 queries at once (a verification step) == 4 single-token steps
+    four = step([5], nxt)[0]
+    assert torch.equal(four[0], step([5], nxt[:1])[0, 0])
+    for i in range(1, 4):  # feed one token at a time at positions 20..23
+        ids = torch.tensor([[nxt[i]]])
+        ctx = ours.make_context(torch.tensor([5]), torch.tensor([[20 + i]]), [5], 21 + i)
+        assert torch.equal(ours.logits(ours(ids, ctx, kv))[0, 0], four[i])

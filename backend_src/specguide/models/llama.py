@@ -13,8 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..kv_cache import KVCache
-from .linear import linear_add, pack_linears, packed_head, packing_available
+from .linear import linear_add, make_head, prepare_linears
+
+
+INVARIANT_MAX_QUERIES = 16  # decode and verification steps (T <= K+1) use the invariant kernel
 
 
 @dataclass(frozen=True)
@@ -72,10 +76,13 @@ class DecoderLayer(nn.Module):
         q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + kvh:]
         ctx.write(k_cache, k)
         ctx.write(v_cache, v)
-        keys, values = ctx.read(k_cache), ctx.read(v_cache)  # [B, kvh, L, hd]
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
-                                              enable_gqa=nh != kvh)  # [B, nh, T, hd]
-        x = linear_add(self.o, attn.transpose(1, 2).reshape(B, T, nh * hd), x)
+        if ctx.mask is None:  # decode-sized: the batch-invariant C kernel reads the cache in place
+            attn = kernels.attention_f32(q, k_cache, v_cache, ctx.slots, ctx.positions)  # [B, T, nh, hd]
+        else:
+            keys, values = ctx.read(k_cache), ctx.read(v_cache)  # [B, kvh, L, hd]
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
+                                                  enable_gqa=nh != kvh).transpose(1, 2)  # [B, T, nh, hd]
+        x = linear_add(self.o, attn.reshape(B, T, nh * hd), x)
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return linear_add(self.down, F.silu(gate) * up, x)
@@ -87,7 +94,7 @@ class AttnContext:
 
     slots: torch.Tensor  # [B] int64 cache rows
     positions: torch.Tensor  # [B, T] int64 absolute positions of the queries
-    mask: torch.Tensor  # [B, 1, T, L] bool: key position <= query position
+    mask: Optional[torch.Tensor]  # [B, 1, T, L] bool: key position <= query position; None: C kernel
     length: int  # L: keys attended (max position + 1 over the batch)
     slot_range: Optional[tuple[int, int]]  # (first, end) when slots are consecutive: views, no gather
 
@@ -124,6 +131,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
+        self.invariant_attention = False  # set by finalize() when the C kernel can serve this model
         self._rope_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +149,8 @@ class LlamaModel(nn.Module):
 
     def make_context(self, slots: torch.Tensor, positions: torch.Tensor, slot_list: list[int],
                      length: int) -> AttnContext:
+        if self.invariant_attention and positions.shape[1] <= INVARIANT_MAX_QUERIES:
+            return AttnContext(slots, positions, None, length, None)
         kpos = torch.arange(length, device=positions.device)
         mask = (kpos[None, None, :] <= positions[:, :, None]).unsqueeze(1)
         consecutive = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
@@ -162,10 +172,12 @@ class LlamaModel(nn.Module):
     def finalize(self) -> None:
         """After weights are loaded and placed: build the LM head and pack CPU linears."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self.head = packed_head(w)
+        self.head = make_head(w)
         self.lm_head = None
-        if packing_available(w.device, w.dtype):
-            pack_linears(self.layers)
+        if w.device.type == "cpu":
+            prepare_linears(self.layers)
+        self.invariant_attention = (w.device.type == "cpu" and w.dtype == torch.float32
+                                    and self.cfg.head_dim % 16 == 0 and kernels.library() is not None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> fp32 logits [..., vocab]."""

@@ -1,0 +1,137 @@
+"""Small C kernels (ops.c), compiled once per machine with the system C compiler and loaded with ctypes.
+
+No torch headers are needed (the build takes about a second). When no compiler is available
+the callers fall back to torch ops and `available()` says why."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("specguide")
+HERE = Path(__file__).resolve().parent
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None
+
+
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _build() -> ctypes.CDLL:
+    from ..models.default_model import cache_dir
+
+    src = (HERE / "ops.c").read_bytes()
+    key = hashlib.sha1(src + _cpu_key().encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"ops-{key}.so"
+    if not out.exists():
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        if cc is None:
+            raise RuntimeError("no C compiler (gcc/cc) found")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        # NOTE: -march=native: the cache key includes the CPU flags, so a copy never runs on another CPU
+        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(HERE / "ops.c"), "-o", tmp, "-lm"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(out))
+    lib.gemv_f32.restype = None
+    lib.gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.pack_weight_f32.restype = None
+    lib.pack_weight_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    lib.attn_f32.restype = None
+    lib.attn_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled kernels, or None (see `unavailable_reason()`)."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except Exception as exc:  # no compiler, no OpenMP, read-only cache...
+                _error = f"{type(exc).__name__}: {exc}"
+                log.warning("specguide: C kernels unavailable (%s); using torch ops", _error)
+        return _lib
+
+
+def unavailable_reason() -> Optional[str]:
+    library()
+    return _error
+
+
+TILE = 64
+
+
+def pack_weight_f32(weight: torch.Tensor) -> torch.Tensor:
+    """W [O, I] fp32 -> the kernel's layout [ceil(O/64), I, 64] (zero rows pad O)."""
+    lib = library()
+    assert lib is not None and weight.dtype == torch.float32
+    O, I = weight.shape
+    w = weight.contiguous()
+    packed = torch.empty((O + TILE - 1) // TILE, I, TILE, dtype=torch.float32)
+    lib.pack_weight_f32(w.data_ptr(), packed.data_ptr(), I, O)
+    return packed
+
+
+def gemv_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [B, I] @ W^T (+ residual [B, O]) with W packed by `pack_weight_f32`; batch-invariant."""
+    lib = library()
+    assert lib is not None
+    B, I = x.shape
+    assert x.dtype == packed.dtype == torch.float32 and packed.shape[1] == I
+    x = x.contiguous()
+    y = torch.empty(B, out_features, dtype=torch.float32)
+    r = residual.contiguous() if residual is not None else None
+    lib.gemv_f32(x.data_ptr(), packed.data_ptr(), r.data_ptr() if r is not None else None, y.data_ptr(),
+                 B, I, out_features, torch.get_num_threads())
+    return y
+
+
+def attention_f32(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [B, T, nh, hd] over the slot cache [slots, kvh, S, hd] -> [B, T, nh, hd].
+
+    Query (b, t) sees keys 0..positions[b, t] of cache row slots[b]; batch- and T-invariant."""
+    lib = library()
+    assert lib is not None
+    B, T, nh, hd = q.shape
+    _, kvh, S, hd2 = k_cache.shape
+    assert hd == hd2 and hd % 16 == 0 and nh % kvh == 0 and q.dtype == k_cache.dtype == torch.float32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    q = q.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    lib.attn_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), positions.data_ptr(),
+                 out.data_ptr(), B, T, nh, kvh, S, hd, hd ** -0.5, torch.get_num_threads())
+    return out
