@@ -24,6 +24,10 @@ class EngineConfig:
     default_max_tokens: int = 64  # when a request gives no max_tokens
     max_tokens_limit: int = 0  # 0 = max_seq_len
     warmup: bool = True  # run one forward at start so the first request is not slow
+    guided_compile_workers: int = 2  # grammar compile thread pool
+    guided_cache_bytes: int = 512 * 1024 * 1024  # xgrammar compile cache limit
+    guided_compile_timeout_s: float = 60.0  # 0 = no limit; a request past it fails with INVALID_ARG
+    guided_mask_threads: int = 1  # threads for the batched mask fill (1 is fastest on 2 cores)
 
     def __post_init__(self) -> None:
         assert self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"
@@ -33,6 +37,8 @@ class EngineConfig:
         assert self.prefill_chunk >= 1, "prefill_chunk must be >= 1"
         assert self.max_queue >= 1, "max_queue must be >= 1"
         assert self.default_max_tokens >= 1, "default_max_tokens must be >= 1"
+        assert self.guided_compile_workers >= 1 and self.guided_mask_threads >= 1
+        assert self.guided_compile_timeout_s >= 0
         if self.max_tokens_limit <= 0:
             self.max_tokens_limit = self.max_seq_len
 

@@ -12,6 +12,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from .config import EngineConfig
+from .guided.compiler import GrammarCompilerService
+from .guided.decoder import GuidedDecoder
 from .models.loader import load_model, resolve_model_dir
 from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
 from .runner import Runner
@@ -22,11 +24,14 @@ log = logging.getLogger("specguide")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Callback = Callable[[RequestOutput], None]
+IDLE_WAIT_S = 0.005
 
 
 class Engine:
     """In-flight batched generation. `submit` returns at once; events arrive on the callback
     from the loop thread: one per step with new text, and exactly one with `finished=True`."""
+
+    supports_guided_decoding = True
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -38,7 +43,13 @@ class Engine:
         self.model = load_model(folder, DTYPES[config.dtype], str(self.device))
         model_eos = getattr(self.model, "eos_token_ids", frozenset())
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(model_eos))
-        self.runner = Runner(self.model, config, self.device)
+        vocab = self.model.cfg.vocab_size
+        self.compiler = GrammarCompilerService(
+            self.tokenizer.hf, vocab, stop_token_ids=sorted(self.eos_token_ids),
+            cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
+            timeout_s=config.guided_compile_timeout_s or None)
+        self.guided = GuidedDecoder(config.max_slots, 0, vocab, num_threads=config.guided_mask_threads)
+        self.runner = Runner(self.model, config, self.device, self.guided)
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
         self._ids = itertools.count(1)
         self._seqs: dict[int, Sequence] = {}  # loop thread only
@@ -108,6 +119,7 @@ class Engine:
                 self._drain = False
                 self._cv.notify()
             self._thread.join()
+        self.compiler.shutdown()
 
     # ---- validation -------------------------------------------------------------------------
     def _make_sequence(self, request: Request, callback: Callback) -> Sequence:
@@ -131,8 +143,6 @@ class Engine:
         p.validate(cfg.max_tokens_limit)
         if request.num_draft_tokens is not None and request.num_draft_tokens < 0:
             raise InvalidRequestError(f"num_draft_tokens must be >= 0, got {request.num_draft_tokens}")
-        if request.guided is not None:
-            raise InvalidRequestError("guided decoding is not enabled in this engine")
         if p.end_id is not None and not 0 <= p.end_id < self.runner.vocab_size:
             raise InvalidRequestError(f"end_id {p.end_id} is outside the vocabulary")
         stop_ids = set(p.stop_token_ids)
@@ -144,6 +154,8 @@ class Engine:
             stop_ids=frozenset(stop_ids), guided=request.guided,
             num_draft_tokens=request.num_draft_tokens or 0, request_id=request.request_id)
         seq.detok = IncrementalDetokenizer(self.tokenizer)
+        if request.guided is not None:  # a malformed guide raises here; compile errors come later
+            seq.compile = self.compiler.submit(request.guided)
         return seq
 
     # ---- loop thread ------------------------------------------------------------------------
@@ -162,8 +174,9 @@ class Engine:
                         self._finish(seq, "cancelled")
                 if stopping and not self.scheduler.has_work():
                     return
-                if self.scheduler.has_work():
-                    self.step()
+                if self.scheduler.has_work() and not self.step():
+                    with self._cv:  # only grammar compiles are pending: doze instead of spinning
+                        self._cv.wait(IDLE_WAIT_S)
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine loop crashed")
             self._dead = exc
@@ -182,15 +195,21 @@ class Engine:
                     seq.cancelled = True
                     self._finish(seq, "cancelled")
 
-    def step(self) -> None:
-        """One engine iteration: admit, prefill chunks, one batched decode, emit events."""
-        plan: StepPlan = self.scheduler.schedule()
+    def step(self) -> bool:
+        """One engine iteration: admit, prefill chunks, one batched decode, emit events.
+        Returns False when there was nothing to run (e.g. waiting on grammar compiles)."""
+        self._poll_compiles()
+        plan: StepPlan = self.scheduler.schedule(ready=lambda seq: seq.compile is None)
+        if plan.empty:
+            return False
         self.num_steps += 1
         touched: list[Sequence] = []
         for chunk in plan.prefills:
             seq = chunk.seq
             if chunk.start == 0:
                 self.runner.bind(seq)
+                if seq.grammar is not None:
+                    self.guided.add(seq.slot, seq.grammar)
             tok = self._guarded(seq, lambda: self.runner.prefill(chunk))
             if seq.status is Status.FINISHED:
                 continue
@@ -206,7 +225,7 @@ class Engine:
                 log.exception("decode step failed")
                 for seq in plan.decodes:
                     self._finish(seq, "error", f"decode failed: {exc!r}")
-                return
+                return True
             for seq, tok in zip(plan.decodes, toks):
                 seq.num_cached = seq.num_tokens
                 self._append(seq, [tok])
@@ -214,7 +233,20 @@ class Engine:
         for seq in touched:
             if seq.status is not Status.FINISHED:
                 self._emit(seq, finished=False)
+        return True
 
+    def _poll_compiles(self) -> None:
+        """Move finished grammar compiles onto their sequences; a failed one fails its request."""
+        for seq in [q for q in self.scheduler.waiting if q.compile is not None]:
+            handle = seq.compile
+            if not (handle.ready() or handle.timed_out()):
+                continue
+            try:
+                seq.grammar = handle.result(timeout=0)
+                seq.compile = None
+            except Exception as exc:
+                code = "INVALID_ARG" if isinstance(exc, InvalidRequestError) else "INTERNAL"
+                self._finish(seq, "error", str(exc), code)
     def _guarded(self, seq: Sequence, fn: Callable[[], Optional[int]]) -> Optional[int]:
         try:
             return fn()
@@ -230,10 +262,17 @@ class Engine:
             seq.first_token_time = time.monotonic()
         reason = None
         new: list[int] = []
+        guided = seq.grammar is not None
         for t in tokens:
+            if guided and not self.guided.advance(seq.slot, t):
+                self._finish(seq, "error", f"token {t} violates the grammar (its mask allowed no token "
+                                           f"outside bad_words/end_id?)", "INTERNAL")
+                return
             seq.output_ids.append(t)
             new.append(t)
             reason = self.scheduler.check_stop_token(seq)
+            if guided and self.guided.is_terminated(seq.slot):
+                reason = "stop"
             if reason:
                 break
         seq.pending_text += seq.detok.add(new)
@@ -264,11 +303,18 @@ class Engine:
         seq.pending_text = seq.pending_text[cut:]
         return False
 
-    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None,
+                error_code: Optional[str] = None) -> None:
         if seq.status is Status.FINISHED:
             return
         if reason in ("cancelled", "error"):
             seq.pending_text = ""
+        if seq.compile is not None:
+            seq.compile.cancel()
+            seq.compile = None
+        if seq.slot is not None and seq.grammar is not None:
+            self.guided.remove(seq.slot)
+        seq.error_code = error_code or ("INTERNAL" if reason == "error" else None)
         self.scheduler.finish(seq, reason, error)
         self._seqs.pop(seq.seq_id, None)
         self._emit(seq, finished=True)
@@ -281,6 +327,7 @@ class Engine:
         out = RequestOutput(
             seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
+            error_code=seq.error_code if finished else None,
             num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
             first_token=seq.ids_sent == 0 and bool(new_ids))
         seq.ids_sent = len(seq.output_ids)

@@ -32,6 +32,13 @@ class SamplingParams:
     end_id: Optional[int] = None  # None = the tokenizer's EOS tokens
     ignore_eos: bool = False
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never generated
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output (HF/TRT-LLM)
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output (OpenAI/vLLM)
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +59,12 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must be in [0, 2^64), got {self.seed}")
+        if not (0.0 < self.repetition_penalty < float("inf")):
+            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (-2.0 <= v <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop words must be non-empty strings")
         if any(not seq for seq in self.bad_words_ids):

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from .config import EngineConfig
+from .guided.decoder import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaModel
 from .sampling import SamplingBatch, sample
@@ -17,8 +18,10 @@ NEG_INF = float("-inf")
 class Runner:
     """Owns the model, the KV cache and per-slot sampling buffers (allocated once, indexed by slot)."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, device: torch.device):
+    def __init__(self, model: LlamaModel, config: EngineConfig, device: torch.device,
+                 guided: Optional[GuidedDecoder] = None):
         cfg = model.cfg
+        self.guided = guided
         self.model = model
         self.device = device
         self.vocab_size = cfg.vocab_size
@@ -32,6 +35,13 @@ class Runner:
         self.top_p = torch.ones(S, dtype=torch.float32, device=device)
         self.greedy = torch.ones(S, dtype=torch.bool, device=device)
         self.seed = torch.zeros(S, dtype=torch.int64, device=device)
+        # penalties: [slots] parameters, [slots, V] output-token counts and prompt+output presence
+        self.rep_penalty = torch.ones(S, dtype=torch.float32, device=device)
+        self.presence = torch.zeros(S, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(S, dtype=torch.float32, device=device)
+        self.counts = torch.zeros(S, cfg.vocab_size, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(S, cfg.vocab_size, dtype=torch.bool, device=device)
+        self._penalized: set[int] = set()  # slots whose requests use a penalty
         self._slot_params: dict[int, tuple[bool, bool]] = {}  # slot -> (greedy, uses top-k/top-p)
 
     def bind(self, seq: Sequence) -> None:
@@ -44,6 +54,15 @@ class Runner:
         self.greedy[s] = p.greedy
         self.seed[s] = seq.seed - 2**64 if seq.seed >= 2**63 else seq.seed  # uint64 bits as int64
         self._slot_params[s] = (p.greedy, p.top_k > 1 or p.top_p < 1.0)
+        self.rep_penalty[s] = p.repetition_penalty  # neutral values for unpenalized requests
+        self.presence[s] = p.presence_penalty
+        self.frequency[s] = p.frequency_penalty
+        self._penalized.discard(s)
+        if p.penalized:
+            self._penalized.add(s)
+            self.counts[s].zero_()
+            self.seen[s].zero_()
+            self.seen[s, torch.tensor(seq.prompt_ids, device=self.device)] = True
 
     # ---- forward passes ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -73,25 +92,56 @@ class Runner:
 
     # ---- sampling ---------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        penalized = any(s.slot in self._penalized for s in seqs)
+        if penalized:
+            logits = self._penalize(logits, slots)
         self._ban(logits, seqs)
+        self._mask_grammar(logits, seqs)
+        tokens = self._draw(logits, seqs, slots)
+        if penalized:  # count what was drawn (every drawn token is appended in plain decoding)
+            self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+            self.seen[slots, tokens] = True
+        return tokens.tolist()
+
+    def _penalize(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Repetition (divide positive / multiply negative logits of seen tokens), presence and
+        frequency penalties; rows of unpenalized slots have neutral parameters."""
+        rp = self.rep_penalty[slots][:, None]
+        counts = self.counts[slots].float()  # [B, V]
+        scaled = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(self.seen[slots], scaled, logits)
+        return logits - counts * self.frequency[slots][:, None] - (counts > 0).float() * self.presence[slots][:, None]
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], slots: torch.Tensor) -> torch.Tensor:
         flags = [self._slot_params[s.slot] for s in seqs]
         if all(g for g, _ in flags):
-            return logits.argmax(dim=-1).tolist()
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+            return logits.argmax(dim=-1)
         batch = SamplingBatch(
             temperature=self.temperature[slots], top_k=self.top_k[slots], top_p=self.top_p[slots],
             greedy=self.greedy[slots], seed=self.seed[slots],
             counter=torch.tensor([len(s.output_ids) for s in seqs], device=self.device),
             all_greedy=all(g for g, _ in flags), any_top_k_p=any(f for g, f in flags if not g))
-        return sample(logits, batch).tolist()
+        return sample(logits, batch)
 
-    @staticmethod
-    def _ban(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """-inf for stop tokens before min_tokens and for the last token of matching bad words."""
+    def _mask_grammar(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Fill the guided rows' masks from their matchers' state and apply them (row = (slot, 0))."""
+        if self.guided is None:
+            return
+        rows = [(s.slot, 0) for s in seqs]
+        guided = [r for r in rows if self.guided.is_guided(r[0])]
+        if guided:
+            self.guided.fill(guided)
+            self.guided.apply(logits, rows)
+
+    def _ban(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """-inf for stop tokens before min_tokens and for the last token of matching bad words.
+        Guided rows keep their stop tokens: the grammar decides where the output ends."""
         rows: list[int] = []
         toks: list[int] = []
         for r, seq in enumerate(seqs):
-            if len(seq.output_ids) < seq.params.min_tokens:
+            guided = self.guided is not None and self.guided.is_guided(seq.slot)
+            if len(seq.output_ids) < seq.params.min_tokens and not guided:
                 rows += [r] * len(seq.stop_ids)
                 toks += list(seq.stop_ids)
             for word in seq.params.bad_words_ids:

@@ -119,6 +119,24 @@ def test_min_tokens_and_bad_words(engine):
     assert banned not in toks and toks[0] == natural[0]
 
 
+def test_penalties_discourage_repeats(engine):
+    prompt = "<|im_start|>user\nList programming languages.<|im_end|>\n<|im_start|>assistant\n"
+    plain, _, _ = run_alone(engine, Request(prompt=prompt, params=greedy(60, ignore_eos=True)))
+    for kw in (dict(repetition_penalty=1.5), dict(frequency_penalty=1.0), dict(presence_penalty=1.5)):
+        pen, _, _ = run_alone(engine, Request(prompt=prompt, params=greedy(60, ignore_eos=True, **kw)))
+        assert pen != plain, kw
+        assert len(set(pen)) > len(set(plain)), kw  # more distinct tokens
+    # a penalized request in a batch does not change its neighbours' greedy output
+    outs = {}
+    ev = threading.Event()
+    for k, r in enumerate([Request(prompt=prompt, params=greedy(60, ignore_eos=True, repetition_penalty=1.5)),
+                           Request(prompt=prompt, params=greedy(60, ignore_eos=True))]):
+        engine.submit(r, lambda o, k=k: (outs.setdefault(k, []).extend(o.token_ids),
+                                         o.finished and len(outs.get(1 - k, [])) == 60 and ev.set()))
+    assert ev.wait(60)
+    assert outs[1] == plain
+
+
 def test_cancel_frees_the_slot(engine):
     events = []
     ev = threading.Event()
@@ -170,6 +188,8 @@ def test_cancel_while_queued(engine):
     (dict(prompt="hi", params=SamplingParams(top_p=1.5)), "top_p"),
     (dict(prompt="hi", params=SamplingParams(top_k=-1)), "top_k"),
     (dict(prompt="hi", num_draft_tokens=-1), "num_draft_tokens"),
+    (dict(prompt="hi", params=SamplingParams(repetition_penalty=0.0)), "repetition_penalty"),
+    (dict(prompt="hi", params=SamplingParams(presence_penalty=3.0)), "presence_penalty"),
 ])
 def test_bad_requests_are_clear_errors(engine, kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
