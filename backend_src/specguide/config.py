@@ -24,6 +24,10 @@ class EngineConfig:
     default_max_tokens: int = 64  # when a request gives no max_tokens
     max_tokens_limit: int = 0  # 0 = max_seq_len
     warmup: bool = True  # run one forward at start so the first request is not slow
+    num_draft_tokens: int = 3  # K: draft tokens verified per step (0 = no speculation); per request <= K
+    drafter: str = "ngram"  # "ngram" (prompt lookup) | "early_exit" (the target's first draft_layers)
+    draft_layers: int = 16  # early-exit drafter depth
+    ngram_max: int = 4  # longest suffix the n-gram drafter matches
     guided_compile_workers: int = 2  # grammar compile thread pool
     guided_cache_bytes: int = 512 * 1024 * 1024  # xgrammar compile cache limit
     guided_compile_timeout_s: float = 60.0  # 0 = no limit; a request past it fails with INVALID_ARG
@@ -37,6 +41,9 @@ class EngineConfig:
         assert self.prefill_chunk >= 1, "prefill_chunk must be >= 1"
         assert self.max_queue >= 1, "max_queue must be >= 1"
         assert self.default_max_tokens >= 1, "default_max_tokens must be >= 1"
+        assert 0 <= self.num_draft_tokens <= 15, "num_draft_tokens must be in [0, 15]"
+        assert self.drafter in ("ngram", "early_exit"), f"unknown drafter {self.drafter!r}"
+        assert self.draft_layers >= 1 and self.ngram_max >= 1
         assert self.guided_compile_workers >= 1 and self.guided_mask_threads >= 1
         assert self.guided_compile_timeout_s >= 0
         if self.max_tokens_limit <= 0:

@@ -18,6 +18,7 @@ from .models.loader import load_model, resolve_model_dir
 from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
 from .runner import Runner
 from .scheduler import Scheduler, Sequence, Status, StepPlan
+from .speculative.ngram import NgramDrafter
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("specguide")
@@ -48,8 +49,10 @@ class Engine:
             self.tokenizer.hf, vocab, stop_token_ids=sorted(self.eos_token_ids),
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
             timeout_s=config.guided_compile_timeout_s or None)
-        self.guided = GuidedDecoder(config.max_slots, 0, vocab, num_threads=config.guided_mask_threads)
+        self.guided = GuidedDecoder(config.max_slots, config.num_draft_tokens, vocab,
+                                    num_threads=config.guided_mask_threads)
         self.runner = Runner(self.model, config, self.device, self.guided)
+        self.ngram = NgramDrafter(max_ngram=config.ngram_max)
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
         self._ids = itertools.count(1)
         self._seqs: dict[int, Sequence] = {}  # loop thread only
@@ -141,8 +144,10 @@ class Engine:
                 f"(the prompt must leave room for at least one generated token)")
         p = request.params
         p.validate(cfg.max_tokens_limit)
-        if request.num_draft_tokens is not None and request.num_draft_tokens < 0:
-            raise InvalidRequestError(f"num_draft_tokens must be >= 0, got {request.num_draft_tokens}")
+        k = request.num_draft_tokens
+        if k is not None and not 0 <= k <= cfg.num_draft_tokens:
+            raise InvalidRequestError(f"num_draft_tokens must be in [0, {cfg.num_draft_tokens}] "
+                                      f"(the configured maximum), got {k}")
         if p.end_id is not None and not 0 <= p.end_id < self.runner.vocab_size:
             raise InvalidRequestError(f"end_id {p.end_id} is outside the vocabulary")
         stop_ids = set(p.stop_token_ids)
@@ -152,7 +157,7 @@ class Engine:
             seq_id=next(self._ids), prompt_ids=ids, params=p,
             seed=p.seed if p.seed is not None else random.getrandbits(64), callback=callback,
             stop_ids=frozenset(stop_ids), guided=request.guided,
-            num_draft_tokens=request.num_draft_tokens or 0, request_id=request.request_id)
+            num_draft_tokens=cfg.num_draft_tokens if k is None else k, request_id=request.request_id)
         seq.detok = IncrementalDetokenizer(self.tokenizer)
         if request.guided is not None:  # a malformed guide raises here; compile errors come later
             seq.compile = self.compiler.submit(request.guided)
@@ -220,20 +225,47 @@ class Engine:
                 touched.append(seq)
         if plan.decodes:
             try:
-                toks = self.runner.decode(plan.decodes)
+                results = self._decode(plan.decodes)
             except Exception as exc:  # fails this batch's requests, not the engine
                 log.exception("decode step failed")
                 for seq in plan.decodes:
                     self._finish(seq, "error", f"decode failed: {exc!r}")
                 return True
-            for seq, tok in zip(plan.decodes, toks):
-                seq.num_cached = seq.num_tokens
-                self._append(seq, [tok])
+            for seq, (toks, drafted, accepted) in zip(plan.decodes, results):
+                seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
+                seq.num_draft += drafted
+                seq.num_accepted += accepted
+                self._append(seq, toks)
                 touched.append(seq)
         for seq in touched:
             if seq.status is not Status.FINISHED:
                 self._emit(seq, finished=False)
         return True
+
+    def _decode(self, seqs: list[Sequence]) -> list[tuple[list[int], int, int]]:
+        """One decode step for every decoding sequence: speculative where drafts exist.
+        Returns (tokens to append, drafts proposed, drafts accepted) per sequence."""
+        ks = [self._draft_budget(s) for s in seqs]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        filled = False
+        if any(ks):
+            if self.config.drafter == "early_exit":
+                drafts, filled = self.runner.draft_early_exit(seqs, ks), True
+            else:
+                drafts = [self.ngram.propose(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, ks)]
+        if not any(drafts):
+            return [([t], 0, 0) for t in self.runner.decode(seqs)]
+        out = self.runner.verify(seqs, drafts, masks_filled=filled)
+        return [(toks, len(d), a) for (toks, a), d in zip(out, drafts)]
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        """Drafts worth proposing for this sequence now (0 = plain decoding)."""
+        p = seq.params
+        if (seq.num_draft_tokens == 0 or p.penalized or p.bad_words_ids
+                or len(seq.output_ids) < p.min_tokens):  # per-position bans: no speculation
+            return 0
+        return max(0, min(seq.num_draft_tokens, p.max_tokens - len(seq.output_ids) - 1,
+                          self.config.max_seq_len - seq.num_tokens - 1))
 
     def _poll_compiles(self) -> None:
         """Move finished grammar compiles onto their sequences; a failed one fails its request."""
@@ -328,6 +360,7 @@ class Engine:
             seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
             error_code=seq.error_code if finished else None,
+            total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
             num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
             first_token=seq.ids_sent == 0 and bool(new_ids))
         seq.ids_sent = len(seq.output_ids)

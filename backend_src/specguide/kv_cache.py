@@ -5,18 +5,20 @@ import torch
 
 
 class KVCache:
-    """K and V of shape [layers, max_slots, kv_heads, max_seq_len, head_dim].
+    """K and V of shape [layers, max_slots, kv_heads, max_seq_len + spare, head_dim].
+
+    `spare` positions past max_seq_len absorb the padded draft positions of a verification step.
 
     A slot's valid length lives in the scheduler; entries past it are dead and overwritten later,
     so rejecting draft tokens needs no cache work."""
 
     def __init__(self, num_layers: int, max_slots: int, num_kv_heads: int, max_seq_len: int,
-                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
-        shape = (num_layers, max_slots, num_kv_heads, max_seq_len, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu", spare: int = 0):
+        shape = (num_layers, max_slots, num_kv_heads, max_seq_len + spare, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_slots = max_slots
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = max_seq_len + spare  # positions the cache holds
 
     @property
     def nbytes(self) -> int:

@@ -9,7 +9,8 @@ from .config import EngineConfig
 from .guided.decoder import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaModel
-from .sampling import SamplingBatch, sample
+from .sampling import SamplingBatch, probabilities, sample
+from .speculative import acceptance
 from .scheduler import PrefillChunk, Sequence
 
 NEG_INF = float("-inf")
@@ -26,8 +27,10 @@ class Runner:
         self.device = device
         self.vocab_size = cfg.vocab_size
         dtype = model.embed.weight.dtype
+        self.K = config.num_draft_tokens
+        self.draft_layers = min(config.draft_layers, cfg.num_layers)
         self.kv = KVCache(cfg.num_layers, config.max_slots, cfg.num_kv_heads, config.max_seq_len,
-                          cfg.head_dim, dtype, device)
+                          cfg.head_dim, dtype, device, spare=self.K)
         S = config.max_slots
         # per-slot sampling parameters, written on admission
         self.temperature = torch.ones(S, dtype=torch.float32, device=device)
@@ -89,6 +92,104 @@ class Runner:
         ctx = self.model.make_context(slots, positions, slot_list, max(s.num_tokens for s in seqs))
         logits = self.model.logits(self.model(ids, ctx, self.kv)[:, -1])  # [B, V]
         return self._sample(logits, seqs)
+
+    # ---- speculative decoding ---------------------------------------------------------------
+    @torch.inference_mode()
+    def draft_early_exit(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Greedy drafts from the target's first `draft_layers` layers + final norm + LM head
+        (their KV is the target's own). Guided slots mask each draft with mask row i, which the
+        verification then reuses; a draft the grammar rejects ends that slot's drafting."""
+        B, K = len(seqs), max(ks)
+        slot_list = [s.slot for s in seqs]
+        slots = torch.tensor(slot_list, device=self.device)
+        cur = torch.tensor([[s.last_token] for s in seqs], device=self.device)
+        pos0 = torch.tensor([[s.num_tokens - 1] for s in seqs], device=self.device)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        live = [k > 0 for k in ks]
+        for i in range(K):
+            ctx = self.model.make_context(slots, pos0 + i, slot_list, max(s.num_tokens for s in seqs) + i)
+            logits = self.model.logits(self.model(cur, ctx, self.kv, num_layers=self.draft_layers)[:, -1])
+            rows = [(s.slot, i) for s in seqs]
+            if self.guided is not None:
+                g = [r for r, s, ok in zip(rows, seqs, live) if ok and self.guided.is_guided(s.slot)]
+                if g:
+                    self.guided.fill(g)
+                    self.guided.apply(logits, rows)
+            tokens = logits.argmax(dim=-1).tolist()
+            for b, seq in enumerate(seqs):
+                if not live[b]:
+                    continue
+                if self.guided is not None and self.guided.is_guided(seq.slot):
+                    if not self.guided.advance(seq.slot, tokens[b]):
+                        live[b] = False  # grammar dead end: stop drafting, not an error
+                        continue
+                drafts[b].append(tokens[b])
+                live[b] = len(drafts[b]) < ks[b] and not (
+                    self.guided is not None and self.guided.is_guided(seq.slot) and self.guided.is_terminated(seq.slot))
+            cur = torch.tensor([[t] for t in tokens], device=self.device)
+        if self.guided is not None:  # masks of the position after the last draft; then undo the drafts
+            g = [(s.slot, len(d)) for s, d in zip(seqs, drafts) if self.guided.is_guided(s.slot)]
+            self.guided.fill(g)
+            for s, d in zip(seqs, drafts):
+                if self.guided.is_guided(s.slot):
+                    self.guided.rollback(s.slot, len(d))
+        return drafts
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], masks_filled: bool = False
+               ) -> list[tuple[list[int], int]]:
+        """One target forward over [last, d_0..d_{k-1}] for every slot (padded to the longest);
+        returns per sequence (tokens to emit: accepted drafts + one corrected/bonus token, drafts
+        accepted). Guided slots: masks for rows 0..k come from the matcher walking the drafts
+        (filled here unless the drafter already did); the matcher is left where it started."""
+        B = len(seqs)
+        K = max(len(d) for d in drafts)
+        T = K + 1
+        slot_list = [s.slot for s in seqs]
+        slots = torch.tensor(slot_list, device=self.device)
+        ids = torch.tensor([[s.last_token] + d + [s.last_token] * (K - len(d)) for s, d in zip(seqs, drafts)],
+                           device=self.device)  # [B, T]; padded drafts write dead KV past the length
+        positions = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)[:, None] + \
+            torch.arange(T, device=self.device)[None, :]
+        ctx = self.model.make_context(slots, positions, slot_list, max(s.num_tokens for s in seqs) + K)
+        logits = self.model.logits(self.model(ids, ctx, self.kv))  # [B, T, V]
+        if self.guided is not None and any(self.guided.is_guided(s) for s in slot_list):
+            if not masks_filled:
+                fed = self.guided.fill_verify_rows({s.slot: d for s, d in zip(seqs, drafts)})
+                drafts = [d[: fed[s.slot]] if s.slot in fed else d for s, d in zip(seqs, drafts)]
+                for s in seqs:
+                    if s.slot in fed:
+                        self.guided.rollback(s.slot, fed[s.slot])
+            self.guided.apply(logits.view(B * T, -1), [(s, i) for s in slot_list for i in range(T)])
+        penalized = any(s in self._penalized for s in slot_list)
+        first = logits[:, 0]  # speculation-ineligible rows (bans, penalties) only use position 0
+        if penalized:
+            first.copy_(self._penalize(first, slots))
+        self._ban(first, seqs)
+        num = torch.tensor([len(d) for d in drafts], device=self.device)
+        dr = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.int64, device=self.device)
+        flags = [self._slot_params[s.slot] for s in seqs]
+        if all(g for g, _ in flags):
+            target = logits.argmax(dim=-1)  # [B, T]
+            ok = (dr == target[:, :K]) & (torch.arange(K, device=self.device)[None, :] < num[:, None])
+            accepted = ok.int().cumprod(dim=1).sum(dim=1)
+            nxt = target.gather(1, accepted[:, None])[:, 0]
+        else:
+            rows = slots.repeat_interleave(T)
+            counter = torch.tensor([len(s.output_ids) for s in seqs], device=self.device)
+            batch = SamplingBatch(
+                temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+                greedy=self.greedy[rows], seed=self.seed[rows],
+                counter=(counter[:, None] + torch.arange(T, device=self.device)).reshape(-1),
+                all_greedy=False, any_top_k_p=any(f for g, f in flags if not g))
+            p = probabilities(logits.view(B * T, -1), batch).view(B, T, -1)
+            u_acc, u_res = acceptance.uniforms(self.seed[slots], counter, K, p.shape[-1])
+            accepted, nxt = acceptance.verify(p, dr, num, u_acc, u_res)
+        if penalized:
+            self.counts.index_put_((slots, nxt), torch.ones_like(nxt, dtype=torch.int32), accumulate=True)
+            self.seen[slots, nxt] = True
+        acc_list, nxt_list = accepted.tolist(), nxt.tolist()
+        return [(d[:a] + [t], a) for d, a, t in zip(drafts, acc_list, nxt_list)]
 
     # ---- sampling ---------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

@@ -50,6 +50,8 @@ class Sequence:
     compile: object = None  # CompileHandle while the grammar compiles (guided requests)
     grammar: object = None  # xgrammar CompiledGrammar once ready
     error_code: Optional[str] = None
+    num_draft: int = 0  # speculative decoding: draft tokens proposed / accepted so far
+    num_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,1 @@
+"""One-model speculative decoding: drafters and batched acceptance."""

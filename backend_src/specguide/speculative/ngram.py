@@ -1,0 +1,24 @@
+"""Prompt-lookup (n-gram) drafting: model-free, proposes what followed the latest earlier
+occurrence of the sequence's current suffix."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class NgramDrafter:
+    max_ngram: int = 4  # longest suffix tried first, down to min_ngram
+    min_ngram: int = 1
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k draft tokens continuing `tokens` (prompt + output), [] when no suffix recurs."""
+        if k <= 0:
+            return []
+        n = len(tokens)
+        for size in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            suffix = tokens[n - size:]
+            # latest earlier occurrence whose continuation exists
+            for start in range(n - size - 1, -1, -1):
+                if tokens[start: start + size] == suffix:
+                    return tokens[start + size: start + size + k]
+        return []
