@@ -188,6 +188,7 @@ def test_cancel_while_queued(engine):
     (dict(prompt="hi", params=SamplingParams(top_p=1.5)), "top_p"),
     (dict(prompt="hi", params=SamplingParams(top_k=-1)), "top_k"),
     (dict(prompt="hi", num_draft_tokens=-1), "num_draft_tokens"),
+    (dict(prompt="hi", num_draft_tokens=99), "num_draft_tokens"),
     (dict(prompt="hi", params=SamplingParams(repetition_penalty=0.0)), "repetition_penalty"),
     (dict(prompt="hi", params=SamplingParams(presence_penalty=3.0)), "presence_penalty"),
 ])
