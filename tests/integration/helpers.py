@@ -1,0 +1,46 @@
+"""Helpers shared by the integration tests: raw tensors, one request on a fresh gRPC stream."""
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from .conftest import MODEL
+
+
+def S(*vals):
+    return np.array([[v.encode() for v in vals]], dtype=np.object_)
+
+
+def I(v, dtype=np.int32):
+    return np.array([[v]], dtype=dtype)
+
+
+def B(v: bool):
+    return np.array([[v]], dtype=np.bool_)
+
+
+def raw_stream(server, inputs: dict[str, np.ndarray], timeout: float = 120.0, cancel_after: int = 0):
+    """Send one request on a fresh gRPC stream; return [(result, error, final)] up to the final one."""
+    client = grpcclient.InferenceServerClient(server.grpc)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    tensors = []
+    for name, arr in inputs.items():
+        dt = {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL", np.float32: "FP32", np.uint64: "UINT64"}[arr.dtype.type]
+        t = grpcclient.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    client.async_stream_infer(MODEL, tensors, enable_empty_final_response=True)
+    got = []
+    try:
+        while True:
+            result, error = q.get(timeout=timeout)
+            final = error is not None or result.get_response().parameters["triton_final_response"].bool_param
+            got.append((result, error, final))
+            if final or (cancel_after and len(got) >= cancel_after):
+                return got
+    finally:
+        client.stop_stream(cancel_requests=bool(cancel_after))
+        client.close()
