@@ -481,6 +481,15 @@ def test_readme_documents_every_input_with_its_default():
         assert f"`{sp.name}`" in readme, sp.name
 
 
+def test_readme_lists_every_engine_setting():
+    from specguide.config import EngineConfig
+
+    readme = (ROOT / "README.md").read_text()
+    settings = readme[readme.index("**Engine settings**"):]
+    missing = [f for f in EngineConfig.__dataclass_fields__ if f"`{f}`" not in settings]
+    assert not missing, f"README's engine settings miss {missing}"
+
+
 def test_client_sends_the_declared_dtypes():
     from client.common import INPUT_TYPES
 
