@@ -28,6 +28,7 @@ class EngineConfig:
     drafter: str = "ngram"  # "ngram" (prompt lookup) | "early_exit" (the target's first draft_layers)
     draft_layers: int = 16  # early-exit drafter depth
     ngram_max: int = 4  # longest suffix the n-gram drafter matches
+    mask_drafts: bool = True  # apply grammar masks while drafting (off: only verification masks; ablation)
     guided_compile_workers: int = 2  # grammar compile thread pool
     guided_cache_bytes: int = 512 * 1024 * 1024  # xgrammar compile cache limit
     guided_compile_timeout_s: float = 60.0  # 0 = no limit; a request past it fails with INVALID_ARG

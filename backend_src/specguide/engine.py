@@ -250,7 +250,8 @@ class Engine:
         filled = False
         if any(ks):
             if self.config.drafter == "early_exit":
-                drafts, filled = self.runner.draft_early_exit(seqs, ks), True
+                filled = self.config.mask_drafts
+                drafts = self.runner.draft_early_exit(seqs, ks, masked=filled)
             else:
                 drafts = [self.ngram.propose(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, ks)]
         if not any(drafts):

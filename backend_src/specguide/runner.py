@@ -95,11 +95,13 @@ class Runner:
 
     # ---- speculative decoding ---------------------------------------------------------------
     @torch.inference_mode()
-    def draft_early_exit(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    def draft_early_exit(self, seqs: list[Sequence], ks: list[int], masked: bool = True) -> list[list[int]]:
         """Greedy drafts from the target's first `draft_layers` layers + final norm + LM head
         (their KV is the target's own). Guided slots mask each draft with mask row i, which the
-        verification then reuses; a draft the grammar rejects ends that slot's drafting."""
+        verification then reuses; a draft the grammar rejects ends that slot's drafting.
+        `masked=False` drafts without masks (the verification fills them; an ablation)."""
         B, K = len(seqs), max(ks)
+        guided = self.guided if masked else None
         slot_list = [s.slot for s in seqs]
         slots = torch.tensor(slot_list, device=self.device)
         cur = torch.tensor([[s.last_token] for s in seqs], device=self.device)
@@ -110,29 +112,29 @@ class Runner:
             ctx = self.model.make_context(slots, pos0 + i, slot_list, max(s.num_tokens for s in seqs) + i)
             logits = self.model.logits(self.model(cur, ctx, self.kv, num_layers=self.draft_layers)[:, -1])
             rows = [(s.slot, i) for s in seqs]
-            if self.guided is not None:
-                g = [r for r, s, ok in zip(rows, seqs, live) if ok and self.guided.is_guided(s.slot)]
+            if guided is not None:
+                g = [r for r, s, ok in zip(rows, seqs, live) if ok and guided.is_guided(s.slot)]
                 if g:
-                    self.guided.fill(g)
-                    self.guided.apply(logits, rows)
+                    guided.fill(g)
+                    guided.apply(logits, rows)
             tokens = logits.argmax(dim=-1).tolist()
             for b, seq in enumerate(seqs):
                 if not live[b]:
                     continue
-                if self.guided is not None and self.guided.is_guided(seq.slot):
-                    if not self.guided.advance(seq.slot, tokens[b]):
+                if guided is not None and guided.is_guided(seq.slot):
+                    if not guided.advance(seq.slot, tokens[b]):
                         live[b] = False  # grammar dead end: stop drafting, not an error
                         continue
                 drafts[b].append(tokens[b])
                 live[b] = len(drafts[b]) < ks[b] and not (
-                    self.guided is not None and self.guided.is_guided(seq.slot) and self.guided.is_terminated(seq.slot))
+                    guided is not None and guided.is_guided(seq.slot) and guided.is_terminated(seq.slot))
             cur = torch.tensor([[t] for t in tokens], device=self.device)
-        if self.guided is not None:  # masks of the position after the last draft; then undo the drafts
-            g = [(s.slot, len(d)) for s, d in zip(seqs, drafts) if self.guided.is_guided(s.slot)]
-            self.guided.fill(g)
+        if guided is not None:  # masks of the position after the last draft; then undo the drafts
+            g = [(s.slot, len(d)) for s, d in zip(seqs, drafts) if guided.is_guided(s.slot)]
+            guided.fill(g)
             for s, d in zip(seqs, drafts):
-                if self.guided.is_guided(s.slot):
-                    self.guided.rollback(s.slot, len(d))
+                if guided.is_guided(s.slot):
+                    guided.rollback(s.slot, len(d))
         return drafts
 
     @torch.inference_mode()
