@@ -1,6 +1,6 @@
 """Engine vs transformers `generate`, side by side in one run (greedy, N new tokens).
 
-    python bench/bench_engine.py [--new-tokens 128] [--dtypes float32,bfloat16] [--concurrency 8]
+    python bench/bench_engine.py [--new-tokens 128] [--runs float32:0,float32:3,bfloat16:0] [--concurrency 8]
 
 Reports, on the same prompts:
   * transformers generate, batch 1, one request after another (fp32)
@@ -95,7 +95,8 @@ def run_engine_concurrent(engine: Engine, prompts: list[list[int]], n: int) -> f
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--runs", default="float32:0,float32:3,bfloat16:0",
+                    help="engine runs as dtype:K (K = draft tokens, 0 = no speculation)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
@@ -112,8 +113,10 @@ def main() -> None:
     hf_tps, hf_outs = bench_hf(model_dir, seq_prompts, n)
     results["hf_generate_fp32_b1_tok_s"] = round(hf_tps, 1)
     print(f"transformers generate fp32 batch 1: {hf_tps:.1f} tok/s", flush=True)
-    for dtype in args.dtypes.split(","):
-        engine = Engine(EngineConfig(dtype=dtype, max_slots=max(8, args.concurrency), max_seq_len=1024))
+    for spec in args.runs.split(","):
+        dtype, k = spec.split(":")
+        engine = Engine(EngineConfig(dtype=dtype, max_slots=max(8, args.concurrency), max_seq_len=1024,
+                                     num_draft_tokens=int(k)))
         run_engine_sequential(engine, seq_prompts[:1], 8)  # warm-up
         e2e, dec, ttft, outs = run_engine_sequential(engine, seq_prompts, n)
         agg = run_engine_concurrent(engine, prompts, n)
@@ -123,8 +126,8 @@ def main() -> None:
              f"c{len(prompts)}_aggregate_tok_s": round(agg, 1), "greedy_equal_to_hf": f"{same}/{len(outs)}",
              "speedup_b1_decode_vs_hf": round(dec / hf_tps, 2),
              f"speedup_c{len(prompts)}_vs_hf_sequential": round(agg / hf_tps, 2)}
-        results[f"engine_{dtype}"] = r
-        print(f"engine {dtype}: {json.dumps(r)}", flush=True)
+        results[f"engine_{dtype}_K{k}"] = r
+        print(f"engine {dtype} K={k}: {json.dumps(r)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
