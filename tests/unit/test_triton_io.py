@@ -86,6 +86,10 @@ def s(*vals):  # one row of strings, batch 1: shape [1, n]
     return np.array([[v.encode() if isinstance(v, str) else v for v in vals]], dtype=np.object_)
 
 
+def vllm(**sp):  # a vLLM sampling_parameters tensor
+    return s(json.dumps(sp))
+
+
 def parse(inputs, parameters="{}", **kw):
     req = FakeRequest(inputs, parameters)
     kw.setdefault("tokenizer", TOK)
@@ -139,12 +143,14 @@ def test_all_trtllm_tensors_map_to_sampling_params():
         "return_num_output_tokens": np.array([[True]]),
         "return_perf_metrics": np.array([[True]]),
         "beam_width": np.array([[1]], np.int32),
-        "frequency_penalty": np.array([[0.0]], np.float32),
-        "presence_penalty": np.array([[0.0]], np.float32),
-        "repetition_penalty": np.array([[1.0]], np.float32),
+        "frequency_penalty": np.array([[0.25]], np.float32),
+        "presence_penalty": np.array([[-0.5]], np.float32),
+        "repetition_penalty": np.array([[1.5]], np.float32),
         "length_penalty": np.array([[1.3]], np.float32),
     })
     sp = p.request.params
+    assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.5, -0.5, 0.25)
+    assert sp.penalized
     assert (sp.max_tokens, sp.min_tokens, sp.top_k, sp.seed, sp.end_id) == (7, 2, 40, 2**63 + 5, 2)
     assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
     assert sp.stop == ["\n\n", "END"]  # empty strings (as curl examples send) are skipped
@@ -195,6 +201,74 @@ def test_vllm_sampling_parameters_with_string_values_and_vllm_defaults():
     assert (sp.max_tokens, sp.temperature, sp.stop, sp.stop_token_ids, sp.ignore_eos, sp.seed) == (8, 0.0, ["x"], [1, 2], True, 3)
 
 
+def test_penalties_map_from_tensors_and_vllm_json():
+    # a penalty alone keeps the request greedy (only temperature/top_k/top_p turn sampling on)
+    sp = one({"text_input": s("Hi"), "repetition_penalty": np.array([[1.5]], np.float32)}).request.params
+    assert sp.repetition_penalty == 1.5 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
+    assert sp.greedy and sp.penalized
+    for name in ("presence_penalty", "frequency_penalty"):
+        sp = one({"text_input": s("Hi"), name: np.array([[-2.0]], np.float32)}).request.params
+        assert getattr(sp, name) == -2.0 and sp.greedy
+    # neutral values are accepted everywhere and leave the request unpenalized
+    sp = one({"text_input": s("Hi"), "repetition_penalty": np.array([[1.0]], np.float32),
+              "presence_penalty": np.array([[0.0]], np.float32), "frequency_penalty": np.array([[0.0]], np.float32),
+              "sampling_parameters": vllm(repetition_penalty=1, presence_penalty="0", frequency_penalty=0.0)}).request.params
+    assert not sp.penalized
+    # vLLM keys, numbers or strings (as genai-perf sends them)
+    sp = one({"text_input": s("Hi"), "sampling_parameters": vllm(
+        repetition_penalty="1.2", presence_penalty=0.5, frequency_penalty="-1.5", temperature=0)}).request.params
+    assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.2, 0.5, -1.5)
+    # a tensor overrides the same vLLM key
+    sp = one({"text_input": s("Hi"), "sampling_parameters": vllm(repetition_penalty=1.2, presence_penalty=0.5),
+              "repetition_penalty": np.array([[2.0]], np.float32)}).request.params
+    assert (sp.repetition_penalty, sp.presence_penalty) == (2.0, 0.5)
+    # request parameters (gRPC parameters / HTTP generate keys) fill them too
+    sp = one({"text_input": s("Hi")}, parameters=json.dumps({"frequency_penalty": 0.75})).request.params
+    assert sp.frequency_penalty == 0.75
+
+
+def f32(v):
+    return np.array([[v]], np.float32)
+
+
+BAD_PENALTIES = [
+    ({"repetition_penalty": f32(0.0)}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": f32(-1.0)}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": f32(np.inf)}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": f32(np.nan)}, "repetition_penalty must be a number"),
+    ({"presence_penalty": f32(2.5)}, "presence_penalty must be in [-2, 2]"),
+    ({"presence_penalty": f32(-3.0)}, "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": f32(-2.01)}, "frequency_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": f32(np.inf)}, "frequency_penalty must be in [-2, 2]"),
+    ({"sampling_parameters": vllm(repetition_penalty=0)}, "repetition_penalty must be a finite number > 0"),
+    ({"sampling_parameters": vllm(presence_penalty="2.5")}, "presence_penalty must be in [-2, 2]"),
+    ({"sampling_parameters": vllm(frequency_penalty=-7)}, "frequency_penalty must be in [-2, 2]"),
+    ({"sampling_parameters": vllm(repetition_penalty="lots")}, "repetition_penalty must be a number"),
+    ({"sampling_parameters": vllm(presence_penalty=True)}, "presence_penalty must be a number"),
+    ({"sampling_parameters": vllm(repetition_penalty=1.5), "repetition_penalty": f32(0.0)},
+     "repetition_penalty must be a finite number > 0"),  # the tensor wins, and is checked
+]
+
+
+@pytest.mark.parametrize("inputs,message", BAD_PENALTIES, ids=[f"{i}-{m}" for i, (_, m) in enumerate(BAD_PENALTIES)])
+def test_bad_penalties_are_invalid_arg(inputs, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as e:
+        parse({"text_input": s("a"), **inputs})
+    assert not isinstance(e.value, io.UnsupportedError)
+    assert io.error_code(e.value) == "INVALID_ARG"
+
+
+def test_beam_width_and_length_penalty_unchanged():
+    with pytest.raises(io.UnsupportedError, match="beam_width=4") as e:
+        parse({"text_input": s("a"), "beam_width": np.array([[4]], np.int32)})
+    assert io.error_code(e.value) == "UNSUPPORTED"
+    one({"text_input": s("a"), "beam_width": np.array([[1]], np.int32), "length_penalty": f32(0.3)})  # ignored
+    with pytest.raises(io.UnsupportedError, match="length_penalty=2.0"):
+        parse({"text_input": s("a"), "sampling_parameters": vllm(length_penalty=2.0)})
+    with pytest.raises(io.UnsupportedError, match="use_beam_search=True"):
+        parse({"text_input": s("a"), "sampling_parameters": vllm(use_beam_search=True)})
+
+
 def test_tensors_override_vllm_json():
     sp = one({"text_input": s("Hi"), "sampling_parameters": s('{"max_tokens": 8, "temperature": 0.7}'),
               "max_tokens": np.array([[3]], np.int32)}).request.params
@@ -214,7 +288,7 @@ BAD_INPUTS = [
     ({"text_input": s("a"), "min_tokens": np.array([[100]], np.int32)}, "min_tokens"),
     ({"text_input": s("a"), "num_draft_tokens": np.array([[-1]], np.int32)}, "num_draft_tokens"),
     ({"text_input": s("a"), "beam_width": np.array([[4]], np.int32)}, "beam_width"),
-    ({"text_input": s("a"), "presence_penalty": np.array([[0.5]], np.float32)}, "presence_penalty"),
+    ({"text_input": s("a"), "presence_penalty": np.array([[2.5]], np.float32)}, "presence_penalty"),
     ({"text_input": s("a"), "sampling_parameters": s("{not json")}, "not valid JSON"),
     ({"text_input": s("a"), "sampling_parameters": s("[1]")}, "JSON object"),
     ({"text_input": s("a"), "sampling_parameters": s('{"max_tokens": "many"}')}, "max_tokens must be an integer"),
@@ -243,10 +317,6 @@ def test_guided_inputs_are_unsupported_when_the_engine_has_no_guided_decoding(in
     with pytest.raises(io.UnsupportedError, match="guided decoding is not enabled yet") as e:
         parse({"text_input": s("a"), **inputs})
     assert io.error_code(e.value) == "UNSUPPORTED"
-
-
-def vllm(**sp):
-    return s(json.dumps(sp))
 
 
 def test_guided_inputs_map_to_params_when_enabled():

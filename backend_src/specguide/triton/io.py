@@ -78,9 +78,12 @@ INPUTS: tuple[Spec, ...] = (
     Spec("return_num_output_tokens", "TYPE_BOOL", (1,), "false", "add `num_output_tokens` to responses"),
     Spec("return_perf_metrics", "TYPE_BOOL", (1,), "false", "add the draft-token counters to responses"),
     Spec("beam_width", "TYPE_INT32", (1,), "1", "only 1 is supported"),
-    Spec("frequency_penalty", "TYPE_FP32", (1,), "0", "only 0 is supported"),
-    Spec("presence_penalty", "TYPE_FP32", (1,), "0", "only 0 is supported"),
-    Spec("repetition_penalty", "TYPE_FP32", (1,), "1", "only 1 is supported"),
+    Spec("frequency_penalty", "TYPE_FP32", (1,), "0 (off)",
+         "in [-2, 2]; subtracted from a token's logit once per occurrence in the output (OpenAI/vLLM)"),
+    Spec("presence_penalty", "TYPE_FP32", (1,), "0 (off)",
+         "in [-2, 2]; subtracted once from the logits of tokens already in the output (OpenAI/vLLM)"),
+    Spec("repetition_penalty", "TYPE_FP32", (1,), "1.0 (off)",
+         "> 0; divides positive / multiplies negative logits of tokens in the prompt or output (HF/TRT-LLM)"),
     Spec("length_penalty", "TYPE_FP32", (1,), "1", "accepted and ignored (beam search only)"),
 )
 
@@ -317,19 +320,23 @@ def _apply_tensor_sampling(row: _Row, sp: SamplingParams, explicit_sampling: boo
     bad = row.strs("bad_words")
     if bad:
         sp.bad_words_ids = list(sp.bad_words_ids) + _encode_words(bad, tokenizer)
+    for key in _PENALTIES:  # checked by SamplingParams.validate; they do not turn sampling on
+        v = row.float(key)
+        if v is not None:
+            setattr(sp, key, v)
     _check_neutral("beam_width", row.int("beam_width"), 1)
-    _check_neutral("frequency_penalty", row.float("frequency_penalty"), 0.0)
-    _check_neutral("presence_penalty", row.float("presence_penalty"), 0.0)
-    _check_neutral("repetition_penalty", row.float("repetition_penalty"), 1.0)
 
+
+# Sampling penalties: the TensorRT-LLM tensors and the vLLM keys have the same names.
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 # vLLM SamplingParams fields we accept only at their neutral value, and fields we ignore.
 _VLLM_NEUTRAL = {
-    "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "logprobs": 0, "prompt_logprobs": 0, "use_beam_search": False, "length_penalty": 1.0, "min_p": 0.0,
+    "n": 1, "best_of": 1, "logprobs": 0, "prompt_logprobs": 0, "use_beam_search": False, "length_penalty": 1.0,
+    "min_p": 0.0,
 }
 _VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
-_VLLM_FLOATS = ("temperature", "top_p")
+_VLLM_FLOATS = ("temperature", "top_p") + _PENALTIES
 
 
 def _parse_vllm_json(text: str) -> dict[str, Any]:
