@@ -15,9 +15,13 @@ RUN pip install --no-cache-dir torch==2.13.0 \
 COPY backend_src/ ./backend_src/
 RUN pip install --no-cache-dir ./backend_src
 
-# Convert the default model (GGUF -> safetensors) once, at build time.
+# Convert the default model (GGUF -> safetensors) once, at build time, and build the CPU
+# kernels (C, compiled with the system gcc; rebuilt at start-up on a host with another CPU).
 ENV SPECGUIDE_CACHE_DIR=/opt/specguide/cache
-RUN python3 -m specguide.models.default_model
+RUN (command -v gcc || (apt-get update && apt-get install -y --no-install-recommends gcc libgomp1 \
+      && rm -rf /var/lib/apt/lists/*)) \
+ && python3 -m specguide.models.default_model \
+ && python3 -c "from specguide import kernels; assert kernels.library() is not None, kernels.unavailable_reason()"
 
 COPY model_repository/ /models/
 COPY docker/entrypoint.sh /usr/local/bin/specguide-entrypoint
