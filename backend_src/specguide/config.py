@@ -29,6 +29,8 @@ class EngineConfig:
     draft_layers: int = 16  # early-exit drafter depth
     ngram_max: int = 4  # longest suffix the n-gram drafter matches
     mask_drafts: bool = True  # apply grammar masks while drafting (off: only verification masks; ablation)
+    spec_max_rows: int = 16  # rows one verification step may hold (batch x (K+1)): K shrinks as the
+    # batch grows, since a CPU turns compute-bound past a few rows (0 = no limit; a GPU takes ~256)
     guided_compile_workers: int = 2  # grammar compile thread pool
     guided_cache_bytes: int = 512 * 1024 * 1024  # xgrammar compile cache limit
     guided_compile_timeout_s: float = 60.0  # 0 = no limit; a request past it fails with INVALID_ARG
@@ -44,7 +46,7 @@ class EngineConfig:
         assert self.default_max_tokens >= 1, "default_max_tokens must be >= 1"
         assert 0 <= self.num_draft_tokens <= 15, "num_draft_tokens must be in [0, 15]"
         assert self.drafter in ("ngram", "early_exit"), f"unknown drafter {self.drafter!r}"
-        assert self.draft_layers >= 1 and self.ngram_max >= 1
+        assert self.draft_layers >= 1 and self.ngram_max >= 1 and self.spec_max_rows >= 0
         assert self.guided_compile_workers >= 1 and self.guided_mask_threads >= 1
         assert self.guided_compile_timeout_s >= 0
         if self.max_tokens_limit <= 0:

@@ -246,6 +246,9 @@ class Engine:
         """One decode step for every decoding sequence: speculative where drafts exist.
         Returns (tokens to append, drafts proposed, drafts accepted) per sequence."""
         ks = [self._draft_budget(s) for s in seqs]
+        if self.config.spec_max_rows:  # at most spec_max_rows rows in the verification forward
+            cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
+            ks = [min(k, cap) for k in ks]
         drafts: list[list[int]] = [[] for _ in seqs]
         filled = False
         if any(ks):
