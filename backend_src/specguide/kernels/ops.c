@@ -5,6 +5,9 @@
  * rows B or threads: the result for a row never depends on which other rows share the call.
  * (oneDNN/MKL pick different kernels for different B, so their results differ in the last bits.)
  * Small B is memory-bound: each weight tile is streamed once per 4 rows of x.
+ * NOTE: dynamic scheduling: when another thread of the process holds a core, the other OpenMP
+ * thread takes more tiles instead of the whole step waiting at the barrier (+~14% at batch 1 on
+ * 2 cores). Which thread computes a tile never changes what it computes.
  */
 #include <stdint.h>
 #include <math.h>
@@ -43,7 +46,7 @@ void pack_weight_f32(const float *W, float *Wp, int I, int O) {
 
 void gemv_f32(const float *x, const float *Wp, const float *r, float *y, int B, int I, int O, int threads) {
     const int tiles = (O + TILE - 1) / TILE;
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
     for (int t = 0; t < tiles; t++) {
         const float *wt = Wp + (int64_t)t * I * TILE;
         for (int b = 0; b < B; b += RB) {
@@ -83,7 +86,7 @@ void gemv_f32(const float *x, const float *Wp, const float *r, float *y, int B, 
 void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *slot, const int64_t *pos,
               float *out, int B, int T, int nh, int kvh, int S, int hd, float scale, int threads) {
     const int group = nh / kvh;
-    #pragma omp parallel for collapse(3) schedule(static) num_threads(threads)
+    #pragma omp parallel for collapse(3) schedule(dynamic, 2) num_threads(threads)
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)
             for (int h = 0; h < nh; h++) {
