@@ -38,3 +38,28 @@ def test_attention_matches_sdpa_and_is_invariant_over_batch_and_queries():
         for t in range(T):  # one query alone == the same query inside the [B, T] call
             one = kernels.attention_f32(q[b:b + 1, t:t + 1], kc, vc, slots[b:b + 1], pos[b:b + 1, t:t + 1])
             assert torch.equal(one, out[b:b + 1, t:t + 1])
+
+
+def test_fused_rope_attention_matches_the_torch_path_and_writes_the_cache():
+    from specguide.models.llama import apply_rope
+
+    g = torch.Generator().manual_seed(1)
+    B, T, nh, kvh, S, hd = 2, 3, 6, 2, 32, 32
+    qkv = torch.randn(B, T, nh + 2 * kvh, hd, generator=g)
+    pos_f = torch.arange(S, dtype=torch.float32)[:, None] * torch.rand(hd // 2, generator=g)[None, :]
+    emb = torch.cat([pos_f, pos_f], -1)
+    cos, sin = emb.cos(), emb.sin()
+    sin_signed = torch.cat([-sin[:, : hd // 2], sin[:, hd // 2:]], -1).contiguous()
+    slots, pos = torch.tensor([3, 1]), torch.tensor([[5, 6, 7], [0, 1, 2]])
+    kc, vc = torch.randn(4, kvh, S, hd, generator=g), torch.randn(4, kvh, S, hd, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, slots, pos, nh)
+    # torch reference: rope, write, SDPA
+    qk = apply_rope(qkv[:, :, : nh + kvh], cos[pos].unsqueeze(2), sin_signed[pos].unsqueeze(2))
+    kc2[slots[:, None], :, pos] = qk[:, :, nh:]
+    vc2[slots[:, None], :, pos] = qkv[:, :, nh + kvh:]
+    assert torch.allclose(kc, kc2, atol=1e-6) and torch.equal(vc, vc2)
+    mask = (torch.arange(8)[None, None, :] <= pos[:, :, None]).unsqueeze(1)
+    ref = F.scaled_dot_product_attention(qk[:, :, :nh].transpose(1, 2), kc2[slots][:, :, :8], vc2[slots][:, :, :8],
+                                         attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(out, ref, atol=1e-5)

@@ -67,6 +67,8 @@ def _build() -> ctypes.CDLL:
     lib.pack_weight_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
     lib.attn_f32.restype = None
     lib.attn_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.rope_attn_f32.restype = None
+    lib.rope_attn_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -134,4 +136,28 @@ def attention_f32(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q)
     lib.attn_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), positions.data_ptr(),
                  out.data_ptr(), B, T, nh, kvh, S, hd, hd ** -0.5, torch.get_num_threads())
+    return out
+
+
+def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                       num_heads: int) -> torch.Tensor:
+    """qkv [B, T, nh + 2 kvh, hd] -> RoPE, K/V written to the slot cache at `positions`, causal
+    attention -> [B, T, nh, hd]. Tables cos / sin_signed [P, hd]. Batch- and T-invariant."""
+    lib = library()
+    assert lib is not None
+    B, T, H, hd = qkv.shape
+    _, kvh, S, hd2 = k_cache.shape
+    nh = num_heads
+    assert H == nh + 2 * kvh and hd == hd2 and hd % 16 == 0 and qkv.dtype == torch.float32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
+    assert cos.dtype == sin_signed.dtype == torch.float32
+    qkv = qkv.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    qrot = torch.empty(B, T, nh, hd, dtype=torch.float32)
+    out = torch.empty_like(qrot)
+    lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                      slots.data_ptr(), positions.data_ptr(), qrot.data_ptr(), out.data_ptr(),
+                      B, T, nh, kvh, S, hd, hd ** -0.5, torch.get_num_threads())
     return out

@@ -116,3 +116,33 @@ void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *s
                 if (p != stack) free(p);
             }
 }
+
+/* Fused decode attention block: RoPE on q and k, K/V written into the slot cache, causal
+ * attention - one call per layer instead of ~10 torch ops.
+ *   qkv  [B, T, nh + 2 kvh, hd]  the fused projection (q heads, k heads, v heads)
+ *   cos, sin [P, hd]             RoPE tables; sin carries the rotate_half sign (-sin | +sin)
+ *   qrot [B, T, nh, hd]          scratch for the rotated queries
+ * RoPE: x * cos + roll(x, hd / 2) * sin, as the torch path computes it. */
+void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, float *kc, float *vc,
+                   const int64_t *slot, const int64_t *pos, float *qrot, float *out,
+                   int B, int T, int nh, int kvh, int S, int hd, float scale, int threads) {
+    const int H = nh + 2 * kvh, half = hd / 2;
+    /* phase 1: rotate q, rotate k and write k, v (all before any query reads the cache) */
+    #pragma omp parallel for collapse(2) schedule(dynamic, 2) num_threads(threads)
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const int64_t bt = (int64_t)b * T + t, p = pos[bt];
+            const float *c = cos_t + p * hd, *s = sin_t + p * hd;
+            const float *row = qkv + bt * H * hd;
+            for (int h = 0; h < nh + kvh; h++) {
+                const float *x = row + (int64_t)h * hd;
+                float *dst = h < nh ? qrot + (bt * nh + h) * hd
+                                    : kc + ((slot[b] * kvh + (h - nh)) * (int64_t)S + p) * hd;
+                for (int i = 0; i < hd; i++) dst[i] = x[i] * c[i] + x[(i + half) % hd] * s[i];
+            }
+            for (int g = 0; g < kvh; g++)
+                memcpy(vc + ((slot[b] * kvh + g) * (int64_t)S + p) * hd, row + (int64_t)(nh + kvh + g) * hd,
+                       sizeof(float) * hd);
+        }
+    attn_f32(qrot, kc, vc, slot, pos, out, B, T, nh, kvh, S, hd, scale, threads);
+}

@@ -72,13 +72,13 @@ class DecoderLayer(nn.Module):
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv(h).view(B, T, nh + 2 * kvh, hd)
-        qk = apply_rope(qkv[:, :, : nh + kvh], cos, sin)  # [B, T, nh+kvh, hd]
-        q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + kvh:]
-        ctx.write(k_cache, k)
-        ctx.write(v_cache, v)
-        if ctx.mask is None:  # decode-sized: the batch-invariant C kernel reads the cache in place
-            attn = kernels.attention_f32(q, k_cache, v_cache, ctx.slots, ctx.positions)  # [B, T, nh, hd]
+        if ctx.mask is None:  # decode-sized: one batch-invariant C call (RoPE, cache write, attention)
+            attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, ctx.slots, ctx.positions, nh)
         else:
+            qk = apply_rope(qkv[:, :, : nh + kvh], cos, sin)  # [B, T, nh+kvh, hd]
+            q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + kvh:]
+            ctx.write(k_cache, k)
+            ctx.write(v_cache, v)
             keys, values = ctx.read(k_cache), ctx.read(v_cache)  # [B, kvh, L, hd]
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
                                                   enable_gqa=nh != kvh).transpose(1, 2)  # [B, T, nh, hd]
@@ -162,8 +162,9 @@ class LlamaModel(nn.Module):
         """input_ids [B, T] at ctx.positions -> hidden [B, T, hidden] after the final norm.
 
         `num_layers` < all runs only the first layers (early-exit drafting shares their KV)."""
-        cos_t, sin_t = self.rope_tables(kv.max_seq_len)
-        cos, sin = cos_t[ctx.positions].unsqueeze(2), sin_t[ctx.positions].unsqueeze(2)  # [B, T, 1, hd]
+        cos, sin = self.rope_tables(kv.max_seq_len)  # [P, hd]: the C kernel indexes them itself
+        if ctx.mask is not None:
+            cos, sin = cos[ctx.positions].unsqueeze(2), sin[ctx.positions].unsqueeze(2)  # [B, T, 1, hd]
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             x = layer(x, cos, sin, ctx, kv.k[i], kv.v[i])
