@@ -251,6 +251,23 @@ def test_custom_metrics_on_the_metrics_port(server):
     assert server.metric("specguide_requests_total", finish_reason="length") >= 1
 
 
+def test_speculation_metrics(server):
+    drafted = server.metric("specguide_draft_tokens_total", model=MODEL)
+    steps = server.metric("specguide_tokens_per_step_count", model=MODEL)
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"
+    c = http_generate({"text_input": prompt, "max_tokens": 24, "exclude_input_in_output": True}, server.http)
+    assert c.error is None
+    text = server.metrics_text()
+    for family in ("specguide_draft_tokens_total", "specguide_accepted_draft_tokens_total", "specguide_tokens_per_step"):
+        assert f"# TYPE {family} " in text, family
+    assert server.metric("specguide_draft_tokens_total", model=MODEL) > drafted
+    accepted = server.metric("specguide_accepted_draft_tokens_total", model=MODEL)
+    assert 0 < accepted <= server.metric("specguide_draft_tokens_total", model=MODEL)
+    new_steps = server.metric("specguide_tokens_per_step_count", model=MODEL) - steps
+    # fewer steps than tokens: speculation emitted several tokens in some steps
+    assert 0 < new_steps < 23
+
+
 def test_cli_streams_and_calls_http(server, reference):
     ids, text, _ = reference[PROMPTS[0]]
     for proto, url in (("grpc", server.grpc), ("http", server.http), ("http-stream", server.http)):

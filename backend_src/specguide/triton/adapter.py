@@ -71,6 +71,8 @@ class _Seq:
         self.t_arrival = t_arrival
         self.t_last: Optional[float] = None
         self.prompt_counted = False
+        self.drafted = 0  # draft counters already added to the metrics
+        self.accepted = 0
         self.cancel_sent = False
         self.done = False
 
@@ -188,11 +190,20 @@ class TritonPythonModel:
                 m.prompt_tokens.increment(out.num_input_tokens)
                 seq.prompt_counted = True
             m.generation_tokens.increment(len(out.token_ids))
+            if not out.first_token:  # a decode step (the first token comes from the prefill)
+                m.tokens_per_step.observe(len(out.token_ids))
             if seq.t_last is None:
                 m.ttft.observe(t - seq.t_arrival)
             else:
                 m.tpot.observe((t - seq.t_last) / len(out.token_ids))
             seq.t_last = t
+        drafted, accepted = out.total_draft_tokens, out.total_accepted_draft_tokens
+        if drafted > seq.drafted:
+            m.draft_tokens.increment(drafted - seq.drafted)
+            seq.drafted = drafted
+        if accepted > seq.accepted:
+            m.accepted_tokens.increment(accepted - seq.accepted)
+            seq.accepted = accepted
         payload = seq.stream.on_output(out)
         if payload is not None:
             seq.group.send(io.to_response(pb_utils, payload), payload.finished)

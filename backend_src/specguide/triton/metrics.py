@@ -8,6 +8,10 @@
     specguide_request_latency_seconds              histogram: arrival -> last response
     specguide_active_slots                         gauge: sequences in the running batch
     specguide_queue_depth                          gauge: sequences waiting for a slot
+    specguide_draft_tokens_total                   speculative draft tokens proposed
+    specguide_accepted_draft_tokens_total          speculative draft tokens accepted
+    specguide_tokens_per_step                      histogram: tokens a sequence gains per decode step
+                                                   (accepted drafts + 1; 1 without speculation)
 
 Every metric carries the labels `model` and `version`. `pb` is triton_python_backend_utils.
 """
@@ -19,6 +23,7 @@ TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0]
 FINISH_REASONS = ("stop", "length", "cancelled", "error", "rejected")
+STEP_BUCKETS = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0]
 
 
 class Metrics:
@@ -59,6 +64,10 @@ class Metrics:
                                  "Time from request arrival to its last response", LATENCY_BUCKETS)
         self.active_slots = gauge("specguide_active_slots", "Sequences in the running batch")
         self.queue_depth = gauge("specguide_queue_depth", "Sequences waiting for a slot")
+        self.draft_tokens = counter("specguide_draft_tokens_total", "Speculative draft tokens proposed")
+        self.accepted_tokens = counter("specguide_accepted_draft_tokens_total", "Speculative draft tokens accepted")
+        self.tokens_per_step = histogram("specguide_tokens_per_step",
+                                         "Tokens a sequence gains per decode step (accepted drafts + 1)", STEP_BUCKETS)
 
     def finished(self, reason: str) -> None:
         self.requests.get(reason if reason in self.requests else "error").increment(1)
