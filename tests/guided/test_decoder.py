@@ -276,3 +276,21 @@ def test_structural_tag_constrains_the_body_after_its_trigger(samples, hf_tokeni
     text = output_text(hf_tokenizer, tokens, service.stop_token_ids)
     body = text.split(tag["begin"], 1)[1].split(tag["end"], 1)[0]
     jsonschema.validate(json.loads(body), tag["content"]["json_schema"])
+
+
+def test_masks_apply_through_a_d2t_map_for_a_pruned_draft_vocabulary(schema_grammar):
+    """A drafter with a pruned vocabulary (draft id j = target id d2t[j]) gets exactly the
+    target mask's verdict for each of its ids."""
+    dec = GuidedDecoder(1, K, VOCAB)
+    dec.add(0, schema_grammar)
+    dec.fill([(0, 0)])
+    allowed_target = set(dec.allowed_tokens(0, 0).tolist())
+    g = torch.Generator().manual_seed(0)
+    d2t = torch.randperm(dec.vocab_size, generator=g)[:3000]  # a synthetic 3000-token draft vocabulary
+    d2t = torch.cat([d2t, torch.tensor(sorted(allowed_target)[:5])])  # make sure some allowed ids are in it
+    logits = torch.zeros(1, d2t.shape[0])
+    dec.apply(logits, [(0, 0)], d2t=d2t)
+    allowed_draft = {int(d2t[j]) for j in torch.nonzero(logits[0] == 0).flatten().tolist()}
+    assert allowed_draft == {int(t) for t in d2t.tolist() if int(t) in allowed_target}
+    assert allowed_draft  # some draft ids survive
+    dec.remove(0)
