@@ -179,11 +179,8 @@ class Runner:
         else:
             rows = slots.repeat_interleave(T)
             counter = torch.tensor([len(s.output_ids) for s in seqs], device=self.device)
-            batch = SamplingBatch(
-                temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
-                greedy=self.greedy[rows], seed=self.seed[rows],
-                counter=(counter[:, None] + torch.arange(T, device=self.device)).reshape(-1),
-                all_greedy=False, any_top_k_p=any(f for g, f in flags if not g))
+            batch = self._sampling_batch(rows, (counter[:, None] + torch.arange(T, device=self.device)).reshape(-1),
+                                         flags)
             p = probabilities(logits.view(B * T, -1), batch).view(B, T, -1)
             u_acc, u_res = acceptance.uniforms(self.seed[slots], counter, K, p.shape[-1])
             accepted, nxt = acceptance.verify(p, dr, num, u_acc, u_res)
@@ -220,12 +217,16 @@ class Runner:
         flags = [self._slot_params[s.slot] for s in seqs]
         if all(g for g, _ in flags):
             return logits.argmax(dim=-1)
-        batch = SamplingBatch(
-            temperature=self.temperature[slots], top_k=self.top_k[slots], top_p=self.top_p[slots],
-            greedy=self.greedy[slots], seed=self.seed[slots],
-            counter=torch.tensor([len(s.output_ids) for s in seqs], device=self.device),
+        counter = torch.tensor([len(s.output_ids) for s in seqs], device=self.device)
+        return sample(logits, self._sampling_batch(slots, counter, flags))
+
+    def _sampling_batch(self, rows: torch.Tensor, counter: torch.Tensor, flags: list[tuple[bool, bool]]
+                        ) -> SamplingBatch:
+        """Sampling parameters of slot rows `rows` (a slot may repeat) from the per-slot buffers."""
+        return SamplingBatch(
+            temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+            greedy=self.greedy[rows], seed=self.seed[rows], counter=counter,
             all_greedy=all(g for g, _ in flags), any_top_k_p=any(f for g, f in flags if not g))
-        return sample(logits, batch)
 
     def _mask_grammar(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Fill the guided rows' masks from their matchers' state and apply them (row = (slot, 0))."""
