@@ -26,6 +26,8 @@ class EngineConfig:
     warmup: bool = True  # run one forward at start so the first request is not slow
     num_draft_tokens: int = 3  # K: draft tokens verified per step (0 = no speculation); per request <= K
     drafter: str = "ngram"  # "ngram" (prompt lookup) | "early_exit" (the target's first draft_layers)
+    # | "draft_model" (a separate small model sharing the tokenizer, from draft_model_dir)
+    draft_model_dir: str = ""  # HF folder of the draft model ("" = the default model)
     draft_layers: int = 16  # early-exit drafter depth
     ngram_max: int = 4  # longest suffix the n-gram drafter matches
     mask_drafts: bool = True  # apply grammar masks while drafting (off: only verification masks; ablation)
@@ -45,7 +47,7 @@ class EngineConfig:
         assert self.max_queue >= 1, "max_queue must be >= 1"
         assert self.default_max_tokens >= 1, "default_max_tokens must be >= 1"
         assert 0 <= self.num_draft_tokens <= 15, "num_draft_tokens must be in [0, 15]"
-        assert self.drafter in ("ngram", "early_exit"), f"unknown drafter {self.drafter!r}"
+        assert self.drafter in ("ngram", "early_exit", "draft_model"), f"unknown drafter {self.drafter!r}"
         assert self.draft_layers >= 1 and self.ngram_max >= 1 and self.spec_max_rows >= 0
         assert self.guided_compile_workers >= 1 and self.guided_mask_threads >= 1
         assert self.guided_compile_timeout_s >= 0

@@ -18,6 +18,7 @@ from .models.loader import load_model, resolve_model_dir
 from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
 from .runner import Runner
 from .scheduler import Scheduler, Sequence, Status, StepPlan
+from .speculative.draft_model import DraftModel
 from .speculative.ngram import NgramDrafter
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -53,6 +54,14 @@ class Engine:
                                     num_threads=config.guided_mask_threads)
         self.runner = Runner(self.model, config, self.device, self.guided)
         self.ngram = NgramDrafter(max_ngram=config.ngram_max)
+        self.draft_model: Optional[DraftModel] = None
+        if config.drafter == "draft_model" and config.num_draft_tokens:
+            dm = load_model(resolve_model_dir(config.draft_model_dir), DTYPES[config.dtype], str(self.device))
+            if dm.cfg.vocab_size != vocab:
+                raise ValueError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the "
+                                 f"target's ({vocab}); it must share the tokenizer")
+            self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, config.num_draft_tokens,
+                                          config.prefill_chunk, self.device)
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
         self._ids = itertools.count(1)
         self._seqs: dict[int, Sequence] = {}  # loop thread only
@@ -255,11 +264,18 @@ class Engine:
             if self.config.drafter == "early_exit":
                 filled = self.config.mask_drafts
                 drafts = self.runner.draft_early_exit(seqs, ks, masked=filled)
+            elif self.draft_model is not None:
+                filled = self.config.mask_drafts
+                self.draft_model.catch_up(seqs)
+                drafts = self.runner.draft_greedy(seqs, ks, self.draft_model.step, masked=filled)
             else:
                 drafts = [self.ngram.propose(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, ks)]
         if not any(drafts):
             return [([t], 0, 0) for t in self.runner.decode(seqs)]
         out = self.runner.verify(seqs, drafts, masks_filled=filled)
+        if self.draft_model is not None:
+            for s, d, (_, a) in zip(seqs, drafts, out):
+                self.draft_model.commit(s, s.num_tokens, len(d), a)
         return [(toks, len(d), a) for (toks, a), d in zip(out, drafts)]
 
     def _draft_budget(self, seq: Sequence) -> int:

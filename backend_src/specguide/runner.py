@@ -97,10 +97,18 @@ class Runner:
     @torch.inference_mode()
     def draft_early_exit(self, seqs: list[Sequence], ks: list[int], masked: bool = True) -> list[list[int]]:
         """Greedy drafts from the target's first `draft_layers` layers + final norm + LM head
-        (their KV is the target's own). Guided slots mask each draft with mask row i, which the
-        verification then reuses; a draft the grammar rejects ends that slot's drafting.
-        `masked=False` drafts without masks (the verification fills them; an ablation)."""
-        B, K = len(seqs), max(ks)
+        (their KV is the target's own)."""
+        def step(cur: torch.Tensor, ctx) -> torch.Tensor:
+            return self.model.logits(self.model(cur, ctx, self.kv, num_layers=self.draft_layers)[:, -1])
+        return self.draft_greedy(seqs, ks, step, masked)
+
+    @torch.inference_mode()
+    def draft_greedy(self, seqs: list[Sequence], ks: list[int], step, masked: bool = True) -> list[list[int]]:
+        """Up to ks[b] greedy drafts per sequence from `step(tokens [B, 1], ctx) -> logits [B, V]`,
+        fed the last token, then each draft, at the next positions. Guided slots mask each draft
+        with mask row i, which the verification then reuses; a draft the grammar rejects ends
+        that slot's drafting. `masked=False` drafts without masks (the verification fills them)."""
+        K = max(ks)
         guided = self.guided if masked else None
         slot_list = [s.slot for s in seqs]
         slots = torch.tensor(slot_list, device=self.device)
@@ -110,7 +118,7 @@ class Runner:
         live = [k > 0 for k in ks]
         for i in range(K):
             ctx = self.model.make_context(slots, pos0 + i, slot_list, max(s.num_tokens for s in seqs) + i)
-            logits = self.model.logits(self.model(cur, ctx, self.kv, num_layers=self.draft_layers)[:, -1])
+            logits = step(cur, ctx)
             rows = [(s.slot, i) for s in seqs]
             if guided is not None:
                 g = [r for r, s, ok in zip(rows, seqs, live) if ok and guided.is_guided(s.slot)]

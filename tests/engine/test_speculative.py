@@ -47,6 +47,14 @@ def early_exit_engine():
     eng.shutdown()
 
 
+@pytest.fixture(scope="module")
+def draft_model_engine():
+    # the default model drafting for itself: with batch-invariant kernels every greedy draft is accepted
+    eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter="draft_model"))
+    yield eng
+    eng.shutdown()
+
+
 @pytest.fixture
 def recorded_runs(engine):
     """Record every verification step's emitted runs: [(tokens, accepted)]."""
@@ -82,9 +90,10 @@ def _staggered(engine, reqs):
     return results, finals
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "early_exit"])
-def test_greedy_with_speculation_equals_without(engine, early_exit_engine, drafter):
-    eng = engine if drafter == "ngram" else early_exit_engine
+@pytest.mark.parametrize("drafter", ["ngram", "early_exit", "draft_model"])
+def test_greedy_with_speculation_equals_without(request, drafter):
+    eng = request.getfixturevalue({"ngram": "engine", "early_exit": "early_exit_engine",
+                                   "draft_model": "draft_model_engine"}[drafter])
     plain = [run_alone(eng, r)[0] for r in requests(eng, k_of=lambda i: 0)]
     spec, finals = _staggered(eng, requests(eng, k_of=lambda i: (3, 1, 2, 3, 0, 3, 2, 3)[i]))
     assert spec == plain
@@ -92,6 +101,8 @@ def test_greedy_with_speculation_equals_without(engine, early_exit_engine, draft
     accepted = sum(f.total_accepted_draft_tokens for f in finals)
     assert drafted > 0 and 0 < accepted <= drafted
     assert finals[4].total_draft_tokens == 0  # num_draft_tokens = 0 turns speculation off
+    if drafter == "draft_model":  # the target drafting for itself: every draft is accepted
+        assert accepted == drafted
     for (prompt, guided), toks, f in zip(prompts(eng), spec, finals):
         if guided and f.finish_reason == "stop":
             import jsonschema
