@@ -5,7 +5,8 @@
 Workloads (greedy): guided JSON (JSONSchemaBench dev schemas, chat prompts that show the schema
 and ask for an object) and unguided chat. Batch 1 (one request after another) and batch 8
 (all submitted together). Drafters: n-gram prompt lookup for each K, the early-exit self-draft
-at K=3 with and without grammar masks on the drafts. Every speculative run's tokens are
+and the draft-model drafter (default: the default model itself) for each K; the early-exit
+drafter also without grammar masks on the drafts (the seed's ablation). Every speculative run's tokens are
 checked against the speculation-off run (they must be identical: greedy is lossless).
 """
 from __future__ import annotations
@@ -90,12 +91,16 @@ def main() -> None:
     ap.add_argument("--schemas", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--ks", default="1,2,3,4,5")
+    ap.add_argument("--drafters", default="ngram,early_exit,early_exit_unmasked,draft_model",
+                    help="ngram | early_exit | early_exit_unmasked (mask ablation) | draft_model")
     ap.add_argument("--json")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     Kmax = max(ks + [3])
     results = []
-    engines = [("ngram", True), ("early_exit", True), ("early_exit", False)]
+    names = {"ngram": ("ngram", True), "early_exit": ("early_exit", True),
+             "early_exit_unmasked": ("early_exit", False), "draft_model": ("draft_model", True)}
+    engines = [names[d] for d in args.drafters.split(",")]
     baseline: dict = {}
     for drafter, masked in engines:
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, num_draft_tokens=Kmax, drafter=drafter,
@@ -106,9 +111,7 @@ def main() -> None:
             "chat": [(eng.tokenizer.apply_chat_template([{"role": "user", "content": c}]), None)
                      for c in CHAT[: args.schemas]],
         }
-        k_list = ks if drafter == "ngram" else [3]
-        if drafter == "ngram":
-            k_list = [0] + k_list
+        k_list = [0] + ks  # K=0 first: the speculation-off baseline of this engine
         for wname, items in work.items():
             if not masked and wname == "chat":
                 continue  # the mask ablation only concerns guided output
