@@ -193,8 +193,7 @@ class Runner:
             u_acc, u_res = acceptance.uniforms(self.seed[slots], counter, K, p.shape[-1])
             accepted, nxt = acceptance.verify(p, dr, num, u_acc, u_res)
         if penalized:
-            self.counts.index_put_((slots, nxt), torch.ones_like(nxt, dtype=torch.int32), accumulate=True)
-            self.seen[slots, nxt] = True
+            self._count(slots, nxt)
         acc_list, nxt_list = accepted.tolist(), nxt.tolist()
         return [(d[:a] + [t], a) for d, a, t in zip(drafts, acc_list, nxt_list)]
 
@@ -208,9 +207,13 @@ class Runner:
         self._mask_grammar(logits, seqs)
         tokens = self._draw(logits, seqs, slots)
         if penalized:  # count what was drawn (every drawn token is appended in plain decoding)
-            self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
-            self.seen[slots, tokens] = True
+            self._count(slots, tokens)
         return tokens.tolist()
+
+    def _count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record emitted tokens [B] of slots [B] for the penalties."""
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        self.seen[slots, tokens] = True
 
     def _penalize(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Repetition (divide positive / multiply negative logits of seen tokens), presence and
