@@ -15,7 +15,7 @@ export TRITON_HTTP_PORT ?= 8000
 export TRITON_GRPC_PORT ?= 8001
 export TRITON_METRICS_PORT ?= 8002
 
-.PHONY: all setup serve test test-unit test-integration model clean
+.PHONY: all setup serve test test-unit test-integration model draft-head clean
 
 all: setup
 
@@ -43,7 +43,18 @@ model: $(STAMPS)/deps
 
 setup: $(STAMPS)/tritonserver model
 
-serve: setup
+# The trained draft head of the "hybrid"/"head" drafters: trained once into the model cache
+# (~20 min on 2 CPU cores). DRAFT_HEAD=skip serves without it (the engine then drafts with
+# grammar-forced tokens + n-gram and logs how to train it).
+DRAFT_HEAD ?= train
+draft-head: setup
+ifeq ($(DRAFT_HEAD),skip)
+	@echo "draft head skipped; train it later with: $(PY) scripts/train_draft_head.py"
+else
+	$(PY) scripts/train_draft_head.py --if-missing
+endif
+
+serve: setup draft-head
 	$(PY) scripts/tritonserver.py serve
 
 test: setup

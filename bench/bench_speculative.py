@@ -1,13 +1,15 @@
 """Speculative decoding: accepted length per step and tokens/s vs speculation off, in one run.
 
-    python bench/bench_speculative.py [--schemas 8] [--max-tokens 96] [--ks 1,2,3,4,5]
+    python bench/bench_speculative.py [--schemas 8] [--max-tokens 96] [--ks 3,5]
+        [--drafters ngram,grammar,head,head_unmasked,hybrid] [--llama-cpp]
 
-Workloads (greedy): guided JSON (JSONSchemaBench dev schemas, chat prompts that show the schema
-and ask for an object) and unguided chat. Batch 1 (one request after another) and batch 8
-(all submitted together). Drafters: n-gram prompt lookup for each K, the early-exit self-draft
-and the draft-model drafter (default: the default model itself) for each K; the early-exit
-drafter also without grammar masks on the drafts (the seed's ablation). Every speculative run's tokens are
-checked against the speculation-off run (they must be identical: greedy is lossless).
+Workloads (greedy): guided JSON (held-out JSONSchemaBench dev schemas, never trained on: chat
+prompts that show the schema and ask for an object) and unguided chat. Batch 1 (one request
+after another) and batch 8 (all submitted together). Drafters: n-gram prompt lookup, grammar
+(jump-forward tokens + n-gram), the trained head (with and without grammar masks on its drafts),
+the hybrid (head + grammar-forced + trusted n-gram), early exit, draft model. Every speculative
+run's tokens are checked against the speculation-off run (identical: greedy is lossless).
+`--llama-cpp`: llama-cpp-python on the same GGUF (Q4_1), JSON schemas through its grammar, batch 1.
 """
 from __future__ import annotations
 
@@ -24,32 +26,19 @@ from specguide.config import EngineConfig  # noqa: E402
 from specguide.engine import Engine  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench_dev"
-CHAT = ["Explain why the sky is blue.", "Write a short story about a robot learning to paint.",
-        "Give me a recipe for pancakes.", "What are the benefits of regular exercise?",
-        "Summarize the plot of Hamlet.", "Describe how a bicycle works.",
-        "List five tips for better sleep.", "What is photosynthesis?"]
-SUBSETS = ["Glaiveai2K", "Github_easy", "Kubernetes", "Snowplow"]
+from specguide.speculative.prompts import CHAT_BENCH as CHAT, load_schemas, schema_message  # noqa: E402
 
 
 def schema_prompts(engine: Engine, n: int) -> list[tuple[str, str]]:
-    out = []
-    files = [f for sub in SUBSETS for f in sorted((DATA / sub).glob("*.json"))]
-    for f in files:
-        schema = json.loads(f.read_text())
-        text = json.dumps(schema)
-        if len(text) > 1500:
-            continue
+    """(prompt, schema) for the first n held-out schemas that compile."""
+    def compiles(text: str) -> bool:
         try:
             engine.compiler.compile(GuidedDecodingParams("json_schema", text))
+            return True
         except Exception:
-            continue
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content":
-            f"Generate a JSON object that follows this JSON schema.\nSchema: {text}"}])
-        out.append((prompt, text))
-        if len(out) == n:
-            break
-    return out
+            return False
+    return [(engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_message(t)}]), t)
+            for t in load_schemas("heldout", compiles)[:n]]
 
 
 def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
@@ -90,21 +79,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--schemas", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--ks", default="1,2,3,4,5")
-    ap.add_argument("--drafters", default="ngram,early_exit,early_exit_unmasked,draft_model",
-                    help="ngram | early_exit | early_exit_unmasked (mask ablation) | draft_model")
+    ap.add_argument("--ks", default="3,5")
+    ap.add_argument("--drafters", default="ngram,grammar,head,head_unmasked,hybrid",
+                    help="ngram | grammar | head | head_unmasked (mask ablation) | hybrid | early_exit | "
+                         "early_exit_unmasked | draft_model")
+    ap.add_argument("--adaptive-k", type=int, default=1)
+    ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
     ap.add_argument("--json")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     Kmax = max(ks + [3])
     results = []
-    names = {"ngram": ("ngram", True), "early_exit": ("early_exit", True),
+    names = {"ngram": ("ngram", True), "grammar": ("grammar", True), "head": ("head", True),
+             "head_unmasked": ("head", False), "hybrid": ("hybrid", True), "early_exit": ("early_exit", True),
              "early_exit_unmasked": ("early_exit", False), "draft_model": ("draft_model", True)}
     engines = [names[d] for d in args.drafters.split(",")]
     baseline: dict = {}
     for drafter, masked in engines:
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, num_draft_tokens=Kmax, drafter=drafter,
-                                  draft_layers=20, mask_drafts=masked))
+                                  draft_layers=20, mask_drafts=masked, adaptive_k=bool(args.adaptive_k)))
+        if eng.drafter != drafter:
+            sys.exit(f"drafter {drafter!r} is not available (no trained head? run scripts/train_draft_head.py)")
         guided = schema_prompts(eng, args.schemas)
         work = {
             "guided_json": [(p, GuidedDecodingParams("json_schema", s)) for p, s in guided],
@@ -134,8 +129,41 @@ def main() -> None:
                     results.append(row)
                     print(json.dumps(row), flush=True)
         eng.shutdown()
+    if args.llama_cpp:
+        results += llama_cpp_rows(args, baseline, work)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def llama_cpp_rows(args, baseline: dict, work: dict) -> list[dict]:
+    """llama-cpp-python on the default model's GGUF, batch 1, the engine's batch-1 prompts and
+    max_tokens; JSON schemas through LlamaGrammar.from_json_schema. Tokens/s over wall time
+    (prefill included), like the engine rows."""
+    from llama_cpp import Llama, LlamaGrammar
+
+    from specguide.models.default_model import default_gguf_path
+
+    llm = Llama(model_path=str(default_gguf_path()), n_ctx=2048, n_threads=2, verbose=False, seed=0)
+    rows = []
+    for wname, items in work.items():
+        n = dt = 0.0
+        done = 0
+        for prompt, guide in items[:4]:
+            try:
+                grammar = LlamaGrammar.from_json_schema(guide.guide, verbose=False) if guide else None
+            except Exception:
+                continue
+            t0 = time.perf_counter()
+            r = llm.create_completion(prompt, max_tokens=args.max_tokens, temperature=0.0, grammar=grammar)
+            dt += time.perf_counter() - t0
+            n += r["usage"]["completion_tokens"]
+            done += 1
+        base = baseline.get((wname, 1))
+        row = dict(workload=wname, batch=1, drafter="llama.cpp (Q4_1)", K=0, tok_s=round(n / dt, 1),
+                   requests=done, engine_off_tok_s=round(base["tok_s"], 1) if base else None)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 DTYPES = ("float32", "bfloat16", "float16")
+DRAFTERS = ("ngram", "grammar", "head", "hybrid", "early_exit", "draft_model")
 
 
 @dataclass
@@ -25,8 +26,14 @@ class EngineConfig:
     max_tokens_limit: int = 0  # 0 = max_seq_len
     warmup: bool = True  # run one forward at start so the first request is not slow
     num_draft_tokens: int = 3  # K: draft tokens verified per step (0 = no speculation); per request <= K
-    drafter: str = "ngram"  # "ngram" (prompt lookup) | "early_exit" (the target's first draft_layers)
-    # | "draft_model" (a separate small model sharing the tokenizer, from draft_model_dir)
+    drafter: str = "ngram"  # "ngram" (prompt lookup) | "grammar" (grammar-forced jump-forward tokens,
+    # then n-gram) | "head" (trained draft head) | "hybrid" (head + grammar-forced + trusted n-gram,
+    # per slot per step) | "early_exit" (the target's first draft_layers) | "draft_model" (a separate
+    # small model sharing the tokenizer, from draft_model_dir)
+    draft_head_path: str = ""  # trained draft head (.pt) for "head"/"hybrid"; "" = the model cache's
+    # (scripts/train_draft_head.py writes it; when missing, "head"/"hybrid" fall back to "grammar")
+    adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
+    ngram_trust: int = 3  # hybrid: an n-gram chain replaces the head's drafts when its suffix match is this long
     draft_model_dir: str = ""  # HF folder of the draft model ("" = the default model)
     draft_layers: int = 16  # early-exit drafter depth
     ngram_max: int = 4  # longest suffix the n-gram drafter matches
@@ -47,8 +54,8 @@ class EngineConfig:
         assert self.max_queue >= 1, "max_queue must be >= 1"
         assert self.default_max_tokens >= 1, "default_max_tokens must be >= 1"
         assert 0 <= self.num_draft_tokens <= 15, "num_draft_tokens must be in [0, 15]"
-        assert self.drafter in ("ngram", "early_exit", "draft_model"), f"unknown drafter {self.drafter!r}"
-        assert self.draft_layers >= 1 and self.ngram_max >= 1 and self.spec_max_rows >= 0
+        assert self.drafter in DRAFTERS, f"unknown drafter {self.drafter!r} (one of {DRAFTERS})"
+        assert self.draft_layers >= 1 and self.ngram_max >= 1 and self.spec_max_rows >= 0 and self.ngram_trust >= 1
         assert self.guided_compile_workers >= 1 and self.guided_mask_threads >= 1
         assert self.guided_compile_timeout_s >= 0
         if self.max_tokens_limit <= 0:

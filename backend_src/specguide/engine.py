@@ -7,6 +7,7 @@ import queue
 import random
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -18,7 +19,9 @@ from .models.loader import load_model, resolve_model_dir
 from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
 from .runner import Runner
 from .scheduler import Scheduler, Sequence, Status, StepPlan
+from .speculative.draft_head import DraftHead, default_head_path
 from .speculative.draft_model import DraftModel
+from .speculative.head_drafter import HeadDrafter
 from .speculative.ngram import NgramDrafter
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -27,6 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 Callback = Callable[[RequestOutput], None]
 IDLE_WAIT_S = 0.005
+ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds fall below is not proposed
 
 
 class Engine:
@@ -54,6 +58,15 @@ class Engine:
                                     num_threads=config.guided_mask_threads)
         self.runner = Runner(self.model, config, self.device, self.guided)
         self.ngram = NgramDrafter(max_ngram=config.ngram_max)
+        self.head_drafter: Optional[HeadDrafter] = None
+        self.drafter = config.drafter
+        if config.drafter in ("head", "hybrid") and config.num_draft_tokens:
+            self.head_drafter = self._load_head(folder)
+            if self.head_drafter is None:
+                self.drafter = "grammar"
+            else:
+                self.runner.feature_sink = self.head_drafter.record
+        self._accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
         self.draft_model: Optional[DraftModel] = None
         if config.drafter == "draft_model" and config.num_draft_tokens:
             dm = load_model(resolve_model_dir(config.draft_model_dir), DTYPES[config.dtype], str(self.device))
@@ -76,6 +89,18 @@ class Engine:
             self.runner.warmup()
         self._thread = threading.Thread(target=self._loop, name="specguide-engine", daemon=True)
         self._thread.start()
+
+    def _load_head(self, folder) -> Optional[HeadDrafter]:
+        cfg = self.config
+        path = Path(cfg.draft_head_path) if cfg.draft_head_path else default_head_path(folder)
+        if not path.exists():
+            log.warning("drafter %r: no trained draft head at %s; using the 'grammar' drafter. Train it "
+                        "once with: python scripts/train_draft_head.py (or `make draft-head`)", cfg.drafter, path)
+            return None
+        head = DraftHead.load(path, self.model)
+        log.info("draft head %s (draft vocabulary %d)", path, head.draft_vocab_size)
+        return HeadDrafter(head, cfg.max_slots, cfg.max_seq_len, cfg.num_draft_tokens, cfg.prefill_chunk,
+                           self.device)
 
     # ---- public API (any thread) ------------------------------------------------------------
     def submit(self, request: Request, callback: Optional[Callback] = None) -> int:
@@ -222,6 +247,7 @@ class Engine:
             seq = chunk.seq
             if chunk.start == 0:
                 self.runner.bind(seq)
+                self._accept_rate[seq.slot] = 1.0
                 if seq.grammar is not None:
                     self.guided.add(seq.slot, seq.grammar)
             tok = self._guarded(seq, lambda: self.runner.prefill(chunk))
@@ -261,22 +287,54 @@ class Engine:
         drafts: list[list[int]] = [[] for _ in seqs]
         filled = False
         if any(ks):
-            if self.config.drafter == "early_exit":
-                filled = self.config.mask_drafts
+            filled = self.config.mask_drafts
+            if self.head_drafter is not None:
+                chains = [self._chain(s, k, trusted_only=True) for s, k in zip(seqs, ks)] \
+                    if self.drafter == "hybrid" else None
+                drafts = self.runner.draft_greedy(seqs, ks, self._head_step(seqs), masked=filled,
+                                                  d2t=self.head_drafter.d2t, chains=chains)
+            elif self.drafter == "early_exit":
                 drafts = self.runner.draft_early_exit(seqs, ks, masked=filled)
             elif self.draft_model is not None:
-                filled = self.config.mask_drafts
                 self.draft_model.catch_up(seqs)
-                drafts = self.runner.draft_greedy(seqs, ks, self.draft_model.step, masked=filled)
+                drafts = self.runner.draft_greedy(seqs, ks, self.runner.chained(seqs, self.draft_model.step),
+                                                  masked=filled)
             else:
-                drafts = [self.ngram.propose(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, ks)]
+                filled = False
+                if self.drafter == "grammar":
+                    drafts = [self._chain(s, k, trusted_only=False) for s, k in zip(seqs, ks)]
+                else:
+                    drafts = [self.ngram.propose(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, ks)]
         if not any(drafts):
             return [([t], 0, 0) for t in self.runner.decode(seqs)]
         out = self.runner.verify(seqs, drafts, masks_filled=filled)
         if self.draft_model is not None:
             for s, d, (_, a) in zip(seqs, drafts, out):
                 self.draft_model.commit(s, s.num_tokens, len(d), a)
+        for s, d, (_, a) in zip(seqs, drafts, out):
+            if d:  # moving average of the fraction of drafts accepted
+                self._accept_rate[s.slot] = 0.7 * self._accept_rate[s.slot] + 0.3 * a / len(d)
         return [(toks, len(d), a) for (toks, a), d in zip(out, drafts)]
+
+    def _head_step(self, seqs: list[Sequence]) -> Callable[[int, list[int]], torch.Tensor]:
+        """draft_greedy's step for the trained head: catch-up + first draft, then chained steps."""
+        hd = self.head_drafter
+        state: dict[str, torch.Tensor] = {}
+
+        def step(i: int, prev: list[int]) -> torch.Tensor:
+            state["g"] = hd.first(seqs) if i == 0 else hd.next(seqs, state["g"], prev, i)
+            return hd.logits(state["g"])
+        return step
+
+    def _chain(self, seq: Sequence, k: int, trusted_only: bool) -> list[int]:
+        """Model-free drafts: the grammar-forced tokens (guided slots), then the n-gram
+        continuation (hybrid: only when its suffix match is at least ngram_trust tokens)."""
+        forced = self.guided.forced_tokens(seq.slot, self.tokenizer.encode, k) \
+            if seq.grammar is not None else []
+        cont, size = self.ngram.match(seq.prompt_ids + seq.output_ids + forced, k - len(forced))
+        if trusted_only and size < self.config.ngram_trust:
+            cont = []
+        return forced + cont
 
     def _draft_budget(self, seq: Sequence) -> int:
         """Drafts worth proposing for this sequence now (0 = plain decoding)."""
@@ -284,8 +342,12 @@ class Engine:
         if (seq.num_draft_tokens == 0 or p.penalized or p.bad_words_ids
                 or len(seq.output_ids) < p.min_tokens):  # per-position bans: no speculation
             return 0
-        return max(0, min(seq.num_draft_tokens, p.max_tokens - len(seq.output_ids) - 1,
-                          self.config.max_seq_len - seq.num_tokens - 1))
+        k = min(seq.num_draft_tokens, p.max_tokens - len(seq.output_ids) - 1,
+                self.config.max_seq_len - seq.num_tokens - 1)
+        if self.config.adaptive_k and k > 1:  # keep draft i while rate^i (its odds) is worth a row
+            rate = self._accept_rate[seq.slot]
+            k = min(k, next((i for i in range(1, k + 1) if rate ** (i + 1) < ADAPTIVE_MIN_ODDS), k))
+        return max(0, k)
 
     def _poll_compiles(self) -> None:
         """Move finished grammar compiles onto their sequences; a failed one fails its request."""

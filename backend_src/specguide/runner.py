@@ -1,7 +1,7 @@
 """Model runner: prefill chunks and batched decode steps over the static per-slot KV cache."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -46,6 +46,8 @@ class Runner:
         self.seen = torch.zeros(S, cfg.vocab_size, dtype=torch.bool, device=device)
         self._penalized: set[int] = set()  # slots whose requests use a penalty
         self._slot_params: dict[int, tuple[bool, bool]] = {}  # slot -> (greedy, uses top-k/top-p)
+        # called with (slots [B], positions [B, T], final hidden [B, T, H]) after target forwards
+        self.feature_sink: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = None
 
     def bind(self, seq: Sequence) -> None:
         """Write a newly admitted sequence's sampling parameters into its slot row."""
@@ -77,6 +79,8 @@ class Runner:
         slots = torch.tensor([seq.slot], device=self.device)
         ctx = self.model.make_context(slots, positions, [seq.slot], chunk.end)
         hidden = self.model(ids, ctx, self.kv)
+        if self.feature_sink is not None:
+            self.feature_sink(slots, positions, hidden)
         if not chunk.is_last:
             return None
         logits = self.model.logits(hidden[:, -1])  # [1, V]
@@ -90,7 +94,10 @@ class Runner:
         positions = torch.tensor([[s.num_tokens - 1] for s in seqs], dtype=torch.int64, device=self.device)
         slots = torch.tensor(slot_list, device=self.device)
         ctx = self.model.make_context(slots, positions, slot_list, max(s.num_tokens for s in seqs))
-        logits = self.model.logits(self.model(ids, ctx, self.kv)[:, -1])  # [B, V]
+        hidden = self.model(ids, ctx, self.kv)
+        if self.feature_sink is not None:
+            self.feature_sink(slots, positions, hidden)
+        logits = self.model.logits(hidden[:, -1])  # [B, V]
         return self._sample(logits, seqs)
 
     # ---- speculative decoding ---------------------------------------------------------------
@@ -100,33 +107,51 @@ class Runner:
         (their KV is the target's own)."""
         def step(cur: torch.Tensor, ctx) -> torch.Tensor:
             return self.model.logits(self.model(cur, ctx, self.kv, num_layers=self.draft_layers)[:, -1])
-        return self.draft_greedy(seqs, ks, step, masked)
+        return self.draft_greedy(seqs, ks, self.chained(seqs, step), masked)
 
-    @torch.inference_mode()
-    def draft_greedy(self, seqs: list[Sequence], ks: list[int], step, masked: bool = True) -> list[list[int]]:
-        """Up to ks[b] greedy drafts per sequence from `step(tokens [B, 1], ctx) -> logits [B, V]`,
-        fed the last token, then each draft, at the next positions. Guided slots mask each draft
-        with mask row i, which the verification then reuses; a draft the grammar rejects ends
-        that slot's drafting. `masked=False` drafts without masks (the verification fills them)."""
-        K = max(ks)
-        guided = self.guided if masked else None
+    def chained(self, seqs: list[Sequence], step: Callable) -> Callable[[int, list[int]], torch.Tensor]:
+        """Adapt `step(tokens [B, 1], ctx) -> logits` of a model with its own KV for draft_greedy:
+        draft position i feeds the previous tokens at position N-1+i."""
         slot_list = [s.slot for s in seqs]
         slots = torch.tensor(slot_list, device=self.device)
-        cur = torch.tensor([[s.last_token] for s in seqs], device=self.device)
         pos0 = torch.tensor([[s.num_tokens - 1] for s in seqs], device=self.device)
+        length = max(s.num_tokens for s in seqs)
+
+        def run(i: int, prev: list[int]) -> torch.Tensor:
+            cur = torch.tensor([[t] for t in prev], device=self.device)
+            return step(cur, self.model.make_context(slots, pos0 + i, slot_list, length + i))
+        return run
+
+    @torch.inference_mode()
+    def draft_greedy(self, seqs: list[Sequence], ks: list[int], step: Callable[[int, list[int]], torch.Tensor],
+                     masked: bool = True, d2t: Optional[torch.Tensor] = None,
+                     chains: Optional[list[list[int]]] = None) -> list[list[int]]:
+        """Up to ks[b] greedy drafts per sequence from `step(i, previous tokens) -> logits [B, V']`
+        (i = 0 gets the last tokens). `d2t` [V'] maps a pruned draft vocabulary to target ids.
+        `chains[b]`, when given, replaces the argmax at positions i < len(chains[b]) (grammar-forced
+        and n-gram tokens; the model still reads them, so its later drafts follow them).
+        Guided slots mask each draft with mask row i, which the verification then reuses; a
+        draft the grammar rejects ends that slot's drafting. `masked=False` drafts without masks
+        (the verification fills them)."""
+        K = max(ks)
+        guided = self.guided if masked else None
+        chains = chains or [[] for _ in seqs]
+        prev = [s.last_token for s in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         live = [k > 0 for k in ks]
         for i in range(K):
-            ctx = self.model.make_context(slots, pos0 + i, slot_list, max(s.num_tokens for s in seqs) + i)
-            logits = step(cur, ctx)
+            logits = step(i, prev)
             rows = [(s.slot, i) for s in seqs]
             if guided is not None:
                 g = [r for r, s, ok in zip(rows, seqs, live) if ok and guided.is_guided(s.slot)]
                 if g:
                     guided.fill(g)
-                    guided.apply(logits, rows)
-            tokens = logits.argmax(dim=-1).tolist()
+                    guided.apply(logits, rows, d2t=d2t)
+            ids = logits.argmax(dim=-1)
+            tokens = (ids if d2t is None else d2t[ids]).tolist()
             for b, seq in enumerate(seqs):
+                if i < len(chains[b]):
+                    tokens[b] = chains[b][i]
                 if not live[b]:
                     continue
                 if guided is not None and guided.is_guided(seq.slot):
@@ -136,7 +161,9 @@ class Runner:
                 drafts[b].append(tokens[b])
                 live[b] = len(drafts[b]) < ks[b] and not (
                     guided is not None and guided.is_guided(seq.slot) and guided.is_terminated(seq.slot))
-            cur = torch.tensor([[t] for t in tokens], device=self.device)
+            if not any(live):
+                break
+            prev = tokens
         if guided is not None:  # masks of the position after the last draft; then undo the drafts
             g = [(s.slot, len(d)) for s, d in zip(seqs, drafts) if guided.is_guided(s.slot)]
             guided.fill(g)
@@ -162,7 +189,10 @@ class Runner:
         positions = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)[:, None] + \
             torch.arange(T, device=self.device)[None, :]
         ctx = self.model.make_context(slots, positions, slot_list, max(s.num_tokens for s in seqs) + K)
-        logits = self.model.logits(self.model(ids, ctx, self.kv))  # [B, T, V]
+        hidden = self.model(ids, ctx, self.kv)
+        if self.feature_sink is not None:
+            self.feature_sink(slots, positions, hidden)
+        logits = self.model.logits(hidden)  # [B, T, V]
         if self.guided is not None and any(self.guided.is_guided(s) for s in slot_list):
             if not masks_filled:
                 fed = self.guided.fill_verify_rows({s.slot: d for s, d in zip(seqs, drafts)})

@@ -9,7 +9,7 @@ state and touch no request objects, so they can become host callbacks on a CUDA 
 """
 from __future__ import annotations
 
-from typing import Literal, Mapping, Optional, Sequence, Union
+from typing import Callable, Literal, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -106,6 +106,23 @@ class GuidedDecoder:
     def is_completed(self, slot: int) -> bool:
         """The accepted text is a complete match (the stop token may still be to come)."""
         return self._matcher(slot).is_completed()
+
+    def forced_tokens(self, slot: int, encode: Callable[[str], list[int]], k: int) -> list[int]:
+        """Up to k tokens of the string the grammar forces next (xgrammar's jump-forward string),
+        tokenized by `encode` and checked on a forked matcher: every token returned is accepted
+        in order from the slot's current state (the slot's own matcher is not touched)."""
+        m = self._matcher(slot)
+        if k <= 0 or m.is_terminated():
+            return []
+        text = m.find_jump_forward_string()
+        if not text:
+            return []
+        fork, out = m.fork(), []
+        for t in encode(text)[:k]:
+            if not fork.accept_token(int(t)):
+                break
+            out.append(int(t))
+        return out
 
     def num_tokens(self, slot: int) -> int:
         return len(self.history[slot])

@@ -173,6 +173,7 @@ class LlamaModel(nn.Module):
     def finalize(self) -> None:
         """After weights are loaded and placed: build the LM head and pack CPU linears."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        self.head_weight = w  # [vocab, hidden]: kept for draft heads that share (rows of) the LM head
         self.head = make_head(w)
         self.lm_head = None
         if w.device.type == "cpu":

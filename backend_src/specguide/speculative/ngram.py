@@ -12,13 +12,18 @@ class NgramDrafter:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `tokens` (prompt + output), [] when no suffix recurs."""
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """(up to k tokens that followed the latest earlier occurrence of the longest recurring
+        suffix, that suffix's length); ([], 0) when none recurs."""
         if k <= 0:
-            return []
+            return [], 0
         n = len(tokens)
         for size in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
             suffix = tokens[n - size:]
             # latest earlier occurrence whose continuation exists
             for start in range(n - size - 1, -1, -1):
                 if tokens[start: start + size] == suffix:
-                    return tokens[start + size: start + size + k]
-        return []
+                    return tokens[start + size: start + size + k], size
+        return [], 0

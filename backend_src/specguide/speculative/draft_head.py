@@ -1,0 +1,110 @@
+"""EAGLE-style draft head: one decoder layer over [target feature ; token embedding] that feeds
+(a pruned slice of) the target's own LM head.
+
+Notation: f_p is the target's final-normed hidden state at position p (it predicts x_{p+1}).
+The head at position p reads (f_p, x_{p+1}) and returns g_p, an estimate of f_{p+1}; its logits
+predict x_{p+2}. Drafting chains it: (f_{N-2}, x_{N-1}) -> d_1, then (g, d_1) -> d_2, ...
+Its KV cache rows hold real features up to the last verified position; rows past it are
+speculative and rewritten at the next step (like the target's).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..models.linear import make_head, prepare_linears
+from ..models.llama import AttnContext, DecoderLayer, LlamaModel, ModelConfig, rms_norm
+from ..kv_cache import KVCache
+
+FORMAT_VERSION = 1
+
+
+class DraftHead(nn.Module):
+    """fc([f ; norm(embed(x))]) -> one Llama decoder layer -> norm -> pruned shared LM head."""
+
+    def __init__(self, cfg: ModelConfig, d2t: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.embed_norm = nn.Parameter(torch.ones(H))
+        self.layer = DecoderLayer(cfg)
+        self.norm = nn.Parameter(torch.ones(H))
+        self.register_buffer("d2t", d2t.to(torch.int64))  # [Vd]: draft id -> target id
+        self.target: Optional[LlamaModel] = None  # embedding, RoPE tables, LM head rows (not saved)
+        self.lm: Optional[nn.Module] = None
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.d2t.shape[0])
+
+    def attach(self, target: LlamaModel, pack: bool = True) -> "DraftHead":
+        """Share the target's embedding and the d2t rows of its LM head; pack CPU linears."""
+        object.__setattr__(self, "target", target)  # not a submodule: its weights are not ours
+        w = target.head_weight[self.d2t.to(target.head_weight.device)].detach()  # [Vd, H]
+        self.lm = make_head(w.contiguous()) if pack else _frozen_linear(w)
+        if pack:
+            prepare_linears(self)
+        return self
+
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, ctx: AttnContext, kv: KVCache) -> torch.Tensor:
+        """feats [B, T, H] (f or g), tokens [B, T] (the next tokens) at ctx.positions -> g [B, T, H]."""
+        t = self.target
+        e = rms_norm(t.embed(tokens), self.embed_norm, self.cfg.rms_norm_eps)
+        x = self.fc(torch.cat([feats.to(e.dtype), e], dim=-1))
+        cos, sin = t.rope_tables(kv.max_seq_len)
+        if ctx.mask is not None:
+            cos, sin = cos[ctx.positions].unsqueeze(2), sin[ctx.positions].unsqueeze(2)
+        x = self.layer(x, cos, sin, ctx, kv.k[0], kv.v[0])
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """g [..., H] -> fp32 logits over the draft vocabulary [..., Vd]."""
+        return self.lm(g).float()
+
+    # ---- persistence ------------------------------------------------------------------------
+    def save(self, path: Path, meta: dict) -> None:
+        """Weights (fc, norms, layer), d2t and the target's config; the LM head is not saved."""
+        state = {k: v for k, v in self.state_dict().items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"version": FORMAT_VERSION, "config": asdict(self.cfg), "state": state,
+                    "meta": json.loads(json.dumps(meta))}, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, target: LlamaModel) -> "DraftHead":
+        """Load a saved head for `target` (checks that the shapes match) and attach it."""
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if blob.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: draft head format {blob.get('version')} (expected {FORMAT_VERSION})")
+        cfg = ModelConfig(**blob["config"])
+        tc = target.cfg
+        if (cfg.hidden_size, cfg.vocab_size) != (tc.hidden_size, tc.vocab_size):
+            raise ValueError(f"{path}: trained for hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, "
+                             f"the target has {tc.hidden_size} / {tc.vocab_size}")
+        head = cls(cfg, blob["state"]["d2t"])
+        head.load_state_dict(blob["state"], strict=True)
+        dtype, device = target.embed.weight.dtype, target.embed.weight.device
+        head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        head.d2t = head.d2t.to(torch.int64)
+        head.meta = blob.get("meta", {})
+        return head.attach(target)
+
+
+def _frozen_linear(w: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    return lin
+
+
+def default_head_path(model_dir: Path) -> Path:
+    """Where the trained head of a model lives: the model cache, next to nothing committed."""
+    from ..models.default_model import cache_dir
+
+    return cache_dir() / "draft_heads" / f"{Path(model_dir).name}.pt"

@@ -1,0 +1,145 @@
+"""Issue 8's drafters on the real SmolLM2 and real xgrammar: grammar-forced (jump-forward) drafts,
+the trained EAGLE-style head, the hybrid, adaptive K. Greedy output with each drafter equals
+speculation off, token for token, guided and unguided."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from specguide.config import EngineConfig
+from specguide.engine import Engine
+from specguide.guided.decoder import GuidedDecoder
+from specguide.speculative.draft_head import DraftHead
+from specguide.speculative.train_head import TrainConfig, run
+
+from ..guided.helpers import load_guided_samples
+from .test_guided_engine import run_many
+from .test_speculative import prompts, requests
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory, engine):
+    """An untrained head over a pruned vocabulary (every 3rd id): lossless whatever it proposes."""
+    torch.manual_seed(0)
+    head = DraftHead(engine.model.cfg, torch.arange(0, engine.model.cfg.vocab_size, 3))
+    path = tmp_path_factory.mktemp("head") / "random.pt"
+    head.save(path, {"note": "random"})
+    return path
+
+
+def outputs(engine, reqs):
+    """[(finish reason, token ids)] and the final events."""
+    runs = run_many(engine, reqs)
+    return [(final.finish_reason, toks) for toks, _, final in runs], [final for _, _, final in runs]
+
+
+@pytest.mark.parametrize("drafter", ["grammar", "head", "hybrid"])
+def test_greedy_with_each_drafter_equals_speculation_off(engine, random_head, drafter):
+    reqs = lambda k: requests(engine, lambda i: k, max_tokens=40)  # noqa: E731
+    off, _ = outputs(engine, reqs(0))
+    eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter=drafter,
+                              draft_head_path=str(random_head)))
+    try:
+        assert eng.drafter == drafter
+        got, finals = outputs(eng, reqs(3))
+        assert got == off
+        drafted = sum(f.total_draft_tokens for f in finals)
+        accepted = sum(f.total_accepted_draft_tokens for f in finals)
+        assert drafted > 0 and accepted > 0, (drafted, accepted)  # forced JSON punctuation is accepted
+        for s in range(8):
+            assert not eng.guided.is_guided(s)
+    finally:
+        eng.shutdown()
+
+
+def test_missing_head_falls_back_to_grammar_drafter(tmp_path):
+    eng = Engine(EngineConfig(max_slots=2, max_seq_len=256, drafter="hybrid", warmup=False,
+                              draft_head_path=str(tmp_path / "none.pt")))
+    try:
+        assert eng.drafter == "grammar" and eng.head_drafter is None
+    finally:
+        eng.shutdown()
+
+
+def test_forced_tokens_are_always_accepted_by_the_matcher(engine):
+    """Walk every JSON/regex/EBNF sample grammar; at each state the jump-forward tokens are
+    accepted in order by a fresh matcher fed the history, and the slot's matcher is untouched."""
+    dec = GuidedDecoder(1, 3, engine.runner.vocab_size)
+    checked = proposed = 0
+    for sample in load_guided_samples():
+        if sample.kind not in ("json_schema", "regex", "ebnf"):
+            continue
+        try:
+            compiled = engine.compiler.compile(sample.params)
+        except Exception:
+            continue  # unsupported samples are covered by the compile tests
+        dec.add(0, compiled)
+        for _ in range(40):
+            if dec.is_terminated(0):
+                break
+            before = dec.num_tokens(0)
+            forced = dec.forced_tokens(0, engine.tokenizer.encode, 8)
+            assert dec.num_tokens(0) == before
+            fresh = xgr.GrammarMatcher(compiled)
+            assert all(fresh.accept_token(t) for t in dec.history[0] + forced)
+            checked += 1
+            proposed += len(forced)
+            if forced:
+                assert dec.advance_many(0, forced) == len(forced)
+            else:  # take an allowed token: the first one that is not a stop token
+                dec.fill([(0, 0)])
+                allowed = [t for t in dec.allowed_tokens(0).tolist() if t not in engine.eos_token_ids][:1]
+                if not allowed:
+                    break
+                assert dec.advance(0, allowed[0])
+        dec.remove(0)
+    assert checked > 100 and proposed > 50, (checked, proposed)
+
+
+def test_adaptive_k_shrinks_with_low_acceptance(engine):
+    seq = type("S", (), {})()
+    eng = engine
+    req = requests(eng, lambda i: 3)[0]
+    s = eng._make_sequence(req, lambda o: None)
+    s.slot = 0
+    eng._accept_rate[0] = 1.0
+    assert eng._draft_budget(s) == 3
+    eng._accept_rate[0] = 0.5
+    assert eng._draft_budget(s) == 2  # 0.5, 0.25 >= 0.15 > 0.125
+    eng._accept_rate[0] = 0.2
+    assert eng._draft_budget(s) == 1
+    eng._accept_rate[0] = 1.0
+    del seq
+
+
+def test_tiny_trained_head_beats_chance_and_runs_in_the_step(engine, tmp_path):
+    """A one-epoch self-distillation on a few prompts: the head agrees with the target far more
+    often than chance and than an untrained head, loads from disk and drafts inside the step
+    (accepting drafts) without changing greedy output."""
+    schemas = [s.text for s in load_guided_samples() if s.kind == "json_schema"
+               and "unsupported" not in s.name][:6]
+    cfg = TrainConfig(seed=0, epochs=2, num_schemas=6, num_chat=6, max_tokens_json=48, max_tokens_chat=32,
+                      draft_vocab=4096, depth=2, val_fraction=0.25)
+    head, report, _ = run(cfg, engine=engine, schemas=schemas)
+    assert report.samples >= 10 and report.vocab_coverage > 0.9
+    chance = 1.0 / head.draft_vocab_size
+    assert report.val_accuracy[0] > 50 * chance, report.val_accuracy
+    assert report.val_accuracy[0] > 0.05, report.val_accuracy
+    path = tmp_path / "tiny.pt"
+    head.save(path, {"report": report.val_accuracy})
+    reqs = lambda k: requests(engine, lambda i: k, max_tokens=32)  # noqa: E731
+    off, _ = outputs(engine, reqs(0))
+    eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter="head",
+                              draft_head_path=str(path), adaptive_k=False))
+    try:
+        assert eng.head_drafter is not None and eng.head_drafter.head.draft_vocab_size == 4096
+        got, finals = outputs(eng, reqs(3))
+        assert got == off
+        accepted = sum(f.total_accepted_draft_tokens for f in finals)
+        drafted = sum(f.total_draft_tokens for f in finals)
+        assert accepted / drafted > 0.05, (accepted, drafted)
+    finally:
+        eng.shutdown()
