@@ -75,8 +75,10 @@ class Engine:
         self._drain = True
         self._dead: Optional[BaseException] = None
         self.num_steps = 0
-        if config.warmup:
+        t0 = time.perf_counter()
+        if config.warmup:  # before the loop starts, so initialize() (and readiness) waits for it
             self.runner.warmup()
+        self.warmup_s = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._loop, name="specguide-engine", daemon=True)
         self._thread.start()
 

@@ -105,7 +105,8 @@ class TritonPythonModel:
         self._closing = False
         self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
         self._thread.start()
-        pb_utils.Logger.log_info(f"specguide: engine ready ({self.config})")
+        warm = getattr(self.engine, "warmup_s", 0.0)
+        pb_utils.Logger.log_info(f"specguide: engine ready, warmed up in {warm:.2f} s ({self.config})")
 
     # ------------------------------------------------------------------ execute thread
 
