@@ -142,26 +142,31 @@ def alone(server: Server, values: dict) -> tuple[str, list[int]]:
 # ------------------------------------------------------------------------------------- readiness
 
 
-def test_ready_only_after_the_engine_warmed_up(aux):
-    assert http(aux, f"repository/models/{MODEL}/unload")[0] == 200
+def unload(server: Server) -> None:
+    assert http(server, f"repository/models/{MODEL}/unload")[0] == 200
     deadline = time.monotonic() + 60
-    while model_ready(aux):
-        assert time.monotonic() < deadline
+    while model_ready(server):
+        assert time.monotonic() < deadline, "still ready after unload"
         time.sleep(0.05)
-    loader = threading.Thread(target=http, args=(aux, f"repository/models/{MODEL}/load"))
+
+
+def load_and_check_ready_after_warmup(server: Server) -> None:
+    """Load the model; it must turn ready only after initialize() logged the finished warm-up."""
+    loader = threading.Thread(target=http, args=(server, f"repository/models/{MODEL}/load"))
     loader.start()
-    while not model_ready(aux):
-        assert time.monotonic() < deadline + 300
+    deadline = time.monotonic() + 300
+    while not model_ready(server):
+        assert time.monotonic() < deadline, "not ready after load"
         time.sleep(0.02)
     t_ready = datetime.now()
     loader.join(timeout=300)
     time.sleep(0.5)  # the backend's log lines arrive through the stub
-    lines = [ln for ln in aux.log.read_text(errors="replace").splitlines() if "specguide: engine ready" in ln]
+    lines = [ln for ln in server.log.read_text(errors="replace").splitlines() if "specguide: engine ready" in ln]
     assert lines and "warmed up in" in lines[-1], lines[-1:]
     stamp = re.search(r"(\d\d:\d\d:\d\d\.\d+)", lines[-1]).group(1)
     logged = datetime.combine(t_ready.date(), datetime.strptime(stamp, "%H:%M:%S.%f").time())
     assert logged <= t_ready, "the model was ready before its engine had warmed up"
-    assert aux.metric("specguide_engine_alive", model=MODEL) == 1.0
+    assert server.wait_metric("specguide_engine_alive", 1.0, model=MODEL) == 1.0
 
 
 # -------------------------------------------------------------------------------------- overload
@@ -179,10 +184,14 @@ def test_a_full_queue_answers_unavailable_at_once(aux):
     _, _, last = Live(aux, {"text_input": PROMPT}).result()
     assert last.final and "queue is full" in last.error
     assert not any(r.done.is_set() for r in running + queued), "refused while the others still run"
-    for r in running + queued:
+    for r in queued:  # first, so that no slot frees up before they are cancelled
+        r.cancel()
+    expected = {**before, "queued": before["queued"] + 2}
+    assert wait_counts(aux, expected) == expected
+    for r in running:
         r.cancel()
     settle(aux)
-    expected = {**before, "queued": before["queued"] + 2, "decode": before["decode"] + 2}
+    expected = {**expected, "decode": before["decode"] + 2}
     assert wait_counts(aux, expected) == expected
     assert generate(aux)[0] == 200
 
@@ -255,21 +264,16 @@ def test_a_fault_in_one_request_fails_only_that_request(aux):
 # ------------------------------------------------------------------------------------- lifecycle
 
 
-def test_unload_drains_in_flight_requests(aux):
+def test_unload_drains_in_flight_requests_and_the_reload_is_ready_after_warmup(aux):
     values = {"text_input": PROMPT, "max_tokens": 40}
     reference = alone(aux, values)
     streams = [Live(aux, values).wait_first() for _ in range(2)]
-    status, _ = http(aux, f"repository/models/{MODEL}/unload")
-    assert status == 200
+    unload(aux)
     for s in streams:
         text, ids, last = s.result()
         assert last.error is None and last.finish_reason == "length" and (text, ids) == reference
-    deadline = time.monotonic() + 60
-    while model_ready(aux):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
     assert generate(aux)[0] != 200
-    assert http(aux, f"repository/models/{MODEL}/load")[0] == 200 and model_ready(aux)
+    load_and_check_ready_after_warmup(aux)
     assert generate(aux)[0] == 200
 
 
@@ -285,11 +289,6 @@ def test_an_engine_crash_fails_in_flight_and_new_requests_with_unavailable(aux):
     assert "engine stopped" in last.error
     assert aux.wait_metric("specguide_engine_alive", 0.0, model=MODEL) == 0.0
     # an operator (or a probe on the gauge) reloads the model: serving again
-    assert http(aux, f"repository/models/{MODEL}/unload")[0] == 200
-    deadline = time.monotonic() + 60
-    while model_ready(aux):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert http(aux, f"repository/models/{MODEL}/load")[0] == 200
+    unload(aux)
+    load_and_check_ready_after_warmup(aux)
     assert generate(aux)[0] == 200
-    assert aux.wait_metric("specguide_engine_alive", 1.0, model=MODEL) == 1.0
