@@ -49,6 +49,7 @@ INPUT_TYPES: dict[str, tuple[Any, str]] = {
     "presence_penalty": (np.float32, "FP32"),
     "repetition_penalty": (np.float32, "FP32"),
     "length_penalty": (np.float32, "FP32"),
+    "timeout_s": (np.float32, "FP32"),
 }
 LIST_INPUTS = ("input_ids", "stop_words", "bad_words")
 

@@ -25,6 +25,8 @@ class EngineConfig:
     default_max_tokens: int = 64  # when a request gives no max_tokens
     max_tokens_limit: int = 0  # 0 = max_seq_len
     warmup: bool = True  # run one forward at start so the first request is not slow
+    request_timeout_s: float = 0.0  # default per-request time limit (queue + generation); 0 = none
+    drain_timeout_s: float = 25.0  # unload: in-flight requests get this long to finish, then are cancelled
     num_draft_tokens: int = 3  # K: draft tokens verified per step (0 = no speculation); per request <= K
     drafter: str = "ngram"  # "ngram" (prompt lookup) | "grammar" (grammar-forced jump-forward tokens,
     # then n-gram) | "head" (trained draft head) | "hybrid" (head + grammar-forced + trusted n-gram,
@@ -58,6 +60,7 @@ class EngineConfig:
         assert self.draft_layers >= 1 and self.ngram_max >= 1 and self.spec_max_rows >= 0 and self.ngram_trust >= 1
         assert self.guided_compile_workers >= 1 and self.guided_mask_threads >= 1
         assert self.guided_compile_timeout_s >= 0
+        assert self.request_timeout_s >= 0 and self.drain_timeout_s >= 0
         if self.max_tokens_limit <= 0:
             self.max_tokens_limit = self.max_seq_len
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import random
 import threading
@@ -12,13 +13,14 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from . import faults
 from .config import EngineConfig
 from .guided.compiler import GrammarCompilerService
 from .guided.decoder import GuidedDecoder
 from .models.loader import load_model, resolve_model_dir
 from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
 from .runner import Runner
-from .scheduler import Scheduler, Sequence, Status, StepPlan
+from .scheduler import PrefillChunk, Scheduler, Sequence, Status, StepPlan
 from .speculative.draft_head import DraftHead, default_head_path
 from .speculative.draft_model import DraftModel
 from .speculative.head_drafter import HeadDrafter
@@ -29,6 +31,7 @@ log = logging.getLogger("specguide")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Callback = Callable[[RequestOutput], None]
+STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode", Status.FINISHED: "finished"}
 IDLE_WAIT_S = 0.005
 ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds fall below is not proposed
 
@@ -85,8 +88,10 @@ class Engine:
         self._drain = True
         self._dead: Optional[BaseException] = None
         self.num_steps = 0
-        if config.warmup:
+        t0 = time.perf_counter()
+        if config.warmup:  # before the loop starts, so initialize() (and readiness) waits for it
             self.runner.warmup()
+        self.warmup_s = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._loop, name="specguide-engine", daemon=True)
         self._thread.start()
 
@@ -138,7 +143,7 @@ class Engine:
     def stats(self) -> dict[str, int]:
         return {"active_slots": self.scheduler.num_active,
                 "queue_depth": self.scheduler.num_waiting + self._pending_submits,
-                "steps": self.num_steps}
+                "steps": self.num_steps, "alive": int(self.is_alive())}
 
     def is_alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
@@ -184,6 +189,9 @@ class Engine:
                                       f"(the configured maximum), got {k}")
         if p.end_id is not None and not 0 <= p.end_id < self.runner.vocab_size:
             raise InvalidRequestError(f"end_id {p.end_id} is outside the vocabulary")
+        timeout = request.timeout_s if request.timeout_s is not None else cfg.request_timeout_s
+        if not (timeout >= 0 and math.isfinite(timeout)):
+            raise InvalidRequestError(f"timeout_s must be a finite number >= 0 (0 = none), got {timeout}")
         stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
             stop_ids |= {p.end_id} if p.end_id is not None else set(self.eos_token_ids)
@@ -191,7 +199,10 @@ class Engine:
             seq_id=next(self._ids), prompt_ids=ids, params=p,
             seed=p.seed if p.seed is not None else random.getrandbits(64), callback=callback,
             stop_ids=frozenset(stop_ids), guided=request.guided,
-            num_draft_tokens=cfg.num_draft_tokens if k is None else k, request_id=request.request_id)
+            num_draft_tokens=cfg.num_draft_tokens if k is None else k, request_id=request.request_id,
+            fault=faults.parse(request.fault))
+        if timeout > 0:
+            seq.deadline = seq.arrival + timeout
         seq.detok = IncrementalDetokenizer(self.tokenizer)
         if request.guided is not None:  # a malformed guide raises here; compile errors come later
             seq.compile = self.compiler.submit(request.guided)
@@ -208,6 +219,7 @@ class Engine:
                     self._pending_submits -= sum(1 for kind, _ in inbox if kind == "submit")
                     stopping, drain = self._stopping, self._drain
                 self._apply(inbox)
+                self._expire()
                 if stopping and not drain:
                     for seq in list(self._seqs.values()):
                         self._finish(seq, "cancelled")
@@ -218,9 +230,34 @@ class Engine:
                         self._cv.wait(IDLE_WAIT_S)
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine loop crashed")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop crashed: refuse new requests, fail every in-flight and queued one (UNAVAILABLE)."""
+        with self._cv:
             self._dead = exc
-            for seq in list(self._seqs.values()):
-                self._finish(seq, "error", f"engine failure: {exc!r}")
+            inbox, self._inbox = self._inbox, []
+            self._pending_submits = 0
+        victims = list(self._seqs.values()) + [s for kind, s in inbox if kind == "submit"]
+        message = f"the engine stopped ({type(exc).__name__}: {exc}); the model must be reloaded"
+        for seq in victims:
+            assert isinstance(seq, Sequence)
+            try:
+                self._finish(seq, "error", message, "UNAVAILABLE")
+            except Exception:  # the state may be broken: tell the client directly
+                seq.status = Status.FINISHED
+                try:
+                    seq.callback(RequestOutput(seq_id=seq.seq_id, finished=True, finish_reason="error",
+                                               error=message, error_code="UNAVAILABLE"))
+                except Exception:
+                    pass
+        self._seqs.clear()
+
+    def _expire(self) -> None:
+        """Finish requests past their deadline (`timeout_s`) with finish_reason "timeout"."""
+        now = time.monotonic()
+        for seq in [s for s in self._seqs.values() if s.deadline is not None and now >= s.deadline]:
+            self._finish(seq, "timeout")
 
     def _apply(self, inbox: list[tuple[str, object]]) -> None:
         for kind, item in inbox:
@@ -228,6 +265,8 @@ class Engine:
                 assert isinstance(item, Sequence)
                 self._seqs[item.seq_id] = item
                 self.scheduler.waiting.append(item)
+                if item.fault is not None and item.fault.kind == "crash_engine":
+                    raise faults.InjectedFault("injected engine crash")
             elif kind == "cancel":
                 seq = self._seqs.get(item)  # type: ignore[arg-type]
                 if seq is not None:
@@ -245,32 +284,26 @@ class Engine:
         touched: list[Sequence] = []
         for chunk in plan.prefills:
             seq = chunk.seq
-            if chunk.start == 0:
-                self.runner.bind(seq)
-                self._accept_rate[seq.slot] = 1.0
-                if seq.grammar is not None:
-                    self.guided.add(seq.slot, seq.grammar)
-            tok = self._guarded(seq, lambda: self.runner.prefill(chunk))
+            tok = self._guarded(seq, lambda: self._prefill(chunk))
             if seq.status is Status.FINISHED:
                 continue
             seq.num_cached = chunk.end
             if tok is not None:
                 seq.status = Status.DECODE
-                self._append(seq, [tok])
+                self._guarded(seq, lambda: self._append(seq, [tok]))
                 touched.append(seq)
         if plan.decodes:
             try:
                 results = self._decode(plan.decodes)
-            except Exception as exc:  # fails this batch's requests, not the engine
+            except Exception as exc:
                 log.exception("decode step failed")
-                for seq in plan.decodes:
-                    self._finish(seq, "error", f"decode failed: {exc!r}")
-                return True
+                self._recover(plan.decodes, exc)
+                results = []  # the survivors retry at the next step
             for seq, (toks, drafted, accepted) in zip(plan.decodes, results):
                 seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
                 seq.num_draft += drafted
                 seq.num_accepted += accepted
-                self._append(seq, toks)
+                self._guarded(seq, lambda: self._append(seq, toks))
                 touched.append(seq)
         for seq in touched:
             if seq.status is not Status.FINISHED:
@@ -355,19 +388,56 @@ class Engine:
             handle = seq.compile
             if not (handle.ready() or handle.timed_out()):
                 continue
+            if seq.fault is not None and seq.fault.kind == "compile_delay" and \
+                    time.monotonic() < seq.arrival + seq.fault.seconds:
+                continue
             try:
                 seq.grammar = handle.result(timeout=0)
                 seq.compile = None
             except Exception as exc:
                 code = "INVALID_ARG" if isinstance(exc, InvalidRequestError) else "INTERNAL"
                 self._finish(seq, "error", str(exc), code)
+
+    def _prefill(self, chunk: PrefillChunk) -> Optional[int]:
+        """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""
+        seq = chunk.seq
+        if chunk.start == 0:
+            self.runner.bind(seq)
+            self._accept_rate[seq.slot] = 1.0
+            if seq.grammar is not None:
+                self.guided.add(seq.slot, seq.grammar)
+        if seq.fault is not None and seq.fault.kind == "prefill_delay":
+            time.sleep(seq.fault.seconds)
+        return self.runner.prefill(chunk)
+
     def _guarded(self, seq: Sequence, fn: Callable[[], Optional[int]]) -> Optional[int]:
+        """Run one request's part of the step; an exception fails that request only."""
         try:
             return fn()
         except Exception as exc:
             log.exception("request %s failed", seq.seq_id)
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             return None
+
+    def _recover(self, seqs: list[Sequence], exc: Exception) -> None:
+        """A batched decode raised: fail the requests whose state is broken (a matcher that raises),
+        put the others' grammar state back to their accepted tokens; they retry at the next step.
+        When no culprit is found the whole batch fails (the fault cannot be pinned on one request)."""
+        broken = [s for s in seqs if not self._healthy(s)] or seqs
+        for seq in broken:
+            self._finish(seq, "error", f"decode failed: {type(exc).__name__}: {exc}")
+        for seq in seqs:
+            if seq.status is not Status.FINISHED and seq.grammar is not None:
+                self._guarded(seq, lambda: self.guided.rollback(
+                    seq.slot, self.guided.num_tokens(seq.slot) - len(seq.output_ids)))
+
+    def _healthy(self, seq: Sequence) -> bool:
+        try:
+            if seq.grammar is not None:
+                self.guided.is_terminated(seq.slot)
+            return True
+        except Exception:
+            return False
 
     # ---- per-request bookkeeping -----------------------------------------------------------
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
@@ -377,6 +447,9 @@ class Engine:
         reason = None
         new: list[int] = []
         guided = seq.grammar is not None
+        if any(t < 0 for t in tokens):  # the runner's mark for non-finite logits in this row
+            self._finish(seq, "error", "the model produced non-finite logits (NaN/inf) for this request")
+            return
         for t in tokens:
             if guided and not self.guided.advance(seq.slot, t):
                 self._finish(seq, "error", f"token {t} violates the grammar (its mask allowed no token "
@@ -394,6 +467,8 @@ class Engine:
             reason = "stop"
         if reason:
             self._finish(seq, reason)
+        elif seq.fault is not None and seq.fault.kind == "matcher_error" and guided:
+            self.guided.matchers[seq.slot] = faults.FaultyMatcher()  # type: ignore[assignment]
 
     def _cut_stop_string(self, seq: Sequence, final: bool) -> bool:
         """Move pending text to emitted text, holding back a possible stop-string prefix.
@@ -421,8 +496,11 @@ class Engine:
                 error_code: Optional[str] = None) -> None:
         if seq.status is Status.FINISHED:
             return
+        seq.stage = "compiling" if seq.compile is not None else STAGES[seq.status]
         if reason in ("cancelled", "error"):
             seq.pending_text = ""
+        elif reason == "timeout":  # keep what was generated; flush the held-back text
+            self._cut_stop_string(seq, final=True)
         if seq.compile is not None:
             seq.compile.cancel()
             seq.compile = None
@@ -441,7 +519,7 @@ class Engine:
         out = RequestOutput(
             seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
-            error_code=seq.error_code if finished else None,
+            error_code=seq.error_code if finished else None, stage=seq.stage if finished else None,
             total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
             num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
             first_token=seq.ids_sent == 0 and bool(new_ids))

@@ -89,6 +89,8 @@ class Request:
     guided: Optional[GuidedDecodingParams] = None
     num_draft_tokens: Optional[int] = None  # None = the configured K; 0 = no speculation
     request_id: str = ""  # the client's id, echoed in logs
+    timeout_s: Optional[float] = None  # None = EngineConfig.request_timeout_s; 0 = no limit
+    fault: Optional[str] = None  # injected fault (specguide.faults; honoured only when enabled)
 
 
 @dataclass
@@ -99,9 +101,10 @@ class RequestOutput:
     text: str = ""  # new text since the last event (never half a UTF-8 character)
     token_ids: list[int] = field(default_factory=list)  # new tokens since the last event
     finished: bool = False
-    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "timeout" | "cancelled" | "error"
     error: Optional[str] = None
-    error_code: Optional[str] = None  # with finish_reason "error": INVALID_ARG (bad guide) | INTERNAL
+    error_code: Optional[str] = None  # with "error": INVALID_ARG (bad guide) | INTERNAL | UNAVAILABLE (engine died)
+    stage: Optional[str] = None  # on the final event: queued | compiling | prefill | decode (where it ended)
     num_input_tokens: int = 0
     num_output_tokens: int = 0  # total so far
     first_token: bool = False  # this event carries the request's first token(s)

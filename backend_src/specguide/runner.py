@@ -5,6 +5,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import faults
 from .config import EngineConfig
 from .guided.decoder import GuidedDecoder
 from .kv_cache import KVCache
@@ -14,6 +15,14 @@ from .speculative import acceptance
 from .scheduler import PrefillChunk, Sequence
 
 NEG_INF = float("-inf")
+BAD_TOKEN = -1  # returned for a row whose logits hold NaN or +inf: the engine fails that request only
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] bool: the row holds NaN or +inf (-inf is a mask). No host sync: the flag
+    rides along with the tokens, which are copied to the host anyway."""
+    top = logits.amax(dim=-1)  # NaN propagates
+    return top.isnan() | top.isposinf()
 
 
 class Runner:
@@ -193,6 +202,8 @@ class Runner:
         if self.feature_sink is not None:
             self.feature_sink(slots, positions, hidden)
         logits = self.model.logits(hidden)  # [B, T, V]
+        if faults.enabled():
+            faults.poison(logits, seqs)
         if self.guided is not None and any(self.guided.is_guided(s) for s in slot_list):
             if not masks_filled:
                 fed = self.guided.fill_verify_rows({s.slot: d for s, d in zip(seqs, drafts)})
@@ -224,12 +235,15 @@ class Runner:
             accepted, nxt = acceptance.verify(p, dr, num, u_acc, u_res)
         if penalized:
             self._count(slots, nxt)
+        nxt = torch.where(nonfinite_rows(logits).any(dim=1), BAD_TOKEN, nxt)
         acc_list, nxt_list = accepted.tolist(), nxt.tolist()
         return [(d[:a] + [t], a) for d, a, t in zip(drafts, acc_list, nxt_list)]
 
     # ---- sampling ---------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        if faults.enabled():
+            faults.poison(logits, seqs)
         penalized = any(s.slot in self._penalized for s in seqs)
         if penalized:
             logits = self._penalize(logits, slots)
@@ -238,7 +252,7 @@ class Runner:
         tokens = self._draw(logits, seqs, slots)
         if penalized:  # count what was drawn (every drawn token is appended in plain decoding)
             self._count(slots, tokens)
-        return tokens.tolist()
+        return torch.where(nonfinite_rows(logits), BAD_TOKEN, tokens).tolist()
 
     def _count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record emitted tokens [B] of slots [B] for the penalties."""

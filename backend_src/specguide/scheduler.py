@@ -52,6 +52,9 @@ class Sequence:
     error_code: Optional[str] = None
     num_draft: int = 0  # speculative decoding: draft tokens proposed / accepted so far
     num_accepted: int = 0
+    deadline: Optional[float] = None  # time.monotonic() past which the request finishes with "timeout"
+    fault: object = None  # faults.Fault (tests only)
+    stage: Optional[str] = None  # where it was when it finished: queued|compiling|prefill|decode
 
     @property
     def num_tokens(self) -> int:

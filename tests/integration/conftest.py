@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -63,6 +64,16 @@ class Server:
                 return got
             time.sleep(0.02)
 
+    def stub_rss_bytes(self) -> int:
+        """Resident memory of the Python backend stub (the server's child that runs the model)."""
+        for child in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"triton_python_backend_stub" in cmd:
+                for line in Path(f"/proc/{child}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        raise RuntimeError("no triton_python_backend_stub child found")
+
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
@@ -75,18 +86,17 @@ def _ready(http: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Server:
+def launch(log: Path, model_repository: Path, extra_args: tuple[str, ...] = (), env: Optional[dict] = None) -> Server:
+    """Start tritonserver on free ports and wait until it is ready (fails the test if it is not)."""
     subprocess.run([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "setup"], check=True,
                    stdout=subprocess.DEVNULL)
     http, grpc, metrics = _free_ports(3)
-    log = tmp_path_factory.mktemp("tritonserver") / "server.log"
     env = {**os.environ, "TRITON_HTTP_PORT": str(http), "TRITON_GRPC_PORT": str(grpc),
-           "TRITON_METRICS_PORT": str(metrics), "MODEL_REPOSITORY": str(ROOT / "model_repository")}
+           "TRITON_METRICS_PORT": str(metrics), "MODEL_REPOSITORY": str(model_repository), **(env or {})}
     with open(log, "wb") as f:
         # the script exec()s tritonserver, so proc.pid is the server; its own session lets us
         # clean up the Python backend stub with it
-        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "serve"],
+        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "serve", *extra_args],
                                 stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     srv = Server(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics", log, proc)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -95,12 +105,24 @@ def server(tmp_path_factory) -> Server:
             _stop(proc)
             pytest.fail(f"tritonserver did not become ready (exit code {proc.poll()}):\n{srv.log_tail()}")
         time.sleep(0.5)
-    yield srv
-    _stop(proc)
-    # finalize() must drain and stop the engine so that Triton can unload the model cleanly
+    return srv
+
+
+def stop_and_check(srv: Server, allow_tracebacks: bool = False) -> None:
+    """SIGTERM; the model must unload cleanly (finalize drains and stops the engine)."""
+    _stop(srv.proc)
     log_text = srv.log.read_text(errors="replace")
     assert f"successfully unloaded '{MODEL}'" in log_text, f"the model did not unload cleanly:\n{srv.log_tail()}"
-    assert "Traceback" not in log_text, f"a Python error in the server log:\n{srv.log_tail(200)}"
+    if not allow_tracebacks:
+        assert "Traceback" not in log_text, f"a Python error in the server log:\n{srv.log_tail(200)}"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    log = tmp_path_factory.mktemp("tritonserver") / "server.log"
+    srv = launch(log, ROOT / "model_repository")
+    yield srv
+    stop_and_check(srv)
 
 
 def _stop(proc: subprocess.Popen) -> None:

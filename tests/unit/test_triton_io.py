@@ -810,3 +810,58 @@ def test_adapter_finalize_drains_the_engine(model):
     model.finalize()
     assert engine.shutdown_args[0] is True
     assert not model._thread.is_alive()
+
+
+# ---------------------------------------------------------------------------------- reliability
+
+
+def test_timeout_s_maps_and_is_checked():
+    assert one({"text_input": s("hi"), "timeout_s": np.array([[2.5]], np.float32)}).request.timeout_s == 2.5
+    assert one({"text_input": s("hi")}).request.timeout_s is None  # the engine's request_timeout_s
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(InvalidRequestError, match="timeout_s"):
+            one({"text_input": s("hi"), "timeout_s": np.array([[bad]], np.float32)})
+
+
+def test_fault_parameter_only_with_fault_injection_enabled(monkeypatch):
+    from specguide import faults
+
+    params = json.dumps({"specguide_fault": "nan_logits"})
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert one({"text_input": s("hi")}, parameters=params).request.fault is None
+    monkeypatch.setenv(faults.ENV, "1")
+    assert one({"text_input": s("hi")}, parameters=params).request.fault == "nan_logits"
+    with pytest.raises(InvalidRequestError, match="unknown fault"):
+        one({"text_input": s("hi")}, parameters=json.dumps({"specguide_fault": "meltdown"}))
+
+
+def test_adapter_dead_engine_refuses_at_once_with_unavailable_and_is_not_ready(model):
+    assert model.is_ready()
+    model.engine.is_alive = lambda: False
+    assert not model.is_ready()
+    req = FakeTritonRequest({"text_input": s("Hi")})
+    model.execute([req])
+    (resp, flags), = req.sender.sent
+    assert flags == 1 and resp.err.code() == FakeTritonError.UNAVAILABLE and "engine stopped" in resp.err.message()
+    assert model.engine.submitted == []
+    alive = FakeMetricFamily.families["specguide_engine_alive"].metrics[(("model", "specguide"), ("version", "1"))]
+    wait_for(lambda: alive.value == 0.0)
+
+
+def test_adapter_engine_death_event_is_unavailable_and_cancels_count_by_stage(model):
+    out = RequestOutput(seq_id=1, finished=True, finish_reason="error", error="the engine stopped", error_code="UNAVAILABLE")
+    assert io.event_error_code(out) == "UNAVAILABLE"
+    req = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[500]], np.int32), "stream": np.array([[True]])})
+    model.execute([req])
+    wait_for(lambda: len(req.sender.sent) >= 1)
+    seq = next(iter(model._live))
+    model._deliver(seq, RequestOutput(seq_id=seq.seq_id, finished=True, finish_reason="cancelled", stage="decode"), 0.0)
+    stages = FakeMetricFamily.families["specguide_cancellations_total"].metrics
+    assert stages[(("model", "specguide"), ("stage", "decode"), ("version", "1"))].value == 1
+    assert req.sender.sent[-1][1] == 1 and req.sender.sent[-1][0].err.code() == FakeTritonError.CANCELLED
+
+
+def test_adapter_finalize_uses_the_drain_timeout(model):
+    engine = model.engine
+    model.finalize()
+    assert engine.shutdown_args == (True, model.config.drain_timeout_s)

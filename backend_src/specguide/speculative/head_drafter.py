@@ -41,6 +41,8 @@ class HeadDrafter:
         for s in seqs:
             if self.owner[s.slot] != s.seq_id:
                 self.reset(s)
+            # a step that failed after this point last time (and is retried) re-feeds row N-2
+            self.cached[s.slot] = max(0, min(self.cached[s.slot], s.num_tokens - 2))
         for s in seqs:  # a new prompt: chunks of its own, leaving at most K+1 rows for the batch
             toks = s.prompt_ids + s.output_ids
             while (left := s.num_tokens - 1 - self.cached[s.slot]) > self.K + 1:

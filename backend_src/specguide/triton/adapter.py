@@ -105,7 +105,8 @@ class TritonPythonModel:
         self._closing = False
         self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
         self._thread.start()
-        pb_utils.Logger.log_info(f"specguide: engine ready ({self.config})")
+        warm = getattr(self.engine, "warmup_s", 0.0)
+        pb_utils.Logger.log_info(f"specguide: engine ready, warmed up in {warm:.2f} s ({self.config})")
 
     # ------------------------------------------------------------------ execute thread
 
@@ -120,6 +121,8 @@ class TritonPythonModel:
         try:
             if self._closing:
                 raise EngineDeadError("the model is shutting down")
+            if not self.engine.is_alive():
+                raise EngineDeadError("the engine stopped after a failure; the model must be reloaded")
             parsed = io.parse_request(
                 io.read_tensors(pb_utils, request),
                 io.read_parameters(request),
@@ -211,6 +214,8 @@ class TritonPythonModel:
             seq.done = True
             m.latency.observe(t - seq.t_arrival)
             m.finished(out.finish_reason or "error")
+            if out.finish_reason == "cancelled":
+                m.cancelled(out.stage or "")
             with self._live_lock:
                 self._live.discard(seq)
         elif seq.parsed.stream:
@@ -229,6 +234,13 @@ class TritonPythonModel:
             seq.cancel_sent = True
             self.engine.cancel(seq.seq_id)
 
+    def is_ready(self) -> bool:
+        """Whether new requests can be served: the engine loop runs and the model is not unloading.
+
+        Triton 2.51's Python backend cannot report a model not ready after `initialize`; so a dead
+        engine shows as `specguide_engine_alive 0`, and every request gets UNAVAILABLE at once."""
+        return not self._closing and self.engine.is_alive()
+
     def _poll(self) -> None:
         with self._live_lock:
             live = list(self._live)
@@ -238,8 +250,10 @@ class TritonPythonModel:
             self.metrics.engine_stats(self.engine.stats())
         except Exception:
             pass
-        if live and not self.engine.is_alive():
-            self._fail_all("the engine stopped; see the server log")
+        if not self.engine.is_alive():
+            self.metrics.engine_alive.set(0.0)
+            if live:  # a backstop: the dying engine fails its requests itself
+                self._fail_all("the engine stopped; see the server log")
 
     def _fail_all(self, message: str) -> None:
         with self._live_lock:
@@ -254,7 +268,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._closing = True
         try:
-            self.engine.shutdown(drain=True, timeout=30.0)
+            self.engine.shutdown(drain=True, timeout=self.config.drain_timeout_s)
         except Exception as e:
             pb_utils.Logger.log_error(f"specguide: engine shutdown: {e!r}")
         self._outbox.put(_STOP)  # after every final event the engine delivered

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import faults
 from ..guided.params import GUIDE_TYPES, resolve_guided
 from ..request import (
     EngineDeadError,
@@ -85,12 +86,14 @@ INPUTS: tuple[Spec, ...] = (
     Spec("repetition_penalty", "TYPE_FP32", (1,), "1.0 (off)",
          "> 0; divides positive / multiplies negative logits of tokens in the prompt or output (HF/TRT-LLM)"),
     Spec("length_penalty", "TYPE_FP32", (1,), "1", "accepted and ignored (beam search only)"),
+    Spec("timeout_s", "TYPE_FP32", (1,), "`request_timeout_s` (0 = none)",
+         "time limit from arrival (queue + generation); past it the request ends with `finish_reason` `timeout`"),
 )
 
 OUTPUTS: tuple[Spec, ...] = (
     Spec("text_output", "TYPE_STRING", (-1,), "", "one string per response: the new text when streaming, else all of it"),
     Spec("output_ids", "TYPE_INT32", (-1,), "", "the token ids matching `text_output`"),
-    Spec("finish_reason", "TYPE_STRING", (1,), "", "`stop` or `length` on a sequence's last response, \"\" before"),
+    Spec("finish_reason", "TYPE_STRING", (1,), "", "`stop`, `length` or `timeout` on a sequence's last response, \"\" before"),
     Spec("batch_index", "TYPE_INT32", (1,), "", "the request row this response belongs to"),
     Spec("num_input_tokens", "TYPE_UINT32", (1,), "", "prompt tokens (with `return_num_input_tokens`)"),
     Spec("num_output_tokens", "TYPE_UINT32", (1,), "", "generated tokens in this response (with `return_num_output_tokens`)"),
@@ -102,6 +105,7 @@ OUTPUTS: tuple[Spec, ...] = (
 INPUT_NAMES = tuple(s.name for s in INPUTS)
 GUIDED_DISABLED_MESSAGE = "guided decoding is not enabled yet"
 VLLM_DEFAULT_MAX_TOKENS = 16
+FAULT_PARAMETER = "specguide_fault"  # request parameter naming an injected fault (specguide.faults)
 
 
 @dataclass
@@ -269,6 +273,16 @@ def _parse_row(tensors, parameters, b, default_max_tokens, max_tokens_limit, tok
     if k is not None and k < 0:
         raise InvalidRequestError(f"num_draft_tokens must be >= 0, got {k}")
     req.num_draft_tokens = k
+
+    # time limit; an injected fault (tests; only with SPECGUIDE_FAULT_INJECTION=1)
+    timeout = row.float("timeout_s")
+    if timeout is not None and not (0.0 <= timeout < math.inf):
+        raise InvalidRequestError(f"timeout_s must be a finite number >= 0 (0 = none), got {timeout}")
+    req.timeout_s = timeout
+    if faults.enabled():
+        fault = parameters.get(FAULT_PARAMETER)
+        faults.parse(fault)  # a bad fault name is INVALID_ARG here
+        req.fault = fault
 
     # response shape
     stream = bool(row.bool("stream"))

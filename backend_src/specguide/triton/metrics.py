@@ -1,6 +1,8 @@
 """Custom metrics on Triton's metrics port (`/metrics`), through `pb_utils.MetricFamily`.
 
-    specguide_requests_total{finish_reason}        sequences finished (stop|length|cancelled|error|rejected)
+    specguide_requests_total{finish_reason}        sequences finished (stop|length|timeout|cancelled|error|rejected)
+    specguide_cancellations_total{stage}           cancelled sequences by where they were (queued|compiling|prefill|decode)
+    specguide_engine_alive                         gauge: 1 while the engine loop runs, 0 once it died (reload the model)
     specguide_prompt_tokens_total                  prompt tokens of admitted sequences
     specguide_generation_tokens_total              generated tokens
     specguide_time_to_first_token_seconds          histogram: arrival -> first generated token
@@ -22,7 +24,8 @@ from typing import Any
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0]
-FINISH_REASONS = ("stop", "length", "cancelled", "error", "rejected")
+FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "error", "rejected")
+CANCEL_STAGES = ("queued", "compiling", "prefill", "decode")
 STEP_BUCKETS = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0]
 
 
@@ -66,12 +69,23 @@ class Metrics:
         self.queue_depth = gauge("specguide_queue_depth", "Sequences waiting for a slot")
         self.draft_tokens = counter("specguide_draft_tokens_total", "Speculative draft tokens proposed")
         self.accepted_tokens = counter("specguide_accepted_draft_tokens_total", "Speculative draft tokens accepted")
+        self.engine_alive = gauge("specguide_engine_alive", "1 while the engine loop runs; 0 after it died")
+        self.engine_alive.set(1.0)
+        canc = family("specguide_cancellations_total", "Cancelled sequences, by the stage they were in", MF.COUNTER)
+        self._families.append(canc)
+        self.cancellations = {s: canc.Metric(labels={**labels, "stage": s}) for s in CANCEL_STAGES}
         self.tokens_per_step = histogram("specguide_tokens_per_step",
                                          "Tokens a sequence gains per decode step (accepted drafts + 1)", STEP_BUCKETS)
 
     def finished(self, reason: str) -> None:
         self.requests.get(reason if reason in self.requests else "error").increment(1)
 
+    def cancelled(self, stage: str) -> None:
+        m = self.cancellations.get(stage)
+        if m is not None:
+            m.increment(1)
+
     def engine_stats(self, stats: dict) -> None:
         self.active_slots.set(float(stats.get("active_slots", 0)))
         self.queue_depth.set(float(stats.get("queue_depth", 0)))
+        self.engine_alive.set(float(stats.get("alive", 1)))

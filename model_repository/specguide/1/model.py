@@ -1,2 +1,9 @@
 """Triton entry point; all logic lives in the installed `specguide` package (backend_src/)."""
-from specguide.triton.adapter import TritonPythonModel  # noqa: F401
+import os
+import sys
+
+# The 2.51 Python backend stub ignores PYTHONPATH: honour it, so that a checkout's backend_src
+# (PYTHONPATH=backend_src) shadows the installed package as it does for a plain interpreter.
+sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+
+from specguide.triton.adapter import TritonPythonModel  # noqa: E402,F401

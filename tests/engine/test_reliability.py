@@ -1,0 +1,205 @@
+"""Reliability inside the engine: a fault in one request's row fails that request only; cancel at
+every stage; time limits; a full queue; a crashed loop fails everything with UNAVAILABLE.
+
+Faults come from specguide.faults (enabled here through the environment)."""
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from specguide import faults
+from specguide.config import EngineConfig
+from specguide.engine import Engine
+from specguide.request import EngineDeadError, GuidedDecodingParams, QueueFullError, Request, SamplingParams
+
+from .conftest import run_alone
+
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"  # n-gram drafts hit
+PROMPTS = [COUNTING, "The capital of France is", "def fibonacci(n):"]
+PHONE = GuidedDecodingParams("regex", "[0-9]{3}-[0-9]{4} and [0-9]{3}-[0-9]{4}")
+
+
+@pytest.fixture(autouse=True)
+def fault_injection(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1")
+
+
+def greedy(prompt: str, n: int = 16, k: int = 3, guided=None, fault=None, timeout_s=None) -> Request:
+    return Request(prompt=prompt, params=SamplingParams(max_tokens=n, temperature=0.0), guided=guided,
+                   num_draft_tokens=k, fault=fault, timeout_s=timeout_s)
+
+
+def run_together(engine: Engine, requests: list[Request]) -> list[tuple[list[int], str, object]]:
+    """Submit all at once; (ids, text, final event) per request."""
+    events: list[queue.Queue] = [queue.Queue() for _ in requests]
+    for q, r in zip(events, requests):
+        engine.submit(r, q.put)
+    out = []
+    for q in events:
+        got = []
+        while not (got and got[-1].finished):
+            got.append(q.get(timeout=120))
+        out.append(([t for o in got for t in o.token_ids], "".join(o.text for o in got), got[-1]))
+    return out
+
+
+def assert_clean(engine: Engine) -> None:
+    """No slot, queue entry or grammar matcher is left behind."""
+    deadline = time.monotonic() + 5
+    while engine.stats()["active_slots"] or engine.stats()["queue_depth"]:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
+    engine.scheduler.check_integrity()
+    assert all(m is None for m in engine.guided.matchers), "a grammar matcher leaked"
+    assert engine.is_alive()
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_nan_logits_in_one_row_fail_only_that_request(engine, k):
+    alone = [run_alone(engine, greedy(p, k=k)) for p in PROMPTS]
+    got = run_together(engine, [greedy(p, k=k) for p in PROMPTS] + [greedy(PROMPTS[0], k=k, fault="nan_logits")])
+    for (ids, text, _), (a_ids, a_text, _) in zip(got, alone):
+        assert (ids, text) == (a_ids, a_text)
+    ids, _, last = got[-1]
+    assert last.finish_reason == "error" and last.error_code == "INTERNAL" and "non-finite" in last.error
+    assert len(ids) == 1, "the first token (from the prefill) was fine"
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_matcher_that_raises_fails_only_its_request(engine, k):
+    requests = [greedy(PROMPTS[1], k=k, guided=PHONE), greedy(PROMPTS[0], k=k), greedy(PROMPTS[2], k=k, guided=PHONE)]
+    alone = [run_alone(engine, r) for r in requests]
+    bad = greedy(PROMPTS[1], k=k, guided=PHONE, fault="matcher_error")
+    got = run_together(engine, requests + [bad])
+    for (ids, text, last), (a_ids, a_text, _) in zip(got, alone):
+        assert (ids, text) == (a_ids, a_text)
+    _, _, last = got[-1]
+    assert last.finish_reason == "error" and "injected matcher fault" in last.error
+    assert_clean(engine)
+
+
+def test_faults_are_ignored_unless_enabled(engine, monkeypatch):
+    monkeypatch.delenv(faults.ENV)
+    ids, _, last = run_alone(engine, greedy(PROMPTS[1], fault="nan_logits"))
+    assert last.finish_reason == "length" and len(ids) == 16
+
+
+# ------------------------------------------------------------- one slot: queue, cancel, time limits
+
+
+@pytest.fixture(scope="module")
+def small():
+    eng = Engine(EngineConfig(max_slots=1, max_queue=2, max_seq_len=1024, prefill_chunk=16, warmup=False))
+    yield eng
+    eng.shutdown(drain=False)
+
+
+def submit(engine: Engine, request: Request) -> tuple[int, queue.Queue]:
+    q: queue.Queue = queue.Queue()
+    return engine.submit(request, q.put), q
+
+
+def final(q: queue.Queue):
+    while True:
+        out = q.get(timeout=120)
+        if out.finished:
+            return out
+
+
+def wait_first_event(q: queue.Queue):
+    out = q.get(timeout=120)
+    assert not out.finished, out
+    return out
+
+
+def test_a_full_queue_refuses_at_once(small):
+    busy, qb = submit(small, greedy(PROMPTS[1], n=400))
+    wait_first_event(qb)  # running: the queue is empty
+    waiting = [submit(small, greedy(PROMPTS[2], n=4)) for _ in range(2)]
+    with pytest.raises(QueueFullError):
+        small.submit(greedy(PROMPTS[2], n=4))
+    for sid, _ in [(busy, qb)] + waiting:
+        small.cancel(sid)
+    assert final(qb).finish_reason == "cancelled"
+    assert [final(q).stage for _, q in waiting] == ["queued", "queued"]
+    assert_clean(small)
+
+
+def test_cancel_at_every_stage_frees_everything(small, tmp_path):
+    stages = {}
+    # decoding
+    sid, q = submit(small, greedy(PROMPTS[1], n=400))
+    wait_first_event(q)
+    # queued behind it
+    sid_q, qq = submit(small, greedy(PROMPTS[2], n=4))
+    time.sleep(0.05)
+    small.cancel(sid_q)
+    stages["queued"] = final(qq)
+    small.cancel(sid)
+    stages["decode"] = final(q)
+    # compiling (the compile is held for 30 s)
+    sid, q = submit(small, greedy(PROMPTS[1], guided=PHONE, fault="compile_delay:30"))
+    time.sleep(0.1)
+    small.cancel(sid)
+    stages["compiling"] = final(q)
+    # prefill (a long prompt in 16-token chunks, each held 0.2 s)
+    sid, q = submit(small, greedy("word " * 300, guided=PHONE, fault="prefill_delay:0.2"))
+    time.sleep(0.5)
+    small.cancel(sid)
+    stages["prefill"] = final(q)
+    for stage, out in stages.items():
+        assert out.finish_reason == "cancelled" and out.stage == stage, (stage, out)
+    assert_clean(small)
+    ids, _, last = run_alone(small, greedy(PROMPTS[1], n=8, guided=PHONE))
+    assert last.finish_reason == "length" and len(ids) == 8
+
+
+def test_time_limit_ends_with_timeout_and_keeps_the_text(small):
+    full_ids, full_text, _ = run_alone(small, greedy(PROMPTS[1], n=200, k=0))
+    sid, q = submit(small, greedy(PROMPTS[1], n=200, k=0, timeout_s=0.5))
+    waiting_id, wq = submit(small, greedy(PROMPTS[2], n=4, timeout_s=0.2))  # queued behind it
+    outs = []
+    while not (outs and outs[-1].finished):
+        outs.append(q.get(timeout=60))
+    ids = [t for o in outs for t in o.token_ids]
+    assert outs[-1].finish_reason == "timeout" and outs[-1].error is None
+    assert 0 < len(ids) < 200 and ids == full_ids[: len(ids)]
+    assert full_text.startswith("".join(o.text for o in outs))
+    w = final(wq)
+    assert w.finish_reason == "timeout" and w.stage == "queued" and not w.token_ids
+    assert_clean(small)
+
+
+def test_a_crashed_loop_fails_everything_with_unavailable_and_refuses_new_requests(small):
+    running, qr = submit(small, greedy(PROMPTS[1], n=400))
+    wait_first_event(qr)
+    queued, qq = submit(small, greedy(PROMPTS[2], n=4))
+    _, qc = submit(small, greedy(PROMPTS[2], n=4, fault="crash_engine"))
+    for q in (qr, qq, qc):
+        out = final(q)
+        assert out.finish_reason == "error" and out.error_code == "UNAVAILABLE" and "engine stopped" in out.error
+    assert not small.is_alive() and small.stats()["alive"] == 0
+    with pytest.raises(EngineDeadError):
+        small.submit(greedy(PROMPTS[1], n=4))
+    assert not small._thread.is_alive()
+
+
+def test_faulty_matcher_raises_everywhere():
+    m = faults.FaultyMatcher()
+    with pytest.raises(faults.InjectedFault):
+        m.accept_token(1)
+    with pytest.raises(faults.InjectedFault):
+        m.is_terminated()
+
+
+def test_fault_names_are_checked(monkeypatch):
+    from specguide.request import InvalidRequestError
+
+    assert faults.parse("compile_delay:1.5") == faults.Fault("compile_delay", 1.5)
+    with pytest.raises(InvalidRequestError):
+        faults.parse("meltdown")
+    monkeypatch.delenv(faults.ENV)
+    assert faults.parse("meltdown") is None
