@@ -13,10 +13,10 @@ import torch
 
 from .config import EngineConfig
 from .guided.compiler import GrammarCompilerService
-from .guided.decoder import GuidedDecoder
+from .capturable_runner import build_runner, close as close_guided
+from .cuda.graphs import make_step_graphs
 from .models.loader import load_model, resolve_model_dir
 from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
-from .runner import Runner
 from .scheduler import Scheduler, Sequence, Status, StepPlan
 from .speculative.draft_model import DraftModel
 from .speculative.ngram import NgramDrafter
@@ -50,10 +50,10 @@ class Engine:
             self.tokenizer.hf, vocab, stop_token_ids=sorted(self.eos_token_ids),
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
             timeout_s=config.guided_compile_timeout_s or None)
-        self.guided = GuidedDecoder(config.max_slots, config.num_draft_tokens, vocab,
-                                    num_threads=config.guided_mask_threads)
-        self.runner = Runner(self.model, config, self.device, self.guided)
+        self.guided, self.runner = build_runner(self.model, config, self.device, vocab)
         self.ngram = NgramDrafter(max_ngram=config.ngram_max)
+        self.step_graphs = make_step_graphs(  # None unless CUDA with cuda_graphs
+            self.runner, config, propose=lambda s, k: self.ngram.propose(s.prompt_ids + s.output_ids, k))
         self.draft_model: Optional[DraftModel] = None
         if config.drafter == "draft_model" and config.num_draft_tokens:
             dm = load_model(resolve_model_dir(config.draft_model_dir), DTYPES[config.dtype], str(self.device))
@@ -132,6 +132,7 @@ class Engine:
                 self._cv.notify()
             self._thread.join()
         self.compiler.shutdown()
+        close_guided(self.guided)
 
     # ---- validation -------------------------------------------------------------------------
     def _make_sequence(self, request: Request, callback: Callback) -> Sequence:
@@ -258,6 +259,10 @@ class Engine:
         if self.config.spec_max_rows:  # at most spec_max_rows rows in the verification forward
             cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
             ks = [min(k, cap) for k in ks]
+        if self.step_graphs is not None:  # CUDA: the whole step as one graph replay, when eligible
+            out = self.step_graphs.run(seqs, ks)
+            if out is not None:
+                return out
         drafts: list[list[int]] = [[] for _ in seqs]
         filled = False
         if any(ks):
