@@ -99,11 +99,17 @@ def stream_is_capturing(stream: "torch.cuda.Stream") -> bool:
     return status.value == 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
-def _launch_cuda(stream: "torch.cuda.Stream", fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[int]:
-    capturing = stream_is_capturing(stream)
+def _register(fn: Callable[..., Any], args: tuple, kwargs: dict, keep: bool) -> int:
+    """Keep `fn(*args, **kwargs)` under a new key (the user data the trampoline receives)."""
     key = next(_keys)
     with _lock:
-        _registry[key] = _Entry(fn, args, kwargs, keep=capturing)
+        _registry[key] = _Entry(fn, args, kwargs, keep=keep)
+    return key
+
+
+def _launch_cuda(stream: "torch.cuda.Stream", fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[int]:
+    capturing = stream_is_capturing(stream)
+    key = _register(fn, args, kwargs, keep=capturing)
     rc = _libcuda().cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), _TRAMPOLINE, ctypes.c_void_p(key))
     if rc != 0:
         with _lock:
