@@ -79,8 +79,13 @@ class CapturableRunner(Runner):
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         tokens = super()._sample(logits, seqs)
         if self.guided.step is not None:
-            self.guided.launch_commit([[t] for t in tokens])
+            self._commit([[t] for t in tokens])
         return tokens
+
+    def _commit(self, tokens: list[list[int]]) -> None:
+        self.guided.launch_commit(tokens)
+        if not self.prelaunch:  # eager CUDA: wait now (GIL released), see hostfunc's NOTE
+            self.guided.wait_commit()
 
     # ---- speculative steps ---------------------------------------------------------------
     @torch.inference_mode()
@@ -90,7 +95,7 @@ class CapturableRunner(Runner):
             self.guided.begin([s.slot for s in seqs], drafts=drafts)  # walks the drafts during the forward
         out = super().verify(seqs, drafts, masks_filled)
         if self.guided.step is not None:
-            self.guided.launch_commit([toks for toks, _ in out])
+            self._commit([toks for toks, _ in out])
         return out
 
     def _mask_verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],

@@ -12,6 +12,7 @@ import torch
 
 from specguide.config import EngineConfig
 from specguide.cuda import hostfunc
+from specguide.cuda.graphs import StepGraphs
 from specguide.cuda.hostfunc import HostFuncError, InlineStream, WorkerStream, use_stream
 from specguide.engine import Engine
 from specguide.guided import GuidedDecoder
@@ -29,8 +30,10 @@ def test_inline_stream_runs_at_once_and_raises_at_launch():
     s = InlineStream()
     s.launch(seen.append, 1)
     assert seen == [1] and s.record().query()
+    def boom():
+        raise ValueError("boom")
     with pytest.raises(HostFuncError, match="boom"):
-        s.launch(lambda: 1 / 0 if False else (_ for _ in ()).throw(ValueError("boom")))
+        s.launch(boom)
 
 
 def test_worker_stream_runs_callbacks_in_order_on_another_thread():
@@ -168,7 +171,7 @@ TEXTS = ["Repeat this sentence three times: the cat sat on the mat.", "Write a h
          "List three primary colors."]
 
 
-def _requests(engine, k_of, max_tokens=32):
+def _requests(engine, k_of, max_tokens=32, sampled=()):
     samples = {s.name: s for s in load_guided_samples()}
     chat = lambda t: engine.tokenizer.apply_chat_template([{"role": "user", "content": t}])  # noqa: E731
     reqs = []
@@ -177,7 +180,7 @@ def _requests(engine, k_of, max_tokens=32):
         reqs.append((chat(f"Answer with {s.kind} output following this guide:\n{s.text[:600]}"), s.params))
     reqs += [(chat(t), None) for t in TEXTS]
     return [Request(prompt=p, guided=g, num_draft_tokens=k_of(i),
-                    params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+                    params=SamplingParams(max_tokens=max_tokens, temperature=0.8 if i in sampled else 0.0, seed=i))
             for i, (p, g) in enumerate(reqs)]
 
 
@@ -245,20 +248,44 @@ def test_worker_executor_gives_the_plain_tokens_without_speculation(worker_engin
 
 def test_worker_and_inline_executors_give_the_plain_tokens_with_ngram_speculation(plain_engine, worker_engine,
                                                                                   reference):
-    plain = _run(plain_engine, _requests(plain_engine, k_of=lambda i: MIXED_K[i]))
-    worker = _run(worker_engine, _requests(worker_engine, k_of=lambda i: MIXED_K[i]))
-    assert [w[:2] for w in worker] == [r[:2] for r in reference]
+    plain = _run(plain_engine, _requests(plain_engine, k_of=lambda i: MIXED_K[i], max_tokens=16))
+    worker = _run(worker_engine, _requests(worker_engine, k_of=lambda i: MIXED_K[i], max_tokens=16))
+    assert [w[0] for w in worker] == [r[0][: len(w[0])] for w, r in zip(worker, reference)]
     assert worker == plain  # same drafts proposed and accepted, not just the same tokens
     assert sum(w[2] for w in worker) > 0 and sum(w[3] for w in worker) > 0
-    inline = _engine(guided_executor="inline")
+    worker_engine.guided.synchronize()  # then the same engine with callbacks run inline
+    worker_stream, worker_engine.guided.stream = worker_engine.guided.stream, InlineStream()
     try:  # shorter: tokens are a prefix of the plain run's
-        got = _run(inline, _requests(inline, k_of=lambda i: MIXED_K[i], max_tokens=12))
+        got = _run(worker_engine, _requests(worker_engine, k_of=lambda i: MIXED_K[i], max_tokens=12))
     finally:
-        inline.shutdown()
+        worker_engine.guided.stream = worker_stream
     assert [g[0] for g in got] == [p[0][: len(g[0])] for g, p in zip(got, plain)] and sum(g[3] for g in got) > 0
     for eng in (plain_engine, worker_engine):
         eng.scheduler.check_integrity()
         assert not any(eng.guided.is_guided(s) for s in range(8))
+
+
+def _dry_run_graphs(eng) -> StepGraphs:
+    """StepGraphs on CPU: `replay` runs the captured step's body eagerly (no CUDA), so its static
+    buffers, padding rows, key-length buckets, in-body grammar callbacks and acceptance run here."""
+    c = eng.config
+    eng.step_graphs = StepGraphs(eng.runner, c.drafter, lambda s, k: eng.ngram.propose(s.prompt_ids + s.output_ids, k),
+                                 c.max_seq_len, c.mask_drafts)
+    return eng.step_graphs
+
+
+def test_step_graph_body_dry_run_gives_the_plain_tokens(plain_engine, worker_engine):
+    reqs = lambda e: _requests(e, k_of=lambda i: MIXED_K[i], max_tokens=20, sampled={1, 5})  # noqa: E731
+    want = _run(plain_engine, reqs(plain_engine))
+    graphs = _dry_run_graphs(worker_engine)
+    try:
+        got = _run(worker_engine, reqs(worker_engine))
+    finally:
+        worker_engine.step_graphs = None
+    assert got == want  # tokens, finish reasons, drafts and acceptance (greedy and sampled rows)
+    keys = set(graphs.graphs)
+    assert graphs.stats.steps > 0 and any(k.drafting == "host" and k.guided for k in keys)
+    assert any(not k.greedy for k in keys) and any(k.batch > 1 for k in keys)
 
 
 def test_worker_executor_with_masked_early_exit_drafts(reference):
@@ -266,11 +293,14 @@ def test_worker_executor_with_masked_early_exit_drafts(reference):
     plain, worker = _engine(guided_executor="plain", **kw), _engine(guided_executor="worker", **kw)
     try:
         worker.guided.stream.delay_s = 2e-4
-        a = _run(plain, _requests(plain, k_of=lambda i: MIXED_K[i], max_tokens=24))
-        b = _run(worker, _requests(worker, k_of=lambda i: MIXED_K[i], max_tokens=24))
+        a = _run(plain, _requests(plain, k_of=lambda i: MIXED_K[i], max_tokens=16))
+        b = _run(worker, _requests(worker, k_of=lambda i: MIXED_K[i], max_tokens=16))
+        graphs = _dry_run_graphs(worker)  # K draft forwards + verification as one step body
+        c = _run(worker, _requests(worker, k_of=lambda i: MIXED_K[i], max_tokens=16))
     finally:
         plain.shutdown()
         worker.shutdown()
     assert b == a  # masked drafts walk the grammar in callbacks: same drafts, same acceptance
+    assert c == a and any(k.drafting == "early_exit" and k.guided for k in graphs.graphs)
     assert [x[0] for x in b] == [r[0][: len(x[0])] for x, r in zip(b, reference)]  # == plain decoding
     assert sum(x[3] for x in b) > 0

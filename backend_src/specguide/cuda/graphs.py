@@ -86,15 +86,17 @@ class StepGraphs:
         S = self.kv.k.shape[1]
         self.buckets = batch_buckets(S)
         self.rows_per_slot = self.K + 1
-        i64, dev = torch.int64, self.device
+        # capture=False (CPU): `replay` runs the step body eagerly, a dry run of the same code for tests
+        self.capture = self.device.type == "cuda"
+        i64, dev, pin = torch.int64, self.device, self.capture
         W = max(self.K, 1)
-        self.inp_host = torch.zeros(5, S, dtype=i64, pin_memory=True)  # rows: last, pos0, slot, counter, num
-        self.drafts_host = torch.zeros(S, W, dtype=i64, pin_memory=True)  # [B, K] host-known drafts, 0-padded
+        self.inp_host = torch.zeros(5, S, dtype=i64, pin_memory=pin)  # rows: last, pos0, slot, counter, num
+        self.drafts_host = torch.zeros(S, W, dtype=i64, pin_memory=pin)  # [B, K] host-known drafts, 0-padded
         self.inp = torch.zeros(5, S, dtype=i64, device=dev)
         self.drafts = torch.zeros(S, W, dtype=i64, device=dev)
         self.out = torch.zeros(2 + self.K, S, dtype=i64, device=dev)  # accepted, next, draft 0..K-1
         self.out_host = (self.guided.out_host if self.guided is not None
-                         else torch.zeros(2 + self.K, S, dtype=i64, pin_memory=True))
+                         else torch.zeros(2 + self.K, S, dtype=i64, pin_memory=pin))
         self.arange = torch.arange(self.K + 1, device=dev)
         self.kpos = torch.arange(self.kv.max_seq_len, device=dev)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -149,7 +151,8 @@ class StepGraphs:
                                      ks=ks if drafting == "early_exit" else None, launch=False)
         graph.replay()
         t1 = time.perf_counter()
-        torch.cuda.current_stream().synchronize()  # GIL released; the graph joined the grammar stream
+        if self.capture:
+            torch.cuda.current_stream().synchronize()  # GIL released; the graph joined the grammar stream
         t2 = time.perf_counter()
         hostfunc.raise_pending()
         if self.guided is not None and guided:
@@ -196,6 +199,9 @@ class StepGraphs:
 
     def _capture(self, key: GraphKey) -> "torch.cuda.CUDAGraph":
         t0 = time.perf_counter()
+        if not self.capture:
+            self.graphs[key] = _EagerStep(lambda: self._body(key))  # type: ignore[assignment]
+            return self.graphs[key]
         self._stage([], [], None, "none")  # every row padding: warm-up writes only dead K/V
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
@@ -222,7 +228,8 @@ class StepGraphs:
 
     def close(self) -> None:
         """Drop the graphs, then free their host functions' user data."""
-        torch.cuda.synchronize()
+        if self.capture:
+            torch.cuda.synchronize()
         self.graphs.clear()
         for keys in self.handles.values():
             for k in keys:
@@ -298,6 +305,16 @@ class StepGraphs:
         if g is not None:
             g.launch_commit()  # feeds drafts[:accepted] + next from out_host to the matchers
             g.join()  # the forward stream waits for the grammar stream: no unjoined capture work
+
+
+@dataclass
+class _EagerStep:
+    """CPU dry run: `replay` runs the step body eagerly (tests the body's logic without CUDA)."""
+
+    body: Callable[[], None]
+
+    def replay(self) -> None:
+        self.body()
 
 
 def make_step_graphs(runner: Runner, config: EngineConfig,

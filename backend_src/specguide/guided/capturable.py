@@ -74,6 +74,9 @@ class CapturableGuidedDecoder:
             self.token_mask_dev = torch.zeros(inner.num_rows, dtype=torch.int32, device=self.device)
             self.limit_dev = torch.full((S,), NO_LIMIT, dtype=torch.int32, device=self.device)
             self._bits = _BITS.to(self.device)
+        else:  # CPU: the "device" buffers are the host ones (read after the mask event)
+            self.bitmask_dev, self.token_mask_dev, self.limit_dev = inner.bitmask, self.token_mask_host, self.limit_host
+            self._bits = _BITS
         self._pending: "queue.SimpleQueue[GuidedStep]" = queue.SimpleQueue()
         self._cur: Optional[GuidedStep] = None  # callback-owned: the step being worked on
         self._committed: dict[int, deque[int]] = {}  # callback-written: slot -> tokens fed
@@ -156,8 +159,8 @@ class CapturableGuidedDecoder:
             self._mask_ev.synchronize()
             self.inner.apply(logits, rows, d2t)
             return
-        idx = torch.tensor([self.inner.row(s, p) for s, p in rows], dtype=torch.int64, device=self.device)
-        self.apply_rows(logits, idx)
+        idx = torch.tensor([self.inner.row(s, p) for s, p in rows], dtype=torch.int64, pin_memory=True)
+        self.apply_rows(logits, idx.to(self.device, non_blocking=True))  # async: no GIL-held copy
         self._mask_ev.synchronize()  # NOTE: eager only: no pending callback behind a later GIL-held sync
 
     def apply_rows(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
@@ -199,6 +202,10 @@ class CapturableGuidedDecoder:
     def synchronize(self) -> None:
         """Wait for every launched callback (tests, shutdown, reading matcher state)."""
         self.stream.synchronize()
+        self._wait_commit()
+
+    def wait_commit(self) -> None:
+        """Host waits for the last commit (eager CUDA steps: nothing stays pending behind later syncs)."""
         self._wait_commit()
 
     @property
@@ -261,7 +268,7 @@ class CapturableGuidedDecoder:
         if st is None or st.ks is None:
             return
         B = len(st.slots)
-        toks = tokens if tokens is not None else self.out_host[2 + i, :B].tolist()
+        toks = tokens if tokens is not None else self.out_host.numpy()[2 + i, :B].tolist()
         fill = []
         for b in range(B):
             if not st.live[b]:
@@ -309,7 +316,7 @@ class CapturableGuidedDecoder:
         if st is not None:
             B = len(st.slots)
             if tokens is None:
-                out = self.out_host[:, :B].tolist()
+                out = self.out_host.numpy()[:, :B].tolist()  # numpy: no torch dispatch in a callback
                 tokens = []
                 for b in range(B):
                     a = out[0][b]
