@@ -46,6 +46,10 @@ class EngineConfig:
     guided_cache_bytes: int = 512 * 1024 * 1024  # xgrammar compile cache limit
     guided_compile_timeout_s: float = 60.0  # 0 = no limit; a request past it fails with INVALID_ARG
     guided_mask_threads: int = 1  # threads for the batched mask fill (1 is fastest on 2 cores)
+    guided_executor: str = "auto"  # where grammar work runs: "plain" (GuidedDecoder, called directly),
+    # "inline" / "worker" (CapturableGuidedDecoder, callbacks at once / on a worker thread: test mode),
+    # "cuda" (host functions on a grammar stream); "auto" = "cuda" on a CUDA device, else "plain"
+    cuda_graphs: bool = True  # on CUDA: one CUDA graph per speculative step and batch bucket
 
     def __post_init__(self) -> None:
         assert self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"
@@ -61,6 +65,8 @@ class EngineConfig:
         assert self.guided_compile_workers >= 1 and self.guided_mask_threads >= 1
         assert self.guided_compile_timeout_s >= 0
         assert self.request_timeout_s >= 0 and self.drain_timeout_s >= 0
+        assert self.guided_executor in ("auto", "plain", "inline", "worker", "cuda"), \
+            f"unknown guided_executor {self.guided_executor!r}"
         if self.max_tokens_limit <= 0:
             self.max_tokens_limit = self.max_seq_len
 

@@ -16,10 +16,10 @@ import torch
 from . import faults
 from .config import EngineConfig
 from .guided.compiler import GrammarCompilerService
-from .guided.decoder import GuidedDecoder
+from .capturable_runner import build_runner, close as close_guided
+from .cuda.graphs import make_step_graphs
 from .models.loader import load_model, resolve_model_dir
 from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
-from .runner import Runner
 from .scheduler import PrefillChunk, Scheduler, Sequence, Status, StepPlan
 from .speculative.draft_head import DraftHead, default_head_path
 from .speculative.draft_model import DraftModel
@@ -57,9 +57,7 @@ class Engine:
             self.tokenizer.hf, vocab, stop_token_ids=sorted(self.eos_token_ids),
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
             timeout_s=config.guided_compile_timeout_s or None)
-        self.guided = GuidedDecoder(config.max_slots, config.num_draft_tokens, vocab,
-                                    num_threads=config.guided_mask_threads)
-        self.runner = Runner(self.model, config, self.device, self.guided)
+        self.guided, self.runner = build_runner(self.model, config, self.device, vocab)
         self.ngram = NgramDrafter(max_ngram=config.ngram_max)
         self.head_drafter: Optional[HeadDrafter] = None
         self.drafter = config.drafter
@@ -70,6 +68,8 @@ class Engine:
             else:
                 self.runner.feature_sink = self.head_drafter.record
         self._accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
+        self.step_graphs = make_step_graphs(  # None unless CUDA with cuda_graphs
+            self.runner, config, propose=lambda s, k: self.ngram.propose(s.prompt_ids + s.output_ids, k))
         self.draft_model: Optional[DraftModel] = None
         if config.drafter == "draft_model" and config.num_draft_tokens:
             dm = load_model(resolve_model_dir(config.draft_model_dir), DTYPES[config.dtype], str(self.device))
@@ -162,6 +162,7 @@ class Engine:
                 self._cv.notify()
             self._thread.join()
         self.compiler.shutdown()
+        close_guided(self.guided)
 
     # ---- validation -------------------------------------------------------------------------
     def _make_sequence(self, request: Request, callback: Callback) -> Sequence:
@@ -303,6 +304,8 @@ class Engine:
                 seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
                 seq.num_draft += drafted
                 seq.num_accepted += accepted
+                if drafted:  # moving average of the fraction of drafts accepted (adaptive K)
+                    self._accept_rate[seq.slot] = 0.7 * self._accept_rate[seq.slot] + 0.3 * accepted / drafted
                 self._guarded(seq, lambda: self._append(seq, toks))
                 touched.append(seq)
         for seq in touched:
@@ -317,6 +320,10 @@ class Engine:
         if self.config.spec_max_rows:  # at most spec_max_rows rows in the verification forward
             cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
             ks = [min(k, cap) for k in ks]
+        if self.step_graphs is not None:  # CUDA: the whole step as one graph replay, when eligible
+            out = self.step_graphs.run(seqs, ks)
+            if out is not None:
+                return out
         drafts: list[list[int]] = [[] for _ in seqs]
         filled = False
         if any(ks):
@@ -344,9 +351,6 @@ class Engine:
         if self.draft_model is not None:
             for s, d, (_, a) in zip(seqs, drafts, out):
                 self.draft_model.commit(s, s.num_tokens, len(d), a)
-        for s, d, (_, a) in zip(seqs, drafts, out):
-            if d:  # moving average of the fraction of drafts accepted
-                self._accept_rate[s.slot] = 0.7 * self._accept_rate[s.slot] + 0.3 * a / len(d)
         return [(toks, len(d), a) for (toks, a), d in zip(out, drafts)]
 
     def _head_step(self, seqs: list[Sequence]) -> Callable[[int, list[int]], torch.Tensor]:

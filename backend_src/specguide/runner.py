@@ -39,7 +39,7 @@ class Runner:
         self.K = config.num_draft_tokens
         self.draft_layers = min(config.draft_layers, cfg.num_layers)
         self.kv = KVCache(cfg.num_layers, config.max_slots, cfg.num_kv_heads, config.max_seq_len,
-                          cfg.head_dim, dtype, device, spare=self.K)
+                          cfg.head_dim, dtype, device, spare=self.K + 1)  # +1: CUDA-graph padding rows
         S = config.max_slots
         # per-slot sampling parameters, written on admission
         self.temperature = torch.ones(S, dtype=torch.float32, device=device)
@@ -205,13 +205,7 @@ class Runner:
         if faults.enabled():
             faults.poison(logits, seqs)
         if self.guided is not None and any(self.guided.is_guided(s) for s in slot_list):
-            if not masks_filled:
-                fed = self.guided.fill_verify_rows({s.slot: d for s, d in zip(seqs, drafts)})
-                drafts = [d[: fed[s.slot]] if s.slot in fed else d for s, d in zip(seqs, drafts)]
-                for s in seqs:
-                    if s.slot in fed:
-                        self.guided.rollback(s.slot, fed[s.slot])
-            self.guided.apply(logits.view(B * T, -1), [(s, i) for s in slot_list for i in range(T)])
+            drafts = self._mask_verify(logits.view(B * T, -1), seqs, drafts, masks_filled)
         penalized = any(s in self._penalized for s in slot_list)
         first = logits[:, 0]  # speculation-ineligible rows (bans, penalties) only use position 0
         if penalized:
@@ -238,6 +232,21 @@ class Runner:
         nxt = torch.where(nonfinite_rows(logits).any(dim=1), BAD_TOKEN, nxt)
         acc_list, nxt_list = accepted.tolist(), nxt.tolist()
         return [(d[:a] + [t], a) for d, a, t in zip(drafts, acc_list, nxt_list)]
+
+    def _mask_verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                     masks_filled: bool) -> list[list[int]]:
+        """Grammar masks on verification logits [B*T, V] (row b*T + i: slot of seqs[b], position i),
+        filled here by walking the drafts unless the drafter did; returns the drafts cut at the
+        first one the grammar rejects. The matchers end where they started."""
+        T = logits.shape[0] // len(seqs)
+        if not masks_filled:
+            fed = self.guided.fill_verify_rows({s.slot: d for s, d in zip(seqs, drafts)})
+            drafts = [d[: fed[s.slot]] if s.slot in fed else d for s, d in zip(seqs, drafts)]
+            for s in seqs:
+                if s.slot in fed:
+                    self.guided.rollback(s.slot, fed[s.slot])
+        self.guided.apply(logits, [(s.slot, i) for s in seqs for i in range(T)])
+        return drafts
 
     # ---- sampling ---------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

@@ -1,0 +1,1 @@
+"""Stream-ordered host functions and CUDA-graph capture of the speculative step."""
