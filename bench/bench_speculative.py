@@ -42,8 +42,9 @@ def schema_prompts(engine: Engine, n: int) -> list[tuple[str, str]]:
 
 
 def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
-    """Generated tokens/s and per-request (tokens, decode steps, drafted, accepted)."""
-    per = [dict(tokens=[], steps=0, final=None) for _ in reqs]
+    """Generated tokens/s (wall time, prefill included), decode tokens/s (after each request's
+    first token) and per-request (tokens, decode steps, drafted, accepted)."""
+    per = [dict(tokens=[], steps=0, final=None, first=None, end=None) for _ in reqs]
     done = threading.Semaphore(0)
 
     def cb_for(i):
@@ -51,9 +52,11 @@ def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
             r = per[i]
             if o.token_ids and r["tokens"]:
                 r["steps"] += 1  # a decode step (the first token comes from the prefill)
+            if o.token_ids and r["first"] is None:
+                r["first"] = time.perf_counter()
             r["tokens"] += o.token_ids
             if o.finished:
-                r["final"] = o
+                r["final"], r["end"] = o, time.perf_counter()
                 done.release()
         return cb
     t0 = time.perf_counter()
@@ -69,7 +72,9 @@ def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
     dt = time.perf_counter() - t0
     n = sum(len(r["tokens"]) for r in per)
     steps = sum(r["steps"] for r in per)
-    return dict(tok_s=n / dt, tokens_per_step=(n - len(reqs)) / max(steps, 1),
+    decode_s = sum(r["end"] - r["first"] for r in per if r["first"] is not None)
+    return dict(tok_s=n / dt, decode_tok_s=(n - len(reqs)) / decode_s if decode_s else 0.0,
+                tokens_per_step=(n - len(reqs)) / max(steps, 1),
                 drafted=sum(r["final"].total_draft_tokens for r in per),
                 accepted=sum(r["final"].total_accepted_draft_tokens for r in per),
                 outputs=[r["tokens"] for r in per])
@@ -122,6 +127,7 @@ def main() -> None:
                     base = baseline[key]
                     row = dict(workload=wname, batch=batch, drafter="off" if k == 0 else drafter,
                                masked_drafts=masked, K=k, tok_s=round(r["tok_s"], 1),
+                               decode_tok_s=round(r["decode_tok_s"], 1) if batch == 1 else None,
                                tokens_per_step=round(r["tokens_per_step"], 2),
                                acceptance=round(r["accepted"] / r["drafted"], 3) if r["drafted"] else 0.0,
                                speedup_vs_off=round(r["tok_s"] / base["tok_s"], 2),
@@ -138,7 +144,7 @@ def main() -> None:
 def llama_cpp_rows(args, baseline: dict, work: dict) -> list[dict]:
     """llama-cpp-python on the default model's GGUF, batch 1, the engine's batch-1 prompts and
     max_tokens; JSON schemas through LlamaGrammar.from_json_schema. Tokens/s over wall time
-    (prefill included), like the engine rows."""
+    (prefill included) and after the first token (decode), like the engine rows."""
     from llama_cpp import Llama, LlamaGrammar
 
     from specguide.models.default_model import default_gguf_path
@@ -146,21 +152,29 @@ def llama_cpp_rows(args, baseline: dict, work: dict) -> list[dict]:
     llm = Llama(model_path=str(default_gguf_path()), n_ctx=2048, n_threads=2, verbose=False, seed=0)
     rows = []
     for wname, items in work.items():
-        n = dt = 0.0
+        n = dt = dec_s = 0.0
         done = 0
         for prompt, guide in items[:4]:
             try:
                 grammar = LlamaGrammar.from_json_schema(guide.guide, verbose=False) if guide else None
             except Exception:
                 continue
+            llm.reset()  # no prompt cache reuse between requests
             t0 = time.perf_counter()
-            r = llm.create_completion(prompt, max_tokens=args.max_tokens, temperature=0.0, grammar=grammar)
-            dt += time.perf_counter() - t0
-            n += r["usage"]["completion_tokens"]
+            first, count = None, 0
+            for _ in llm.create_completion(prompt, max_tokens=args.max_tokens, temperature=0.0,
+                                           grammar=grammar, stream=True):
+                count += 1  # one streamed chunk per generated token
+                first = first or time.perf_counter()
+            end = time.perf_counter()
+            dt += end - t0
+            dec_s += end - (first or end)
+            n += count
             done += 1
         base = baseline.get((wname, 1))
         row = dict(workload=wname, batch=1, drafter="llama.cpp (Q4_1)", K=0, tok_s=round(n / dt, 1),
-                   requests=done, engine_off_tok_s=round(base["tok_s"], 1) if base else None)
+                   decode_tok_s=round((n - done) / dec_s, 1) if dec_s else None, requests=done,
+                   engine_off_tok_s=round(base["tok_s"], 1) if base else None)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

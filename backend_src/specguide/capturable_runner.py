@@ -16,7 +16,7 @@ from .cuda import hostfunc
 from .guided.capturable import CapturableGuidedDecoder
 from .guided.decoder import GuidedDecoder
 from .models.llama import LlamaModel
-from .runner import Runner
+from .runner import Pick, Runner
 from .scheduler import Sequence
 
 EXECUTORS = ("auto", "plain", "inline", "worker", "cuda")
@@ -111,14 +111,12 @@ class CapturableRunner(Runner):
 
     @torch.inference_mode()
     def draft_greedy(self, seqs: list[Sequence], ks: list[int], step, masked: bool = True,
-                     d2t: Optional[torch.Tensor] = None, chains: Optional[list[list[int]]] = None
-                     ) -> list[list[int]]:
+                     d2t: Optional[torch.Tensor] = None, pick: Optional[Pick] = None) -> list[list[int]]:
         """As Runner.draft_greedy; the grammar walks each draft in a callback (row i + 1 is
         filled while the host goes on), and the drafts are cut at the published limits."""
         if not masked or not self._any_guided(seqs):
-            return super().draft_greedy(seqs, ks, step, masked=False, d2t=d2t, chains=chains)
+            return super().draft_greedy(seqs, ks, step, masked=False, d2t=d2t, pick=pick)
         K = max(ks)
-        chains = chains or [[] for _ in seqs]
         slot_list = [s.slot for s in seqs]
         self.guided.begin(slot_list, ks=ks)
         tokens: list[list[int]] = []
@@ -128,7 +126,8 @@ class CapturableRunner(Runner):
             self.guided.apply(logits, [(s, i) for s in slot_list], d2t=d2t)
             ids = logits.argmax(dim=-1)
             toks = (ids if d2t is None else d2t[ids]).tolist()
-            toks = [c[i] if i < len(c) else t for c, t in zip(chains, toks)]
+            if pick is not None:
+                toks = pick(i, toks, logits)
             tokens.append(toks)
             self.guided.launch_draft_advance(i, toks)
             prev = toks

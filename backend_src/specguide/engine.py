@@ -33,6 +33,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 Callback = Callable[[RequestOutput], None]
 STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode", Status.FINISHED: "finished"}
 IDLE_WAIT_S = 0.005
+HEAD_UNSURE = 0.6  # hybrid: below this top probability of the head, an n-gram continuation wins
 ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds fall below is not proposed
 
 
@@ -329,10 +330,9 @@ class Engine:
         if any(ks):
             filled = self.config.mask_drafts
             if self.head_drafter is not None:
-                chains = [self._chain(s, k, trusted_only=True) for s, k in zip(seqs, ks)] \
-                    if self.drafter == "hybrid" else None
+                pick = self._hybrid_pick(seqs, ks) if self.drafter == "hybrid" else None
                 drafts = self.runner.draft_greedy(seqs, ks, self._head_step(seqs), masked=filled,
-                                                  d2t=self.head_drafter.d2t, chains=chains)
+                                                  d2t=self.head_drafter.d2t, pick=pick)
             elif self.drafter == "early_exit":
                 drafts = self.runner.draft_early_exit(seqs, ks, masked=filled)
             elif self.draft_model is not None:
@@ -362,6 +362,28 @@ class Engine:
             state["g"] = hd.first(seqs) if i == 0 else hd.next(seqs, state["g"], prev, i)
             return hd.logits(state["g"])
         return step
+
+    def _hybrid_pick(self, seqs: list[Sequence], ks: list[int]) -> Callable[[int, list[int], torch.Tensor], list[int]]:
+        """The hybrid's per-slot, per-position choice: grammar-forced tokens and trusted n-gram
+        chains first; else the head's masked argmax, unless the head is unsure (top probability
+        under HEAD_UNSURE) and the n-gram lookup continues the drafts so far."""
+        chains = [self._chain(s, k, trusted_only=True) for s, k in zip(seqs, ks)]
+        drafted: list[list[int]] = [[] for _ in seqs]
+
+        def pick(i: int, tokens: list[int], logits: torch.Tensor) -> list[int]:
+            top = None
+            for b, s in enumerate(seqs):
+                if i < len(chains[b]):
+                    tokens[b] = chains[b][i]
+                elif ks[b] > i:
+                    if top is None:
+                        top = logits.softmax(-1).amax(-1).tolist()
+                    if top[b] < HEAD_UNSURE:
+                        cont = self.ngram.propose(s.prompt_ids + s.output_ids + drafted[b], 1)
+                        tokens[b] = cont[0] if cont else tokens[b]
+                drafted[b].append(tokens[b])
+            return tokens
+        return pick
 
     def _chain(self, seq: Sequence, k: int, trusted_only: bool) -> list[int]:
         """Model-free drafts: the grammar-forced tokens (guided slots), then the n-gram

@@ -15,6 +15,7 @@ from .speculative import acceptance
 from .scheduler import PrefillChunk, Sequence
 
 NEG_INF = float("-inf")
+Pick = Callable[[int, list[int], torch.Tensor], list[int]]  # (draft position, argmax tokens, logits) -> tokens
 BAD_TOKEN = -1  # returned for a row whose logits hold NaN or +inf: the engine fails that request only
 
 
@@ -133,18 +134,17 @@ class Runner:
 
     @torch.inference_mode()
     def draft_greedy(self, seqs: list[Sequence], ks: list[int], step: Callable[[int, list[int]], torch.Tensor],
-                     masked: bool = True, d2t: Optional[torch.Tensor] = None,
-                     chains: Optional[list[list[int]]] = None) -> list[list[int]]:
+                     masked: bool = True, d2t: Optional[torch.Tensor] = None, pick: Optional[Pick] = None
+                     ) -> list[list[int]]:
         """Up to ks[b] greedy drafts per sequence from `step(i, previous tokens) -> logits [B, V']`
         (i = 0 gets the last tokens). `d2t` [V'] maps a pruned draft vocabulary to target ids.
-        `chains[b]`, when given, replaces the argmax at positions i < len(chains[b]) (grammar-forced
-        and n-gram tokens; the model still reads them, so its later drafts follow them).
+        `pick(i, argmax tokens, masked logits) -> tokens`, when given, may replace a row's token
+        (grammar-forced or n-gram tokens; the model still reads them, so its later drafts follow).
         Guided slots mask each draft with mask row i, which the verification then reuses; a
         draft the grammar rejects ends that slot's drafting. `masked=False` drafts without masks
         (the verification fills them)."""
         K = max(ks)
         guided = self.guided if masked else None
-        chains = chains or [[] for _ in seqs]
         prev = [s.last_token for s in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         live = [k > 0 for k in ks]
@@ -158,9 +158,9 @@ class Runner:
                     guided.apply(logits, rows, d2t=d2t)
             ids = logits.argmax(dim=-1)
             tokens = (ids if d2t is None else d2t[ids]).tolist()
+            if pick is not None:
+                tokens = pick(i, tokens, logits)
             for b, seq in enumerate(seqs):
-                if i < len(chains[b]):
-                    tokens[b] = chains[b][i]
                 if not live[b]:
                     continue
                 if guided is not None and guided.is_guided(seq.slot):

@@ -74,6 +74,7 @@ SCHEMA_TEMPLATES = [  # the first is the benchmarks'; training uses all of them
     "Generate a JSON object that follows this JSON schema.\nSchema: {schema}",
     "Here is a JSON schema:\n{schema}\nWrite one realistic example instance of it as JSON.",
     "Fill in this JSON schema with plausible values and reply with the JSON only.\n{schema}",
+    "Schema: {schema}\nProduce a valid JSON document for this schema.",
 ]
 
 

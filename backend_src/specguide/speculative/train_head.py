@@ -38,7 +38,7 @@ class TrainConfig:
 
     seed: int = 0
     num_schemas: int = 80  # JSON schemas (train split)
-    schema_variants: int = 3  # prompt phrasings per schema (prompts.SCHEMA_TEMPLATES)
+    schema_variants: int = 4  # prompt phrasings per schema (prompts.SCHEMA_TEMPLATES)
     num_chat: int = 48  # chat prompts
     max_tokens_json: int = 160
     max_tokens_chat: int = 192
@@ -46,6 +46,7 @@ class TrainConfig:
     depth: int = 3  # unrolled draft steps trained (training-time test)
     depth_decay: float = 0.8  # loss weight of depth j: decay**(j-1)
     feature_weight: float = 0.5  # smooth-L1 of g_p against the target's f_{p+1} (EAGLE-1's regression)
+    hard_weight: float = 0.2  # CE on the emitted token, next to the soft target distribution
     epochs: int = 8
     lr: float = 1e-3
     val_fraction: float = 0.1
@@ -214,9 +215,12 @@ class Trainer:
         total = torch.zeros(())
         stats = []
         feats_next = s.feats[p + 1]  # [n, H]: what g_p estimates
+        with torch.no_grad():  # soft labels: the target's own next-token distribution over the draft vocabulary
+            teacher = (feats_next @ self.lm_weight.T).softmax(-1)  # [n, Vd]
         for j, g in enumerate(outs):
             logits = g[p] @ self.lm_weight.T  # [n, Vd]
-            loss = F.cross_entropy(logits, labels, ignore_index=-100)
+            soft = -(teacher * logits.log_softmax(-1)).sum(-1).mean()
+            loss = soft + self.cfg.hard_weight * F.cross_entropy(logits, labels, ignore_index=-100)
             if self.cfg.feature_weight:
                 loss = loss + self.cfg.feature_weight * F.smooth_l1_loss(g[p], feats_next)
             total = total + self.cfg.depth_decay ** j * loss
@@ -263,22 +267,31 @@ def train_head(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, repo
             sched.step()
             tot += float(loss.detach())
             right, seen = right + stats[0][0], seen + stats[0][1]
-        log.info("epoch %d: loss %.3f, train top-1 %.3f (%.0f s)", epoch + 1, tot / max(1, len(tr)),
-                 right / max(seen, 1), time.perf_counter() - t0)
-    if val:
-        with torch.no_grad():
-            sums = [[0, 0] for _ in range(cfg.depth)]
-            for s in val:
-                for j, (c, n) in enumerate(trainer.losses(s)[1]):
-                    sums[j][0] += c
-                    sums[j][1] += n
-        report.val_accuracy = [c / max(n, 1) for c, n in sums]
-        acc, prod = 1.0, 1.0
-        for a in report.val_accuracy:  # depth j is trained as if depths < j were right
-            prod *= a
-            acc += prod
-        report.val_accept_per_step = acc
+        val_acc = evaluate(trainer, val) if val else []
+        log.info("epoch %d: loss %.3f, train top-1 %.3f, held-out top-1 by depth %s (%.0f s)", epoch + 1,
+                 tot / max(1, len(tr)), right / max(seen, 1), [round(a, 3) for a in val_acc],
+                 time.perf_counter() - t0)
+        if not val or not report.val_accuracy or val_acc[0] > report.val_accuracy[0]:
+            report.val_accuracy = val_acc  # keep the best epoch on held-out samples (early stopping)
+            best = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    head.load_state_dict(best)
+    acc, prod = 1.0, 1.0
+    for a in report.val_accuracy:  # depth j is trained as if depths < j were right
+        prod *= a
+        acc += prod
+    report.val_accept_per_step = acc
     return head.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer, samples: list[Sample]) -> list[float]:
+    """Top-1 agreement with the emitted token per depth over the output positions of `samples`."""
+    sums = [[0, 0] for _ in range(trainer.cfg.depth)]
+    for s in samples:
+        for j, (c, n) in enumerate(trainer.losses(s)[1]):
+            sums[j][0] += c
+            sums[j][1] += n
+    return [c / max(n, 1) for c, n in sums]
 
 
 def run(cfg: TrainConfig, engine: Optional[Engine] = None, schemas: Optional[list[str]] = None
