@@ -33,7 +33,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 Callback = Callable[[RequestOutput], None]
 STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode", Status.FINISHED: "finished"}
 IDLE_WAIT_S = 0.005
-HEAD_UNSURE = 0.6  # hybrid: below this top probability of the head, an n-gram continuation wins
+HEAD_UNSURE = 0.3  # hybrid: below this top probability of the head, an n-gram continuation wins
 ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds fall below is not proposed
 
 

@@ -3,7 +3,6 @@ the trained EAGLE-style head, the hybrid, adaptive K. Greedy output with each dr
 speculation off, token for token, guided and unguided."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from specguide.speculative.train_head import TrainConfig, run
 
 from ..guided.helpers import load_guided_samples
 from .test_guided_engine import run_many
-from .test_speculative import prompts, requests
+from .test_speculative import requests
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,6 @@ def test_forced_tokens_are_always_accepted_by_the_matcher(engine):
 
 
 def test_adaptive_k_shrinks_with_low_acceptance(engine):
-    seq = type("S", (), {})()
     eng = engine
     req = requests(eng, lambda i: 3)[0]
     s = eng._make_sequence(req, lambda o: None)
@@ -112,7 +110,6 @@ def test_adaptive_k_shrinks_with_low_acceptance(engine):
     eng._accept_rate[0] = 0.2
     assert eng._draft_budget(s) == 1
     eng._accept_rate[0] = 1.0
-    del seq
 
 
 def test_tiny_trained_head_beats_chance_and_runs_in_the_step(engine, tmp_path):

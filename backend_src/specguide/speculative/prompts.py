@@ -82,14 +82,23 @@ def schema_message(schema_text: str, variant: int = 0) -> str:
     return SCHEMA_TEMPLATES[variant].format(schema=schema_text)
 
 
-def load_schemas(split: Literal["train", "heldout"], compiles=None) -> list[str]:
-    """Schema texts of a split, at most MAX_SCHEMA_CHARS each; `compiles(text) -> bool` filters."""
+def load_schemas(split: Literal["train", "heldout"], compiler=None) -> list[str]:
+    """Schema texts of a split, at most MAX_SCHEMA_CHARS each; with a GrammarCompilerService,
+    only those that compile."""
+    from ..request import GuidedDecodingParams
+
+    def compiles(text: str) -> bool:
+        try:
+            compiler.compile(GuidedDecodingParams("json_schema", text))
+            return True
+        except Exception:
+            return False
     out = []
     for f in schema_files(split):
         try:
             text = json.dumps(json.loads(f.read_text()))
         except (OSError, ValueError):
             continue
-        if len(text) <= MAX_SCHEMA_CHARS and (compiles is None or compiles(text)):
+        if len(text) <= MAX_SCHEMA_CHARS and (compiler is None or compiles(text)):
             out.append(text)
     return out

@@ -73,14 +73,8 @@ class TrainReport:
 def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str]] = None) -> list[Sample]:
     """The target's greedy answers to the training prompts (JSON prompts under their schema);
     `schemas` replaces the train split's schema texts."""
-    def compiles(text: str) -> bool:
-        try:
-            engine.compiler.compile(GuidedDecodingParams("json_schema", text))
-            return True
-        except Exception:
-            return False
     tok = engine.tokenizer
-    texts = (schemas if schemas is not None else load_schemas("train", compiles))[: cfg.num_schemas]
+    texts = (schemas if schemas is not None else load_schemas("train", engine.compiler))[: cfg.num_schemas]
     work = [(schema_message(s, v), GuidedDecodingParams("json_schema", s), cfg.max_tokens_json)
             for v in range(cfg.schema_variants) for s in texts]
     work += [(c, None, cfg.max_tokens_chat) for c in CHAT_TRAIN[: cfg.num_chat]]
