@@ -8,7 +8,6 @@ import queue
 import random
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -21,10 +20,8 @@ from .cuda.graphs import make_step_graphs
 from .models.loader import load_model, resolve_model_dir
 from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
 from .scheduler import PrefillChunk, Scheduler, Sequence, Status, StepPlan
-from .speculative.draft_head import DraftHead, default_head_path
-from .speculative.draft_model import DraftModel
 from .speculative.head_drafter import HeadDrafter
-from .speculative.ngram import NgramDrafter
+from .speculative.proposer import Proposer
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("specguide")
@@ -33,8 +30,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 Callback = Callable[[RequestOutput], None]
 STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode", Status.FINISHED: "finished"}
 IDLE_WAIT_S = 0.005
-HEAD_UNSURE = 0.3  # hybrid: below this top probability of the head, an n-gram continuation wins
-ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds fall below is not proposed
 
 
 class Engine:
@@ -59,26 +54,10 @@ class Engine:
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
             timeout_s=config.guided_compile_timeout_s or None)
         self.guided, self.runner = build_runner(self.model, config, self.device, vocab)
-        self.ngram = NgramDrafter(max_ngram=config.ngram_max)
-        self.head_drafter: Optional[HeadDrafter] = None
-        self.drafter = config.drafter
-        if config.drafter in ("head", "hybrid") and config.num_draft_tokens:
-            self.head_drafter = self._load_head(folder)
-            if self.head_drafter is None:
-                self.drafter = "grammar"
-            else:
-                self.runner.feature_sink = self.head_drafter.record
-        self._accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
+        self.proposer = Proposer(config, self.model, self.runner, folder, self.tokenizer.encode,
+                                 DTYPES[config.dtype], self.device)
         self.step_graphs = make_step_graphs(  # None unless CUDA with cuda_graphs
-            self.runner, config, propose=lambda s, k: self.ngram.propose(s.prompt_ids + s.output_ids, k))
-        self.draft_model: Optional[DraftModel] = None
-        if config.drafter == "draft_model" and config.num_draft_tokens:
-            dm = load_model(resolve_model_dir(config.draft_model_dir), DTYPES[config.dtype], str(self.device))
-            if dm.cfg.vocab_size != vocab:
-                raise ValueError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the "
-                                 f"target's ({vocab}); it must share the tokenizer")
-            self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, config.num_draft_tokens,
-                                          config.prefill_chunk, self.device)
+            self.runner, config, propose=lambda s, k: self.proposer.ngram.propose(s.prompt_ids + s.output_ids, k))
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
         self._ids = itertools.count(1)
         self._seqs: dict[int, Sequence] = {}  # loop thread only
@@ -96,17 +75,14 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="specguide-engine", daemon=True)
         self._thread.start()
 
-    def _load_head(self, folder) -> Optional[HeadDrafter]:
-        cfg = self.config
-        path = Path(cfg.draft_head_path) if cfg.draft_head_path else default_head_path(folder)
-        if not path.exists():
-            log.warning("drafter %r: no trained draft head at %s; using the 'grammar' drafter. Train it "
-                        "once with: python scripts/train_draft_head.py (or `make draft-head`)", cfg.drafter, path)
-            return None
-        head = DraftHead.load(path, self.model)
-        log.info("draft head %s (draft vocabulary %d)", path, head.draft_vocab_size)
-        return HeadDrafter(head, cfg.max_slots, cfg.max_seq_len, cfg.num_draft_tokens, cfg.prefill_chunk,
-                           self.device)
+    @property
+    def drafter(self) -> str:
+        """The drafter in use ("hybrid"/"head" fall back to "grammar" without a trained head)."""
+        return self.proposer.drafter
+
+    @property
+    def head_drafter(self) -> Optional[HeadDrafter]:
+        return self.proposer.head
 
     # ---- public API (any thread) ------------------------------------------------------------
     def submit(self, request: Request, callback: Optional[Callback] = None) -> int:
@@ -305,8 +281,7 @@ class Engine:
                 seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
                 seq.num_draft += drafted
                 seq.num_accepted += accepted
-                if drafted:  # moving average of the fraction of drafts accepted (adaptive K)
-                    self._accept_rate[seq.slot] = 0.7 * self._accept_rate[seq.slot] + 0.3 * accepted / drafted
+                self.proposer.observe(seq.slot, drafted, accepted)
                 self._guarded(seq, lambda: self._append(seq, toks))
                 touched.append(seq)
         for seq in touched:
@@ -317,7 +292,7 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> list[tuple[list[int], int, int]]:
         """One decode step for every decoding sequence: speculative where drafts exist.
         Returns (tokens to append, drafts proposed, drafts accepted) per sequence."""
-        ks = [self._draft_budget(s) for s in seqs]
+        ks = [self.proposer.budget(s) for s in seqs]
         if self.config.spec_max_rows:  # at most spec_max_rows rows in the verification forward
             cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
             ks = [min(k, cap) for k in ks]
@@ -325,88 +300,12 @@ class Engine:
             out = self.step_graphs.run(seqs, ks)
             if out is not None:
                 return out
-        drafts: list[list[int]] = [[] for _ in seqs]
-        filled = False
-        if any(ks):
-            filled = self.config.mask_drafts
-            if self.head_drafter is not None:
-                pick = self._hybrid_pick(seqs, ks) if self.drafter == "hybrid" else None
-                drafts = self.runner.draft_greedy(seqs, ks, self._head_step(seqs), masked=filled,
-                                                  d2t=self.head_drafter.d2t, pick=pick)
-            elif self.drafter == "early_exit":
-                drafts = self.runner.draft_early_exit(seqs, ks, masked=filled)
-            elif self.draft_model is not None:
-                self.draft_model.catch_up(seqs)
-                drafts = self.runner.draft_greedy(seqs, ks, self.runner.chained(seqs, self.draft_model.step),
-                                                  masked=filled)
-            else:
-                filled = False
-                if self.drafter == "grammar":
-                    drafts = [self._chain(s, k, trusted_only=False) for s, k in zip(seqs, ks)]
-                else:
-                    drafts = [self.ngram.propose(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, ks)]
+        drafts, filled = self.proposer.propose(seqs, ks)
         if not any(drafts):
             return [([t], 0, 0) for t in self.runner.decode(seqs)]
         out = self.runner.verify(seqs, drafts, masks_filled=filled)
-        if self.draft_model is not None:
-            for s, d, (_, a) in zip(seqs, drafts, out):
-                self.draft_model.commit(s, s.num_tokens, len(d), a)
+        self.proposer.commit(seqs, drafts, [a for _, a in out])
         return [(toks, len(d), a) for (toks, a), d in zip(out, drafts)]
-
-    def _head_step(self, seqs: list[Sequence]) -> Callable[[int, list[int]], torch.Tensor]:
-        """draft_greedy's step for the trained head: catch-up + first draft, then chained steps."""
-        hd = self.head_drafter
-        state: dict[str, torch.Tensor] = {}
-
-        def step(i: int, prev: list[int]) -> torch.Tensor:
-            state["g"] = hd.first(seqs) if i == 0 else hd.next(seqs, state["g"], prev, i)
-            return hd.logits(state["g"])
-        return step
-
-    def _hybrid_pick(self, seqs: list[Sequence], ks: list[int]) -> Callable[[int, list[int], torch.Tensor], list[int]]:
-        """The hybrid's per-slot, per-position choice: grammar-forced tokens and trusted n-gram
-        chains first; else the head's masked argmax, unless the head is unsure (top probability
-        under HEAD_UNSURE) and the n-gram lookup continues the drafts so far."""
-        chains = [self._chain(s, k, trusted_only=True) for s, k in zip(seqs, ks)]
-        drafted: list[list[int]] = [[] for _ in seqs]
-
-        def pick(i: int, tokens: list[int], logits: torch.Tensor) -> list[int]:
-            top = None
-            for b, s in enumerate(seqs):
-                if i < len(chains[b]):
-                    tokens[b] = chains[b][i]
-                elif ks[b] > i:
-                    if top is None:
-                        top = logits.softmax(-1).amax(-1).tolist()
-                    if top[b] < HEAD_UNSURE:
-                        cont = self.ngram.propose(s.prompt_ids + s.output_ids + drafted[b], 1)
-                        tokens[b] = cont[0] if cont else tokens[b]
-                drafted[b].append(tokens[b])
-            return tokens
-        return pick
-
-    def _chain(self, seq: Sequence, k: int, trusted_only: bool) -> list[int]:
-        """Model-free drafts: the grammar-forced tokens (guided slots), then the n-gram
-        continuation (hybrid: only when its suffix match is at least ngram_trust tokens)."""
-        forced = self.guided.forced_tokens(seq.slot, self.tokenizer.encode, k) \
-            if seq.grammar is not None else []
-        cont, size = self.ngram.match(seq.prompt_ids + seq.output_ids + forced, k - len(forced))
-        if trusted_only and size < self.config.ngram_trust:
-            cont = []
-        return forced + cont
-
-    def _draft_budget(self, seq: Sequence) -> int:
-        """Drafts worth proposing for this sequence now (0 = plain decoding)."""
-        p = seq.params
-        if (seq.num_draft_tokens == 0 or p.penalized or p.bad_words_ids
-                or len(seq.output_ids) < p.min_tokens):  # per-position bans: no speculation
-            return 0
-        k = min(seq.num_draft_tokens, p.max_tokens - len(seq.output_ids) - 1,
-                self.config.max_seq_len - seq.num_tokens - 1)
-        if self.config.adaptive_k and k > 1:  # keep draft i while rate^i (its odds) is worth a row
-            rate = self._accept_rate[seq.slot]
-            k = min(k, next((i for i in range(1, k + 1) if rate ** (i + 1) < ADAPTIVE_MIN_ODDS), k))
-        return max(0, k)
 
     def _poll_compiles(self) -> None:
         """Move finished grammar compiles onto their sequences; a failed one fails its request."""
@@ -429,7 +328,7 @@ class Engine:
         seq = chunk.seq
         if chunk.start == 0:
             self.runner.bind(seq)
-            self._accept_rate[seq.slot] = 1.0
+            self.proposer.reset(seq.slot)
             if seq.grammar is not None:
                 self.guided.add(seq.slot, seq.grammar)
         if seq.fault is not None and seq.fault.kind == "prefill_delay":

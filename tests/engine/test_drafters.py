@@ -103,13 +103,13 @@ def test_adaptive_k_shrinks_with_low_acceptance(engine):
     req = requests(eng, lambda i: 3)[0]
     s = eng._make_sequence(req, lambda o: None)
     s.slot = 0
-    eng._accept_rate[0] = 1.0
-    assert eng._draft_budget(s) == 3
-    eng._accept_rate[0] = 0.5
-    assert eng._draft_budget(s) == 2  # 0.5, 0.25 >= 0.15 > 0.125
-    eng._accept_rate[0] = 0.2
-    assert eng._draft_budget(s) == 1
-    eng._accept_rate[0] = 1.0
+    eng.proposer.accept_rate[0] = 1.0
+    assert eng.proposer.budget(s) == 3
+    eng.proposer.accept_rate[0] = 0.5
+    assert eng.proposer.budget(s) == 2  # 0.5, 0.25 >= 0.15 > 0.125
+    eng.proposer.accept_rate[0] = 0.2
+    assert eng.proposer.budget(s) == 1
+    eng.proposer.accept_rate[0] = 1.0
 
 
 def test_tiny_trained_head_beats_chance_and_runs_in_the_step(engine, tmp_path):

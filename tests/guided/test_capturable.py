@@ -269,7 +269,7 @@ def _dry_run_graphs(eng) -> StepGraphs:
     """StepGraphs on CPU: `replay` runs the captured step's body eagerly (no CUDA), so its static
     buffers, padding rows, key-length buckets, in-body grammar callbacks and acceptance run here."""
     c = eng.config
-    eng.step_graphs = StepGraphs(eng.runner, c.drafter, lambda s, k: eng.ngram.propose(s.prompt_ids + s.output_ids, k),
+    eng.step_graphs = StepGraphs(eng.runner, c.drafter, lambda s, k: eng.proposer.ngram.propose(s.prompt_ids + s.output_ids, k),
                                  c.max_seq_len, c.mask_drafts)
     return eng.step_graphs
 
