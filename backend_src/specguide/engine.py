@@ -57,7 +57,7 @@ class Engine:
         self.proposer = Proposer(config, self.model, self.runner, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
         self.step_graphs = make_step_graphs(  # None unless CUDA with cuda_graphs
-            self.runner, config, propose=lambda s, k: self.proposer.ngram.propose(s.prompt_ids + s.output_ids, k))
+            self.runner, config, propose=self.proposer.ngram_drafts)
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
         self._ids = itertools.count(1)
         self._seqs: dict[int, Sequence] = {}  # loop thread only

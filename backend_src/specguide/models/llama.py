@@ -70,8 +70,7 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = self.qkv(h).view(B, T, nh + 2 * kvh, hd)
+        qkv = self.qkv_proj(x)  # [B, T, nh+2kvh, hd]
         if ctx.mask is None:  # decode-sized: one batch-invariant C call (RoPE, cache write, attention)
             attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, ctx.slots, ctx.positions, nh)
         else:
@@ -82,8 +81,18 @@ class DecoderLayer(nn.Module):
             keys, values = ctx.read(k_cache), ctx.read(v_cache)  # [B, kvh, L, hd]
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
                                                   enable_gqa=nh != kvh).transpose(1, 2)  # [B, T, nh, hd]
-        x = linear_add(self.o, attn.reshape(B, T, nh * hd), x)
-        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        return self.out_mlp(x, attn.reshape(B, T, nh * hd))
+
+    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., T, hidden] -> fused q|k|v heads [..., T, nh+2kvh, hd] (before RoPE)."""
+        cfg = self.cfg
+        qkv = self.qkv(rms_norm(x, self.input_norm, cfg.rms_norm_eps))
+        return qkv.view(*x.shape[:-1], cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+
+    def out_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: x + o(attn), then the gated MLP with its residual."""
+        x = linear_add(self.o, attn, x)
+        h = rms_norm(x, self.post_norm, self.cfg.rms_norm_eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return linear_add(self.down, F.silu(gate) * up, x)
 
@@ -147,6 +156,14 @@ class LlamaModel(nn.Module):
             self._rope_cache = ((emb.cos() * self.attention_scaling).to(dtype), sin_signed.to(dtype))
         return self._rope_cache
 
+    def rope(self, ctx: AttnContext, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / signed sin for a forward: whole tables [P, hd] for the C kernel (it indexes them
+        itself), else gathered at the query positions [B, T, 1, hd]."""
+        cos, sin = self.rope_tables(max_len)
+        if ctx.mask is not None:
+            cos, sin = cos[ctx.positions].unsqueeze(2), sin[ctx.positions].unsqueeze(2)
+        return cos, sin
+
     def make_context(self, slots: torch.Tensor, positions: torch.Tensor, slot_list: list[int],
                      length: int) -> AttnContext:
         if self.invariant_attention and positions.shape[1] <= INVARIANT_MAX_QUERIES:
@@ -162,9 +179,7 @@ class LlamaModel(nn.Module):
         """input_ids [B, T] at ctx.positions -> hidden [B, T, hidden] after the final norm.
 
         `num_layers` < all runs only the first layers (early-exit drafting shares their KV)."""
-        cos, sin = self.rope_tables(kv.max_seq_len)  # [P, hd]: the C kernel indexes them itself
-        if ctx.mask is not None:
-            cos, sin = cos[ctx.positions].unsqueeze(2), sin[ctx.positions].unsqueeze(2)  # [B, T, 1, hd]
+        cos, sin = self.rope(ctx, kv.max_seq_len)
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             x = layer(x, cos, sin, ctx, kv.k[i], kv.v[i])

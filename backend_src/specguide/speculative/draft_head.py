@@ -57,9 +57,7 @@ class DraftHead(nn.Module):
         t = self.target
         e = rms_norm(t.embed(tokens), self.embed_norm, self.cfg.rms_norm_eps)
         x = self.fc(torch.cat([feats.to(e.dtype), e], dim=-1))
-        cos, sin = t.rope_tables(kv.max_seq_len)
-        if ctx.mask is not None:
-            cos, sin = cos[ctx.positions].unsqueeze(2), sin[ctx.positions].unsqueeze(2)
+        cos, sin = t.rope(ctx, kv.max_seq_len)
         x = self.layer(x, cos, sin, ctx, kv.k[0], kv.v[0])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
@@ -70,10 +68,9 @@ class DraftHead(nn.Module):
     # ---- persistence ------------------------------------------------------------------------
     def save(self, path: Path, meta: dict) -> None:
         """Weights (fc, norms, layer), d2t and the target's config; the LM head is not saved."""
-        state = {k: v for k, v in self.state_dict().items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({"version": FORMAT_VERSION, "config": asdict(self.cfg), "state": state,
+        torch.save({"version": FORMAT_VERSION, "config": asdict(self.cfg), "state": self.state_dict(),
                     "meta": json.loads(json.dumps(meta))}, tmp)
         tmp.replace(path)
 
@@ -91,8 +88,7 @@ class DraftHead(nn.Module):
         head = cls(cfg, blob["state"]["d2t"])
         head.load_state_dict(blob["state"], strict=True)
         dtype, device = target.embed.weight.dtype, target.embed.weight.device
-        head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        head.d2t = head.d2t.to(torch.int64)
+        head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)  # d2t stays int64
         head.meta = blob.get("meta", {})
         return head.attach(target)
 

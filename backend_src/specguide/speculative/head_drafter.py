@@ -38,23 +38,24 @@ class HeadDrafter:
     def first(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each slot's verified (f_p, x_{p+1}) rows up to p = N-2 (N = tokens so far);
         returns g at p = N-2 for each sequence [B, H] (its logits give the first draft)."""
+        rows: list[list[int]] = []
+        history: list[list[int]] = []
         for s in seqs:
             if self.owner[s.slot] != s.seq_id:
                 self.reset(s)
             # a step that failed after this point last time (and is retried) re-feeds row N-2
             self.cached[s.slot] = max(0, min(self.cached[s.slot], s.num_tokens - 2))
-        for s in seqs:  # a new prompt: chunks of its own, leaving at most K+1 rows for the batch
             toks = s.prompt_ids + s.output_ids
+            history.append(toks)
             while (left := s.num_tokens - 1 - self.cached[s.slot]) > self.K + 1:
-                a = self.cached[s.slot]
+                a = self.cached[s.slot]  # a new prompt: chunks of its own, leaving <= K+1 rows for the batch
                 n = min(self.chunk, left - self.K - 1)
                 self._run([s.slot], [list(range(a, a + n))], [toks[a + 1: a + 1 + n]])
                 self.cached[s.slot] = a + n
-        rows = [list(range(self.cached[s.slot], s.num_tokens - 1)) for s in seqs]
+            rows.append(list(range(self.cached[s.slot], s.num_tokens - 1)))
         T = max(len(r) for r in rows)
         positions, tokens = [], []
-        for s, r in zip(seqs, rows):
-            toks = s.prompt_ids + s.output_ids
+        for s, r, toks in zip(seqs, rows, history):
             # padding rows continue past N-2: speculative positions that later steps rewrite
             positions.append(r + list(range(s.num_tokens - 1, s.num_tokens - 1 + T - len(r))))
             tokens.append(toks[r[0] + 1: s.num_tokens] + [s.last_token] * (T - len(r)))

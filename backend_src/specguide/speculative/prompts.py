@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from ..request import GuidedDecodingParams
+
 BENCH_SUBSETS = ("Glaiveai2K", "Github_easy", "Kubernetes", "Snowplow")
 MAX_SCHEMA_CHARS = 1500
 
@@ -85,8 +87,6 @@ def schema_message(schema_text: str, variant: int = 0) -> str:
 def load_schemas(split: Literal["train", "heldout"], compiler=None) -> list[str]:
     """Schema texts of a split, at most MAX_SCHEMA_CHARS each; with a GrammarCompilerService,
     only those that compile."""
-    from ..request import GuidedDecodingParams
-
     def compiles(text: str) -> bool:
         try:
             compiler.compile(GuidedDecodingParams("json_schema", text))

@@ -101,7 +101,11 @@ class Proposer:
             return self.runner.draft_greedy(seqs, ks, step, masked=masked), masked
         if self.drafter == "grammar":
             return [self.chain(s, k, trusted_only=False) for s, k in zip(seqs, ks)], False
-        return [self.ngram.propose(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, ks)], False
+        return [self.ngram_drafts(s, k) for s, k in zip(seqs, ks)], False
+
+    def ngram_drafts(self, seq: Sequence, k: int) -> list[int]:
+        """Prompt-lookup drafts over the sequence's prompt and output."""
+        return self.ngram.propose(seq.prompt_ids + seq.output_ids, k)
 
     def commit(self, seqs: list[Sequence], drafts: list[list[int]], accepted: list[int]) -> None:
         """After verification (before the tokens are appended)."""

@@ -144,10 +144,9 @@ class Trainer:
         self.lm_weight = target.head_weight[head.d2t].detach().float()  # [Vd, H] frozen
 
     def _attn_inputs(self, x: torch.Tensor, pos: torch.Tensor):
-        layer, c = self.head.layer, self.head.cfg
-        nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        qkv = layer.qkv(h).view(1, x.shape[0], nh + 2 * kvh, hd)
+        c = self.head.cfg
+        nh, kvh = c.num_heads, c.num_kv_heads
+        qkv = self.head.layer.qkv_proj(x[None])  # [1, P, nh+2kvh, hd]
         cos, sin = self.target.rope_tables(int(pos[-1]) + 1)
         qk = apply_rope(qkv[:, :, : nh + kvh], cos[pos][None, :, None], sin[pos][None, :, None])
         q = qk[0, :, :nh].transpose(0, 1)  # [nh, P, hd]
@@ -156,12 +155,8 @@ class Trainer:
         return q, k, v
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        layer, c = self.head.layer, self.head.cfg
-        x = x + layer.o(attn.transpose(0, 1).reshape(x.shape[0], -1))
-        h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        x = x + layer.down(F.silu(gate) * up)
-        return rms_norm(x, self.head.norm, c.rms_norm_eps)
+        x = self.head.layer.out_mlp(x, attn.transpose(0, 1).reshape(x.shape[0], -1))
+        return rms_norm(x, self.head.norm, self.head.cfg.rms_norm_eps)
 
     def unroll(self, s: Sample) -> list[torch.Tensor]:
         """g of depth 1..D at positions p = 0..L-2 ([P, H] each); depth j reads (g^{j-1}_{p-1}, x_{p+1})."""
