@@ -1,7 +1,7 @@
 """Speculative decoding: accepted length per step and tokens/s vs speculation off, in one run.
 
     python bench/bench_speculative.py [--schemas 8] [--max-tokens 96] [--ks 3,5]
-        [--drafters ngram,grammar,head,head_unmasked,hybrid] [--llama-cpp]
+        [--drafters ngram,grammar,head,head_unmasked,hybrid] [--weight-dtypes float32,int8] [--llama-cpp]
 
 Workloads (greedy): guided JSON (held-out JSONSchemaBench dev schemas, never trained on: chat
 prompts that show the schema and ask for an object) and unguided chat. Batch 1 (one request
@@ -9,6 +9,8 @@ after another) and batch 8 (all submitted together). Drafters: n-gram prompt loo
 (jump-forward tokens + n-gram), the trained head (with and without grammar masks on its drafts),
 the hybrid (head + grammar-forced + trusted n-gram), early exit, draft model. Every speculative
 run's tokens are checked against the speculation-off run (identical: greedy is lossless).
+`--weight-dtypes`: the whole matrix once per CPU weight format (float32 exact; bfloat16 / int8
+weight-only quantization), each against its own speculation-off baseline.
 `--llama-cpp`: llama-cpp-python on the same GGUF (Q4_1), JSON schemas through its grammar, batch 1.
 """
 from __future__ import annotations
@@ -83,6 +85,7 @@ def main() -> None:
                     help="ngram | grammar | head | head_unmasked (mask ablation) | hybrid | early_exit | "
                          "early_exit_unmasked | draft_model")
     ap.add_argument("--adaptive-k", type=int, default=1)
+    ap.add_argument("--weight-dtypes", default="float32", help="comma list of float32 | bfloat16 | int8")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -92,11 +95,12 @@ def main() -> None:
     names = {"ngram": ("ngram", True), "grammar": ("grammar", True), "head": ("head", True),
              "head_unmasked": ("head", False), "hybrid": ("hybrid", True), "early_exit": ("early_exit", True),
              "early_exit_unmasked": ("early_exit", False), "draft_model": ("draft_model", True)}
-    engines = [names[d] for d in args.drafters.split(",")]
+    engines = [(wd,) + names[d] for wd in args.weight_dtypes.split(",") for d in args.drafters.split(",")]
     baseline: dict = {}
-    for drafter, masked in engines:
+    for wd, drafter, masked in engines:
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, num_draft_tokens=Kmax, drafter=drafter,
-                                  draft_layers=20, mask_drafts=masked, adaptive_k=bool(args.adaptive_k)))
+                                  draft_layers=20, mask_drafts=masked, adaptive_k=bool(args.adaptive_k),
+                                  weight_dtype=wd))
         if eng.drafter != drafter:
             sys.exit(f"drafter {drafter!r} is not available (no trained head? run scripts/train_draft_head.py)")
         guided = schema_prompts(eng, args.schemas)
@@ -115,11 +119,11 @@ def main() -> None:
                                     params=SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
                             for p, g in (items[:4] if batch == 1 else items)]
                     r = run(eng, reqs, concurrent=batch > 1)
-                    key = (wname, batch)
+                    key = (wd, wname, batch)
                     if k == 0:
                         baseline[key] = r
                     base = baseline[key]
-                    row = dict(workload=wname, batch=batch, drafter="off" if k == 0 else drafter,
+                    row = dict(weight_dtype=wd, workload=wname, batch=batch, drafter="off" if k == 0 else drafter,
                                masked_drafts=masked, K=k, tok_s=round(r["tok_s"], 1),
                                decode_tok_s=round(r["decode_tok_s"], 1) if batch == 1 else None,
                                tokens_per_step=round(r["tokens_per_step"], 2),
@@ -165,10 +169,11 @@ def llama_cpp_rows(args, baseline: dict, work: dict) -> list[dict]:
             dec_s += end - (first or end)
             n += count
             done += 1
-        base = baseline.get((wname, 1))
         row = dict(workload=wname, batch=1, drafter="llama.cpp (Q4_1)", K=0, tok_s=round(n / dt, 1),
-                   decode_tok_s=round((n - done) / dec_s, 1) if dec_s else None, requests=done,
-                   engine_off_tok_s=round(base["tok_s"], 1) if base else None)
+                   decode_tok_s=round((n - done) / dec_s, 1) if dec_s else None, requests=done)
+        for (wd, w, b), base in baseline.items():
+            if (w, b) == (wname, 1):
+                row[f"engine_off_tok_s_{wd}"] = round(base["tok_s"], 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -45,7 +45,7 @@ class Engine:
         self.device = torch.device(config.resolved_device())
         folder = resolve_model_dir(config.model_dir, config.gguf_file)
         self.tokenizer = Tokenizer(folder)
-        self.model = load_model(folder, DTYPES[config.dtype], str(self.device))
+        self.model = load_model(folder, DTYPES[config.dtype], str(self.device), config.weight_dtype)
         model_eos = getattr(self.model, "eos_token_ids", frozenset())
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(model_eos))
         vocab = self.model.cfg.vocab_size

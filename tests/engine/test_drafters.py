@@ -5,28 +5,16 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 import xgrammar as xgr
 
 from specguide.config import EngineConfig
 from specguide.engine import Engine
 from specguide.guided.decoder import GuidedDecoder
-from specguide.speculative.draft_head import DraftHead
 from specguide.speculative.train_head import TrainConfig, run
 
 from ..guided.helpers import load_guided_samples
 from .test_guided_engine import run_many
 from .test_speculative import requests
-
-
-@pytest.fixture(scope="module")
-def random_head(tmp_path_factory, engine):
-    """An untrained head over a pruned vocabulary (every 3rd id): lossless whatever it proposes."""
-    torch.manual_seed(0)
-    head = DraftHead(engine.model.cfg, torch.arange(0, engine.model.cfg.vocab_size, 3))
-    path = tmp_path_factory.mktemp("head") / "random.pt"
-    head.save(path, {"note": "random"})
-    return path
 
 
 def outputs(engine, reqs):

@@ -21,6 +21,37 @@ def test_gemv_matches_torch_and_is_batch_invariant(O, I):
         assert torch.equal(kernels.gemv_f32(x[lo:hi], packed, O, r[lo:hi]), full[lo:hi])
 
 
+@pytest.mark.parametrize("weight_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("O, I", [(960, 576), (300, 64), (49, 96)])
+def test_quantized_gemv_matches_its_dequantized_weight_and_is_batch_invariant(weight_dtype, O, I):
+    g = torch.Generator().manual_seed(O + I)
+    W, x, r = torch.randn(O, I, generator=g) * 0.05, torch.randn(40, I, generator=g), torch.randn(40, O, generator=g)
+    packed, scale = kernels.pack_weight(W, weight_dtype)
+    assert packed.dtype == {"bfloat16": torch.bfloat16, "int8": torch.int8}[weight_dtype]
+    assert packed.numel() * packed.element_size() <= (O + 63) // 64 * 64 * I * (2 if weight_dtype == "bfloat16" else 1)
+    deq = kernels.dequantized(W, weight_dtype)
+    full = kernels.gemv(x, packed, scale, O, r)  # 40 rows: the widened-scratch path
+    assert torch.allclose(full, x @ deq.t() + r, atol=1e-4, rtol=1e-5)
+    # any subset of rows gives the same bits, whichever path (in-register widening below 16 rows)
+    for lo, hi in [(0, 1), (3, 4), (5, 9), (2, 17), (0, 40)]:
+        assert torch.equal(kernels.gemv(x[lo:hi], packed, scale, O, r[lo:hi]), full[lo:hi])
+    plain = kernels.gemv(x, packed, scale, O)  # no residual
+    assert torch.allclose(plain, x @ deq.t(), atol=1e-4, rtol=1e-5)
+    assert torch.equal(kernels.gemv(x[:3], packed, scale, O), plain[:3])
+
+
+def test_int8_quantization_is_per_channel_and_within_half_a_step():
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(70, 33, generator=g) * torch.logspace(-3, 1, 70)[:, None]  # rows of very different size
+    q, scale = kernels.quantize_int8(W)
+    assert q.dtype == torch.int8 and scale.shape == (70,) and int(q.abs().max()) == 127
+    err = (q.float() * scale[:, None] - W).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-7).all())
+    assert torch.equal(kernels.dequantized(W, "int8"), q.float() * scale[:, None])
+    with pytest.raises(AssertionError):
+        kernels.pack_weight(W, "int4")
+
+
 def test_attention_matches_sdpa_and_is_invariant_over_batch_and_queries():
     g = torch.Generator().manual_seed(0)
     B, T, nh, kvh, S, hd = 3, 4, 9, 3, 64, 64

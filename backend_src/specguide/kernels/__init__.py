@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from ..config import WEIGHT_DTYPES
+
 log = logging.getLogger("specguide")
 HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()
@@ -63,6 +65,10 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     lib.gemv_f32.restype = None
     lib.gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.gemv_i8.restype = None
+    lib.gemv_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    lib.gemv_bf16.restype = None
+    lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.pack_weight_f32.restype = None
     lib.pack_weight_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
     lib.attn_f32.restype = None
@@ -104,19 +110,73 @@ def pack_weight_f32(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def gemv_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [B, I] @ W^T (+ residual [B, O]) with W packed by `pack_weight_f32`; batch-invariant."""
+def _tiles(w: torch.Tensor) -> torch.Tensor:
+    """[O, I] -> [ceil(O/64), I, 64] (zero rows pad O), any dtype."""
+    O, I = w.shape
+    pad = (-O) % TILE
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, I)])
+    return w.view(-1, TILE, I).transpose(1, 2).contiguous()
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: W [O, I] ~ q [O, I] * scale [O, 1]; scale = max|W[o]| / 127."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale.squeeze(1).contiguous()
+
+
+def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """W [O, I] fp32 -> (packed tiles in `weight_dtype`, per-row scale for int8 else None)."""
+    assert weight_dtype in WEIGHT_DTYPES, weight_dtype
+    if weight_dtype == "float32":
+        return pack_weight_f32(weight), None
+    if weight_dtype == "bfloat16":
+        return _tiles(weight.detach().to(torch.bfloat16)), None
+    q, scale = quantize_int8(weight.detach())
+    return _tiles(q), scale
+
+
+def dequantized(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:
+    """The fp32 weight the kernel for `weight_dtype` effectively multiplies by (for references)."""
+    if weight_dtype == "bfloat16":
+        return weight.to(torch.bfloat16).float()
+    if weight_dtype == "int8":
+        q, scale = quantize_int8(weight)
+        return q.float() * scale[:, None]
+    return weight.float()
+
+
+def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], out_features: int,
+         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [B, I] fp32 @ W^T (+ residual [B, O]) with W from `pack_weight` (fp32, bf16 or int8 tiles);
+    fp32 accumulation, batch-invariant."""
     lib = library()
     assert lib is not None
     B, I = x.shape
-    assert x.dtype == packed.dtype == torch.float32 and packed.shape[1] == I
+    assert x.dtype == torch.float32 and packed.shape[1] == I
     x = x.contiguous()
     y = torch.empty(B, out_features, dtype=torch.float32)
     r = residual.contiguous() if residual is not None else None
-    lib.gemv_f32(x.data_ptr(), packed.data_ptr(), r.data_ptr() if r is not None else None, y.data_ptr(),
-                 B, I, out_features, torch.get_num_threads())
+    rp = r.data_ptr() if r is not None else None
+    n = torch.get_num_threads()
+    if packed.dtype == torch.float32:
+        lib.gemv_f32(x.data_ptr(), packed.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
+    elif packed.dtype == torch.int8:
+        assert scale is not None and scale.dtype == torch.float32 and scale.numel() == out_features
+        lib.gemv_i8(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
+    else:
+        assert packed.dtype == torch.bfloat16
+        lib.gemv_bf16(x.data_ptr(), packed.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     return y
+
+
+def gemv_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [B, I] @ W^T (+ residual [B, O]) with W packed by `pack_weight_f32`; batch-invariant."""
+    assert packed.dtype == torch.float32
+    return gemv(x, packed, None, out_features, residual)
 
 
 def attention_f32(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -13,6 +13,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -30,9 +33,49 @@ static inline v16 load(const float *p) {
 
 /* Weights are packed once as Wp [O/64, I, 64] (O padded to a multiple of 64 with zero rows), so
    the 64 outputs of a tile read one contiguous stream. Output (b, o) is the sum over i, in order,
-   of x[b, i] * W[o, i] in its own vector lane: the same operations for every B. */
+   of x[b, i] * W[o, i] in its own vector lane: the same operations for every B.
+   Weight-only quantized variants hold Wp as int8 (y = scale[o] * sum x * q) or bf16 (the top
+   half of an fp32): each weight is widened to fp32 in a register, so accumulation stays fp32 and
+   the result is as batch-invariant as the fp32 kernel. For B >= SCRATCH_B (prefill) a thread
+   widens its tile once into an fp32 scratch tile (same values, so the same results) instead of
+   once per RB rows. */
 #define TILE 64
 #define RB 4 /* rows of x per pass over a weight tile */
+#define SCRATCH_B 16
+
+enum { W_F32 = 0, W_I8 = 1, W_BF16 = 2 };
+
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef int32_t v16i32 __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) v16 wload(const void *base, int64_t idx, int kind) {
+    if (kind == W_I8) {
+#ifdef __AVX512F__
+        return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + idx))));
+#else
+        v16i8 q;
+        memcpy(&q, (const int8_t *)base + idx, sizeof q);
+        return __builtin_convertvector(__builtin_convertvector(q, v16i32), v16);
+#endif
+    }
+    if (kind == W_BF16) {
+#ifdef __AVX512F__
+        return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx))), 16);
+#else
+        v16u16 h;
+        memcpy(&h, (const uint16_t *)base + idx, sizeof h);
+        v16u32 w = __builtin_convertvector(h, v16u32) << 16;
+        v16 f;
+        memcpy(&f, &w, sizeof f);
+        return f;
+#endif
+    }
+    return load((const float *)base + idx);
+}
+
+static inline size_t wsize(int kind) { return kind == W_F32 ? 4 : kind == W_I8 ? 1 : 2; }
 
 void pack_weight_f32(const float *W, float *Wp, int I, int O) {
     const int tiles = (O + TILE - 1) / TILE;
@@ -44,35 +87,87 @@ void pack_weight_f32(const float *W, float *Wp, int I, int O) {
             }
 }
 
-void gemv_f32(const float *x, const float *Wp, const float *r, float *y, int B, int I, int O, int threads) {
-    const int tiles = (O + TILE - 1) / TILE;
-    #pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
-    for (int t = 0; t < tiles; t++) {
-        const float *wt = Wp + (int64_t)t * I * TILE;
-        for (int b = 0; b < B; b += RB) {
-            const int nb = B - b < RB ? B - b : RB;
-            v16 acc[RB][4];
-            memset(acc, 0, sizeof acc);
-            const float *xb = x + (int64_t)b * I;
-            for (int i = 0; i < I; i++) {
-                const float *w = wt + (int64_t)i * TILE;
-                v16 w0 = load(w), w1 = load(w + 16), w2 = load(w + 32), w3 = load(w + 48);
-                for (int k = 0; k < RB; k++) {
-                    if (k >= nb) break;
-                    float xv = xb[(int64_t)k * I + i];
-                    acc[k][0] += w0 * xv; acc[k][1] += w1 * xv; acc[k][2] += w2 * xv; acc[k][3] += w3 * xv;
-                }
-            }
-            for (int k = 0; k < nb; k++)
-                for (int j = 0; j < TILE; j++) {
-                    int o = t * TILE + j;
-                    if (o >= O) break;
-                    int64_t idx = (int64_t)(b + k) * O + o;
-                    float v = acc[k][j / 16][j % 16];
-                    y[idx] = r ? v + r[idx] : v;
-                }
+/* One pass of up to RB rows over one weight tile `wt` (of type `kind`), written to y. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const float *xb, int nb, const void *wt, int kind, const float *scale, const float *r, float *y,
+        int t, int b, int I, int O) {
+    v16 acc[RB][4];
+    memset(acc, 0, sizeof acc);
+    for (int i = 0; i < I; i++) {
+        const int64_t w = (int64_t)i * TILE;
+        v16 w0 = wload(wt, w, kind), w1 = wload(wt, w + 16, kind), w2 = wload(wt, w + 32, kind),
+            w3 = wload(wt, w + 48, kind);
+        for (int k = 0; k < RB; k++) {
+            if (k >= nb) break;
+            float xv = xb[(int64_t)k * I + i];
+            acc[k][0] += w0 * xv; acc[k][1] += w1 * xv; acc[k][2] += w2 * xv; acc[k][3] += w3 * xv;
         }
     }
+    for (int k = 0; k < nb; k++)
+        for (int j = 0; j < TILE; j++) {
+            int o = t * TILE + j;
+            if (o >= O) break;
+            int64_t idx = (int64_t)(b + k) * O + o;
+            float v = acc[k][j / 16][j % 16];
+            if (scale) v *= scale[o];
+            y[idx] = r ? v + r[idx] : v;
+        }
+}
+
+/* All rows of x over weight tile t; `buf` (an fp32 tile) when widening. One copy per weight type,
+   so `kind` is a constant inside each. */
+static inline __attribute__((always_inline)) void tile_all(
+        int kind, const float *x, const void *Wp, float *buf, const float *scale, const float *r, float *y,
+        int t, int B, int I, int O) {
+    const char *wt = (const char *)Wp + (int64_t)t * I * TILE * wsize(kind);
+    if (buf) {
+        for (int64_t e = 0; e < (int64_t)I * TILE; e += 16) {
+            v16 v = wload(wt, e, kind);
+            memcpy(buf + e, &v, sizeof v);
+        }
+    }
+    for (int b = 0; b < B; b += RB) {
+        const int nb = B - b < RB ? B - b : RB;
+        const float *xb = x + (int64_t)b * I;
+        if (buf) tile_rows(xb, nb, buf, W_F32, scale, r, y, t, b, I, O);
+        else tile_rows(xb, nb, wt, kind, scale, r, y, t, b, I, O);
+    }
+}
+
+typedef void (*tile_fn)(const float *, const void *, float *, const float *, const float *, float *, int, int, int, int);
+#define TILE_FN(NAME, KIND) \
+    static void NAME(const float *x, const void *Wp, float *buf, const float *scale, const float *r, float *y, \
+                     int t, int B, int I, int O) { tile_all(KIND, x, Wp, buf, scale, r, y, t, B, I, O); }
+TILE_FN(tile_f32, W_F32)
+TILE_FN(tile_i8, W_I8)
+TILE_FN(tile_bf16, W_BF16)
+
+static void gemv_any(int kind, tile_fn fn, const float *x, const void *Wp, const float *scale, const float *r,
+                     float *y, int B, int I, int O, int threads) {
+    const int tiles = (O + TILE - 1) / TILE;
+    const int widen = kind != W_F32 && B >= SCRATCH_B;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *buf = widen ? (float *)aligned_alloc(64, sizeof(float) * (size_t)I * TILE) : NULL;
+        #pragma omp for schedule(dynamic, 2)
+        for (int t = 0; t < tiles; t++) fn(x, Wp, buf, scale, r, y, t, B, I, O);
+        free(buf);
+    }
+}
+
+void gemv_f32(const float *x, const float *Wp, const float *r, float *y, int B, int I, int O, int threads) {
+    gemv_any(W_F32, tile_f32, x, Wp, NULL, r, y, B, I, O, threads);
+}
+
+/* Wp int8 [O/64, I, 64], scale [O]: y = scale[o] * (x . q[o]) (+ r). */
+void gemv_i8(const float *x, const int8_t *Wp, const float *scale, const float *r, float *y,
+             int B, int I, int O, int threads) {
+    gemv_any(W_I8, tile_i8, x, Wp, scale, r, y, B, I, O, threads);
+}
+
+/* Wp bf16 bits [O/64, I, 64]. */
+void gemv_bf16(const float *x, const uint16_t *Wp, const float *r, float *y, int B, int I, int O, int threads) {
+    gemv_any(W_BF16, tile_bf16, x, Wp, NULL, r, y, B, I, O, threads);
 }
 
 /* Causal attention of decode/verification queries over the per-slot KV cache.

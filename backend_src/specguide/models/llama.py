@@ -185,14 +185,16 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, ctx, kv.k[i], kv.v[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
-    def finalize(self) -> None:
-        """After weights are loaded and placed: build the LM head and pack CPU linears."""
+    def finalize(self, weight_dtype: str = "float32") -> None:
+        """After weights are loaded and placed: build the LM head and pack CPU linears, their
+        weights held in `weight_dtype` (bf16 / int8: weight-only quantization, CPU kernels only)."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         self.head_weight = w  # [vocab, hidden]: kept for draft heads that share (rows of) the LM head
-        self.head = make_head(w)
+        self.weight_dtype = weight_dtype
+        self.head = make_head(w, weight_dtype)
         self.lm_head = None
         if w.device.type == "cpu":
-            prepare_linears(self.layers)
+            prepare_linears(self.layers, weight_dtype)
         self.invariant_attention = (w.device.type == "cpu" and w.dtype == torch.float32
                                     and self.cfg.head_dim % 16 == 0 and kernels.library() is not None)
 

@@ -29,8 +29,10 @@ def resolve_model_dir(model_dir: str = "", gguf_file: str = "") -> Path:
     return path
 
 
-def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaModel:
-    """Build a LlamaModel from an HF folder, fusing q|k|v and gate|up."""
+def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               weight_dtype: str = "float32") -> LlamaModel:
+    """Build a LlamaModel from an HF folder, fusing q|k|v and gate|up; linear weights held in
+    `weight_dtype` (see `LlamaModel.finalize`)."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -57,7 +59,7 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     model.load_state_dict(_remap(state, cfg), strict=True, assign=True)
     model.inv_freq = inv_freq.float()
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    model.finalize()
+    model.finalize(weight_dtype)
     eos = hf.eos_token_id
     model.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     return model

@@ -47,9 +47,10 @@ class DraftHead(nn.Module):
         """Share the target's embedding and the d2t rows of its LM head; pack CPU linears."""
         object.__setattr__(self, "target", target)  # not a submodule: its weights are not ours
         w = target.head_weight[self.d2t.to(target.head_weight.device)].detach()  # [Vd, H]
-        self.lm = make_head(w.contiguous()) if pack else _frozen_linear(w)
+        wd = getattr(target, "weight_dtype", "float32")
+        self.lm = make_head(w.contiguous(), wd) if pack else _frozen_linear(w)
         if pack:
-            prepare_linears(self)
+            prepare_linears(self, wd)
         return self
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, ctx: AttnContext, kv: KVCache) -> torch.Tensor:

@@ -42,7 +42,7 @@ class Proposer:
             else:
                 runner.feature_sink = self.head.record
         if config.drafter == "draft_model" and K:
-            dm = load_model(resolve_model_dir(config.draft_model_dir), dtype, str(device))
+            dm = load_model(resolve_model_dir(config.draft_model_dir), dtype, str(device), config.weight_dtype)
             if dm.cfg.vocab_size != model.cfg.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the "
                                  f"target's ({model.cfg.vocab_size}); it must share the tokenizer")

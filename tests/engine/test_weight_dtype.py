@@ -1,0 +1,76 @@
+"""Weight-only quantization (`weight_dtype` bfloat16 / int8) on the real SmolLM2: the weights really
+shrink, the model stays close to fp32, and speculation stays lossless against the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specguide import kernels
+from specguide.config import EngineConfig
+from specguide.engine import Engine
+from specguide.models.linear import InvariantLinear
+
+from .test_drafters import outputs
+from .test_speculative import requests
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"no C compiler: {kernels.unavailable_reason()}")
+
+TEXT = ("The Roman Empire was the post-Republican state of ancient Rome. It included territory around the "
+        "Mediterranean in Europe, North Africa and Western Asia, and was ruled by emperors. {\"name\": \"Ada\", "
+        "\"age\": 36, \"languages\": [\"English\", \"French\"]}")
+
+
+def packed_bytes(model) -> int:
+    return sum(m.packed.numel() * m.packed.element_size() for m in model.modules() if isinstance(m, InvariantLinear))
+
+
+def teacher_forced_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits [T, vocab] of one sequence through the engine's model (slot 0, positions 0..T-1)."""
+    m = engine.model
+    positions = torch.arange(len(ids))[None]
+    ctx = m.make_context(torch.tensor([0]), positions, [0], len(ids))
+    with torch.no_grad():
+        return m.logits(m(torch.tensor([ids]), ctx, engine.runner.kv))[0]
+
+
+@pytest.fixture(scope="module")
+def quantized(request):
+    engines = {wd: Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter="head",
+                                       draft_head_path=str(request.getfixturevalue("random_head")),
+                                       weight_dtype=wd))
+               for wd in ("bfloat16", "int8")}
+    yield engines
+    for e in engines.values():
+        e.shutdown()
+
+
+@pytest.mark.parametrize("wd, ratio", [("bfloat16", 0.5), ("int8", 0.25)])
+def test_weights_shrink_and_stay_close_to_fp32(engine, quantized, wd, ratio):
+    q = quantized[wd]
+    assert q.model.head.weight_dtype == wd and q.model.layers[0].gate_up.weight_dtype == wd
+    full, small = packed_bytes(engine.model), packed_bytes(q.model)
+    assert small <= ratio * full * 1.001, (small, full)
+    ids = engine.tokenizer.encode(TEXT)
+    ref, got = teacher_forced_logits(engine, ids), teacher_forced_logits(q, ids)
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    # measured on TEXT: bf16 agreement 1.0, KL 7e-5; int8 0.97, KL 4e-3
+    assert agree >= (0.97 if wd == "bfloat16" else 0.9), agree
+    assert kl < (0.01 if wd == "bfloat16" else 0.05), kl
+    assert not torch.equal(ref, got)  # really other weights
+
+
+@pytest.mark.parametrize("wd", ["bfloat16", "int8"])
+def test_speculation_is_lossless_against_the_same_quantized_weights(quantized, wd):
+    q = quantized[wd]
+    reqs = lambda k: requests(q, lambda i: k, max_tokens=40)  # noqa: E731
+    off, _ = outputs(q, reqs(0))
+    got, finals = outputs(q, reqs(3))
+    assert got == off
+    assert sum(f.total_draft_tokens for f in finals) > 0
+
+
+def test_unknown_weight_dtype_is_refused():
+    with pytest.raises(AssertionError, match="weight_dtype"):
+        EngineConfig(weight_dtype="int4")
