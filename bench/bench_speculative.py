@@ -85,6 +85,7 @@ def main() -> None:
                     help="ngram | grammar | head | head_unmasked (mask ablation) | hybrid | early_exit | "
                          "early_exit_unmasked | draft_model")
     ap.add_argument("--adaptive-k", type=int, default=1)
+    ap.add_argument("--cost-aware-k", type=int, default=0)
     ap.add_argument("--weight-dtypes", default="float32", help="comma list of float32 | bfloat16 | int8")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
     ap.add_argument("--json")
@@ -100,7 +101,7 @@ def main() -> None:
     for wd, drafter, masked in engines:
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, num_draft_tokens=Kmax, drafter=drafter,
                                   draft_layers=20, mask_drafts=masked, adaptive_k=bool(args.adaptive_k),
-                                  weight_dtype=wd))
+                                  weight_dtype=wd, cost_aware_k=bool(args.cost_aware_k)))
         if eng.drafter != drafter:
             sys.exit(f"drafter {drafter!r} is not available (no trained head? run scripts/train_draft_head.py)")
         guided = schema_prompts(eng, args.schemas)
@@ -123,7 +124,7 @@ def main() -> None:
                     if k == 0:
                         baseline[key] = r
                     base = baseline[key]
-                    row = dict(weight_dtype=wd, workload=wname, batch=batch, drafter="off" if k == 0 else drafter,
+                    row = dict(weight_dtype=wd, cost_aware_k=bool(args.cost_aware_k), workload=wname, batch=batch, drafter="off" if k == 0 else drafter,
                                masked_drafts=masked, K=k, tok_s=round(r["tok_s"], 1),
                                decode_tok_s=round(r["decode_tok_s"], 1) if batch == 1 else None,
                                tokens_per_step=round(r["tokens_per_step"], 2),

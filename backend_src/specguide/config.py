@@ -39,6 +39,9 @@ class EngineConfig:
     draft_head_path: str = ""  # trained draft head (.pt) for "head"/"hybrid"; "" = the model cache's
     # (scripts/train_draft_head.py writes it; when missing, "head"/"hybrid" fall back to "grammar")
     adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
+    cost_aware_k: bool = False  # CPU: a step drafts only while the measured cost of its extra rows is
+    # repaid by the expected accepted tokens (speculation/step_cost.py); decisions follow wall time, so
+    # draft counts vary run to run (tokens never do). config.pbtxt turns it on.
     ngram_trust: int = 3  # hybrid: an n-gram chain replaces the head's drafts when its suffix match is this long
     draft_model_dir: str = ""  # HF folder of the draft model ("" = the default model)
     draft_layers: int = 16  # early-exit drafter depth

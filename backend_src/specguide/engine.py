@@ -15,6 +15,7 @@ import torch
 from . import faults
 from .config import EngineConfig
 from .guided.compiler import GrammarCompilerService
+from .speculative.step_cost import StepCosts
 from .capturable_runner import build_runner, close as close_guided
 from .cuda.graphs import make_step_graphs
 from .models.loader import load_model, resolve_model_dir
@@ -58,6 +59,8 @@ class Engine:
                                  DTYPES[config.dtype], self.device)
         self.step_graphs = make_step_graphs(  # None unless CUDA with cuda_graphs
             self.runner, config, propose=self.proposer.ngram_drafts)
+        self.step_costs = (StepCosts() if config.cost_aware_k and config.num_draft_tokens
+                           and self.device.type == "cpu" else None)  # host clock: CPU only
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
         self._ids = itertools.count(1)
         self._seqs: dict[int, Sequence] = {}  # loop thread only
@@ -296,6 +299,17 @@ class Engine:
         if self.config.spec_max_rows:  # at most spec_max_rows rows in the verification forward
             cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
             ks = [min(k, cap) for k in ks]
+        costs = self.step_costs
+        if costs is not None and any(ks) and not costs.speculate(ks, [self.proposer.accept_rate[s.slot] for s in seqs]):
+            ks = [0] * len(seqs)  # drafts would cost more than they return now
+        t0 = time.perf_counter()
+        out = self._decode_step(seqs, ks)
+        if costs is not None:
+            costs.record(len(seqs), max(d for _, d, _ in out), time.perf_counter() - t0)
+        return out
+
+    def _decode_step(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], int, int]]:
+        """The decode step with these per-sequence draft budgets."""
         if self.step_graphs is not None:  # CUDA: the whole step as one graph replay, when eligible
             out = self.step_graphs.run(seqs, ks)
             if out is not None:

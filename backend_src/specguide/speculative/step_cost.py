@@ -5,8 +5,10 @@ sync) as two moving averages: plain steps t_off(b) and speculative steps t_spec(
 with per-slot budgets k_i and per-slot acceptance rates r_i is expected to yield
     E = sum_i (1 + r_i + r_i^2 + ... + r_i^k_i)     tokens (accepted drafts + the bonus token)
 against b for a plain step. It speculates iff E / t_spec(b, max k) >= b / t_off(b). Unmeasured
-costs are explored first (speculate, then one plain step), and every `probe_every`-th step at a
-batch size does the other choice, so both averages and the acceptance rates stay current.
+costs are explored first (speculate, then one plain step); then, at each batch size, every
+`probe_spec_every`-th step drafts even when not worth it (fresh acceptance rates and t_spec) and
+every `probe_off_every`-th step decodes plainly even when drafting pays (fresh t_off; rarer, since
+a needless plain step costs a whole step's worth of accepted drafts).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from dataclasses import dataclass, field
 class StepCosts:
     """Moving averages of decode-step wall time, keyed by (batch size, K) with K = 0 for plain steps."""
 
-    probe_every: int = 16
+    probe_spec_every: int = 16
+    probe_off_every: int = 64
     decay: float = 0.8  # weight of the old average
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)  # decisions taken per batch size
@@ -45,5 +48,6 @@ class StepCosts:
         if t_off is None:
             return False  # then one plain step
         gain = sum(self.expected_tokens(k, r) for k, r in zip(ks, rates)) / t_spec
-        choice = gain >= b / t_off
-        return (not choice) if n % self.probe_every == 0 else choice
+        if gain >= b / t_off:
+            return n % self.probe_off_every != 0
+        return n % self.probe_spec_every == 0

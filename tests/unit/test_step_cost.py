@@ -1,0 +1,52 @@
+"""Cost-aware speculation (StepCosts): explores both choices, then drafts only while repaid, and probes."""
+from __future__ import annotations
+
+import pytest
+
+from specguide.speculative.step_cost import StepCosts
+
+
+def decide(costs: StepCosts, ks, rates, t_off: float, t_spec: float, steps: int) -> list[bool]:
+    """Run `steps` decisions, feeding back the wall time the chosen step would take."""
+    out = []
+    for _ in range(steps):
+        spec = costs.speculate(ks, rates)
+        costs.record(len(ks), max(ks) if spec else 0, t_spec if spec else t_off)
+        out.append(spec)
+    return out
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert StepCosts.expected_tokens(0, 0.9) == 1.0
+    assert StepCosts.expected_tokens(3, 1.0) == 4.0
+    assert StepCosts.expected_tokens(2, 0.5) == pytest.approx(1.75)
+
+
+def test_cheap_rows_and_good_drafts_keep_speculating():
+    # 8 slots at 75% acceptance, K=1: 1.75 tokens each for a step 1.3x as long as a plain one
+    got = decide(StepCosts(probe_spec_every=16, probe_off_every=32), [1] * 8, [0.75] * 8,
+                 t_off=0.030, t_spec=0.039, steps=96)
+    assert got[:2] == [True, False]  # explore: speculate, then one plain step
+    assert [i + 1 for i, s in enumerate(got) if not s and i >= 2] == [32, 64, 96]  # only probes decode plainly
+
+
+def test_costly_rows_and_poor_drafts_stop_speculating_but_keep_probing():
+    # 8 slots at 23% acceptance, K=1: 1.23 tokens each for a step 1.4x as long
+    got = decide(StepCosts(probe_spec_every=16, probe_off_every=32), [1] * 8, [0.23] * 8, t_off=0.030, t_spec=0.042, steps=64)
+    assert got[:2] == [True, False]
+    later = got[2:]
+    assert sum(later) == 4  # only the probes (steps 16, 32, 48, 64) speculate
+    assert [i + 1 for i, s in enumerate(got) if s and i >= 2] == [16, 32, 48, 64]
+
+
+def test_decision_follows_changing_costs_and_batch_sizes_separately():
+    costs = StepCosts(probe_spec_every=1000, probe_off_every=1000)
+    decide(costs, [3], [0.5], t_off=0.02, t_spec=0.022, steps=4)  # batch 1: 1.875 tokens for 1.1x: draft
+    assert costs.speculate([3], [0.5])
+    decide(costs, [1] * 4, [0.5] * 4, t_off=0.02, t_spec=0.05, steps=4)  # batch 4: 1.5x tokens for 2.5x
+    assert not costs.speculate([1] * 4, [0.5] * 4)
+    assert costs.speculate([3], [0.5])  # batch 1 unaffected
+    for _ in range(30):  # batch 1 speculative steps get slow: the average follows, drafting stops
+        costs.record(1, 3, 0.06)
+    assert not costs.speculate([3], [0.5])
+    assert not costs.speculate([0], [0.9])  # no budget: never drafts
