@@ -300,7 +300,7 @@ class Engine:
             cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
             ks = [min(k, cap) for k in ks]
         costs = self.step_costs
-        if costs is not None and any(ks) and not costs.speculate(ks, [self.proposer.accept_rate[s.slot] for s in seqs]):
+        if costs is not None and not costs.speculate(ks, [self.proposer.accept_rate[s.slot] for s in seqs]):
             ks = [0] * len(seqs)  # drafts would cost more than they return now
         t0 = time.perf_counter()
         out = self._decode_step(seqs, ks)

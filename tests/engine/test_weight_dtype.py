@@ -34,9 +34,9 @@ def teacher_forced_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def quantized(request):
+def quantized(random_head):
     engines = {wd: Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter="head",
-                                       draft_head_path=str(request.getfixturevalue("random_head")),
+                                       draft_head_path=str(random_head),
                                        weight_dtype=wd))
                for wd in ("bfloat16", "int8")}
     yield engines

@@ -14,11 +14,12 @@ pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"no C compile
 def test_gemv_matches_torch_and_is_batch_invariant(O, I):
     g = torch.Generator().manual_seed(O)
     W, x, r = torch.randn(O, I, generator=g), torch.randn(13, I, generator=g), torch.randn(13, O, generator=g)
-    packed = kernels.pack_weight_f32(W)
-    full = kernels.gemv_f32(x, packed, O, r)
+    packed, scale = kernels.pack_weight(W)
+    assert packed.dtype == torch.float32 and scale is None
+    full = kernels.gemv(x, packed, None, O, r)
     assert torch.allclose(full, x @ W.t() + r, atol=1e-4, rtol=1e-5)
     for lo, hi in [(0, 1), (3, 4), (5, 9), (2, 13)]:  # any subset of rows gives the same bits
-        assert torch.equal(kernels.gemv_f32(x[lo:hi], packed, O, r[lo:hi]), full[lo:hi])
+        assert torch.equal(kernels.gemv(x[lo:hi], packed, None, O, r[lo:hi]), full[lo:hi])
 
 
 @pytest.mark.parametrize("weight_dtype", ["bfloat16", "int8"])

@@ -69,8 +69,6 @@ def _build() -> ctypes.CDLL:
     lib.gemv_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.gemv_bf16.restype = None
     lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    lib.pack_weight_f32.restype = None
-    lib.pack_weight_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
     lib.attn_f32.restype = None
     lib.attn_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.rope_attn_f32.restype = None
@@ -99,24 +97,13 @@ def unavailable_reason() -> Optional[str]:
 TILE = 64
 
 
-def pack_weight_f32(weight: torch.Tensor) -> torch.Tensor:
-    """W [O, I] fp32 -> the kernel's layout [ceil(O/64), I, 64] (zero rows pad O)."""
-    lib = library()
-    assert lib is not None and weight.dtype == torch.float32
-    O, I = weight.shape
-    w = weight.contiguous()
-    packed = torch.empty((O + TILE - 1) // TILE, I, TILE, dtype=torch.float32)
-    lib.pack_weight_f32(w.data_ptr(), packed.data_ptr(), I, O)
-    return packed
-
-
 def _tiles(w: torch.Tensor) -> torch.Tensor:
-    """[O, I] -> [ceil(O/64), I, 64] (zero rows pad O), any dtype."""
+    """[O, I] -> the kernel's layout [ceil(O/64), I, 64] (zero rows pad O), any dtype."""
     O, I = w.shape
     pad = (-O) % TILE
     if pad:
         w = torch.cat([w, w.new_zeros(pad, I)])
-    return w.view(-1, TILE, I).transpose(1, 2).contiguous()
+    return w.reshape(-1, TILE, I).transpose(1, 2).contiguous()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,10 +117,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """W [O, I] fp32 -> (packed tiles in `weight_dtype`, per-row scale for int8 else None)."""
     assert weight_dtype in WEIGHT_DTYPES, weight_dtype
-    if weight_dtype == "float32":
-        return pack_weight_f32(weight), None
-    if weight_dtype == "bfloat16":
-        return _tiles(weight.detach().to(torch.bfloat16)), None
+    if weight_dtype in ("float32", "bfloat16"):
+        return _tiles(weight.detach().to(getattr(torch, weight_dtype))), None
     q, scale = quantize_int8(weight.detach())
     return _tiles(q), scale
 
@@ -170,13 +155,6 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
         assert packed.dtype == torch.bfloat16
         lib.gemv_bf16(x.data_ptr(), packed.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     return y
-
-
-def gemv_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [B, I] @ W^T (+ residual [B, O]) with W packed by `pack_weight_f32`; batch-invariant."""
-    assert packed.dtype == torch.float32
-    return gemv(x, packed, None, out_features, residual)
 
 
 def attention_f32(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -77,16 +77,6 @@ static inline __attribute__((always_inline)) v16 wload(const void *base, int64_t
 
 static inline size_t wsize(int kind) { return kind == W_F32 ? 4 : kind == W_I8 ? 1 : 2; }
 
-void pack_weight_f32(const float *W, float *Wp, int I, int O) {
-    const int tiles = (O + TILE - 1) / TILE;
-    for (int t = 0; t < tiles; t++)
-        for (int i = 0; i < I; i++)
-            for (int j = 0; j < TILE; j++) {
-                int o = t * TILE + j;
-                Wp[((int64_t)t * I + i) * TILE + j] = o < O ? W[(int64_t)o * I + i] : 0.0f;
-            }
-}
-
 /* One pass of up to RB rows over one weight tile `wt` (of type `kind`), written to y. */
 static inline __attribute__((always_inline)) void tile_rows(
         const float *xb, int nb, const void *wt, int kind, const float *scale, const float *r, float *y,

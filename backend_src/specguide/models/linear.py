@@ -2,10 +2,10 @@
 
 * fp32 with the C kernels available (`InvariantLinear`): `kernels.gemv` over weights packed
   once into 64-wide tiles, held as fp32, bf16 or int8 (per-output-channel scales): weight-only
-  quantization, widened in registers, fp32 activations and accumulation. A row's result never depends on the other rows, so greedy output is
-  the same alone or in any batch, and a K+1-row verification equals K+1 single steps. It also
-  beats oneDNN at decode sizes (memory-bound, ~30 GB/s) and MKL at prefill sizes (~190 GFLOP/s
-  on 2 cores).
+  quantization, widened in registers, fp32 activations and accumulation. A row's result never
+  depends on the other rows, so greedy output is the same alone or in any batch, and a K+1-row
+  verification equals K+1 single steps. It also beats oneDNN at decode sizes (memory-bound,
+  ~30 GB/s) and MKL at prefill sizes (~190 GFLOP/s on 2 cores).
 * other CPU dtypes (`PackedLinear`): oneDNN with weights reordered once for a batch hint of 16
   (~20 GB/s where MKL's plain GEMV reaches ~10 GB/s).
 * elsewhere (CUDA): plain nn.Linear.
