@@ -40,14 +40,12 @@ def schema_prompts(engine: Engine, n: int) -> list[tuple[str, str]]:
 def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
     """Generated tokens/s (wall time, prefill included), decode tokens/s (after each request's
     first token) and per-request (tokens, decode steps, drafted, accepted)."""
-    per = [dict(tokens=[], steps=0, final=None, first=None, end=None) for _ in reqs]
+    per = [dict(tokens=[], final=None, first=None, end=None) for _ in reqs]
     done = threading.Semaphore(0)
 
     def cb_for(i):
         def cb(o):
             r = per[i]
-            if o.token_ids and r["tokens"]:
-                r["steps"] += 1  # a decode step (the first token comes from the prefill)
             if o.token_ids and r["first"] is None:
                 r["first"] = time.perf_counter()
             r["tokens"] += o.token_ids
@@ -67,7 +65,8 @@ def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
             done.acquire()
     dt = time.perf_counter() - t0
     n = sum(len(r["tokens"]) for r in per)
-    steps = sum(r["steps"] for r in per)
+    # decode steps from the engine's own counters (a step's tokens may arrive in two callbacks)
+    steps = sum(r["final"].num_output_tokens - 1 - r["final"].total_accepted_draft_tokens for r in per)
     decode_s = sum(r["end"] - r["first"] for r in per if r["first"] is not None)
     return dict(tok_s=n / dt, decode_tok_s=(n - len(reqs)) / decode_s if decode_s else 0.0,
                 tokens_per_step=(n - len(reqs)) / max(steps, 1),

@@ -29,6 +29,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     ap.add_argument("--schemas", type=int, default=TrainConfig.num_schemas)
+    ap.add_argument("--variants", type=int, default=TrainConfig.schema_variants, help="phrasings per whole schema")
+    ap.add_argument("--subschemas", type=int, default=TrainConfig.num_subschemas,
+                    help="nested object schemas of the train split, one phrasing each (0 = none)")
     ap.add_argument("--chat", type=int, default=TrainConfig.num_chat)
     ap.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab)
     ap.add_argument("--depth", type=int, default=TrainConfig.depth)
@@ -37,10 +40,11 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = TrainConfig(seed=args.seed, epochs=args.epochs, num_schemas=args.schemas, num_chat=args.chat,
+                      schema_variants=args.variants, num_subschemas=args.subschemas,
                       draft_vocab=args.draft_vocab, depth=args.depth)
     if args.quick:
         cfg = TrainConfig(seed=args.seed, epochs=1, num_schemas=8, num_chat=8, max_tokens_json=48,
-                          max_tokens_chat=32, draft_vocab=args.draft_vocab, depth=2)
+                          max_tokens_chat=32, num_subschemas=8, draft_vocab=args.draft_vocab, depth=2)
     folder = resolve_model_dir()
     out = Path(args.out) if args.out else default_head_path(folder)
     if args.if_missing and out.exists():

@@ -108,13 +108,15 @@ class GuidedDecoder:
         return self._matcher(slot).is_completed()
 
     def forced_tokens(self, slot: int, encode: Callable[[str], list[int]], k: int) -> list[int]:
-        """Up to k tokens of the string the grammar forces next (xgrammar's jump-forward string),
-        tokenized by `encode` and checked on a forked matcher: every token returned is accepted
+        """Up to k tokens of the string the grammar forces next (xgrammar's jump-forward string,
+        without trailing whitespace), tokenized by `encode` and checked on a forked matcher: every token returned is accepted
         in order from the slot's current state (the slot's own matcher is not touched)."""
         m = self._matcher(slot)
         if k <= 0 or m.is_terminated():
             return []
-        text = m.find_jump_forward_string()
+        # NOTE: trailing whitespace stays undrafted: the model writes it fused to the next word
+        # (`": "` + ` true`), so a lone-space token would be rejected and end the drafts
+        text = m.find_jump_forward_string().rstrip()
         if not text:
             return []
         fork, out = m.fork(), []

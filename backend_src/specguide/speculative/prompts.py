@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 from ..request import GuidedDecodingParams
 
@@ -84,21 +84,60 @@ def schema_message(schema_text: str, variant: int = 0) -> str:
     return SCHEMA_TEMPLATES[variant].format(schema=schema_text)
 
 
+def _compiles(compiler, text: str) -> bool:
+    if compiler is None:
+        return True
+    try:
+        compiler.compile(GuidedDecodingParams("json_schema", text))
+        return True
+    except Exception:
+        return False
+
+
+def _read(f: Path) -> Optional[object]:
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def load_schemas(split: Literal["train", "heldout"], compiler=None) -> list[str]:
     """Schema texts of a split, at most MAX_SCHEMA_CHARS each; with a GrammarCompilerService,
     only those that compile."""
-    def compiles(text: str) -> bool:
-        try:
-            compiler.compile(GuidedDecodingParams("json_schema", text))
-            return True
-        except Exception:
-            return False
-    out = []
-    for f in schema_files(split):
-        try:
-            text = json.dumps(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            continue
-        if len(text) <= MAX_SCHEMA_CHARS and (compiler is None or compiles(text)):
-            out.append(text)
-    return out
+    texts = [json.dumps(s) for s in map(_read, schema_files(split)) if s is not None]
+    return [t for t in texts if len(t) <= MAX_SCHEMA_CHARS and _compiles(compiler, t)]
+
+
+def _object_nodes(node: object, out: list[dict], top: bool = True) -> None:
+    """Nested object schemas (two properties or more) of a schema, in document order."""
+    if isinstance(node, dict):
+        if not top and isinstance(node.get("properties"), dict) and len(node["properties"]) >= 2:
+            out.append(node)
+        for v in node.values():
+            _object_nodes(v, out, False)
+    elif isinstance(node, list):
+        for v in node:
+            _object_nodes(v, out, False)
+
+
+def load_subschemas(compiler=None, per_file: int = 6, min_chars: int = 120) -> list[str]:
+    """More training schemas: the self-contained nested object schemas (no `$ref`) of the train
+    split's files, long ones included, at most `per_file` from each file, deduplicated against
+    each other, the whole schemas, and every object schema inside a held-out file. Round-robin
+    over files, so a prefix is varied."""
+    def objects(f: Path) -> list[str]:
+        nodes: list[dict] = []
+        _object_nodes(_read(f), nodes)
+        return [json.dumps({**n, "type": "object"}) for n in nodes]
+    seen = set(load_schemas("train")) | set(load_schemas("heldout"))
+    seen |= {t for f in schema_files("heldout") for t in objects(f)}
+    per: list[list[str]] = []
+    for f in schema_files("train"):
+        mine: list[str] = []
+        for text in objects(f):
+            if (len(mine) < per_file and min_chars <= len(text) <= MAX_SCHEMA_CHARS and '"$ref"' not in text
+                    and text not in seen and _compiles(compiler, text)):
+                seen.add(text)
+                mine.append(text)
+        per.append(mine)
+    return [p[i] for i in range(per_file) for p in per if i < len(p)]

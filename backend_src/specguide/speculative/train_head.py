@@ -27,7 +27,7 @@ from ..kv_cache import KVCache
 from ..models.llama import LlamaModel, apply_rope, rms_norm
 from ..request import GuidedDecodingParams, Request, SamplingParams
 from .draft_head import DraftHead
-from .prompts import CHAT_TRAIN, load_schemas, schema_message
+from .prompts import CHAT_TRAIN, SCHEMA_TEMPLATES, load_schemas, load_subschemas, schema_message
 
 log = logging.getLogger("specguide.train")
 
@@ -39,6 +39,7 @@ class TrainConfig:
     seed: int = 0
     num_schemas: int = 80  # JSON schemas (train split)
     schema_variants: int = 4  # prompt phrasings per schema (prompts.SCHEMA_TEMPLATES)
+    num_subschemas: int = 0  # + nested object schemas of the train split (prompts.load_subschemas; 265 compile)
     num_chat: int = 48  # chat prompts
     max_tokens_json: int = 160
     max_tokens_chat: int = 192
@@ -75,8 +76,12 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
     `schemas` replaces the train split's schema texts."""
     tok = engine.tokenizer
     texts = (schemas if schemas is not None else load_schemas("train", engine.compiler))[: cfg.num_schemas]
+    subs = load_subschemas(engine.compiler)[: cfg.num_subschemas] if cfg.num_subschemas else []
+    n_phrasings = len(SCHEMA_TEMPLATES)
     work = [(schema_message(s, v), GuidedDecodingParams("json_schema", s), cfg.max_tokens_json)
             for v in range(cfg.schema_variants) for s in texts]
+    work += [(schema_message(s, i % n_phrasings), GuidedDecodingParams("json_schema", s), cfg.max_tokens_json)
+             for i, s in enumerate(subs)]
     work += [(c, None, cfg.max_tokens_chat) for c in CHAT_TRAIN[: cfg.num_chat]]
     reqs = [Request(prompt=tok.apply_chat_template([{"role": "user", "content": m}]), guided=g,
                     params=SamplingParams(max_tokens=n, temperature=0.0)) for m, g, n in work]
