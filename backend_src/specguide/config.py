@@ -38,6 +38,9 @@ class EngineConfig:
     # small model sharing the tokenizer, from draft_model_dir)
     draft_head_path: str = ""  # trained draft head (.pt) for "head"/"hybrid"; "" = the model cache's
     # (scripts/train_draft_head.py writes it; when missing, "head"/"hybrid" fall back to "grammar")
+    draft_head_weight_dtype: str = "int8"  # CPU (C kernels): how the draft head's linear weights are
+    # held, as weight_dtype. Drafts never change the output, only acceptance: int8 drafts as well as
+    # fp32 at less cost (bench/BENCHMARKS.md). "" = the target's weight_dtype (always so without the C kernels)
     adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
     cost_aware_k: bool = False  # CPU: a step drafts only while the measured cost of its extra rows is
     # repaid by the expected accepted tokens (speculation/step_cost.py); decisions follow wall time, so
@@ -61,6 +64,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         assert self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"
         assert self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
+        assert self.draft_head_weight_dtype in ("",) + WEIGHT_DTYPES, \
+            f"draft_head_weight_dtype must be '' or one of {WEIGHT_DTYPES}, got {self.draft_head_weight_dtype!r}"
         assert self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:"), self.device
         assert self.max_slots >= 1, "max_slots must be >= 1"
         assert self.max_seq_len >= 16, "max_seq_len must be >= 16"

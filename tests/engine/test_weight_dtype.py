@@ -9,6 +9,7 @@ from specguide import kernels
 from specguide.config import EngineConfig
 from specguide.engine import Engine
 from specguide.models.linear import InvariantLinear
+from specguide.speculative.draft_head import DraftHead
 
 from .test_drafters import outputs
 from .test_speculative import requests
@@ -74,3 +75,24 @@ def test_speculation_is_lossless_against_the_same_quantized_weights(quantized, w
 def test_unknown_weight_dtype_is_refused():
     with pytest.raises(AssertionError, match="weight_dtype"):
         EngineConfig(weight_dtype="int4")
+    with pytest.raises(AssertionError, match="draft_head_weight_dtype"):
+        EngineConfig(draft_head_weight_dtype="int4")
+
+
+def test_draft_head_weights_follow_their_own_setting(engine, random_head):
+    """draft_head_weight_dtype: the head's linears and its LM-head slice are held as asked ("" = the
+    target's float32) and compute close to the float32 head (drafts only: output never changes)."""
+    heads = {wd: DraftHead.load(random_head, engine.model, wd) for wd in ("", "bfloat16", "int8")}
+    linears = lambda h: [h.lm, h.fc, h.layer.qkv, h.layer.o, h.layer.gate_up, h.layer.down]  # noqa: E731
+    assert {m.weight_dtype for m in linears(heads[""])} == {"float32"}
+    torch.manual_seed(1)
+    H = engine.model.cfg.hidden_size
+    g, attn = torch.randn(64, H), torch.randn(64, H)
+    ref_top = heads[""].logits(g).argmax(-1)
+    ref_mlp = heads[""].layer.out_mlp(g, attn)
+    for wd, agree, err in (("bfloat16", 0.97, 0.005), ("int8", 0.9, 0.01)):
+        h = heads[wd]
+        assert {m.weight_dtype for m in linears(h)} == {wd}
+        assert (h.logits(g).argmax(-1) == ref_top).float().mean() >= agree
+        mlp = h.layer.out_mlp(g, attn)
+        assert 0 < ((mlp - ref_mlp).norm() / ref_mlp.norm()).item() < err

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..models.linear import make_head, prepare_linears
+from ..models.linear import invariant_available, make_head, prepare_linears
 from ..models.llama import AttnContext, DecoderLayer, LlamaModel, ModelConfig, rms_norm
 from ..kv_cache import KVCache
 
@@ -43,11 +43,14 @@ class DraftHead(nn.Module):
     def draft_vocab_size(self) -> int:
         return int(self.d2t.shape[0])
 
-    def attach(self, target: LlamaModel, pack: bool = True) -> "DraftHead":
-        """Share the target's embedding and the d2t rows of its LM head; pack CPU linears."""
+    def attach(self, target: LlamaModel, pack: bool = True, weight_dtype: str = "") -> "DraftHead":
+        """Share the target's embedding and the d2t rows of its LM head; pack CPU linears, held
+        in `weight_dtype` where the C kernels run ("" or elsewhere: the target's)."""
         object.__setattr__(self, "target", target)  # not a submodule: its weights are not ours
         w = target.head_weight[self.d2t.to(target.head_weight.device)].detach()  # [Vd, H]
         wd = getattr(target, "weight_dtype", "float32")
+        if weight_dtype and invariant_available(w):
+            wd = weight_dtype  # NOTE: drafts never change the output (verification decides), only acceptance
         self.lm = make_head(w.contiguous(), wd) if pack else _frozen_linear(w)
         if pack:
             prepare_linears(self, wd)
@@ -76,8 +79,8 @@ class DraftHead(nn.Module):
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Path, target: LlamaModel) -> "DraftHead":
-        """Load a saved head for `target` (checks that the shapes match) and attach it."""
+    def load(cls, path: Path, target: LlamaModel, weight_dtype: str = "") -> "DraftHead":
+        """Load a saved head for `target` (checks that the shapes match) and attach it (`attach`)."""
         blob = torch.load(path, map_location="cpu", weights_only=True)
         if blob.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path}: draft head format {blob.get('version')} (expected {FORMAT_VERSION})")
@@ -91,7 +94,7 @@ class DraftHead(nn.Module):
         dtype, device = target.embed.weight.dtype, target.embed.weight.device
         head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)  # d2t stays int64
         head.meta = blob.get("meta", {})
-        return head.attach(target)
+        return head.attach(target, weight_dtype=weight_dtype)
 
 
 def _frozen_linear(w: torch.Tensor) -> nn.Linear:

@@ -56,8 +56,9 @@ class Proposer:
             log.warning("drafter %r: no trained draft head at %s; using the 'grammar' drafter. Train it "
                         "once with: python scripts/train_draft_head.py (or `make draft-head`)", cfg.drafter, path)
             return None
-        head = DraftHead.load(path, model)
-        log.info("draft head %s (draft vocabulary %d)", path, head.draft_vocab_size)
+        head = DraftHead.load(path, model, cfg.draft_head_weight_dtype)
+        log.info("draft head %s (draft vocabulary %d, %s weights)", path, head.draft_vocab_size,
+                 head.lm.weight_dtype if hasattr(head.lm, "weight_dtype") else "model dtype")
         return HeadDrafter(head, cfg.max_slots, cfg.max_seq_len, cfg.num_draft_tokens, cfg.prefill_chunk, device)
 
     # ---- per slot ---------------------------------------------------------------------------
