@@ -11,7 +11,9 @@ the hybrid (head + grammar-forced + trusted n-gram), early exit, draft model. Ev
 run's tokens are checked against the speculation-off run (identical: greedy is lossless).
 `--weight-dtypes`: the whole matrix once per CPU weight format (float32 exact; bfloat16 / int8
 weight-only quantization), each against its own speculation-off baseline.
+`--draft-head-weight-dtypes`: the head / hybrid rows once per draft-head weight format (drafts only).
 `--llama-cpp`: llama-cpp-python on the same GGUF (Q4_1), JSON schemas through its grammar, batch 1.
+"tokens per step" = generated tokens after the first / decode steps, from the engine's counters.
 """
 from __future__ import annotations
 
@@ -86,6 +88,8 @@ def main() -> None:
     ap.add_argument("--adaptive-k", type=int, default=1)
     ap.add_argument("--cost-aware-k", type=int, default=0)
     ap.add_argument("--weight-dtypes", default="float32", help="comma list of float32 | bfloat16 | int8")
+    ap.add_argument("--draft-head-weight-dtypes", default="int8",
+                    help="comma list: the draft head's weights (head / hybrid drafters; '' = the target's)")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -95,12 +99,15 @@ def main() -> None:
     names = {"ngram": ("ngram", True), "grammar": ("grammar", True), "head": ("head", True),
              "head_unmasked": ("head", False), "hybrid": ("hybrid", True), "early_exit": ("early_exit", True),
              "early_exit_unmasked": ("early_exit", False), "draft_model": ("draft_model", True)}
-    engines = [(wd,) + names[d] for wd in args.weight_dtypes.split(",") for d in args.drafters.split(",")]
+    head_wds = args.draft_head_weight_dtypes.split(",")
+    engines = [(wd, hd) + names[d] for wd in args.weight_dtypes.split(",") for d in args.drafters.split(",")
+               for hd in (head_wds if names[d][0] in ("head", "hybrid") else head_wds[:1])]
     baseline: dict = {}
-    for wd, drafter, masked in engines:
+    for wd, hd, drafter, masked in engines:
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, num_draft_tokens=Kmax, drafter=drafter,
                                   draft_layers=20, mask_drafts=masked, adaptive_k=bool(args.adaptive_k),
-                                  weight_dtype=wd, cost_aware_k=bool(args.cost_aware_k)))
+                                  weight_dtype=wd, cost_aware_k=bool(args.cost_aware_k),
+                                  draft_head_weight_dtype=hd))
         if eng.drafter != drafter:
             sys.exit(f"drafter {drafter!r} is not available (no trained head? run scripts/train_draft_head.py)")
         guided = schema_prompts(eng, args.schemas)
@@ -123,7 +130,9 @@ def main() -> None:
                     if k == 0:
                         baseline[key] = r
                     base = baseline[key]
-                    row = dict(weight_dtype=wd, cost_aware_k=bool(args.cost_aware_k), workload=wname, batch=batch, drafter="off" if k == 0 else drafter,
+                    row = dict(weight_dtype=wd, cost_aware_k=bool(args.cost_aware_k), adaptive_k=bool(args.adaptive_k),
+                               draft_head_weight_dtype=hd if drafter in ("head", "hybrid") and k else None,
+                               workload=wname, batch=batch, drafter="off" if k == 0 else drafter,
                                masked_drafts=masked, K=k, tok_s=round(r["tok_s"], 1),
                                decode_tok_s=round(r["decode_tok_s"], 1) if batch == 1 else None,
                                tokens_per_step=round(r["tokens_per_step"], 2),
