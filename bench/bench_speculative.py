@@ -14,6 +14,7 @@ weight-only quantization), each against its own speculation-off baseline.
 `--draft-head-weight-dtypes`: the head / hybrid rows once per draft-head weight format (drafts only).
 `--llama-cpp`: llama-cpp-python on the same GGUF (Q4_1), JSON schemas through its grammar, batch 1.
 "tokens per step" = generated tokens after the first / decode steps, from the engine's counters.
+`--repeats N`: each workload's off and K runs alternate N times; tok/s are means (others: first run).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--draft-head-weight-dtypes", default="int8",
                     help="comma list: the draft head's weights (head / hybrid drafters; '' = the target's)")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
+    ap.add_argument("--repeats", type=int, default=1, help="alternate off / K runs this often; mean tok/s")
     ap.add_argument("--json")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
@@ -121,11 +124,16 @@ def main() -> None:
             if not masked and wname == "chat":
                 continue  # the mask ablation only concerns guided output
             for batch in (1, 8):
+                runs: dict[int, list[dict]] = {k: [] for k in k_list}
+                for _ in range(args.repeats):  # alternated: K=0, K1, K2, K=0, K1, ...
+                    for k in k_list:
+                        reqs = [Request(prompt=p, guided=g, num_draft_tokens=k,
+                                        params=SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+                                for p, g in (items[:4] if batch == 1 else items)]
+                        runs[k].append(run(eng, reqs, concurrent=batch > 1))
                 for k in k_list:
-                    reqs = [Request(prompt=p, guided=g, num_draft_tokens=k,
-                                    params=SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
-                            for p, g in (items[:4] if batch == 1 else items)]
-                    r = run(eng, reqs, concurrent=batch > 1)
+                    r = dict(runs[k][0], tok_s=mean(x["tok_s"] for x in runs[k]),
+                             decode_tok_s=mean(x["decode_tok_s"] for x in runs[k]))
                     key = (wd, wname, batch)
                     if k == 0:
                         baseline[key] = r
