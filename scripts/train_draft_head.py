@@ -4,7 +4,8 @@ the model cache, where the "head" and "hybrid" drafters find it.
 
     python scripts/train_draft_head.py [--epochs 8] [--seed 0] [--out PATH] [--quick] [--if-missing]
 
-~15 minutes on a 2-core CPU with the defaults; `--quick` is a smoke run (a minute or two).
+~22 minutes on a 2-core CPU with the defaults (~24 with `--subschemas 400 --variants 2`); `--quick` is
+a smoke run (a minute or two).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ log = logging.getLogger("specguide.train")
 
 @dataclass
 class TrainConfig:
-    """Knobs of one training run (the defaults fit in ~15 minutes on a 2-core CPU)."""
+    """Knobs of one training run (the defaults take ~22 minutes on a 2-core CPU)."""
 
     seed: int = 0
     num_schemas: int = 80  # JSON schemas (train split)
