@@ -42,7 +42,7 @@ def test_greedy_with_each_drafter_equals_speculation_off(engine, random_head, dr
         eng.shutdown()
 
 
-def test_cost_aware_depth_is_lossless_and_measured(engine, random_head):
+def test_cost_aware_k_is_lossless_and_measured(engine, random_head):
     """cost_aware_k: whether a step drafts follows measured step times (batch 1: one request at a
     time; then all together); greedy output still equals speculation off."""
     reqs = lambda k: requests(engine, lambda i: k, max_tokens=40)  # noqa: E731

@@ -7,12 +7,6 @@ import pytest
 from specguide.speculative import prompts as P
 
 
-def _objects(f) -> set[str]:
-    nodes: list[dict] = []
-    P._object_nodes(P._read(f), nodes)
-    return {json.dumps({**n, "type": "object"}) for n in nodes}
-
-
 @pytest.fixture(scope="module")
 def subschemas() -> list[str]:
     return P.load_subschemas()
@@ -31,8 +25,8 @@ def test_splits_are_disjoint_and_heldout_is_the_bench_half():
 def test_subschemas_are_new_self_contained_objects(subschemas):
     assert len(subschemas) > len(P.load_schemas("train"))  # more than doubles the JSON prompts
     assert len(set(subschemas)) == len(subschemas)
-    train_objects = set().union(*map(_objects, P.schema_files("train")))
-    held = set(P.load_schemas("heldout")).union(*map(_objects, P.schema_files("heldout")))
+    train_objects = set().union(*map(P.object_schemas, P.schema_files("train")))
+    held = set(P.load_schemas("heldout")).union(*map(P.object_schemas, P.schema_files("heldout")))
     whole = set(P.load_schemas("train"))
     for text in subschemas:
         s = json.loads(text)
@@ -45,7 +39,7 @@ def test_subschemas_prefix_is_varied(subschemas):
     # round-robin over files: a short prefix already mixes the sources
     source = {}
     for f in P.schema_files("train"):
-        for t in _objects(f):
+        for t in P.object_schemas(f):
             source.setdefault(t, f.parent.name)
     for n in (40, 80):
         counts = collections.Counter(source[t] for t in subschemas[:n])

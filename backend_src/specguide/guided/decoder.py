@@ -109,8 +109,9 @@ class GuidedDecoder:
 
     def forced_tokens(self, slot: int, encode: Callable[[str], list[int]], k: int) -> list[int]:
         """Up to k tokens of the string the grammar forces next (xgrammar's jump-forward string,
-        without trailing whitespace), tokenized by `encode` and checked on a forked matcher: every token returned is accepted
-        in order from the slot's current state (the slot's own matcher is not touched)."""
+        without trailing whitespace), tokenized by `encode` and checked on a forked matcher: every
+        token returned is accepted in order from the slot's current state (the slot's own matcher
+        is not touched)."""
         m = self._matcher(slot)
         if k <= 0 or m.is_terminated():
             return []

@@ -120,21 +120,24 @@ def _object_nodes(node: object, out: list[dict], top: bool = True) -> None:
             _object_nodes(v, out, False)
 
 
+def object_schemas(f: Path) -> list[str]:
+    """The nested object schemas of a schema file as schema texts (type forced to object)."""
+    nodes: list[dict] = []
+    _object_nodes(_read(f), nodes)
+    return [json.dumps({**n, "type": "object"}) for n in nodes]
+
+
 def load_subschemas(compiler=None, per_file: int = 6, min_chars: int = 120) -> list[str]:
     """More training schemas: the self-contained nested object schemas (no `$ref`) of the train
     split's files, long ones included, at most `per_file` from each file, deduplicated against
     each other, the whole schemas, and every object schema inside a held-out file. Round-robin
     over files, so a prefix is varied."""
-    def objects(f: Path) -> list[str]:
-        nodes: list[dict] = []
-        _object_nodes(_read(f), nodes)
-        return [json.dumps({**n, "type": "object"}) for n in nodes]
     seen = set(load_schemas("train")) | set(load_schemas("heldout"))
-    seen |= {t for f in schema_files("heldout") for t in objects(f)}
+    seen |= {t for f in schema_files("heldout") for t in object_schemas(f)}
     per: list[list[str]] = []
     for f in schema_files("train"):
         mine: list[str] = []
-        for text in objects(f):
+        for text in object_schemas(f):
             if (len(mine) < per_file and min_chars <= len(text) <= MAX_SCHEMA_CHARS and '"$ref"' not in text
                     and text not in seen and _compiles(compiler, text)):
                 seen.add(text)
