@@ -170,6 +170,8 @@ class Engine:
                                       f"(the configured maximum), got {k}")
         if p.end_id is not None and not 0 <= p.end_id < self.runner.vocab_size:
             raise InvalidRequestError(f"end_id {p.end_id} is outside the vocabulary")
+        if any(not 0 <= t < self.runner.vocab_size for word in p.stop_token_seqs for t in word):
+            raise InvalidRequestError(f"stop token sequences hold ids outside [0, {self.runner.vocab_size})")
         timeout = request.timeout_s if request.timeout_s is not None else cfg.request_timeout_s
         if not (timeout >= 0 and math.isfinite(timeout)):
             raise InvalidRequestError(f"timeout_s must be a finite number >= 0 (0 = none), got {timeout}")
@@ -310,7 +312,9 @@ class Engine:
 
     def _decode_step(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], int, int]]:
         """The decode step with these per-sequence draft budgets."""
-        if self.step_graphs is not None:  # CUDA: the whole step as one graph replay, when eligible
+        if self.step_graphs is not None and not any(  # per-token outputs come from the eager step
+                s.params.wants_logprobs or s.params.return_generation_logits for s in seqs):
+            # CUDA: the whole step as one graph replay, when eligible
             out = self.step_graphs.run(seqs, ks)
             if out is not None:
                 return out
@@ -383,6 +387,10 @@ class Engine:
         """Append accepted tokens up to the first finish condition; detokenize; check stop strings."""
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
+            seq.first_token_time_ns = time.time_ns()
+        seq.last_token_time_ns = time.time_ns()
+        lps, tops, rows = seq.step_logprobs, seq.step_top_logprobs, seq.step_logits  # aligned with tokens
+        seq.step_logprobs = seq.step_top_logprobs = seq.step_logits = None
         reason = None
         new: list[int] = []
         guided = seq.grammar is not None
@@ -394,11 +402,19 @@ class Engine:
                 self._finish(seq, "error", f"token {t} violates the grammar (its mask allowed no token "
                                            f"outside bad_words/end_id?)", "INTERNAL")
                 return
+            if lps is not None:
+                seq.logprobs.append(lps[len(new)])
+            if tops is not None:
+                seq.top_logprobs.append(tops[len(new)])
+            if rows is not None:
+                seq.logits_unsent.append(rows[len(new)])
             seq.output_ids.append(t)
             new.append(t)
             reason = self.scheduler.check_stop_token(seq)
             if guided and self.guided.is_terminated(seq.slot):
                 reason = "stop"
+            if any(seq.output_ids[-len(w):] == w for w in seq.params.stop_token_seqs):
+                reason = "stop"  # TRT-LLM stop words: the tokens stay in the output
             if reason:
                 break
         seq.pending_text += seq.detok.add(new)
@@ -455,13 +471,30 @@ class Engine:
         new_ids = seq.output_ids[seq.ids_sent:]
         if not finished and not delta and not new_ids:
             return
+        p, sent = seq.params, seq.ids_sent
+        context = None
+        if seq.context_logits and sum(len(c) for c in seq.context_logits) == len(seq.prompt_ids):
+            context = torch.cat(seq.context_logits).numpy()  # once, with the first event after prefill
+            seq.context_logits = []
+        gen_logits = None
+        if p.return_generation_logits:
+            rows, seq.logits_unsent = seq.logits_unsent, []
+            gen_logits = (torch.stack(rows) if rows else torch.empty(0, self.runner.vocab_size)).numpy()
+        blocks = self.runner.kv.blocks(seq.num_tokens) if seq.first_scheduled_time_ns else 0  # static slot: no reuse
         out = RequestOutput(
             seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
             error_code=seq.error_code if finished else None, stage=seq.stage if finished else None,
             total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
             num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
-            first_token=seq.ids_sent == 0 and bool(new_ids))
+            first_token=seq.ids_sent == 0 and bool(new_ids),
+            logprobs=seq.logprobs[sent:] if p.wants_logprobs else None,
+            top_logprobs=seq.top_logprobs[sent:] if p.top_logprobs else None,
+            generation_logits=gen_logits, context_logits=context,
+            arrival_time_ns=seq.arrival_time_ns, first_scheduled_time_ns=seq.first_scheduled_time_ns,
+            first_token_time_ns=seq.first_token_time_ns, last_token_time_ns=seq.last_token_time_ns,
+            kv_cache_alloc_new_blocks=blocks, kv_cache_reused_blocks=0, kv_cache_alloc_total_blocks=blocks,
+            kv_cache_hit_rate=0.0)
         seq.ids_sent = len(seq.output_ids)
         try:
             seq.callback(out)

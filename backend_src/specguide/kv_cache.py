@@ -10,7 +10,11 @@ class KVCache:
     `spare` positions past max_seq_len absorb the padded draft positions of a verification step.
 
     A slot's valid length lives in the scheduler; entries past it are dead and overwritten later,
-    so rejecting draft tokens needs no cache work."""
+    so rejecting draft tokens needs no cache work.
+
+    For reporting (TRT-LLM perf metrics) a slot's positions count in blocks of `tokens_per_block`."""
+
+    tokens_per_block = 32
 
     def __init__(self, num_layers: int, max_slots: int, num_kv_heads: int, max_seq_len: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu", spare: int = 0):
@@ -19,6 +23,10 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len + spare  # positions the cache holds
+
+    def blocks(self, positions: int) -> int:
+        """Blocks covering `positions` token positions."""
+        return -(-positions // self.tokens_per_block)
 
     @property
     def nbytes(self) -> int:

@@ -4,6 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
+
+MAX_TOP_LOGPROBS = 20
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the adapter turns it into INVALID_ARG."""
@@ -35,6 +40,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output (HF/TRT-LLM)
     presence_penalty: float = 0.0  # subtracted once from tokens already in the output (OpenAI/vLLM)
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    stop_token_seqs: list[list[int]] = field(default_factory=list)  # token sequences that end the output, kept (TRT-LLM)
+    # per-token outputs (computed only for requests that ask; see RequestOutput)
+    return_log_probs: bool = False  # RequestOutput.logprobs
+    top_logprobs: int = 0  # RequestOutput.top_logprobs: the N most likely tokens per position (vLLM `logprobs`)
+    return_generation_logits: bool = False  # RequestOutput.generation_logits (raw model logits)
+    return_context_logits: bool = False  # RequestOutput.context_logits (raw model logits of the prompt)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.return_log_probs or self.top_logprobs > 0
 
     @property
     def penalized(self) -> bool:
@@ -69,6 +84,10 @@ class SamplingParams:
             raise InvalidRequestError("stop words must be non-empty strings")
         if any(not seq for seq in self.bad_words_ids):
             raise InvalidRequestError("bad words must be non-empty")
+        if any(not seq for seq in self.stop_token_seqs):
+            raise InvalidRequestError("stop token sequences must be non-empty")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
 
 @dataclass
@@ -110,3 +129,17 @@ class RequestOutput:
     first_token: bool = False  # this event carries the request's first token(s)
     total_draft_tokens: int = 0  # speculative decoding counters (totals so far)
     total_accepted_draft_tokens: int = 0
+    # per-token outputs, aligned with `token_ids` (None unless the request asked)
+    logprobs: Optional[list[float]] = None  # log p(token) under the distribution it was drawn from
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token: top_logprobs (id, log p), best first
+    generation_logits: Optional[np.ndarray] = None  # [len(token_ids), vocab] float32 raw model logits
+    context_logits: Optional[np.ndarray] = None  # [prompt_len, vocab] float32, once (on the first event)
+    # timestamps (time.time_ns(); 0 = not yet) and KV cache figures (TRT-LLM perf metrics), every event
+    arrival_time_ns: int = 0
+    first_scheduled_time_ns: int = 0
+    first_token_time_ns: int = 0
+    last_token_time_ns: int = 0
+    kv_cache_alloc_new_blocks: int = 0
+    kv_cache_reused_blocks: int = 0
+    kv_cache_alloc_total_blocks: int = 0
+    kv_cache_hit_rate: float = 0.0

@@ -10,7 +10,7 @@ from .config import EngineConfig
 from .guided.decoder import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaModel
-from .sampling import SamplingBatch, probabilities, sample
+from .sampling import SamplingBatch, log_probs, probabilities, sample
 from .speculative import acceptance
 from .scheduler import PrefillChunk, Sequence
 
@@ -91,9 +91,14 @@ class Runner:
         hidden = self.model(ids, ctx, self.kv)
         if self.feature_sink is not None:
             self.feature_sink(slots, positions, hidden)
+        if seq.params.return_context_logits:  # raw logits of every prompt position, for this request only
+            full = self.model.logits(hidden[0])  # [n, V]
+            seq.context_logits.append(full.to("cpu", torch.float32, copy=True))
+            logits = full[-1:] if chunk.is_last else None
+        elif chunk.is_last:
+            logits = self.model.logits(hidden[:, -1])  # [1, V]
         if not chunk.is_last:
             return None
-        logits = self.model.logits(hidden[:, -1])  # [1, V]
         return self._sample(logits, [seq])[0]
 
     @torch.inference_mode()
@@ -202,6 +207,7 @@ class Runner:
         if self.feature_sink is not None:
             self.feature_sink(slots, positions, hidden)
         logits = self.model.logits(hidden)  # [B, T, V]
+        raw = self._raw_rows(logits, seqs)
         if faults.enabled():
             faults.poison(logits, seqs)
         if self.guided is not None and any(self.guided.is_guided(s) for s in slot_list):
@@ -227,10 +233,15 @@ class Runner:
             p = probabilities(logits.view(B * T, -1), batch).view(B, T, -1)
             u_acc, u_res = acceptance.uniforms(self.seed[slots], counter, K, p.shape[-1])
             accepted, nxt = acceptance.verify(p, dr, num, u_acc, u_res)
+        lp = None
+        if any(s.params.wants_logprobs for s in seqs):  # emitted[b, j]: the token position j produced
+            emitted = torch.cat([dr, nxt[:, None]], dim=1).scatter(1, accepted.long()[:, None], nxt[:, None])
+            lp = self._logprob_rows(logits, seqs, slots, emitted)
         if penalized:
             self._count(slots, nxt)
         nxt = torch.where(nonfinite_rows(logits).any(dim=1), BAD_TOKEN, nxt)
         acc_list, nxt_list = accepted.tolist(), nxt.tolist()
+        self._deliver(seqs, lp, raw, [a + 1 for a in acc_list])
         return [(d[:a] + [t], a) for d, a, t in zip(drafts, acc_list, nxt_list)]
 
     def _mask_verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
@@ -251,6 +262,7 @@ class Runner:
     # ---- sampling ---------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        raw = self._raw_rows(logits[:, None], seqs)
         if faults.enabled():
             faults.poison(logits, seqs)
         penalized = any(s.slot in self._penalized for s in seqs)
@@ -259,9 +271,58 @@ class Runner:
         self._ban(logits, seqs)
         self._mask_grammar(logits, seqs)
         tokens = self._draw(logits, seqs, slots)
+        lp = self._logprob_rows(logits[:, None], seqs, slots, tokens[:, None])
         if penalized:  # count what was drawn (every drawn token is appended in plain decoding)
             self._count(slots, tokens)
-        return torch.where(nonfinite_rows(logits), BAD_TOKEN, tokens).tolist()
+        out = torch.where(nonfinite_rows(logits), BAD_TOKEN, tokens).tolist()
+        self._deliver(seqs, lp, raw, [1] * len(seqs))
+        return out
+
+    # ---- per-token outputs, computed only for the sequences that ask ----------------------
+    def _raw_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> Optional[tuple[list[int], torch.Tensor]]:
+        """(indices, a copy of their raw logits [n, T, V]) of the sequences that want generation
+        logits; taken before penalties, bans and masks change `logits` [B, T, V] in place."""
+        idx = [b for b, s in enumerate(seqs) if s.params.return_generation_logits]
+        if not idx:
+            return None
+        return idx, logits[torch.tensor(idx, device=logits.device)]  # advanced indexing: a copy
+
+    def _logprob_rows(self, logits: torch.Tensor, seqs: list[Sequence], slots: torch.Tensor,
+                      emitted: torch.Tensor) -> Optional[tuple[list[int], torch.Tensor, Optional[tuple]]]:
+        """For the sequences that want log probabilities: (indices, log p of the emitted tokens
+        [n, T], top-N (values, ids) [n, T, N] or None) from the processed logits [B, T, V]
+        (penalties, bans and grammar masks applied) and the emitted tokens [B, T]. p is the
+        distribution the token is drawn from (sampling.log_probs); under rejection sampling the
+        target's p at that position. No host sync: the results ride along with the tokens."""
+        idx = [b for b, s in enumerate(seqs) if s.params.wants_logprobs]
+        if not idx:
+            return None
+        sel = torch.tensor(idx, device=logits.device)
+        lg = logits[sel]
+        n, T, V = lg.shape
+        rows = slots[sel].repeat_interleave(T)
+        batch = self._sampling_batch(rows, torch.zeros_like(rows), [self._slot_params[seqs[b].slot] for b in idx])
+        lp = log_probs(lg.reshape(n * T, V), batch).view(n, T, V)
+        tok = lp.gather(-1, emitted[sel].clamp_min(0)[..., None])[..., 0]
+        N = max(seqs[b].params.top_logprobs for b in idx)
+        return idx, tok, (lp.topk(N, dim=-1) if N else None)
+
+    @staticmethod
+    def _deliver(seqs: list[Sequence], lp, raw, counts: list[int]) -> None:
+        """Leave the per-token outputs of each asking sequence's first counts[b] emitted tokens in
+        its step_* fields (the engine keeps those of the tokens it appends)."""
+        if lp is not None:
+            idx, tok, top = lp
+            tok = tok.tolist()
+            vals, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+            for i, b in enumerate(idx):
+                seq, n, N = seqs[b], counts[b], seqs[b].params.top_logprobs
+                seq.step_logprobs = tok[i][:n]
+                seq.step_top_logprobs = [list(zip(ids[i][j][:N], vals[i][j][:N])) for j in range(n)] if N else None
+        if raw is not None:
+            idx, rows = raw
+            for i, b in enumerate(idx):
+                seqs[b].step_logits = rows[i, :counts[b]].to("cpu", torch.float32)
 
     def _count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record emitted tokens [B] of slots [B] for the penalties."""

@@ -81,3 +81,12 @@ def probabilities(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     probs = filter_logits(logits, b).softmax(dim=-1)
     onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(b.greedy[:, None], onehot, probs)
+
+
+def log_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Log-probabilities [B, V] reported for emitted tokens: sampled rows, the distribution `sample`
+    draws from (temperature-scaled, top-k/top-p filtered and renormalized); greedy rows,
+    log_softmax of the logits (temperature 1, no filtering)."""
+    if b.all_greedy:
+        return logits.log_softmax(dim=-1)
+    return torch.where(b.greedy[:, None], logits, filter_logits(logits, b)).log_softmax(dim=-1)

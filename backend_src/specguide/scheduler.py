@@ -55,6 +55,20 @@ class Sequence:
     deadline: Optional[float] = None  # time.monotonic() past which the request finishes with "timeout"
     fault: object = None  # faults.Fault (tests only)
     stage: Optional[str] = None  # where it was when it finished: queued|compiling|prefill|decode
+    # wall-clock timestamps (time.time_ns(); 0 = not yet) for perf metrics
+    arrival_time_ns: int = field(default_factory=time.time_ns)
+    first_scheduled_time_ns: int = 0
+    first_token_time_ns: int = 0
+    last_token_time_ns: int = 0
+    # per-token outputs for requests that ask: the runner leaves this step's values in step_*
+    # (aligned with the tokens it returned); the engine keeps those of the tokens it appends
+    step_logprobs: Optional[list[float]] = None
+    step_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    step_logits: object = None  # torch.Tensor [tokens, vocab] raw logits
+    logprobs: list[float] = field(default_factory=list)  # per output token
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    logits_unsent: list = field(default_factory=list)  # raw logits rows of output tokens not yet reported
+    context_logits: list = field(default_factory=list)  # prefill chunks' raw logits, until reported
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +130,7 @@ class Scheduler:
                 continue
             seq.slot = heapq.heappop(self.free_slots)
             seq.status = Status.PREFILL
+            seq.first_scheduled_time_ns = time.time_ns()
             self.running[seq.slot] = seq
         self.waiting.extendleft(reversed(blocked))
         # NOTE: a request's chunks are always [k*chunk, (k+1)*chunk), whatever else is running, so
