@@ -41,9 +41,12 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from tokens already in the output (OpenAI/vLLM)
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     stop_token_seqs: list[list[int]] = field(default_factory=list)  # token sequences that end the output, kept (TRT-LLM)
-    # per-token outputs (computed only for requests that ask; see RequestOutput)
+    # per-token outputs (computed only for requests that ask; see RequestOutput). Log probs are of
+    # the distribution a token is drawn from: logits after penalties, bad-word and min_tokens bans
+    # and the grammar mask, / temperature (1 for greedy), top-k/top-p kept set renormalized (not for
+    # greedy). Speculation does not change them (accepted drafts: the target's p at that position)
     return_log_probs: bool = False  # RequestOutput.logprobs
-    top_logprobs: int = 0  # RequestOutput.top_logprobs: the N most likely tokens per position (vLLM `logprobs`)
+    top_logprobs: int = 0  # RequestOutput.top_logprobs: N <= 20 most likely per position (vLLM `logprobs`); implies logprobs
     return_generation_logits: bool = False  # RequestOutput.generation_logits (raw model logits)
     return_context_logits: bool = False  # RequestOutput.context_logits (raw model logits of the prompt)
 

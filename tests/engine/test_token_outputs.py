@@ -112,6 +112,37 @@ def test_greedy_logprobs_equal_log_softmax_of_reference(engine, hf_model):
         assert all(x <= 0 for x in lps) and final.top_logprobs is None
 
 
+def test_logprobs_follow_penalties_and_min_tokens(eng, hf_model):
+    """Log probs are of the processed logits: repetition / presence / frequency penalties and the
+    min_tokens EOS ban applied; alone (plain decode) and beside a speculating request (the
+    verification's position 0)."""
+    ids = eng.tokenizer.encode(PROMPTS[4])
+    params = SamplingParams(max_tokens=20, temperature=0.0, min_tokens=12, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.4, return_log_probs=True)
+    req = Request(prompt_ids=ids, params=params, num_draft_tokens=K)
+    partner = with_k(spec_requests(eng, n=2)[1], K)  # "repeat three times": drafts in every step
+    alone = joined(collect(eng, [req])[0])
+    beside, other = collect(eng, [req, partner])
+    beside = joined(beside)
+    assert joined(other)[4].total_draft_tokens > 0
+    toks = alone[0]
+    assert beside[0] == toks and len(toks) >= 12
+    logits = reference_logits(hf_model, ids, toks)
+    want = []
+    for j, t in enumerate(toks):
+        row = logits[j].clone()
+        counts = torch.bincount(torch.tensor(toks[:j], dtype=torch.long), minlength=row.shape[0]).float()
+        seen = torch.zeros_like(row, dtype=torch.bool)
+        seen[torch.tensor(ids + toks[:j])] = True
+        row = torch.where(seen, torch.where(row > 0, row / 1.3, row * 1.3), row)
+        row = row - 0.4 * counts - 0.5 * (counts > 0).float()
+        if j < 12:
+            row[torch.tensor(sorted(eng.eos_token_ids))] = float("-inf")
+        want.append(row.log_softmax(-1)[t].item())
+    for got in (alone, beside):
+        assert max(abs(a - b) for a, b in zip(got[1], want)) < 2e-3, (got[1], want)
+
+
 @pytest.mark.parametrize("k", [0, K])
 @pytest.mark.parametrize("top_k", [0, 20])
 def test_sampled_logprobs_follow_the_sampling_distribution(eng, hf_model, k, top_k):
