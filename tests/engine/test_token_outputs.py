@@ -100,6 +100,21 @@ def test_greedy_logprobs_equal_with_and_without_speculation(eng):
     assert accepted > 0, "no draft was accepted: the verification path was not exercised"
 
 
+def test_logprobs_with_the_capturable_guided_decoder(eng):
+    """The CapturableRunner (grammar callbacks on a worker thread) gives the same log probs."""
+    worker = Engine(EngineConfig(max_slots=4, max_seq_len=512, prefill_chunk=64, num_draft_tokens=K,
+                                 adaptive_k=False, cost_aware_k=False, guided_executor="worker"))
+    try:
+        reqs = spec_requests(eng, n=2, return_log_probs=True)
+        ref = [joined(collect(eng, [with_k(r, 0)])[0]) for r in reqs]
+        got = [joined(ev) for ev in collect(worker, [with_k(r, K) for r in reqs])]
+    finally:
+        worker.shutdown()
+    for a, b in zip(got, ref):
+        assert a[0] == b[0] and max(abs(x - y) for x, y in zip(a[1], b[1])) < TOL
+    assert sum(a[4].total_accepted_draft_tokens for a in got) > 0
+
+
 def test_greedy_logprobs_equal_log_softmax_of_reference(engine, hf_model):
     for prompt in PROMPTS[:3]:
         ids = engine.tokenizer.encode(prompt)
