@@ -413,7 +413,8 @@ class Engine:
             reason = self.scheduler.check_stop_token(seq)
             if guided and self.guided.is_terminated(seq.slot):
                 reason = "stop"
-            if any(seq.output_ids[-len(w):] == w for w in seq.params.stop_token_seqs):
+            if len(seq.output_ids) >= seq.params.min_tokens and any(
+                    seq.output_ids[-len(w):] == w for w in seq.params.stop_token_seqs):
                 reason = "stop"  # TRT-LLM stop words: the tokens stay in the output
             if reason:
                 break
@@ -490,6 +491,7 @@ class Engine:
             first_token=seq.ids_sent == 0 and bool(new_ids),
             logprobs=seq.logprobs[sent:] if p.wants_logprobs else None,
             top_logprobs=seq.top_logprobs[sent:] if p.top_logprobs else None,
+            cum_logprob=sum(seq.logprobs) if p.wants_logprobs else None,
             generation_logits=gen_logits, context_logits=context,
             arrival_time_ns=seq.arrival_time_ns, first_scheduled_time_ns=seq.first_scheduled_time_ns,
             first_token_time_ns=seq.first_token_time_ns, last_token_time_ns=seq.last_token_time_ns,

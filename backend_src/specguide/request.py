@@ -40,7 +40,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output (HF/TRT-LLM)
     presence_penalty: float = 0.0  # subtracted once from tokens already in the output (OpenAI/vLLM)
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
-    stop_token_seqs: list[list[int]] = field(default_factory=list)  # token sequences that end the output, kept (TRT-LLM)
+    # TRT-LLM stop words: the output ends (finish_reason "stop") once it ends with one of these
+    # token sequences (matched in the output only, from min_tokens on); the tokens stay in the output
+    stop_token_seqs: list[list[int]] = field(default_factory=list)
     # per-token outputs (computed only for requests that ask; see RequestOutput). Log probs are of
     # the distribution a token is drawn from: logits after penalties, bad-word and min_tokens bans
     # and the grammar mask, / temperature (1 for greedy), top-k/top-p kept set renormalized (not for
@@ -135,6 +137,7 @@ class RequestOutput:
     # per-token outputs, aligned with `token_ids` (None unless the request asked)
     logprobs: Optional[list[float]] = None  # log p(token) under the distribution it was drawn from
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token: top_logprobs (id, log p), best first
+    cum_logprob: Optional[float] = None  # sum of the log probs of all output tokens so far (TRT-LLM cum_log_probs)
     generation_logits: Optional[np.ndarray] = None  # [len(token_ids), vocab] float32 raw model logits
     context_logits: Optional[np.ndarray] = None  # [prompt_len, vocab] float32, once (on the first event)
     # timestamps (time.time_ns(); 0 = not yet) and KV cache figures (TRT-LLM perf metrics), every event

@@ -125,6 +125,7 @@ def test_greedy_logprobs_equal_log_softmax_of_reference(engine, hf_model):
         want = ref[torch.arange(len(toks)), torch.tensor(toks)]
         assert torch.allclose(torch.tensor(lps), want, atol=2e-3), (lps, want.tolist())
         assert all(x <= 0 for x in lps) and final.top_logprobs is None
+        assert abs(final.cum_logprob - sum(lps)) < 1e-6
 
 
 def test_logprobs_follow_penalties_and_min_tokens(eng, hf_model):
@@ -252,6 +253,10 @@ def test_stop_token_seqs_are_kept_and_end_inside_an_accepted_run(eng):
         assert text == eng.tokenizer.decode(toks)
         outs.append(toks)
     assert outs[0] == outs[1]
+    # not before min_tokens: the sequence goes on past `end`
+    params = SamplingParams(max_tokens=end + 4, min_tokens=end + 1, temperature=0.0, stop_token_seqs=[word])
+    toks = joined(collect(eng, [Request(prompt=prompt, params=params, num_draft_tokens=K)])[0])[0]
+    assert toks[:end] == full[:end] and len(toks) > end
 
 
 def test_stop_token_seqs_validation(eng):
