@@ -50,6 +50,19 @@ INPUT_TYPES: dict[str, tuple[Any, str]] = {
     "repetition_penalty": (np.float32, "FP32"),
     "length_penalty": (np.float32, "FP32"),
     "timeout_s": (np.float32, "FP32"),
+    # the `tensorrt_llm` model's spellings and the rest of the TensorRT-LLM interface
+    "request_output_len": (np.int32, "INT32"),
+    "streaming": (np.bool_, "BOOL"),
+    "runtime_top_k": (np.int32, "INT32"),
+    "runtime_top_p": (np.float32, "FP32"),
+    "len_penalty": (np.float32, "FP32"),
+    "stop_words_list": (np.int32, "INT32"),
+    "bad_words_list": (np.int32, "INT32"),
+    "num_return_sequences": (np.int32, "INT32"),
+    "return_log_probs": (np.bool_, "BOOL"),
+    "return_context_logits": (np.bool_, "BOOL"),
+    "return_generation_logits": (np.bool_, "BOOL"),
+    "stop": (np.bool_, "BOOL"),
 }
 LIST_INPUTS = ("input_ids", "stop_words", "bad_words")
 

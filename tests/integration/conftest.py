@@ -18,6 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "specguide"
+# upstream/ holds the peer backends' own client and CI files, run by test_conformance.py against
+# the test server; pytest must not collect them on their own (they would aim at localhost:8001).
+collect_ignore = ["upstream"]
 STARTUP_TIMEOUT_S = 600
 
 
@@ -64,15 +67,24 @@ class Server:
                 return got
             time.sleep(0.02)
 
-    def stub_rss_bytes(self) -> int:
-        """Resident memory of the Python backend stub (the server's child that runs the model)."""
+    def stub_rss_by_model(self) -> dict[str, int]:
+        """Resident memory of each Python backend stub (one per model), by model name."""
+        out = {}
         for child in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"triton_python_backend_stub" in cmd:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            if b"triton_python_backend_stub" in cmd[0]:
+                model = Path(cmd[1].decode()).parents[1].name  # <repo>/<model>/1/model.py
                 for line in Path(f"/proc/{child}/status").read_text().splitlines():
                     if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
-        raise RuntimeError("no triton_python_backend_stub child found")
+                        out[model] = int(line.split()[1]) * 1024
+        return out
+
+    def stub_rss_bytes(self) -> int:
+        """Resident memory of the engine model's stub (`specguide`, the one that holds the model)."""
+        rss = self.stub_rss_by_model()
+        if MODEL not in rss:
+            raise RuntimeError("no triton_python_backend_stub child runs the engine model")
+        return rss[MODEL]
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])

@@ -67,8 +67,8 @@ def test_grpc_stream_ends_with_final_and_equals_engine_output(server, reference)
     assert [f for _, _, f in got] == [False] * (len(got) - 1) + [True]
     assert len(got) > 1, "streaming sends more than one response"
     outs = texts(got)
-    assert all(o.shape == (1, 1) for o in outs), "exactly one string per response"
-    assert "".join(o[0, 0].decode() for o in outs) == text
+    assert all(o.shape == (1,) for o in outs), "exactly one string per response, 1-D (as the TRT-LLM ensemble)"
+    assert "".join(o[0].decode() for o in outs) == text
     assert [int(t) for r, _, _ in got for t in r.as_numpy("output_ids").reshape(-1)] == ids
     assert got[-1][0].as_numpy("finish_reason")[0, 0].decode() == reason
     assert all(r.as_numpy("finish_reason")[0, 0] == b"" for r, _, _ in got[:-1])
@@ -82,7 +82,7 @@ def test_grpc_non_streaming_gets_exactly_one_final_response(server, reference):
                               "return_num_output_tokens": np.array([[True]]), "return_num_input_tokens": np.array([[True]])})
     assert len(got) == 1 and got[0][2] and got[0][1] is None
     r = got[0][0]
-    assert r.as_numpy("text_output")[0, 0].decode() == text
+    assert r.as_numpy("text_output")[0].decode() == text
     assert r.as_numpy("output_ids").reshape(-1).tolist() == ids
     assert int(r.as_numpy("num_output_tokens")[0, 0]) == len(ids)
     assert int(r.as_numpy("num_input_tokens")[0, 0]) > 0
@@ -97,7 +97,7 @@ def test_batch_request_gives_sequences_with_batch_index(server, reference):
     by_row = {0: "", 1: ""}
     for r, err, _ in got:
         assert err is None
-        by_row[int(r.as_numpy("batch_index")[0, 0])] += r.as_numpy("text_output")[0, 0].decode()
+        by_row[int(r.as_numpy("batch_index")[0, 0])] += r.as_numpy("text_output")[0].decode()
     assert by_row == {0: reference[p0][1], 1: reference[p1][1]}
 
 
@@ -181,7 +181,7 @@ BAD = [
     ({"text_input": S("")}, "text_input is empty"),
     ({"text_input": S("hi"), "input_ids": I(1)}, "not both"),
     ({"max_tokens": I(4)}, "missing prompt"),
-    ({"text_input": S("hi"), "top_p": I(0.0, np.float32)}, "top_p"),
+    ({"text_input": S("hi"), "top_p": I(1.5, np.float32)}, "top_p"),  # <= 0 is unset, as TRT-LLM
     ({"text_input": S("hi"), "num_draft_tokens": I(-2)}, "num_draft_tokens"),
     ({"text_input": S("hi"), "sampling_parameters": S("{oops")}, "not valid JSON"),
     ({"text_input": S("hello " * 3000)}, "max_seq_len"),  # refused by the engine at submit

@@ -153,7 +153,8 @@ def test_all_trtllm_tensors_map_to_sampling_params():
     assert sp.penalized
     assert (sp.max_tokens, sp.min_tokens, sp.top_k, sp.seed, sp.end_id) == (7, 2, 40, 2**63 + 5, 2)
     assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
-    assert sp.stop == ["\n\n", "END"]  # empty strings (as curl examples send) are skipped
+    # stop words are token sequences kept in the output (TensorRT-LLM); empty strings are skipped
+    assert sp.stop == [] and sp.stop_token_seqs == [[10, 10], [69, 78, 68]]
     assert sp.bad_words_ids == [[97, 98]]
     assert p.request.num_draft_tokens == 0
     assert p.exclude_input and p.return_num_input_tokens and p.return_num_output_tokens and p.return_perf_metrics
@@ -188,8 +189,10 @@ def test_batch_rows_become_sequences_with_their_own_values():
 
 
 def test_request_parameters_fill_missing_scalars():
-    p = one({"text_input": s("Hi")}, parameters=json.dumps({"max_tokens": 5, "temperature": 0.0, "unrelated": "x"}))
+    p = one({"text_input": s("Hi")}, parameters=json.dumps({"max_tokens": 5, "temperature": 0.0, "Streaming": True}))
     assert p.request.params.max_tokens == 5
+    with pytest.raises(InvalidRequestError, match="unknown request parameter 'unrelated'"):
+        parse({"text_input": s("Hi")}, parameters=json.dumps({"max_tokens": 5, "unrelated": "x"}))
 
 
 def test_vllm_sampling_parameters_with_string_values_and_vllm_defaults():
@@ -197,7 +200,7 @@ def test_vllm_sampling_parameters_with_string_values_and_vllm_defaults():
     assert sp.max_tokens == 16 and sp.temperature == 1.0 and sp.top_k == 0 and sp.min_tokens == 2
     sp = one({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({
         "max_tokens": "8", "temperature": 0, "stop": "x", "stop_token_ids": [1, 2], "ignore_eos": True,
-        "seed": 3, "n": 1, "frequency_penalty": 0.0, "lora_name": None, "some_future_key": 1}))}).request.params
+        "seed": 3, "n": 1, "frequency_penalty": 0.0, "lora_name": None}))}).request.params
     assert (sp.max_tokens, sp.temperature, sp.stop, sp.stop_token_ids, sp.ignore_eos, sp.seed) == (8, 0.0, ["x"], [1, 2], True, 3)
 
 
@@ -284,7 +287,13 @@ BAD_INPUTS = [
     ({"text_input": s("a"), "max_tokens": np.array([[10**6]], np.int32)}, "exceeds the limit"),
     ({"text_input": s("a"), "temperature": np.array([[-1.0]], np.float32)}, "temperature"),
     ({"text_input": s("a"), "top_p": np.array([[1.5]], np.float32)}, "top_p"),
-    ({"text_input": s("a"), "top_k": np.array([[-2]], np.int32)}, "top_k"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"top_k": -2}')}, "top_k"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"some_future_key": 1}')}, "unknown key 'some_future_key'"),
+    ({"text_input": s("a"), "max_tokens": np.array([[3]], np.int32), "request_output_len": np.array([[4]], np.int32)},
+     "give either max_tokens or request_output_len"),
+    ({"text_input": s("a"), "num_return_sequences": np.array([[0]], np.int32)}, "num_return_sequences"),
+    ({"text_input": s("a"), "return_logprobs": np.array([[True]])}, "input 'return_logprobs' is not part of"),
+    ({"text_input": s("a"), "stop_words_list": np.array([[[5, 6], [3, -1]]], np.int32)}, "stop_words_list: offset 3"),
     ({"text_input": s("a"), "min_tokens": np.array([[100]], np.int32)}, "min_tokens"),
     ({"text_input": s("a"), "num_draft_tokens": np.array([[-1]], np.int32)}, "num_draft_tokens"),
     ({"text_input": s("a"), "beam_width": np.array([[4]], np.int32)}, "beam_width"),
@@ -435,8 +444,9 @@ def test_streaming_sends_one_delta_per_event_and_final_last():
     b = st.on_output(out("llo", [3], finished=True, reason="length", n_out=3))
     assert [texts(a), texts(b)] == ["He", "llo"]
     assert not a.finished and b.finished
-    assert a.outputs["text_output"].shape == (1, 1)
-    assert a.outputs["output_ids"].tolist() == [[1, 2]] and a.outputs["output_ids"].dtype == np.int32
+    assert a.outputs["text_output"].shape == (1,)  # 1-D, as the TensorRT-LLM ensemble sends it
+    assert a.outputs["output_ids"].tolist() == [[[1, 2]]] and a.outputs["output_ids"].dtype == np.int32
+    assert a.outputs["sequence_length"].tolist() == [[2]] and b.outputs["sequence_index"].tolist() == [[0]]
     assert a.outputs["finish_reason"].tolist() == [[b""]] and b.outputs["finish_reason"].tolist() == [[b"length"]]
     assert b.outputs["num_output_tokens"].tolist() == [[1]] and b.outputs["num_output_tokens"].dtype == np.uint32
     assert b.outputs["num_input_tokens"].tolist() == [[3]]
@@ -449,15 +459,17 @@ def test_non_streaming_accumulates_into_exactly_one_payload_with_echo():
     assert st.on_output(out(" there", [1, 2], n_out=2)) is None
     final = st.on_output(out("!", [3], finished=True, reason="stop", n_out=3))
     assert texts(final) == "Hi there!"
-    assert final.outputs["output_ids"].tolist() == [list(b"Hi") + [1, 2, 3]]
+    assert final.outputs["output_ids"].tolist() == [[list(b"Hi") + [1, 2, 3]]]
+    assert final.outputs["sequence_length"].tolist() == [[5]]
     assert final.outputs["num_output_tokens"].tolist() == [[3]]
     assert final.finished
 
 
-def test_stream_with_echo_prepends_prompt_to_first_delta_only():
+def test_a_stream_never_repeats_the_prompt_even_with_exclude_false():
+    # TensorRT-LLM never streams the prompt (its client's `-S --check-outputs` expects only new text)
     p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "exclude_input_in_output": np.array([[False]])})
     st = io.SequenceStream(p)
-    assert texts(st.on_output(out("a", [1]))) == "Hia"
+    assert texts(st.on_output(out("a", [1]))) == "a"
     assert texts(st.on_output(out("b", [2], finished=True, reason="stop"))) == "b"
 
 
@@ -493,8 +505,11 @@ def test_perf_metrics_outputs_when_asked():
     assert pl.outputs["total_draft_tokens"].tolist() == [[6]]
     assert pl.outputs["acceptance_rate"].tolist() == [[0.5]]
     resp = io.to_response(pb, pl)
-    assert set(resp.tensors) == {"text_output", "output_ids", "finish_reason", "batch_index",
-                                 "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate"}
+    assert set(resp.tensors) == {"text_output", "output_ids", "sequence_length", "finish_reason", "batch_index",
+                                 "sequence_index", "total_draft_tokens", "total_accepted_draft_tokens",
+                                 "acceptance_rate", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                                 "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
+                                 "first_token_time_ns", "last_token_time_ns"}
 
 
 def test_batch_index_output():
@@ -564,8 +579,10 @@ def test_client_sends_the_declared_dtypes():
     from client.common import INPUT_TYPES
 
     triton = {"TYPE_STRING": "BYTES"}
-    assert set(INPUT_TYPES) == set(io.INPUT_NAMES)
+    assert set(INPUT_TYPES) == {sp.name for sp in io.INPUTS if not sp.vllm_only}
     for sp in io.INPUTS:
+        if sp.vllm_only:
+            continue
         assert INPUT_TYPES[sp.name][1] == triton.get(sp.dtype, sp.dtype[5:]), sp.name
 
 
@@ -730,7 +747,7 @@ def test_adapter_streams_deltas_and_one_final(model):
     assert model.execute([req]) is None
     wait_for(req.sender.finished)
     assert [f for _, f in req.sender.sent] == [0, 0, 1]
-    assert [r.tensors["text_output"][0, 0] for r, _ in req.sender.sent] == [b"t1", b"t2", b"t3"]
+    assert [r.tensors["text_output"][0] for r, _ in req.sender.sent] == [b"t1", b"t2", b"t3"]
     assert model.engine.config.max_slots == 2  # config.pbtxt parameters reach the engine
     fam = FakeMetricFamily.families
     wait_for(lambda: fam["specguide_generation_tokens_total"].metrics[(("model", "specguide"), ("version", "1"))].value == 3)
@@ -742,7 +759,7 @@ def test_adapter_non_streaming_sends_exactly_one_final_response(model):
     model.execute([req])
     wait_for(req.sender.finished)
     assert len(req.sender.sent) == 1 and req.sender.sent[0][1] == 1
-    assert req.sender.sent[0][0].tensors["text_output"][0, 0] == b"Hit1t2t3t4"
+    assert req.sender.sent[0][0].tensors["text_output"][0] == b"Hit1t2t3t4"
 
 
 def test_adapter_bad_request_gets_an_error_and_touches_nothing(model):
@@ -865,3 +882,175 @@ def test_adapter_finalize_uses_the_drain_timeout(model):
     engine = model.engine
     model.finalize()
     assert engine.shutdown_args == (True, model.config.drain_timeout_s)
+
+
+# ---------------------------------------------------------------------------------- the three interfaces
+
+
+def vparse(inputs, parameters=None, **kw):
+    """A request as specguide_vllm passes it on: [1]-shaped inputs given a batch dim, interface named."""
+    params = {io.INTERFACE_PARAMETER: "vllm", io.CLIENT_PARAMETERS: json.dumps(parameters or {})}
+    return parse({k: np.asarray(v)[None] for k, v in inputs.items()}, json.dumps(params), **kw)
+
+
+def vtext(text):
+    return np.array([text.encode()], dtype=np.object_)
+
+
+def test_vllm_interface_defaults_are_vllms():
+    p = vparse({"text_input": vtext("Hi")})[0]
+    sp = p.request.params
+    assert (sp.max_tokens, sp.temperature) == (16, 1.0) and not sp.greedy  # vLLM's SamplingParams()
+    assert p.interface == "vllm" and p.exclude_input is False and p.echo_text == "Hi"  # non-streaming echoes
+    assert not (p.return_finish_reason or p.return_logprobs or p.return_cumulative_logprob)
+    p = vparse({"text_input": vtext("Hi"), "stream": np.array([True])})[0]
+    assert p.stream and p.exclude_input
+    # the request parameters are the sampling parameters when there is no tensor (as vLLM reads them)
+    sp = vparse({"text_input": vtext("Hi")}, {"temperature": "0", "max_tokens": 5})[0].request.params
+    assert sp.greedy and sp.max_tokens == 5
+    # with the tensor, the tensor wins (the vLLM CI tests send both)
+    sp = vparse({"text_input": vtext("Hi"), "sampling_parameters": vtext('{"max_tokens": 3}')},
+                {"max_tokens": 9})[0].request.params
+    assert sp.max_tokens == 3
+
+
+def test_vllm_interface_errors_are_named_and_worded_like_vllm():
+    with pytest.raises(InvalidRequestError) as e:
+        vparse({"text_input": vtext("Hi"), "stream": np.array([True]), "exclude_input_in_output": np.array([False])})
+    assert str(e.value) == "When streaming, `exclude_input_in_output` = False is not allowed."
+    with pytest.raises(InvalidRequestError, match="unknown request parameter 'tempratur'"):
+        vparse({"text_input": vtext("Hi")}, {"tempratur": 0})
+    with pytest.raises(InvalidRequestError, match="input 'max_tokens' is not part of this model's interface"):
+        vparse({"text_input": vtext("Hi"), "max_tokens": np.array([3], np.int32)})
+    with pytest.raises(io.UnsupportedError, match="lora_name"):
+        vparse({"text_input": vtext("Hi"), "sampling_parameters": vtext('{"lora_name": "x"}')})
+    with pytest.raises(InvalidRequestError, match="logprobs must be in"):
+        vparse({"text_input": vtext("Hi"), "sampling_parameters": vtext('{"logprobs": 21}')})
+
+
+def test_vllm_outputs_are_1d_and_only_when_asked():
+    p = vparse({"text_input": vtext("Hi"), "stream": np.array([True]), "return_finish_reason": np.array([True]),
+                "return_cumulative_logprob": np.array([True]), "return_logprobs": np.array([True]),
+                "return_num_input_tokens": np.array([True]), "return_num_output_tokens": np.array([True]),
+                "sampling_parameters": vtext('{"logprobs": 1, "temperature": 0}')})[0]
+    assert p.request.params.return_log_probs and p.request.params.top_logprobs == 1
+    st = io.SequenceStream(p, TOK)
+    o = out("ab", [97, 98], n_out=2)
+    o.logprobs, o.top_logprobs = [-0.5, -0.25], [[(97, -0.5)], [(120, -0.1)]]
+    a = st.on_output(o).outputs
+    assert {k: v.shape for k, v in a.items()} == {k: (1,) for k in (
+        "text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")}
+    assert a["finish_reason"][0] == b"None" and a["cumulative_logprob"][0] == pytest.approx(-0.75)
+    doc = json.loads(a["logprobs"][0])
+    assert doc[0] == {"97": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}
+    assert doc[1]["98"]["rank"] == 2 and doc[1]["120"] == {"logprob": -0.1, "rank": 1, "decoded_token": "x"}
+    o = out("c", [99], finished=True, reason="timeout", n_out=3)
+    o.logprobs, o.top_logprobs = [-1.0], [[(99, -1.0)]]
+    b = st.on_output(o).outputs
+    assert b["finish_reason"][0] == b"abort" and b["cumulative_logprob"][0] == pytest.approx(-1.75)
+    assert b["num_output_tokens"].tolist() == [1]
+    # without `logprobs` in sampling_parameters, the output is JSON null (as vLLM)
+    p = vparse({"text_input": vtext("Hi"), "return_logprobs": np.array([True])})[0]
+    o = out("a", [97], finished=True, reason="length")
+    o.logprobs = [-0.5]
+    assert json.loads(io.SequenceStream(p, TOK).on_output(o).outputs["logprobs"][0]) is None
+    e = io.SequenceStream(p).on_output(out("", [], finished=True, reason="error", error="boom"))
+    assert e.error == "Error generating stream: boom"
+    c = io.SequenceStream(p).on_output(out("", [], finished=True, reason="cancelled"))
+    assert c.error == "Request was cancelled" and c.error_code == "CANCELLED"
+
+
+def test_trtllm_word_lists_and_stop_words_are_token_sequences():
+    words = np.array([[[5, 6, 7, -1], [2, 3, -1, -1]]], np.int32)  # "5 6" and "7"
+    sp = one({"text_input": s("Hi"), "stop_words_list": words, "bad_words_list": words, "stop_words": s("ok")}).request.params
+    assert sp.stop_token_seqs == [[111, 107], [5, 6], [7]] and sp.bad_words_ids == [[5, 6], [7]]
+    assert sp.stop == []  # nothing is cut from the text: TensorRT-LLM keeps the stop word
+
+
+def test_trtllm_aliases_and_unset_sampling_knobs():
+    p = one({"input_ids": np.array([[1, 2, 3]], np.int32), "request_output_len": np.array([[5]], np.int32),
+             "streaming": np.array([[True]]), "runtime_top_k": np.array([[0]], np.int32),
+             "runtime_top_p": np.array([[0.0]], np.float32), "len_penalty": f32(1.0)})
+    sp = p.request.params
+    assert p.stream and sp.max_tokens == 5 and (sp.top_k, sp.top_p) == (0, 1.0)
+    assert sp.greedy  # top_k / top_p <= 0 are unset (TensorRT-LLM's clients send 0 by default)
+    sp = one({"text_input": s("Hi"), "top_p": f32(0.0), "temperature": f32(0.0)}).request.params
+    assert sp.top_p == 1.0 and sp.greedy
+    sp = one({"text_input": s("Hi"), "runtime_top_k": np.array([[5]], np.int32)}).request.params
+    assert sp.top_k == 5 and sp.temperature == 1.0
+
+
+def test_num_return_sequences_and_output_requests():
+    rows = parse({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_),
+                  "num_return_sequences": np.array([[3], [1]], np.int32), "seed": np.array([[7], [9]], np.uint64),
+                  "return_log_probs": np.array([[True], [False]]), "return_context_logits": np.array([[True], [False]]),
+                  "return_generation_logits": np.array([[True], [False]])})
+    assert [(r.batch_index, r.sequence_index) for r in rows] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert [r.request.params.seed for r in rows] == [7, 8, 9, 9]  # each its own randomness
+    assert len({id(r.request) for r in rows}) == 4 and len({id(r.request.params) for r in rows}) == 4
+    sp = rows[0].request.params
+    assert sp.return_log_probs and sp.return_context_logits and sp.return_generation_logits and sp.top_logprobs == 0
+    assert not rows[3].request.params.return_log_probs
+
+
+def test_trtllm_log_probs_and_logits_shapes():
+    p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "return_log_probs": np.array([[True]]),
+             "return_generation_logits": np.array([[True]]), "return_context_logits": np.array([[True]])})
+    st = io.SequenceStream(p)
+    o = out("ab", [1, 2])
+    o.logprobs, o.generation_logits = [-0.5, -0.25], np.ones((2, 7), np.float32)
+    o.context_logits = np.zeros((3, 7), np.float32)
+    a = st.on_output(o).outputs
+    assert a["output_log_probs"].shape == (1, 1, 2) and a["cum_log_probs"].tolist() == [[-0.75]]
+    assert a["generation_logits"].shape == (1, 1, 2, 7) and a["context_logits"].shape == (1, 3, 7)
+    o = out("c", [3], finished=True, reason="length")
+    o.logprobs, o.generation_logits = [-1.0], np.ones((1, 7), np.float32)
+    b = st.on_output(o).outputs
+    assert b["output_log_probs"].tolist() == [[[-1.0]]] and b["cum_log_probs"].tolist() == [[-1.75]]
+    assert "context_logits" not in b  # sent once
+
+
+def test_unary_interface_refuses_streaming_and_merges_rows():
+    params = json.dumps({io.INTERFACE_PARAMETER: "unary"})
+    with pytest.raises(InvalidRequestError, match="stream=true needs a decoupled model"):
+        parse({"text_input": s("Hi"), "stream": np.array([[True]])}, params)
+    rows = parse({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_), "exclude_input_in_output":
+                  np.array([[True], [True]])}, params)
+    pays = [io.SequenceStream(r).on_output(out(t, ids, finished=True, reason="length"))
+            for r, (t, ids) in zip(rows, [("xy", [1, 2]), ("z", [3])])]
+    m = io.merge_payloads(pays)
+    assert m.outputs["text_output"].tolist() == [b"xy", b"z"]
+    assert m.outputs["output_ids"].tolist() == [[[1, 2]], [[3, 0]]] and m.outputs["sequence_length"].tolist() == [[2], [1]]
+    assert m.outputs["batch_index"].tolist() == [[0], [1]]
+    err = io.Payload(error="boom", error_code="INVALID_ARG", finished=True)
+    assert io.merge_payloads([pays[0], err]).error == "boom"
+
+
+def test_stop_request_and_unknown_interface():
+    assert io.is_stop_request({"stop": np.array([[True]])}) and not io.is_stop_request({"stop": np.array([[False]])})
+    with pytest.raises(InvalidRequestError, match="unknown specguide_interface"):
+        io.interface_of({io.INTERFACE_PARAMETER: "openai"})
+
+
+def test_adapter_stop_request_cancels_the_request_with_that_id(model):
+    req = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[500]], np.int32), "stream": np.array([[True]])})
+    model.execute([req])
+    wait_for(lambda: len(req.sender.sent) >= 1)
+    stop = FakeTritonRequest({"stop": np.array([[True]])})  # same request id ("rid")
+    model.execute([stop])
+    assert stop.sender.sent == [(None, 1)]  # answered at once, with FINAL only
+    wait_for(req.sender.finished)
+    assert model.engine.cancelled and req.sender.sent[-1][0].err.code() == FakeTritonError.CANCELLED
+
+
+def test_adapter_unary_request_gets_one_response_for_all_rows(model):
+    req = FakeTritonRequest({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_),
+                             "max_tokens": np.array([[2], [3]], np.int32), "exclude_input_in_output": np.array([[True], [True]]),
+                             "num_return_sequences": np.array([[2], [1]], np.int32)},
+                            parameters=json.dumps({io.INTERFACE_PARAMETER: "unary"}))
+    model.execute([req])
+    wait_for(req.sender.finished)
+    assert len(req.sender.sent) == 1 and req.sender.sent[0][1] == 1
+    t = req.sender.sent[0][0].tensors
+    assert t["text_output"].tolist() == [b"t1t2", b"t1t2", b"t1t2t3"]
+    assert t["sequence_index"].reshape(-1).tolist() == [0, 1, 0]

@@ -32,19 +32,40 @@ _STOP = object()
 
 
 class _Group:
-    """One Triton request: its sender and the sequences (rows) still running. Sends FINAL once."""
+    """One Triton request: its sender and the sequences (rows x return sequences) still running.
+    Sends FINAL once. A unary request (`specguide_unary`) gets one response with every sequence."""
 
-    def __init__(self, request: Any, sender: Any, n: int):
+    def __init__(self, request: Any, sender: Any, n: int, request_id: str = "", unary: bool = False):
         self.request = request  # held until the group is done
         self.sender, self.remaining, self.closed = sender, n, False
+        self.request_id, self.unary = request_id, unary
+        self.parts: list[Optional[io.Payload]] = [None] * n  # unary: each sequence's final payload
         self.cancel_seen = False
         self.lock = threading.Lock()
 
-    def send(self, response: Any, seq_finished: bool) -> None:
+    def deliver(self, index: int, payload: io.Payload) -> bool:
+        """Send (or, unary, collect) one sequence's payload; True when that ended the request with an error."""
+        if not self.unary:
+            self.send(io.to_response(pb_utils, payload), payload.finished)
+            return False
+        if payload.error is not None:
+            return self.fail(io.to_response(pb_utils, payload))
+        if not payload.finished:
+            return False
+        with self.lock:
+            self.parts[index] = payload
+            done = all(p is not None for p in self.parts)
+        if done:
+            self.send(io.to_response(pb_utils, io.merge_payloads(self.parts)), True, all_done=True)
+        return False
+
+    def send(self, response: Any, seq_finished: bool, all_done: bool = False) -> None:
         with self.lock:
             if self.closed:
                 return
-            if seq_finished:
+            if all_done:
+                self.remaining = 0
+            elif seq_finished:
                 self.remaining -= 1
             final = seq_finished and self.remaining == 0
             self.closed = final
@@ -65,8 +86,9 @@ class _Group:
 class _Seq:
     """One engine sequence: its response shaping, its timings."""
 
-    def __init__(self, group: _Group, parsed: io.ParsedRequest, t_arrival: float):
-        self.group, self.parsed, self.stream = group, parsed, io.SequenceStream(parsed)
+    def __init__(self, group: _Group, index: int, parsed: io.ParsedRequest, t_arrival: float, tokenizer: Any):
+        self.group, self.index, self.parsed = group, index, parsed
+        self.stream = io.SequenceStream(parsed, tokenizer)
         self.seq_id: Optional[int] = None
         self.t_arrival = t_arrival
         self.t_last: Optional[float] = None
@@ -75,6 +97,10 @@ class _Seq:
         self.accepted = 0
         self.cancel_sent = False
         self.done = False
+
+
+def _message(exc: BaseException, interface: str) -> str:
+    return (io.VLLM_ERROR_PREFIX if interface == "vllm" else "") + str(exc)
 
 
 def _safe_send(sender: Any, response: Any, flags: int) -> None:
@@ -89,6 +115,7 @@ def _safe_send(sender: Any, response: Any, flags: int) -> None:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        """Load and warm up the engine. Only the `specguide` model (interfaces.ENGINE_MODEL) runs this."""
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("specguide needs `model_transaction_policy { decoupled: true }`")
@@ -118,14 +145,22 @@ class TritonPythonModel:
     def _handle(self, request: Any) -> None:
         t_arrival = time.perf_counter()
         sender = request.get_response_sender()
+        interface = "trtllm"
         try:
+            parameters = io.read_parameters(request)
+            interface = io.interface_of(parameters)
+            tensors = io.read_tensors(pb_utils, request)
+            if io.is_stop_request(tensors):
+                self._stop(request.request_id())
+                _safe_send(sender, None, FINAL)
+                return
             if self._closing:
                 raise EngineDeadError("the model is shutting down")
             if not self.engine.is_alive():
                 raise EngineDeadError("the engine stopped after a failure; the model must be reloaded")
             parsed = io.parse_request(
-                io.read_tensors(pb_utils, request),
-                io.read_parameters(request),
+                tensors,
+                parameters,
                 default_max_tokens=self.config.default_max_tokens,
                 max_tokens_limit=self.config.max_tokens_limit,
                 tokenizer=self.tokenizer,
@@ -133,10 +168,10 @@ class TritonPythonModel:
                 request_id=request.request_id(),
             )
         except Exception as exc:
-            self._reject(sender, exc)
+            self._reject(sender, exc, interface)
             return
-        group = _Group(request, sender, len(parsed))
-        seqs = [_Seq(group, p, t_arrival) for p in parsed]
+        group = _Group(request, sender, len(parsed), request.request_id(), unary=interface == "unary")
+        seqs = [_Seq(group, i, p, t_arrival, self.tokenizer) for i, p in enumerate(parsed)]
         with self._live_lock:
             self._live.update(seqs)
         try:
@@ -147,14 +182,23 @@ class TritonPythonModel:
                 seq.done = True
                 if seq.seq_id is not None:
                     self.engine.cancel(seq.seq_id)  # its final event is swallowed: the group is closed
-            if group.fail(io.error_response(pb_utils, str(exc), io.error_code(exc))):
+            if group.fail(io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))):
                 self.metrics.finished("rejected")
             with self._live_lock:
                 self._live.difference_update(seqs)
 
-    def _reject(self, sender: Any, exc: Exception) -> None:
-        _safe_send(sender, io.error_response(pb_utils, str(exc), io.error_code(exc)), FINAL)
+    def _reject(self, sender: Any, exc: Exception, interface: str) -> None:
+        _safe_send(sender, io.error_response(pb_utils, _message(exc, interface), io.error_code(exc)), FINAL)
         self.metrics.finished("rejected")
+
+    def _stop(self, request_id: str) -> None:
+        """TensorRT-LLM's stop signal (and the proxies' cancellation): cancel that request's sequences."""
+        with self._live_lock:
+            seqs = [s for s in self._live if request_id and s.group.request_id == request_id]
+        for seq in seqs:
+            if seq.seq_id is not None and not seq.cancel_sent:
+                seq.cancel_sent = True
+                self.engine.cancel(seq.seq_id)
 
     # ------------------------------------------------------------------ engine loop thread
 
@@ -207,9 +251,16 @@ class TritonPythonModel:
         if accepted > seq.accepted:
             m.accepted_tokens.increment(accepted - seq.accepted)
             seq.accepted = accepted
-        payload = seq.stream.on_output(out)
-        if payload is not None:
-            seq.group.send(io.to_response(pb_utils, payload), payload.finished)
+        try:
+            payload = seq.stream.on_output(out)
+        except Exception as e:  # a response that cannot be built fails its request, nothing else
+            pb_utils.Logger.log_error(f"specguide: building a response: {e!r}")
+            payload = io.Payload(error=f"could not build the response: {e}", error_code="INTERNAL", finished=True)
+            if not out.finished and seq.seq_id is not None:
+                self.engine.cancel(seq.seq_id)
+            out = RequestOutput(seq_id=out.seq_id, finished=True, finish_reason="error", error=payload.error)
+        if payload is not None and seq.group.deliver(seq.index, payload):
+            self._cancel_siblings(seq)
         if out.finished:
             seq.done = True
             m.latency.observe(t - seq.t_arrival)
@@ -220,6 +271,17 @@ class TritonPythonModel:
                 self._live.discard(seq)
         elif seq.parsed.stream:
             self._check_cancel(seq)
+
+    def _cancel_siblings(self, seq: _Seq) -> None:
+        """A unary request failed in one sequence: its answer is sent, the other sequences stop."""
+        with self._live_lock:
+            others = [s for s in self._live if s.group is seq.group and s is not seq]
+        for s in others:
+            s.done = True
+            if s.seq_id is not None:
+                self.engine.cancel(s.seq_id)
+            with self._live_lock:
+                self._live.discard(s)
 
     def _check_cancel(self, seq: _Seq) -> None:
         if seq.cancel_sent or seq.seq_id is None:

@@ -12,6 +12,8 @@ responses carry `batch_index = b`.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -20,92 +22,27 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import faults
-from ..guided.params import GUIDE_TYPES, resolve_guided
-from ..request import (
-    EngineDeadError,
-    InvalidRequestError,
-    QueueFullError,
-    Request,
-    RequestOutput,
-    SamplingParams,
+from ..guided.params import resolve_guided
+from ..request import InvalidRequestError, Request, SamplingParams
+from .interfaces import ALIASES, INTERFACE_PARAMETER, TRTLLM_INPUT_NAMES, TRTLLM_INPUTS, TRTLLM_OUTPUTS, \
+    VLLM_INPUT_NAMES, Spec
+from .responses import (  # noqa: F401  (re-exported: the adapter and the tests use io.*)
+    VLLM_ERROR_PREFIX, Payload, SequenceStream, UnsupportedError, error_code, error_response, event_error_code, merge_payloads,
+    to_response,
 )
 
 
-class UnsupportedError(InvalidRequestError):
-    """A well-formed request asking for something this server does not do (UNSUPPORTED)."""
-
-
-# --------------------------------------------------------------------------------------------
-# The interface: every input and output, its Triton dtype, dims (without the batch dimension)
-# and default. config.pbtxt and the README table are checked against these by the tests.
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Spec:
-    name: str
-    dtype: str  # Triton data type, e.g. "TYPE_INT32"
-    dims: tuple[int, ...]
-    default: str  # documented default ("" for outputs)
-    doc: str
-
-
-INPUTS: tuple[Spec, ...] = (
-    Spec("text_input", "TYPE_STRING", (1,), "-", "prompt text (give this or `input_ids`)"),
-    Spec("input_ids", "TYPE_INT32", (-1,), "-", "prompt token ids (give this or `text_input`)"),
-    Spec("input_lengths", "TYPE_INT32", (1,), "row length", "valid length of a padded `input_ids` row"),
-    Spec("max_tokens", "TYPE_INT32", (1,), "`default_max_tokens` (64)", "tokens to generate at most"),
-    Spec("min_tokens", "TYPE_INT32", (1,), "0", "EOS and stop tokens are suppressed before this many"),
-    Spec("min_length", "TYPE_INT32", (1,), "0", "alias of `min_tokens` (sent by genai-perf)"),
-    Spec("stream", "TYPE_BOOL", (1,), "false", "one response per step (deltas) instead of one at the end"),
-    Spec("exclude_input_in_output", "TYPE_BOOL", (1,), "true if streaming, else false",
-         "leave the prompt out of `text_output` / `output_ids`"),
-    Spec("temperature", "TYPE_FP32", (1,), "0 (greedy) if no temperature/top_k/top_p, else 1.0", "sampling temperature"),
-    Spec("top_k", "TYPE_INT32", (1,), "0 (off)", "sample from the k most likely tokens"),
-    Spec("top_p", "TYPE_FP32", (1,), "1.0 (off)", "nucleus sampling mass, in (0, 1]"),
-    Spec("seed", "TYPE_UINT64", (1,), "random", "sampling seed"),
-    Spec("random_seed", "TYPE_UINT64", (1,), "random", "alias of `seed` (TensorRT-LLM name)"),
-    Spec("stop_words", "TYPE_STRING", (-1,), "none", "strings that end generation (cut from the text); empty strings ignored"),
-    Spec("bad_words", "TYPE_STRING", (-1,), "none", "strings whose token sequences are never generated"),
-    Spec("end_id", "TYPE_INT32", (1,), "the tokenizer's EOS", "token id that ends generation"),
-    Spec("pad_id", "TYPE_INT32", (1,), "-", "accepted and ignored"),
-    Spec("num_draft_tokens", "TYPE_INT32", (1,), "the configured K", "draft tokens per step; 0 turns speculation off"),
-    Spec("guided_decoding_guide_type", "TYPE_STRING", (1,), "none",
-         "one of " + ", ".join(f"`{g}`" for g in GUIDE_TYPES)),
-    Spec("guided_decoding_guide", "TYPE_STRING", (1,), "\"\"", "the schema / regex / grammar / tag / JSON list of choices"),
-    Spec("sampling_parameters", "TYPE_STRING", (1,), "none",
-         "vLLM backend JSON (max_tokens 16, temperature 1.0 when given); individual tensors override it"),
-    Spec("return_num_input_tokens", "TYPE_BOOL", (1,), "false", "add `num_input_tokens` to responses"),
-    Spec("return_num_output_tokens", "TYPE_BOOL", (1,), "false", "add `num_output_tokens` to responses"),
-    Spec("return_perf_metrics", "TYPE_BOOL", (1,), "false", "add the draft-token counters to responses"),
-    Spec("beam_width", "TYPE_INT32", (1,), "1", "only 1 is supported"),
-    Spec("frequency_penalty", "TYPE_FP32", (1,), "0 (off)",
-         "in [-2, 2]; subtracted from a token's logit once per occurrence in the output (OpenAI/vLLM)"),
-    Spec("presence_penalty", "TYPE_FP32", (1,), "0 (off)",
-         "in [-2, 2]; subtracted once from the logits of tokens already in the output (OpenAI/vLLM)"),
-    Spec("repetition_penalty", "TYPE_FP32", (1,), "1.0 (off)",
-         "> 0; divides positive / multiplies negative logits of tokens in the prompt or output (HF/TRT-LLM)"),
-    Spec("length_penalty", "TYPE_FP32", (1,), "1", "accepted and ignored (beam search only)"),
-    Spec("timeout_s", "TYPE_FP32", (1,), "`request_timeout_s` (0 = none)",
-         "time limit from arrival (queue + generation); past it the request ends with `finish_reason` `timeout`"),
-)
-
-OUTPUTS: tuple[Spec, ...] = (
-    Spec("text_output", "TYPE_STRING", (-1,), "", "one string per response: the new text when streaming, else all of it"),
-    Spec("output_ids", "TYPE_INT32", (-1,), "", "the token ids matching `text_output`"),
-    Spec("finish_reason", "TYPE_STRING", (1,), "", "`stop`, `length` or `timeout` on a sequence's last response, \"\" before"),
-    Spec("batch_index", "TYPE_INT32", (1,), "", "the request row this response belongs to"),
-    Spec("num_input_tokens", "TYPE_UINT32", (1,), "", "prompt tokens (with `return_num_input_tokens`)"),
-    Spec("num_output_tokens", "TYPE_UINT32", (1,), "", "generated tokens in this response (with `return_num_output_tokens`)"),
-    Spec("total_draft_tokens", "TYPE_INT32", (1,), "", "draft tokens proposed so far (with `return_perf_metrics`)"),
-    Spec("total_accepted_draft_tokens", "TYPE_INT32", (1,), "", "draft tokens accepted so far (with `return_perf_metrics`)"),
-    Spec("acceptance_rate", "TYPE_FP32", (1,), "", "accepted / proposed draft tokens (with `return_perf_metrics`)"),
-)
-
+INPUTS: tuple[Spec, ...] = TRTLLM_INPUTS  # the `specguide` model's inputs (the union of the interfaces)
+OUTPUTS: tuple[Spec, ...] = TRTLLM_OUTPUTS
 INPUT_NAMES = tuple(s.name for s in INPUTS)
 GUIDED_DISABLED_MESSAGE = "guided decoding is not enabled yet"
 VLLM_DEFAULT_MAX_TOKENS = 16
+VLLM_MAX_LOGPROBS = 20
 FAULT_PARAMETER = "specguide_fault"  # request parameter naming an injected fault (specguide.faults)
+CLIENT_PARAMETERS = "specguide_client_parameters"  # a proxy's client's parameters, as a JSON string
+# request parameters every interface accepts: internal ones, and the `Streaming` flag that
+# TensorRT-LLM's inflight_batcher_llm_client sends beside its tensors (ignored there as here)
+_KNOWN_PARAMETERS = frozenset({FAULT_PARAMETER, INTERFACE_PARAMETER, CLIENT_PARAMETERS, "Streaming"})
 
 
 @dataclass
@@ -113,13 +50,22 @@ class ParsedRequest:
     """One engine sequence plus how its responses are to be shaped."""
 
     request: Request
+    interface: str = "trtllm"  # trtllm | unary | vllm (interfaces.Interface.kind, "engine" -> "trtllm")
     stream: bool = False
     exclude_input: bool = True
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_perf_metrics: bool = False
+    return_log_probs: bool = False  # TensorRT-LLM: cum_log_probs + output_log_probs
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    return_finish_reason: bool = True  # vLLM sends finish_reason only when asked
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
+    top_logprobs: Optional[int] = None  # vLLM `logprobs: N`; None = the `logprobs` output is null
     batch_index: int = 0
-    echo_text: str = ""  # prepended to the first response when the prompt is echoed
+    sequence_index: int = 0
+    echo_text: str = ""  # prepended to the (one, non-streamed) response when the prompt is echoed
     echo_ids: list[int] = field(default_factory=list)
 
 
@@ -129,7 +75,7 @@ class ParsedRequest:
 
 
 def read_tensors(pb: Any, request: Any) -> dict[str, np.ndarray]:
-    """Every known input present in `request`, as numpy arrays of shape [B, ...]."""
+    """Every declared input present in `request`, as numpy arrays of shape [B, ...]."""
     tensors = {}
     for name in INPUT_NAMES:
         t = pb.get_input_tensor_by_name(request, name)
@@ -153,6 +99,20 @@ def read_parameters(request: Any) -> dict[str, Any]:
     return params if isinstance(params, dict) else {}
 
 
+def interface_of(parameters: dict[str, Any]) -> str:
+    """Which front end a request came through: `trtllm` (direct), `unary` or `vllm` (BLS proxies)."""
+    kind = str(parameters.get(INTERFACE_PARAMETER) or "trtllm")
+    if kind not in ("trtllm", "unary", "vllm"):
+        raise InvalidRequestError(f"unknown {INTERFACE_PARAMETER} {kind!r}")
+    return kind
+
+
+def is_stop_request(tensors: dict[str, np.ndarray]) -> bool:
+    """TensorRT-LLM's stop signal: `stop` true stops the running request with the same request id."""
+    stop = tensors.get("stop")
+    return stop is not None and bool(np.asarray(stop).reshape(-1).any())
+
+
 def parse_request(
     tensors: dict[str, np.ndarray],
     parameters: Optional[dict[str, Any]] = None,
@@ -163,16 +123,62 @@ def parse_request(
     guided_enabled: bool = False,
     request_id: str = "",
 ) -> list[ParsedRequest]:
-    """Map one Triton request (all its rows) to engine requests; raise InvalidRequestError on bad input.
+    """Map one Triton request (all its rows, all their return sequences) to engine requests.
 
-    Nothing is submitted here, so a bad row rejects the whole request before anything runs.
+    Raises InvalidRequestError on bad input. Nothing is submitted here, so a bad row rejects the
+    whole request before anything runs.
     """
-    parameters = parameters or {}
-    batch = _batch_size(tensors)
-    return [
-        _parse_row(tensors, parameters, b, default_max_tokens, max_tokens_limit, tokenizer, guided_enabled, request_id)
-        for b in range(batch)
-    ]
+    parameters = dict(parameters or {})
+    interface = interface_of(parameters)
+    client = parameters.pop(CLIENT_PARAMETERS, None)  # a proxy passes its client's parameters as JSON
+    if client:
+        parameters.update(_parse_json_object(client, "request parameters"))
+    tensors = _check_names(tensors, parameters, interface)
+    ctx = _Context(interface, default_max_tokens, max_tokens_limit, tokenizer, guided_enabled, request_id)
+    rows = []
+    for b in range(_batch_size(tensors)):
+        rows.extend(_parse_row(_Row(tensors, parameters, b), ctx))
+    return rows
+
+
+@dataclass
+class _Context:
+    interface: str
+    default_max_tokens: int
+    max_tokens_limit: int
+    tokenizer: Any
+    guided_enabled: bool
+    request_id: str
+
+
+def _check_names(tensors: dict[str, np.ndarray], parameters: dict[str, Any], interface: str) -> dict[str, np.ndarray]:
+    """Refuse what this interface does not know (naming it); fold the TensorRT-LLM spellings into one."""
+    known = VLLM_INPUT_NAMES if interface == "vllm" else TRTLLM_INPUT_NAMES
+    for name in tensors:
+        if name not in known:
+            other = "specguide_vllm (the vLLM interface)" if interface != "vllm" else "specguide (TensorRT-LLM)"
+            raise InvalidRequestError(f"input '{name}' is not part of this model's interface; it belongs to {other}")
+    if interface == "vllm":
+        for name in ("image", "embedding_request"):
+            if name in tensors:
+                raise UnsupportedError(f"input '{name}' is not supported: this model generates text from text")
+        bad = [k for k in parameters if k not in _KNOWN_PARAMETERS and k not in VLLM_SAMPLING_KEYS]
+        if bad:
+            raise InvalidRequestError(f"unknown request parameter '{bad[0]}' (not a vLLM sampling parameter)")
+        return tensors
+    out = dict(tensors)
+    for alias, canonical in ALIASES.items():
+        if alias in out:
+            if canonical in out:
+                raise InvalidRequestError(f"give either {canonical} or {alias} (the same setting), not both")
+            out[canonical] = out.pop(alias)
+    bad = [k for k in parameters if k not in _KNOWN_PARAMETERS and k not in TRTLLM_INPUT_NAMES]
+    if bad:
+        raise InvalidRequestError(f"unknown request parameter '{bad[0]}': not an input of this model")
+    for alias, canonical in ALIASES.items():  # a parameter spelled the other way is the same setting
+        if alias in parameters:
+            parameters.setdefault(canonical, parameters.pop(alias))
+    return out
 
 
 def _batch_size(tensors: dict[str, np.ndarray]) -> int:
@@ -229,81 +235,143 @@ class _Row:
             return []
         return [s for s in (_as_str(v, name) for v in vals) if s]
 
+    def word_lists(self, name: str) -> list[list[int]]:
+        """TensorRT-LLM's `[2, L]` word lists: flat token ids, then end offsets (-1 padded)."""
+        arr = self.tensors.get(name)
+        if arr is None:
+            return []
+        rows = np.asarray(arr[self.b] if arr.ndim == 3 else arr)
+        if rows.ndim != 2 or rows.shape[0] != 2:
+            raise InvalidRequestError(f"{name} must be [2, L] per row (token ids; end offsets), got {list(rows.shape)}")
+        ids, offsets = rows[0].tolist(), [int(o) for o in rows[1] if o >= 0]
+        words, start = [], 0
+        for end in offsets:
+            if not start < end <= len(ids) or min(ids[start:end]) < 0:
+                raise InvalidRequestError(f"{name}: offset {end} does not end a word of token ids")
+            words.append([int(i) for i in ids[start:end]])
+            start = end
+        return words
 
-def _parse_row(tensors, parameters, b, default_max_tokens, max_tokens_limit, tokenizer, guided_enabled, request_id):
-    row = _Row(tensors, parameters, b)
-    req = Request(request_id=request_id)
 
-    # prompt
-    if "text_input" in tensors:
-        req.prompt = row.str("text_input")
-        if not req.prompt:
-            raise InvalidRequestError("text_input is empty")
-    else:
-        ids = row.values("input_ids")
-        length = row.int("input_lengths")
-        if length is not None:
-            if not 0 < length <= ids.size:
-                raise InvalidRequestError(f"input_lengths {length} is outside [1, {ids.size}]")
-            ids = ids[:length]
-        if ids.size == 0:
-            raise InvalidRequestError("input_ids is empty")
-        req.prompt_ids = [int(i) for i in ids]
-        if min(req.prompt_ids) < 0:
-            raise InvalidRequestError("input_ids must be >= 0")
+def _parse_row(row: _Row, ctx: _Context) -> list[ParsedRequest]:
+    vllm = ctx.interface == "vllm"
+    base = Request(request_id=ctx.request_id)
+    _parse_prompt(row, base)
 
     # sampling: vLLM JSON first (with vLLM's defaults), then the individual tensors override it
     sp_json = row.str("sampling_parameters")
+    if vllm and not sp_json:  # the vLLM backend reads the request parameters instead of the tensor
+        sp_json = json.dumps({k: v for k, v in row.parameters.items() if k in VLLM_SAMPLING_KEYS})
     if sp_json:
-        vllm = _parse_vllm_json(sp_json)
-        sp = _from_vllm(vllm, tokenizer)
+        vllm_params = _parse_json_object(sp_json, "sampling_parameters")
+        sp = _from_vllm(vllm_params, ctx.tokenizer)
     else:
-        vllm, sp = None, SamplingParams(max_tokens=default_max_tokens, temperature=0.0)
-    _apply_tensor_sampling(row, sp, explicit_sampling=bool(sp_json), tokenizer=tokenizer)
-    sp.validate(max_tokens_limit)
-    req.params = sp
+        vllm_params, sp = None, SamplingParams(max_tokens=ctx.default_max_tokens, temperature=0.0)
+    if not vllm:
+        _apply_tensor_sampling(row, sp, explicit_sampling=bool(sp_json), tokenizer=ctx.tokenizer)
+    sp.validate(ctx.max_tokens_limit)
+    base.params = sp
 
     # guided decoding: the TensorRT-LLM tensors or the vLLM JSON (one guide; guided.params checks it)
-    req.guided = resolve_guided(row.str("guided_decoding_guide_type"), row.str("guided_decoding_guide"), vllm)
-    if req.guided is not None and not guided_enabled:
+    base.guided = resolve_guided(row.str("guided_decoding_guide_type"), row.str("guided_decoding_guide"), vllm_params)
+    if base.guided is not None and not ctx.guided_enabled:
         raise UnsupportedError(GUIDED_DISABLED_MESSAGE)
 
-    # speculation
     k = row.int("num_draft_tokens")
     if k is not None and k < 0:
         raise InvalidRequestError(f"num_draft_tokens must be >= 0, got {k}")
-    req.num_draft_tokens = k
-
-    # time limit; an injected fault (tests; only with SPECGUIDE_FAULT_INJECTION=1)
+    base.num_draft_tokens = k
     timeout = row.float("timeout_s")
     if timeout is not None and not (0.0 <= timeout < math.inf):
         raise InvalidRequestError(f"timeout_s must be a finite number >= 0 (0 = none), got {timeout}")
-    req.timeout_s = timeout
-    if faults.enabled():
-        fault = parameters.get(FAULT_PARAMETER)
+    base.timeout_s = timeout
+    if faults.enabled():  # an injected fault (tests; only with SPECGUIDE_FAULT_INJECTION=1)
+        fault = row.parameters.get(FAULT_PARAMETER)
         faults.parse(fault)  # a bad fault name is INVALID_ARG here
-        req.fault = fault
+        base.fault = fault
 
-    # response shape
+    shape = _response_shape(row, ctx, vllm_params)
+    n = row.int("num_return_sequences")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_RETURN_SEQUENCES:
+        raise InvalidRequestError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], got {n}")
+    out = []
+    for i in range(n):
+        req = copy.deepcopy(base) if i else base
+        if i and req.params.seed is not None:  # each return sequence its own stream of randomness
+            req.params.seed = (req.params.seed + i) % 2**64
+        out.append(dataclasses.replace(shape, request=req, sequence_index=i))
+    for p in out:
+        sp = p.request.params
+        sp.return_log_probs = shape.return_log_probs or shape.return_cumulative_logprob or shape.return_logprobs
+        sp.top_logprobs = (shape.top_logprobs or 0) if shape.return_logprobs else 0
+        sp.return_generation_logits = shape.return_generation_logits
+        sp.return_context_logits = shape.return_context_logits
+        if not p.exclude_input:
+            p.echo_text, p.echo_ids = _echo(p.request, ctx.tokenizer)
+    return out
+
+
+MAX_RETURN_SEQUENCES = 16
+
+
+def _parse_prompt(row: _Row, req: Request) -> None:
+    if "text_input" in row.tensors:
+        req.prompt = row.str("text_input")
+        if not req.prompt:
+            raise InvalidRequestError("text_input is empty")
+        return
+    ids = row.values("input_ids")
+    length = row.int("input_lengths")
+    if length is not None:
+        if not 0 < length <= ids.size:
+            raise InvalidRequestError(f"input_lengths {length} is outside [1, {ids.size}]")
+        ids = ids[:length]
+    if ids.size == 0:
+        raise InvalidRequestError("input_ids is empty")
+    req.prompt_ids = [int(i) for i in ids]
+    if min(req.prompt_ids) < 0:
+        raise InvalidRequestError("input_ids must be >= 0")
+
+
+def _response_shape(row: _Row, ctx: _Context, vllm_params: Optional[dict]) -> ParsedRequest:
+    """How the row's responses look (a ParsedRequest without its engine request yet)."""
     stream = bool(row.bool("stream"))
     exclude = row.bool("exclude_input_in_output")
-    parsed = ParsedRequest(
-        request=req,
-        stream=stream,
-        exclude_input=stream if exclude is None else exclude,
-        return_num_input_tokens=bool(row.bool("return_num_input_tokens")),
-        return_num_output_tokens=bool(row.bool("return_num_output_tokens")),
-        return_perf_metrics=bool(row.bool("return_perf_metrics")),
-        batch_index=b,
-    )
-    if not parsed.exclude_input:
-        parsed.echo_text, parsed.echo_ids = _echo(req, tokenizer)
-    return parsed
+    p = ParsedRequest(request=None, interface=ctx.interface, stream=stream, batch_index=row.b,
+                      return_num_input_tokens=bool(row.bool("return_num_input_tokens")),
+                      return_num_output_tokens=bool(row.bool("return_num_output_tokens")))
+    if ctx.interface == "vllm":
+        if stream and exclude is False:
+            raise InvalidRequestError("When streaming, `exclude_input_in_output` = False is not allowed.")
+        p.exclude_input = stream if exclude is None else exclude
+        p.return_finish_reason = bool(row.bool("return_finish_reason"))
+        p.return_cumulative_logprob = bool(row.bool("return_cumulative_logprob"))
+        p.return_logprobs = bool(row.bool("return_logprobs"))
+        n = (vllm_params or {}).get("logprobs")
+        if n is not None:
+            p.top_logprobs = _as_int(n, "logprobs")
+            if not 0 <= p.top_logprobs <= VLLM_MAX_LOGPROBS:
+                raise InvalidRequestError(f"logprobs must be in [0, {VLLM_MAX_LOGPROBS}], got {p.top_logprobs}")
+    else:
+        if stream and ctx.interface == "unary":
+            raise InvalidRequestError("stream=true needs a decoupled model: send streaming requests to `specguide`")
+        # TensorRT-LLM: the prompt is part of a whole response unless excluded, and never streamed
+        p.exclude_input = True if stream else bool(exclude)
+        p.return_perf_metrics = bool(row.bool("return_perf_metrics"))
+        p.return_log_probs = bool(row.bool("return_log_probs"))
+        p.return_context_logits = bool(row.bool("return_context_logits"))
+        p.return_generation_logits = bool(row.bool("return_generation_logits"))
+        _check_neutral("beam_width", row.int("beam_width"), 1)
+    return p
 
 
 def _apply_tensor_sampling(row: _Row, sp: SamplingParams, explicit_sampling: bool, tokenizer: Any) -> None:
-    """TensorRT-LLM tensors. Greedy unless temperature, top_k or top_p is given (TRT-LLM's rule)."""
+    """TensorRT-LLM tensors. Greedy unless temperature, top_k or top_p is given (TRT-LLM's rule);
+    `top_k` / `top_p` <= 0 mean unset, as TensorRT-LLM's clients send 0 by default."""
     temperature, top_k, top_p = row.float("temperature"), row.int("top_k"), row.float("top_p")
+    top_k = top_k if top_k is not None and top_k > 0 else None
+    top_p = top_p if top_p is not None and top_p > 0 else None
     if not explicit_sampling and (temperature is not None or top_k is not None or top_p is not None):
         sp.temperature = 1.0
     if temperature is not None:
@@ -316,29 +384,25 @@ def _apply_tensor_sampling(row: _Row, sp: SamplingParams, explicit_sampling: boo
     if max_tokens is not None:
         sp.max_tokens = max_tokens
     min_tokens = row.int("min_tokens")
-    if min_tokens is None:
-        min_tokens = row.int("min_length")
     if min_tokens is not None:
         sp.min_tokens = min_tokens
     seed = row.int("seed")
-    if seed is None:
-        seed = row.int("random_seed")
     if seed is not None:
         sp.seed = seed
     end_id = row.int("end_id")
     if end_id is not None:
         sp.end_id = end_id
-    stop = row.strs("stop_words")
+    # stop words end the sequence on their token sequences and stay in the output (TensorRT-LLM)
+    stop = _encode_words(row.strs("stop_words"), tokenizer) + row.word_lists("stop_words_list")
     if stop:
-        sp.stop = list(sp.stop) + stop
-    bad = row.strs("bad_words")
+        sp.stop_token_seqs = list(sp.stop_token_seqs) + stop
+    bad = _encode_words(row.strs("bad_words"), tokenizer) + row.word_lists("bad_words_list")
     if bad:
-        sp.bad_words_ids = list(sp.bad_words_ids) + _encode_words(bad, tokenizer)
+        sp.bad_words_ids = list(sp.bad_words_ids) + bad
     for key in _PENALTIES:  # checked by SamplingParams.validate; they do not turn sampling on
         v = row.float(key)
         if v is not None:
             setattr(sp, key, v)
-    _check_neutral("beam_width", row.int("beam_width"), 1)
 
 
 # Sampling penalties: the TensorRT-LLM tensors and the vLLM keys have the same names.
@@ -346,29 +410,42 @@ _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 # vLLM SamplingParams fields we accept only at their neutral value, and fields we ignore.
 _VLLM_NEUTRAL = {
-    "n": 1, "best_of": 1, "logprobs": 0, "prompt_logprobs": 0, "use_beam_search": False, "length_penalty": 1.0,
-    "min_p": 0.0,
+    "n": 1, "best_of": 1, "prompt_logprobs": 0, "use_beam_search": False, "length_penalty": 1.0,
+    "min_p": 0.0, "include_stop_str_in_output": False,
 }
 _VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
 _VLLM_FLOATS = ("temperature", "top_p") + _PENALTIES
+# accepted and without effect here: output formatting vLLM does its own way, and the LoRA name
+# (null only), the structured-output backend options (read by guided.params)
+_VLLM_IGNORED = ("detokenize", "skip_special_tokens", "spaces_between_special_tokens", "output_kind",
+                 "truncate_prompt_tokens", "lora_name", "logprobs", "structured_outputs", "guided_decoding",
+                 "max_completion_tokens", "stop", "stop_token_ids", "ignore_eos", "bad_words", "early_stopping",
+                 "extra_args")
+VLLM_SAMPLING_KEYS = frozenset(_VLLM_INTS + _VLLM_FLOATS + tuple(_VLLM_NEUTRAL) + _VLLM_IGNORED)
 
 
-def _parse_vllm_json(text: str) -> dict[str, Any]:
+def _parse_json_object(text: Any, what: str) -> dict[str, Any]:
+    if isinstance(text, dict):
+        return text
     try:
         d = json.loads(text)
     except ValueError as e:
-        raise InvalidRequestError(f"sampling_parameters is not valid JSON: {e}") from None
+        raise InvalidRequestError(f"{what} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
-        raise InvalidRequestError("sampling_parameters must be a JSON object")
+        raise InvalidRequestError(f"{what} must be a JSON object")
     return d
 
 
 def _from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
     """The vLLM backend's `sampling_parameters`, with vLLM's defaults (max_tokens 16, temperature 1.0).
 
-    Values may be strings ("max_tokens": "16"), as genai-perf sends them. Unknown keys are ignored.
-    The guide (`structured_outputs` / `guided_decoding`) is read by guided.params.resolve_guided.
+    Values may be strings ("max_tokens": "16"), as genai-perf sends them. A key vLLM does not know
+    is an error naming it. The guide (`structured_outputs` / `guided_decoding`) is read by
+    guided.params.resolve_guided.
     """
+    unknown = [k for k in d if k not in VLLM_SAMPLING_KEYS]
+    if unknown:
+        raise InvalidRequestError(f"sampling_parameters: unknown key '{unknown[0]}'")
     sp = SamplingParams(max_tokens=VLLM_DEFAULT_MAX_TOKENS, temperature=1.0)
     for key in _VLLM_INTS:
         if d.get(key) is not None:
@@ -389,109 +466,13 @@ def _from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
         sp.ignore_eos = bool(_as_bool(d["ignore_eos"], "ignore_eos"))
     if d.get("bad_words"):
         sp.bad_words_ids = _encode_words([_as_str(w, "bad_words") for w in _as_list(d["bad_words"], "bad_words")], tokenizer)
+    if d.get("lora_name") is not None:
+        raise UnsupportedError(f"lora_name={d['lora_name']!r} is not supported (no LoRA adapters are loaded)")
     for key, neutral in _VLLM_NEUTRAL.items():
         v = d.get(key)
         if v is not None:
             _check_neutral(key, _as_bool(v, key) if isinstance(neutral, bool) else _as_float(v, key), neutral)
     return sp
-
-
-# --------------------------------------------------------------------------------------------
-# Responses
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Payload:
-    """What to send for one engine event: output tensors, or an error; and whether the sequence ended."""
-
-    outputs: Optional[dict[str, np.ndarray]] = None
-    error: Optional[str] = None
-    error_code: str = "INTERNAL"  # a pb.TritonError attribute name
-    finished: bool = False
-
-
-class SequenceStream:
-    """Turns one sequence's RequestOutput events into response payloads.
-
-    Streaming: one payload per event (the delta), the last one on the finishing event.
-    Not streaming: nothing until the finishing event, then one payload with all the text.
-    """
-
-    def __init__(self, parsed: ParsedRequest):
-        self.parsed = parsed
-        self.text: list[str] = []
-        self.ids: list[int] = []
-        self.echo_pending = not parsed.exclude_input
-
-    def on_output(self, out: RequestOutput) -> Optional[Payload]:
-        p = self.parsed
-        if out.finished and out.finish_reason == "error":
-            return Payload(error=out.error or "generation failed", error_code=event_error_code(out), finished=True)
-        if out.finished and out.finish_reason == "cancelled":
-            return Payload(error="request was cancelled", error_code="CANCELLED", finished=True)
-        if not p.stream:
-            self.text.append(out.text)
-            self.ids.extend(out.token_ids)
-            if not out.finished:
-                return None
-            text, ids, n_out = "".join(self.text), self.ids, out.num_output_tokens
-        else:
-            if not out.finished and not out.text and not out.token_ids:
-                return None
-            text, ids, n_out = out.text, list(out.token_ids), len(out.token_ids)
-        if self.echo_pending:
-            text, ids = p.echo_text + text, list(p.echo_ids) + list(ids)
-            self.echo_pending = False
-        outputs = {
-            "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
-            "output_ids": np.array([ids], dtype=np.int32).reshape(1, -1),
-            "finish_reason": np.array([[(out.finish_reason or "").encode() if out.finished else b""]], dtype=np.object_),
-            "batch_index": np.array([[p.batch_index]], dtype=np.int32),
-        }
-        if p.return_num_input_tokens:
-            outputs["num_input_tokens"] = np.array([[out.num_input_tokens]], dtype=np.uint32)
-        if p.return_num_output_tokens:
-            outputs["num_output_tokens"] = np.array([[n_out]], dtype=np.uint32)
-        if p.return_perf_metrics:
-            drafted = int(getattr(out, "total_draft_tokens", 0) or 0)
-            accepted = int(getattr(out, "total_accepted_draft_tokens", 0) or 0)
-            outputs["total_draft_tokens"] = np.array([[drafted]], dtype=np.int32)
-            outputs["total_accepted_draft_tokens"] = np.array([[accepted]], dtype=np.int32)
-            outputs["acceptance_rate"] = np.array([[accepted / drafted if drafted else 0.0]], dtype=np.float32)
-        return Payload(outputs=outputs, finished=out.finished)
-
-
-def to_response(pb: Any, payload: Payload) -> Any:
-    if payload.error is not None:
-        return error_response(pb, payload.error, payload.error_code)
-    return pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in payload.outputs.items()])
-
-
-def error_code(exc: BaseException) -> str:
-    """The pb.TritonError code name for an exception raised while mapping or submitting."""
-    if isinstance(exc, UnsupportedError):
-        return "UNSUPPORTED"
-    if isinstance(exc, (InvalidRequestError, ValueError)):
-        return "INVALID_ARG"
-    if isinstance(exc, (QueueFullError, EngineDeadError)):
-        return "UNAVAILABLE"
-    return "INTERNAL"
-
-
-# codes an engine error event may carry (RequestOutput.error_code); anything else is INTERNAL
-_EVENT_ERROR_CODES = ("INVALID_ARG", "UNSUPPORTED", "UNAVAILABLE", "INTERNAL")
-
-
-def event_error_code(out: RequestOutput) -> str:
-    """The pb.TritonError code name for an engine error event (e.g. INVALID_ARG for a bad guide)."""
-    code = (getattr(out, "error_code", None) or "INTERNAL").upper()
-    return code if code in _EVENT_ERROR_CODES else "INTERNAL"
-
-
-def error_response(pb: Any, message: str, code: str = "INTERNAL") -> Any:
-    err_cls = pb.TritonError
-    return pb.InferenceResponse(output_tensors=[], error=err_cls(message, getattr(err_cls, code, err_cls.INTERNAL)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,8 +489,10 @@ def _echo(req: Request, tokenizer: Any) -> tuple[str, list[int]]:
 
 
 def _encode_words(words: list[str], tokenizer: Any) -> list[list[int]]:
+    if not words:
+        return []
     if tokenizer is None:
-        raise InvalidRequestError("bad_words needs a tokenizer")
+        raise InvalidRequestError("stop/bad words need a tokenizer")
     return [list(tokenizer.encode(w)) for w in words if w]
 
 
