@@ -95,6 +95,8 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            keep = Path(tempfile.gettempdir()) / f"bench_interfaces_{len(list(self.dir.iterdir())) - 1}names_server.log"
+            shutil.copy(self.dir / "server.log", keep)  # kept for a post-mortem
             shutil.rmtree(self.dir, ignore_errors=True)
 
 

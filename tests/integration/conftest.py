@@ -125,6 +125,8 @@ def stop_and_check(srv: Server, allow_tracebacks: bool = False) -> None:
     _stop(srv.proc)
     log_text = srv.log.read_text(errors="replace")
     assert f"successfully unloaded '{MODEL}'" in log_text, f"the model did not unload cleanly:\n{srv.log_tail()}"
+    crash = re.search(r"Signal \((?!15\))\d+\)", log_text)  # 15 = our SIGTERM
+    assert crash is None, f"tritonserver crashed ({crash and crash.group(0)}):\n{srv.log_tail(80)}"
     if not allow_tracebacks:
         assert "Traceback" not in log_text, f"a Python error in the server log:\n{srv.log_tail(200)}"
 

@@ -233,6 +233,28 @@ def test_unary_model_infer_over_grpc_and_http(server):
 # ------------------------------------------------------------------ vLLM clients
 
 
+def test_concurrent_unary_requests_leave_the_server_up(server):
+    """16 `infer()` calls through specguide_unary, 4 at a time, each long enough to be polled for
+    cancellation many times: the poll must never ask a finished request's sender (Triton freed its
+    response factory: the server died with SIGSEGV here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> int:
+        client = grpcclient.InferenceServerClient(server.grpc)
+        try:
+            r = client.infer("specguide_unary", _grpc_inputs({"text_input": S(f"{PROMPT} {i}"), "max_tokens": I(24),
+                                                              "return_num_output_tokens": B(True),
+                                                              "sampling_parameters": S('{"ignore_eos": true}')}))
+            return int(r.as_numpy("num_output_tokens").reshape(-1)[0])
+        finally:
+            client.close()
+    for _ in range(2):
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(8))) == [24] * 8
+    assert _greedy(server, PROMPT, 2)[1]  # still serving
+    assert "Signal (11)" not in server.log.read_text(errors="replace")
+
+
 def test_vllm_sample_client_unchanged(server, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello, my name is\nThe most dangerous animal is\n")

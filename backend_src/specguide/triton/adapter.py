@@ -288,10 +288,13 @@ class TritonPythonModel:
             return
         g = seq.group
         if not g.cancel_seen:
-            try:
-                g.cancel_seen = bool(g.sender.is_cancelled())
-            except Exception:
-                return
+            with g.lock:  # NOTE: never ask a sender that sent FINAL: its response factory is freed (segfault)
+                if g.closed:
+                    return
+                try:
+                    g.cancel_seen = bool(g.sender.is_cancelled())
+                except Exception:
+                    return
         if g.cancel_seen:
             seq.cancel_sent = True
             self.engine.cancel(seq.seq_id)

@@ -30,11 +30,33 @@ CLIENT_PARAMETERS = "specguide_client_parameters"  # = io.CLIENT_PARAMETERS (io 
 
 
 class _Live:
-    """One client request in flight: its sender and the id of its BLS request."""
+    """One client request in flight: its sender and the id of its BLS request.
+
+    NOTE: once FINAL is sent, Triton frees the request's response factory, and `is_cancelled()`
+    on its sender reads freed memory (the server segfaults): FINAL and the cancellation poll take
+    `lock`, and the poll skips a request whose FINAL went out."""
 
     def __init__(self, sender: Any, bls_id: str):
         self.sender, self.bls_id = sender, bls_id
         self.cancel_sent = False
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def send(self, response: Any, flags: int) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = bool(flags & FINAL)
+            _send(self.sender, response, flags)
+
+    def is_cancelled(self) -> bool:
+        with self.lock:
+            if self.closed:
+                return False
+            try:
+                return bool(self.sender.is_cancelled())
+            except Exception:
+                return False
 
 
 class TritonPythonModel:
@@ -49,6 +71,7 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         assert self.decoupled == (self.kind == "vllm"), "specguide_vllm is decoupled, specguide_unary is not"
         self._live: set[_Live] = set()
+        self._threads: set[threading.Thread] = set()  # one per request in flight
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"{self.kind}-cancel-poll", daemon=True)
@@ -56,7 +79,10 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         for request in requests:
-            threading.Thread(target=self._run, args=(request,), daemon=True).start()
+            t = threading.Thread(target=self._run, args=(request,), daemon=True)
+            with self._lock:
+                self._threads.add(t)
+            t.start()
         return None
 
     # ------------------------------------------------------------------ one request
@@ -69,10 +95,11 @@ class TritonPythonModel:
         try:
             self._forward(request, live)
         except Exception as e:  # never leave a client without its FINAL
-            _send(sender, _error(f"{type(e).__name__}: {e}"), FINAL)
+            live.send(_error(f"{type(e).__name__}: {e}"), FINAL)
         finally:
             with self._lock:
                 self._live.discard(live)
+                self._threads.discard(threading.current_thread())
 
     def _forward(self, request: Any, live: _Live) -> None:
         tensors = []
@@ -82,7 +109,7 @@ class TritonPythonModel:
                 message = f"input '{name}' is not supported: this model generates text from text"
                 prefix = "Error generating stream: " if self.kind == "vllm" else ""
                 code = pb_utils.TritonError.UNSUPPORTED
-                _send(live.sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(prefix + message, code)), FINAL)
+                live.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(prefix + message, code)), FINAL)
                 return
             if t is not None:
                 arr = t.as_numpy()
@@ -97,21 +124,21 @@ class TritonPythonModel:
         last = None
         for response in bls.exec(decoupled=True):
             if response.has_error():
-                _send(live.sender, pb_utils.InferenceResponse(error=response.error()), FINAL)
+                live.send(pb_utils.InferenceResponse(error=response.error()), FINAL)
                 return
             outputs = response.output_tensors()
             if not outputs:  # the engine model's flag-only FINAL
                 continue
             if self.decoupled:
-                _send(live.sender, pb_utils.InferenceResponse(output_tensors=outputs), 0)
+                live.send(pb_utils.InferenceResponse(output_tensors=outputs), 0)
             else:
                 last = outputs
         if self.decoupled:
-            _send(live.sender, None, FINAL)
+            live.send(None, FINAL)
         elif last is None:
-            _send(live.sender, _error("the engine model sent no response"), FINAL)
+            live.send(_error("the engine model sent no response"), FINAL)
         else:
-            _send(live.sender, pb_utils.InferenceResponse(output_tensors=last), FINAL)
+            live.send(pb_utils.InferenceResponse(output_tensors=last), FINAL)
 
     # ------------------------------------------------------------------ cancellation
 
@@ -120,11 +147,7 @@ class TritonPythonModel:
             with self._lock:
                 live = [x for x in self._live if not x.cancel_sent]
             for x in live:
-                try:
-                    cancelled = bool(x.sender.is_cancelled())
-                except Exception:
-                    cancelled = False
-                if cancelled:
+                if x.is_cancelled():
                     x.cancel_sent = True
                     self._send_stop(x.bls_id)
 
@@ -144,10 +167,18 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"specguide proxy: could not cancel {bls_id}: {e}")
 
     def finalize(self) -> None:
+        """Wait for the requests in flight (the engine model drains them), then for every thread.
+
+        NOTE: a thread of ours still running while the stub tears its interpreter down segfaults it."""
         self._closing.set()
         deadline = time.monotonic() + 30.0
-        while self._live and time.monotonic() < deadline:  # in-flight requests finish (or the engine drains them)
-            time.sleep(0.05)
+        self._poller.join(timeout=5.0)
+        while time.monotonic() < deadline:
+            with self._lock:
+                threads = list(self._threads)
+            if not threads:
+                break
+            threads[0].join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _error(message: str) -> Any:
