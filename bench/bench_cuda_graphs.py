@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 
 import torch  # noqa: E402
+from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"}}, "required": ["name", "age", "city"]}
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    print(cpu_header(), flush=True)
     if not torch.cuda.is_available():
         sys.exit("bench_cuda_graphs.py measures CUDA graphs and needs a CUDA GPU; none is visible here "
                  "(run it on a GPU host: python bench/bench_cuda_graphs.py).")

@@ -1,6 +1,9 @@
 """Engine vs transformers `generate`, side by side in one run (greedy, N new tokens).
 
-    python bench/bench_engine.py [--new-tokens 128] [--runs float32:0,float32:3,bfloat16:0] [--concurrency 8]
+    python bench/bench_engine.py [--new-tokens 128] [--runs float32:0,auto:0,int8:3] [--concurrency 8]
+
+A run is `FORMAT:K`: FORMAT a `weight_dtype` (float32, auto, q4_1, q8_0, int8, w-bfloat16 for bf16
+weights) or the compute dtype `bfloat16` / `float16`; K the draft tokens (0 = no speculation).
 
 Reports, on the same prompts:
   * transformers generate, batch 1, one request after another (fp32)
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import threading
@@ -22,8 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from specguide.config import EngineConfig  # noqa: E402
+from machine import cpu_header  # noqa: E402
+
+from specguide.config import WEIGHT_DTYPES, EngineConfig  # noqa: E402
 from specguide.engine import Engine  # noqa: E402
 from specguide.models.loader import resolve_model_dir  # noqa: E402
 from specguide.request import Request, SamplingParams  # noqa: E402
@@ -95,27 +100,31 @@ def run_engine_concurrent(engine: Engine, prompts: list[list[int]], n: int) -> f
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--runs", default="float32:0,float32:3,bfloat16:0",
-                    help="engine runs as dtype:K (K = draft tokens, 0 = no speculation)")
+    ap.add_argument("--runs", default="float32:0,auto:0,float32:3,auto:3",
+                    help="engine runs as FORMAT:K (see the module docstring; K = draft tokens, 0 = no speculation)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
     n = args.new_tokens
+    print(cpu_header(), flush=True)
     model_dir = resolve_model_dir()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok.encode(p) for p in PROMPTS[: args.concurrency]]
     seq_prompts = prompts[:4]
-    results: dict[str, object] = {"machine": f"{platform.processor() or platform.machine()}, "
-                                             f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+    results: dict[str, object] = {"machine": f"{cpu_header()}, {torch.get_num_threads()} threads, "
+                                             f"torch {torch.__version__}",
                                   "new_tokens": n}
     hf_tps, hf_outs = bench_hf(model_dir, seq_prompts, n)
     results["hf_generate_fp32_b1_tok_s"] = round(hf_tps, 1)
     print(f"transformers generate fp32 batch 1: {hf_tps:.1f} tok/s", flush=True)
     for spec in args.runs.split(","):
         dtype, k = spec.split(":")
-        engine = Engine(EngineConfig(dtype=dtype, max_slots=max(8, args.concurrency), max_seq_len=1024,
+        wd = dtype.removeprefix("w-") if dtype.startswith("w-") or dtype not in ("bfloat16", "float16") else "float32"
+        assert wd in WEIGHT_DTYPES, f"unknown run {spec!r}"
+        engine = Engine(EngineConfig(dtype=dtype if wd == "float32" and dtype != "float32" else "float32",
+                                     weight_dtype=wd, max_slots=max(8, args.concurrency), max_seq_len=1024,
                                      num_draft_tokens=int(k)))
         run_engine_sequential(engine, seq_prompts[:1], 8)  # warm-up
         e2e, dec, ttft, outs = run_engine_sequential(engine, seq_prompts, n)

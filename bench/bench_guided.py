@@ -53,6 +53,7 @@ from specguide.engine import Engine  # noqa: E402
 from specguide.guided import GrammarCompilerService  # noqa: E402
 from specguide.models.loader import resolve_model_dir  # noqa: E402
 from specguide.request import GuidedDecodingParams, InvalidRequestError, Request, SamplingParams  # noqa: E402
+from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 DATA_DIR = BENCH.parents[1] / "shared" / "data" / "jsonschemabench_dev"
 INSTRUCTION = ("Generate a JSON object that follows this JSON schema. Reply with the JSON object only, "
@@ -309,6 +310,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="guided / matched pairs per group at batch --concurrency")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weight-dtype", default="auto", help="EngineConfig.weight_dtype (auto | float32 | q4_1 | ...)")
     ap.add_argument("--fill-batch-sizes", default="1,8,32")
     ap.add_argument("--fill-steps", type=int, default=64)
     ap.add_argument("--draft-tokens", type=int, default=0,
@@ -318,6 +320,7 @@ def main() -> None:
     ap.add_argument("--skip-compile", action="store_true", help="no compile / mask-fill micro-benchmark")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    print(cpu_header(), flush=True)
     T0 = time.perf_counter()
     DRAFT_TOKENS[0] = None if args.draft_tokens < 0 else args.draft_tokens
     load_start = os.getloadavg()
@@ -325,7 +328,7 @@ def main() -> None:
 
     schemas = load_schemas(Path(args.data_dir))
     model_dir = resolve_model_dir()
-    engine = Engine(EngineConfig(dtype=args.dtype, max_slots=max(8, c), max_seq_len=2048))
+    engine = Engine(EngineConfig(dtype=args.dtype, weight_dtype=args.weight_dtype, max_slots=max(8, c), max_seq_len=2048))
     timers = StepTimers(engine)
     picked = pick_schemas(schemas, engine, args.num_schemas, args.max_schema_tokens)
     prompts = build_prompts(engine, picked)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 from specguide.guided import GrammarCompilerService, GuidedDecoder  # noqa: E402
 from specguide.models.loader import resolve_model_dir  # noqa: E402
 from specguide.request import GuidedDecodingParams, InvalidRequestError  # noqa: E402
+from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,6 +123,7 @@ def main() -> None:
     ap.add_argument("--threads", default="auto", help="BatchGrammarMatcher threads: an int or auto")
     ap.add_argument("--json", help="also write the raw figures here")
     args = ap.parse_args()
+    print(cpu_header(), flush=True)
 
     from transformers import AutoConfig, AutoTokenizer
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("specguide", "specguide_unary", "specguide_vllm")
@@ -186,7 +187,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores)", flush=True)
+    print(cpu_header(), flush=True)
 
     mem = {}
     for names in (("specguide",), NAMES):

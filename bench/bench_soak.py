@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from client import soak  # noqa: E402
+from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def free_port() -> int:
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=64)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    print(cpu_header(), flush=True)
     http, grpc, metrics = free_port(), free_port(), free_port()
     env = {**os.environ, "TRITON_HTTP_PORT": str(http), "TRITON_GRPC_PORT": str(grpc), "TRITON_METRICS_PORT": str(metrics)}
     log = tempfile.NamedTemporaryFile(prefix="soak-server-", suffix=".log", delete=False)

@@ -33,6 +33,7 @@ from specguide.engine import Engine  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 
 from specguide.speculative.prompts import CHAT_BENCH as CHAT, load_schemas, schema_message  # noqa: E402
+from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def schema_prompts(engine: Engine, n: int) -> list[tuple[str, str]]:
@@ -89,13 +90,14 @@ def main() -> None:
                          "early_exit_unmasked | draft_model")
     ap.add_argument("--adaptive-k", type=int, default=1)
     ap.add_argument("--cost-aware-k", type=int, default=0)
-    ap.add_argument("--weight-dtypes", default="float32", help="comma list of float32 | bfloat16 | int8")
+    ap.add_argument("--weight-dtypes", default="float32", help="comma list of weight_dtype values (float32 | auto | q4_1 | q8_0 | bfloat16 | int8)")
     ap.add_argument("--draft-head-weight-dtypes", default="int8",
                     help="comma list: the draft head's weights (head / hybrid drafters; '' = the target's)")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
     ap.add_argument("--repeats", type=int, default=1, help="alternate off / K runs this often; mean tok/s")
     ap.add_argument("--json")
     args = ap.parse_args()
+    print(cpu_header(), flush=True)
     ks = [int(k) for k in args.ks.split(",")]
     Kmax = max(ks + [3])
     results = []

@@ -25,6 +25,7 @@ from specguide.engine import Engine  # noqa: E402
 from specguide.models.linear import InvariantLinear  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 from specguide.speculative.prompts import CHAT_BENCH, load_schemas, schema_message  # noqa: E402
+from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def answers(engine: Engine, work: list[tuple[str, GuidedDecodingParams | None]], max_tokens: int) -> list[list[int]]:
@@ -61,11 +62,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--schemas", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--weight-dtypes", default="float32,auto,q4_1,bfloat16,int8",
+                    help="comma list of weight_dtype values; the first is the reference")
     ap.add_argument("--json")
     args = ap.parse_args()
+    print(cpu_header(), flush=True)
     engines = {wd: Engine(EngineConfig(max_slots=2, max_seq_len=2048, num_draft_tokens=0, weight_dtype=wd))
-               for wd in ("float32", "bfloat16", "int8")}
-    ref = engines["float32"]
+               for wd in args.weight_dtypes.split(",")}
+    ref = engines[args.weight_dtypes.split(",")[0]]
     tok = ref.tokenizer
     work = {"guided_json": [(tok.apply_chat_template([{"role": "user", "content": schema_message(s)}]),
                              GuidedDecodingParams("json_schema", s))

@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 DTYPES = ("float32", "bfloat16", "float16")
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0")  # how the C kernels hold a weight
+WEIGHT_DTYPES = WEIGHT_FORMATS + ("auto",)  # auto: each weight in the narrowest format that holds it exactly
 DRAFTERS = ("ngram", "grammar", "head", "hybrid", "early_exit", "draft_model")
 
 
@@ -17,9 +18,11 @@ class EngineConfig:
     model_dir: str = ""  # HF folder (safetensors); "" = the embedded default model
     gguf_file: str = ""  # optional GGUF file inside model_dir (converted once, cached)
     dtype: str = "float32"
-    weight_dtype: str = "float32"  # how linear weights are held on CPU: "float32" (exact), "bfloat16" or
-    # "int8" (weight-only quantization, per-output-channel scales; fp32 activations and accumulation,
-    # still batch-invariant; needs dtype float32 and the C kernels): decode reads 2x / 4x fewer bytes
+    weight_dtype: str = "float32"  # how linear weights are held on CPU (C kernels, dtype float32; fp32
+    # activations and accumulation, batch-invariant): "float32"; "bfloat16", "int8" (per-output-channel
+    # scales), "q4_1" (GGUF Q4_1 blocks of 32; the LM head Q8_0), "q8_0": weight-only quantization;
+    # "auto": each weight in the narrowest of q4_1 / q8_0 / bfloat16 / float32 that holds it exactly
+    # (the default GGUF model: Q4_1 layers and a Q8_0 head, the same logits as float32)
     device: str = "cpu"  # "cpu", "cuda", "auto"
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     max_slots: int = 8  # sequences decoded together (static KV cache rows)

@@ -72,9 +72,40 @@ def test_speculation_is_lossless_against_the_same_quantized_weights(quantized, w
     assert sum(f.total_draft_tokens for f in finals) > 0
 
 
+@pytest.fixture(scope="module")
+def shipped():
+    e = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, weight_dtype="auto"))
+    yield e
+    e.shutdown()
+
+
+def test_auto_serves_the_gguf_at_its_shipped_precision_with_the_fp32_logits(engine, shipped):
+    """weight_dtype auto on the default model (a dequantized Q4_1 GGUF): every layer's linears are
+    held as Q4_1 blocks and the tied head as Q8_0, exactly; the logits are the float32 path's, bit
+    for bit (the same fp32 sums in the same order), at under a fifth of the bytes."""
+    m = shipped.model
+    assert m.head.weight_dtype == "q8_0"
+    assert {lin.weight_dtype for lin in m.layers.modules() if isinstance(lin, InvariantLinear)} == {"q4_1"}
+    def nbytes(model):  # noqa: E306
+        return sum(x.packed.numel() * x.packed.element_size() + (0 if x.scale is None else x.scale.numel() * 4)
+                   for x in model.modules() if isinstance(x, InvariantLinear))
+    assert nbytes(m) < 0.22 * nbytes(engine.model), (nbytes(m), nbytes(engine.model))
+    ids = engine.tokenizer.encode(TEXT)
+    assert torch.equal(teacher_forced_logits(shipped, ids), teacher_forced_logits(engine, ids))
+
+
+def test_auto_greedy_output_equals_float32_with_and_without_speculation(engine, shipped):
+    reqs = lambda e, k: requests(e, lambda i: k, max_tokens=40)  # noqa: E731
+    ref, _ = outputs(engine, reqs(engine, 0))
+    assert outputs(shipped, reqs(shipped, 0))[0] == ref
+    assert outputs(shipped, reqs(shipped, 3))[0] == ref
+
+
 def test_unknown_weight_dtype_is_refused():
     with pytest.raises(AssertionError, match="weight_dtype"):
         EngineConfig(weight_dtype="int4")
+    with pytest.raises(ValueError, match="% 32"):
+        kernels.pack_weight(torch.zeros(64, 40), "q4_1")
     with pytest.raises(AssertionError, match="draft_head_weight_dtype"):
         EngineConfig(draft_head_weight_dtype="int4")
 

@@ -53,6 +53,44 @@ def test_int8_quantization_is_per_channel_and_within_half_a_step():
         kernels.pack_weight(W, "int4")
 
 
+@pytest.mark.parametrize("fmt, bits", [("q4_1", 6), ("q8_0", 9)])
+@pytest.mark.parametrize("O, I", [(960, 576), (100, 1536), (49, 96)])
+def test_block_formats_give_the_fp32_kernels_bits_on_their_dequantized_weight(fmt, bits, O, I):
+    """GGUF Q4_1 / Q8_0 blocks widened in registers: the same sums as the fp32 kernel over the
+    dequantized weight, bit for bit, on the in-register (<16 rows) and the scratch path, any rows."""
+    g = torch.Generator().manual_seed(O + I)
+    W, x, r = torch.randn(O, I, generator=g) * 0.05, torch.randn(40, I, generator=g), torch.randn(40, O, generator=g)
+    packed, aux = kernels.pack_weight(W, fmt)
+    nbytes = packed.numel() * packed.element_size() + aux.numel() * aux.element_size()
+    assert nbytes <= (O + 63) // 64 * 64 * I * bits / 8  # 4 (8) bits + fp32 d (and m) per 32 weights
+    deq = kernels.dequantized(W, fmt)
+    assert not torch.equal(deq, W)
+    ref_packed, _ = kernels.pack_weight(deq, "float32")
+    for lo, hi in [(0, 1), (3, 4), (5, 9), (2, 17), (0, 40)]:
+        got = kernels.gemv(x[lo:hi], packed, aux, O, r[lo:hi])
+        assert torch.equal(got, kernels.gemv(x[lo:hi], ref_packed, None, O, r[lo:hi])), (lo, hi)
+    assert torch.equal(kernels.gemv(x[:3], packed, aux, O), kernels.gemv(x[:3], ref_packed, None, O))
+    assert torch.allclose(kernels.gemv(x, packed, aux, O), x @ deq.t(), atol=1e-4, rtol=1e-5)
+
+
+def test_block_quantization_recovers_gguf_blocks_exactly_and_rounds_the_rest():
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(64, 128, generator=g) * torch.logspace(-3, 0, 64)[:, None]
+    q4 = kernels.dequantized(W, "q4_1")  # a dequantized Q4_1 checkpoint (what the default GGUF becomes)
+    q8 = kernels.dequantized(W, "q8_0")
+    assert kernels.exact_format(q4) == "q4_1" and kernels.exact_format(q8) == "q8_0"
+    assert torch.equal(kernels.dequantized(q4, "q4_1"), q4) and torch.equal(kernels.dequantized(q8, "q8_0"), q8)
+    assert kernels.exact_format(W.to(torch.bfloat16).float()) == "bfloat16"
+    assert kernels.exact_format(W) == "float32"
+    assert kernels.exact_format(W[:, :100]) == "float32"  # no whole blocks of 32
+    q, d, m, exact = kernels.quantize_q4_1(W)
+    assert not exact and q.dtype == torch.uint8 and int(q.max()) == 15 and int(q.min()) == 0
+    err = (kernels.dequantized(W, "q4_1") - W).abs().reshape(64, 4, 32)
+    assert bool((err <= d[..., None] * 0.5 + m.abs()[..., None] * 2 ** -10 + 1e-7).all())  # half a step (+ m's fp16 rounding)
+    with pytest.raises(ValueError, match="% 32"):
+        kernels.pack_weight(W[:, :100], "q4_1")
+
+
 def test_attention_matches_sdpa_and_is_invariant_over_batch_and_queries():
     g = torch.Generator().manual_seed(0)
     B, T, nh, kvh, S, hd = 3, 4, 9, 3, 64, 64

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..config import WEIGHT_DTYPES
+from ..config import WEIGHT_FORMATS
 
 log = logging.getLogger("specguide")
 HERE = Path(__file__).resolve().parent
@@ -69,6 +69,9 @@ def _build() -> ctypes.CDLL:
     lib.gemv_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.gemv_bf16.restype = None
     lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    for fn in (lib.gemv_q4_1, lib.gemv_q8_0):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.attn_f32.restype = None
     lib.attn_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.rope_attn_f32.restype = None
@@ -114,13 +117,97 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.squeeze(1).contiguous()
 
 
+QBLK = 32  # inputs per GGUF block
+
+
+def _fp16_steps(d: torch.Tensor, step: int) -> torch.Tensor:
+    """The fp16 value `step` ulps away from d (d >= 0, fp16)."""
+    bits = (d.view(torch.int16).to(torch.int32) + step).clamp_(0, 0x7BFF).to(torch.int16)
+    return bits.view(torch.float16)
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor:
+    O, I = weight.shape
+    if I % QBLK:
+        raise ValueError(f"block formats need in_features % {QBLK} == 0, got {I}")
+    return weight.detach().float().reshape(O, I // QBLK, QBLK)
+
+
+def _fit(v: torch.Tensor, d0: torch.Tensor, m: torch.Tensor, qmin: int, qmax: int):
+    """q = round((v - m) / d) for d = d0 or one fp16 ulp either side, per block the first for which
+    q * d + m gives back v exactly (else d0): (q [O, nb, 32], d [O, nb], exact [O, nb])."""
+    def try_d(d16: torch.Tensor):
+        d = d16.float()[..., None]
+        q = torch.round((v - m) / torch.where(d > 0, d, torch.ones_like(d))).clamp_(qmin, qmax)
+        q = torch.where(d > 0, q, torch.zeros_like(q))
+        return q, ((q * d + m) == v).all(-1)
+    q, exact = try_d(d0)
+    d = d0.float()
+    for step in (1, -1):
+        if bool(exact.all()):
+            break
+        qs, ok = try_d(_fp16_steps(d0, step))
+        new = ok & ~exact
+        q = torch.where(new[..., None], qs, q)
+        d = torch.where(new, _fp16_steps(d0, step).float(), d)
+        exact |= ok
+    return q, d, exact
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """GGUF Q4_1 per block of 32 inputs: W ~ q * d + m, q in [0, 15], d and m fp16 values.
+
+    Where W already is such a block (a dequantized Q4_1 checkpoint: every block of the default
+    model) the block found gives W back exactly; elsewhere it rounds as llama.cpp does.
+    Returns q [O, I] uint8, d [O, I/32], m [O, I/32] (fp32 holding fp16 values), and whether
+    every block is exact."""
+    v = _blocks(weight)
+    m = v.amin(-1).half().float()
+    d0 = ((v.amax(-1) - m) / 15).clamp_(0, 65504).half()
+    q, d, exact = _fit(v, d0, m[..., None], 0, 15)
+    return q.to(torch.uint8).reshape(weight.shape), d, m, bool(exact.all())
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """GGUF Q8_0 per block of 32 inputs: W ~ q * d, q in [-127, 127], d an fp16 value (exact on a
+    dequantized Q8_0 checkpoint). Returns q [O, I] int8, d [O, I/32], whether every block is exact."""
+    v = _blocks(weight)
+    d0 = (v.abs().amax(-1) / 127).clamp_(0, 65504).half()
+    q, d, exact = _fit(v, d0, torch.zeros_like(v[..., :1]), -127, 127)
+    return q.to(torch.int8).reshape(weight.shape), d, bool(exact.all())
+
+
+def _block_tiles(x: torch.Tensor) -> torch.Tensor:
+    """per-block values [O, nb] -> [ceil(O/64), nb, 64] (zero rows pad O)."""
+    return _tiles(x)
+
+
 def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """W [O, I] fp32 -> (packed tiles in `weight_dtype`, per-row scale for int8 else None)."""
-    assert weight_dtype in WEIGHT_DTYPES, weight_dtype
+    """W [O, I] fp32 -> (packed tiles in `weight_dtype`, aux): aux is None (float32, bfloat16), the
+    per-row scale [O] (int8), d and m [O/64, I/32, 2, 64] (q4_1) or d [O/64, I/32, 64] (q8_0)."""
+    assert weight_dtype in WEIGHT_FORMATS, weight_dtype
     if weight_dtype in ("float32", "bfloat16"):
         return _tiles(weight.detach().to(getattr(torch, weight_dtype))), None
+    if weight_dtype == "q4_1":
+        q, d, m, _ = quantize_q4_1(weight)
+        t = _tiles(q)  # [T, I, 64]: lane j in the low nibble of byte j, lane j + 32 in its high nibble
+        return (t[..., :32] | (t[..., 32:] << 4)).contiguous(), torch.stack([_block_tiles(d), _block_tiles(m)], 2)
+    if weight_dtype == "q8_0":
+        q, d, _ = quantize_q8_0(weight)
+        return _tiles(q), _block_tiles(d)
     q, scale = quantize_int8(weight.detach())
     return _tiles(q), scale
+
+
+def exact_format(weight: torch.Tensor) -> str:
+    """The narrowest format that holds `weight` exactly (`weight_dtype` auto): q4_1, q8_0, bfloat16 or float32."""
+    w = weight.detach().float()
+    if w.shape[1] % QBLK == 0:
+        if quantize_q4_1(w)[3]:
+            return "q4_1"
+        if quantize_q8_0(w)[2]:
+            return "q8_0"
+    return "bfloat16" if torch.equal(w.to(torch.bfloat16).float(), w) else "float32"
 
 
 def dequantized(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:
@@ -130,12 +217,18 @@ def dequantized(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:
     if weight_dtype == "int8":
         q, scale = quantize_int8(weight)
         return q.float() * scale[:, None]
+    if weight_dtype == "q4_1":
+        q, d, m, _ = quantize_q4_1(weight)
+        return (q.float().reshape(*d.shape, QBLK) * d[..., None] + m[..., None]).reshape(weight.shape)
+    if weight_dtype == "q8_0":
+        q, d, _ = quantize_q8_0(weight)
+        return (q.float().reshape(*d.shape, QBLK) * d[..., None]).reshape(weight.shape)
     return weight.float()
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], out_features: int,
          residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [B, I] fp32 @ W^T (+ residual [B, O]) with W from `pack_weight` (fp32, bf16 or int8 tiles);
+    """x [B, I] fp32 @ W^T (+ residual [B, O]) with W and `scale` (its aux) from `pack_weight`;
     fp32 accumulation, batch-invariant."""
     lib = library()
     assert lib is not None
@@ -148,6 +241,12 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
     n = torch.get_num_threads()
     if packed.dtype == torch.float32:
         lib.gemv_f32(x.data_ptr(), packed.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
+    elif packed.dtype == torch.uint8:  # q4_1
+        assert scale is not None and scale.shape == (packed.shape[0], I // QBLK, 2, TILE) and scale.is_contiguous()
+        lib.gemv_q4_1(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
+    elif packed.dtype == torch.int8 and scale is not None and scale.dim() == 3:  # q8_0
+        assert scale.shape == (packed.shape[0], I // QBLK, TILE) and scale.is_contiguous()
+        lib.gemv_q8_0(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     elif packed.dtype == torch.int8:
         assert scale is not None and scale.dtype == torch.float32 and scale.numel() == out_features
         lib.gemv_i8(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)

@@ -132,6 +132,106 @@ TILE_FN(tile_f32, W_F32)
 TILE_FN(tile_i8, W_I8)
 TILE_FN(tile_bf16, W_BF16)
 
+/* Block-scaled weights (GGUF's Q4_1 and Q8_0 blocks of 32 inputs, repacked into the same 64-wide
+   tiles): for tile t and input i, Q4_1 holds 32 bytes (byte j: lane j in its low nibble, lane
+   j + 32 in its high nibble) and Q8_0 64 int8; per block of 32 inputs, `dm` holds d [64] (and m
+   [64] for Q4_1) as fp32. w = q * d + m (Q4_1) or q * d (Q8_0): d is an fp16 value and q has at
+   most 8 bits, so q * d is exact in fp32 and w is the value GGUF's dequantization gives. The
+   accumulation below is the fp32 kernel's, operation for operation, so a block-scaled weight
+   gives the same bits as the fp32 kernel on its dequantized weight. I % 32 == 0. */
+#define QBLK 32
+enum { W_Q4_1 = 3, W_Q8_0 = 4 };
+
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+
+static inline __attribute__((always_inline)) v16 i32_to_f(v16i32 q) { return __builtin_convertvector(q, v16); }
+
+/* The 64 weights of input i of a tile (4 vectors), given its block's d (and m). */
+static inline __attribute__((always_inline)) void widen_blk(int kind, const char *wt, int64_t i, const v16 *d,
+                                                             const v16 *m, v16 *w) {
+    if (kind == W_Q4_1) {
+        const uint8_t *qb = (const uint8_t *)wt + i * (TILE / 2);
+        v16u8 lo, hi;
+        memcpy(&lo, qb, sizeof lo);
+        memcpy(&hi, qb + 16, sizeof hi);
+        v16i32 a = __builtin_convertvector(lo, v16i32), b = __builtin_convertvector(hi, v16i32);
+        w[0] = i32_to_f(a & 15) * d[0] + m[0];
+        w[1] = i32_to_f(b & 15) * d[1] + m[1];
+        w[2] = i32_to_f(a >> 4) * d[2] + m[2];
+        w[3] = i32_to_f(b >> 4) * d[3] + m[3];
+    } else {
+        for (int j = 0; j < 4; j++) w[j] = wload(wt, i * TILE + 16 * j, W_I8) * d[j];
+    }
+}
+
+static inline __attribute__((always_inline)) void load_dm(int kind, const float *dm, int64_t blk, v16 *d, v16 *m) {
+    const int per = kind == W_Q4_1 ? 2 * TILE : TILE;  /* floats per block: d [64] (+ m [64]) */
+    for (int j = 0; j < 4; j++) {
+        d[j] = load(dm + blk * per + 16 * j);
+        m[j] = kind == W_Q4_1 ? load(dm + blk * per + TILE + 16 * j) : (v16){0};
+    }
+}
+
+/* tile_rows for block-scaled weights: the same accumulation, the weights widened per block. */
+static inline __attribute__((always_inline)) void tile_rows_blk(
+        const float *xb, int nb, const char *wt, const float *dm, int kind, const float *r, float *y,
+        int t, int b, int I, int O) {
+    v16 acc[RB][4];
+    memset(acc, 0, sizeof acc);
+    for (int64_t blk = 0; blk < I / QBLK; blk++) {
+        v16 d[4], m[4];
+        load_dm(kind, dm, blk, d, m);
+        for (int i = blk * QBLK; i < (blk + 1) * QBLK; i++) {
+            v16 w[4];
+            widen_blk(kind, wt, i, d, m, w);
+            v16 w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+            for (int k = 0; k < RB; k++) {
+                if (k >= nb) break;
+                float xv = xb[(int64_t)k * I + i];
+                acc[k][0] += w0 * xv; acc[k][1] += w1 * xv; acc[k][2] += w2 * xv; acc[k][3] += w3 * xv;
+            }
+        }
+    }
+    for (int k = 0; k < nb; k++)
+        for (int j = 0; j < TILE; j++) {
+            int o = t * TILE + j;
+            if (o >= O) break;
+            int64_t idx = (int64_t)(b + k) * O + o;
+            float v = acc[k][j / 16][j % 16];
+            y[idx] = r ? v + r[idx] : v;
+        }
+}
+
+static inline __attribute__((always_inline)) void tile_all_blk(
+        int kind, const float *x, const void *Wp, float *buf, const float *dm_all, const float *r, float *y,
+        int t, int B, int I, int O) {
+    const int64_t qbytes = kind == W_Q4_1 ? TILE / 2 : TILE;
+    const char *wt = (const char *)Wp + (int64_t)t * I * qbytes;
+    const float *dm = dm_all + (int64_t)t * (I / QBLK) * (kind == W_Q4_1 ? 2 * TILE : TILE);
+    if (buf) {  /* prefill: widen the tile once, then the fp32 path (the same values, the same sums) */
+        for (int64_t blk = 0; blk < I / QBLK; blk++) {
+            v16 d[4], m[4];
+            load_dm(kind, dm, blk, d, m);
+            for (int i = blk * QBLK; i < (blk + 1) * QBLK; i++) {
+                v16 w[4];
+                widen_blk(kind, wt, i, d, m, w);
+                memcpy(buf + (int64_t)i * TILE, w, sizeof w);
+            }
+        }
+    }
+    for (int b = 0; b < B; b += RB) {
+        const int nb = B - b < RB ? B - b : RB;
+        const float *xb = x + (int64_t)b * I;
+        if (buf) tile_rows(xb, nb, buf, W_F32, NULL, r, y, t, b, I, O);
+        else tile_rows_blk(xb, nb, wt, dm, kind, r, y, t, b, I, O);
+    }
+}
+
+static void tile_q4_1(const float *x, const void *Wp, float *buf, const float *dm, const float *r, float *y,
+                      int t, int B, int I, int O) { tile_all_blk(W_Q4_1, x, Wp, buf, dm, r, y, t, B, I, O); }
+static void tile_q8_0(const float *x, const void *Wp, float *buf, const float *dm, const float *r, float *y,
+                      int t, int B, int I, int O) { tile_all_blk(W_Q8_0, x, Wp, buf, dm, r, y, t, B, I, O); }
+
 static void gemv_any(int kind, tile_fn fn, const float *x, const void *Wp, const float *scale, const float *r,
                      float *y, int B, int I, int O, int threads) {
     const int tiles = (O + TILE - 1) / TILE;
@@ -158,6 +258,18 @@ void gemv_i8(const float *x, const int8_t *Wp, const float *scale, const float *
 /* Wp bf16 bits [O/64, I, 64]. */
 void gemv_bf16(const float *x, const uint16_t *Wp, const float *r, float *y, int B, int I, int O, int threads) {
     gemv_any(W_BF16, tile_bf16, x, Wp, NULL, r, y, B, I, O, threads);
+}
+
+/* Wp Q4_1 nibbles [O/64, I, 32] uint8, dm [O/64, I/32, 2, 64] fp32 (d, m). */
+void gemv_q4_1(const float *x, const uint8_t *Wp, const float *dm, const float *r, float *y,
+               int B, int I, int O, int threads) {
+    gemv_any(W_Q4_1, tile_q4_1, x, Wp, dm, r, y, B, I, O, threads);
+}
+
+/* Wp Q8_0 [O/64, I, 64] int8, d [O/64, I/32, 64] fp32. */
+void gemv_q8_0(const float *x, const int8_t *Wp, const float *d, const float *r, float *y,
+               int B, int I, int O, int threads) {
+    gemv_any(W_Q8_0, tile_q8_0, x, Wp, d, r, y, B, I, O, threads);
 }
 
 /* Causal attention of decode/verification queries over the per-slot KV cache.

@@ -1,8 +1,8 @@
 """CPU linear layers.
 
 * fp32 with the C kernels available (`InvariantLinear`): `kernels.gemv` over weights packed
-  once into 64-wide tiles, held as fp32, bf16 or int8 (per-output-channel scales): weight-only
-  quantization, widened in registers, fp32 activations and accumulation. A row's result never
+  once into 64-wide tiles, held as fp32, bf16, int8 (per-output-channel scales) or GGUF Q4_1 /
+  Q8_0 blocks of 32 inputs: weight-only quantization, widened in registers, fp32 activations and accumulation. A row's result never
   depends on the other rows, so greedy output is the same alone or in any batch, and a K+1-row
   verification equals K+1 single steps. It also beats oneDNN at decode sizes (memory-bound,
   ~30 GB/s) and MKL at prefill sizes (~190 GFLOP/s on 2 cores).
@@ -81,8 +81,10 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
 
 def _cpu_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], weight_dtype: str) -> Optional[nn.Module]:
     if invariant_available(weight):
+        if weight_dtype == "auto":  # exact: the format the checkpoint's values already fit
+            weight_dtype = kernels.exact_format(weight)
         return InvariantLinear(weight, bias, weight_dtype)
-    if weight_dtype != "float32":
+    if weight_dtype not in ("float32", "auto"):
         raise ValueError(f"weight_dtype {weight_dtype!r} needs the CPU C kernels and dtype float32 "
                          f"(here: {weight.device.type}, {weight.dtype}, kernels: {kernels.unavailable_reason()})")
     if packing_available(weight.device, weight.dtype):
@@ -93,7 +95,8 @@ def _cpu_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], weight_dtype
 def prepare_linears(module: nn.Module, weight_dtype: str = "float32") -> int:
     """Replace every nn.Linear under `module` by the best CPU implementation; returns how many.
 
-    `weight_dtype` "bfloat16" / "int8" stores the weights so (weight-only quantization)."""
+    `weight_dtype` "bfloat16" / "int8" / "q4_1" / "q8_0" stores the weights so (weight-only
+    quantization); "auto" picks per weight the narrowest format that holds it exactly."""
     n = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
@@ -106,9 +109,12 @@ def prepare_linears(module: nn.Module, weight_dtype: str = "float32") -> int:
     return n
 
 
+HEAD_FORMAT = {"q4_1": "q8_0"}  # as GGUF Q4_1 files keep the embedding / output at 8 bits
+
+
 def make_head(weight: torch.Tensor, weight_dtype: str = "float32") -> nn.Module:
     """An LM head over `weight` [vocab, hidden] (the embedding's own tensor when tied)."""
-    fast = _cpu_linear(weight, None, weight_dtype)
+    fast = _cpu_linear(weight, None, HEAD_FORMAT.get(weight_dtype, weight_dtype))
     if fast is not None:
         return fast
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
