@@ -43,7 +43,10 @@ def _build() -> ctypes.CDLL:
     from ..models.default_model import cache_dir
 
     src = (HERE / "ops.c").read_bytes()
-    key = hashlib.sha1(src + _cpu_key().encode()).hexdigest()[:16]
+    # NOTE: SPECGUIDE_KERNEL_MARCH (e.g. "-march=x86-64-v3" = AVX2) builds another ISA's path on this
+    # machine: the tests check every path here, whatever CPU runs them
+    march = os.environ.get("SPECGUIDE_KERNEL_MARCH", "-march=native").split()
+    key = hashlib.sha1(src + _cpu_key().encode() + " ".join(march).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"ops-{key}.so"
     if not out.exists():
         cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -52,8 +55,9 @@ def _build() -> ctypes.CDLL:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        # NOTE: -march=native: the cache key includes the CPU flags, so a copy never runs on another CPU
-        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(HERE / "ops.c"), "-o", tmp, "-lm"]
+        # NOTE: -march=native: the cache key includes the CPU flags, so a copy never runs on another CPU;
+        # the vector paths (AVX-512, AVX2, portable) are chosen at compile time from what this CPU has
+        cmd = [cc, "-O3", *march, "-fopenmp", "-shared", "-fPIC", str(HERE / "ops.c"), "-o", tmp, "-lm"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:

@@ -13,7 +13,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -151,10 +151,22 @@ static inline __attribute__((always_inline)) void widen_blk(int kind, const char
                                                              const v16 *m, v16 *w) {
     if (kind == W_Q4_1) {
         const uint8_t *qb = (const uint8_t *)wt + i * (TILE / 2);
-        v16u8 lo, hi;
+        v16i32 a, b;  /* bytes 0..15 and 16..31, zero-extended */
+#if defined(__AVX512F__)
+        a = (v16i32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb));
+        b = (v16i32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16)));
+#elif defined(__AVX2__)
+        __m256i h[4];
+        for (int j = 0; j < 4; j++) h[j] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * j)));
+        memcpy(&a, h, sizeof a);
+        memcpy(&b, h + 2, sizeof b);
+#else
+        v16u8 lo, hi;  /* NOTE: GCC scalarizes this conversion: slow, but portable */
         memcpy(&lo, qb, sizeof lo);
         memcpy(&hi, qb + 16, sizeof hi);
-        v16i32 a = __builtin_convertvector(lo, v16i32), b = __builtin_convertvector(hi, v16i32);
+        a = __builtin_convertvector(lo, v16i32);
+        b = __builtin_convertvector(hi, v16i32);
+#endif
         w[0] = i32_to_f(a & 15) * d[0] + m[0];
         w[1] = i32_to_f(b & 15) * d[1] + m[1];
         w[2] = i32_to_f(a >> 4) * d[2] + m[2];
