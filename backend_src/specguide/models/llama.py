@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2 with QKV bias) over a per-slot KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2 with QKV bias, Qwen3 with q/k norms,
+Phi-3 with fused projections) over a per-slot KV cache.
 
 One attention path serves prefill chunks and decode steps of 1..K+1 tokens: every query of
 slot b at position p attends to the cached keys of slot b at positions <= p. Positions past a
@@ -33,6 +34,7 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     max_position_embeddings: int = 8192
 
     @classmethod
@@ -49,6 +51,7 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2",
+            qk_norm=hf.model_type == "qwen3",
             max_position_embeddings=getattr(hf, "max_position_embeddings", 8192),
         )
 
@@ -60,6 +63,9 @@ class DecoderLayer(nn.Module):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)  # fused q|k|v
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
         self.o = nn.Linear(q, cfg.hidden_size, bias=False)
         self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused gate|up
@@ -87,7 +93,13 @@ class DecoderLayer(nn.Module):
         """x [..., T, hidden] -> fused q|k|v heads [..., T, nh+2kvh, hd] (before RoPE)."""
         cfg = self.cfg
         qkv = self.qkv(rms_norm(x, self.input_norm, cfg.rms_norm_eps))
-        return qkv.view(*x.shape[:-1], cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qkv = qkv.view(*x.shape[:-1], cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # per head, before RoPE (Qwen3)
+            nh, kvh = cfg.num_heads, cfg.num_kv_heads
+            qkv = torch.cat([rms_norm(qkv[..., :nh, :], self.q_norm, cfg.rms_norm_eps),
+                             rms_norm(qkv[..., nh:nh + kvh, :], self.k_norm, cfg.rms_norm_eps), qkv[..., nh + kvh:, :]],
+                            dim=-2)
+        return qkv
 
     def out_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer after attention: x + o(attn), then the gated MLP with its residual."""

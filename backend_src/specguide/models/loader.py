@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from .default_model import cache_dir, convert_gguf, prepare_default_model
 from .llama import LlamaModel, ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def resolve_model_dir(model_dir: str = "", gguf_file: str = "") -> Path:
@@ -39,7 +39,13 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     folder = Path(folder)
     hf = AutoConfig.from_pretrained(folder)
     if hf.model_type not in SUPPORTED:
-        raise ValueError(f"model_type {hf.model_type!r} is not supported (supported: {SUPPORTED})")
+        arch = ", ".join(getattr(hf, "architectures", None) or [hf.model_type])
+        raise ValueError(f"{folder}: architecture {arch} (model_type {hf.model_type!r}) is not supported "
+                         f"(supported model types: {', '.join(SUPPORTED)})")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{folder}: hidden_act {hf.hidden_act!r} is not supported (only silu)")
+    if float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise ValueError(f"{folder}: partial_rotary_factor {hf.partial_rotary_factor} is not supported (only 1.0)")
     cfg = ModelConfig.from_hf(hf)
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -75,10 +81,20 @@ def _remap(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.
         a = p + "self_attn."
         out[f"layers.{i}.input_norm"] = state[p + "input_layernorm.weight"]
         out[f"layers.{i}.post_norm"] = state[p + "post_attention_layernorm.weight"]
-        out[f"layers.{i}.qkv.weight"] = torch.cat([state[a + f"{n}_proj.weight"] for n in "qkv"])
+        if a + "qkv_proj.weight" in state:  # Phi-3: fused in the checkpoint already
+            out[f"layers.{i}.qkv.weight"] = state[a + "qkv_proj.weight"]
+        else:
+            out[f"layers.{i}.qkv.weight"] = torch.cat([state[a + f"{n}_proj.weight"] for n in "qkv"])
         if cfg.qkv_bias:
             out[f"layers.{i}.qkv.bias"] = torch.cat([state[a + f"{n}_proj.bias"] for n in "qkv"])
+        if cfg.qk_norm:
+            out[f"layers.{i}.q_norm"] = state[a + "q_norm.weight"]
+            out[f"layers.{i}.k_norm"] = state[a + "k_norm.weight"]
         out[f"layers.{i}.o.weight"] = state[a + "o_proj.weight"]
-        out[f"layers.{i}.gate_up.weight"] = torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
+        if p + "mlp.gate_up_proj.weight" in state:  # Phi-3: gate|up fused, gate first
+            out[f"layers.{i}.gate_up.weight"] = state[p + "mlp.gate_up_proj.weight"]
+        else:
+            out[f"layers.{i}.gate_up.weight"] = torch.cat([state[p + "mlp.gate_proj.weight"],
+                                                           state[p + "mlp.up_proj.weight"]])
         out[f"layers.{i}.down.weight"] = state[p + "mlp.down_proj.weight"]
     return out
