@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 
+from specguide.config import EngineConfig  # noqa: E402
+from specguide.engine import Engine  # noqa: E402
 from specguide.models.loader import resolve_model_dir  # noqa: E402
 from specguide.speculative.draft_head import default_head_path  # noqa: E402
 from specguide.speculative.train_head import TrainConfig, run  # noqa: E402
@@ -27,6 +29,9 @@ from specguide.speculative.train_head import TrainConfig, run  # noqa: E402
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="where to save (default: the model cache's draft_heads/<model>.pt)")
+    ap.add_argument("--model-dir", default="", help="HF folder of the target model (default: the embedded model)")
+    ap.add_argument("--gguf-file", default="", help="a GGUF file inside --model-dir (converted once, cached)")
+    ap.add_argument("--weight-dtype", default="auto", help="EngineConfig.weight_dtype of the target while training")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     ap.add_argument("--schemas", type=int, default=TrainConfig.num_schemas)
@@ -46,14 +51,16 @@ def main(argv: list[str]) -> int:
     if args.quick:
         cfg = TrainConfig(seed=args.seed, epochs=1, num_schemas=8, num_chat=8, max_tokens_json=48,
                           max_tokens_chat=32, num_subschemas=8, draft_vocab=args.draft_vocab, depth=2)
-    folder = resolve_model_dir()
+    folder = resolve_model_dir(args.model_dir, args.gguf_file)
     out = Path(args.out) if args.out else default_head_path(folder)
     if args.if_missing and out.exists():
         print(f"draft head: {out} (delete it to retrain)")
         return 0
     print(f"training the draft head into {out} (about 15-25 minutes on a 2-core CPU; once)", flush=True)
     t0 = time.perf_counter()
-    head, report, engine = run(cfg)
+    engine = Engine(EngineConfig(model_dir=str(folder), max_slots=8, max_seq_len=1024, drafter="grammar",
+                                 weight_dtype=args.weight_dtype))
+    head, report, engine = run(cfg, engine)
     engine.shutdown()
     meta = {"train_config": asdict(cfg), "report": asdict(report), "model": str(folder),
             "date": time.strftime("%Y-%m-%d"), "seconds_total": round(time.perf_counter() - t0, 1)}

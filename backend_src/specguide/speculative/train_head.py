@@ -25,6 +25,7 @@ from ..config import EngineConfig
 from ..engine import Engine
 from ..kv_cache import KVCache
 from ..models.llama import LlamaModel, apply_rope, rms_norm
+from ..progress import Progress
 from ..request import GuidedDecodingParams, Request, SamplingParams
 from .draft_head import DraftHead
 from .prompts import CHAT_TRAIN, SCHEMA_TEMPLATES, load_schemas, load_subschemas, schema_message
@@ -86,6 +87,7 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
     reqs = [Request(prompt=tok.apply_chat_template([{"role": "user", "content": m}]), guided=g,
                     params=SamplingParams(max_tokens=n, temperature=0.0)) for m, g, n in work]
     out: list[Optional[Sample]] = [None] * len(reqs)
+    progress = Progress("generate (the target answers the training prompts)", len(reqs), "answers")
     done = threading.Semaphore(0)
     window = threading.Semaphore(2 * engine.config.max_slots)  # bounded: the queue has a limit
     for i, r in enumerate(reqs):
@@ -97,6 +99,7 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
             toks += o.token_ids
             if o.finished:
                 out[i] = Sample(ids + toks, len(ids)) if o.finish_reason in ("stop", "length") else None
+                progress.update()
                 done.release()
                 window.release()
         engine.submit(r, cb)
@@ -112,6 +115,7 @@ def compute_features(model: LlamaModel, samples: list[Sample], chunk: int = 256)
     L = max(len(s.tokens) for s in samples)
     kv = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, L, cfg.head_dim, model.embed.weight.dtype)
     slots = torch.zeros(1, dtype=torch.int64)
+    progress = Progress("features (the target's hidden states)", len(samples), "samples")
     for s in samples:
         parts = []
         for a in range(0, len(s.tokens), chunk):
@@ -120,6 +124,7 @@ def compute_features(model: LlamaModel, samples: list[Sample], chunk: int = 256)
             ctx = model.make_context(slots, pos, [0], b)
             parts.append(model(torch.tensor([s.tokens[a:b]]), ctx, kv)[0].float())
         s.feats = torch.cat(parts)
+        progress.update()
 
 
 def build_draft_vocab(samples: list[Sample], size: int, vocab: int, always: list[int]) -> torch.Tensor:
@@ -247,10 +252,12 @@ def train_head(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, repo
     steps = cfg.epochs * len(tr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / max(1, steps // 20)) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+    progress = Progress(f"train ({cfg.epochs} epochs)", steps, "steps")
     for epoch in range(cfg.epochs):
         rng.shuffle(tr)
         t0, tot, right, seen = time.perf_counter(), 0.0, 0, 0
         for s in tr:
+            progress.update()
             loss, stats = trainer.losses(s)
             if not stats[0][1] or not torch.isfinite(loss):
                 continue  # no output position inside the draft vocabulary
