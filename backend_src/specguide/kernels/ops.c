@@ -77,22 +77,21 @@ static inline __attribute__((always_inline)) v16 wload(const void *base, int64_t
 
 static inline size_t wsize(int kind) { return kind == W_F32 ? 4 : kind == W_I8 ? 1 : 2; }
 
-/* One pass of up to RB rows over one weight tile `wt` (of type `kind`), written to y. */
-static inline __attribute__((always_inline)) void tile_rows(
-        const float *xb, int nb, const void *wt, int kind, const float *scale, const float *r, float *y,
-        int t, int b, int I, int O) {
-    v16 acc[RB][4];
-    memset(acc, 0, sizeof acc);
-    for (int i = 0; i < I; i++) {
-        const int64_t w = (int64_t)i * TILE;
-        v16 w0 = wload(wt, w, kind), w1 = wload(wt, w + 16, kind), w2 = wload(wt, w + 32, kind),
-            w3 = wload(wt, w + 48, kind);
-        for (int k = 0; k < RB; k++) {
-            if (k >= nb) break;
-            float xv = xb[(int64_t)k * I + i];
-            acc[k][0] += w0 * xv; acc[k][1] += w1 * xv; acc[k][2] += w2 * xv; acc[k][3] += w3 * xv;
-        }
+/* acc[k] += w * x[k, i] for the nb rows of this pass: every weight format ends here, so a row's
+   sums are the same operations whatever the format (and the block formats give the fp32 bits). */
+static inline __attribute__((always_inline)) void accumulate(v16 acc[RB][4], const v16 *w, const float *xb,
+                                                             int nb, int i, int I) {
+    v16 w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+    for (int k = 0; k < RB; k++) {
+        if (k >= nb) break;
+        float xv = xb[(int64_t)k * I + i];
+        acc[k][0] += w0 * xv; acc[k][1] += w1 * xv; acc[k][2] += w2 * xv; acc[k][3] += w3 * xv;
     }
+}
+
+/* y[b + k, tile t] = acc[k] (* scale) (+ r). */
+static inline __attribute__((always_inline)) void store_rows(v16 acc[RB][4], int nb, const float *scale,
+                                                             const float *r, float *y, int t, int b, int O) {
     for (int k = 0; k < nb; k++)
         for (int j = 0; j < TILE; j++) {
             int o = t * TILE + j;
@@ -102,6 +101,20 @@ static inline __attribute__((always_inline)) void tile_rows(
             if (scale) v *= scale[o];
             y[idx] = r ? v + r[idx] : v;
         }
+}
+
+/* One pass of up to RB rows over one weight tile `wt` (of type `kind`), written to y. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const float *xb, int nb, const void *wt, int kind, const float *scale, const float *r, float *y,
+        int t, int b, int I, int O) {
+    v16 acc[RB][4];
+    memset(acc, 0, sizeof acc);
+    for (int i = 0; i < I; i++) {
+        const int64_t w = (int64_t)i * TILE;
+        v16 wv[4] = {wload(wt, w, kind), wload(wt, w + 16, kind), wload(wt, w + 32, kind), wload(wt, w + 48, kind)};
+        accumulate(acc, wv, xb, nb, i, I);
+    }
+    store_rows(acc, nb, scale, r, y, t, b, O);
 }
 
 /* All rows of x over weight tile t; `buf` (an fp32 tile) when widening. One copy per weight type,
@@ -196,22 +209,10 @@ static inline __attribute__((always_inline)) void tile_rows_blk(
         for (int i = blk * QBLK; i < (blk + 1) * QBLK; i++) {
             v16 w[4];
             widen_blk(kind, wt, i, d, m, w);
-            v16 w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-            for (int k = 0; k < RB; k++) {
-                if (k >= nb) break;
-                float xv = xb[(int64_t)k * I + i];
-                acc[k][0] += w0 * xv; acc[k][1] += w1 * xv; acc[k][2] += w2 * xv; acc[k][3] += w3 * xv;
-            }
+            accumulate(acc, w, xb, nb, i, I);
         }
     }
-    for (int k = 0; k < nb; k++)
-        for (int j = 0; j < TILE; j++) {
-            int o = t * TILE + j;
-            if (o >= O) break;
-            int64_t idx = (int64_t)(b + k) * O + o;
-            float v = acc[k][j / 16][j % 16];
-            y[idx] = r ? v + r[idx] : v;
-        }
+    store_rows(acc, nb, NULL, r, y, t, b, O);
 }
 
 static inline __attribute__((always_inline)) void tile_all_blk(
