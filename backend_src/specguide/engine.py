@@ -53,7 +53,7 @@ class Engine:
         self.compiler = GrammarCompilerService(
             self.tokenizer.hf, vocab, stop_token_ids=sorted(self.eos_token_ids),
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
-            timeout_s=config.guided_compile_timeout_s or None)
+            timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend)
         self.guided, self.runner = build_runner(self.model, config, self.device, vocab)
         self.proposer = Proposer(config, self.model, self.runner, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)

@@ -101,6 +101,15 @@ class GuidedDecodingParams:
 
     guide_type: str  # json | json_schema | regex | ebnf_grammar | structural_tag | choice
     guide: str = ""
+    backend: str = ""  # "" = the server's guided_backend; auto | xgrammar | llguidance
+    strict: bool = False  # OpenAI strict (JSON): additionalProperties false everywhere, all keys required
+    any_whitespace: bool = True  # JSON: compact and spaced both allowed (False: compact only)
+    whitespace_pattern: str = ""  # JSON: regex for one whitespace run (overrides any_whitespace)
+    best_effort: bool = False  # JSON: keywords the grammar cannot enforce are noted, not refused
+
+    def cache_key(self, backend: str) -> tuple:
+        return (backend, self.guide_type, self.guide, self.strict, self.any_whitespace,
+                self.whitespace_pattern, self.best_effort)
 
 
 @dataclass

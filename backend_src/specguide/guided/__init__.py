@@ -1,4 +1,4 @@
-"""Guided decoding with xgrammar: request params, the compile service, the per-slot decoder."""
+"""Guided decoding (xgrammar or llguidance): request params, the compile service, the per-slot decoder."""
 from .compiler import CompileHandle, GrammarCompilerService, build_tokenizer_info
 from .decoder import GuidedDecoder
 from .params import (

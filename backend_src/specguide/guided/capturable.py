@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-import xgrammar as xgr
 
 from ..cuda import hostfunc
+from .backend import CompiledGuide
 from .decoder import GuidedDecoder, Row, _BITS
 
 NO_LIMIT = 1 << 30  # limit of a row the grammar does not cut
@@ -105,7 +105,7 @@ class CapturableGuidedDecoder:
     def is_guided(self, slot: int) -> bool:
         return slot in self._guided_slots
 
-    def add(self, slot: int, compiled: xgr.CompiledGrammar) -> None:
+    def add(self, slot: int, compiled: CompiledGuide) -> None:
         self._guided_slots.add(slot)
         self.stream.launch(self._timed(self.inner.add), slot, compiled)
 
