@@ -12,8 +12,9 @@ from typing import Any, Iterator
 ANY_JSON_SCHEMA = {"type": ["object", "array"]}  # guide type `json`: an object or an array
 
 # keywords xgrammar 0.2.8 accepts but does not (or not surely) enforce; `format: date` takes
-# 2024-02-30, `oneOf` is `anyOf`, `not` and `if` are ignored (measured); all formats are refused
-XGRAMMAR_IGNORES = ("uniqueItems", "oneOf", "dependencies", "dependentRequired", "dependentSchemas",
+# 2024-02-30, `oneOf` is `anyOf`, `not` and `if` are ignored, `allOf` drops a later part's
+# `required` (measured); all formats are refused
+XGRAMMAR_IGNORES = ("uniqueItems", "oneOf", "allOf", "dependencies", "dependentRequired", "dependentSchemas",
                     "if", "then", "else", "not", "contains", "minContains", "maxContains", "propertyNames",
                     "unevaluatedProperties", "unevaluatedItems", "format")
 # subschema-holding keywords: (keyword, kind) kind = "one" | "list" | "map"
