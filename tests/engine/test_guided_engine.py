@@ -1,6 +1,7 @@
 """Guided decoding inside the engine, on the real SmolLM2 with real xgrammar and llguidance (greedy)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -171,3 +172,41 @@ def test_cancel_while_grammar_compiles_and_guided_max_tokens(engine):
     assert final.finish_reason == "length" and len(toks) == 3
     engine.scheduler.check_integrity()
     assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))
+
+
+@pytest.fixture(scope="module")
+def engine_k4():
+    """K=4, grammar-forced then n-gram drafts (each backend's forced tokens), fixed K."""
+    from specguide.config import EngineConfig
+    from specguide.engine import Engine
+
+    eng = Engine(EngineConfig(max_slots=4, max_seq_len=512, prefill_chunk=64, num_draft_tokens=4, drafter="grammar",
+                              adaptive_k=False, cost_aware_k=False))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_lossless_k0_vs_k4_under_a_json_schema_per_backend(engine_k4, backend):
+    """Invariant 1 per backend: greedy K=0 == greedy K=4 token for token under a json_schema guide
+    with spec-true defaults; outputs ended by the grammar validate with jsonschema (invariant 4)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer"}, "city": {"type": "string", "maxLength": 16}},
+              "required": ["name", "age", "city"], "additionalProperties": False}
+    guide = GuidedDecodingParams("json_schema", json.dumps(schema), backend=backend)
+    engine = engine_k4
+    prompts = [chat(engine, f"Describe {who} as JSON with name, age and city.") for who in ("Alice", "Bob", "a pilot")]
+    base = [Request(prompt=p, params=SamplingParams(max_tokens=60, temperature=0.0), guided=guide) for p in prompts]
+    k0 = run_many(engine, [dataclasses.replace(r, num_draft_tokens=0) for r in base])
+    k4 = run_many(engine, [dataclasses.replace(r, num_draft_tokens=4) for r in base])
+    stops = 0
+    for (t0, x0, f0), (t4, x4, f4) in zip(k0, k4):
+        assert t0 == t4 and x0 == x4 and f0.finish_reason == f4.finish_reason
+        if f0.finish_reason == "stop":
+            stops += 1
+            jsonschema.validate(json.loads(x0), schema)
+    assert stops >= 2
+    assert sum(f.total_accepted_draft_tokens for _, _, f in k4) > 0  # speculation really ran
+    assert sum(f.total_draft_tokens for _, _, f in k0) == 0

@@ -15,7 +15,6 @@ from typing import Any, Optional, Sequence
 
 import llguidance as llg
 import llguidance.hf
-import llguidance.torch as llt
 import torch
 
 from ..request import GuidedDecodingParams, InvalidRequestError
@@ -100,7 +99,11 @@ class LlguidanceMatcher(Matcher):
             assert self.m.rollback(n), self.m.get_error()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        llt.fill_next_token_bitmask(self.m, bitmask, row)
+        # llguidance.torch.fill_next_token_bitmask without importing llguidance.torch (its
+        # @torch.compile loads inductor templates, which fails under Triton's ASCII-locale stub)
+        assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()
+        v = bitmask[row]
+        self.m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
 
     def forced_tokens(self, encode: Encode, k: int) -> list[int]:
         if k <= 0 or self.terminated:
@@ -126,7 +129,9 @@ class LlguidanceMatcher(Matcher):
         ex = cls._executors.get(key)
         if ex is None:
             ex = cls._executors[key] = llg.LLExecutor() if key == 0 else llg.LLExecutor(key)
-        llt.fill_next_token_bitmask_par(ex, [(m.m, r) for m, r in zip(matchers, rows)], bitmask)
+        assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous() and bitmask.dim() == 2
+        ex.unsafe_compute_mask_ptr([(m.m, r) for m, r in zip(matchers, rows)], bitmask.data_ptr(),
+                                   bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 class LlguidanceBackend(GrammarBackend):
