@@ -7,10 +7,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from specguide.guided.check import check_case
 from specguide.request import GuidedDecodingParams as G
 from specguide.request import InvalidRequestError
+
+from .conftest import VOCAB
 
 BOTH = ["xgrammar", "llguidance"]
 OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -172,3 +175,31 @@ def test_check_tool_on_a_small_jsonl(tmp_path):
     assert not uniq["compiled"] and "uniqueItems" in uniq["error"]
     assert date["compiled"] and date["tests"][0]["compact"]["accepted"] is False
     assert "3 cases: 2 passing (both forms), 0 invalid" in proc.stderr
+
+
+# best effort: value-close checks (jsonschema when the value closes; its stop token rejected)
+@pytest.mark.parametrize("backend", BOTH)
+def test_best_effort_checks_the_value_when_it_closes(xgr_service, encode, backend):
+    schema = {"type": "object", "properties": {"l": {"type": "array", "items": {"type": "integer"},
+                                                      "uniqueItems": True}}, "required": ["l"]}
+    v = verdicts(xgr_service, encode, schema, [({"l": [1, 2]}, True), ({"l": [1, 1]}, False)], backend,
+                 best_effort=True)
+    assert v == {(0, "compact"): True, (0, "spaced"): True, (1, "compact"): False, (1, "spaced"): False}
+    guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend, best_effort=True))
+    m = guide.matcher()
+    ids = encode('{"l": [1, 1]}')
+    assert all(m.accept(t) for t in ids) and not m.is_completed()
+    assert "non-unique" in m.violation() and "uniqueItems" in m.violation()
+    stop = xgr_service.stop_token_ids[0]
+    mask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    m.fill(mask, 0)
+    assert not (int(mask[0, stop // 32]) >> (stop % 32)) & 1  # the stop token is masked out
+    assert not m.accept(stop) and not m.is_terminated()
+    m.rollback(len(ids))
+    assert all(m.accept(t) for t in encode('{"l": [1') + encode(", 2]}")) and m.accept(stop) and m.is_terminated()
+
+
+def test_best_effort_date_and_oneof_on_llguidance(xgr_service, encode):
+    one = {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 10}]}  # 12 matches both
+    v = verdicts(xgr_service, encode, one, [(3, True), (12, False), (15.5, True)], "llguidance", best_effort=True)
+    assert [v[(i, "compact")] for i in range(3)] == [True, False, True]

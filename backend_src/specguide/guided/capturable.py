@@ -199,6 +199,11 @@ class CapturableGuidedDecoder:
             return True
         return False
 
+    def violation(self, slot: int) -> Optional[str]:
+        """The inner decoder's value-check verdict (waits for pending callbacks)."""
+        self.synchronize()
+        return self.inner.violation(slot)
+
     def is_terminated(self, slot: int) -> bool:
         """Terminated after the tokens confirmed so far (commit stops feeding at termination)."""
         self._wait_commit()

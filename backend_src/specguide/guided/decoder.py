@@ -115,6 +115,12 @@ class GuidedDecoder:
         from the slot's current state (the slot's own state is not changed)."""
         return self._matcher(slot).forced_tokens(encode, k)
 
+    def violation(self, slot: int) -> Optional[str]:
+        """Why a value-checked (best effort) slot's value cannot end here; None otherwise."""
+        m = self.matchers[slot]
+        fn = getattr(m, "violation", None)
+        return fn() if callable(fn) else None
+
     def num_tokens(self, slot: int) -> int:
         return len(self.history[slot])
 

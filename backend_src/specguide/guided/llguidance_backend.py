@@ -2,8 +2,9 @@
 
 llguidance refuses at compile what it cannot enforce (`uniqueItems`, non-disjoint `oneOf`,
 unknown formats, ...); that refusal becomes an InvalidRequestError naming the keyword and its
-JSON pointer. With `best_effort` the schema is compiled `lenient` and the ignored keywords are
-listed on the CompiledGuide. A compiled guide is one template LLMatcher; each sequence gets a
+JSON pointer. With `best_effort` the schema is compiled `lenient`, the ignored keywords are
+listed on the CompiledGuide, and the value is checked with jsonschema when it closes
+(value_check.py). A compiled guide is one template LLMatcher; each sequence gets a
 deep copy (no second grammar build).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import looks_like_lark
 from .schema import ANY_JSON_SCHEMA, find_keywords, strictify, walk
+from .value_check import ValueCheckedMatcher, make_validator
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_JSON_WHITESPACE  # one bounded run
 KNOWN_KEYWORDS = ("uniqueItems", "oneOf", "dependencies", "dependentRequired", "dependentSchemas", "format",
@@ -174,11 +176,18 @@ class LlguidanceBackend(GrammarBackend):
         template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             msg = template.get_error()
-            if schema is not None and params.best_effort:
+            if schema is not None and params.best_effort:  # lenient grammar + value-close check
                 grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(params),
                                                                  overrides={"lenient": True})
                 template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
                 unenforced = tuple(locate(schema, msg) or [msg])
+                if not template.is_error():
+                    validator, stop, tok = make_validator(schema), self.stop_ids, self.tokenizer
+                    return CompiledGuide(
+                        self.name, self.vocab_size, template,
+                        lambda: ValueCheckedMatcher(LlguidanceMatcher(template.deep_copy(), stop), validator,
+                                                    tok.decode_str, stop),
+                        compile_s=time.perf_counter() - t0, unenforced=unenforced)
             if template.is_error():
                 where = locate(schema, msg) if schema is not None else []
                 raise InvalidRequestError(f"invalid {gtype} guide: {msg}" + (f" ({'; '.join(where[:4])})" if where else ""))

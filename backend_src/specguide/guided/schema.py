@@ -61,8 +61,12 @@ def find_keywords(schema: Any, keywords: tuple[str, ...]) -> list[str]:
 
 
 def xgrammar_unenforced(schema: Any) -> list[str]:
-    """What xgrammar would leave unchecked in `schema` (empty: it enforces all of it)."""
-    return find_keywords(schema, XGRAMMAR_IGNORES)
+    """What xgrammar would leave unchecked in `schema` (empty: it enforces all of it); it also
+    ignores minLength / maxLength next to a `pattern` (its own warning says so)."""
+    out = find_keywords(schema, XGRAMMAR_IGNORES)
+    out += [f"{kw} with pattern at {p or '/'}" for p, node in walk(schema) if "pattern" in node
+            for kw in ("minLength", "maxLength") if kw in node]
+    return out
 
 
 def strictify(schema: Any) -> Any:

@@ -20,6 +20,7 @@ from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import choice_to_ebnf, looks_like_lark, normalize_structural_tag
 from .schema import ANY_JSON_SCHEMA, strictify, xgrammar_unenforced
+from .value_check import ValueCheckedMatcher, make_validator
 
 # "[02:15:01] /project/cpp/grammar_parser.cc:820: " and "Check failed: (...) is false: "
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
@@ -139,6 +140,7 @@ class XgrammarBackend(GrammarBackend):
                  cache_limit_bytes: int = 512 << 20, compile_threads: Optional[int] = None,
                  exclude_special_tokens: bool = True):
         self.vocab_size = vocab_size
+        self.hf_tokenizer = hf_tokenizer
         self.tokenizer_info = build_tokenizer_info(hf_tokenizer, vocab_size, stop_token_ids, exclude_special_tokens)
         self.stop_token_ids: list[int] = list(self.tokenizer_info.stop_token_ids)
         threads = compile_threads or max(1, (os.cpu_count() or 2) // 2)
@@ -149,7 +151,12 @@ class XgrammarBackend(GrammarBackend):
         t0 = time.perf_counter()
         unenforced: list[str] = []
         grammar = self._compile(params, unenforced)
-        return CompiledGuide(self.name, self.vocab_size, grammar, lambda: XgrammarMatcher(grammar),
+        make: Any = lambda: XgrammarMatcher(grammar)  # noqa: E731
+        if unenforced:  # best effort: the value is checked with jsonschema when it closes
+            validator, stop, tok = make_validator(json.loads(params.guide)), frozenset(self.stop_token_ids), self.hf_tokenizer
+            make = lambda: ValueCheckedMatcher(XgrammarMatcher(grammar), validator,  # noqa: E731
+                                               lambda ids: tok.decode(ids, skip_special_tokens=True), stop)
+        return CompiledGuide(self.name, self.vocab_size, grammar, make,
                              compile_s=time.perf_counter() - t0, unenforced=tuple(unenforced))
 
     def _compile(self, params: GuidedDecodingParams, unenforced: list[str]) -> xgr.CompiledGrammar:
