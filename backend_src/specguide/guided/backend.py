@@ -8,7 +8,7 @@ layout, which llguidance shares), so one buffer serves both backends.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -75,11 +75,10 @@ class CompiledGuide:
 
     backend: str  # "xgrammar" | "llguidance"
     vocab_size: int  # the logits width it was compiled for
-    grammar: Any  # xgr.CompiledGrammar | llguidance grammar string
+    grammar: Any  # xgr.CompiledGrammar | the template llg.LLMatcher
     make_matcher: Callable[[], Matcher]
     compile_s: float = 0.0
     unenforced: tuple[str, ...] = ()  # best effort: "keyword at /json/pointer" not enforced
-    owner: "GrammarBackend | None" = field(default=None, repr=False)  # fills its matchers' rows in one call
 
     def matcher(self) -> Matcher:
         return self.make_matcher()

@@ -6,7 +6,6 @@ Both libraries release the GIL while compiling, so the pool's threads run in par
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
