@@ -82,7 +82,8 @@ def pick_schemas(schemas: list[tuple[str, str]], engine: Engine, n: int, max_sch
                 if len(engine.tokenizer.encode(compact)) > max_schema_tokens:
                     continue
                 try:
-                    engine.compiler.compile(GuidedDecodingParams("json_schema", text, backend=BACKEND[0]))
+                    for backend in ("xgrammar", "llguidance"):  # the same schemas for either --backend
+                        engine.compiler.compile(GuidedDecodingParams("json_schema", text, backend=backend))
                 except InvalidRequestError:
                     continue
                 picked.append({"name": name, "schema_text": text, "schema": json.loads(text), "compact": compact})

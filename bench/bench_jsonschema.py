@@ -45,7 +45,10 @@ def load_cases(folder: Path, per_split: int, seed: int) -> list[tuple[str, dict]
         for f in files:
             if taken >= per_split:
                 break
-            case = json.loads(f.read_text())
+            try:
+                case = json.loads(f.read_text())
+            except ValueError:  # an unreadable file: skipped (not counted)
+                continue
             if case.get("tests"):
                 out.append((f"{split}/{f.stem}", case))
                 taken += 1

@@ -203,3 +203,22 @@ def test_best_effort_date_and_oneof_on_llguidance(xgr_service, encode):
     one = {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 10}]}  # 12 matches both
     v = verdicts(xgr_service, encode, one, [(3, True), (12, False), (15.5, True)], "llguidance", best_effort=True)
     assert [v[(i, "compact")] for i in range(3)] == [True, False, True]
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_best_effort_refuses_what_neither_grammar_nor_value_check_can_enforce(xgr_service, backend):
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri-reference"}}}
+    with pytest.raises(InvalidRequestError, match="can enforce format uri-reference at /properties/u"):
+        xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend, best_effort=True))
+
+
+@pytest.mark.parametrize("schema,where", [  # what xgrammar silently accepted on MaskBench
+    ({"type": "object", "patternProperties": {"^(?!@@)[a-z@]+$": {"type": "integer"}}}, "pattern lookaround at /"),
+    ({"type": "number", "multipleOf": 0.01}, "multipleOf on numbers at /"),
+    ({"type": "object", "properties": {"b": {"type": "object", "enum": ["X"]}}}, "type beside enum at /properties/b"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength with pattern at /"),
+])
+def test_xgrammar_refuses_what_it_would_accept_wrongly(xgr_service, schema, where):
+    with pytest.raises(InvalidRequestError, match="xgrammar cannot enforce") as e:
+        xgr_service.compile(G("json_schema", json.dumps(schema), backend="xgrammar"))
+    assert where in str(e.value)

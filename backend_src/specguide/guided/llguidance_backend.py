@@ -22,13 +22,14 @@ from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import looks_like_lark
 from .schema import ANY_JSON_SCHEMA, find_keywords, strictify, walk
-from .value_check import ValueCheckedMatcher, make_validator
+from .value_check import ValueCheckedMatcher, make_validator, uncheckable_formats
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_JSON_WHITESPACE  # one bounded run
 KNOWN_KEYWORDS = ("uniqueItems", "oneOf", "dependencies", "dependentRequired", "dependentSchemas", "format",
                   "if", "then", "else", "not", "contains", "minContains", "maxContains", "propertyNames",
                   "unevaluatedProperties", "unevaluatedItems", "allOf", "patternProperties", "pattern",
                   "minProperties", "maxProperties", "$ref", "multipleOf")
+LLG_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
 _QUOTED = re.compile(r'"([^"]+)"')
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (.+?)$", re.MULTILINE)
 
@@ -183,6 +184,10 @@ class LlguidanceBackend(GrammarBackend):
                 unenforced = tuple(locate(schema, msg) or [msg])
                 if not template.is_error():
                     validator, stop, tok = make_validator(schema), self.stop_ids, self.tokenizer
+                    blind = uncheckable_formats(schema, validator, LLG_FORMATS)
+                    if blind:
+                        raise InvalidRequestError(f"invalid json_schema guide: neither the grammar nor the value check "
+                                                  f"can enforce {'; '.join(blind[:4])} (not even with best_effort)")
                     return CompiledGuide(
                         self.name, self.vocab_size, template,
                         lambda: ValueCheckedMatcher(LlguidanceMatcher(template.deep_copy(), stop), validator,

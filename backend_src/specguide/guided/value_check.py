@@ -33,6 +33,16 @@ def make_validator(schema: Any) -> Any:
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
+def uncheckable_formats(schema: Any, validator: Any, grammar_formats: frozenset[str]) -> list[str]:
+    """'format X at /pointer' for formats neither the grammar nor `validator` checks (jsonschema
+    checks only some formats without extra packages): best effort refuses those too."""
+    from .schema import walk
+
+    known = set(validator.format_checker.checkers) | grammar_formats
+    return [f"format {node['format']} at {p or '/'}" for p, node in walk(schema)
+            if isinstance(node.get("format"), str) and node["format"] not in known]
+
+
 class ValueCheckedMatcher(Matcher):
     """Wraps a backend matcher: its stop token is accepted only when the text is a value the schema
     accepts. `decode` turns the accepted tokens (stop tokens excluded) into text."""

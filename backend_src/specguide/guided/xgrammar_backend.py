@@ -20,7 +20,7 @@ from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import choice_to_ebnf, looks_like_lark, normalize_structural_tag
 from .schema import ANY_JSON_SCHEMA, strictify, xgrammar_unenforced
-from .value_check import ValueCheckedMatcher, make_validator
+from .value_check import ValueCheckedMatcher, make_validator, uncheckable_formats
 
 # "[02:15:01] /project/cpp/grammar_parser.cc:820: " and "Check failed: (...) is false: "
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
@@ -153,7 +153,12 @@ class XgrammarBackend(GrammarBackend):
         grammar = self._compile(params, unenforced)
         make: Any = lambda: XgrammarMatcher(grammar)  # noqa: E731
         if unenforced:  # best effort: the value is checked with jsonschema when it closes
-            validator, stop, tok = make_validator(json.loads(params.guide)), frozenset(self.stop_token_ids), self.hf_tokenizer
+            schema = json.loads(params.guide)
+            validator, stop, tok = make_validator(schema), frozenset(self.stop_token_ids), self.hf_tokenizer
+            blind = uncheckable_formats(schema, validator, frozenset())
+            if blind:
+                raise InvalidRequestError(f"invalid json_schema guide: neither the grammar nor the value check "
+                                          f"can enforce {'; '.join(blind[:4])} (not even with best_effort)")
             make = lambda: ValueCheckedMatcher(XgrammarMatcher(grammar), validator,  # noqa: E731
                                                lambda ids: tok.decode(ids, skip_special_tokens=True), stop)
         return CompiledGuide(self.name, self.vocab_size, grammar, make,
