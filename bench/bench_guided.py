@@ -83,7 +83,8 @@ def pick_schemas(schemas: list[tuple[str, str]], engine: Engine, n: int, max_sch
                 if len(engine.tokenizer.encode(compact)) > max_schema_tokens:
                     continue
                 try:
-                    engine.compiler.compile(GuidedDecodingParams("json_schema", text))
+                    for backend in ("xgrammar", "llguidance"):  # the same schemas for either --backend
+                        engine.compiler.compile(GuidedDecodingParams("json_schema", text, backend=backend))
                 except InvalidRequestError:
                     continue
                 picked.append({"name": name, "schema_text": text, "schema": json.loads(text), "compact": compact})
@@ -133,11 +134,12 @@ class StepTimers:
 # ---- engine runs ------------------------------------------------------------------------------
 
 DRAFT_TOKENS: list = [0]  # --draft-tokens: Request.num_draft_tokens (None = the engine's configured K)
+BACKEND: list = [""]  # --backend: the guides' grammar backend ("" = the engine's guided_backend)
 
 
 def make_request(ids: list[int], p: dict, guided: bool, max_tokens: int, ignore_eos: bool) -> Request:
     return Request(prompt_ids=ids, params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos),
-                   guided=GuidedDecodingParams("json_schema", p["schema_text"]) if guided else None,
+                   guided=GuidedDecodingParams("json_schema", p["schema_text"], backend=BACKEND[0]) if guided else None,
                    num_draft_tokens=DRAFT_TOKENS[0])
 
 
@@ -250,8 +252,8 @@ def run_hf(model_dir: Path, engine: Engine, prompts: list[list[int]], picked: li
     with torch.inference_mode():
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=eos[0])  # warm-up
         for ids, p in zip(prompts, picked):
-            compiled = engine.compiler.compile(GuidedDecodingParams("json_schema", p["schema_text"]))  # cached
-            proc = xgr.contrib.hf.LogitsProcessor(compiled)  # one per generate() call
+            compiled = engine.compiler.compile(GuidedDecodingParams("json_schema", p["schema_text"], backend="xgrammar"))
+            proc = xgr.contrib.hf.LogitsProcessor(compiled.grammar)  # one per generate() call
             t0 = time.perf_counter()
             out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
                               pad_token_id=eos[0], logits_processor=LogitsProcessorList([proc]))
@@ -318,9 +320,12 @@ def main() -> None:
                          "in-engine grammar timing covers; -1: the engine's configured K)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers + xgrammar validity run")
     ap.add_argument("--skip-compile", action="store_true", help="no compile / mask-fill micro-benchmark")
+    ap.add_argument("--backend", default="", help="grammar backend of the guides: auto | xgrammar | llguidance "
+                    "('' = the engine's guided_backend, auto)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     print(cpu_header(), flush=True)
+    BACKEND[0] = args.backend
     T0 = time.perf_counter()
     DRAFT_TOKENS[0] = None if args.draft_tokens < 0 else args.draft_tokens
     load_start = os.getloadavg()

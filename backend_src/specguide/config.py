@@ -56,6 +56,8 @@ class EngineConfig:
     spec_max_rows: int = 16  # rows one verification step may hold (batch x (K+1)): K shrinks as the
     # batch grows, since a CPU turns compute-bound past a few rows (0 = no limit; a GPU takes ~256)
     guided_compile_workers: int = 2  # grammar compile thread pool
+    guided_backend: str = "auto"  # grammar backend of requests that name none: "auto" (JSON -> llguidance,
+    # EBNF / structural tags / regex / choice -> xgrammar), "xgrammar", "llguidance" (alias "guidance")
     guided_cache_bytes: int = 512 * 1024 * 1024  # xgrammar compile cache limit
     guided_compile_timeout_s: float = 60.0  # 0 = no limit; a request past it fails with INVALID_ARG
     guided_mask_threads: int = 1  # threads for the batched mask fill (1 is fastest on 2 cores)
@@ -80,6 +82,8 @@ class EngineConfig:
         assert self.draft_layers >= 1 and self.ngram_max >= 1 and self.spec_max_rows >= 0 and self.ngram_trust >= 1
         assert self.guided_compile_workers >= 1 and self.guided_mask_threads >= 1
         assert self.guided_compile_timeout_s >= 0
+        assert self.guided_backend.strip().lower() in ("auto", "xgrammar", "llguidance", "guidance"), \
+            f"unknown guided_backend {self.guided_backend!r} (one of auto, xgrammar, llguidance)"
         assert self.request_timeout_s >= 0 and self.drain_timeout_s >= 0
         assert self.guided_executor in ("auto", "plain", "inline", "worker", "cuda"), \
             f"unknown guided_executor {self.guided_executor!r}"

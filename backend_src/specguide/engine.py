@@ -53,7 +53,7 @@ class Engine:
         self.compiler = GrammarCompilerService(
             self.tokenizer.hf, vocab, stop_token_ids=sorted(self.eos_token_ids),
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
-            timeout_s=config.guided_compile_timeout_s or None)
+            timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend)
         self.guided, self.runner = build_runner(self.model, config, self.device, vocab)
         self.proposer = Proposer(config, self.model, self.runner, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
@@ -353,6 +353,13 @@ class Engine:
             time.sleep(seq.fault.seconds)
         return self.runner.prefill(chunk)
 
+    def _guarded_violation(self, slot: int) -> Optional[str]:
+        """A best-effort guide's value-check verdict for an error message (None when unknown)."""
+        try:
+            return self.guided.violation(slot)
+        except Exception:  # noqa: BLE001 - a broken matcher: the plain message will do
+            return None
+
     def _guarded(self, seq: Sequence, fn: Callable[[], Optional[int]]) -> Optional[int]:
         """Run one request's part of the step; an exception fails that request only."""
         try:
@@ -399,8 +406,10 @@ class Engine:
             return
         for t in tokens:
             if guided and not self.guided.advance(seq.slot, t):
-                self._finish(seq, "error", f"token {t} violates the grammar (its mask allowed no token "
-                                           f"outside bad_words/end_id?)", "INTERNAL")
+                why = self._guarded_violation(seq.slot)
+                self._finish(seq, "error", f"the output violates the JSON schema: {why}" if why else
+                             f"token {t} violates the grammar (its mask allowed no token outside bad_words/end_id?)",
+                             "INTERNAL")
                 return
             if lps is not None:
                 seq.logprobs.append(lps[len(new)])
@@ -486,6 +495,7 @@ class Engine:
             seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
             error_code=seq.error_code if finished else None, stage=seq.stage if finished else None,
+            guide_notes=tuple(getattr(seq.grammar, "unenforced", ())) if finished else (),
             total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
             num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
             first_token=seq.ids_sent == 0 and bool(new_ids),

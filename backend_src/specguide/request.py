@@ -101,6 +101,15 @@ class GuidedDecodingParams:
 
     guide_type: str  # json | json_schema | regex | ebnf_grammar | structural_tag | choice
     guide: str = ""
+    backend: str = ""  # "" = the server's guided_backend; auto | xgrammar | llguidance
+    strict: bool = False  # OpenAI strict (JSON): additionalProperties false everywhere, all keys required
+    any_whitespace: bool = True  # JSON: compact and spaced both allowed (False: compact only)
+    whitespace_pattern: str = ""  # JSON: regex for one whitespace run (overrides any_whitespace)
+    best_effort: bool = False  # JSON: keywords the grammar cannot enforce are noted, not refused
+
+    def cache_key(self, backend: str) -> tuple:
+        return (backend, self.guide_type, self.guide, self.strict, self.any_whitespace,
+                self.whitespace_pattern, self.best_effort)
 
 
 @dataclass
@@ -129,6 +138,8 @@ class RequestOutput:
     error: Optional[str] = None
     error_code: Optional[str] = None  # with "error": INVALID_ARG (bad guide) | INTERNAL | UNAVAILABLE (engine died)
     stage: Optional[str] = None  # on the final event: queued | compiling | prefill | decode (where it ended)
+    guide_notes: tuple[str, ...] = ()  # final event, best_effort guides: keywords the grammar leaves to the
+    # value-close check ("uniqueItems at /l"), i.e. checked only when the value closes
     num_input_tokens: int = 0
     num_output_tokens: int = 0  # total so far
     first_token: bool = False  # this event carries the request's first token(s)

@@ -48,7 +48,7 @@ class Sequence:
     delta: str = ""  # emitted text not yet reported to the callback
     ids_sent: int = 0  # output tokens already reported
     compile: object = None  # CompileHandle while the grammar compiles (guided requests)
-    grammar: object = None  # xgrammar CompiledGrammar once ready
+    grammar: object = None  # guided.backend.CompiledGuide once ready
     error_code: Optional[str] = None
     num_draft: int = 0  # speculative decoding: draft tokens proposed / accepted so far
     num_accepted: int = 0

@@ -1,4 +1,4 @@
-"""Fixtures for guided tests: the real SmolLM2 tokenizer and one compile service per session."""
+"""Fixtures for guided tests: the real SmolLM2 tokenizer and one compile service per grammar backend."""
 from __future__ import annotations
 
 import pytest
@@ -18,9 +18,20 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(str(resolve_model_dir()))
 
 
+@pytest.fixture(scope="session", params=["xgrammar", "llguidance"])
+def service(request, hf_tokenizer):
+    """One compile service per grammar backend (its default); every test using it runs for both."""
+    svc = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=2, cache_limit_bytes=256 << 20,
+                                 default_backend=request.param)
+    yield svc
+    svc.shutdown()
+
+
 @pytest.fixture(scope="session")
-def service(hf_tokenizer):
-    svc = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=2, cache_limit_bytes=256 << 20)
+def xgr_service(hf_tokenizer):
+    """xgrammar only (its own error messages, cache)."""
+    svc = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=2, cache_limit_bytes=256 << 20,
+                                 default_backend="xgrammar")
     yield svc
     svc.shutdown()
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import xgrammar as xgr
 
 from specguide.guided import GuidedDecoder
+from specguide.guided.backend import CompiledGuide
 from specguide.request import GuidedDecodingParams
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +49,8 @@ def load_guided_samples() -> list[Sample]:
             gtype = "ebnf_grammar"
         else:
             gtype = kind
-        out.append(Sample(entry["file"], kind, GuidedDecodingParams(gtype, text), text))
+        backend = "xgrammar" if gtype == "structural_tag" else ""  # structural tags: xgrammar only
+        out.append(Sample(entry["file"], kind, GuidedDecodingParams(gtype, text, backend=backend), text))
     return out
 
 
@@ -62,6 +63,8 @@ def token_bonus(hf_tokenizer, vocab_size: int, stop_ids: list[int]) -> torch.Ten
         text = hf_tokenizer.convert_tokens_to_string([tok])
         if any(c in text for c in '"}]'):
             bonus[i] += 3.0
+        if "@" in text or text == ".":
+            bonus[i] += 2.0  # ends email patterns (`[a-z]+@[a-z]+\.[a-z]+`) a random walk would not leave
         if text.strip() == "":
             bonus[i] -= 3.0
         elif text.startswith(" "):
@@ -101,10 +104,10 @@ def output_text(hf_tokenizer, tokens: list[int], stop_ids: list[int]) -> str:
     return hf_tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def grammar_accepts(compiled: xgr.CompiledGrammar, tokens: list[int]) -> bool:
+def grammar_accepts(compiled: CompiledGuide, tokens: list[int]) -> bool:
     """A fresh matcher accepts the whole token sequence and ends terminated."""
-    m = xgr.GrammarMatcher(compiled)
-    return all(m.accept_token(t) for t in tokens) and m.is_terminated()
+    m = compiled.matcher()
+    return all(m.accept(t) for t in tokens) and m.is_terminated()
 
 
 def check_output(sample: Sample, text: str) -> None:

@@ -5,6 +5,8 @@ a mixed batch of guided (JSON schema, regex, EBNF) and unguided requests, with a
 speculation (n-gram and early-exit drafters)."""
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 
 import pytest
@@ -165,8 +167,9 @@ def test_capturable_decoder_matches_the_plain_decoder(service, hf_tokenizer):
 
 # ---- the engine: worker / inline executors == plain decoder, token for token -------------------
 
+# name[@backend] ('' = auto: JSON on llguidance, the rest on xgrammar): both backends in one batch
 GUIDES = ["trtllm_json_schema_capital.json", "sglang_regex_date.regex", "trtllm_ebnf_capital.gbnf",
-          "sglang_ebnf_phone.gbnf"]
+          "sglang_ebnf_phone.gbnf", "trtllm_json_schema_capital.json@xgrammar", "sglang_regex_phone.regex@llguidance"]
 TEXTS = ["Repeat this sentence three times: the cat sat on the mat.", "Write a haiku about the sea.",
          "List three primary colors."]
 
@@ -175,9 +178,11 @@ def _requests(engine, k_of, max_tokens=32, sampled=()):
     samples = {s.name: s for s in load_guided_samples()}
     chat = lambda t: engine.tokenizer.apply_chat_template([{"role": "user", "content": t}])  # noqa: E731
     reqs = []
-    for name in GUIDES:
+    for entry in GUIDES:
+        name, _, backend = entry.partition("@")
         s = samples[name]
-        reqs.append((chat(f"Answer with {s.kind} output following this guide:\n{s.text[:600]}"), s.params))
+        reqs.append((chat(f"Answer with {s.kind} output following this guide:\n{s.text[:600]}"),
+                     dataclasses.replace(s.params, backend=backend)))
     reqs += [(chat(t), None) for t in TEXTS]
     return [Request(prompt=p, guided=g, num_draft_tokens=k_of(i),
                     params=SamplingParams(max_tokens=max_tokens, temperature=0.8 if i in sampled else 0.0, seed=i))
@@ -219,7 +224,7 @@ def reference(plain_engine):
     return _run(plain_engine, _requests(plain_engine, k_of=lambda i: 0))
 
 
-MIXED_K = (3, 0, 3, 2, 3, 0, 1)  # per request: speculation on / off inside one batch
+MIXED_K = (3, 0, 3, 2, 3, 2, 3, 0, 1)  # per request: speculation on / off inside one batch
 
 
 def test_worker_executor_gives_the_plain_tokens_without_speculation(worker_engine, reference):

@@ -80,7 +80,13 @@ def test_validate_rejects_non_params_and_non_string_guides():
     ({"choice": ["x", "y\""]}, G("choice", '["x", "y\\""]')),
     ({"json_object": True}, G("json", "")),
     ({"json_object": False, "regex": "a"}, G("regex", "a")),
-    ({"regex": "a", "json": None, "disable_any_whitespace": True, "backend": "xgrammar"}, G("regex", "a")),
+    ({"regex": "a", "json": None, "disable_any_whitespace": True, "backend": "xgrammar"},
+     G("regex", "a", backend="xgrammar", any_whitespace=False)),
+    ({"json": SCHEMA, "backend": "guidance", "whitespace_pattern": " ?", "best_effort": True},
+     G("json_schema", json.dumps(SCHEMA), backend="llguidance", whitespace_pattern=" ?", best_effort=True)),
+    ({"json": {"name": "x", "schema": SCHEMA, "strict": True}, "backend": "auto"},  # OpenAI's json_schema object
+     G("json_schema", json.dumps(SCHEMA), backend="auto", strict=True)),
+    ({"json": SCHEMA, "strict": True}, G("json_schema", json.dumps(SCHEMA), strict=True)),
     ({"structural_tag": {"type": "structural_tag", "format": {}}},
      G("structural_tag", '{"type": "structural_tag", "format": {}}')),
 ])
@@ -106,6 +112,11 @@ def test_vllm_mapping(value, expected):
     ({"jsn": SCHEMA}, "unknown key"),
     ([1, 2], "JSON object"),
     ("{oops", "not valid JSON"),
+    ({"regex": "a", "backend": "outlines"}, "unknown guided backend 'outlines'"),
+    ({"regex": "a", "backend": 3}, "backend must be a string"),
+    ({"regex": "a", "strict": "yes"}, "strict must be a boolean"),
+    ({"json": {"schema": SCHEMA, "strict": 1}}, "strict must be a boolean"),
+    ({"regex": "a", "whitespace_pattern": 5}, "whitespace_pattern must be a string"),
 ])
 def test_vllm_errors(value, msg):
     with pytest.raises(InvalidRequestError, match=msg):

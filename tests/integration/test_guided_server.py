@@ -122,6 +122,22 @@ def test_vllm_guided_decoding_regex(server, chat):
     assert re.fullmatch(PHONE, text) and chunks[-1].finish_reason == "stop", text
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_vllm_json_schema_with_a_backend_over_http_and_grpc(server, chat, backend):
+    """`structured_outputs.backend` picks the grammar backend; both transports give the same
+    schema-valid object, ended by the grammar; an unknown backend is refused, naming it."""
+    sp = {"max_tokens": JSON_MAX_TOKENS, "temperature": 0, "structured_outputs": {"json": SCHEMA, "backend": backend}}
+    values = {"text_input": chat(PERSON), "exclude_input_in_output": True, "sampling_parameters": json.dumps(sp)}
+    one = http_generate(values, server.http)
+    assert one.error is None and one.finish_reason == "stop", (one.error, one.text)
+    jsonschema.validate(json.loads(one.text), SCHEMA)
+    text, _ = check_stream(grpc_generate(server, {**values, "stream": True}))
+    assert text == one.text
+    bad = dict(sp, structured_outputs={"json": SCHEMA, "backend": "outlines"})
+    err = http_generate({**values, "sampling_parameters": json.dumps(bad)}, server.http)
+    assert err.error and "unknown guided backend 'outlines'" in err.error
+
+
 # ----------------------------------------------------------------------------- (c) bad guides
 
 GT, G = "guided_decoding_guide_type", "guided_decoding_guide"

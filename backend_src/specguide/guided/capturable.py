@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-import xgrammar as xgr
 
 from ..cuda import hostfunc
+from .backend import CompiledGuide
 from .decoder import GuidedDecoder, Row, _BITS
 
 NO_LIMIT = 1 << 30  # limit of a row the grammar does not cut
@@ -105,7 +105,7 @@ class CapturableGuidedDecoder:
     def is_guided(self, slot: int) -> bool:
         return slot in self._guided_slots
 
-    def add(self, slot: int, compiled: xgr.CompiledGrammar) -> None:
+    def add(self, slot: int, compiled: CompiledGuide) -> None:
         self._guided_slots.add(slot)
         self.stream.launch(self._timed(self.inner.add), slot, compiled)
 
@@ -198,6 +198,11 @@ class CapturableGuidedDecoder:
             dq.popleft()
             return True
         return False
+
+    def violation(self, slot: int) -> Optional[str]:
+        """The inner decoder's value-check verdict (waits for pending callbacks)."""
+        self.synchronize()
+        return self.inner.violation(slot)
 
     def is_terminated(self, slot: int) -> bool:
         """Terminated after the tokens confirmed so far (commit stops feeding at termination)."""

@@ -1,69 +1,35 @@
-"""Grammar compilation: one xgrammar GrammarCompiler per model, a cache, and a thread pool.
+"""Grammar compilation: the grammar backends for one model, a cache, and a thread pool.
 
 `submit(params)` returns at once with a CompileHandle; the engine keeps the request in its
 waiting queue and polls `handle.ready()` every iteration, so its loop never waits on a compile.
-xgrammar's compile functions release the GIL, so the pool's threads run in parallel with the loop.
+Both libraries release the GIL while compiling, so the pool's threads run in parallel with the loop.
 """
 from __future__ import annotations
 
-import json
-import os
-import re
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import xgrammar as xgr
-
 from ..request import GuidedDecodingParams, InvalidRequestError
-from .params import choice_to_ebnf, looks_like_lark, normalize_structural_tag, validate_guided
+from .backend import BACKENDS, CompiledGuide, GrammarBackend, canonical_backend
+from .llguidance_backend import LlguidanceBackend
+from .params import validate_guided
+from .xgrammar_backend import XgrammarBackend, build_tokenizer_info, xgrammar_message  # noqa: F401 (re-exported)
 
 DEFAULT_CACHE_LIMIT_BYTES = 512 << 20
-ANY_JSON_SCHEMA = '{"type": ["object", "array"]}'  # guide type `json`, compact
-
-# "[02:15:01] /project/cpp/grammar_parser.cc:820: " and "Check failed: (...) is false: "
-_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
-_CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false: ")
+LLG_CACHE_ENTRIES = 256  # compiled llguidance guides kept (xgrammar keeps its own byte-limited cache)
+AUTO_XGRAMMAR = ("ebnf_grammar", "structural_tag", "regex", "choice")  # `auto` keeps these on xgrammar
 
 
-def xgrammar_message(err: BaseException) -> str:
-    """xgrammar's error text without its C++ source location and CHECK boilerplate."""
-    text = str(err).strip()
-    text = _CHECK_PREFIX.sub("", _LOG_PREFIX.sub("", text))
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
-def build_tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_token_ids: Optional[Sequence[int]] = None,
-                         exclude_special_tokens: bool = True) -> xgr.TokenizerInfo:
-    """TokenizerInfo sized to the model's logits (`vocab_size`), stop tokens = EOS by default.
-
-    Ids at or past the tokenizer's vocabulary (logit padding) have an empty encoding, which
-    xgrammar treats as special tokens: never allowed by a mask. With `exclude_special_tokens`
-    the tokenizer's own special tokens (e.g. `<|im_start|>`) get the same treatment, so a guided
-    output never contains text that the detokenizer (skip_special_tokens) would drop.
-    """
-    if stop_token_ids is None:
-        if hf_tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos_token_id; pass stop_token_ids")
-        stop_token_ids = [hf_tokenizer.eos_token_id]
-    stop = [int(t) for t in stop_token_ids]
-    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
-    if not exclude_special_tokens:
-        return info
-    encoded = [""] * vocab_size
-    for token, idx in hf_tokenizer.get_vocab().items():
-        if idx < vocab_size:
-            encoded[idx] = token
-    special = set(hf_tokenizer.all_special_ids)
-    special |= {i for i, tok in getattr(hf_tokenizer, "added_tokens_decoder", {}).items() if tok.special}
-    for idx in special:
-        if 0 <= idx < vocab_size:
-            encoded[idx] = ""
-    return xgr.TokenizerInfo(encoded, info.vocab_type, vocab_size=vocab_size, stop_token_ids=stop,
-                             add_prefix_space=info.add_prefix_space)
+def auto_backend(params: GuidedDecodingParams) -> str:
+    """`auto`: JSON (schema or any) -> llguidance (spec-true, fast compiles; bench/BENCHMARKS.md);
+    xgrammar EBNF and structural tags -> xgrammar (its syntax); regex and choice -> xgrammar (both
+    serve them; xgrammar keeps the forced-token drafts the speculative tests were tuned on)."""
+    return "xgrammar" if params.guide_type in AUTO_XGRAMMAR else "llguidance"
 
 
 class CompileHandle:
@@ -82,7 +48,7 @@ class CompileHandle:
         """True once `result()` will not block: compiled, failed, or past the timeout."""
         return self._future.done() or self.timed_out()
 
-    def result(self, timeout: Optional[float] = None) -> xgr.CompiledGrammar:
+    def result(self, timeout: Optional[float] = None) -> CompiledGuide:
         """The compiled grammar; InvalidRequestError for a bad guide or a compile past its timeout.
 
         Blocks up to `timeout` seconds (None: until done or the compile timeout)."""
@@ -104,20 +70,24 @@ class CompileHandle:
 
 
 class GrammarCompilerService:
-    """One xgrammar GrammarCompiler for one model, with its cache and a compile thread pool."""
+    """The grammar backends for one model (xgrammar, llguidance), a compile cache and a thread pool.
+
+    `default_backend` (EngineConfig.guided_backend) serves requests that name none."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, *, stop_token_ids: Optional[Sequence[int]] = None,
                  cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES, max_workers: int = 2,
                  compile_threads: Optional[int] = None, timeout_s: Optional[float] = None,
-                 json_any_whitespace: bool = False, exclude_special_tokens: bool = True):
+                 exclude_special_tokens: bool = True, default_backend: str = "auto"):
         self.vocab_size = vocab_size
-        self.tokenizer_info = build_tokenizer_info(hf_tokenizer, vocab_size, stop_token_ids, exclude_special_tokens)
-        self.stop_token_ids: list[int] = list(self.tokenizer_info.stop_token_ids)
-        threads = compile_threads or max(1, (os.cpu_count() or 2) // 2)
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=True,
-                                            cache_limit_bytes=cache_limit_bytes)
+        self.xgrammar = XgrammarBackend(hf_tokenizer, vocab_size, stop_token_ids, cache_limit_bytes,
+                                        compile_threads, exclude_special_tokens)
+        self.tokenizer_info = self.xgrammar.tokenizer_info
+        self.stop_token_ids: list[int] = list(self.xgrammar.stop_token_ids)
+        self.llguidance = LlguidanceBackend(hf_tokenizer, vocab_size, self.stop_token_ids)
+        self.backends: dict[str, GrammarBackend] = {"xgrammar": self.xgrammar, "llguidance": self.llguidance}
+        self.default_backend = canonical_backend(default_backend, "guided_backend") or "auto"
         self.timeout_s = timeout_s
-        self.json_any_whitespace = json_any_whitespace  # False: compact JSON, no runaway whitespace
+        self._cache: "OrderedDict[tuple, CompiledGuide]" = OrderedDict()  # llguidance guides, LRU
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._closed = False
@@ -132,54 +102,61 @@ class GrammarCompilerService:
             vocab_size = AutoConfig.from_pretrained(str(model_dir)).vocab_size
         return cls(tok, vocab_size, **kwargs)
 
+    def backend_for(self, params: GuidedDecodingParams) -> str:
+        """The backend that compiles `params`: the request's, else the server default; `auto` routes."""
+        try:
+            name = canonical_backend(params.backend) or self.default_backend
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        return auto_backend(params) if name == "auto" else name
+
     def submit(self, params: GuidedDecodingParams, timeout_s: Optional[float] = None) -> CompileHandle:
         """Validate now (InvalidRequestError at once for a malformed guide), compile in the pool."""
         params = validate_guided(params)
+        self.backend_for(params)  # an unknown backend fails at once
         with self._lock:
             if self._closed:
                 raise RuntimeError("the grammar compiler is shut down")
             future = self._pool.submit(self._compile, params)
         return CompileHandle(future, self.timeout_s if timeout_s is None else timeout_s)
 
-    def compile(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
-        """Compile on the calling thread (cached); InvalidRequestError with xgrammar's message."""
+    def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
+        """Compile on the calling thread (cached); InvalidRequestError with a client-safe message."""
         return self._compile(validate_guided(params))
 
-    def _compile(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
-        gtype, guide = params.guide_type, params.guide  # already validated
-        try:
-            if gtype == "json":  # an object or an array, like xgrammar's builtin JSON grammar
-                if self.json_any_whitespace:
-                    return self.compiler.compile_builtin_json_grammar()
-                return self.compiler.compile_json_schema(ANY_JSON_SCHEMA, any_whitespace=False)
-            if gtype == "json_schema":
-                return self.compiler.compile_json_schema(guide, any_whitespace=self.json_any_whitespace)
-            if gtype == "regex":
-                return self.compiler.compile_regex(guide)
-            if gtype == "ebnf_grammar":
-                if looks_like_lark(guide):
-                    return self.compiler.compile_lark(guide)
-                return self.compiler.compile_grammar(guide)
-            if gtype == "structural_tag":
-                tag = normalize_structural_tag(json.loads(guide))
-                return self.compiler.compile_structural_tag(json.dumps(tag))
-            if gtype == "choice":
-                return self.compiler.compile_grammar(choice_to_ebnf(json.loads(guide)))
-        except InvalidRequestError:
-            raise
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidRequestError(f"invalid {gtype} guide: {xgrammar_message(e)}") from None
-        raise InvalidRequestError(f"unknown guide type {gtype!r}")  # unreachable after validate_guided
+    def _compile(self, params: GuidedDecodingParams) -> CompiledGuide:
+        name = self.backend_for(params)
+        assert name in BACKENDS, name
+        if name == "xgrammar":  # xgrammar caches by itself
+            return self.xgrammar.compile(params)
+        key = params.cache_key(name)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        guide = self.llguidance.compile(params)
+        with self._lock:
+            self._cache[key] = guide
+            while len(self._cache) > LLG_CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return guide
 
     def cache_size_bytes(self) -> int:
-        return self.compiler.get_cache_size_bytes()
+        return self.xgrammar.cache_size_bytes()
 
     @property
     def cache_limit_bytes(self) -> int:
-        return self.compiler.cache_limit_bytes
+        return self.xgrammar.compiler.cache_limit_bytes
+
+    @property
+    def compiler(self):  # the xgrammar GrammarCompiler (tests, tools)
+        return self.xgrammar.compiler
 
     def clear_cache(self) -> None:
-        self.compiler.clear_cache()
+        self.xgrammar.clear_cache()
+        with self._lock:
+            self._cache.clear()
 
     def shutdown(self, wait: bool = False) -> None:
         """Stop taking compiles; pending ones are cancelled, running ones finish in the background."""

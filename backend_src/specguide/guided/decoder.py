@@ -1,4 +1,4 @@
-"""GuidedDecoder: per-slot grammar matchers and one token bitmask buffer, allocated once.
+"""GuidedDecoder: per-slot grammar matchers (any backend) and one token bitmask buffer, allocated once.
 
 Row layout: slot s owns rows [s*(K+1), (s+1)*(K+1)); row `s*(K+1) + i` is the mask for the token
 at draft position i of slot s (i = 0 for plain decoding; 0..K for a verification step). A draft
@@ -14,6 +14,8 @@ from typing import Callable, Literal, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 import xgrammar as xgr
+
+from .backend import CompiledGuide, Matcher
 
 Row = tuple[int, int]  # (slot, draft position)
 _BITS = (1 << torch.arange(32, dtype=torch.int64)).to(torch.int32)  # [32] bit j of an int32 word
@@ -37,10 +39,10 @@ class GuidedDecoder:
         shape = xgr.get_bitmask_shape(self.num_rows, vocab_size)  # [max_slots*(K+1), ceil(V/32)]
         self.bitmask = torch.full(shape, -1, dtype=xgr.bitmask_dtype, pin_memory=pin_memory)
         self.token_mask = np.zeros(self.num_rows, dtype=bool)  # [rows]: row holds a mask to apply
-        self.matchers: list[Optional[xgr.GrammarMatcher]] = [None] * max_slots
-        self.grammars: list[Optional[xgr.CompiledGrammar]] = [None] * max_slots
+        self.matchers: list[Optional[Matcher]] = [None] * max_slots
+        self.grammars: list[Optional[CompiledGuide]] = [None] * max_slots
         self.history: list[list[int]] = [[] for _ in range(max_slots)]  # tokens each matcher holds
-        self._batch = xgr.BatchGrammarMatcher(num_threads)
+        self.num_threads = num_threads
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -48,11 +50,11 @@ class GuidedDecoder:
         assert 0 <= pos < self.rows_per_slot, f"draft position {pos} out of range"
         return slot * self.rows_per_slot + pos
 
-    def add(self, slot: int, compiled: xgr.CompiledGrammar) -> None:
-        """Start a matcher for a newly admitted guided request (rollback is unlimited in xgrammar 0.2.8)."""
+    def add(self, slot: int, compiled: CompiledGuide) -> None:
+        """Start a matcher for a newly admitted guided request (either backend)."""
         assert self.matchers[slot] is None, f"slot {slot} already has a matcher"
-        assert compiled.tokenizer_info.vocab_size == self.vocab_size, "grammar compiled for another vocab size"
-        self.matchers[slot] = xgr.GrammarMatcher(compiled)
+        assert compiled.vocab_size == self.vocab_size, "grammar compiled for another vocab size"
+        self.matchers[slot] = compiled.matcher()
         self.grammars[slot] = compiled
         self.history[slot] = []
         self.clear_slot(slot)
@@ -75,7 +77,7 @@ class GuidedDecoder:
 
     def advance(self, slot: int, token: int) -> bool:
         """Feed one token; False (state unchanged) when the grammar rejects it or has terminated."""
-        ok = self._matcher(slot).accept_token(int(token))
+        ok = self._matcher(slot).accept(int(token))
         if ok:
             self.history[slot].append(int(token))
         return ok
@@ -84,7 +86,7 @@ class GuidedDecoder:
         """Feed tokens until one is rejected or the grammar terminates; the number accepted."""
         m, n = self._matcher(slot), 0
         for t in tokens:
-            if m.is_terminated() or not m.accept_token(int(t)):
+            if not m.accept(int(t)):
                 break
             self.history[slot].append(int(t))
             n += 1
@@ -108,24 +110,16 @@ class GuidedDecoder:
         return self._matcher(slot).is_completed()
 
     def forced_tokens(self, slot: int, encode: Callable[[str], list[int]], k: int) -> list[int]:
-        """Up to k tokens of the string the grammar forces next (xgrammar's jump-forward string,
-        without trailing whitespace), tokenized by `encode` and checked on a forked matcher: every
-        token returned is accepted in order from the slot's current state (the slot's own matcher
-        is not touched)."""
-        m = self._matcher(slot)
-        if k <= 0 or m.is_terminated():
-            return []
-        # NOTE: trailing whitespace stays undrafted: the model writes it fused to the next word
-        # (`": "` + ` true`), so a lone-space token would be rejected and end the drafts
-        text = m.find_jump_forward_string().rstrip()
-        if not text:
-            return []
-        fork, out = m.fork(), []
-        for t in encode(text)[:k]:
-            if not fork.accept_token(int(t)):
-                break
-            out.append(int(t))
-        return out
+        """Up to k tokens the grammar forces next (xgrammar: its jump-forward string tokenized by
+        `encode`; llguidance: its fast-forward tokens): every token returned is accepted in order
+        from the slot's current state (the slot's own state is not changed)."""
+        return self._matcher(slot).forced_tokens(encode, k)
+
+    def violation(self, slot: int) -> Optional[str]:
+        """Why a value-checked (best effort) slot's value cannot end here; None otherwise."""
+        m = self.matchers[slot]
+        fn = getattr(m, "violation", None)
+        return fn() if callable(fn) else None
 
     def num_tokens(self, slot: int) -> int:
         return len(self.history[slot])
@@ -137,18 +131,21 @@ class GuidedDecoder:
 
         A slot appears at most once (its matcher has one state). Rows of unguided or terminated
         slots are marked unconstrained."""
-        matchers, indices = [], []
+        groups: dict[type, tuple[list[Matcher], list[int]]] = {}  # one batched call per backend
+        n = 0
         for slot, pos in rows:
             r, m = self.row(slot, pos), self.matchers[slot]
             if m is None or m.is_terminated():
                 self.token_mask[r] = False
                 continue
-            matchers.append(m)
-            indices.append(r)
-        assert len(set(id(m) for m in matchers)) == len(matchers), "a slot appears twice in one fill"
-        if matchers:
-            self._batch.batch_fill_next_token_bitmask(matchers, self.bitmask, indices)
-            self.token_mask[indices] = True
+            ms, idx = groups.setdefault(type(m), ([], []))
+            ms.append(m)
+            idx.append(r)
+            n += 1
+        assert len(set(id(m) for ms, _ in groups.values() for m in ms)) == n, "a slot appears twice in one fill"
+        for cls, (ms, idx) in groups.items():
+            cls.fill_many(ms, self.bitmask, idx, self.num_threads)  # type: ignore[attr-defined]
+            self.token_mask[idx] = True
 
     def fill_verify_rows(self, drafts: Mapping[int, Sequence[int]]) -> dict[int, int]:
         """Masks for a verification step whose drafts are known (n-gram drafter): rows 0..len(d).
@@ -166,10 +163,9 @@ class GuidedDecoder:
             active = [s for s in active if i < len(drafts[s])]
             if not active:
                 break
-            ok = self._batch.batch_accept_token([self.matchers[s] for s in active], [int(drafts[s][i]) for s in active])
             nxt = []
-            for s, accepted in zip(active, ok):
-                if accepted:
+            for s in active:
+                if self._matcher(s).accept(int(drafts[s][i])):
                     self.history[s].append(int(drafts[s][i]))
                     fed[s] += 1
                     if not self.is_terminated(s):
@@ -231,9 +227,9 @@ class GuidedDecoder:
         m, g = self.matchers[slot], self.grammars[slot]
         if m is None:
             return None
-        fresh = xgr.GrammarMatcher(g)
+        fresh = g.matcher()
         for i, t in enumerate(self.history[slot]):
-            if not fresh.accept_token(t):
+            if not fresh.accept(t):
                 return f"a fresh matcher rejects token {i} ({t}) of the slot's history"
         if fresh.is_terminated() != m.is_terminated():
             return f"terminated: slot {m.is_terminated()}, fresh {fresh.is_terminated()}"
@@ -242,14 +238,14 @@ class GuidedDecoder:
         if m.is_terminated():
             return None
         masks = xgr.allocate_token_bitmask(2, self.vocab_size)
-        m.fill_next_token_bitmask(masks, 0)
-        fresh.fill_next_token_bitmask(masks, 1)
+        m.fill(masks, 0)
+        fresh.fill(masks, 1)
         if not torch.equal(masks[0], masks[1]):
             diff = np.setxor1d(bitmask_to_ids(masks[0], self.vocab_size), bitmask_to_ids(masks[1], self.vocab_size))
             return f"next-token masks differ on {len(diff)} ids, e.g. {diff[:5].tolist()}"
         return None
 
-    def _matcher(self, slot: int) -> xgr.GrammarMatcher:
+    def _matcher(self, slot: int) -> Matcher:
         m = self.matchers[slot]
         if m is None:
             raise KeyError(f"slot {slot} has no grammar matcher")

@@ -8,21 +8,26 @@ the compiler.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any, Mapping, Optional, Sequence
 
 from ..request import GuidedDecodingParams, InvalidRequestError
+from .backend import canonical_backend
 
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag", "choice")
 
 # vLLM StructuredOutputsParams / GuidedDecodingParams fields that select a guide
 VLLM_GUIDE_KEYS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
-# vLLM fields that tune a backend; accepted and ignored (the engine has one backend, xgrammar)
+# vLLM fields that pick or tune a backend: `backend`, `disable_any_whitespace`, `whitespace_pattern`
+# are honoured; SpecGuide adds `strict` (OpenAI strict JSON) and `best_effort` (keywords no grammar
+# can check are noted instead of refused); the rest are vLLM bookkeeping, accepted and ignored
 VLLM_OPTION_KEYS = (
-    "backend", "_backend", "backend_was_auto", "disable_fallback", "disable_any_whitespace",
-    "disable_additional_properties", "whitespace_pattern", "_backend_was_auto",
+    "backend", "disable_any_whitespace", "whitespace_pattern", "strict", "best_effort",
+    "_backend", "backend_was_auto", "disable_fallback", "disable_additional_properties", "_backend_was_auto",
 )
+OPENAI_SCHEMA_KEYS = {"name", "schema", "strict", "description"}  # a response_format json_schema object
 
 
 def validate_guided(params: GuidedDecodingParams) -> GuidedDecodingParams:
@@ -35,11 +40,18 @@ def validate_guided(params: GuidedDecodingParams) -> GuidedDecodingParams:
         raise InvalidRequestError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}; got {params.guide_type!r}")
     if not isinstance(guide, str):
         raise InvalidRequestError(f"guided_decoding_guide must be a string, got {type(guide).__name__}")
+    try:
+        backend = canonical_backend(params.backend if isinstance(params.backend, str) else str(params.backend))
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    if params.whitespace_pattern and not isinstance(params.whitespace_pattern, str):
+        raise InvalidRequestError("whitespace_pattern must be a string")
+    out = dataclasses.replace(params, guide_type=gtype, guide=guide, backend=backend)
     if gtype == "json":
         if guide.strip():
             raise InvalidRequestError(
                 "guide type 'json' (any JSON value) takes no guide; use 'json_schema' to constrain the output by a schema")
-        return GuidedDecodingParams("json", "")
+        return out
     if not guide.strip():
         raise InvalidRequestError(f"guided_decoding_guide is required (non-empty) for guide type {gtype!r}")
     if gtype == "json_schema":
@@ -50,7 +62,7 @@ def validate_guided(params: GuidedDecodingParams) -> GuidedDecodingParams:
             raise InvalidRequestError(f"structural tag must be a JSON object, got {type(tag).__name__}")
     elif gtype == "choice":
         check_choices(_parse_json(guide, "choice list"))
-    return GuidedDecodingParams(gtype, guide)
+    return out
 
 
 def from_tensors(guide_type: Optional[str], guide: Optional[str]) -> Optional[GuidedDecodingParams]:
@@ -80,24 +92,48 @@ def from_vllm(value: Any, key: str = "structured_outputs") -> Optional[GuidedDec
     if not given:
         return None
     k, v = given[0], value[given[0]]
+    opts = _vllm_options(value, key)
     if k == "json":
+        parsed = _parse_json(v, f"{key}.json") if isinstance(v, str) else v
+        if isinstance(parsed, dict) and "schema" in parsed and set(parsed) <= OPENAI_SCHEMA_KEYS:  # {"name", "schema", "strict"}
+            if "strict" in parsed and not isinstance(parsed["strict"], bool):
+                raise InvalidRequestError(f"{key}.json.strict must be a boolean, got {parsed['strict']!r}")
+            opts["strict"] = opts["strict"] or bool(parsed.get("strict", False))
+            v = parsed["schema"]
         if isinstance(v, str):
-            return validate_guided(GuidedDecodingParams("json_schema", v))
+            return validate_guided(GuidedDecodingParams("json_schema", v, **opts))
         if isinstance(v, (dict, bool)):
-            return validate_guided(GuidedDecodingParams("json_schema", json.dumps(v)))
+            return validate_guided(GuidedDecodingParams("json_schema", json.dumps(v), **opts))
         raise InvalidRequestError(f"{key}.json must be a JSON schema (an object or its JSON string), got {type(v).__name__}")
     if k == "json_object":
         if v is not True:
             raise InvalidRequestError(f"{key}.json_object must be a boolean, got {v!r}")
-        return GuidedDecodingParams("json", "")
+        return validate_guided(GuidedDecodingParams("json", "", **opts))
     if k == "choice":
-        return GuidedDecodingParams("choice", json.dumps(check_choices(v, f"{key}.choice"), ensure_ascii=False))
+        return validate_guided(GuidedDecodingParams(
+            "choice", json.dumps(check_choices(v, f"{key}.choice"), ensure_ascii=False), **opts))
     if k == "structural_tag":
         v = json.dumps(v) if isinstance(v, Mapping) else v
     if not isinstance(v, str):
         raise InvalidRequestError(f"{key}.{k} must be a string, got {type(v).__name__}")
     gtype = {"regex": "regex", "grammar": "ebnf_grammar", "structural_tag": "structural_tag"}[k]
-    return validate_guided(GuidedDecodingParams(gtype, v))
+    return validate_guided(GuidedDecodingParams(gtype, v, **opts))
+
+
+def _vllm_options(value: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """The honoured option keys of a vLLM structured_outputs dict -> GuidedDecodingParams fields."""
+    backend = value.get("backend")
+    if backend is not None and not isinstance(backend, str):
+        raise InvalidRequestError(f"{key}.backend must be a string, got {type(backend).__name__}")
+    for flag in ("disable_any_whitespace", "strict", "best_effort"):
+        if value.get(flag) is not None and not isinstance(value[flag], bool):
+            raise InvalidRequestError(f"{key}.{flag} must be a boolean, got {value[flag]!r}")
+    ws = value.get("whitespace_pattern")
+    if ws is not None and not isinstance(ws, str):
+        raise InvalidRequestError(f"{key}.whitespace_pattern must be a string, got {type(ws).__name__}")
+    return dict(backend=backend or "", any_whitespace=not value.get("disable_any_whitespace", False),
+                whitespace_pattern=ws or "", strict=bool(value.get("strict", False)),
+                best_effort=bool(value.get("best_effort", False)))
 
 
 def from_sampling_parameters(params: Mapping[str, Any]) -> Optional[GuidedDecodingParams]:

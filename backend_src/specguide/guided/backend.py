@@ -1,0 +1,105 @@
+"""The grammar backend interface: all the compile service, the GuidedDecoder and the capturable
+decoder ask of a grammar library (the shape of vLLM v1's StructuredOutputBackend / Grammar).
+
+A backend compiles a guide into a `CompiledGuide`; a guide makes `Matcher`s, one per sequence.
+Bitmask rows are int32 words [ceil(V/32)], bit j of word w = token 32*w + j allowed (xgrammar's
+layout, which llguidance shares), so one buffer serves both backends.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..request import GuidedDecodingParams
+
+BACKENDS = ("xgrammar", "llguidance")  # implementations
+BACKEND_NAMES = ("auto",) + BACKENDS + ("guidance",)  # what a request or the server may name
+MAX_JSON_WHITESPACE = 8  # longest whitespace run a JSON guide allows between tokens (no loops)
+
+Encode = Callable[[str], list[int]]
+
+
+def canonical_backend(name: str, what: str = "guided backend") -> str:
+    """'' -> '' (server default), 'guidance' -> 'llguidance', unknown -> ValueError naming it."""
+    n = (name or "").strip().lower()
+    if n == "guidance":
+        return "llguidance"
+    if n and n not in BACKEND_NAMES:
+        raise ValueError(f"unknown {what} {name!r}; one of {', '.join(BACKEND_NAMES)}")
+    return n
+
+
+class Matcher(ABC):
+    """One sequence's grammar state. A rejected token leaves the state unchanged."""
+
+    @abstractmethod
+    def accept(self, token: int) -> bool:
+        """Feed one token; False (state unchanged) when rejected or already terminated."""
+
+    @abstractmethod
+    def validate(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, would be accepted; the state is not changed."""
+
+    @abstractmethod
+    def rollback(self, n: int) -> None:
+        """Undo the last n accepted tokens."""
+
+    @abstractmethod
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the next-token mask into bitmask[row] (CPU int32 [rows, ceil(V/32)])."""
+
+    @abstractmethod
+    def forced_tokens(self, encode: Encode, k: int) -> list[int]:
+        """Up to k tokens the grammar forces next (jump-forward), each accepted in order from the
+        current state; the state is not changed."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar ended and a stop token was accepted."""
+
+    @abstractmethod
+    def is_completed(self) -> bool:
+        """The accepted text is a complete match (the stop token may still be to come)."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Back to the start state."""
+
+
+@dataclass
+class CompiledGuide:
+    """A compiled guide: the library's grammar and how to start a matcher for it."""
+
+    backend: str  # "xgrammar" | "llguidance"
+    vocab_size: int  # the logits width it was compiled for
+    grammar: Any  # xgr.CompiledGrammar | the template llg.LLMatcher
+    make_matcher: Callable[[], Matcher]
+    compile_s: float = 0.0
+    unenforced: tuple[str, ...] = ()  # best effort: "keyword at /json/pointer" not enforced
+
+    def matcher(self) -> Matcher:
+        return self.make_matcher()
+
+
+class GrammarBackend(ABC):
+    """Compiles guides for one tokenizer and fills many masks at once."""
+
+    name: str
+
+    @abstractmethod
+    def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
+        """Compile a validated guide; InvalidRequestError with a client-safe message."""
+
+    def fill_batch(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill bitmask[rows[i]] from matchers[i] (backends override with a parallel version)."""
+        for m, r in zip(matchers, rows):
+            m.fill(bitmask, r)
+
+    def cache_size_bytes(self) -> int:
+        return 0
+
+    def clear_cache(self) -> None:
+        pass

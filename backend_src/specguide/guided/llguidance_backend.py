@@ -1,0 +1,201 @@
+"""The llguidance backend: LLMatcher behind the interface (JSON Schema as the spec means it).
+
+llguidance refuses at compile what it cannot enforce (`uniqueItems`, non-disjoint `oneOf`,
+unknown formats, ...); that refusal becomes an InvalidRequestError naming the keyword and its
+JSON pointer. With `best_effort` the schema is compiled `lenient`, the ignored keywords are
+listed on the CompiledGuide, and the value is checked with jsonschema when it closes
+(value_check.py). A compiled guide is one template LLMatcher; each sequence gets a
+deep copy (no second grammar build).
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Optional, Sequence
+
+import llguidance as llg
+import llguidance.hf
+import torch
+
+from ..request import GuidedDecodingParams, InvalidRequestError
+from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
+from .params import looks_like_lark
+from .schema import ANY_JSON_SCHEMA, find_keywords, strictify, walk
+from .value_check import ValueCheckedMatcher, make_validator, uncheckable_formats
+
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_JSON_WHITESPACE  # one bounded run
+KNOWN_KEYWORDS = ("uniqueItems", "oneOf", "dependencies", "dependentRequired", "dependentSchemas", "format",
+                  "if", "then", "else", "not", "contains", "minContains", "maxContains", "propertyNames",
+                  "unevaluatedProperties", "unevaluatedItems", "allOf", "patternProperties", "pattern",
+                  "minProperties", "maxProperties", "$ref", "multipleOf")
+LLG_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
+_QUOTED = re.compile(r'"([^"]+)"')
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (.+?)$", re.MULTILINE)
+
+
+def json_options(params: GuidedDecodingParams) -> dict[str, Any]:
+    """llguidance JSON options (`x-guidance`) for a request's whitespace choices."""
+    if params.whitespace_pattern:
+        return {"whitespace_pattern": params.whitespace_pattern}
+    if params.any_whitespace:
+        return {"whitespace_pattern": JSON_WHITESPACE}
+    return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+def locate(schema: Any, message: str) -> list[str]:
+    """'keyword at /pointer' for the schema keywords an llguidance error message names."""
+    fmt = _UNKNOWN_FORMAT.search(message)
+    if fmt:
+        return [f"format at {p or '/'}" for p, node in walk(schema) if node.get("format") == fmt.group(1)]
+    named = [kw for kw in KNOWN_KEYWORDS if kw in message]
+    named += [q for q in _QUOTED.findall(message) if q not in named and q in KNOWN_KEYWORDS]
+    for kw in named:  # the most specific first: the keyword the message is about
+        found = find_keywords(schema, (kw,))
+        if found:
+            return found
+    return []
+
+
+class LlguidanceMatcher(Matcher):
+    """llg.LLMatcher; tokens are validated before they are consumed, so a rejected token
+    leaves the state unchanged (LLMatcher's consume on a bad token is a permanent error)."""
+
+    _executors: dict[int, llg.LLExecutor] = {}
+
+    def __init__(self, m: llg.LLMatcher, stop_ids: frozenset[int]):
+        self.m = m
+        self.stop_ids = stop_ids
+        self.terminated = False  # a stop token was accepted (it can only be the last token)
+        self.stop_outside = False  # ...while the matcher was stopped: LLMatcher did not consume it
+
+    def accept(self, token: int) -> bool:
+        t = int(token)
+        if self.terminated:
+            return False
+        if self.m.is_stopped():  # the grammar has ended: only a stop token, which LLMatcher does not take
+            if t not in self.stop_ids:
+                return False
+            self.terminated = self.stop_outside = True
+            return True
+        if self.m.try_consume_tokens([t]) != 1:
+            return False
+        self.terminated = t in self.stop_ids
+        return True
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        n = 0
+        for t in tokens:
+            if not self.accept(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        if self.stop_outside:
+            n -= 1
+        self.terminated = self.stop_outside = False
+        if n > 0:
+            assert self.m.rollback(n), self.m.get_error()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        # llguidance.torch.fill_next_token_bitmask without importing llguidance.torch (its
+        # @torch.compile loads inductor templates, which fails under Triton's ASCII-locale stub)
+        assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()
+        v = bitmask[row]
+        self.m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
+
+    def forced_tokens(self, encode: Encode, k: int) -> list[int]:
+        if k <= 0 or self.terminated:
+            return []
+        toks = [t for t in self.m.compute_ff_tokens()[:k]]
+        return toks[: self.validate(toks)]
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    def is_completed(self) -> bool:
+        return self.terminated or self.m.is_accepting()
+
+    def reset(self) -> None:
+        self.m.reset()
+        self.terminated = self.stop_outside = False
+
+    @classmethod
+    def fill_many(cls, matchers: list["LlguidanceMatcher"], bitmask: torch.Tensor, rows: list[int],
+                  num_threads: int | str = "auto") -> None:
+        """All rows in one call on llguidance's thread pool."""
+        key = 0 if num_threads == "auto" else int(num_threads)
+        ex = cls._executors.get(key)
+        if ex is None:
+            ex = cls._executors[key] = llg.LLExecutor() if key == 0 else llg.LLExecutor(key)
+        assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.is_contiguous() and bitmask.dim() == 2
+        ex.unsafe_compute_mask_ptr([(m.m, r) for m, r in zip(matchers, rows)], bitmask.data_ptr(),
+                                   bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+class LlguidanceBackend(GrammarBackend):
+    """One LLTokenizer for one model's tokenizer (llguidance keeps no compile cache; the service does)."""
+
+    name = "llguidance"
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Optional[Sequence[int]] = None):
+        if stop_token_ids is None:
+            stop_token_ids = [hf_tokenizer.eos_token_id]
+        self.vocab_size = vocab_size
+        self.stop_ids = frozenset(int(t) for t in stop_token_ids)
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(self.stop_ids))
+
+    def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
+        t0 = time.perf_counter()
+        gtype, schema = params.guide_type, None
+        unenforced: tuple[str, ...] = ()
+        try:
+            if gtype in ("json", "json_schema"):
+                schema = ANY_JSON_SCHEMA if gtype == "json" else json.loads(params.guide)
+                if schema is False:
+                    raise InvalidRequestError("invalid json_schema guide: the schema is `false`: no JSON value is valid")
+                schema = {} if schema is True else schema
+                if params.strict:
+                    schema = strictify(schema)
+                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(params))
+            elif gtype == "regex":
+                grammar = llg.grammar_from("regex", params.guide)
+            elif gtype == "choice":
+                grammar = llg.grammar_from("choice", params.guide)
+            elif gtype == "ebnf_grammar":
+                grammar = llg.grammar_from("lark" if looks_like_lark(params.guide) else "ebnf", params.guide)
+            else:
+                raise InvalidRequestError(f"invalid {gtype} guide: guide type {gtype} needs the xgrammar backend (or 'auto')")
+        except InvalidRequestError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(f"invalid {gtype} guide: {e}") from None
+        template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            msg = template.get_error()
+            if schema is not None and params.best_effort:  # lenient grammar + value-close check
+                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(params),
+                                                                 overrides={"lenient": True})
+                template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+                unenforced = tuple(locate(schema, msg) or [msg])
+                if not template.is_error():
+                    validator, stop, tok = make_validator(schema), self.stop_ids, self.tokenizer
+                    blind = uncheckable_formats(schema, validator, LLG_FORMATS)
+                    if blind:
+                        raise InvalidRequestError(f"invalid json_schema guide: neither the grammar nor the value check "
+                                                  f"can enforce {'; '.join(blind[:4])} (not even with best_effort)")
+                    return CompiledGuide(
+                        self.name, self.vocab_size, template,
+                        lambda: ValueCheckedMatcher(LlguidanceMatcher(template.deep_copy(), stop), validator,
+                                                    tok.decode_str, stop),
+                        compile_s=time.perf_counter() - t0, unenforced=unenforced)
+            if template.is_error():
+                where = locate(schema, msg) if schema is not None else []
+                raise InvalidRequestError(f"invalid {gtype} guide: {msg}" + (f" ({'; '.join(where[:4])})" if where else ""))
+        stop = self.stop_ids
+        return CompiledGuide(self.name, self.vocab_size, template, lambda: LlguidanceMatcher(template.deep_copy(), stop),
+                             compile_s=time.perf_counter() - t0, unenforced=unenforced)

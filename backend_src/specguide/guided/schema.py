@@ -1,0 +1,117 @@
+"""JSON Schema helpers the backends share: OpenAI `strict`, and the keywords a grammar leaves unenforced.
+
+A grammar cannot check some keywords (`uniqueItems`, `oneOf` exclusivity, `dependencies`, some
+formats). llguidance refuses those itself; xgrammar silently ignores them, so `xgrammar_unenforced`
+lists them (keyword + JSON pointer) and the xgrammar backend refuses the schema unless the request
+opts into best effort.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+ANY_JSON_SCHEMA = {"type": ["object", "array"]}  # guide type `json`: an object or an array
+
+# keywords xgrammar 0.2.8 accepts but does not (or not surely) enforce; `format: date` takes
+# 2024-02-30, `oneOf` is `anyOf`, `not` and `if` are ignored, `allOf` drops a later part's
+# `required` (measured); all formats are refused
+XGRAMMAR_IGNORES = ("uniqueItems", "oneOf", "allOf", "dependencies", "dependentRequired", "dependentSchemas",
+                    "if", "then", "else", "not", "contains", "minContains", "maxContains", "propertyNames",
+                    "unevaluatedProperties", "unevaluatedItems", "format")
+# subschema-holding keywords: (keyword, kind) kind = "one" | "list" | "map"
+_SUB = (("properties", "map"), ("patternProperties", "map"), ("$defs", "map"), ("definitions", "map"),
+        ("dependentSchemas", "map"), ("additionalProperties", "one"), ("items", "one|list"),
+        ("prefixItems", "list"), ("anyOf", "list"), ("allOf", "list"), ("oneOf", "list"), ("not", "one"),
+        ("if", "one"), ("then", "one"), ("else", "one"), ("contains", "one"), ("propertyNames", "one"),
+        ("additionalItems", "one"), ("unevaluatedProperties", "one"), ("unevaluatedItems", "one"))
+
+
+def _esc(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def walk(schema: Any, pointer: str = "") -> Iterator[tuple[str, dict]]:
+    """(JSON pointer, subschema) for every object subschema, the root first."""
+    if not isinstance(schema, dict):
+        return
+    yield pointer, schema
+    for key, kind in _SUB:
+        v = schema.get(key)
+        p = f"{pointer}/{_esc(key)}"
+        if isinstance(v, dict) and "map" in kind:
+            for name, sub in v.items():
+                yield from walk(sub, f"{p}/{_esc(name)}")
+        elif isinstance(v, dict):
+            yield from walk(v, p)
+        elif isinstance(v, list) and "list" in kind:
+            for i, sub in enumerate(v):
+                yield from walk(sub, f"{p}/{i}")
+
+
+def find_keywords(schema: Any, keywords: tuple[str, ...]) -> list[str]:
+    """'keyword at /pointer' for each use of `keywords` that constrains something."""
+    out = []
+    for ptr, node in walk(schema):
+        for kw in keywords:
+            if kw not in node or (kw == "uniqueItems" and node[kw] is not True):
+                continue
+            if kw == "dependencies" and not node[kw]:
+                continue
+            out.append(f"{kw} at {ptr or '/'}")
+    return out
+
+
+_LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
+_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
+          "object": (dict,), "array": (list,)}
+
+
+def _has_type(value: Any, types: Any) -> bool:
+    names = types if isinstance(types, list) else [types]
+    for t in names:
+        py = _TYPES.get(t, (object,))
+        if isinstance(value, bool) and t in ("integer", "number"):
+            continue
+        if isinstance(value, py) or (t == "integer" and isinstance(value, float) and value.is_integer()):
+            return True
+    return False
+
+
+def xgrammar_unenforced(schema: Any) -> list[str]:
+    """What xgrammar would leave unchecked in `schema` (empty: it enforces all of it). Measured on
+    MaskBench: it also ignores minLength / maxLength next to a `pattern`, lookarounds in patterns,
+    `multipleOf` on non-integers, and `type` beside an `enum` / `const` whose values break it."""
+    out = find_keywords(schema, XGRAMMAR_IGNORES)
+    for p, node in walk(schema):
+        at = p or "/"
+        out += [f"{kw} with pattern at {at}" for kw in ("minLength", "maxLength") if "pattern" in node and kw in node]
+        regexes = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        regexes += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
+        if any(la in r for r in regexes for la in _LOOKAROUND):
+            out.append(f"pattern lookaround at {at}")
+        m = node.get("multipleOf")
+        if m is not None and (not isinstance(m, int) or node.get("type") != "integer"):
+            out.append(f"multipleOf on numbers at {at}")
+        values = node.get("enum", []) if isinstance(node.get("enum"), list) else []
+        values += [node["const"]] if "const" in node else []
+        if "type" in node and any(not _has_type(v, node["type"]) for v in values):
+            out.append(f"type beside enum at {at}")
+    return out
+
+
+def strictify(schema: Any) -> Any:
+    """OpenAI strict mode: every object `additionalProperties: false` (unless given) and all of
+    its `properties` required. Returns a new schema; the input is not changed."""
+    if isinstance(schema, list):
+        return [strictify(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strictify(v) if k not in ("enum", "const", "default", "examples", "required") else v
+           for k, v in schema.items()}
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {n: strictify(s) for n, s in schema[key].items()}
+    if isinstance(out.get("properties"), dict) or out.get("type") == "object":
+        out.setdefault("additionalProperties", False)
+        props = list(out.get("properties", {}))
+        out["required"] = list(dict.fromkeys(list(out.get("required", [])) + props))
+    return out

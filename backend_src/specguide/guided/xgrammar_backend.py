@@ -1,0 +1,209 @@
+"""The xgrammar backend: GrammarCompiler (with its own cache) and GrammarMatcher behind the interface.
+
+JSON Schema defaults are spec-true as far as xgrammar goes: `strict_mode=False` (additional
+properties allowed unless `false`, arrays without `items` hold anything), keys in schema order
+(fixed, as in llguidance), whitespace allowed but bounded (`max_whitespace_cnt`), so compact and `json.dumps`
+spacing both match. Keywords xgrammar would ignore are refused (schema.xgrammar_unenforced).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import xgrammar as xgr
+
+from ..request import GuidedDecodingParams, InvalidRequestError
+from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
+from .params import choice_to_ebnf, looks_like_lark, normalize_structural_tag
+from .schema import ANY_JSON_SCHEMA, strictify, xgrammar_unenforced
+from .value_check import ValueCheckedMatcher, make_validator, uncheckable_formats
+
+# "[02:15:01] /project/cpp/grammar_parser.cc:820: " and "Check failed: (...) is false: "
+_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+_CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false: ")
+_CPP_NOISE = re.compile(r"(/\S+\.(cc|h|cpp):\d+:?|Check failed:|Stack trace)")
+
+
+def xgrammar_message(err: BaseException) -> str:
+    """xgrammar's error text without its C++ source location and CHECK boilerplate."""
+    text = str(err).strip()
+    text = _CHECK_PREFIX.sub("", _LOG_PREFIX.sub("", text))
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    if _CPP_NOISE.search(text) or not text:  # an internal assertion: say so, without its source
+        return "xgrammar cannot compile this guide (internal check failed); try backend 'llguidance'"
+    return text
+
+
+def build_tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_token_ids: Optional[Sequence[int]] = None,
+                         exclude_special_tokens: bool = True) -> xgr.TokenizerInfo:
+    """TokenizerInfo sized to the model's logits (`vocab_size`), stop tokens = EOS by default.
+
+    Ids at or past the tokenizer's vocabulary (logit padding) have an empty encoding, which
+    xgrammar treats as special tokens: never allowed by a mask. With `exclude_special_tokens`
+    the tokenizer's own special tokens (e.g. `<|im_start|>`) get the same treatment, so a guided
+    output never contains text that the detokenizer (skip_special_tokens) would drop.
+    """
+    if stop_token_ids is None:
+        if hf_tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; pass stop_token_ids")
+        stop_token_ids = [hf_tokenizer.eos_token_id]
+    stop = [int(t) for t in stop_token_ids]
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+    if not exclude_special_tokens:
+        return info
+    encoded = [""] * vocab_size
+    for token, idx in hf_tokenizer.get_vocab().items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    special = set(hf_tokenizer.all_special_ids)
+    special |= {i for i, tok in getattr(hf_tokenizer, "added_tokens_decoder", {}).items() if tok.special}
+    for idx in special:
+        if 0 <= idx < vocab_size:
+            encoded[idx] = ""
+    return xgr.TokenizerInfo(encoded, info.vocab_type, vocab_size=vocab_size, stop_token_ids=stop,
+                             add_prefix_space=info.add_prefix_space)
+
+
+class XgrammarMatcher(Matcher):
+    """xgr.GrammarMatcher (rollback is unlimited in xgrammar 0.2.8)."""
+
+    _batches: dict[int, xgr.BatchGrammarMatcher] = {}
+
+    def __init__(self, compiled: xgr.CompiledGrammar):
+        self.compiled = compiled
+        self.m = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token: int) -> bool:
+        return not self.m.is_terminated() and self.m.accept_token(int(token))
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        n = 0
+        for t in tokens:
+            if not self.accept(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
+    def rollback(self, n: int) -> None:
+        if n > 0:
+            self.m.rollback(n)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def forced_tokens(self, encode: Encode, k: int) -> list[int]:
+        if k <= 0 or self.m.is_terminated():
+            return []
+        # NOTE: trailing whitespace stays undrafted: the model writes it fused to the next word
+        # (`": "` + ` true`), so a lone-space token would be rejected and end the drafts
+        text = self.m.find_jump_forward_string().rstrip()
+        if not text:
+            return []
+        fork, out = self.m.fork(), []
+        for t in encode(text)[:k]:
+            if not fork.accept_token(int(t)):
+                break
+            out.append(int(t))
+        return out
+
+    def is_terminated(self) -> bool:
+        return self.m.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self.m.is_completed()
+
+    def reset(self) -> None:
+        self.m.reset()
+
+    @classmethod
+    def fill_many(cls, matchers: list["XgrammarMatcher"], bitmask: torch.Tensor, rows: list[int],
+                  num_threads: int | str = "auto") -> None:
+        """One batched, multi-threaded xgrammar call."""
+        key = 0 if num_threads == "auto" else int(num_threads)
+        batch = cls._batches.get(key)
+        if batch is None:
+            batch = cls._batches[key] = xgr.BatchGrammarMatcher(num_threads)
+        batch.batch_fill_next_token_bitmask([m.m for m in matchers], bitmask, rows)
+
+
+class XgrammarBackend(GrammarBackend):
+    """One xgrammar GrammarCompiler for one model's tokenizer."""
+
+    name = "xgrammar"
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Optional[Sequence[int]] = None,
+                 cache_limit_bytes: int = 512 << 20, compile_threads: Optional[int] = None,
+                 exclude_special_tokens: bool = True):
+        self.vocab_size = vocab_size
+        self.hf_tokenizer = hf_tokenizer
+        self.tokenizer_info = build_tokenizer_info(hf_tokenizer, vocab_size, stop_token_ids, exclude_special_tokens)
+        self.stop_token_ids: list[int] = list(self.tokenizer_info.stop_token_ids)
+        threads = compile_threads or max(1, (os.cpu_count() or 2) // 2)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=True,
+                                            cache_limit_bytes=cache_limit_bytes)
+
+    def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
+        t0 = time.perf_counter()
+        unenforced: list[str] = []
+        grammar = self._compile(params, unenforced)
+        make: Any = lambda: XgrammarMatcher(grammar)  # noqa: E731
+        if unenforced:  # best effort: the value is checked with jsonschema when it closes
+            schema = json.loads(params.guide)
+            validator, stop, tok = make_validator(schema), frozenset(self.stop_token_ids), self.hf_tokenizer
+            blind = uncheckable_formats(schema, validator, frozenset())
+            if blind:
+                raise InvalidRequestError(f"invalid json_schema guide: neither the grammar nor the value check "
+                                          f"can enforce {'; '.join(blind[:4])} (not even with best_effort)")
+            make = lambda: ValueCheckedMatcher(XgrammarMatcher(grammar), validator,  # noqa: E731
+                                               lambda ids: tok.decode(ids, skip_special_tokens=True), stop)
+        return CompiledGuide(self.name, self.vocab_size, grammar, make,
+                             compile_s=time.perf_counter() - t0, unenforced=tuple(unenforced))
+
+    def _compile(self, params: GuidedDecodingParams, unenforced: list[str]) -> xgr.CompiledGrammar:
+        gtype, guide = params.guide_type, params.guide  # already validated
+        try:
+            if gtype in ("json", "json_schema"):
+                if params.whitespace_pattern:
+                    raise InvalidRequestError("whitespace_pattern needs the llguidance backend (xgrammar has no such option)")
+                schema = ANY_JSON_SCHEMA if gtype == "json" else json.loads(guide)
+                if schema is False:
+                    raise InvalidRequestError("invalid json_schema guide: the schema is `false`: no JSON value is valid")
+                if params.strict:
+                    schema = strictify(schema)
+                unenforced += xgrammar_unenforced(schema)
+                if unenforced and not params.best_effort:
+                    raise InvalidRequestError(
+                        f"invalid json_schema guide: xgrammar cannot enforce {', '.join(unenforced[:4])}"
+                        f"{' ...' if len(unenforced) > 4 else ''}; use backend 'llguidance' (or 'auto'), "
+                        "or set best_effort to accept unchecked keywords")
+                ws = dict(any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE) if params.any_whitespace \
+                    else dict(any_whitespace=False, separators=(",", ":"))
+                return self.compiler.compile_json_schema(json.dumps(schema), strict_mode=params.strict,
+                                                         **ws)
+            if gtype == "regex":
+                return self.compiler.compile_regex(guide)
+            if gtype == "ebnf_grammar":
+                if looks_like_lark(guide):
+                    return self.compiler.compile_lark(guide)
+                return self.compiler.compile_grammar(guide)
+            if gtype == "structural_tag":
+                tag = normalize_structural_tag(json.loads(guide))
+                return self.compiler.compile_structural_tag(json.dumps(tag))
+            if gtype == "choice":
+                return self.compiler.compile_grammar(choice_to_ebnf(json.loads(guide)))
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/TypeError/AssertionError
+            raise InvalidRequestError(f"invalid {gtype} guide: {xgrammar_message(e)}") from None
+        raise InvalidRequestError(f"unknown guide type {gtype!r}")  # unreachable after validate_guided
+
+    def cache_size_bytes(self) -> int:
+        return self.compiler.get_cache_size_bytes()
+
+    def clear_cache(self) -> None:
+        self.compiler.clear_cache()
