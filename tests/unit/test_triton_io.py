@@ -109,7 +109,7 @@ def one(inputs, **kw):
 def test_minimal_text_request_gets_trtllm_defaults():
     p = one({"text_input": s("Hello")}, default_max_tokens=64)
     r = p.request
-    assert r.prompt == "Hello" and r.prompt_ids is None
+    assert r.prompt == "Hello" and r.prompt_ids == list(b"Hello")  # tokenized once, here (the fake: bytes)
     assert r.params.max_tokens == 64
     assert r.params.greedy and r.params.temperature == 0.0
     assert r.params.stop == [] and r.params.seed is None
@@ -235,21 +235,21 @@ def f32(v):
 
 
 BAD_PENALTIES = [
-    ({"repetition_penalty": f32(0.0)}, "repetition_penalty must be a finite number > 0"),
-    ({"repetition_penalty": f32(-1.0)}, "repetition_penalty must be a finite number > 0"),
-    ({"repetition_penalty": f32(np.inf)}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": f32(0.0)}, "repetition_penalty must be in [0.01, 100]"),
+    ({"repetition_penalty": f32(-1.0)}, "repetition_penalty must be in [0.01, 100]"),
+    ({"repetition_penalty": f32(np.inf)}, "repetition_penalty must be in [0.01, 100]"),
     ({"repetition_penalty": f32(np.nan)}, "repetition_penalty must be a number"),
     ({"presence_penalty": f32(2.5)}, "presence_penalty must be in [-2, 2]"),
     ({"presence_penalty": f32(-3.0)}, "presence_penalty must be in [-2, 2]"),
     ({"frequency_penalty": f32(-2.01)}, "frequency_penalty must be in [-2, 2]"),
     ({"frequency_penalty": f32(np.inf)}, "frequency_penalty must be in [-2, 2]"),
-    ({"sampling_parameters": vllm(repetition_penalty=0)}, "repetition_penalty must be a finite number > 0"),
+    ({"sampling_parameters": vllm(repetition_penalty=0)}, "repetition_penalty must be in [0.01, 100]"),
     ({"sampling_parameters": vllm(presence_penalty="2.5")}, "presence_penalty must be in [-2, 2]"),
     ({"sampling_parameters": vllm(frequency_penalty=-7)}, "frequency_penalty must be in [-2, 2]"),
     ({"sampling_parameters": vllm(repetition_penalty="lots")}, "repetition_penalty must be a number"),
     ({"sampling_parameters": vllm(presence_penalty=True)}, "presence_penalty must be a number"),
     ({"sampling_parameters": vllm(repetition_penalty=1.5), "repetition_penalty": f32(0.0)},
-     "repetition_penalty must be a finite number > 0"),  # the tensor wins, and is checked
+     "repetition_penalty must be in [0.01, 100]"),  # the tensor wins, and is checked
 ]
 
 

@@ -1,8 +1,9 @@
-"""Grammar compilation: one xgrammar GrammarCompiler per model, a cache, and a thread pool.
+"""Grammar compilation: one xgrammar GrammarCompiler per model, a cache, and compile lanes.
 
-`submit(params)` returns at once with a CompileHandle; the engine keeps the request in its
-waiting queue and polls `handle.ready()` every iteration, so its loop never waits on a compile.
-xgrammar's compile functions release the GIL, so the pool's threads run in parallel with the loop.
+`submit(params)` checks the guide's size limits (limits.py) and returns at once with a
+CompileHandle; the engine keeps the request in its waiting queue and polls `handle.ready()` every
+iteration, so its loop never waits on a compile. Which lane compiles it (in-process for small or
+cached guides, a killable worker process first for the rest) is compile_pool.py.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -19,6 +20,8 @@ from typing import Any, Optional, Sequence
 import xgrammar as xgr
 
 from ..request import GuidedDecodingParams, InvalidRequestError
+from .compile_pool import CompileScheduler, timeout_message
+from .limits import GuideLimits, check_guide
 from .params import choice_to_ebnf, looks_like_lark, normalize_structural_tag, validate_guided
 
 DEFAULT_CACHE_LIMIT_BYTES = 512 << 20
@@ -75,8 +78,13 @@ class CompileHandle:
         self.deadline = None if timeout_s is None else self.submitted + timeout_s
         self.timeout_s = timeout_s
 
+    def _deadline(self) -> Optional[float]:
+        # a worker-process job's clock starts when the worker takes it (compile_pool.AbandonableFuture)
+        return getattr(self._future, "deadline", self.deadline)
+
     def timed_out(self) -> bool:
-        return not self._future.done() and self.deadline is not None and time.monotonic() >= self.deadline
+        deadline = self._deadline()
+        return not self._future.done() and deadline is not None and time.monotonic() >= deadline
 
     def ready(self) -> bool:
         """True once `result()` will not block: compiled, failed, or past the timeout."""
@@ -86,17 +94,21 @@ class CompileHandle:
         """The compiled grammar; InvalidRequestError for a bad guide or a compile past its timeout.
 
         Blocks up to `timeout` seconds (None: until done or the compile timeout)."""
-        wait = timeout
-        if self.deadline is not None:
-            left = max(0.0, self.deadline - time.monotonic())
-            wait = left if wait is None else min(wait, left)
-        try:
-            return self._future.result(timeout=wait)
-        except FutureTimeout:
-            if self.timed_out():
-                self._future.cancel()
-                raise InvalidRequestError(f"grammar compilation timed out after {self.timeout_s:g} s") from None
-            raise
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            deadline = self._deadline()
+            waits = [t - time.monotonic() for t in (end, deadline) if t is not None]
+            wait = max(0.0, min(waits)) if waits else None
+            if deadline is None and hasattr(self._future, "deadline"):  # queued for a worker: look again soon
+                wait = 0.05 if wait is None else min(wait, 0.05)
+            try:
+                return self._future.result(timeout=wait)
+            except FutureTimeout:
+                if self.timed_out():
+                    self._future.cancel()
+                    raise InvalidRequestError(timeout_message(self.timeout_s)) from None
+                if end is not None and time.monotonic() >= end:
+                    raise
 
     def cancel(self) -> None:
         """Drop a compile nobody waits for (it still finishes if it already started)."""
@@ -109,7 +121,8 @@ class GrammarCompilerService:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, *, stop_token_ids: Optional[Sequence[int]] = None,
                  cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES, max_workers: int = 2,
                  compile_threads: Optional[int] = None, timeout_s: Optional[float] = None,
-                 json_any_whitespace: bool = False, exclude_special_tokens: bool = True):
+                 json_any_whitespace: bool = False, exclude_special_tokens: bool = True,
+                 limits: Optional[GuideLimits] = None):
         self.vocab_size = vocab_size
         self.tokenizer_info = build_tokenizer_info(hf_tokenizer, vocab_size, stop_token_ids, exclude_special_tokens)
         self.stop_token_ids: list[int] = list(self.tokenizer_info.stop_token_ids)
@@ -118,7 +131,10 @@ class GrammarCompilerService:
                                             cache_limit_bytes=cache_limit_bytes)
         self.timeout_s = timeout_s
         self.json_any_whitespace = json_any_whitespace  # False: compact JSON, no runaway whitespace
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self.limits = limits or GuideLimits()  # admission limits, checked at submit (guided/limits.py)
+        # lanes: small/cached in-process, the rest proven in killable worker processes (compile_pool.py)
+        self.scheduler = CompileScheduler(self._compile, self.tokenizer_info, workers=max_workers,
+                                          any_whitespace=json_any_whitespace)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -135,11 +151,13 @@ class GrammarCompilerService:
     def submit(self, params: GuidedDecodingParams, timeout_s: Optional[float] = None) -> CompileHandle:
         """Validate now (InvalidRequestError at once for a malformed guide), compile in the pool."""
         params = validate_guided(params)
+        size = check_guide(params, self.limits)  # InvalidRequestError naming the limit and its setting
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._closed:
                 raise RuntimeError("the grammar compiler is shut down")
-            future = self._pool.submit(self._compile, params)
-        return CompileHandle(future, self.timeout_s if timeout_s is None else timeout_s)
+            future = self.scheduler.submit(params, size, timeout_s)
+        return CompileHandle(future, timeout_s)
 
     def compile(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
         """Compile on the calling thread (cached); InvalidRequestError with xgrammar's message."""
@@ -185,4 +203,4 @@ class GrammarCompilerService:
         """Stop taking compiles; pending ones are cancelled, running ones finish in the background."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+        self.scheduler.shutdown()
