@@ -50,6 +50,7 @@ class Stream:
 
     def __init__(self, server: Server, values: dict[str, Any]):
         self.times: list[float] = []
+        self.server_ns: list[float] = []  # last_token_time_ns of each response (with return_perf_metrics)
         self.errors: list[str] = []
         self.t_error = 0.0
         self.ntokens = 0
@@ -69,6 +70,9 @@ class Stream:
         c = _chunk_from_result(result, now)
         if c.token_ids:
             self.times.append(now)
+            ns = result.as_numpy("last_token_time_ns")
+            if ns is not None:
+                self.server_ns.append(float(ns.reshape(-1)[0]))
             self.ntokens += len(c.token_ids)
         if c.final:
             self.done.set()
@@ -79,6 +83,11 @@ class Stream:
     def max_gap(self, start: float, end: float) -> float:
         ts = [t for t in self.times if start <= t <= end]
         return max((b - a for a, b in zip(ts, ts[1:])), default=float("inf"))
+
+    def max_server_gap(self) -> float:
+        """The largest gap between the engine's token times (server clock), over the whole stream."""
+        ts = self.server_ns
+        return max((b - a for a, b in zip(ts, ts[1:])), default=float("inf")) / 1e9
 
     def wait(self, timeout: float = 120) -> "Stream":
         assert self.done.wait(timeout), "no final response"
