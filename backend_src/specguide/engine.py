@@ -34,6 +34,11 @@ STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "d
 IDLE_WAIT_S = 0.005
 
 
+def _detail(exc: BaseException) -> str:
+    """What a client may read of an exception: our injected faults' words, else only its type."""
+    return str(exc) if isinstance(exc, faults.InjectedFault) else type(exc).__name__
+
+
 class Engine:
     """In-flight batched generation. `submit` returns at once; events arrive on the callback
     from the loop thread: one per step with new text, and exactly one with `finished=True`."""
@@ -364,7 +369,7 @@ class Engine:
             return fn()
         except Exception as exc:
             log.exception("request %s failed", seq.seq_id)
-            self._finish(seq, "error", f"this request failed in the engine ({type(exc).__name__}; "
+            self._finish(seq, "error", f"this request failed in the engine ({_detail(exc)}; "
                                        f"the server log has the details)")
             return None
 
@@ -374,7 +379,7 @@ class Engine:
         When no culprit is found the whole batch fails (the fault cannot be pinned on one request)."""
         broken = [s for s in seqs if not self._healthy(s)] or seqs
         for seq in broken:
-            self._finish(seq, "error", f"decode failed ({type(exc).__name__}; the server log has the details)")
+            self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
         for seq in seqs:
             if seq.status is not Status.FINISHED and seq.grammar is not None:
                 self._guarded(seq, lambda: self.guided.rollback(

@@ -1054,3 +1054,27 @@ def test_adapter_unary_request_gets_one_response_for_all_rows(model):
     t = req.sender.sent[0][0].tensors
     assert t["text_output"].tolist() == [b"t1t2", b"t1t2", b"t1t2t3"]
     assert t["sequence_index"].reshape(-1).tolist() == [0, 1, 0]
+
+
+def test_adapter_unexpected_errors_never_show_python_exception_text(model, monkeypatch):
+    """Issue 19: an unexpected exception while reading a request is INTERNAL with our own words."""
+    def boom(*a, **k):
+        raise RecursionError("maximum recursion depth exceeded while decoding a JSON object")
+
+    monkeypatch.setattr(io, "parse_request", boom)
+    req = FakeTritonRequest({"text_input": s("Hi")})
+    model.execute([req])
+    (resp, flags), = req.sender.sent
+    msg = resp.err.message()
+    assert flags == 1 and resp.err.code() == FakeTritonError.INTERNAL
+    assert "could not read the request" in msg and "recursion" not in msg
+
+
+def test_adapter_refuses_a_huge_prompt_by_bytes_before_tokenizing(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(TOK, "encode", lambda text: calls.append(len(text)) or list(text.encode()), raising=False)
+    req = FakeTritonRequest({"text_input": s("x" * 200_000)})
+    model.execute([req])
+    (resp, flags), = req.sender.sent
+    assert flags == 1 and resp.err.code() == FakeTritonError.INVALID_ARG
+    assert "text_input has 200000 bytes" in resp.err.message() and calls == []
