@@ -159,6 +159,7 @@ class CompileScheduler:
         self._workers: list[Optional[_Worker]] = [None] * workers
         self._threads: list[threading.Thread] = []
         self._started = [threading.Event() for _ in range(workers)]
+        self._running: dict[int, _Job] = {}  # worker index -> its job
         self.kills = 0  # workers killed at a deadline (a metric for tests and benchmarks)
 
     # ---------------------------------------------------------------- public
@@ -204,8 +205,8 @@ class CompileScheduler:
             self._closed = True
             pending, self._heap = self._heap, []
             self._cv.notify_all()
-        for job in pending:
-            job.future.cancel()
+        for job in pending + list(self._running.values()):
+            job.future.cancel()  # a running one is abandoned: its probe thread stops waiting
         self.fast.shutdown(wait=False, cancel_futures=True)
         self.big.shutdown(wait=False, cancel_futures=True)
         for t in self._threads:
@@ -240,6 +241,7 @@ class CompileScheduler:
                 job = heapq.heappop(self._heap)
             if not job.future.set_running_or_notify_cancel():
                 continue
+            self._running[i] = job
             try:
                 self._probe(i, job)
             except Exception as exc:  # a broken worker: fail this job, start afresh next time
@@ -248,6 +250,8 @@ class CompileScheduler:
                 if not job.future.done():
                     job.future.set_exception(InvalidRequestError(
                         f"the grammar compile worker failed ({type(exc).__name__}); try again"))
+            finally:
+                self._running.pop(i, None)
 
     def _probe(self, i: int, job: _Job) -> None:
         key = (job.params.guide_type, job.params.guide)
@@ -265,7 +269,8 @@ class CompileScheduler:
             with self._cv:  # refuse it at once next time
                 _remember(self._refused, key, timeout_message(job.timeout_s, again=True))
             job.future.set_exception(InvalidRequestError(timeout_message(job.timeout_s)))
-            self._worker(i)  # start the replacement now, not when the next job comes
+            if not self._closed:
+                self._worker(i)  # start the replacement now, not when the next job comes
             return
         ok, message, _seconds = reply
         if rss_bytes(worker.proc.pid) > _RECYCLE_RSS:
