@@ -60,6 +60,14 @@ class EngineConfig:
     # EBNF / structural tags / regex / choice -> xgrammar), "xgrammar", "llguidance" (alias "guidance")
     guided_cache_bytes: int = 512 * 1024 * 1024  # xgrammar compile cache limit
     guided_compile_timeout_s: float = 60.0  # 0 = no limit; a request past it fails with INVALID_ARG
+    guided_max_guide_bytes: int = 262144  # a guide (schema / regex / grammar) larger is refused (0 = no limit)
+    guided_max_schema_properties: int = 1000  # object properties in a schema, all levels (compile time
+    # grows ~cubically with optional ones); 0 = no limit
+    guided_max_nesting_depth: int = 64  # JSON nesting of a guide, and of sampling_parameters (+ 8); 0 = none
+    guided_max_repetition: int = 65536  # largest {n,m} / maxLength / maxItems bound in a guide; 0 = none
+    max_prompt_bytes: int = 0  # text_input larger is refused before tokenizing; 0 = 16 x max_seq_len
+    max_sampling_parameters_bytes: int = 0  # sampling_parameters / request parameters JSON, and the
+    # stop_words / bad_words tensors (each), larger are refused before parsing; 0 = guide limit + 64 KiB
     guided_mask_threads: int = 1  # threads for the batched mask fill (1 is fastest on 2 cores)
     guided_executor: str = "auto"  # where grammar work runs: "plain" (GuidedDecoder, called directly),
     # "inline" / "worker" (CapturableGuidedDecoder, callbacks at once / on a worker thread: test mode),
@@ -87,6 +95,13 @@ class EngineConfig:
         assert self.request_timeout_s >= 0 and self.drain_timeout_s >= 0
         assert self.guided_executor in ("auto", "plain", "inline", "worker", "cuda"), \
             f"unknown guided_executor {self.guided_executor!r}"
+        assert min(self.guided_max_guide_bytes, self.guided_max_schema_properties, self.guided_max_nesting_depth,
+                   self.guided_max_repetition, self.max_prompt_bytes) >= 0
+        assert self.max_sampling_parameters_bytes >= 0
+        if self.max_sampling_parameters_bytes <= 0:
+            self.max_sampling_parameters_bytes = (self.guided_max_guide_bytes or 1 << 20) + 65536
+        if self.max_prompt_bytes <= 0:
+            self.max_prompt_bytes = 16 * self.max_seq_len
         if self.max_tokens_limit <= 0:
             self.max_tokens_limit = self.max_seq_len
 

@@ -15,6 +15,7 @@ import torch
 from . import faults
 from .config import EngineConfig
 from .guided.compiler import GrammarCompilerService
+from .guided.limits import GuideLimits
 from .speculative.step_cost import StepCosts
 from .capturable_runner import build_runner, close as close_guided
 from .cuda.graphs import make_step_graphs
@@ -31,6 +32,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 Callback = Callable[[RequestOutput], None]
 STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode", Status.FINISHED: "finished"}
 IDLE_WAIT_S = 0.005
+
+
+def _detail(exc: BaseException) -> str:
+    """What a client may read of an exception: our injected faults' words, else only its type."""
+    return str(exc) if isinstance(exc, faults.InjectedFault) else type(exc).__name__
 
 
 class Engine:
@@ -53,7 +59,8 @@ class Engine:
         self.compiler = GrammarCompilerService(
             self.tokenizer.hf, vocab, stop_token_ids=sorted(self.eos_token_ids),
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
-            timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend)
+            timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend,
+            limits=GuideLimits.from_config(config))
         self.guided, self.runner = build_runner(self.model, config, self.device, vocab)
         self.proposer = Proposer(config, self.model, self.runner, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
@@ -164,6 +171,7 @@ class Engine:
                 f"(the prompt must leave room for at least one generated token)")
         p = request.params
         p.validate(cfg.max_tokens_limit)
+        p.normalize(self.runner.vocab_size)
         k = request.num_draft_tokens
         if k is not None and not 0 <= k <= cfg.num_draft_tokens:
             raise InvalidRequestError(f"num_draft_tokens must be in [0, {cfg.num_draft_tokens}] "
@@ -222,7 +230,7 @@ class Engine:
             inbox, self._inbox = self._inbox, []
             self._pending_submits = 0
         victims = list(self._seqs.values()) + [s for kind, s in inbox if kind == "submit"]
-        message = f"the engine stopped ({type(exc).__name__}: {exc}); the model must be reloaded"
+        message = f"the engine stopped ({type(exc).__name__}; see the server log); the model must be reloaded"
         for seq in victims:
             assert isinstance(seq, Sequence)
             try:
@@ -337,9 +345,12 @@ class Engine:
             try:
                 seq.grammar = handle.result(timeout=0)
                 seq.compile = None
+            except InvalidRequestError as exc:
+                self._finish(seq, "error", str(exc), "INVALID_ARG")
             except Exception as exc:
-                code = "INVALID_ARG" if isinstance(exc, InvalidRequestError) else "INTERNAL"
-                self._finish(seq, "error", str(exc), code)
+                log.error("grammar compile of request %s failed: %r", seq.seq_id, exc)
+                self._finish(seq, "error", f"the grammar compile failed ({type(exc).__name__}; "
+                                           f"the server log has the details)", "INTERNAL")
 
     def _prefill(self, chunk: PrefillChunk) -> Optional[int]:
         """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""
@@ -366,7 +377,8 @@ class Engine:
             return fn()
         except Exception as exc:
             log.exception("request %s failed", seq.seq_id)
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            self._finish(seq, "error", f"this request failed in the engine ({_detail(exc)}; "
+                                       f"the server log has the details)")
             return None
 
     def _recover(self, seqs: list[Sequence], exc: Exception) -> None:
@@ -375,7 +387,7 @@ class Engine:
         When no culprit is found the whole batch fails (the fault cannot be pinned on one request)."""
         broken = [s for s in seqs if not self._healthy(s)] or seqs
         for seq in broken:
-            self._finish(seq, "error", f"decode failed: {type(exc).__name__}: {exc}")
+            self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
         for seq in seqs:
             if seq.status is not Status.FINISHED and seq.grammar is not None:
                 self._guarded(seq, lambda: self.guided.rollback(

@@ -8,6 +8,9 @@ import numpy as np
 
 
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
+MIN_TEMPERATURE = 1e-2  # temperatures in [1e-5, 1e-2) are raised to this (vLLM's _MAX_TEMP): finite logits
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)  # logits / 0.01 stay finite in fp32; vLLM only asks > 0
 
 
 class InvalidRequestError(ValueError):
@@ -64,6 +67,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    def normalize(self, vocab_size: int) -> None:
+        """vLLM's rules for edge values: a temperature under 1e-5 is greedy, one under 1e-2 is raised
+        to 1e-2, a top_k at or past the vocabulary is off."""
+        if 0.0 < self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        elif 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if self.top_k >= vocab_size:
+            self.top_k = 0
+
     def validate(self, max_tokens_limit: int) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens}")
@@ -79,8 +92,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must be in [0, 2^64), got {self.seed}")
-        if not (0.0 < self.repetition_penalty < float("inf")):
-            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not (lo <= self.repetition_penalty <= hi):
+            raise InvalidRequestError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off; outside it the "
+                                      f"penalized logits overflow), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (-2.0 <= v <= 2.0):

@@ -109,7 +109,7 @@ def one(inputs, **kw):
 def test_minimal_text_request_gets_trtllm_defaults():
     p = one({"text_input": s("Hello")}, default_max_tokens=64)
     r = p.request
-    assert r.prompt == "Hello" and r.prompt_ids is None
+    assert r.prompt == "Hello" and r.prompt_ids == list(b"Hello")  # tokenized once, here (the fake: bytes)
     assert r.params.max_tokens == 64
     assert r.params.greedy and r.params.temperature == 0.0
     assert r.params.stop == [] and r.params.seed is None
@@ -235,21 +235,21 @@ def f32(v):
 
 
 BAD_PENALTIES = [
-    ({"repetition_penalty": f32(0.0)}, "repetition_penalty must be a finite number > 0"),
-    ({"repetition_penalty": f32(-1.0)}, "repetition_penalty must be a finite number > 0"),
-    ({"repetition_penalty": f32(np.inf)}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": f32(0.0)}, "repetition_penalty must be in [0.01, 100]"),
+    ({"repetition_penalty": f32(-1.0)}, "repetition_penalty must be in [0.01, 100]"),
+    ({"repetition_penalty": f32(np.inf)}, "repetition_penalty must be in [0.01, 100]"),
     ({"repetition_penalty": f32(np.nan)}, "repetition_penalty must be a number"),
     ({"presence_penalty": f32(2.5)}, "presence_penalty must be in [-2, 2]"),
     ({"presence_penalty": f32(-3.0)}, "presence_penalty must be in [-2, 2]"),
     ({"frequency_penalty": f32(-2.01)}, "frequency_penalty must be in [-2, 2]"),
     ({"frequency_penalty": f32(np.inf)}, "frequency_penalty must be in [-2, 2]"),
-    ({"sampling_parameters": vllm(repetition_penalty=0)}, "repetition_penalty must be a finite number > 0"),
+    ({"sampling_parameters": vllm(repetition_penalty=0)}, "repetition_penalty must be in [0.01, 100]"),
     ({"sampling_parameters": vllm(presence_penalty="2.5")}, "presence_penalty must be in [-2, 2]"),
     ({"sampling_parameters": vllm(frequency_penalty=-7)}, "frequency_penalty must be in [-2, 2]"),
     ({"sampling_parameters": vllm(repetition_penalty="lots")}, "repetition_penalty must be a number"),
     ({"sampling_parameters": vllm(presence_penalty=True)}, "presence_penalty must be a number"),
     ({"sampling_parameters": vllm(repetition_penalty=1.5), "repetition_penalty": f32(0.0)},
-     "repetition_penalty must be a finite number > 0"),  # the tensor wins, and is checked
+     "repetition_penalty must be in [0.01, 100]"),  # the tensor wins, and is checked
 ]
 
 
@@ -1054,3 +1054,27 @@ def test_adapter_unary_request_gets_one_response_for_all_rows(model):
     t = req.sender.sent[0][0].tensors
     assert t["text_output"].tolist() == [b"t1t2", b"t1t2", b"t1t2t3"]
     assert t["sequence_index"].reshape(-1).tolist() == [0, 1, 0]
+
+
+def test_adapter_unexpected_errors_never_show_python_exception_text(model, monkeypatch):
+    """Issue 19: an unexpected exception while reading a request is INTERNAL with our own words."""
+    def boom(*a, **k):
+        raise RecursionError("maximum recursion depth exceeded while decoding a JSON object")
+
+    monkeypatch.setattr(io, "parse_request", boom)
+    req = FakeTritonRequest({"text_input": s("Hi")})
+    model.execute([req])
+    (resp, flags), = req.sender.sent
+    msg = resp.err.message()
+    assert flags == 1 and resp.err.code() == FakeTritonError.INTERNAL
+    assert "could not read the request" in msg and "recursion" not in msg
+
+
+def test_adapter_refuses_a_huge_prompt_by_bytes_before_tokenizing(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(TOK, "encode", lambda text: calls.append(len(text)) or list(text.encode()), raising=False)
+    req = FakeTritonRequest({"text_input": s("x" * 200_000)})
+    model.execute([req])
+    (resp, flags), = req.sender.sent
+    assert flags == 1 and resp.err.code() == FakeTritonError.INVALID_ARG
+    assert "text_input has 200000 bytes" in resp.err.message() and calls == []

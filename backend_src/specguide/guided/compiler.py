@@ -1,21 +1,25 @@
-"""Grammar compilation: the grammar backends for one model, a cache, and a thread pool.
+"""Grammar compilation: the grammar backends for one model, a cache, and compile lanes.
 
-`submit(params)` returns at once with a CompileHandle; the engine keeps the request in its
-waiting queue and polls `handle.ready()` every iteration, so its loop never waits on a compile.
-Both libraries release the GIL while compiling, so the pool's threads run in parallel with the loop.
+`submit(params)` checks the guide's size limits (limits.py) and returns at once with a
+CompileHandle; the engine keeps the request in its waiting queue and polls `handle.ready()` every
+iteration, so its loop never waits on a compile. Which lane compiles it (in-process for
+llguidance, small or cached guides; a killable worker process first for other xgrammar guides) is
+compile_pool.py. Both libraries release the GIL while compiling.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import BACKENDS, CompiledGuide, GrammarBackend, canonical_backend
+from .compile_pool import CompileScheduler, timeout_message  # noqa: F401 (re-exported)
+from .limits import GuideLimits, check_guide
 from .llguidance_backend import LlguidanceBackend
 from .params import validate_guided
 from .xgrammar_backend import XgrammarBackend, build_tokenizer_info, xgrammar_message  # noqa: F401 (re-exported)
@@ -41,8 +45,13 @@ class CompileHandle:
         self.deadline = None if timeout_s is None else self.submitted + timeout_s
         self.timeout_s = timeout_s
 
+    def _deadline(self) -> Optional[float]:
+        # a worker-process job's clock starts when the worker takes it (compile_pool.AbandonableFuture)
+        return getattr(self._future, "deadline", self.deadline)
+
     def timed_out(self) -> bool:
-        return not self._future.done() and self.deadline is not None and time.monotonic() >= self.deadline
+        deadline = self._deadline()
+        return not self._future.done() and deadline is not None and time.monotonic() >= deadline
 
     def ready(self) -> bool:
         """True once `result()` will not block: compiled, failed, or past the timeout."""
@@ -52,17 +61,21 @@ class CompileHandle:
         """The compiled grammar; InvalidRequestError for a bad guide or a compile past its timeout.
 
         Blocks up to `timeout` seconds (None: until done or the compile timeout)."""
-        wait = timeout
-        if self.deadline is not None:
-            left = max(0.0, self.deadline - time.monotonic())
-            wait = left if wait is None else min(wait, left)
-        try:
-            return self._future.result(timeout=wait)
-        except FutureTimeout:
-            if self.timed_out():
-                self._future.cancel()
-                raise InvalidRequestError(f"grammar compilation timed out after {self.timeout_s:g} s") from None
-            raise
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            deadline = self._deadline()
+            waits = [t - time.monotonic() for t in (end, deadline) if t is not None]
+            wait = max(0.0, min(waits)) if waits else None
+            if deadline is None and hasattr(self._future, "deadline"):  # queued for a worker: look again soon
+                wait = 0.05 if wait is None else min(wait, 0.05)
+            try:
+                return self._future.result(timeout=wait)
+            except FutureTimeout:
+                if self.timed_out():
+                    self._future.cancel()
+                    raise InvalidRequestError(timeout_message(self.timeout_s)) from None
+                if end is not None and time.monotonic() >= end:
+                    raise
 
     def cancel(self) -> None:
         """Drop a compile nobody waits for (it still finishes if it already started)."""
@@ -77,7 +90,8 @@ class GrammarCompilerService:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, *, stop_token_ids: Optional[Sequence[int]] = None,
                  cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES, max_workers: int = 2,
                  compile_threads: Optional[int] = None, timeout_s: Optional[float] = None,
-                 exclude_special_tokens: bool = True, default_backend: str = "auto"):
+                 exclude_special_tokens: bool = True, default_backend: str = "auto",
+                 limits: Optional[GuideLimits] = None):
         self.vocab_size = vocab_size
         self.xgrammar = XgrammarBackend(hf_tokenizer, vocab_size, stop_token_ids, cache_limit_bytes,
                                         compile_threads, exclude_special_tokens)
@@ -88,7 +102,11 @@ class GrammarCompilerService:
         self.default_backend = canonical_backend(default_backend, "guided_backend") or "auto"
         self.timeout_s = timeout_s
         self._cache: "OrderedDict[tuple, CompiledGuide]" = OrderedDict()  # llguidance guides, LRU
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self.limits = limits or GuideLimits()  # admission limits, checked at submit (guided/limits.py)
+        # lanes: llguidance, small or cached guides in-process; other xgrammar guides proven first in
+        # killable worker processes (compile_pool.py)
+        self.scheduler = CompileScheduler(self._compile, self.tokenizer_info, workers=max_workers,
+                                          route=self.backend_for)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -114,11 +132,13 @@ class GrammarCompilerService:
         """Validate now (InvalidRequestError at once for a malformed guide), compile in the pool."""
         params = validate_guided(params)
         self.backend_for(params)  # an unknown backend fails at once
+        size = check_guide(params, self.limits)  # InvalidRequestError naming the limit and its setting
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._closed:
                 raise RuntimeError("the grammar compiler is shut down")
-            future = self._pool.submit(self._compile, params)
-        return CompileHandle(future, self.timeout_s if timeout_s is None else timeout_s)
+            future = self.scheduler.submit(params, size, timeout_s)
+        return CompileHandle(future, timeout_s)
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         """Compile on the calling thread (cached); InvalidRequestError with a client-safe message."""
@@ -162,4 +182,4 @@ class GrammarCompilerService:
         """Stop taking compiles; pending ones are cancelled, running ones finish in the background."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+        self.scheduler.shutdown()

@@ -16,13 +16,16 @@ import json
 import queue
 import threading
 import time
+import traceback
 from typing import Any, Optional
 
 import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig
-from ..request import EngineDeadError, RequestOutput
+from ..memory import trim
+from ..request import EngineDeadError, InvalidRequestError, QueueFullError, RequestOutput
 from . import io
+from .limits import BIG_REQUEST_BYTES, InputLimits, request_bytes
 from .metrics import Metrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -99,8 +102,21 @@ class _Seq:
         self.done = False
 
 
+_CLEAR = (InvalidRequestError, QueueFullError, EngineDeadError)  # their messages are written for clients
+UNEXPECTED = "could not read the request (an internal error; the server log has the details)"
+
+
 def _message(exc: BaseException, interface: str) -> str:
-    return (io.VLLM_ERROR_PREFIX if interface == "vllm" else "") + str(exc)
+    """A client's message: ours as written; never a Python exception's own text (that is logged)."""
+    if not isinstance(exc, _CLEAR):
+        where = "".join(traceback.format_tb(exc.__traceback__))
+        pb_utils.Logger.log_error(f"specguide: unexpected error reading a request: {type(exc).__name__}: {exc}\n{where}")
+    text = str(exc) if isinstance(exc, _CLEAR) else UNEXPECTED
+    return (io.VLLM_ERROR_PREFIX if interface == "vllm" else "") + text
+
+
+def _code(exc: BaseException) -> str:
+    return io.error_code(exc) if isinstance(exc, _CLEAR) else "INTERNAL"
 
 
 def _safe_send(sender: Any, response: Any, flags: int) -> None:
@@ -125,6 +141,10 @@ class TritonPythonModel:
         self.engine = Engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.guided_enabled = bool(getattr(self.engine, "supports_guided_decoding", False))
+        self.limits = InputLimits.from_config(self.config)  # input caps, checked before any work
+        compiler = getattr(self.engine, "compiler", None)
+        if compiler is not None and hasattr(compiler, "scheduler"):
+            compiler.scheduler.start()  # compile worker processes warm before the first big guide
         self.metrics = Metrics(pb_utils, args.get("model_name", "specguide"), args.get("model_version", "1"))
         self._outbox: "queue.Queue[Any]" = queue.Queue()
         self._live: set[_Seq] = set()
@@ -146,8 +166,9 @@ class TritonPythonModel:
         t_arrival = time.perf_counter()
         sender = request.get_response_sender()
         interface = "trtllm"
+        tensors: dict = {}
         try:
-            parameters = io.read_parameters(request)
+            parameters = io.read_parameters(request, self.limits)
             interface = io.interface_of(parameters)
             tensors = io.read_tensors(pb_utils, request)
             if io.is_stop_request(tensors):
@@ -166,10 +187,15 @@ class TritonPythonModel:
                 tokenizer=self.tokenizer,
                 guided_enabled=self.guided_enabled,
                 request_id=request.request_id(),
+                limits=self.limits,
             )
         except Exception as exc:
             self._reject(sender, exc, interface)
             return
+        finally:
+            if tensors and request_bytes(tensors) > BIG_REQUEST_BYTES:
+                tensors = {}
+                trim(force=False)  # give a big request's freed heap back to the OS
         group = _Group(request, sender, len(parsed), request.request_id(), unary=interface == "unary")
         seqs = [_Seq(group, i, p, t_arrival, self.tokenizer) for i, p in enumerate(parsed)]
         with self._live_lock:
@@ -182,13 +208,13 @@ class TritonPythonModel:
                 seq.done = True
                 if seq.seq_id is not None:
                     self.engine.cancel(seq.seq_id)  # its final event is swallowed: the group is closed
-            if group.fail(io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))):
+            if group.fail(io.error_response(pb_utils, _message(exc, interface), _code(exc))):
                 self.metrics.finished("rejected")
             with self._live_lock:
                 self._live.difference_update(seqs)
 
     def _reject(self, sender: Any, exc: Exception, interface: str) -> None:
-        _safe_send(sender, io.error_response(pb_utils, _message(exc, interface), io.error_code(exc)), FINAL)
+        _safe_send(sender, io.error_response(pb_utils, _message(exc, interface), _code(exc)), FINAL)
         self.metrics.finished("rejected")
 
     def _stop(self, request_id: str) -> None:

@@ -22,10 +22,12 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import faults
+from ..guided.limits import check_guide_text, check_json_text
 from ..guided.params import resolve_guided
 from ..request import InvalidRequestError, Request, SamplingParams
 from .interfaces import ALIASES, INTERFACE_PARAMETER, TRTLLM_INPUT_NAMES, TRTLLM_INPUTS, TRTLLM_OUTPUTS, \
     VLLM_INPUT_NAMES, Spec
+from .limits import InputLimits, check_inputs
 from .responses import (  # noqa: F401  (re-exported: the adapter and the tests use io.*)
     VLLM_ERROR_PREFIX, Payload, SequenceStream, UnsupportedError, error_code, error_response, event_error_code, merge_payloads,
     to_response,
@@ -84,17 +86,28 @@ def read_tensors(pb: Any, request: Any) -> dict[str, np.ndarray]:
     return tensors
 
 
-def read_parameters(request: Any) -> dict[str, Any]:
-    """The request's parameters (gRPC parameters, unmatched HTTP generate keys) as a dict."""
+def read_parameters(request: Any, limits: Optional[InputLimits] = None) -> dict[str, Any]:
+    """The request's parameters (gRPC parameters, unmatched HTTP generate keys) as a dict.
+
+    With `limits`, oversized or too deeply nested parameters are an InvalidRequestError."""
     try:
         raw = request.parameters()
     except Exception:  # older stubs
         return {}
     if not raw:
         return {}
+    if limits is not None and isinstance(raw, (str, bytes)):
+        check_inputs({}, raw, limits)
     try:
-        params = json.loads(raw) if isinstance(raw, (str, bytes)) else dict(raw)
-    except ValueError:
+        if isinstance(raw, (str, bytes)):
+            depth = limits.max_json_depth if limits is not None else DEFAULT_JSON_DEPTH
+            params = check_json_text(raw if isinstance(raw, str) else raw.decode("utf-8", "replace"),
+                                     "the request parameters", depth, "guided_max_nesting_depth")
+        else:
+            params = dict(raw)
+    except InvalidRequestError:
+        if limits is not None:
+            raise
         return {}
     return params if isinstance(params, dict) else {}
 
@@ -122,19 +135,24 @@ def parse_request(
     tokenizer: Any = None,
     guided_enabled: bool = False,
     request_id: str = "",
+    limits: Optional[InputLimits] = None,
 ) -> list[ParsedRequest]:
     """Map one Triton request (all its rows, all their return sequences) to engine requests.
 
     Raises InvalidRequestError on bad input. Nothing is submitted here, so a bad row rejects the
-    whole request before anything runs.
+    whole request before anything runs. `limits` (default: InputLimits()) caps input sizes before
+    anything is decoded or tokenized; a text prompt is tokenized here once (the engine and the
+    echo reuse the ids).
     """
+    limits = limits or InputLimits()
+    check_inputs(tensors, None, limits)
     parameters = dict(parameters or {})
     interface = interface_of(parameters)
     client = parameters.pop(CLIENT_PARAMETERS, None)  # a proxy passes its client's parameters as JSON
     if client:
-        parameters.update(_parse_json_object(client, "request parameters"))
+        parameters.update(_parse_json_object(client, "request parameters", limits.max_json_depth))
     tensors = _check_names(tensors, parameters, interface)
-    ctx = _Context(interface, default_max_tokens, max_tokens_limit, tokenizer, guided_enabled, request_id)
+    ctx = _Context(interface, default_max_tokens, max_tokens_limit, tokenizer, guided_enabled, request_id, limits)
     rows = []
     for b in range(_batch_size(tensors)):
         rows.extend(_parse_row(_Row(tensors, parameters, b), ctx))
@@ -149,6 +167,7 @@ class _Context:
     tokenizer: Any
     guided_enabled: bool
     request_id: str
+    limits: InputLimits = field(default_factory=InputLimits)
 
 
 def _check_names(tensors: dict[str, np.ndarray], parameters: dict[str, Any], interface: str) -> dict[str, np.ndarray]:
@@ -263,7 +282,7 @@ def _parse_row(row: _Row, ctx: _Context) -> list[ParsedRequest]:
     if vllm and not sp_json:  # the vLLM backend reads the request parameters instead of the tensor
         sp_json = json.dumps({k: v for k, v in row.parameters.items() if k in VLLM_SAMPLING_KEYS})
     if sp_json:
-        vllm_params = _parse_json_object(sp_json, "sampling_parameters")
+        vllm_params = _parse_json_object(sp_json, "sampling_parameters", ctx.limits.max_json_depth)
         sp = _from_vllm(vllm_params, ctx.tokenizer)
     else:
         vllm_params, sp = None, SamplingParams(max_tokens=ctx.default_max_tokens, temperature=0.0)
@@ -273,7 +292,9 @@ def _parse_row(row: _Row, ctx: _Context) -> list[ParsedRequest]:
     base.params = sp
 
     # guided decoding: the TensorRT-LLM tensors or the vLLM JSON (one guide; guided.params checks it)
-    base.guided = resolve_guided(row.str("guided_decoding_guide_type"), row.str("guided_decoding_guide"), vllm_params)
+    gtype, guide = row.str("guided_decoding_guide_type"), row.str("guided_decoding_guide")
+    check_guide_text(gtype, guide, ctx.limits.guide)  # bytes and nesting, before anything parses it
+    base.guided = resolve_guided(gtype, guide, vllm_params)
     if base.guided is not None and not ctx.guided_enabled:
         raise UnsupportedError(GUIDED_DISABLED_MESSAGE)
 
@@ -295,6 +316,10 @@ def _parse_row(row: _Row, ctx: _Context) -> list[ParsedRequest]:
     n = 1 if n is None else n
     if not 1 <= n <= MAX_RETURN_SEQUENCES:
         raise InvalidRequestError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], got {n}")
+    if base.prompt is not None and ctx.tokenizer is not None:  # tokenized once: the engine and the echo reuse it
+        base.prompt_ids = list(ctx.tokenizer.encode(base.prompt))
+        if not base.prompt_ids:
+            raise InvalidRequestError("text_input is empty after tokenization")
     out = []
     for i in range(n):
         req = copy.deepcopy(base) if i else base
@@ -424,13 +449,17 @@ _VLLM_IGNORED = ("detokenize", "skip_special_tokens", "spaces_between_special_to
 VLLM_SAMPLING_KEYS = frozenset(_VLLM_INTS + _VLLM_FLOATS + tuple(_VLLM_NEUTRAL) + _VLLM_IGNORED)
 
 
-def _parse_json_object(text: Any, what: str) -> dict[str, Any]:
+DEFAULT_JSON_DEPTH = InputLimits().max_json_depth
+
+
+def _parse_json_object(text: Any, what: str, max_depth: int = DEFAULT_JSON_DEPTH) -> dict[str, Any]:
     if isinstance(text, dict):
         return text
-    try:
-        d = json.loads(text)
-    except ValueError as e:
-        raise InvalidRequestError(f"{what} is not valid JSON: {e}") from None
+    if isinstance(text, bytes):
+        text = _as_str(text, what)
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{what} must be a JSON object (as a string)")
+    d = check_json_text(text, what, max_depth)  # refuses deep nesting before json.loads recurses
     if not isinstance(d, dict):
         raise InvalidRequestError(f"{what} must be a JSON object")
     return d
@@ -458,14 +487,23 @@ def _from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
     if d.get("max_tokens") is None and d.get("max_completion_tokens") is not None:
         sp.max_tokens = _as_int(d["max_completion_tokens"], "max_completion_tokens")
     stop = d.get("stop")
-    if stop:
-        sp.stop = [stop] if isinstance(stop, str) else [_as_str(s, "stop") for s in stop if s]
-    if d.get("stop_token_ids"):
-        sp.stop_token_ids = [_as_int(t, "stop_token_ids") for t in _as_list(d["stop_token_ids"], "stop_token_ids")]
+    if stop is not None:
+        if isinstance(stop, str):
+            sp.stop = [stop] if stop else []
+        elif isinstance(stop, list):
+            sp.stop = [_as_str(s, "each stop string") for s in stop if s != ""]
+        else:
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {_json_type(stop)}")
+    if d.get("stop_token_ids") is not None:
+        ids = [_as_int(t, "each stop_token_ids entry") for t in _as_list(d["stop_token_ids"], "stop_token_ids")]
+        if any(t < 0 or t >= 2**31 for t in ids):
+            raise InvalidRequestError("stop_token_ids must be token ids (integers >= 0 inside the vocabulary)")
+        sp.stop_token_ids = ids
     if d.get("ignore_eos") is not None:
         sp.ignore_eos = bool(_as_bool(d["ignore_eos"], "ignore_eos"))
-    if d.get("bad_words"):
-        sp.bad_words_ids = _encode_words([_as_str(w, "bad_words") for w in _as_list(d["bad_words"], "bad_words")], tokenizer)
+    if d.get("bad_words") is not None:
+        words = [d["bad_words"]] if isinstance(d["bad_words"], str) else _as_list(d["bad_words"], "bad_words")
+        sp.bad_words_ids = _encode_words([_as_str(w, "each bad_words entry") for w in words], tokenizer)
     if d.get("lora_name") is not None:
         raise UnsupportedError(f"lora_name={d['lora_name']!r} is not supported (no LoRA adapters are loaded)")
     for key, neutral in _VLLM_NEUTRAL.items():
@@ -481,6 +519,8 @@ def _from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
 
 
 def _echo(req: Request, tokenizer: Any) -> tuple[str, list[int]]:
+    if req.prompt is not None and req.prompt_ids is not None:  # tokenized once in _parse_row
+        return req.prompt, list(req.prompt_ids)
     if req.prompt is not None:
         ids = list(tokenizer.encode(req.prompt)) if tokenizer is not None else []
         return req.prompt, ids
@@ -501,6 +541,12 @@ def _check_neutral(name: str, value: Any, neutral: Any) -> None:
         raise UnsupportedError(f"{name}={value} is not supported (only {neutral})")
 
 
+def _json_type(v: Any) -> str:
+    """The JSON name of a parsed value's type (what a client wrote), for messages."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
 def _as_str(v: Any, name: str) -> str:
     if isinstance(v, bytes):
         try:
@@ -509,7 +555,7 @@ def _as_str(v: Any, name: str) -> str:
             raise InvalidRequestError(f"{name} is not valid UTF-8") from None
     if isinstance(v, str):
         return v
-    raise InvalidRequestError(f"{name} must be a string, got {type(v).__name__}")
+    raise InvalidRequestError(f"{name} must be a string, got {_json_type(v)}")
 
 
 def _as_int(v: Any, name: str) -> Optional[int]:
@@ -571,5 +617,5 @@ def _as_bool(v: Any, name: str) -> Optional[bool]:
 def _as_list(v: Any, name: str) -> list:
     if isinstance(v, (list, tuple)):
         return list(v)
-    raise InvalidRequestError(f"{name} must be a list")
+    raise InvalidRequestError(f"{name} must be a list, got {_json_type(v)}")
 

@@ -1,0 +1,88 @@
+"""Input caps, checked on the raw tensors before anything is decoded, parsed or tokenized.
+
+A multi-megabyte `text_input` used to be tokenized (twice) on Triton's request thread under the
+tokenizer lock the engine's detokenizer needs, stalling every stream before the prompt was
+refused for its token count. Bytes bound tokens, so a byte cap derived from `max_seq_len` refuses
+it in microseconds; what passes tokenizes in a few milliseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from ..guided.limits import GuideLimits
+from ..request import InvalidRequestError
+
+BIG_REQUEST_BYTES = 1 << 20  # requests past this trigger a malloc_trim once they are done with
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Byte caps per input (0 = no cap). Built from EngineConfig."""
+
+    max_prompt_bytes: int = 32768  # text_input, per row (max_prompt_bytes)
+    max_prompt_tokens: int = 2048  # input_ids, per row (max_seq_len)
+    max_json_bytes: int = 327680  # sampling_parameters, request parameters, stop/bad words (max_sampling_parameters_bytes)
+    max_guide_bytes: int = 262144  # guided_decoding_guide (guided_max_guide_bytes)
+    max_json_depth: int = 72  # sampling_parameters nesting (guided_max_nesting_depth + 8)
+    guide: GuideLimits = GuideLimits()  # guide bytes and nesting, checked on the tensor before parsing
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "InputLimits":
+        depth = cfg.guided_max_nesting_depth + 8 if cfg.guided_max_nesting_depth else 0
+        return cls(cfg.max_prompt_bytes, cfg.max_seq_len, cfg.max_sampling_parameters_bytes,
+                   cfg.guided_max_guide_bytes, depth, GuideLimits.from_config(cfg))
+
+
+def _refuse(what: str, n: int, unit: str, limit: int, setting: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{what} has {n} {unit}; the limit is {limit} (the setting {setting}, an "
+                               f"EngineConfig field and config.pbtxt parameter, raises it)")
+
+
+def _row_bytes(arr: np.ndarray) -> int:
+    """The largest per-row total of a BYTES tensor [B, n] (all strings of a row together)."""
+    a = np.asarray(arr, dtype=object)
+    rows = a.reshape(a.shape[0], -1) if a.ndim >= 1 and a.shape[0] else a.reshape(1, -1)
+    return max((sum(len(v) for v in row if isinstance(v, (bytes, str))) for row in rows), default=0)
+
+
+def request_bytes(tensors: dict[str, np.ndarray]) -> int:
+    """Bytes held by a request's tensors (strings counted by length)."""
+    total = 0
+    for arr in tensors.values():
+        a = np.asarray(arr)
+        total += sum(len(v) for v in a.reshape(-1) if isinstance(v, (bytes, str))) if a.dtype == object else a.nbytes
+    return total
+
+
+def check_inputs(tensors: dict[str, np.ndarray], raw_parameters: Optional[Any], limits: InputLimits) -> int:
+    """Refuse oversized inputs by name (InvalidRequestError); returns the request's total BYTES size."""
+    total = 0
+    caps = {
+        "text_input": (limits.max_prompt_bytes, "max_prompt_bytes", "bytes"),
+        "guided_decoding_guide": (limits.max_guide_bytes, "guided_max_guide_bytes", "bytes"),
+        "sampling_parameters": (limits.max_json_bytes, "max_sampling_parameters_bytes", "bytes"),
+    }
+    for name, arr in tensors.items():
+        if np.asarray(arr).dtype != object:
+            continue
+        n = _row_bytes(arr)
+        total += n
+        limit, setting, unit = caps.get(name, (limits.max_json_bytes, "max_sampling_parameters_bytes", "bytes"))
+        if limit and n > limit:
+            raise _refuse(name, n, unit, limit, setting)
+    ids = tensors.get("input_ids")
+    if ids is not None and limits.max_prompt_tokens:
+        arr = np.asarray(ids)
+        n = int(arr.shape[-1]) if arr.ndim else 1
+        if n >= limits.max_prompt_tokens:
+            raise InvalidRequestError(f"input_ids has {n} tokens; max_seq_len is {limits.max_prompt_tokens} "
+                                      f"(the prompt must leave room for at least one generated token)")
+    if raw_parameters is not None and limits.max_json_bytes:
+        n = len(raw_parameters) if isinstance(raw_parameters, (bytes, str)) else 0
+        total += n
+        if n > limits.max_json_bytes:
+            raise _refuse("the request parameters", n, "bytes", limits.max_json_bytes, "max_sampling_parameters_bytes")
+    return total

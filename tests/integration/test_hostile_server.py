@@ -1,0 +1,200 @@
+"""Issue 19: one hostile request must not slow anyone else. Against a second real tritonserver with
+small limits (compile timeout 2 s, no schema property limit, so compile bombs reach the compiler):
+
+- compile bombs time out and free their workers; a trivial regex guide from another client gets
+  its first token before the bombs are even refused, and a running stream keeps flowing;
+- a 5 MB prompt (gRPC; 3 MB over HTTP) is refused by bytes at once, without stalling a running stream;
+- bad values get messages that name the field and the rule; tiny temperature is greedy;
+- the stub's memory comes back after the hostile run.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+from typing import Any
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client.common import _chunk_from_result, grpc_inputs
+
+from .conftest import MODEL, ROOT, Server, launch, stop_and_check
+from .test_resilience_server import PROMPT, http
+
+SETTINGS = {"max_slots": "4", "guided_compile_timeout_s": "2", "guided_max_schema_properties": "0"}
+REGEX = "[0-9]{3}-[0-9]{4}"
+GT, G = "guided_decoding_guide_type", "guided_decoding_guide"
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory) -> Server:
+    root = tmp_path_factory.mktemp("hostile")
+    repo = root / "models"
+    shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = repo / MODEL / "config.pbtxt"
+    text = cfg.read_text()
+    for key, value in SETTINGS.items():
+        text, n = re.subn(rf'(key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"', rf'\1"{value}"', text)
+        assert n == 1, key
+    cfg.write_text(text)
+    srv = launch(root / "server.log", repo)
+    yield srv
+    stop_and_check(srv)
+
+
+class Stream:
+    """One gRPC stream; every response's arrival time is kept (errors too)."""
+
+    def __init__(self, server: Server, values: dict[str, Any]):
+        self.times: list[float] = []
+        self.server_ns: list[float] = []  # last_token_time_ns of each response (with return_perf_metrics)
+        self.errors: list[str] = []
+        self.t_error = 0.0
+        self.ntokens = 0
+        self.done = threading.Event()
+        self.t0 = time.perf_counter()
+        self.client = grpcclient.InferenceServerClient(server.grpc)
+        self.client.start_stream(callback=self._on)
+        self.client.async_stream_infer(MODEL, grpc_inputs({"stream": True, **values}), enable_empty_final_response=True)
+
+    def _on(self, result, error) -> None:
+        now = time.perf_counter()
+        if error is not None:
+            self.errors.append(error.message())
+            self.t_error = now
+            self.done.set()
+            return
+        c = _chunk_from_result(result, now)
+        if c.token_ids:
+            self.times.append(now)
+            ns = result.as_numpy("last_token_time_ns")
+            if ns is not None:
+                self.server_ns.append(float(ns.reshape(-1)[0]))
+            self.ntokens += len(c.token_ids)
+        if c.final:
+            self.done.set()
+
+    def ttft(self) -> float:
+        return self.times[0] - self.t0
+
+    def max_gap(self, start: float, end: float) -> float:
+        ts = [t for t in self.times if start <= t <= end]
+        return max((b - a for a, b in zip(ts, ts[1:])), default=float("inf"))
+
+    def max_server_gap(self) -> float:
+        """The largest gap between the engine's token times (server clock), over the whole stream."""
+        ts = self.server_ns
+        return max((b - a for a, b in zip(ts, ts[1:])), default=float("inf")) / 1e9
+
+    def wait(self, timeout: float = 120) -> "Stream":
+        assert self.done.wait(timeout), "no final response"
+        self.client.stop_stream()
+        self.client.close()
+        return self
+
+
+def long_stream(server: Server) -> Stream:
+    s = Stream(server, {"text_input": PROMPT, "max_tokens": 160, "min_tokens": 160})
+    deadline = time.monotonic() + 120
+    while len(s.times) < 3:
+        assert time.monotonic() < deadline, "the background stream never started"
+        time.sleep(0.01)
+    return s
+
+
+def bomb(tag: str, n: int = 3000) -> str:
+    return json.dumps({"type": "object", "properties": {f"{tag}{i}": {"type": "integer"} for i in range(n)}})
+
+
+def test_compile_bombs_neither_block_a_trivial_guide_nor_stall_a_stream(hostile):
+    idle = Stream(hostile, {"text_input": "Phone:", "max_tokens": 8, GT: "regex", G: REGEX}).wait()
+    assert not idle.errors, idle.errors
+    background = long_stream(hostile)
+    t_start = time.perf_counter()
+    bombs = [Stream(hostile, {"text_input": "Fill it.", "max_tokens": 8, GT: "json_schema", G: bomb(t)})
+             for t in ("a", "b")]
+    time.sleep(0.3)
+    trivial = Stream(hostile, {"text_input": "Phone:", "max_tokens": 8, GT: "regex", G: "[0-9]{2}-[0-9]{5}"})
+    trivial.wait()
+    for b in bombs:
+        b.wait()
+        assert b.errors and "grammar compilation timed out after 2 s" in b.errors[0], b.errors
+    assert not trivial.errors, trivial.errors
+    # ordering: the trivial guide's first token came before the bombs were even refused
+    assert trivial.times[0] < min(b.t_error for b in bombs)
+    assert trivial.ttft() < 5.0, trivial.ttft()
+    t_end = max(b.t_error for b in bombs)
+    background.wait()
+    gap = background.max_gap(t_start, t_end)
+    assert gap < 2.0, f"the running stream stalled {gap:.2f} s during the compile bombs"
+    # the same bomb again is refused at once (no worker taken)
+    t0 = time.perf_counter()
+    again = Stream(hostile, {"text_input": "Fill it.", "max_tokens": 8, GT: "json_schema", G: bomb("a")}).wait()
+    assert again.errors and "timed out before" in again.errors[0] and time.perf_counter() - t0 < 2.0
+    # and a schema that needs a worker still compiles (the killed workers were replaced)
+    ok = Stream(hostile, {"text_input": "Fill it.", "max_tokens": 24, GT: "json_schema", G: json.dumps(
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(100)}, "required": ["k0"]})}).wait()
+    assert not ok.errors, ok.errors
+
+
+def test_a_5mb_prompt_is_refused_at_once_without_stalling_a_stream(hostile):
+    """5 MB over gRPC; 3 MB over HTTP (Triton 2.51's HTTP front end itself crashes on bodies past
+    ~4 MB, whatever the model: triton-inference-server/server issue 5840; see README)."""
+    background = long_stream(hostile)
+    t0 = time.perf_counter()
+    big = Stream(hostile, {"text_input": "x" * 5_000_000, "max_tokens": 4}).wait()
+    took_grpc = time.perf_counter() - t0
+    status, body = http(hostile, f"models/{MODEL}/generate", {"text_input": "x" * 3_000_000, "max_tokens": 4})
+    t1 = time.perf_counter()
+    background.wait()
+    assert big.errors and "text_input has 5000000 bytes" in big.errors[0] and "max_prompt_bytes" in big.errors[0]
+    assert status == 400 and "text_input has 3000000 bytes" in body["error"], body
+    assert took_grpc < 3.0 and t1 - t0 < 6.0, (took_grpc, t1 - t0)
+    gap = background.max_gap(t0, t1)
+    assert gap < 1.5, f"the running stream stalled {gap:.2f} s while the big prompts were refused"
+
+
+@pytest.mark.parametrize("sampling, words", [
+    ({"stop": 5}, "stop must be a string or a list of strings, got a number"),
+    ({"stop": {"x": 1}}, "stop must be a string or a list of strings, got an object"),
+    ({"repetition_penalty": 1e-38}, "repetition_penalty must be in [0.01, 100]"),
+])
+def test_bad_sampling_values_get_exact_messages(hostile, sampling, words):
+    status, body = http(hostile, f"models/{MODEL}/generate",
+                        {"text_input": "Hi", "sampling_parameters": json.dumps(sampling)})
+    assert status == 400 and words in body["error"], body
+
+
+def test_deep_json_gets_a_depth_message(hostile):
+    deep = '{"stop": ' + "[" * 10_000 + "]" * 10_000 + "}"
+    status, body = http(hostile, f"models/{MODEL}/generate", {"text_input": "Hi", "sampling_parameters": deep})
+    assert status == 400 and "nested 10001 levels deep" in body["error"] and "recursion" not in body["error"], body
+    schema = '{"type": "object", "properties": {"a": ' * 600 + '{"type": "integer"}' + "}}" * 600
+    status, body = http(hostile, f"models/{MODEL}/generate", {"text_input": "Hi", GT: "json_schema", G: schema})
+    assert status == 400 and "nested 1201 levels deep" in body["error"], body
+
+
+def test_tiny_temperature_is_greedy_and_a_huge_top_k_is_off(hostile):
+    base = {"text_input": PROMPT, "max_tokens": 12, "exclude_input_in_output": True}
+    _, greedy = http(hostile, f"models/{MODEL}/generate", {**base, "temperature": 0.0})
+    _, tiny = http(hostile, f"models/{MODEL}/generate", {**base, "temperature": 1e-40, "seed": 3})
+    assert tiny["text_output"] == greedy["text_output"]
+    status, body = http(hostile, f"models/{MODEL}/generate",
+                        {"text_input": "Hi", "max_tokens": 4, "sampling_parameters": json.dumps({"top_k": 1e30, "seed": 1})})
+    assert status == 200 and body["text_output"], body
+
+
+def test_stub_memory_returns_near_warm_after_the_hostile_run(hostile):
+    for _ in range(3):
+        http(hostile, f"models/{MODEL}/generate", {"text_input": PROMPT, "max_tokens": 8})
+    time.sleep(1.0)
+    warm = hostile.stub_rss_bytes()
+    for i in range(4):
+        Stream(hostile, {"text_input": "y" * 5_000_000, "max_tokens": 4}).wait()
+        Stream(hostile, {"text_input": "Fill it.", "max_tokens": 4, GT: "json_schema", G: bomb(f"m{i}", 1200)}).wait()
+    time.sleep(1.5)
+    after = hostile.stub_rss_bytes()
+    assert after <= 1.2 * warm, f"stub RSS {warm / 2**20:.0f} MiB warm -> {after / 2**20:.0f} MiB after"
