@@ -375,6 +375,9 @@ class Engine:
         """Run one request's part of the step; an exception fails that request only."""
         try:
             return fn()
+        except InvalidRequestError as exc:  # the request's own guide hit a library limit: its message
+            self._finish(seq, "error", str(exc), "INVALID_ARG")
+            return None
         except Exception as exc:
             log.exception("request %s failed", seq.seq_id)
             self._finish(seq, "error", f"this request failed in the engine ({_detail(exc)}; "
@@ -387,7 +390,10 @@ class Engine:
         When no culprit is found the whole batch fails (the fault cannot be pinned on one request)."""
         broken = [s for s in seqs if not self._healthy(s)] or seqs
         for seq in broken:
-            self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
+            if isinstance(exc, InvalidRequestError):  # a guide past a grammar library's limits
+                self._finish(seq, "error", str(exc), "INVALID_ARG")
+            else:
+                self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
         for seq in seqs:
             if seq.status is not Status.FINISHED and seq.grammar is not None:
                 self._guarded(seq, lambda: self.guided.rollback(

@@ -239,3 +239,37 @@ def test_best_effort_output_is_valid_or_an_error_naming_the_violation(engine, ba
             jsonschema.validate(json.loads(text), schema)
         else:
             assert final.finish_reason == "length" or "violates the JSON schema" in final.error, final.error
+
+
+def _wide_schema(n: int) -> str:
+    return json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+
+
+def test_a_guide_past_llguidance_limits_fails_alone_with_its_reason(engine):
+    """llguidance's mask may allow a token whose consumption then trips its parser limit (an object
+    with 600 optional properties: a row of 2407 items, max 2000). That request ends with INVALID_ARG
+    naming the limit; a guided request beside it finishes as it does alone; nothing leaks."""
+    good = Request(prompt=chat(engine, "Give a person as JSON."), params=SamplingParams(max_tokens=40, temperature=0.0),
+                   guided=GuidedDecodingParams("json_schema", json.dumps(SCHEMA)))
+    wide = Request(prompt=chat(engine, "Give a JSON object."), params=SamplingParams(max_tokens=40, temperature=0.0),
+                   guided=GuidedDecodingParams("json_schema", _wide_schema(600), backend="llguidance"))
+    alone = run_alone(engine, dataclasses.replace(good))
+    results = run_many(engine, [good, wide, good])
+    final = results[1][2]
+    assert final.finish_reason == "error" and final.error_code == "INVALID_ARG", final
+    assert "too complex for the llguidance backend" in final.error and "max is 2000" in final.error
+    assert "<grammar>" not in final.error  # llguidance's diagnostic dump stays out of the message
+    assert results[0][0] == results[2][0] == alone[0]
+    engine.scheduler.check_integrity()
+    assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))
+
+
+def test_auto_routes_objects_wider_than_llguidance_takes_to_xgrammar(engine):
+    from specguide.guided.compiler import LLG_MAX_OBJECT_PROPERTIES
+
+    svc = engine.compiler
+    narrow = GuidedDecodingParams("json_schema", _wide_schema(LLG_MAX_OBJECT_PROPERTIES))
+    nested = json.dumps({"type": "object", "properties": {"inner": json.loads(_wide_schema(600))}})
+    assert svc.backend_for(narrow) == "llguidance"
+    assert svc.backend_for(GuidedDecodingParams("json_schema", nested)) == "xgrammar"
+    assert svc.backend_for(GuidedDecodingParams("json_schema", nested, backend="llguidance")) == "llguidance"

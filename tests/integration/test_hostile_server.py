@@ -81,7 +81,11 @@ class Stream:
         return self.times[0] - self.t0
 
     def max_gap(self, start: float, end: float) -> float:
-        ts = [t for t in self.times if start <= t <= end]
+        """The longest wait between tokens over [start, end], counting the last token before it and
+        the first after it (a window shorter than one step still measures the step around it)."""
+        before = [t for t in self.times if t < start][-1:]
+        after = [t for t in self.times if t > end][:1]
+        ts = before + [t for t in self.times if start <= t <= end] + after
         return max((b - a for a, b in zip(ts, ts[1:])), default=float("inf"))
 
     def max_server_gap(self) -> float:
@@ -144,6 +148,9 @@ def test_a_5mb_prompt_is_refused_at_once_without_stalling_a_stream(hostile):
     """5 MB over gRPC; 3 MB over HTTP (Triton 2.51's HTTP front end itself crashes on bodies past
     ~4 MB, whatever the model: triton-inference-server/server issue 5840; see README)."""
     background = long_stream(hostile)
+    deadline = time.perf_counter() + 30
+    while not background.times and time.perf_counter() < deadline:  # streaming before the big prompts
+        time.sleep(0.01)
     t0 = time.perf_counter()
     big = Stream(hostile, {"text_input": "x" * 5_000_000, "max_tokens": 4}).wait()
     took_grpc = time.perf_counter() - t0

@@ -8,6 +8,7 @@ compile_pool.py. Both libraries release the GIL while compiling.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -29,11 +30,40 @@ LLG_CACHE_ENTRIES = 256  # compiled llguidance guides kept (xgrammar keeps its o
 AUTO_XGRAMMAR = ("ebnf_grammar", "structural_tag", "regex", "choice")  # `auto` keeps these on xgrammar
 
 
+# llguidance's Earley rows grow by ~4 items per optional property of one object and it fails past
+# 2000 (measured: 480 properties pass, 600 -> "row has 2407 items; max is 2000"): wider objects go to xgrammar
+LLG_MAX_OBJECT_PROPERTIES = 450
+
+
+def widest_object(schema: Any) -> int:
+    """The most `properties` any one object of a JSON schema lists (iterative: any depth)."""
+    widest, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                widest = max(widest, len(props))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return widest
+
+
 def auto_backend(params: GuidedDecodingParams) -> str:
-    """`auto`: JSON (schema or any) -> llguidance (spec-true, fast compiles; bench/BENCHMARKS.md);
-    xgrammar EBNF and structural tags -> xgrammar (its syntax); regex and choice -> xgrammar (both
-    serve them; xgrammar keeps the forced-token drafts the speculative tests were tuned on)."""
-    return "xgrammar" if params.guide_type in AUTO_XGRAMMAR else "llguidance"
+    """`auto`: JSON (schema or any) -> llguidance (spec-true, fast compiles; bench/BENCHMARKS.md),
+    unless one object lists more properties than llguidance's parser takes; xgrammar EBNF and
+    structural tags -> xgrammar (its syntax); regex and choice -> xgrammar (both serve them;
+    xgrammar keeps the forced-token drafts the speculative tests were tuned on)."""
+    if params.guide_type in AUTO_XGRAMMAR:
+        return "xgrammar"
+    if params.guide_type == "json_schema":
+        try:
+            if widest_object(json.loads(params.guide)) > LLG_MAX_OBJECT_PROPERTIES:
+                return "xgrammar"
+        except ValueError:
+            pass  # not JSON: the backend's compile says so
+    return "llguidance"
 
 
 class CompileHandle:

@@ -79,9 +79,19 @@ class LlguidanceMatcher(Matcher):
             self.terminated = self.stop_outside = True
             return True
         if self.m.try_consume_tokens([t]) != 1:
+            self.check()
             return False
         self.terminated = t in self.stop_ids
         return True
+
+    def check(self) -> None:
+        """Raise when llguidance hit one of its limits: the matcher is broken for good (NOTE: its
+        mask may allow a token whose consumption then trips a parser limit, e.g. a row of the
+        Earley parser past 2000 items for an object with thousands of optional properties)."""
+        if self.m.is_error():
+            first = (self.m.get_error().strip().splitlines() or ["unknown error"])[0][:300]  # not its dump
+            raise InvalidRequestError(f"the guide is too complex for the llguidance backend ({first}); "
+                                      "simplify it or use backend 'xgrammar'")
 
     def validate(self, tokens: Sequence[int]) -> int:
         n = 0
@@ -115,6 +125,7 @@ class LlguidanceMatcher(Matcher):
         return toks[: self.validate(toks)]
 
     def is_terminated(self) -> bool:
+        self.check()
         return self.terminated
 
     def is_completed(self) -> bool:
