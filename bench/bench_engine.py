@@ -120,12 +120,14 @@ def main() -> None:
     results["hf_generate_fp32_b1_tok_s"] = round(hf_tps, 1)
     print(f"transformers generate fp32 batch 1: {hf_tps:.1f} tok/s", flush=True)
     for spec in args.runs.split(","):
-        dtype, k = spec.split(":")
-        wd = dtype.removeprefix("w-") if dtype.startswith("w-") or dtype not in ("bfloat16", "float16") else "float32"
+        fmt, k = spec.split(":")
+        if fmt in ("bfloat16", "float16"):  # the compute dtype (fp32 weights)
+            dtype, wd = fmt, "float32"
+        else:  # a weight format with fp32 compute; w-bfloat16 = bf16 weights
+            dtype, wd = "float32", fmt.removeprefix("w-")
         assert wd in WEIGHT_DTYPES, f"unknown run {spec!r}"
-        engine = Engine(EngineConfig(dtype=dtype if wd == "float32" and dtype != "float32" else "float32",
-                                     weight_dtype=wd, max_slots=max(8, args.concurrency), max_seq_len=1024,
-                                     num_draft_tokens=int(k)))
+        engine = Engine(EngineConfig(dtype=dtype, weight_dtype=wd, max_slots=max(8, args.concurrency),
+                                     max_seq_len=1024, num_draft_tokens=int(k)))
         run_engine_sequential(engine, seq_prompts[:1], 8)  # warm-up
         e2e, dec, ttft, outs = run_engine_sequential(engine, seq_prompts, n)
         agg = run_engine_concurrent(engine, prompts, n)
@@ -135,8 +137,8 @@ def main() -> None:
              f"c{len(prompts)}_aggregate_tok_s": round(agg, 1), "greedy_equal_to_hf": f"{same}/{len(outs)}",
              "speedup_b1_decode_vs_hf": round(dec / hf_tps, 2),
              f"speedup_c{len(prompts)}_vs_hf_sequential": round(agg / hf_tps, 2)}
-        results[f"engine_{dtype}_K{k}"] = r
-        print(f"engine {dtype} K={k}: {json.dumps(r)}", flush=True)
+        results[f"engine_{fmt}_K{k}"] = r
+        print(f"engine {fmt} K={k}: {json.dumps(r)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,28 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.conftest import MODEL, _stop, launch  # noqa: E402
+from tests.integration.conftest import _stop, launch, repository_with  # noqa: E402
 from tests.integration.test_hostile_server import Stream, bomb  # noqa: E402
 from tests.integration.test_resilience_server import PROMPT  # noqa: E402
 
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    m = re.search(r"Model name:\s*(.+)", out)
-    cores = re.search(r"^CPU\(s\):\s*(\d+)", out, re.MULTILINE)
-    return f"{m.group(1).strip() if m else '?'} ({cores.group(1) if cores else '?'} CPUs)"
-
-
-def repository(tmp: Path, settings: dict[str, str]) -> Path:
-    repo = tmp / "models"
-    shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
-    cfg = repo / MODEL / "config.pbtxt"
-    text = cfg.read_text()
-    for key, value in settings.items():
-        text, n = re.subn(rf'(key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"', rf'\1"{value}"', text)
-        assert n == 1, f"no setting {key} in config.pbtxt"
-    cfg.write_text(text)
-    return repo
+from machine import cpu_header, cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def trivial(server, i: int) -> float:
@@ -82,10 +62,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     settings = dict(kv.split("=", 1) for kv in args.settings.split(",") if kv)
-    print(f"CPU: {cpu_model()}")
+    print(cpu_header(), flush=True)
     print(f"settings: {settings or 'model_repository defaults'}")
     with tempfile.TemporaryDirectory() as tmp:
-        server = launch(Path(tmp) / "server.log", repository(Path(tmp), settings))
+        server = launch(Path(tmp) / "server.log", repository_with(Path(tmp), settings))
         try:
             for i in range(3):  # warm-up: first requests, first compiles
                 trivial(server, 100 + i)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -96,6 +97,19 @@ def _ready(http: str) -> bool:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
+
+
+def repository_with(tmp: Path, settings: dict[str, str]) -> Path:
+    """A copy of model_repository under `tmp` with some of the engine model's settings replaced."""
+    repo = tmp / "models"
+    shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = repo / MODEL / "config.pbtxt"
+    text = cfg.read_text()
+    for key, value in settings.items():
+        text, n = re.subn(rf'(key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"', rf'\1"{value}"', text)
+        assert n == 1, f"no setting {key} in config.pbtxt"
+    cfg.write_text(text)
+    return repo
 
 
 def launch(log: Path, model_repository: Path, extra_args: tuple[str, ...] = (), env: Optional[dict] = None) -> Server:

@@ -11,7 +11,6 @@ import os
 import queue
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,7 +21,6 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from .conftest import ROOT
 from .helpers import B, I, S
 
 UPSTREAM = Path(__file__).resolve().parent / "upstream"

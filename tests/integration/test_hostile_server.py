@@ -10,8 +10,6 @@ small limits (compile timeout 2 s, no schema property limit, so compile bombs re
 from __future__ import annotations
 
 import json
-import re
-import shutil
 import threading
 import time
 from typing import Any
@@ -21,7 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from client.common import _chunk_from_result, grpc_inputs
 
-from .conftest import MODEL, ROOT, Server, launch, stop_and_check
+from .conftest import MODEL, Server, launch, repository_with, stop_and_check
 from .test_resilience_server import PROMPT, http
 
 SETTINGS = {"max_slots": "4", "guided_compile_timeout_s": "2", "guided_max_schema_properties": "0"}
@@ -32,14 +30,7 @@ GT, G = "guided_decoding_guide_type", "guided_decoding_guide"
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory) -> Server:
     root = tmp_path_factory.mktemp("hostile")
-    repo = root / "models"
-    shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
-    cfg = repo / MODEL / "config.pbtxt"
-    text = cfg.read_text()
-    for key, value in SETTINGS.items():
-        text, n = re.subn(rf'(key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"', rf'\1"{value}"', text)
-        assert n == 1, key
-    cfg.write_text(text)
+    repo = repository_with(root, SETTINGS)
     srv = launch(root / "server.log", repo)
     yield srv
     stop_and_check(srv)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ import tritonclient.grpc as grpcclient
 from client.common import Chunk, _chunk_from_result, grpc_inputs
 from specguide import faults
 
-from .conftest import MODEL, ROOT, Server, launch, stop_and_check
+from .conftest import MODEL, ROOT, Server, launch, repository_with, stop_and_check
 
 SETTINGS = {"max_slots": "2", "max_queue": "2", "prefill_chunk": "16"}
 PROMPT = "<|im_start|>user\nTell me a long story about the sea.<|im_end|>\n<|im_start|>assistant\n"
@@ -38,14 +37,7 @@ GT, G = "guided_decoding_guide_type", "guided_decoding_guide"
 @pytest.fixture(scope="module")
 def aux(tmp_path_factory) -> Server:
     root = tmp_path_factory.mktemp("aux")
-    repo = root / "models"
-    shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
-    cfg = repo / MODEL / "config.pbtxt"
-    text = cfg.read_text()
-    for key, value in SETTINGS.items():
-        text, n = re.subn(rf'(key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"', rf'\1"{value}"', text)
-        assert n == 1, key
-    cfg.write_text(text)
+    repo = repository_with(root, SETTINGS)
     srv = launch(root / "server.log", repo, ("--model-control-mode=explicit", f"--load-model={MODEL}"),
                  env={faults.ENV: "1"})
     yield srv

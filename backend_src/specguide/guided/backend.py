@@ -39,9 +39,15 @@ class Matcher(ABC):
     def accept(self, token: int) -> bool:
         """Feed one token; False (state unchanged) when rejected or already terminated."""
 
-    @abstractmethod
     def validate(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, in order, would be accepted; the state is not changed."""
+        n = 0
+        for t in tokens:
+            if not self.accept(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
 
     @abstractmethod
     def rollback(self, n: int) -> None:

@@ -93,15 +93,6 @@ class LlguidanceMatcher(Matcher):
             raise InvalidRequestError(f"the guide is too complex for the llguidance backend ({first}); "
                                       "simplify it or use backend 'xgrammar'")
 
-    def validate(self, tokens: Sequence[int]) -> int:
-        n = 0
-        for t in tokens:
-            if not self.accept(t):
-                break
-            n += 1
-        self.rollback(n)
-        return n
-
     def rollback(self, n: int) -> None:
         if n <= 0:
             return

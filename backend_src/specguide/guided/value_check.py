@@ -9,7 +9,7 @@ violation (`ValueCheckedMatcher.violation`).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -78,15 +78,6 @@ class ValueCheckedMatcher(Matcher):
             return False
         self.tokens.append(t)
         return True
-
-    def validate(self, tokens: Sequence[int]) -> int:
-        n = 0
-        for t in tokens:
-            if not self.accept(t):
-                break
-            n += 1
-        self.rollback(n)
-        return n
 
     def rollback(self, n: int) -> None:
         if n > 0:

@@ -80,15 +80,6 @@ class XgrammarMatcher(Matcher):
     def accept(self, token: int) -> bool:
         return not self.m.is_terminated() and self.m.accept_token(int(token))
 
-    def validate(self, tokens: Sequence[int]) -> int:
-        n = 0
-        for t in tokens:
-            if not self.accept(t):
-                break
-            n += 1
-        self.rollback(n)
-        return n
-
     def rollback(self, n: int) -> None:
         if n > 0:
             self.m.rollback(n)

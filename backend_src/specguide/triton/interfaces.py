@@ -19,7 +19,7 @@ in `specguide/config.pbtxt` only the engine settings below ENGINE_SETTINGS_MARKE
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
