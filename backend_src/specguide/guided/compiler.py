@@ -8,6 +8,7 @@ compile_pool.py. Both libraries release the GIL while compiling.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -61,8 +62,8 @@ def auto_backend(params: GuidedDecodingParams) -> str:
         try:
             if widest_object(json.loads(params.guide)) > LLG_MAX_OBJECT_PROPERTIES:
                 return "xgrammar"
-        except ValueError:
-            pass  # not JSON: the backend's compile says so
+        except (ValueError, RecursionError):
+            pass  # not JSON, or nested past the parser (with no depth limit): the backend's compile says so
     return "llguidance"
 
 
@@ -161,8 +162,10 @@ class GrammarCompilerService:
     def submit(self, params: GuidedDecodingParams, timeout_s: Optional[float] = None) -> CompileHandle:
         """Validate now (InvalidRequestError at once for a malformed guide), compile in the pool."""
         params = validate_guided(params)
-        self.backend_for(params)  # an unknown backend fails at once
         size = check_guide(params, self.limits)  # InvalidRequestError naming the limit and its setting
+        # resolved once (an unknown backend fails at once; `auto` reads the schema): the scheduler,
+        # the probe and the compile see the backend by name
+        params = dataclasses.replace(params, backend=self.backend_for(params))
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._closed:

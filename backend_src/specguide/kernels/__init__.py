@@ -181,9 +181,9 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, boo
     return q.to(torch.int8).reshape(weight.shape), d, bool(exact.all())
 
 
-def _block_tiles(x: torch.Tensor) -> torch.Tensor:
-    """per-block values [O, nb] -> [ceil(O/64), nb, 64] (zero rows pad O)."""
-    return _tiles(x)
+def _pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t = _tiles(q)  # [T, I, 64]: lane j in the low nibble of byte j, lane j + 32 in its high nibble
+    return (t[..., :32] | (t[..., 32:] << 4)).contiguous(), torch.stack([_tiles(d), _tiles(m)], 2)
 
 
 def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -193,25 +193,32 @@ def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[to
     if weight_dtype in ("float32", "bfloat16"):
         return _tiles(weight.detach().to(getattr(torch, weight_dtype))), None
     if weight_dtype == "q4_1":
-        q, d, m, _ = quantize_q4_1(weight)
-        t = _tiles(q)  # [T, I, 64]: lane j in the low nibble of byte j, lane j + 32 in its high nibble
-        return (t[..., :32] | (t[..., 32:] << 4)).contiguous(), torch.stack([_block_tiles(d), _block_tiles(m)], 2)
+        return _pack_q4_1(*quantize_q4_1(weight)[:3])
     if weight_dtype == "q8_0":
         q, d, _ = quantize_q8_0(weight)
-        return _tiles(q), _block_tiles(d)
+        return _tiles(q), _tiles(d)
     q, scale = quantize_int8(weight.detach())
     return _tiles(q), scale
 
 
-def exact_format(weight: torch.Tensor) -> str:
-    """The narrowest format that holds `weight` exactly (`weight_dtype` auto): q4_1, q8_0, bfloat16 or float32."""
+def pack_exact(weight: torch.Tensor) -> tuple[str, torch.Tensor, Optional[torch.Tensor]]:
+    """`weight_dtype` auto: (format, packed, aux) in the narrowest format that holds `weight`
+    exactly: q4_1, q8_0, bfloat16 or float32 (each block format quantized once, packed from that)."""
     w = weight.detach().float()
     if w.shape[1] % QBLK == 0:
-        if quantize_q4_1(w)[3]:
-            return "q4_1"
-        if quantize_q8_0(w)[2]:
-            return "q8_0"
-    return "bfloat16" if torch.equal(w.to(torch.bfloat16).float(), w) else "float32"
+        q, d, m, exact = quantize_q4_1(w)
+        if exact:
+            return ("q4_1", *_pack_q4_1(q, d, m))
+        q8, d8, exact = quantize_q8_0(w)
+        if exact:
+            return "q8_0", _tiles(q8), _tiles(d8)
+    fmt = "bfloat16" if torch.equal(w.to(torch.bfloat16).float(), w) else "float32"
+    return (fmt, *pack_weight(w, fmt))
+
+
+def exact_format(weight: torch.Tensor) -> str:
+    """The format `pack_exact` picks for `weight`."""
+    return pack_exact(weight)[0]
 
 
 def dequantized(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:

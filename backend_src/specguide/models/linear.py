@@ -58,8 +58,11 @@ class InvariantLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_dtype: str = "float32"):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight_dtype = weight_dtype
-        self.packed, self.scale = kernels.pack_weight(weight.detach(), weight_dtype)
+        if weight_dtype == "auto":  # exact: the format the checkpoint's values already fit
+            self.weight_dtype, self.packed, self.scale = kernels.pack_exact(weight)
+        else:
+            self.weight_dtype = weight_dtype
+            self.packed, self.scale = kernels.pack_weight(weight.detach(), weight_dtype)
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -81,8 +84,6 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
 
 def _cpu_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], weight_dtype: str) -> Optional[nn.Module]:
     if invariant_available(weight):
-        if weight_dtype == "auto":  # exact: the format the checkpoint's values already fit
-            weight_dtype = kernels.exact_format(weight)
         return InvariantLinear(weight, bias, weight_dtype)
     if weight_dtype not in ("float32", "auto"):
         raise ValueError(f"weight_dtype {weight_dtype!r} needs the CPU C kernels and dtype float32 "
