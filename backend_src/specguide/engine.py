@@ -14,13 +14,12 @@ import torch
 
 from . import faults
 from .config import EngineConfig
+from .cuda.hostfunc import HostFuncError
 from .guided.compiler import GrammarCompilerService
 from .guided.limits import GuideLimits
-from .speculative.step_cost import StepCosts
-from .capturable_runner import build_runner, close as close_guided
-from .cuda.graphs import make_step_graphs
 from .models.loader import load_model, resolve_model_dir
 from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
+from .runner import Runner
 from .scheduler import PrefillChunk, Scheduler, Sequence, Status, StepPlan
 from .speculative.head_drafter import HeadDrafter
 from .speculative.proposer import Proposer
@@ -36,7 +35,13 @@ IDLE_WAIT_S = 0.005
 
 def _detail(exc: BaseException) -> str:
     """What a client may read of an exception: our injected faults' words, else only its type."""
+    exc = _cause(exc)
     return str(exc) if isinstance(exc, faults.InjectedFault) else type(exc).__name__
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception a grammar callback raised (host streams wrap it in HostFuncError)."""
+    return exc.__cause__ if isinstance(exc, HostFuncError) and exc.__cause__ is not None else exc
 
 
 class Engine:
@@ -61,13 +66,13 @@ class Engine:
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
             timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend,
             limits=GuideLimits.from_config(config))
-        self.guided, self.runner = build_runner(self.model, config, self.device, vocab)
-        self.proposer = Proposer(config, self.model, self.runner, folder, self.tokenizer.encode,
+        self.runner = Runner(self.model, config, self.device,
+                             poison=faults.poison)  # only rows with an injected fault (tests)
+        self.guided = self.runner.guided
+        self.proposer = Proposer(config, self.model, self.runner.kv, self.guided, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
-        self.step_graphs = make_step_graphs(  # None unless CUDA with cuda_graphs
-            self.runner, config, propose=self.proposer.ngram_drafts)
-        self.step_costs = (StepCosts() if config.cost_aware_k and config.num_draft_tokens
-                           and self.device.type == "cpu" else None)  # host clock: CPU only
+        self.runner.core.feature_sink = self.proposer.feature_sink
+        self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
         self._ids = itertools.count(1)
         self._seqs: dict[int, Sequence] = {}  # loop thread only
@@ -93,6 +98,14 @@ class Engine:
     @property
     def head_drafter(self) -> Optional[HeadDrafter]:
         return self.proposer.head
+
+    @property
+    def step_graphs(self):
+        return self.runner.graphs
+
+    @step_graphs.setter
+    def step_graphs(self, graphs) -> None:
+        self.runner.graphs = graphs
 
     # ---- public API (any thread) ------------------------------------------------------------
     def submit(self, request: Request, callback: Optional[Callback] = None) -> int:
@@ -149,7 +162,7 @@ class Engine:
                 self._cv.notify()
             self._thread.join()
         self.compiler.shutdown()
-        close_guided(self.guided)
+        self.runner.close()
 
     # ---- validation -------------------------------------------------------------------------
     def _make_sequence(self, request: Request, callback: Callback) -> Sequence:
@@ -294,7 +307,6 @@ class Engine:
                 seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
                 seq.num_draft += drafted
                 seq.num_accepted += accepted
-                self.proposer.observe(seq.slot, drafted, accepted)
                 self._guarded(seq, lambda: self._append(seq, toks))
                 touched.append(seq)
         for seq in touched:
@@ -304,34 +316,11 @@ class Engine:
 
     def _decode(self, seqs: list[Sequence]) -> list[tuple[list[int], int, int]]:
         """One decode step for every decoding sequence: speculative where drafts exist.
-        Returns (tokens to append, drafts proposed, drafts accepted) per sequence."""
-        ks = [self.proposer.budget(s) for s in seqs]
-        if self.config.spec_max_rows:  # at most spec_max_rows rows in the verification forward
-            cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
-            ks = [min(k, cap) for k in ks]
-        costs = self.step_costs
-        if costs is not None and not costs.speculate(ks, [self.proposer.accept_rate[s.slot] for s in seqs]):
-            ks = [0] * len(seqs)  # drafts would cost more than they return now
+        Returns (tokens to append, drafts verified, drafts accepted) per sequence."""
         t0 = time.perf_counter()
-        out = self._decode_step(seqs, ks)
-        if costs is not None:
-            costs.record(len(seqs), max(d for _, d, _ in out), time.perf_counter() - t0)
+        out = self.runner.step(seqs, self.proposer.plan(seqs))
+        self.proposer.record(seqs, out, time.perf_counter() - t0)
         return out
-
-    def _decode_step(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], int, int]]:
-        """The decode step with these per-sequence draft budgets."""
-        if self.step_graphs is not None and not any(  # per-token outputs come from the eager step
-                s.params.wants_logprobs or s.params.return_generation_logits for s in seqs):
-            # CUDA: the whole step as one graph replay, when eligible
-            out = self.step_graphs.run(seqs, ks)
-            if out is not None:
-                return out
-        drafts, filled = self.proposer.propose(seqs, ks)
-        if not any(drafts):
-            return [([t], 0, 0) for t in self.runner.decode(seqs)]
-        out = self.runner.verify(seqs, drafts, masks_filled=filled)
-        self.proposer.commit(seqs, drafts, [a for _, a in out])
-        return [(toks, len(d), a) for (toks, a), d in zip(out, drafts)]
 
     def _poll_compiles(self) -> None:
         """Move finished grammar compiles onto their sequences; a failed one fails its request."""
@@ -356,10 +345,8 @@ class Engine:
         """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""
         seq = chunk.seq
         if chunk.start == 0:
-            self.runner.bind(seq)
-            self.proposer.reset(seq.slot)
-            if seq.grammar is not None:
-                self.guided.add(seq.slot, seq.grammar)
+            for owner in self.slot_state:
+                owner.admit(seq.slot, seq)
         if seq.fault is not None and seq.fault.kind == "prefill_delay":
             time.sleep(seq.fault.seconds)
         return self.runner.prefill(chunk)
@@ -375,10 +362,10 @@ class Engine:
         """Run one request's part of the step; an exception fails that request only."""
         try:
             return fn()
-        except InvalidRequestError as exc:  # the request's own guide hit a library limit: its message
-            self._finish(seq, "error", str(exc), "INVALID_ARG")
-            return None
         except Exception as exc:
+            if isinstance(_cause(exc), InvalidRequestError):  # its own guide hit a library limit: its message
+                self._finish(seq, "error", str(_cause(exc)), "INVALID_ARG")
+                return None
             log.exception("request %s failed", seq.seq_id)
             self._finish(seq, "error", f"this request failed in the engine ({_detail(exc)}; "
                                        f"the server log has the details)")
@@ -390,8 +377,8 @@ class Engine:
         When no culprit is found the whole batch fails (the fault cannot be pinned on one request)."""
         broken = [s for s in seqs if not self._healthy(s)] or seqs
         for seq in broken:
-            if isinstance(exc, InvalidRequestError):  # a guide past a grammar library's limits
-                self._finish(seq, "error", str(exc), "INVALID_ARG")
+            if isinstance(_cause(exc), InvalidRequestError):  # a guide past a grammar library's limits
+                self._finish(seq, "error", str(_cause(exc)), "INVALID_ARG")
             else:
                 self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
         for seq in seqs:
@@ -451,7 +438,8 @@ class Engine:
         if reason:
             self._finish(seq, reason)
         elif seq.fault is not None and seq.fault.kind == "matcher_error" and guided:
-            self.guided.matchers[seq.slot] = faults.FaultyMatcher()  # type: ignore[assignment]
+            self.guided.synchronize()
+            self.guided.inner.matchers[seq.slot] = faults.FaultyMatcher()  # type: ignore[assignment]
 
     def _cut_stop_string(self, seq: Sequence, final: bool) -> bool:
         """Move pending text to emitted text, holding back a possible stop-string prefix.
@@ -487,8 +475,9 @@ class Engine:
         if seq.compile is not None:
             seq.compile.cancel()
             seq.compile = None
-        if seq.slot is not None and seq.grammar is not None:
-            self.guided.remove(seq.slot)
+        if seq.slot is not None:
+            for owner in self.slot_state:
+                owner.free(seq.slot)
         seq.error_code = error_code or ("INTERNAL" if reason == "error" else None)
         self.scheduler.finish(seq, reason, error)
         self._seqs.pop(seq.seq_id, None)

@@ -55,7 +55,7 @@ def test_cost_aware_k_is_lossless_and_measured(engine, random_head):
         assert one_by_one == off[:3]
         got, finals = outputs(eng, reqs(3))
         assert got == off
-        measured = eng.step_costs.seconds
+        measured = eng.proposer.step_costs.seconds
         assert {(1, 0), (1, 3)} <= set(measured), measured  # a lone slot explored drafting and plain
         assert all(t > 0 for t in measured.values())
         assert sum(f.total_draft_tokens for f in finals) > 0

@@ -52,7 +52,8 @@ def assert_clean(engine: Engine) -> None:
         assert time.monotonic() < deadline, engine.stats()
         time.sleep(0.01)
     engine.scheduler.check_integrity()
-    assert all(m is None for m in engine.guided.matchers), "a grammar matcher leaked"
+    engine.guided.synchronize()
+    assert all(m is None for m in engine.guided.inner.matchers), "a grammar matcher leaked"
     assert engine.is_alive()
 
 

@@ -59,15 +59,15 @@ def draft_model_engine():
 def recorded_runs(engine):
     """Record every verification step's emitted runs: [(tokens, accepted)]."""
     runs = []
-    original = engine.runner.verify
+    original = engine.runner.step
 
-    def verify(*args, **kw):
+    def step(*args, **kw):
         out = original(*args, **kw)
-        runs.extend(out)
+        runs.extend((toks, a) for toks, d, a in out if d)
         return out
-    engine.runner.verify = verify
+    engine.runner.step = step
     yield runs
-    del engine.runner.verify
+    del engine.runner.step
 
 
 def _staggered(engine, reqs):
@@ -152,20 +152,20 @@ def test_grammar_dead_end_in_drafts_is_not_an_error(engine):
     """n-gram drafts copied from the prompt's schema text are not valid object members: drafting
     stops at the first token the grammar rejects, and the output equals plain decoding."""
     fed_log = []
-    original = engine.guided.fill_verify_rows
+    original = engine.guided.inner.fill_verify_rows
 
     def fill_verify_rows(drafts):
         fed = original(drafts)
         fed_log.extend((len(drafts[s]), n) for s, n in fed.items())
         return fed
-    engine.guided.fill_verify_rows = fill_verify_rows
+    engine.guided.inner.fill_verify_rows = fill_verify_rows
     try:
         reqs = requests(engine, k_of=lambda i: 3)[0::2]
         spec = run_many(engine, reqs)
         plain = run_many(engine, [Request(prompt=r.prompt, params=r.params, guided=r.guided, num_draft_tokens=0)
                                   for r in reqs])
     finally:
-        del engine.guided.fill_verify_rows
+        del engine.guided.inner.fill_verify_rows
     assert [s[0] for s in spec] == [p[0] for p in plain]
     assert all(f.finish_reason in ("stop", "length") for _, _, f in spec)
     assert any(n < k for k, n in fed_log), "no draft was cut by the grammar"

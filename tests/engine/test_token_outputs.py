@@ -101,7 +101,7 @@ def test_greedy_logprobs_equal_with_and_without_speculation(eng):
 
 
 def test_logprobs_with_the_capturable_guided_decoder(eng):
-    """The CapturableRunner (grammar callbacks on a worker thread) gives the same log probs."""
+    """Grammar callbacks on a worker thread give the same log probs."""
     worker = Engine(EngineConfig(max_slots=4, max_seq_len=512, prefill_chunk=64, num_draft_tokens=K,
                                  adaptive_k=False, cost_aware_k=False, guided_executor="worker"))
     try:
@@ -229,14 +229,13 @@ def test_generation_and_context_logits(eng, hf_model, k):
 def test_stop_token_seqs_are_kept_and_end_inside_an_accepted_run(eng):
     prompt = spec_prompts(eng)[1][0]  # "repeat three times": long accepted runs
     runs = []  # tokens of each decode step, in order
-    verify, decode = eng.runner.verify, eng.runner.decode
-    eng.runner.verify = lambda *a, **kw: (lambda out: (runs.extend(t for t, _ in out), out)[1])(verify(*a, **kw))
-    eng.runner.decode = lambda *a, **kw: (lambda out: (runs.extend([t] for t in out), out)[1])(decode(*a, **kw))
+    step = eng.runner.step
+    eng.runner.step = lambda *a, **kw: (lambda out: (runs.extend(t for t, _, _ in out), out)[1])(step(*a, **kw))
     try:
         full = joined(collect(eng, [Request(prompt=prompt, num_draft_tokens=K,
                                             params=SamplingParams(max_tokens=64, temperature=0.0))])[0])[0]
     finally:
-        del eng.runner.verify, eng.runner.decode
+        del eng.runner.step
     assert sum(len(t) for t in runs) >= len(full) - 1
     # candidate ends: inside a multi-token run, where a 2-token stop sequence first occurs
     pos, ends = 1, []  # the first token comes from the prefill

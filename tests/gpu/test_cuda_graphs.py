@@ -133,7 +133,7 @@ def test_ten_thousand_replays_with_grammar_callbacks_do_not_hang():
     """A captured step with every grammar callback (fetch, fill, mask copy, apply, commit) replayed
     10,000 times, one snapshot each, while another Python thread competes for the GIL."""
     from specguide.guided import GrammarCompilerService, GuidedDecoder
-    from specguide.guided.capturable import CapturableGuidedDecoder
+    from specguide.guided.capturable import CapturableGuidedDecoder, GuidedStep
     from specguide.models.loader import resolve_model_dir
     from transformers import AutoTokenizer
 
@@ -144,7 +144,8 @@ def test_ten_thousand_replays_with_grammar_callbacks_do_not_hang():
     svc.shutdown()
     dev = torch.device("cuda")
     dec = CapturableGuidedDecoder(GuidedDecoder(4, 0, V), hostfunc.CudaHostStream(), dev)
-    dec.add(1, compiled)
+    dec.admit(1, compiled)
+    dec.select_stream(captured=True)
     B = 2
     logits0 = torch.randn(B, V, device=dev)
     out = torch.zeros(2, dec.max_slots, dtype=torch.int64, device=dev)
@@ -175,10 +176,10 @@ def test_ten_thousand_replays_with_grammar_callbacks_do_not_hang():
     confirmed = 0
     try:
         for _ in range(10_000):
-            dec.begin([0, 1], launch=False)
+            dec.begin(GuidedStep(slots=[0, 1], guided=[False, True]))
             graph.replay()
             torch.cuda.current_stream().synchronize()
-            dec.graph_step_done()
+            dec.step_done()
             t = int(dec.out_host[1, 1])
             if not dec.is_terminated(1):
                 confirmed += dec.advance(1, t)

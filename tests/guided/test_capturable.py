@@ -18,7 +18,7 @@ from specguide.cuda.graphs import StepGraphs
 from specguide.cuda.hostfunc import HostFuncError, InlineStream, WorkerStream, use_stream
 from specguide.engine import Engine
 from specguide.guided import GuidedDecoder
-from specguide.guided.capturable import NO_LIMIT, CapturableGuidedDecoder
+from specguide.guided.capturable import NO_LIMIT, CapturableGuidedDecoder, GuidedStep
 from specguide.request import Request, SamplingParams
 
 from .conftest import VOCAB
@@ -130,30 +130,41 @@ def _capital_grammar(service):
 
 
 def test_capturable_decoder_matches_the_plain_decoder(service, hf_tokenizer):
+    """The step protocol (snapshot, fill + walk of host drafts, masks, commit from out_host) on a
+    worker thread gives the plain decoder's masks and matcher state."""
     compiled = _capital_grammar(service)
     text = '{"name": "Paris", "population": 2161000}'
     ids = hf_tokenizer.encode(text, add_special_tokens=False)
     plain = GuidedDecoder(4, 3, VOCAB)
     cap = CapturableGuidedDecoder(GuidedDecoder(4, 3, VOCAB), WorkerStream(delay_s=0.002), torch.device("cpu"))
+    R = cap.rows_per_slot
     try:
-        for d in (plain, cap):
-            d.add(1, compiled)
+        plain.add(1, compiled)
+        cap.admit(1, compiled)
+        cap.admit(0, None)
         logits = torch.randn(2, VOCAB)
         pos = 0
         while pos < len(ids):
-            drafts = ids[pos + 1: pos + 4] + ([7] if pos % 2 else [])  # a wrong last draft sometimes
+            drafts = (ids[pos: pos + 2] + [7]) if pos % 2 else ids[pos: pos + 3]  # a wrong draft sometimes
             fed = plain.fill_verify_rows({1: drafts})
             plain.rollback(1, fed[1])
-            st = cap.begin([0, 1], drafts=[[], drafts])
-            assert st.limit == []  # the worker has not run yet: the host must wait for the event
-            assert cap.limits() == [NO_LIMIT, fed[1]]
+            out = cap.out_host.numpy()
+            out[:] = 0
+            out[2: 2 + len(drafts), 1] = drafts
+            cap.begin(GuidedStep(slots=[0, 1], guided=[False, True], drafting="host", ks=[0, len(drafts)]))
+            cap.launch_begin()
             for i in range(fed[1] + 1):
                 a, b = logits.clone(), logits.clone()
                 plain.apply(a[1:], [(1, i)])
-                cap.apply(b, [(0, i), (1, i)])
+                cap.apply_rows(b, torch.tensor([0 * R + i, 1 * R + i]))
                 assert torch.equal(a[1], b[1]) and torch.equal(b[0], logits[0])
-            emit = ids[pos: pos + 1 + min(fed[1], 1)]  # accept up to one draft + a bonus token
-            cap.launch_commit([[], emit])
+            assert int(cap.limit_dev[1]) == fed[1] and int(cap.limit_dev[0]) == NO_LIMIT
+            a = min(fed[1], 1, len(ids) - pos - 1)  # accept up to one draft, then the next token
+            emit = ids[pos: pos + a + 1]
+            out[0, 1], out[1, 1] = a, emit[-1]
+            cap.launch_commit()
+            cap.step_done()
+            assert cap.limits() == [NO_LIMIT, fed[1]]
             for t in emit:
                 assert plain.advance(1, t) and cap.advance(1, t)
                 assert plain.is_terminated(1) == cap.is_terminated(1)
@@ -212,10 +223,10 @@ def plain_engine():
 @pytest.fixture(scope="module")
 def worker_engine():
     eng = _engine(guided_executor="worker")
-    eng.guided.stream.delay_s = 2e-4  # widen any window in which the host reads too early
+    eng.guided.configured.delay_s = 2e-4  # widen any window in which the host reads too early
     yield eng
     eng.shutdown()
-    assert not eng.guided.stream.thread.is_alive()
+    assert not eng.guided.configured.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -259,11 +270,11 @@ def test_worker_and_inline_executors_give_the_plain_tokens_with_ngram_speculatio
     assert worker == plain  # same drafts proposed and accepted, not just the same tokens
     assert sum(w[2] for w in worker) > 0 and sum(w[3] for w in worker) > 0
     worker_engine.guided.synchronize()  # then the same engine with callbacks run inline
-    worker_stream, worker_engine.guided.stream = worker_engine.guided.stream, InlineStream()
+    worker_stream, worker_engine.guided.configured = worker_engine.guided.configured, InlineStream()
     try:  # shorter: tokens are a prefix of the plain run's
         got = _run(worker_engine, _requests(worker_engine, k_of=lambda i: MIXED_K[i], max_tokens=12))
     finally:
-        worker_engine.guided.stream = worker_stream
+        worker_engine.guided.configured = worker_stream
     assert [g[0] for g in got] == [p[0][: len(g[0])] for g, p in zip(got, plain)] and sum(g[3] for g in got) > 0
     for eng in (plain_engine, worker_engine):
         eng.scheduler.check_integrity()
@@ -273,9 +284,7 @@ def test_worker_and_inline_executors_give_the_plain_tokens_with_ngram_speculatio
 def _dry_run_graphs(eng) -> StepGraphs:
     """StepGraphs on CPU: `replay` runs the captured step's body eagerly (no CUDA), so its static
     buffers, padding rows, key-length buckets, in-body grammar callbacks and acceptance run here."""
-    c = eng.config
-    eng.step_graphs = StepGraphs(eng.runner, c.drafter, lambda s, k: eng.proposer.ngram.propose(s.prompt_ids + s.output_ids, k),
-                                 c.max_seq_len, c.mask_drafts)
+    eng.step_graphs = StepGraphs(eng.runner.core)
     return eng.step_graphs
 
 
@@ -297,15 +306,17 @@ def test_worker_executor_with_masked_early_exit_drafts(reference):
     kw = dict(drafter="early_exit", draft_layers=20)
     plain, worker = _engine(guided_executor="plain", **kw), _engine(guided_executor="worker", **kw)
     try:
-        worker.guided.stream.delay_s = 2e-4
+        worker.guided.configured.delay_s = 2e-4
         a = _run(plain, _requests(plain, k_of=lambda i: MIXED_K[i], max_tokens=16))
         b = _run(worker, _requests(worker, k_of=lambda i: MIXED_K[i], max_tokens=16))
         graphs = _dry_run_graphs(worker)  # K draft forwards + verification as one step body
         c = _run(worker, _requests(worker, k_of=lambda i: MIXED_K[i], max_tokens=16))
+        keys = set(graphs.graphs)
     finally:
         plain.shutdown()
         worker.shutdown()
     assert b == a  # masked drafts walk the grammar in callbacks: same drafts, same acceptance
-    assert c == a and any(k.drafting == "early_exit" and k.guided for k in graphs.graphs)
+    assert c == a and any(k.drafting == "model" and k.guided for k in keys)
+    assert not graphs.graphs  # shutdown closed the step graphs
     assert [x[0] for x in b] == [r[0][: len(x[0])] for x, r in zip(b, reference)]  # == plain decoding
     assert sum(x[3] for x in b) > 0

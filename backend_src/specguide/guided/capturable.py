@@ -1,23 +1,24 @@
-"""CapturableGuidedDecoder: the GuidedDecoder's grammar work as host functions on a grammar stream.
+"""CapturableGuidedDecoder: the grammar's side of every step, as host functions on a stream.
 
-Protocol of one step (TensorRT-LLM's CapturableGuidedDecoder, blog 12):
-  host:            `begin(GuidedStep)` puts a snapshot in a queue (the only request state a
-                   callback ever reads) and launches the step's callbacks;
-  grammar stream:  waits for the forward stream's work so far (the token event), runs
-                   fetch + fill (+ per-draft advance/fill, rollback), copies the mask and the
-                   per-row draft limits host->device, records the mask event;
-  forward stream:  runs the forward, waits for the mask event, masks and samples, copies the
-                   tokens device->host; the grammar stream's `commit` callback then feeds the
-                   emitted tokens to the matchers.
-Matchers are touched only by callbacks. The host's `advance(slot, t)` (the engine's append
-loop) confirms a token that `commit` already fed, and `is_terminated` reads the matcher only
-after the commit event. On CPU the stream is inline or a worker thread (`hostfunc`); on CUDA it
-is a dedicated stream, and the same callbacks are captured in the step's CUDA graph.
+One protocol for every step that masks logits; the step body (step.py) calls it the same way
+whether it runs eagerly or is captured in a CUDA graph (TensorRT-LLM's CapturableGuidedDecoder):
+  host            `begin(GuidedStep)` queues a snapshot: the only request state a callback reads;
+  grammar stream  `launch_begin`: fetch the snapshot, fill row 0 (or walk host-known drafts read
+                  from `out_host`), stage masks / limits / hybrid proposals, record the mask event;
+                  `launch_draft_advance(i)`: feed draft i (from `out_host`), fill row i + 1,
+                  propose for position i + 1; `launch_draft_end`: roll the drafts back, publish
+                  the per-row limits; `launch_commit`: feed each row's emitted tokens;
+  forward stream  `apply_rows` / `proposals` wait for the mask event, then read device copies.
+Matchers are touched only by callbacks. The host's `advance(slot, t)` (the engine's append loop)
+confirms a token that `commit` already fed; `is_terminated` reads the matcher after the commit event.
+
+Streams: CPU runs the callbacks inline or on a worker thread (`hostfunc`, the race test mode);
+CUDA runs them on a dedicated stream inside captured graphs, and inline in uncaptured steps (no
+host function is ever pending behind a GIL-holding wait there).
 
 NOTE: callbacks must not call CUDA APIs (see hostfunc); they read and write pinned host buffers
-only. Stream ordering makes those buffers safe: a callback writes `token_mask_host` /
-`limit_host` before the copy that follows it on the same stream, and the forward stream reads
-the device copies only after waiting for the mask event.
+only. A callback writes `token_mask_host` / `limit_host` / `prop_host` before the copy that
+follows it on the same stream; the forward stream reads the device copies after the mask event.
 """
 from __future__ import annotations
 
@@ -25,58 +26,62 @@ import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
 from ..cuda import hostfunc
 from .backend import CompiledGuide
-from .decoder import GuidedDecoder, Row, _BITS
+from .decoder import _BITS, GuidedDecoder
 
 NO_LIMIT = 1 << 30  # limit of a row the grammar does not cut
+NONE = -1  # an empty proposal
 
 
 @dataclass
 class GuidedStep:
-    """Host snapshot of one step's grammar work, made when the batch is scheduled.
-
-    Callbacks read the inputs and write the results; the host reads results only after the
-    event that follows the writing callback (mask event: `limit`; commit event: committed tokens)."""
+    """Host snapshot of one step. `drafting`: "none" (row 0 only), "host" (walk the `ks[b]` drafts
+    staged in out_host rows 2..), "model" (drafts made in the step, masked one by one),
+    "unmasked" (drafts made in the step without masks, walked after the last one)."""
 
     slots: list[int]  # [B] slot of each batch row
     guided: list[bool]  # [B] the row's slot has a matcher
-    drafts: Optional[list[list[int]]] = None  # host-known drafts (n-gram): masks walk them
-    ks: Optional[list[int]] = None  # drafting inside the step (model drafter): budget per row
+    drafting: str = "none"
+    ks: list[int] = field(default_factory=list)  # [B] drafts per row (host count or model budget)
+    picker: Any = None  # hybrid: speculative.hybrid.HybridPicks (propose / picked)
     limit: list[int] = field(default_factory=list)  # [B] drafts the grammar accepts (NO_LIMIT: all)
-    live: list[bool] = field(default_factory=list)  # [B] still drafting (model drafter)
+    live: list[bool] = field(default_factory=list)  # [B] guided row still drafting
     drafted: list[int] = field(default_factory=list)  # [B] drafts fed to the matcher so far
+    props: list[tuple[int, int]] = field(default_factory=list)  # [B] (fixed, fallback) for the next draft
 
 
 class CapturableGuidedDecoder:
-    """Wraps a GuidedDecoder; its grammar work runs as host functions on `stream`.
+    """Wraps a GuidedDecoder (`inner`, the matchers and bitmask); its work runs on `stream`.
 
-    `out_host` [2 + K, max_slots] int64 (pinned on CUDA): row 0 accepted drafts, row 1 the
-    next token, row 2 + i draft i, per batch row; a captured step copies its tokens there and
-    the callbacks read them (an eager step passes tokens as arguments instead)."""
+    `out_host` [2 + K, max_slots] int64 (pinned on CUDA): row 0 accepted drafts, row 1 the next
+    token, row 2 + i draft i, per batch row; the step copies its tokens there, callbacks read them."""
 
     def __init__(self, inner: GuidedDecoder, stream: hostfunc.HostStream, device: torch.device):
         self.inner = inner
-        self.stream = stream
+        self.configured = stream
+        self.stream: hostfunc.HostStream = stream
         self.device = torch.device(device)
-        self.on_cuda = stream.kind == "cuda"
+        self.on_cuda = self.device.type == "cuda"
         K, S = inner.max_draft_tokens, inner.max_slots
         pin = self.on_cuda
         self.token_mask_host = torch.zeros(inner.num_rows, dtype=torch.int32, pin_memory=pin)  # [rows]
         self.limit_host = torch.full((S,), NO_LIMIT, dtype=torch.int32, pin_memory=pin)  # [B]
+        self.prop_host = torch.full((2, S), NONE, dtype=torch.int64, pin_memory=pin)  # [2, B] fixed, fallback
         self.out_host = torch.zeros(2 + K, S, dtype=torch.int64, pin_memory=pin)
         if self.on_cuda:
             self.bitmask_dev = torch.zeros_like(inner.bitmask, device=self.device)  # [rows, ceil(V/32)]
             self.token_mask_dev = torch.zeros(inner.num_rows, dtype=torch.int32, device=self.device)
             self.limit_dev = torch.full((S,), NO_LIMIT, dtype=torch.int32, device=self.device)
+            self.prop_dev = torch.full((2, S), NONE, dtype=torch.int64, device=self.device)
             self._bits = _BITS.to(self.device)
         else:  # CPU: the "device" buffers are the host ones (read after the mask event)
-            self.bitmask_dev, self.token_mask_dev, self.limit_dev = inner.bitmask, self.token_mask_host, self.limit_host
-            self._bits = _BITS
+            self.bitmask_dev, self.token_mask_dev = inner.bitmask, self.token_mask_host
+            self.limit_dev, self.prop_dev, self._bits = self.limit_host, self.prop_host, _BITS
         self._pending: "queue.SimpleQueue[GuidedStep]" = queue.SimpleQueue()
         self._cur: Optional[GuidedStep] = None  # callback-owned: the step being worked on
         self._committed: dict[int, deque[int]] = {}  # callback-written: slot -> tokens fed
@@ -86,7 +91,7 @@ class CapturableGuidedDecoder:
         self._commit_ev = self._mask_ev
         self._commit_pending = False
         self.step: Optional[GuidedStep] = None  # the open step (host side)
-        self.callback_s = 0.0  # time spent inside callbacks (CPU work the GPU may overlap)
+        self.callback_s = 0.0  # time spent inside callbacks (CPU work the device may overlap)
 
     # ---- host API: slots ------------------------------------------------------------------
     @property
@@ -97,99 +102,105 @@ class CapturableGuidedDecoder:
     def rows_per_slot(self) -> int:
         return self.inner.rows_per_slot
 
-    def forced_tokens(self, slot: int, encode, k: int) -> list[int]:
-        """The inner decoder's jump-forward tokens; call between steps (after the commit event),
-        when no callback of this slot is pending."""
-        return self.inner.forced_tokens(slot, encode, k)
-
     def is_guided(self, slot: int) -> bool:
         return slot in self._guided_slots
 
-    def add(self, slot: int, compiled: CompiledGuide) -> None:
-        self._guided_slots.add(slot)
-        self.stream.launch(self._timed(self.inner.add), slot, compiled)
+    def admit(self, slot: int, compiled: Optional[CompiledGuide]) -> None:
+        """A new sequence in the slot: its matcher (None: an unguided request)."""
+        if compiled is not None:
+            self._guided_slots.add(slot)
+            self._between_steps().launch(self._timed(self.inner.add), slot, compiled)
 
-    def remove(self, slot: int) -> None:
-        self._guided_slots.discard(slot)
-        self._confirm.pop(slot, None)
-        self.stream.launch(self._timed(self.inner.remove), slot)
+    def free(self, slot: int) -> None:
+        """The slot's sequence ended: drop its matcher (no-op for an unguided slot)."""
+        if slot in self._guided_slots:
+            self._guided_slots.discard(slot)
+            self._confirm.pop(slot, None)
+            self._between_steps().launch(self._timed(self.inner.remove), slot)
+
+    def _between_steps(self) -> hostfunc.HostStream:
+        """CUDA: inline (every step's callbacks have run by then); CPU: the configured stream (FIFO)."""
+        return hostfunc.INLINE if self.on_cuda else self.configured
+
+    def forced_tokens(self, slot: int, encode, k: int) -> list[int]:
+        """The inner decoder's jump-forward tokens; call between steps (after the commit event)."""
+        self._wait_commit()
+        return self.inner.forced_tokens(slot, encode, k)
 
     # ---- host API: one step ---------------------------------------------------------------
-    def begin(self, slots: Sequence[int], drafts: Optional[Sequence[Sequence[int]]] = None,
-              ks: Optional[Sequence[int]] = None, launch: bool = True) -> GuidedStep:
-        """Snapshot the step and (launch=True) launch fetch + fill; `launch=False` only queues it
-        (a captured graph launches the callbacks itself)."""
-        step = GuidedStep(slots=list(slots), guided=[self.is_guided(s) for s in slots],
-                          drafts=None if drafts is None else [list(d) for d in drafts],
-                          ks=None if ks is None else list(ks))
+    def select_stream(self, captured: bool) -> None:
+        """Captured steps (CUDA graphs) use the configured stream; an uncaptured step on CUDA runs
+        its callbacks inline (no host function pending behind a GIL-holding sync)."""
+        self.stream = hostfunc.INLINE if self.on_cuda and not captured else self.configured
+
+    def begin(self, step: GuidedStep) -> None:
+        """Queue the step's snapshot (the next `launch_begin` fetches it)."""
         self._pending.put(step)
         self.step = step
-        if launch:
-            self.launch_begin()
-        return step
 
     def launch_begin(self) -> None:
-        """Grammar stream: after the forward's work so far, fetch the next snapshot, fill, stage."""
+        """After the forward's work so far: fetch the next snapshot, fill, stage."""
         self.stream.wait_for_forward()
         self.stream.launch(self._fetch)
         self.stream.launch(self._timed(self._fill_step))
         self._stage()
 
-    def launch_draft_advance(self, i: int, tokens: Optional[list[int]] = None) -> None:
-        """After draft i was sampled: feed it, fill row i + 1 (tokens None: read out_host row 2 + i)."""
+    def launch_draft_advance(self, i: int) -> None:
+        """After draft i was picked (and copied to out_host row 2 + i): feed it, fill row i + 1."""
         self.stream.wait_for_forward()
-        self.stream.launch(self._timed(self._draft_advance), i, tokens)
+        self.stream.launch(self._timed(self._draft_advance), i)
         self._stage()
 
     def launch_draft_end(self) -> None:
-        """After the last draft: roll the drafts back, publish the per-row limits."""
+        """After the last draft: roll the drafts back (or walk unmasked ones), publish limits."""
+        self.stream.wait_for_forward()
         self.stream.launch(self._timed(self._draft_end))
         self._stage()
 
-    def launch_commit(self, tokens: Optional[list[list[int]]] = None) -> None:
-        """After sampling: feed each guided row's emitted tokens (None: read out_host)."""
+    def launch_commit(self) -> None:
+        """After sampling (tokens in out_host): feed each guided row's emitted tokens."""
         self.stream.wait_for_forward()
-        self.stream.launch(self._timed(self._commit), tokens)
+        self.stream.launch(self._timed(self._commit))
         self._commit_ev = self.stream.record()
         self._commit_pending = True
-        self.step = None
 
     def join(self) -> None:
-        """Forward stream waits for all grammar work so far (ends a captured step: no unjoined work)."""
+        """Forward stream waits for all grammar work so far (a captured step ends joined)."""
         self._commit_ev.block_forward()
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[Row], d2t: Optional[torch.Tensor] = None) -> None:
-        """Mask logits [R, V] with mask rows `rows` once the mask event is reached."""
-        if not self.on_cuda or d2t is not None:
-            self._mask_ev.synchronize()
-            self.inner.apply(logits, rows, d2t)
-            return
-        idx = torch.tensor([self.inner.row(s, p) for s, p in rows], dtype=torch.int64, pin_memory=True)
-        self.apply_rows(logits, idx.to(self.device, non_blocking=True))  # async: no GIL-held copy
-        self._mask_ev.synchronize()  # NOTE: eager only: no pending callback behind a later GIL-held sync
-
-    def apply_rows(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
-        """Capturable mask: logits [R, V] with device mask-row indices rows [R]; no host sync."""
+    def apply_rows(self, logits: torch.Tensor, rows: torch.Tensor, d2t: Optional[torch.Tensor] = None) -> None:
+        """Mask logits [R, V'] with device mask-row indices rows [R] after the mask event; no host
+        sync. `d2t` [V'] maps a drafter's pruned vocabulary to target ids."""
         self._mask_ev.block_forward()
-        R, V = logits.shape
+        R = logits.shape[0]
         words = self.bitmask_dev.index_select(0, rows)  # [R, ceil(V/32)]
-        banned = (words.unsqueeze(-1) & self._bits).eq(0).view(R, -1)[:, :V]  # [R, V]
+        if d2t is not None:
+            banned = ((words[:, d2t // 32] >> (d2t % 32).to(torch.int32)) & 1).eq(0)  # [R, V']
+        else:
+            V = min(logits.shape[-1], self.inner.vocab_size)
+            banned = (words.unsqueeze(-1) & self._bits).eq(0).view(R, -1)[:, :V]  # [R, V]
+            if logits.shape[-1] > V:  # ids past the tokenizer's vocabulary
+                banned = torch.cat([banned, banned.new_ones(R, logits.shape[-1] - V)], dim=1)
         banned &= self.token_mask_dev.index_select(0, rows).bool()[:, None]
         logits.masked_fill_(banned, float("-inf"))
 
-    def limits(self) -> list[int]:
-        """The open step's per-row draft limits (host waits for the mask event)."""
-        self._mask_ev.synchronize()
-        assert self.step is not None and self.step.limit, "no step with limits"
-        return list(self.step.limit)
+    def proposals(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hybrid: (fixed [B], fallback [B]) device proposals for the next draft, after the mask event."""
+        self._mask_ev.block_forward()
+        return self.prop_dev[0, :B], self.prop_dev[1, :B]
 
-    def graph_step_done(self) -> None:
-        """A captured step was replayed and its stream synchronized: its commit has run."""
-        self._commit_pending = False
-        self._confirm = self._committed
+    def step_done(self) -> None:
+        """The step's device work was waited for: its commit has run."""
         self.step = None
+        self._wait_commit()
+        self.stream.raise_pending()
 
-    # ---- host API: the engine's append loop -----------------------------------------------
+    def limits(self) -> list[int]:
+        """The last step's per-row draft limits (read after `step_done`)."""
+        st = self._cur_host
+        return list(st.limit) if st is not None and st.limit else []
+
+    # ---- host API: the engine's append loop and recovery ----------------------------------
     def advance(self, slot: int, token: int) -> bool:
         """Confirm that `commit` fed `token` next to the slot's matcher (False: it was rejected)."""
         self._wait_commit()
@@ -199,23 +210,28 @@ class CapturableGuidedDecoder:
             return True
         return False
 
-    def violation(self, slot: int) -> Optional[str]:
-        """The inner decoder's value-check verdict (waits for pending callbacks)."""
-        self.synchronize()
-        return self.inner.violation(slot)
-
     def is_terminated(self, slot: int) -> bool:
         """Terminated after the tokens confirmed so far (commit stops feeding at termination)."""
         self._wait_commit()
         return not self._confirm.get(slot) and self.inner.is_terminated(slot)
 
+    def violation(self, slot: int) -> Optional[str]:
+        self.synchronize()
+        return self.inner.violation(slot)
+
+    def num_tokens(self, slot: int) -> int:
+        self.synchronize()
+        return self.inner.num_tokens(slot)
+
+    def rollback(self, slot: int, n: int) -> None:
+        """Undo the slot's last n fed tokens (recovery after a failed step)."""
+        self.synchronize()
+        self._confirm.pop(slot, None)
+        self.inner.rollback(slot, n)
+
     def synchronize(self) -> None:
         """Wait for every launched callback (tests, shutdown, reading matcher state)."""
         self.stream.synchronize()
-        self._wait_commit()
-
-    def wait_commit(self) -> None:
-        """Host waits for the last commit (eager CUDA steps: nothing stays pending behind later syncs)."""
         self._wait_commit()
 
     @property
@@ -228,7 +244,7 @@ class CapturableGuidedDecoder:
         return self.inner.check_fresh(slot)
 
     def close(self) -> None:
-        self.stream.close()
+        self.configured.close()
 
     def _wait_commit(self) -> None:
         if self._commit_pending:
@@ -237,6 +253,8 @@ class CapturableGuidedDecoder:
             self._confirm = self._committed
 
     # ---- callbacks (grammar stream; read only the snapshot and pinned buffers) -------------
+    _cur_host: Optional[GuidedStep] = None  # the last fetched snapshot, for `limits` after the step
+
     def _timed(self, fn):
         def run(*args):
             t0 = time.perf_counter()
@@ -252,6 +270,7 @@ class CapturableGuidedDecoder:
             self._cur = self._pending.get_nowait()
         except queue.Empty:  # CUDA-graph warm-up runs the step with no snapshot queued
             self._cur = None
+        self._cur_host = self._cur
 
     def _fill_step(self) -> None:
         st, g = self._cur, self.inner
@@ -260,27 +279,36 @@ class CapturableGuidedDecoder:
         B = len(st.slots)
         st.limit = [NO_LIMIT] * B
         rows = [b for b in range(B) if st.guided[b]]
-        if st.drafts is not None:  # verification of known drafts: rows 0..len(d) walk them
-            fed = g.fill_verify_rows({st.slots[b]: st.drafts[b] for b in rows})
-            for b in rows:
-                g.rollback(st.slots[b], fed[st.slots[b]])
-                st.limit[b] = fed[st.slots[b]]
-            return
         for b in rows:
             g.clear_slot(st.slots[b])
-        g.fill([(st.slots[b], 0) for b in rows])
-        if st.ks is not None:
-            st.live = [st.guided[b] and st.ks[b] > 0 and not g.is_terminated(st.slots[b]) for b in range(B)]
-            st.drafted = [0] * B
+        if st.drafting == "host":
+            self._walk(st, rows)
+        elif st.drafting != "unmasked":
+            g.fill([(st.slots[b], 0) for b in rows])
+        st.live = [st.guided[b] and st.drafting == "model" and st.ks[b] > 0 and not g.is_terminated(st.slots[b])
+                   for b in range(B)]
+        st.drafted = [0] * B
+        self._propose(st, 0)
 
-    def _draft_advance(self, i: int, tokens: Optional[list[int]]) -> None:
+    def _walk(self, st: GuidedStep, rows: list[int]) -> None:
+        """Masks of rows 0..k for drafts known to the host (out_host rows 2..); limit = drafts fed."""
+        out = self.out_host.numpy()
+        drafts = {st.slots[b]: out[2: 2 + st.ks[b], b].tolist() for b in rows}
+        fed = self.inner.fill_verify_rows(drafts)
+        for b in rows:
+            self.inner.rollback(st.slots[b], fed[st.slots[b]])
+            st.limit[b] = fed[st.slots[b]]
+
+    def _draft_advance(self, i: int) -> None:
         st, g = self._cur, self.inner
-        if st is None or st.ks is None:
+        if st is None:
             return
         B = len(st.slots)
-        toks = tokens if tokens is not None else self.out_host.numpy()[2 + i, :B].tolist()
+        toks = self.out_host.numpy()[2 + i, :B].tolist()  # numpy: no torch dispatch in a callback
         fill = []
         for b in range(B):
+            if st.picker is not None:
+                st.picker.picked(b, toks[b])
             if not st.live[b]:
                 continue
             s = st.slots[b]
@@ -291,49 +319,61 @@ class CapturableGuidedDecoder:
             fill.append((s, st.drafted[b]))
             st.live[b] = st.drafted[b] < st.ks[b] and not g.is_terminated(s)
         g.fill(fill)  # the mask of the next position (terminated slots: unconstrained)
+        self._propose(st, i + 1)
+
+    def _propose(self, st: GuidedStep, i: int) -> None:
+        """Hybrid proposals for draft position i of each row still drafting (grammar-forced
+        tokens from the matcher's state after the drafts so far)."""
+        if st.picker is None:
+            return
+        st.props = [st.picker.propose(b, i, st.slots[b] if st.live[b] else None)
+                    if i < st.ks[b] and (st.live[b] or not st.guided[b]) else (NONE, NONE)
+                    for b in range(len(st.slots))]
 
     def _draft_end(self) -> None:
         st, g = self._cur, self.inner
-        if st is None or st.ks is None:
+        if st is None:
             return
-        for b, s in enumerate(st.slots):
-            if st.guided[b]:
-                g.rollback(s, st.drafted[b])
-                st.limit[b] = st.drafted[b]
+        rows = [b for b in range(len(st.slots)) if st.guided[b]]
+        if st.drafting == "unmasked":
+            self._walk(st, rows)
+            return
+        for b in rows:
+            g.rollback(st.slots[b], st.drafted[b])
+            st.limit[b] = st.drafted[b]
 
     def _stage(self) -> None:
-        """Launch: pinned staging of token_mask / limit, then (CUDA) the host->device copies and the mask event."""
+        """Launch: pinned staging of token_mask / limits / proposals, then (CUDA) the host->device
+        copies (on the grammar stream when captured; blocking when inline) and the mask event."""
         self.stream.launch(self._stage_host)
         if self.on_cuda:
-            with torch.cuda.stream(self.stream.stream):
-                self.bitmask_dev.copy_(self.inner.bitmask, non_blocking=True)
-                self.token_mask_dev.copy_(self.token_mask_host, non_blocking=True)
-                self.limit_dev.copy_(self.limit_host, non_blocking=True)
+            inline = self.stream is hostfunc.INLINE
+            with torch.cuda.stream(torch.cuda.current_stream() if inline else self.stream.stream):
+                for dev, host in ((self.bitmask_dev, self.inner.bitmask), (self.token_mask_dev, self.token_mask_host),
+                                  (self.limit_dev, self.limit_host), (self.prop_dev, self.prop_host)):
+                    dev.copy_(host, non_blocking=not inline)
         self._mask_ev = self.stream.record()
 
     def _stage_host(self) -> None:
         st = self._cur
         self.token_mask_host.numpy()[:] = self.inner.token_mask
-        lim = self.limit_host.numpy()
+        lim, prop = self.limit_host.numpy(), self.prop_host.numpy()
         lim[:] = NO_LIMIT
+        prop[:] = NONE
         if st is not None and st.limit:
             lim[: len(st.limit)] = st.limit
+        if st is not None and st.props:
+            prop[:, : len(st.props)] = list(zip(*st.props))
 
-    def _commit(self, tokens: Optional[list[list[int]]]) -> None:
+    def _commit(self) -> None:
         st, g = self._cur, self.inner
         self._cur = None
         committed: dict[int, deque[int]] = {}
         if st is not None:
-            B = len(st.slots)
-            if tokens is None:
-                out = self.out_host.numpy()[:, :B].tolist()  # numpy: no torch dispatch in a callback
-                tokens = []
-                for b in range(B):
-                    a = out[0][b]
-                    d = st.drafts[b][:a] if st.drafts is not None else [out[2 + i][b] for i in range(a)]
-                    tokens.append(d + [out[1][b]])
+            out = self.out_host.numpy()[:, : len(st.slots)].tolist()
             for b, s in enumerate(st.slots):
                 if st.guided[b]:
-                    n = g.advance_many(s, tokens[b])
-                    committed[s] = deque(int(t) for t in tokens[b][:n])
+                    a = out[0][b]
+                    tokens = [out[2 + i][b] for i in range(a)] + [out[1][b]]
+                    committed[s] = deque(int(t) for t in tokens[: g.advance_many(s, tokens)])
         self._committed = committed

@@ -176,13 +176,13 @@ class LlamaModel(nn.Module):
             cos, sin = cos[ctx.positions].unsqueeze(2), sin[ctx.positions].unsqueeze(2)
         return cos, sin
 
-    def make_context(self, slots: torch.Tensor, positions: torch.Tensor, slot_list: list[int],
+    def make_context(self, slots: torch.Tensor, positions: torch.Tensor, slot_list: Optional[list[int]],
                      length: int) -> AttnContext:
         if self.invariant_attention and positions.shape[1] <= INVARIANT_MAX_QUERIES:
             return AttnContext(slots, positions, None, length, None)
         kpos = torch.arange(length, device=positions.device)
         mask = (kpos[None, None, :] <= positions[:, :, None]).unsqueeze(1)
-        consecutive = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
+        consecutive = slot_list is not None and slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
         rng = (slot_list[0], slot_list[0] + len(slot_list)) if consecutive else None
         return AttnContext(slots, positions, mask, length, rng)
 

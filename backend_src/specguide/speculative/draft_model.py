@@ -13,7 +13,7 @@ class DraftModel:
 
     `cached[slot]` tokens of the slot's sequence are in the draft cache. Before drafting,
     `catch_up` feeds what is missing (the prompt for a new request; nothing after a fully
-    accepted step); after verification `commit` keeps only the positions whose tokens were
+    accepted step); after verification `done` keeps only the positions whose tokens were
     accepted (the rest is dead, like the target's)."""
 
     def __init__(self, model: LlamaModel, max_slots: int, max_seq_len: int, K: int, chunk: int,
@@ -25,14 +25,19 @@ class DraftModel:
         self.kv = KVCache(cfg.num_layers, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
                           model.embed.weight.dtype, device, spare=K)
         self.cached = [0] * max_slots
-        self.owner = [-1] * max_slots  # seq_id whose tokens the slot's cache holds
+
+    d2t = None
+
+    def admit(self, slot: int, seq: Sequence) -> None:
+        self.cached[slot] = 0
+
+    def prepare(self, seqs: list[Sequence], key) -> None:
+        self.catch_up(seqs)
 
     @torch.inference_mode()
     def catch_up(self, seqs: list[Sequence]) -> None:
         """Feed each sequence's tokens up to (not including) its last one."""
         for s in seqs:
-            if self.owner[s.slot] != s.seq_id:
-                self.owner[s.slot], self.cached[s.slot] = s.seq_id, 0
             toks = s.prompt_ids + s.output_ids
             while self.cached[s.slot] < len(toks) - 1:
                 a = self.cached[s.slot]
@@ -43,10 +48,12 @@ class DraftModel:
                 self.model(ids, ctx, self.kv)
                 self.cached[s.slot] = b
 
-    def step(self, cur: torch.Tensor, ctx) -> torch.Tensor:
-        """One draft step for the batch (the runner's draft loop calls it): logits [B, V]."""
-        return self.model.logits(self.model(cur, ctx, self.kv)[:, -1])
+    def draft(self, i: int, cur: torch.Tensor, pos0: torch.Tensor, slots: torch.Tensor, ctx) -> torch.Tensor:
+        """Draft i in the step: logits [B, V] at position N-1+i."""
+        return self.model.logits(self.model(cur, ctx(pos0[:, None] + i, i), self.kv)[:, -1])
 
-    def commit(self, seq: Sequence, num_tokens_before: int, fed: int, accepted: int) -> None:
-        """After verification: the cache holds the last token and the accepted drafts it was fed."""
-        self.cached[seq.slot] = min(num_tokens_before + accepted, num_tokens_before - 1 + fed)
+    def done(self, seqs: list[Sequence], accepted: list[int], width: int) -> None:
+        """After verification (before the append): the cache holds the last token and the accepted
+        drafts it was fed (the step fed positions N-1 .. N-2+width)."""
+        for s, a in zip(seqs, accepted):
+            self.cached[s.slot] = min(s.num_tokens + a, s.num_tokens - 1 + width)

@@ -2,6 +2,7 @@
 KV cache, catch-up of verified positions, then K chained draft steps."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..kv_cache import KVCache
@@ -24,25 +25,31 @@ class HeadDrafter:
         self.kv = KVCache(1, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim, dtype, device, spare=K + 1)
         self.feats = torch.zeros(max_slots, max_seq_len + K + 1, cfg.hidden_size, dtype=dtype, device=device)
         self.cached = [0] * max_slots
-        self.owner = [-1] * max_slots  # seq_id whose features/KV the slot holds
         self.d2t = head.d2t
+        self.max_seq_len = max_seq_len
+        pin = device.type == "cuda"
+        W = K + 1
+        self.pos_host = torch.zeros(max_slots, W, dtype=torch.int64, pin_memory=pin)  # [B, K+1] staged rows
+        self.tok_host = torch.zeros(max_slots, W, dtype=torch.int64, pin_memory=pin)
+        self.last_host = torch.zeros(max_slots, dtype=torch.int64, pin_memory=pin)  # [B] index of row N-2
+        self.pos, self.tok, self.last = (t.to(device) for t in (self.pos_host, self.tok_host, self.last_host))
+        self.T = 1
+        self.g: torch.Tensor = torch.zeros(0)
 
     def record(self, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Target features: hidden [B, T, H] at positions [B, T] of slots [B]."""
         self.feats[slots[:, None], positions] = hidden.to(self.feats.dtype)
 
-    def reset(self, seq: Sequence) -> None:
-        self.owner[seq.slot], self.cached[seq.slot] = seq.seq_id, 0
+    def admit(self, slot: int, seq: Sequence) -> None:
+        self.cached[slot] = 0
 
     @torch.inference_mode()
-    def first(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed each slot's verified (f_p, x_{p+1}) rows up to p = N-2 (N = tokens so far);
-        returns g at p = N-2 for each sequence [B, H] (its logits give the first draft)."""
+    def prepare(self, seqs: list[Sequence], key) -> None:
+        """Host: feed long new prompts in chunks, then stage each row's verified (f_p, x_{p+1})
+        rows up to p = N-2 (at most K+1; captured steps pad every row to K+1)."""
         rows: list[list[int]] = []
         history: list[list[int]] = []
         for s in seqs:
-            if self.owner[s.slot] != s.seq_id:
-                self.reset(s)
             # a step that failed after this point last time (and is retried) re-feeds row N-2
             self.cached[s.slot] = max(0, min(self.cached[s.slot], s.num_tokens - 2))
             toks = s.prompt_ids + s.output_ids
@@ -53,24 +60,36 @@ class HeadDrafter:
                 self._run([s.slot], [list(range(a, a + n))], [toks[a + 1: a + 1 + n]])
                 self.cached[s.slot] = a + n
             rows.append(list(range(self.cached[s.slot], s.num_tokens - 1)))
-        T = max(len(r) for r in rows)
-        positions, tokens = [], []
-        for s, r, toks in zip(seqs, rows, history):
-            # padding rows continue past N-2: speculative positions that later steps rewrite
-            positions.append(r + list(range(s.num_tokens - 1, s.num_tokens - 1 + T - len(r))))
-            tokens.append(toks[r[0] + 1: s.num_tokens] + [s.last_token] * (T - len(r)))
-        g = self._run([s.slot for s in seqs], positions, tokens)  # [B, T, H]
-        last = torch.tensor([len(r) - 1 for r in rows], device=self.device)
-        for s in seqs:
+        T = self.K + 1 if key.captured else max(len(r) for r in rows)
+        P, X, L = self.pos_host.numpy(), self.tok_host.numpy(), self.last_host.numpy()
+        P[:] = self.max_seq_len + np.arange(self.K + 1)[None, :]  # padding rows: dead positions
+        X[:] = 0
+        L[:] = 0
+        for b, (s, r, toks) in enumerate(zip(seqs, rows, history)):
+            # padding positions continue past N-2: speculative positions that later steps rewrite
+            P[b, :T] = r + list(range(s.num_tokens - 1, s.num_tokens - 1 + T - len(r)))
+            X[b, :T] = toks[r[0] + 1: s.num_tokens] + [s.last_token] * (T - len(r))
+            L[b] = len(r) - 1
             self.cached[s.slot] = s.num_tokens - 1
-        return g[torch.arange(len(seqs), device=self.device), last]
+        self.T = T
+        for dev, host in ((self.pos, self.pos_host), (self.tok, self.tok_host), (self.last, self.last_host)):
+            dev.copy_(host, non_blocking=key.captured)
 
-    @torch.inference_mode()
-    def next(self, seqs: list[Sequence], g: torch.Tensor, tokens: list[int], i: int) -> torch.Tensor:
-        """Draft step i >= 1: (g, d_i) at position N-2+i -> the next g [B, H]."""
-        slots = [s.slot for s in seqs]
-        positions = [[s.num_tokens - 2 + i] for s in seqs]
-        return self._run(slots, positions, [[t] for t in tokens], feats=g[:, None])[:, 0]
+    def draft(self, i: int, cur: torch.Tensor, pos0: torch.Tensor, slots: torch.Tensor, ctx) -> torch.Tensor:
+        """Draft i in the step: i = 0 runs the staged rows and takes g at p = N-2; i >= 1 feeds
+        (g, d_i) at position N-2+i. Logits [B, Vd] over the draft vocabulary."""
+        B = cur.shape[0]
+        if i == 0:
+            pos, tok = self.pos[:B, : self.T], self.tok[:B, : self.T]
+            g = self.head(self.feats[slots[:, None], pos], tok, ctx(pos, self.T - 1), self.kv)  # [B, T, H]
+            self.g = g[torch.arange(B, device=g.device), self.last[:B]]
+        else:
+            pos = pos0[:, None] - 1 + i
+            self.g = self.head(self.g[:, None], cur, ctx(pos, i), self.kv)[:, 0]
+        return self.head.logits(self.g)
+
+    def done(self, seqs: list[Sequence], accepted: list[int], width: int) -> None:
+        pass
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """[B, H] -> [B, Vd] over the draft vocabulary."""

@@ -1,6 +1,6 @@
 """Proposer: which drafts each decode step verifies. Owns the drafters (n-gram, grammar-forced,
-trained head, hybrid, early exit, draft model), the per-slot draft budget (adaptive K) and the
-per-slot acceptance estimate."""
+trained head, hybrid, early exit, draft model), the draft budgets (adaptive K, the row cap, the
+measured step cost) and the per-slot acceptance estimate."""
 from __future__ import annotations
 
 import logging
@@ -10,14 +10,18 @@ from typing import Callable, Optional
 import torch
 
 from ..config import EngineConfig
+from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_model_dir
-from ..runner import Pick, Runner
 from ..scheduler import Sequence
+from ..step import DraftPlan
 from .draft_head import DraftHead, default_head_path
 from .draft_model import DraftModel
+from .early_exit import EarlyExitDrafter
 from .head_drafter import HeadDrafter
+from .hybrid import HybridPicks
 from .ngram import NgramDrafter
+from .step_cost import StepCosts
 
 log = logging.getLogger("specguide")
 HEAD_UNSURE = 0.3  # hybrid: below this top probability of the head, an n-gram continuation wins
@@ -27,9 +31,9 @@ ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds 
 class Proposer:
     """Drafts for a batch of decoding sequences, from the configured drafter."""
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, runner: Runner, folder: Path,
+    def __init__(self, config: EngineConfig, model: LlamaModel, kv: KVCache, guided, folder: Path,
                  encode: Callable[[str], list[int]], dtype: torch.dtype, device: torch.device):
-        self.config, self.runner, self.guided, self.encode = config, runner, runner.guided, encode
+        self.config, self.guided, self.encode = config, guided, encode
         self.ngram = NgramDrafter(max_ngram=config.ngram_max)
         self.drafter = config.drafter
         self.head: Optional[HeadDrafter] = None
@@ -39,8 +43,7 @@ class Proposer:
             self.head = self._load_head(model, folder, device)
             if self.head is None:
                 self.drafter = "grammar"
-            else:
-                runner.feature_sink = self.head.record
+        self.early_exit = EarlyExitDrafter(model, kv, config.draft_layers) if config.drafter == "early_exit" else None
         if config.drafter == "draft_model" and K:
             dm = load_model(resolve_model_dir(config.draft_model_dir), dtype, str(device), config.weight_dtype)
             if dm.cfg.vocab_size != model.cfg.vocab_size:
@@ -48,6 +51,8 @@ class Proposer:
                                  f"target's ({model.cfg.vocab_size}); it must share the tokenizer")
             self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device)
         self.accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
+        self.step_costs = (StepCosts() if config.cost_aware_k and K and device.type == "cpu"
+                           else None)  # host clock: CPU only
 
     def _load_head(self, model: LlamaModel, folder: Path, device: torch.device) -> Optional[HeadDrafter]:
         cfg = self.config
@@ -62,9 +67,20 @@ class Proposer:
         return HeadDrafter(head, cfg.max_slots, cfg.max_seq_len, cfg.num_draft_tokens, cfg.prefill_chunk, device)
 
     # ---- per slot ---------------------------------------------------------------------------
-    def reset(self, slot: int) -> None:
+    @property
+    def feature_sink(self):
+        """Called by the target forwards with (slots, positions, hidden): the head's features."""
+        return self.head.record if self.head is not None else None
+
+    def admit(self, slot: int, seq: Sequence) -> None:
         """A new sequence in the slot."""
         self.accept_rate[slot] = 1.0
+        for d in (self.head, self.draft_model):
+            if d is not None:
+                d.admit(slot, seq)
+
+    def free(self, slot: int) -> None:
+        pass
 
     def observe(self, slot: int, drafted: int, accepted: int) -> None:
         """One verification's outcome for the slot (adaptive K)."""
@@ -85,72 +101,44 @@ class Proposer:
         return max(0, k)
 
     # ---- drafts -----------------------------------------------------------------------------
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], bool]:
-        """(drafts per sequence, whether the drafting already filled the verification masks)."""
+    def plan(self, seqs: list[Sequence]) -> DraftPlan:
+        """Budgets for this step (adaptive K, at most spec_max_rows verification rows, and only
+        when the measured step cost is repaid), then the drafts or the in-step drafter."""
+        ks = [self.budget(s) for s in seqs]
+        if self.config.spec_max_rows:  # at most spec_max_rows rows in the verification forward
+            cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
+            ks = [min(k, cap) for k in ks]
+        costs = self.step_costs
+        if costs is not None and not costs.speculate(ks, [self.accept_rate[s.slot] for s in seqs]):
+            ks = [0] * len(seqs)  # drafts would cost more than they return now
         if not any(ks):
-            return [[] for _ in seqs], False
+            return DraftPlan(ks, drafts=[[] for _ in seqs])
         masked = self.config.mask_drafts
         if self.head is not None:
-            pick = self._hybrid_pick(seqs, ks) if self.drafter == "hybrid" else None
-            return self.runner.draft_greedy(seqs, ks, self._head_step(seqs), masked=masked,
-                                            d2t=self.head.d2t, pick=pick), masked
-        if self.drafter == "early_exit":
-            return self.runner.draft_early_exit(seqs, ks, masked=masked), masked
-        if self.draft_model is not None:
-            self.draft_model.catch_up(seqs)
-            step = self.runner.chained(seqs, self.draft_model.step)
-            return self.runner.draft_greedy(seqs, ks, step, masked=masked), masked
+            picker = None
+            if self.drafter == "hybrid":
+                forced = lambda slot, k: self.guided.inner.forced_tokens(slot, self.encode, k)  # noqa: E731
+                picker = HybridPicks([s.prompt_ids + s.output_ids for s in seqs], forced, self.ngram,
+                                     self.config.ngram_trust, ks)
+            return DraftPlan(ks, drafter=self.head, picker=picker, masked=masked)
+        if self.early_exit is not None or self.draft_model is not None:
+            return DraftPlan(ks, drafter=self.early_exit or self.draft_model, masked=masked)
         if self.drafter == "grammar":
-            return [self.chain(s, k, trusted_only=False) for s, k in zip(seqs, ks)], False
-        return [self.ngram_drafts(s, k) for s, k in zip(seqs, ks)], False
+            return DraftPlan(ks, drafts=[self.chain(s, k) for s, k in zip(seqs, ks)])
+        return DraftPlan(ks, drafts=[self.ngram_drafts(s, k) for s, k in zip(seqs, ks)])
+
+    def record(self, seqs: list[Sequence], results: list[tuple[list[int], int, int]], seconds: float) -> None:
+        """A step's outcome: acceptance per slot (adaptive K) and its cost."""
+        for s, (_, drafted, accepted) in zip(seqs, results):
+            self.observe(s.slot, drafted, accepted)
+        if self.step_costs is not None:
+            self.step_costs.record(len(seqs), max(d for _, d, _ in results), seconds)
 
     def ngram_drafts(self, seq: Sequence, k: int) -> list[int]:
         """Prompt-lookup drafts over the sequence's prompt and output."""
         return self.ngram.propose(seq.prompt_ids + seq.output_ids, k)
 
-    def commit(self, seqs: list[Sequence], drafts: list[list[int]], accepted: list[int]) -> None:
-        """After verification (before the tokens are appended)."""
-        if self.draft_model is not None:
-            for s, d, a in zip(seqs, drafts, accepted):
-                self.draft_model.commit(s, s.num_tokens, len(d), a)
-
-    def _head_step(self, seqs: list[Sequence]) -> Callable[[int, list[int]], torch.Tensor]:
-        """draft_greedy's step for the trained head: catch-up + first draft, then chained steps."""
-        hd = self.head
-        state: dict[str, torch.Tensor] = {}
-
-        def step(i: int, prev: list[int]) -> torch.Tensor:
-            state["g"] = hd.first(seqs) if i == 0 else hd.next(seqs, state["g"], prev, i)
-            return hd.logits(state["g"])
-        return step
-
-    def _hybrid_pick(self, seqs: list[Sequence], ks: list[int]) -> Pick:
-        """The hybrid's per-slot, per-position choice: grammar-forced tokens and trusted n-gram
-        chains first; else the head's masked argmax, unless the head is unsure (top probability
-        under HEAD_UNSURE) and the n-gram lookup continues the drafts so far."""
-        chains = [self.chain(s, k, trusted_only=True) for s, k in zip(seqs, ks)]
-        drafted: list[list[int]] = [[] for _ in seqs]
-
-        def pick(i: int, tokens: list[int], logits: torch.Tensor) -> list[int]:
-            top = None
-            for b, s in enumerate(seqs):
-                if i < len(chains[b]):
-                    tokens[b] = chains[b][i]
-                elif ks[b] > i:
-                    if top is None:
-                        top = logits.softmax(-1).amax(-1).tolist()
-                    if top[b] < HEAD_UNSURE:
-                        cont = self.ngram.propose(s.prompt_ids + s.output_ids + drafted[b], 1)
-                        tokens[b] = cont[0] if cont else tokens[b]
-                drafted[b].append(tokens[b])
-            return tokens
-        return pick
-
-    def chain(self, seq: Sequence, k: int, trusted_only: bool) -> list[int]:
-        """Model-free drafts: the grammar-forced tokens (guided slots), then the n-gram
-        continuation (hybrid: only when its suffix match is at least ngram_trust tokens)."""
-        forced = self.guided.forced_tokens(seq.slot, self.encode, k) if seq.grammar is not None else []
-        cont, size = self.ngram.match(seq.prompt_ids + seq.output_ids + forced, k - len(forced))
-        if trusted_only and size < self.config.ngram_trust:
-            cont = []
-        return forced + cont
+    def chain(self, seq: Sequence, k: int) -> list[int]:
+        """Model-free drafts: the grammar-forced tokens (guided slots), then the n-gram continuation."""
+        forced = self.guided.forced_tokens(seq.slot, self.encode, k) if self.guided.is_guided(seq.slot) else []
+        return forced + self.ngram.propose(seq.prompt_ids + seq.output_ids + forced, k - len(forced))

@@ -1,0 +1,293 @@
+"""StepCore: the decode / speculative step, written once; run eagerly or captured as a CUDA graph.
+
+A step: [drafting] + one verification forward over [last, d_0..d_{T-2}] (T = 1: plain decode) +
+grammar masks + acceptance (greedy, or rejection sampling) + the next token. Drafting is "none",
+"host" (drafts known before the step: n-gram, grammar chains), "model" (T - 1 forwards of a device
+drafter inside the step - early exit, trained head, draft model - each masked by its grammar row;
+the hybrid's pick is a device-side select between the drafter's argmax and the proposals the
+grammar callbacks wrote after the previous draft) or "unmasked" (the mask_drafts=False ablation).
+
+Inputs and outputs live in static buffers indexed by batch row; every shape depends only on the
+`StepKey`, so cuda/graphs.py captures `body(key)` as it is. Captured keys pad the batch to a
+bucket: padding rows read slot 0 and write K/V only at positions >= max_seq_len (dead rows).
+Per-token extras (log probs, raw logits, penalties, bans) need host lists: such steps stay eager.
+
+NOTE: nothing in `body` may make the host wait on the device (no .item() / .tolist(), no
+data-dependent shapes): a captured host function takes the GIL, and a host thread that holds the
+GIL while waiting on the GPU would deadlock it (pytorch 163061 / 163062). The host reads
+`out_host` after `finish`, whose waits release the GIL.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from .guided.capturable import CapturableGuidedDecoder, GuidedStep
+from .kv_cache import KVCache
+from .models.llama import AttnContext, LlamaModel
+from .sampling import probabilities, sample
+from .scheduler import Sequence
+from .slot_sampling import SlotSampling
+from .speculative import acceptance
+from .speculative.hybrid import HEAD_UNSURE
+from .token_outputs import StepExtras
+
+BAD_TOKEN = -1  # the next token of a row whose logits hold NaN or +inf: the engine fails that request
+Ctx = Callable[[torch.Tensor, int], AttnContext]  # (positions [B, T], extra keys) -> attention context
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] bool: the row holds NaN or +inf (-inf is a mask)."""
+    top = logits.amax(dim=-1)  # NaN propagates
+    return top.isnan() | top.isposinf()
+
+
+class Drafter(Protocol):
+    """A drafter that runs inside the step (its forwards capturable)."""
+
+    d2t: Optional[torch.Tensor]  # [Vd] draft id -> target id (pruned draft vocabulary), or None
+
+    def prepare(self, seqs: list[Sequence], key: "StepKey") -> None:
+        """Host, before the step: catch-up forwards, staging of the drafter's own inputs."""
+
+    def draft(self, i: int, cur: torch.Tensor, pos0: torch.Tensor, slots: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """In the step: logits [B, Vd] of draft i from the previous tokens cur [B, 1]."""
+
+    def done(self, seqs: list[Sequence], accepted: list[int], width: int) -> None:
+        """Host, after the step (before the append): `width` drafts were fed per row."""
+
+
+@dataclass
+class DraftPlan:
+    """What one step verifies: per-row budgets and where the drafts come from."""
+
+    ks: list[int]
+    drafts: Optional[list[list[int]]] = None  # host drafts
+    drafter: Optional[Drafter] = None  # drafts made in the step
+    picker: Any = None  # hybrid proposals (speculative.hybrid.HybridPicks)
+    masked: bool = True  # grammar masks while drafting (off: the ablation)
+
+    @property
+    def drafting(self) -> str:
+        if self.drafts is not None:
+            return "host" if any(self.drafts) else "none"
+        if self.drafter is None or not any(self.ks):
+            return "none"
+        return "model" if self.masked else "unmasked"
+
+    @property
+    def width(self) -> int:
+        """Drafts per row in the step (T - 1)."""
+        d = self.drafting
+        return 0 if d == "none" else max(len(x) for x in self.drafts) if d == "host" else max(self.ks)
+
+
+@dataclass(frozen=True)
+class StepKey:
+    batch: int  # rows (a bucket when captured)
+    T: int  # positions per row: 1 = plain decode, else verification of T - 1 drafts
+    drafting: str  # "none" | "host" | "model" | "unmasked"
+    length: int  # keys attended (captured: a bucket covering every position; eager: longest row)
+    greedy: bool  # every row greedy: argmax acceptance
+    top_k_p: bool  # a sampled row uses top-k / top-p
+    guided: bool  # grammar masks and callbacks
+    pick: bool = False  # hybrid: device-side select among proposals
+    captured: bool = False  # padded static shapes, asynchronous copies (CUDA graphs and their CPU dry run)
+    extras: bool = False  # eager-only per-token work (StepExtras)
+
+
+@dataclass
+class StepCore:
+    """The step over the target model, its KV cache, the slot sampling state and the grammar."""
+
+    model: LlamaModel
+    kv: KVCache
+    params: SlotSampling
+    guided: CapturableGuidedDecoder
+    max_seq_len: int
+    feature_sink: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = None
+    poison: Optional[Callable[[torch.Tensor, list[Sequence]], None]] = None  # injected faults (tests)
+    drafter: Optional[Drafter] = field(default=None, init=False)  # this step's in-step drafter
+    extras: Optional[StepExtras] = field(default=None, init=False)  # this eager step's extras
+
+    def __post_init__(self) -> None:
+        S, K = self.kv.k.shape[1], self.guided.inner.max_draft_tokens
+        dev, pin = self.kv.k.device, self.kv.k.device.type == "cuda"
+        self.K, self.R = K, self.guided.rows_per_slot
+        self.inp_host = torch.zeros(5, S, dtype=torch.int64, pin_memory=pin)  # last, pos0, slot, counter, num
+        self.inp = torch.zeros(5, S, dtype=torch.int64, device=dev)
+        self.drafts_in = torch.zeros(max(K, 1), S, dtype=torch.int64, device=dev)  # [K, B] host drafts
+        self.out = torch.zeros(2 + K, S, dtype=torch.int64, device=dev)  # accepted, next, draft 0..K-1
+        self.out_host = self.guided.out_host  # the grammar callbacks read the drafts and tokens here
+        self.arange = torch.arange(K + 1, device=dev)
+        self.slot_list: Optional[list[int]] = None  # eager: host slots (consecutive slots use views)
+
+    # ---- host side -----------------------------------------------------------------------
+    def key(self, seqs: list[Sequence], plan: DraftPlan, batch: Optional[int] = None,
+            length: Optional[int] = None) -> StepKey:
+        """The step's key; `batch` / `length` buckets when captured."""
+        greedy, top_k_p = self.params.kind([s.slot for s in seqs])
+        guided = any(self.guided.is_guided(s.slot) for s in seqs)
+        extras = batch is None and any(self._needs_extras(s) for s in seqs)
+        return StepKey(batch=batch or len(seqs), T=plan.width + 1, drafting=plan.drafting,
+                       length=length or max(s.num_tokens for s in seqs), greedy=greedy, top_k_p=top_k_p,
+                       guided=guided, pick=plan.picker is not None and plan.drafting == "model",
+                       captured=batch is not None, extras=extras)
+
+    def _needs_extras(self, s: Sequence) -> bool:
+        p = s.params
+        return bool(p.wants_logprobs or p.return_generation_logits or p.penalized or p.bad_words_ids
+                    or (len(s.output_ids) < p.min_tokens and not self.guided.is_guided(s.slot))
+                    or (self.poison is not None and s.fault is not None))
+
+    def stage(self, seqs: list[Sequence], plan: DraftPlan, key: StepKey) -> None:
+        """Write the step's inputs (pinned staging, then the static buffers) and queue its grammar
+        snapshot; padding rows (b >= len(seqs)) get dead positions of slot 0."""
+        h, oh = self.inp_host.numpy(), self.out_host.numpy()
+        h[:] = 0
+        h[1, :] = self.max_seq_len
+        oh[2:] = 0
+        for b, s in enumerate(seqs):
+            h[:4, b] = (s.last_token, s.num_tokens - 1, s.slot, len(s.output_ids))
+            if key.drafting == "host":
+                h[4, b] = len(plan.drafts[b])
+                oh[2: 2 + len(plan.drafts[b]), b] = plan.drafts[b]
+            elif key.drafting != "none":
+                h[4, b] = plan.ks[b]
+        nb = key.captured
+        self.inp.copy_(self.inp_host, non_blocking=nb)
+        if key.drafting == "host":
+            self.drafts_in[: self.K].copy_(self.out_host[2:], non_blocking=nb)
+        self.drafter = plan.drafter if key.drafting in ("model", "unmasked") else None
+        self.slot_list = None if key.captured else [s.slot for s in seqs]
+        self.extras = (StepExtras(seqs, self.params, self.guided.is_guided, self.poison) if key.extras else None)
+        if key.guided or key.pick:
+            self.guided.select_stream(key.captured)
+        if seqs and (key.guided or key.pick):
+            slots = [s.slot for s in seqs]
+            ks = [len(d) for d in plan.drafts] if key.drafting == "host" else list(plan.ks)
+            self.guided.begin(GuidedStep(slots=slots, guided=[self.guided.is_guided(s) for s in slots],
+                                         drafting=key.drafting, ks=ks, picker=plan.picker if key.pick else None))
+
+    def finish(self, key: StepKey) -> None:
+        """Host waits for the step (GIL released) and for its grammar commit."""
+        if self.out.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        if key.guided or key.pick:
+            self.guided.step_done()
+
+    def results(self, seqs: list[Sequence], plan: DraftPlan, key: StepKey) -> list[tuple[list[int], int, int]]:
+        """Per row: (tokens to append: accepted drafts + the next token, drafts verified, drafts accepted)."""
+        out = self.out_host.numpy()[:, : len(seqs)].tolist()
+        lim = self.guided.limits() if key.guided else []
+        res = []
+        for b, s in enumerate(seqs):
+            a, nxt = out[0][b], out[1][b]
+            n = {"host": len(plan.drafts[b]) if plan.drafts else 0, "none": 0}.get(key.drafting, plan.ks[b])
+            if lim and self.guided.is_guided(s.slot):
+                n = min(n, lim[b])
+            d = [out[2 + i][b] for i in range(n)]
+            res.append((d[:a] + [nxt], n, a))
+        if self.extras is not None:
+            self.extras.deliver([a + 1 for _, _, a in res])
+            self.extras = None
+        return res
+
+    # ---- the step (capturable) -----------------------------------------------------------
+    def ctx(self, key: StepKey, slots: torch.Tensor, positions: torch.Tensor, extra: int) -> AttnContext:
+        length = key.length if key.captured else key.length + extra
+        return self.model.make_context(slots, positions, self.slot_list, length)
+
+    def body(self, key: StepKey) -> None:
+        """The step on the static buffers; every shape depends only on `key`."""
+        B, T = key.batch, key.T
+        last, pos0, slots = self.inp[0, :B], self.inp[1, :B], self.inp[2, :B]
+        self.open(key)
+        drafts = None
+        if key.drafting in ("model", "unmasked"):
+            drafts = self._draft_loop(key, last, pos0, slots)
+        elif key.drafting == "host":
+            drafts = self.drafts_in[: T - 1, :B].t()
+            self.out[2: 1 + T, :B].copy_(self.drafts_in[: T - 1, :B])
+        ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], dim=1)  # [B, T]
+        positions = pos0[:, None] + self.arange[:T]
+        hidden = self.model(ids, self.ctx(key, slots, positions, T - 1), self.kv)
+        if self.feature_sink is not None:
+            self.feature_sink(slots, positions, hidden)
+        self.tail(key, self.model.logits(hidden), drafts)
+
+    def open(self, key: StepKey) -> None:
+        """Grammar stream: fetch the snapshot, fill the first masks (overlapping the forwards)."""
+        if key.guided or key.pick:
+            self.guided.launch_begin()
+
+    def _draft_loop(self, key: StepKey, last: torch.Tensor, pos0: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """T - 1 greedy drafts [B, T-1]; each masked by its grammar row, fed to the matcher in a callback."""
+        B, g, d = key.batch, self.guided, self.drafter
+        assert d is not None
+        masked = key.guided and key.drafting == "model"
+        cur = last[:, None]
+        for i in range(key.T - 1):
+            logits = d.draft(i, cur, pos0, slots, lambda p, e: self.ctx(key, slots, p, e))  # [B, Vd]
+            if masked:
+                g.apply_rows(logits, slots * self.R + i, d.d2t)
+            tok = logits.argmax(dim=-1)
+            if d.d2t is not None:
+                tok = d.d2t[tok]
+            if key.pick:  # grammar-forced / trusted n-gram token, else the n-gram when the drafter is unsure
+                fixed, fallback = g.proposals(B)
+                unsure = logits.softmax(dim=-1).amax(dim=-1) < HEAD_UNSURE
+                tok = torch.where(fixed >= 0, fixed, torch.where(unsure & (fallback >= 0), fallback, tok))
+            self.out[2 + i, :B].copy_(tok)
+            if masked or key.pick:
+                self.out_host[2 + i].copy_(self.out[2 + i], non_blocking=key.captured)
+                g.launch_draft_advance(i)
+            cur = tok[:, None]
+        if key.guided:
+            if not masked:  # the ablation: the callback walks the finished drafts
+                self.out_host[2:].copy_(self.out[2:], non_blocking=key.captured)
+            g.launch_draft_end()
+        return self.out[2: 1 + key.T, :B].t()
+
+    def tail(self, key: StepKey, logits: torch.Tensor, drafts: Optional[torch.Tensor]) -> None:
+        """Masks, acceptance and the next token from the verification logits [B, T, V]; outputs to
+        `out` / `out_host`; the grammar commit."""
+        B, T, V = logits.shape
+        g, ex = self.guided, self.extras if key.extras else None
+        slots, counter, num = self.inp[2, :B], self.inp[3, :B], self.inp[4, :B]
+        if ex is not None:
+            ex.before(logits)
+        if key.guided:
+            g.apply_rows(logits.view(B * T, V), (slots[:, None] * self.R + self.arange[:T]).reshape(-1))
+        if ex is not None:
+            ex.process(logits[:, 0], slots)
+        if T == 1:
+            nxt = sample(logits[:, 0], self.params.batch(slots, counter, key.greedy, key.top_k_p))
+            accepted = torch.zeros_like(nxt)
+        else:
+            assert drafts is not None
+            n = num if not key.guided else torch.minimum(num, g.limit_dev[:B].long())
+            if key.greedy:  # accept while d_i == argmax_i; then the argmax at the first mismatch
+                target = logits.argmax(dim=-1)  # [B, T]
+                ok = (drafts == target[:, : T - 1]) & (self.arange[: T - 1][None, :] < n[:, None])
+                accepted = ok.int().cumprod(dim=1).sum(dim=1)
+                nxt = target.gather(1, accepted[:, None])[:, 0]
+            else:
+                rows = slots.repeat_interleave(T)
+                cnt = (counter[:, None] + self.arange[:T]).reshape(-1)
+                p = probabilities(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.top_k_p))
+                u_acc, u_res = acceptance.uniforms(self.params.seed[slots], counter, T - 1, V)
+                accepted, nxt = acceptance.verify(p.view(B, T, V), drafts, n, u_acc, u_res)
+        if ex is not None:  # emitted[b, j]: the token position j produced
+            emitted = nxt[:, None] if drafts is None else \
+                torch.cat([drafts, nxt[:, None]], dim=1).scatter(1, accepted.long()[:, None], nxt[:, None])
+            ex.after(logits, slots, counter, emitted, nxt)
+        nxt = torch.where(nonfinite_rows(logits).any(dim=1), BAD_TOKEN, nxt)
+        self.out[0, :B].copy_(accepted)
+        self.out[1, :B].copy_(nxt)
+        self.out_host.copy_(self.out, non_blocking=key.captured)
+        if key.guided or key.pick:
+            g.launch_commit()  # feeds drafts[:accepted] + next (from out_host) to the matchers
+            g.join()  # the forward stream waits for the grammar stream: no unjoined capture work
