@@ -95,6 +95,7 @@ def main() -> None:
                     help="comma list: the draft head's weights (head / hybrid drafters; '' = the target's)")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
     ap.add_argument("--repeats", type=int, default=1, help="alternate off / K runs this often; mean tok/s")
+    ap.add_argument("--draft-head", default="", help="draft head file (default: the trained head's cache path)")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(cpu_header(), flush=True)
@@ -112,7 +113,7 @@ def main() -> None:
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, num_draft_tokens=Kmax, drafter=drafter,
                                   draft_layers=20, mask_drafts=masked, adaptive_k=bool(args.adaptive_k),
                                   weight_dtype=wd, cost_aware_k=bool(args.cost_aware_k),
-                                  draft_head_weight_dtype=hd))
+                                  draft_head_weight_dtype=hd, draft_head_path=args.draft_head))
         if eng.drafter != drafter:
             sys.exit(f"drafter {drafter!r} is not available (no trained head? run scripts/train_draft_head.py)")
         guided = schema_prompts(eng, args.schemas)

@@ -32,27 +32,43 @@ def _run_many(engine, reqs, timeout=600):
     return run_many(engine, reqs, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory):
+    """An untrained head over a pruned vocabulary: hybrid / head drafting without a trained file."""
+    from specguide.models.loader import load_model, resolve_model_dir
+    from specguide.speculative.draft_head import DraftHead
+
+    model = load_model(resolve_model_dir(), torch.float32, "cpu")
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("head") / "random.pt"
+    DraftHead(model.cfg, torch.arange(0, model.cfg.vocab_size, 3)).save(path, {"note": "random"})
+    return str(path)
+
+
 def _engine(**kw):
     cfg = dict(device="cuda", max_slots=8, max_seq_len=512, prefill_chunk=128, spec_max_rows=0)
     cfg.update(kw)
     return Engine(EngineConfig(**cfg))
 
 
+DRAFTERS = ["ngram", "early_exit", "hybrid"]  # hybrid: head on the device, picks by device-side select
+
+
 def test_captured_hostfunc_runs_on_every_replay():
     x = torch.zeros(10, dtype=torch.int32)  # host memory: only the callback touches it
     y = torch.zeros(10, dtype=torch.int32, device="cuda")
 
-    @hostfunc.hostfunc
     def increase(t):
         t.add_(1)
 
     stream = torch.cuda.Stream()
+    host = hostfunc.CudaHostStream(stream)
     graph = torch.cuda.CUDAGraph()
     before = hostfunc.registered_keys()
     with torch.cuda.graph(graph, stream=stream):
-        increase(x)
+        host.launch(increase, x)
         y.add_(1)
-        increase(x)
+        host.launch(increase, x)
     keys = hostfunc.registered_keys() - before
     torch.cuda.synchronize()
     assert len(keys) == 2 and x.tolist() == [0] * 10  # captured, not run
@@ -63,8 +79,7 @@ def test_captured_hostfunc_runs_on_every_replay():
     assert x.tolist() == [20] * 10 and y.tolist() == [10] * 10
     assert all(hostfunc.runs_of(k) == 10 for k in keys)
     # an uncaptured launch runs once and frees its user data
-    with torch.cuda.stream(stream):
-        assert increase(x) is None
+    assert host.launch(increase, x) is None
     torch.cuda.synchronize()
     assert x.tolist() == [21] * 10 and hostfunc.registered_keys() - before == keys
     del graph
@@ -85,9 +100,9 @@ def _greedy_requests(engine, k):
     return reqs
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "early_exit"])
-def test_graph_replay_equals_eager_step(drafter):
-    kw = dict(drafter=drafter, draft_layers=20)
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_graph_replay_equals_eager_step(drafter, random_head):
+    kw = dict(drafter=drafter, draft_layers=20, draft_head_path=random_head)
     eager, graphs = _engine(cuda_graphs=False, **kw), _engine(cuda_graphs=True, **kw)
     try:
         assert eager.step_graphs is None and graphs.step_graphs is not None
@@ -100,14 +115,16 @@ def test_graph_replay_equals_eager_step(drafter):
             assert sum(x == y for x, y in zip(a, b)) >= len(a) - 1, (k, a, b)
         st = graphs.step_graphs.stats
         assert st.steps > 0 and st.captures > 0
+        if drafter == "hybrid":  # the default drafter's speculative steps are graph replays
+            assert any(key.pick and key.drafting == "model" for key in graphs.step_graphs.graphs)
     finally:
         eager.shutdown()
         graphs.shutdown()
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "early_exit"])
-def test_guided_outputs_stay_valid_under_graphs(drafter):
-    eng = _engine(drafter=drafter, draft_layers=20)
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_guided_outputs_stay_valid_under_graphs(drafter, random_head):
+    eng = _engine(drafter=drafter, draft_layers=20, draft_head_path=random_head)
     try:
         samples = [s for s in load_guided_samples() if s.kind in ("json_schema", "regex", "ebnf")][:12]
         chat = lambda t: eng.tokenizer.apply_chat_template([{"role": "user", "content": t}])  # noqa: E731
@@ -122,7 +139,7 @@ def test_guided_outputs_stay_valid_under_graphs(drafter):
                 assert m.is_terminated(), s.name
                 check_output(s, text)
         assert eng.step_graphs.stats.steps > 0
-        assert any(k.guided for k in eng.step_graphs.graphs)
+        assert any(k.guided and k.T > 1 for k in eng.step_graphs.graphs)  # guided speculative replays
         eng.scheduler.check_integrity()
     finally:
         eng.shutdown()

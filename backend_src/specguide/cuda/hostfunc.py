@@ -319,7 +319,6 @@ class CudaHostStream:
 
 HostStream = Union[InlineStream, WorkerStream, CudaHostStream]
 INLINE = InlineStream()
-_current = threading.local()
 
 
 def make_stream(kind: str, delay_s: float = 0.0) -> HostStream:
@@ -331,47 +330,3 @@ def make_stream(kind: str, delay_s: float = 0.0) -> HostStream:
     if kind == "cuda":
         return CudaHostStream()
     raise ValueError(f"unknown host stream kind {kind!r}")
-
-
-class use_stream:
-    """`with use_stream(s):` makes `@hostfunc` functions launch on `s` in this thread."""
-
-    def __init__(self, stream: Union[HostStream, "torch.cuda.Stream"]):
-        self.stream = stream
-
-    def __enter__(self):
-        stack = getattr(_current, "stack", None) or []
-        stack.append(self.stream)
-        _current.stack = stack
-        return self.stream
-
-    def __exit__(self, *exc) -> None:
-        _current.stack.pop()
-
-
-def current_stream() -> Union[HostStream, "torch.cuda.Stream"]:
-    """The innermost `use_stream`, else torch's current CUDA stream once CUDA is initialized, else inline."""
-    stack = getattr(_current, "stack", None)
-    if stack:
-        return stack[-1]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.current_stream()
-    return INLINE
-
-
-def launch_host_func(stream: Union[HostStream, "torch.cuda.Stream"], fn: Callable[..., Any],
-                     *args: Any, **kwargs: Any) -> Optional[int]:
-    """Launch `fn(*args, **kwargs)` on `stream`; returns the registry key of a captured CUDA
-    launch (free it with `free_host_func_user_data` when its graph is gone), else None."""
-    if isinstance(stream, torch.cuda.Stream):
-        return _launch_cuda(stream, fn, args, kwargs)
-    return stream.launch(fn, *args, **kwargs)
-
-
-def hostfunc(fn: Callable[..., Any]) -> Callable[..., Optional[int]]:
-    """Decorator: calling the function launches it on `current_stream()` instead of running it."""
-    @functools.wraps(fn)
-    def launch(*args: Any, **kwargs: Any) -> Optional[int]:
-        return launch_host_func(current_stream(), fn, *args, **kwargs)
-    launch.run_now = fn  # type: ignore[attr-defined]
-    return launch

@@ -32,7 +32,7 @@ import torch
 
 from ..cuda import hostfunc
 from .backend import CompiledGuide
-from .decoder import _BITS, GuidedDecoder
+from .decoder import _BITS, GuidedDecoder, mask_logits
 
 NO_LIMIT = 1 << 30  # limit of a row the grammar does not cut
 NONE = -1  # an empty proposal
@@ -172,17 +172,8 @@ class CapturableGuidedDecoder:
         """Mask logits [R, V'] with device mask-row indices rows [R] after the mask event; no host
         sync. `d2t` [V'] maps a drafter's pruned vocabulary to target ids."""
         self._mask_ev.block_forward()
-        R = logits.shape[0]
-        words = self.bitmask_dev.index_select(0, rows)  # [R, ceil(V/32)]
-        if d2t is not None:
-            banned = ((words[:, d2t // 32] >> (d2t % 32).to(torch.int32)) & 1).eq(0)  # [R, V']
-        else:
-            V = min(logits.shape[-1], self.inner.vocab_size)
-            banned = (words.unsqueeze(-1) & self._bits).eq(0).view(R, -1)[:, :V]  # [R, V]
-            if logits.shape[-1] > V:  # ids past the tokenizer's vocabulary
-                banned = torch.cat([banned, banned.new_ones(R, logits.shape[-1] - V)], dim=1)
-        banned &= self.token_mask_dev.index_select(0, rows).bool()[:, None]
-        logits.masked_fill_(banned, float("-inf"))
+        mask_logits(logits, self.bitmask_dev.index_select(0, rows), self.token_mask_dev.index_select(0, rows),
+                    self.inner.vocab_size, self._bits, d2t)
 
     def proposals(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hybrid: (fixed [B], fallback [B]) device proposals for the next draft, after the mask event."""

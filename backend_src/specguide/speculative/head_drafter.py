@@ -91,17 +91,12 @@ class HeadDrafter:
     def done(self, seqs: list[Sequence], accepted: list[int], width: int) -> None:
         pass
 
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
-        """[B, H] -> [B, Vd] over the draft vocabulary."""
-        return self.head.logits(g)
-
-    def _run(self, slots: list[int], positions: list[list[int]], tokens: list[list[int]],
-             feats: torch.Tensor | None = None) -> torch.Tensor:
+    def _run(self, slots: list[int], positions: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
+        """Catch-up forward of verified rows (host lists, outside the step)."""
         slot_t = torch.tensor(slots, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [B, T]
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        if feats is None:
-            feats = self.feats[slot_t[:, None], pos]  # [B, T, H]
+        feats = self.feats[slot_t[:, None], pos]  # [B, T, H]
         model = self.head.target
         ctx = model.make_context(slot_t, pos, slots, max(max(p) for p in positions) + 1)
         return self.head(feats, ids, ctx, self.kv)
