@@ -66,7 +66,7 @@ class Engine:
             self.runner, config, propose=self.proposer.ngram_drafts)
         self.step_costs = (StepCosts() if config.cost_aware_k and config.num_draft_tokens
                            and self.device.type == "cpu" else None)  # host clock: CPU only
-        self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
+        self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk)
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
         self.faults = faults.injector()
