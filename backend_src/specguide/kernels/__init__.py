@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..config import WEIGHT_FORMATS
+from ..paths import cache_dir
 
 log = logging.getLogger("specguide")
 HERE = Path(__file__).resolve().parent
@@ -40,8 +41,6 @@ def _cpu_key() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    from ..models.default_model import cache_dir
-
     src = (HERE / "ops.c").read_bytes()
     # NOTE: SPECGUIDE_KERNEL_MARCH (e.g. "-march=x86-64-v3" = AVX2) builds another ISA's path on this
     # machine: the tests check every path here, whatever CPU runs them
