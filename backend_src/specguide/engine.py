@@ -94,6 +94,7 @@ class Engine:
 
     @property
     def head_drafter(self) -> Optional[HeadDrafter]:
+        """The trained draft head in use, if any."""
         return self.proposer.head
 
     # ---- public API (any thread) ------------------------------------------------------------
@@ -130,11 +131,13 @@ class Engine:
             self._cv.notify()
 
     def stats(self) -> dict[str, int]:
+        """Active slots, queue depth, steps run and liveness (for metrics and readiness)."""
         return {"active_slots": self.scheduler.num_active,
                 "queue_depth": self.scheduler.num_waiting + self._pending_submits,
                 "steps": self.num_steps, "alive": int(self.is_alive())}
 
     def is_alive(self) -> bool:
+        """False once the loop thread has died (the model must be reloaded)."""
         return self._dead is None and self._thread.is_alive()
 
     def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
@@ -154,6 +157,7 @@ class Engine:
         close_guided(self.guided)
 
     def _make_sequence(self, request: Request, callback: Callback) -> Sequence:
+        """Validate the request and build its sequence (Intake); raises InvalidRequestError."""
         return self.intake.sequence(request, callback)
 
     # ---- loop thread ------------------------------------------------------------------------
@@ -301,21 +305,8 @@ class Engine:
 
     def _poll_compiles(self) -> None:
         """Move finished grammar compiles onto their sequences; a failed one fails its request."""
-        for seq in [q for q in self.scheduler.waiting if q.compile is not None]:
-            handle = seq.compile
-            if not (handle.ready() or handle.timed_out()):
-                continue
-            if self.faults.holds_compile(seq):
-                continue
-            try:
-                seq.grammar = handle.result(timeout=0)
-                seq.compile = None
-            except InvalidRequestError as exc:
-                self._finish(seq, "error", str(exc), "INVALID_ARG")
-            except Exception as exc:
-                log.error("grammar compile of request %s failed: %r", seq.seq_id, exc)
-                self._finish(seq, "error", f"the grammar compile failed ({type(exc).__name__}; "
-                                           f"the server log has the details)", "INTERNAL")
+        for seq, message, code in self.intake.poll_compiles(self.scheduler.waiting):
+            self._finish(seq, "error", message, code)
 
     def _prefill(self, chunk: PrefillChunk) -> Optional[int]:
         """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""

@@ -1,10 +1,12 @@
-"""Request intake: check a `Request` against the engine's limits and build its `Sequence`."""
+"""Request intake: check a `Request` against the engine's limits, build its `Sequence`, and hand it its
+compiled grammar once ready."""
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import random
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .config import EngineConfig
 from .faults import Injector
@@ -12,9 +14,12 @@ from .request import InvalidRequestError, Request, RequestOutput
 from .scheduler import Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
+log = logging.getLogger("specguide")
+
 
 class Intake:
-    """Validates requests (InvalidRequestError names what is wrong) and numbers their sequences."""
+    """Validates requests (InvalidRequestError names what is wrong), numbers their sequences and
+starts, then collects, their grammar compiles."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, vocab_size: int,
                  eos_token_ids: frozenset[int], compiler: Any, faults: Injector):
@@ -77,3 +82,22 @@ class Intake:
         if request.guided is not None:  # a malformed guide raises here; compile errors come later
             seq.compile = self.compiler.submit(request.guided)
         return seq
+
+    def poll_compiles(self, waiting: Iterable[Sequence]) -> list[tuple[Sequence, str, str]]:
+        """Move finished grammar compiles onto their sequences; returns (sequence, error message,
+        error code) for each compile that failed (the engine fails those requests)."""
+        failed = []
+        for seq in [q for q in waiting if q.compile is not None]:
+            handle = seq.compile
+            if not (handle.ready() or handle.timed_out()) or self.faults.holds_compile(seq):
+                continue
+            try:
+                seq.grammar = handle.result(timeout=0)
+                seq.compile = None
+            except InvalidRequestError as exc:
+                failed.append((seq, str(exc), "INVALID_ARG"))
+            except Exception as exc:
+                log.error("grammar compile of request %s failed: %r", seq.seq_id, exc)
+                failed.append((seq, f"the grammar compile failed ({type(exc).__name__}; "
+                                    f"the server log has the details)", "INTERNAL"))
+        return failed

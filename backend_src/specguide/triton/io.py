@@ -4,9 +4,9 @@ Inputs follow the TensorRT-LLM ensemble (`text_input`, `max_tokens`, `temperatur
 vLLM backend's `sampling_parameters` JSON string. The guide (`guided_decoding_guide_type` /
 `guided_decoding_guide`, or vLLM's `structured_outputs` / `guided_decoding`) is read and checked by
 `specguide.guided.params`, the one mapping of guides. Typed tensor access and value checks are in
-`values`, the vLLM JSON in `vllm_sampling`, responses in `responses`. Every function here is pure: the Triton module
-(`triton_python_backend_utils`) is passed in as `pb` where a Triton object must be built, so the
-unit tests run with a tiny fake of it.
+`values`, the vLLM JSON in `vllm_sampling`, responses in `responses`. Every function here is pure:
+the Triton module (`triton_python_backend_utils`) is passed in as `pb` where a Triton object must be
+built, so the unit tests run with a tiny fake of it.
 
 Row b of a request with batch size B becomes one `ParsedRequest` (one engine sequence); its
 responses carry `batch_index = b`.
