@@ -32,7 +32,7 @@ from specguide.config import EngineConfig  # noqa: E402
 from specguide.engine import Engine  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 
-from specguide.speculative.prompts import CHAT_BENCH as CHAT, load_schemas, schema_message  # noqa: E402
+from specguide.training.prompts import CHAT_BENCH as CHAT, load_schemas, schema_message  # noqa: E402
 from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 

@@ -23,7 +23,7 @@ from specguide.config import EngineConfig  # noqa: E402
 from specguide.engine import Engine  # noqa: E402
 from specguide.models.loader import resolve_model_dir  # noqa: E402
 from specguide.speculative.draft_head import default_head_path  # noqa: E402
-from specguide.speculative.train_head import TrainConfig, run  # noqa: E402
+from specguide.training.train_head import TrainConfig, run  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

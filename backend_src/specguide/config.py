@@ -9,6 +9,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0")  # how the C kernels hold a weight
 WEIGHT_DTYPES = WEIGHT_FORMATS + ("auto",)  # auto: each weight in the narrowest format that holds it exactly
 DRAFTERS = ("ngram", "grammar", "head", "hybrid", "early_exit", "draft_model")
+GUIDED_EXECUTORS = ("auto", "plain", "inline", "worker", "cuda")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
 
 
 @dataclass
@@ -75,29 +81,26 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA: one CUDA graph per speculative step and batch bucket
 
     def __post_init__(self) -> None:
-        assert self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"
-        assert self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}"
-        assert self.draft_head_weight_dtype in ("",) + WEIGHT_DTYPES, \
-            f"draft_head_weight_dtype must be '' or one of {WEIGHT_DTYPES}, got {self.draft_head_weight_dtype!r}"
-        assert self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:"), self.device
-        assert self.max_slots >= 1, "max_slots must be >= 1"
-        assert self.max_seq_len >= 16, "max_seq_len must be >= 16"
-        assert self.prefill_chunk >= 1, "prefill_chunk must be >= 1"
-        assert self.max_queue >= 1, "max_queue must be >= 1"
-        assert self.default_max_tokens >= 1, "default_max_tokens must be >= 1"
-        assert 0 <= self.num_draft_tokens <= 15, "num_draft_tokens must be in [0, 15]"
-        assert self.drafter in DRAFTERS, f"unknown drafter {self.drafter!r} (one of {DRAFTERS})"
-        assert self.draft_layers >= 1 and self.ngram_max >= 1 and self.spec_max_rows >= 0 and self.ngram_trust >= 1
-        assert self.guided_compile_workers >= 1 and self.guided_mask_threads >= 1
-        assert self.guided_compile_timeout_s >= 0
-        assert self.guided_backend.strip().lower() in ("auto", "xgrammar", "llguidance", "guidance"), \
-            f"unknown guided_backend {self.guided_backend!r} (one of auto, xgrammar, llguidance)"
-        assert self.request_timeout_s >= 0 and self.drain_timeout_s >= 0
-        assert self.guided_executor in ("auto", "plain", "inline", "worker", "cuda"), \
-            f"unknown guided_executor {self.guided_executor!r}"
-        assert min(self.guided_max_guide_bytes, self.guided_max_schema_properties, self.guided_max_nesting_depth,
-                   self.guided_max_repetition, self.max_prompt_bytes) >= 0
-        assert self.max_sampling_parameters_bytes >= 0
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
+        _check(self.draft_head_weight_dtype in ("",) + WEIGHT_DTYPES,
+               f"draft_head_weight_dtype must be '' or one of {WEIGHT_DTYPES}, got {self.draft_head_weight_dtype!r}")
+        _check(self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:"),
+               f"device must be cpu, cuda, cuda:<n> or auto, got {self.device!r}")
+        for name, low in (("max_slots", 1), ("max_seq_len", 16), ("prefill_chunk", 1), ("max_queue", 1),
+                          ("default_max_tokens", 1), ("draft_layers", 1), ("ngram_max", 1),
+                          ("ngram_trust", 1), ("spec_max_rows", 0), ("guided_compile_workers", 1),
+                          ("guided_mask_threads", 1), ("guided_compile_timeout_s", 0), ("request_timeout_s", 0),
+                          ("drain_timeout_s", 0), ("guided_max_guide_bytes", 0), ("guided_max_schema_properties", 0),
+                          ("guided_max_nesting_depth", 0), ("guided_max_repetition", 0), ("max_prompt_bytes", 0),
+                          ("max_sampling_parameters_bytes", 0)):
+            _check(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)!r}")
+        _check(0 <= self.num_draft_tokens <= 15, f"num_draft_tokens must be in [0, 15], got {self.num_draft_tokens}")
+        _check(self.drafter in DRAFTERS, f"unknown drafter {self.drafter!r} (one of {DRAFTERS})")
+        _check(self.guided_backend.strip().lower() in ("auto", "xgrammar", "llguidance", "guidance"),
+               f"unknown guided_backend {self.guided_backend!r} (one of auto, xgrammar, llguidance)")
+        _check(self.guided_executor in GUIDED_EXECUTORS,
+               f"unknown guided_executor {self.guided_executor!r} (one of {GUIDED_EXECUTORS})")
         if self.max_sampling_parameters_bytes <= 0:
             self.max_sampling_parameters_bytes = (self.guided_max_guide_bytes or 1 << 20) + 65536
         if self.max_prompt_bytes <= 0:

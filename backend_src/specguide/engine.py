@@ -1,11 +1,8 @@
 """Engine: thread-safe submit / cancel / shutdown around one background loop thread."""
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import queue
-import random
 import threading
 import time
 from typing import Callable, Iterator, Optional
@@ -17,19 +14,20 @@ from .config import EngineConfig
 from .cuda.hostfunc import HostFuncError
 from .guided.compiler import GrammarCompilerService
 from .guided.limits import GuideLimits
+from .intake import Intake
 from .models.loader import load_model, resolve_model_dir
-from .request import (EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput)
+from .outputs import Finish, OutputProcessor
+from .request import EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput
 from .runner import Runner
 from .scheduler import PrefillChunk, Scheduler, Sequence, Status, StepPlan
 from .speculative.head_drafter import HeadDrafter
 from .speculative.proposer import Proposer
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import Tokenizer
 
 log = logging.getLogger("specguide")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Callback = Callable[[RequestOutput], None]
-STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode", Status.FINISHED: "finished"}
 IDLE_WAIT_S = 0.005
 
 
@@ -66,15 +64,18 @@ class Engine:
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
             timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend,
             limits=GuideLimits.from_config(config))
-        self.runner = Runner(self.model, config, self.device,
-                             poison=faults.poison)  # only rows with an injected fault (tests)
+        self.faults = faults.injector()
+        self.runner = Runner(self.model, config, self.device, poison=self.faults.poison)
         self.guided = self.runner.guided
         self.proposer = Proposer(config, self.model, self.runner.kv, self.guided, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
         self.runner.core.feature_sink = self.proposer.feature_sink
         self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free
-        self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk, config.max_queue)
-        self._ids = itertools.count(1)
+        self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk)
+        self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
+                                       self.runner.kv)
+        self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler,
+                             self.faults)
         self._seqs: dict[int, Sequence] = {}  # loop thread only
         self._inbox: list[tuple[str, object]] = []
         self._cv = threading.Condition()
@@ -97,6 +98,7 @@ class Engine:
 
     @property
     def head_drafter(self) -> Optional[HeadDrafter]:
+        """The trained draft head in use, if any."""
         return self.proposer.head
 
     @property
@@ -141,11 +143,13 @@ class Engine:
             self._cv.notify()
 
     def stats(self) -> dict[str, int]:
+        """Active slots, queue depth, steps run and liveness (for metrics and readiness)."""
         return {"active_slots": self.scheduler.num_active,
                 "queue_depth": self.scheduler.num_waiting + self._pending_submits,
                 "steps": self.num_steps, "alive": int(self.is_alive())}
 
     def is_alive(self) -> bool:
+        """False once the loop thread has died (the model must be reloaded)."""
         return self._dead is None and self._thread.is_alive()
 
     def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
@@ -164,53 +168,9 @@ class Engine:
         self.compiler.shutdown()
         self.runner.close()
 
-    # ---- validation -------------------------------------------------------------------------
     def _make_sequence(self, request: Request, callback: Callback) -> Sequence:
-        cfg = self.config
-        if request.prompt_ids is not None:
-            ids = [int(t) for t in request.prompt_ids]
-            bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"input token ids out of range [0, {self.runner.vocab_size}): {bad[:5]}")
-        elif request.prompt is not None:
-            ids = self.tokenizer.encode(request.prompt)
-        else:
-            raise InvalidRequestError("a request needs a prompt (text_input) or input_ids")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(ids) >= cfg.max_seq_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; max_seq_len is {cfg.max_seq_len} "
-                f"(the prompt must leave room for at least one generated token)")
-        p = request.params
-        p.validate(cfg.max_tokens_limit)
-        p.normalize(self.runner.vocab_size)
-        k = request.num_draft_tokens
-        if k is not None and not 0 <= k <= cfg.num_draft_tokens:
-            raise InvalidRequestError(f"num_draft_tokens must be in [0, {cfg.num_draft_tokens}] "
-                                      f"(the configured maximum), got {k}")
-        if p.end_id is not None and not 0 <= p.end_id < self.runner.vocab_size:
-            raise InvalidRequestError(f"end_id {p.end_id} is outside the vocabulary")
-        if any(not 0 <= t < self.runner.vocab_size for word in p.stop_token_seqs for t in word):
-            raise InvalidRequestError(f"stop token sequences hold ids outside [0, {self.runner.vocab_size})")
-        timeout = request.timeout_s if request.timeout_s is not None else cfg.request_timeout_s
-        if not (timeout >= 0 and math.isfinite(timeout)):
-            raise InvalidRequestError(f"timeout_s must be a finite number >= 0 (0 = none), got {timeout}")
-        stop_ids = set(p.stop_token_ids)
-        if not p.ignore_eos:
-            stop_ids |= {p.end_id} if p.end_id is not None else set(self.eos_token_ids)
-        seq = Sequence(
-            seq_id=next(self._ids), prompt_ids=ids, params=p,
-            seed=p.seed if p.seed is not None else random.getrandbits(64), callback=callback,
-            stop_ids=frozenset(stop_ids), guided=request.guided,
-            num_draft_tokens=cfg.num_draft_tokens if k is None else k, request_id=request.request_id,
-            fault=faults.parse(request.fault))
-        if timeout > 0:
-            seq.deadline = seq.arrival + timeout
-        seq.detok = IncrementalDetokenizer(self.tokenizer)
-        if request.guided is not None:  # a malformed guide raises here; compile errors come later
-            seq.compile = self.compiler.submit(request.guided)
-        return seq
+        """Validate the request and build its sequence (Intake); raises InvalidRequestError."""
+        return self.intake.sequence(request, callback)
 
     # ---- loop thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -269,8 +229,7 @@ class Engine:
                 assert isinstance(item, Sequence)
                 self._seqs[item.seq_id] = item
                 self.scheduler.waiting.append(item)
-                if item.fault is not None and item.fault.kind == "crash_engine":
-                    raise faults.InjectedFault("injected engine crash")
+                self.faults.on_submit(item)
             elif kind == "cancel":
                 seq = self._seqs.get(item)  # type: ignore[arg-type]
                 if seq is not None:
@@ -278,41 +237,51 @@ class Engine:
                     self._finish(seq, "cancelled")
 
     def step(self) -> bool:
-        """One engine iteration: admit, prefill chunks, one batched decode, emit events.
+        """One engine iteration: schedule, run (prefill chunks, one batched decode), process outputs.
         Returns False when there was nothing to run (e.g. waiting on grammar compiles)."""
         self._poll_compiles()
         plan: StepPlan = self.scheduler.schedule(ready=lambda seq: seq.compile is None)
         if plan.empty:
             return False
         self.num_steps += 1
-        touched: list[Sequence] = []
-        for chunk in plan.prefills:
-            seq = chunk.seq
-            tok = self._guarded(seq, lambda: self._prefill(chunk))
-            if seq.status is Status.FINISHED:
-                continue
-            seq.num_cached = chunk.end
-            if tok is not None:
-                seq.status = Status.DECODE
-                self._guarded(seq, lambda: self._append(seq, [tok]))
-                touched.append(seq)
-        if plan.decodes:
-            try:
-                results = self._decode(plan.decodes)
-            except Exception as exc:
-                log.exception("decode step failed")
-                self._recover(plan.decodes, exc)
-                results = []  # the survivors retry at the next step
-            for seq, (toks, drafted, accepted) in zip(plan.decodes, results):
-                seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
-                seq.num_draft += drafted
-                seq.num_accepted += accepted
-                self._guarded(seq, lambda: self._append(seq, toks))
-                touched.append(seq)
+        touched = [seq for seq in map(self._prefill_chunk, plan.prefills) if seq is not None]
+        touched += self._decode_batch(plan.decodes)
         for seq in touched:
             if seq.status is not Status.FINISHED:
-                self._emit(seq, finished=False)
+                self._emit(seq)
         return True
+
+    def _prefill_chunk(self, chunk: PrefillChunk) -> Optional[Sequence]:
+        """Run one prompt chunk; the last one's token starts the request's output (returned)."""
+        seq = chunk.seq
+        tok = self._guarded(seq, lambda: self._prefill(chunk))
+        if seq.status is Status.FINISHED:
+            return None
+        seq.num_cached = chunk.end
+        if tok is None:
+            return None
+        seq.status = Status.DECODE
+        self._guarded(seq, lambda: self._append(seq, [tok]))
+        return seq
+
+    def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One batched decode step and its bookkeeping; returns the sequences it appended to."""
+        if not seqs:
+            return []
+        try:
+            results = self._decode(seqs)
+        except Exception as exc:
+            log.exception("decode step failed")
+            self._recover(seqs, exc)
+            return []  # the survivors retry at the next step
+        touched = []
+        for seq, (toks, drafted, accepted) in zip(seqs, results):
+            seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
+            seq.num_draft += drafted
+            seq.num_accepted += accepted
+            self._guarded(seq, lambda: self._append(seq, toks))
+            touched.append(seq)
+        return touched
 
     def _decode(self, seqs: list[Sequence]) -> list[tuple[list[int], int, int]]:
         """One decode step for every decoding sequence: speculative where drafts exist.
@@ -324,22 +293,8 @@ class Engine:
 
     def _poll_compiles(self) -> None:
         """Move finished grammar compiles onto their sequences; a failed one fails its request."""
-        for seq in [q for q in self.scheduler.waiting if q.compile is not None]:
-            handle = seq.compile
-            if not (handle.ready() or handle.timed_out()):
-                continue
-            if seq.fault is not None and seq.fault.kind == "compile_delay" and \
-                    time.monotonic() < seq.arrival + seq.fault.seconds:
-                continue
-            try:
-                seq.grammar = handle.result(timeout=0)
-                seq.compile = None
-            except InvalidRequestError as exc:
-                self._finish(seq, "error", str(exc), "INVALID_ARG")
-            except Exception as exc:
-                log.error("grammar compile of request %s failed: %r", seq.seq_id, exc)
-                self._finish(seq, "error", f"the grammar compile failed ({type(exc).__name__}; "
-                                           f"the server log has the details)", "INTERNAL")
+        for seq, message, code in self.intake.poll_compiles(self.scheduler.waiting):
+            self._finish(seq, "error", message, code)
 
     def _prefill(self, chunk: PrefillChunk) -> Optional[int]:
         """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""
@@ -347,16 +302,8 @@ class Engine:
         if chunk.start == 0:
             for owner in self.slot_state:
                 owner.admit(seq.slot, seq)
-        if seq.fault is not None and seq.fault.kind == "prefill_delay":
-            time.sleep(seq.fault.seconds)
+        self.faults.before_prefill(seq)
         return self.runner.prefill(chunk)
-
-    def _guarded_violation(self, slot: int) -> Optional[str]:
-        """A best-effort guide's value-check verdict for an error message (None when unknown)."""
-        try:
-            return self.guided.violation(slot)
-        except Exception:  # noqa: BLE001 - a broken matcher: the plain message will do
-            return None
 
     def _guarded(self, seq: Sequence, fn: Callable[[], Optional[int]]) -> Optional[int]:
         """Run one request's part of the step; an exception fails that request only."""
@@ -394,131 +341,33 @@ class Engine:
         except Exception:
             return False
 
-    # ---- per-request bookkeeping -----------------------------------------------------------
+    # ---- outputs ---------------------------------------------------------------------------
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
-        """Append accepted tokens up to the first finish condition; detokenize; check stop strings."""
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-            seq.first_token_time_ns = time.time_ns()
-        seq.last_token_time_ns = time.time_ns()
-        lps, tops, rows = seq.step_logprobs, seq.step_top_logprobs, seq.step_logits  # aligned with tokens
-        seq.step_logprobs = seq.step_top_logprobs = seq.step_logits = None
-        reason = None
-        new: list[int] = []
-        guided = seq.grammar is not None
-        if any(t < 0 for t in tokens):  # the runner's mark for non-finite logits in this row
-            self._finish(seq, "error", "the model produced non-finite logits (NaN/inf) for this request")
-            return
-        for t in tokens:
-            if guided and not self.guided.advance(seq.slot, t):
-                why = self._guarded_violation(seq.slot)
-                self._finish(seq, "error", f"the output violates the JSON schema: {why}" if why else
-                             f"token {t} violates the grammar (its mask allowed no token outside bad_words/end_id?)",
-                             "INTERNAL")
-                return
-            if lps is not None:
-                seq.logprobs.append(lps[len(new)])
-            if tops is not None:
-                seq.top_logprobs.append(tops[len(new)])
-            if rows is not None:
-                seq.logits_unsent.append(rows[len(new)])
-            seq.output_ids.append(t)
-            new.append(t)
-            reason = self.scheduler.check_stop_token(seq)
-            if guided and self.guided.is_terminated(seq.slot):
-                reason = "stop"
-            if len(seq.output_ids) >= seq.params.min_tokens and any(
-                    seq.output_ids[-len(w):] == w for w in seq.params.stop_token_seqs):
-                reason = "stop"  # TRT-LLM stop words: the tokens stay in the output
-            if reason:
-                break
-        seq.pending_text += seq.detok.add(new)
-        if self._cut_stop_string(seq, final=reason is not None):
-            reason = "stop"
-        if reason:
-            self._finish(seq, reason)
-        elif seq.fault is not None and seq.fault.kind == "matcher_error" and guided:
-            self.guided.synchronize()
-            self.guided.inner.matchers[seq.slot] = faults.FaultyMatcher()  # type: ignore[assignment]
-
-    def _cut_stop_string(self, seq: Sequence, final: bool) -> bool:
-        """Move pending text to emitted text, holding back a possible stop-string prefix.
-        Returns True when a stop string was found (the text is cut right before it)."""
-        if final:
-            seq.pending_text += seq.detok.finish()
-        stops = seq.params.stop
-        if stops:
-            hits = [i for i in (seq.pending_text.find(s) for s in stops) if i >= 0]
-            if hits:
-                seq.delta += seq.pending_text[: min(hits)]
-                seq.text += seq.pending_text[: min(hits)]
-                seq.pending_text = ""
-                return True
-            keep = 0 if final else max(len(s) for s in stops) - 1
-            cut = max(len(seq.pending_text) - keep, 0)
+        """Append a step's tokens (OutputProcessor); finish the request when they end it."""
+        end: Optional[Finish] = self.outputs.append(seq, tokens)
+        if end is not None:
+            self._finish(seq, *end)
         else:
-            cut = len(seq.pending_text)
-        seq.delta += seq.pending_text[:cut]
-        seq.text += seq.pending_text[:cut]
-        seq.pending_text = seq.pending_text[cut:]
-        return False
+            self.faults.after_append(seq, self.guided)
 
     def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None,
                 error_code: Optional[str] = None) -> None:
+        """End a request: release its compile, grammar state and slot; send its final event."""
         if seq.status is Status.FINISHED:
             return
-        seq.stage = "compiling" if seq.compile is not None else STAGES[seq.status]
-        if reason in ("cancelled", "error"):
-            seq.pending_text = ""
-        elif reason == "timeout":  # keep what was generated; flush the held-back text
-            self._cut_stop_string(seq, final=True)
+        self.outputs.close(seq, reason, error_code)
         if seq.compile is not None:
             seq.compile.cancel()
             seq.compile = None
         if seq.slot is not None:
             for owner in self.slot_state:
                 owner.free(seq.slot)
-        seq.error_code = error_code or ("INTERNAL" if reason == "error" else None)
         self.scheduler.finish(seq, reason, error)
         self._seqs.pop(seq.seq_id, None)
-        self._emit(seq, finished=True)
+        self.outputs.emit(seq, finished=True)
 
-    def _emit(self, seq: Sequence, finished: bool) -> None:
-        delta, seq.delta = seq.delta, ""
-        new_ids = seq.output_ids[seq.ids_sent:]
-        if not finished and not delta and not new_ids:
-            return
-        p, sent = seq.params, seq.ids_sent
-        context = None
-        if seq.context_logits and sum(len(c) for c in seq.context_logits) == len(seq.prompt_ids):
-            context = torch.cat(seq.context_logits).numpy()  # once, with the first event after prefill
-            seq.context_logits = []
-        gen_logits = None
-        if p.return_generation_logits:
-            rows, seq.logits_unsent = seq.logits_unsent, []
-            gen_logits = (torch.stack(rows) if rows else torch.empty(0, self.runner.vocab_size)).numpy()
-        blocks = self.runner.kv.blocks(seq.num_tokens) if seq.first_scheduled_time_ns else 0  # static slot: no reuse
-        out = RequestOutput(
-            seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
-            finish_reason=seq.finish_reason if finished else None, error=seq.error,
-            error_code=seq.error_code if finished else None, stage=seq.stage if finished else None,
-            guide_notes=tuple(getattr(seq.grammar, "unenforced", ())) if finished else (),
-            total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
-            num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
-            first_token=seq.ids_sent == 0 and bool(new_ids),
-            logprobs=seq.logprobs[sent:] if p.wants_logprobs else None,
-            top_logprobs=seq.top_logprobs[sent:] if p.top_logprobs else None,
-            cum_logprob=sum(seq.logprobs) if p.wants_logprobs else None,
-            generation_logits=gen_logits, context_logits=context,
-            arrival_time_ns=seq.arrival_time_ns, first_scheduled_time_ns=seq.first_scheduled_time_ns,
-            first_token_time_ns=seq.first_token_time_ns, last_token_time_ns=seq.last_token_time_ns,
-            kv_cache_alloc_new_blocks=blocks, kv_cache_reused_blocks=0, kv_cache_alloc_total_blocks=blocks,
-            kv_cache_hit_rate=0.0)
-        seq.ids_sent = len(seq.output_ids)
-        try:
-            seq.callback(out)
-        except Exception:
-            log.exception("callback of request %s raised; cancelling it", seq.seq_id)
-            if not finished:
-                seq.cancelled = True
-                self._finish(seq, "cancelled")
+    def _emit(self, seq: Sequence) -> None:
+        """Send a running request's new output; a callback that raises cancels its request."""
+        if not self.outputs.emit(seq, finished=False):
+            seq.cancelled = True
+            self._finish(seq, "cancelled")

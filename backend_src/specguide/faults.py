@@ -8,12 +8,16 @@ A request names its fault in `Request.fault` (through Triton: the request parame
     compile_delay:<s>   its grammar "compiles" for at least <s> seconds (guided only)
     prefill_delay:<s>   each of its prefill chunks takes at least <s> seconds longer
     crash_engine        the engine loop itself raises: the whole engine dies (the crash path)
+
+The engine calls one `Injector` (one method per hook); `Injector()` does nothing, and the engine's,
+`injector()`, is switched on by the environment, read as each request arrives.
 """
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .request import InvalidRequestError
 
@@ -22,11 +26,14 @@ KINDS = ("nan_logits", "matcher_error", "compile_delay", "prefill_delay", "crash
 
 
 def enabled() -> bool:
+    """Whether the environment turns fault injection on."""
     return os.environ.get(ENV, "") in ("1", "true", "yes")
 
 
 @dataclass(frozen=True)
 class Fault:
+    """One request's injected fault."""
+
     kind: str
     seconds: float = 0.0
 
@@ -35,10 +42,7 @@ class InjectedFault(RuntimeError):
     """Raised by an injected fault."""
 
 
-def parse(text: Optional[str]) -> Optional[Fault]:
-    """`kind` or `kind:<seconds>`; None when absent or when injection is off."""
-    if not text or not enabled():
-        return None
+def _parse(text: str) -> Fault:
     kind, _, arg = str(text).partition(":")
     if kind not in KINDS:
         raise InvalidRequestError(f"unknown fault {kind!r} (one of {', '.join(KINDS)})")
@@ -46,6 +50,11 @@ def parse(text: Optional[str]) -> Optional[Fault]:
         return Fault(kind, float(arg) if arg else 0.0)
     except ValueError:
         raise InvalidRequestError(f"fault {text!r}: bad seconds") from None
+
+
+def parse(text: Optional[str]) -> Optional[Fault]:
+    """`kind` or `kind:<seconds>`; None when absent or when injection is off."""
+    return _parse(text) if text and enabled() else None
 
 
 class FaultyMatcher:
@@ -62,3 +71,63 @@ def poison(logits: Any, seqs: list) -> None:
         f = getattr(seq, "fault", None)
         if f is not None and f.kind == "nan_logits" and seq.output_ids:
             logits[b] = float("nan")
+
+
+def _kind(seq: Any, kind: str) -> Optional[Fault]:
+    f = getattr(seq, "fault", None)
+    return f if f is not None and f.kind == kind else None
+
+
+class Injector:
+    """The engine's fault hooks, one method per site. A request gets a fault only while `switch()`
+    is true as it arrives (the default: never, so every hook does nothing); the other hooks act
+    only on requests that have one."""
+
+    def __init__(self, switch: Callable[[], bool] = lambda: False):
+        self._switch = switch
+
+    @property
+    def active(self) -> bool:
+        """Whether requests may name faults now."""
+        return self._switch()
+
+    def parse(self, text: Optional[str]) -> Optional[Fault]:
+        """The request's fault (None when it names none or injection is off); a bad name raises
+        InvalidRequestError."""
+        return _parse(text) if text and self.active else None
+
+    def checked(self, text: Optional[str]) -> Optional[str]:
+        """The fault text to carry on a request (checked now, so a bad name is INVALID_ARG early)."""
+        return text if self.parse(text) is not None else None
+
+    def on_submit(self, seq: Any) -> None:
+        """`crash_engine`: the loop raises as it takes the request."""
+        if _kind(seq, "crash_engine"):
+            raise InjectedFault("injected engine crash")
+
+    def holds_compile(self, seq: Any) -> bool:
+        """`compile_delay`: True while the request's compiled grammar must not be used yet."""
+        f = _kind(seq, "compile_delay")
+        return f is not None and time.monotonic() < seq.arrival + f.seconds
+
+    def before_prefill(self, seq: Any) -> None:
+        """`prefill_delay`: sleep before each prefill chunk."""
+        f = _kind(seq, "prefill_delay")
+        if f is not None:
+            time.sleep(f.seconds)
+
+    def after_append(self, seq: Any, guided: Any) -> None:
+        """`matcher_error`: the request's grammar matcher raises from now on (guided requests)."""
+        if _kind(seq, "matcher_error") and seq.grammar is not None:
+            getattr(guided, "synchronize", lambda: None)()  # no callback of the step still running
+            getattr(guided, "inner", guided).matchers[seq.slot] = FaultyMatcher()
+
+    def poison(self, logits: Any, seqs: list) -> None:
+        """`nan_logits`: NaN the logits rows ([B, V] or [B, T, V]) of faulty requests past their first token."""
+        if self.active:
+            poison(logits, seqs)
+
+
+def injector() -> Injector:
+    """The engine's injector: on while SPECGUIDE_FAULT_INJECTION=1 (read per request)."""
+    return Injector(enabled)

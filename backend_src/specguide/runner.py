@@ -15,7 +15,8 @@ from .kv_cache import KVCache
 from .models.llama import LlamaModel
 from .scheduler import PrefillChunk, Sequence
 from .slot_sampling import SlotSampling
-from .step import DraftPlan, StepCore, StepKey
+from .speculative.plan import DraftPlan
+from .step import StepCore, StepKey
 
 Result = tuple[list[int], int, int]  # tokens to append, drafts verified, drafts accepted
 
@@ -92,7 +93,7 @@ class Runner:
         key = core.key(seqs, plan)
         if graphs is not None and not key.extras and len(seqs) <= graphs.buckets[-1]:
             key = core.key(seqs, plan, batch=graphs.bucket(len(seqs)), length=graphs.length(seqs, key.T))
-            graphs.ensure(key, plan.drafter)  # captured before this step's snapshot is queued
+            graphs.ensure(key, plan)  # captured before this step's snapshot is queued
         if plan.drafter is not None and key.drafting != "none":
             plan.drafter.prepare(seqs, key)
         core.stage(seqs, plan, key)

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .request import GuidedDecodingParams, QueueFullError, RequestOutput, SamplingParams
+from .request import GuidedDecodingParams, RequestOutput, SamplingParams
 
 
 class Status(enum.Enum):
@@ -103,21 +103,15 @@ class StepPlan:
 class Scheduler:
     """Owns the waiting queue and the slot free list; decides each step's work."""
 
-    def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, max_queue: int):
+    def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int):
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
-        self.max_queue = max_queue
         self.free_slots: list[int] = list(range(max_slots))  # heap: lowest slot first keeps rows packed
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
 
-    # ---- admission -------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
-        self.waiting.append(seq)
-
+    # ---- admission (the engine appends to `waiting`; it enforces max_queue) ------------------
     def schedule(self, ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
         """Admit waiting sequences into free slots, then plan prefill chunks and the decode batch."""
         blocked: list[Sequence] = []

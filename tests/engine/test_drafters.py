@@ -11,7 +11,7 @@ import pytest
 from specguide.config import EngineConfig
 from specguide.engine import Engine
 from specguide.guided.decoder import GuidedDecoder
-from specguide.speculative.train_head import TrainConfig, run
+from specguide.training.train_head import TrainConfig, run
 
 from ..guided.helpers import load_guided_samples
 from .test_guided_engine import run_many

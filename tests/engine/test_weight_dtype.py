@@ -102,11 +102,11 @@ def test_auto_greedy_output_equals_float32_with_and_without_speculation(engine, 
 
 
 def test_unknown_weight_dtype_is_refused():
-    with pytest.raises(AssertionError, match="weight_dtype"):
+    with pytest.raises(ValueError, match="weight_dtype"):
         EngineConfig(weight_dtype="int4")
     with pytest.raises(ValueError, match="% 32"):
         kernels.pack_weight(torch.zeros(64, 40), "q4_1")
-    with pytest.raises(AssertionError, match="draft_head_weight_dtype"):
+    with pytest.raises(ValueError, match="draft_head_weight_dtype"):
         EngineConfig(draft_head_weight_dtype="int4")
 
 

@@ -128,22 +128,25 @@ def test_every_isa_path_is_exact(march, tmp_path):
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
 
 
-def test_attention_matches_sdpa_and_is_invariant_over_batch_and_queries():
+def _rope_tables(S: int, hd: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    pos_f = torch.arange(S, dtype=torch.float32)[:, None] * torch.rand(hd // 2, generator=g)[None, :]
+    emb = torch.cat([pos_f, pos_f], -1)
+    return emb.cos(), torch.cat([-emb.sin()[:, : hd // 2], emb.sin()[:, hd // 2:]], -1).contiguous()
+
+
+def test_attention_is_invariant_over_batch_and_queries():
     g = torch.Generator().manual_seed(0)
     B, T, nh, kvh, S, hd = 3, 4, 9, 3, 64, 64
-    q = torch.randn(B, T, nh, hd, generator=g)
+    qkv = torch.randn(B, T, nh + 2 * kvh, hd, generator=g)
+    cos, sin_signed = _rope_tables(S, hd, g)
     kc, vc = torch.randn(5, kvh, S, hd, generator=g), torch.randn(5, kvh, S, hd, generator=g)
     slots = torch.tensor([4, 0, 2])
     pos = torch.tensor([[10, 11, 12, 13], [0, 1, 2, 3], [40, 41, 42, 43]])
-    out = kernels.attention_f32(q, kc, vc, slots, pos)
-    L = 44
-    mask = (torch.arange(L)[None, None, :] <= pos[:, :, None]).unsqueeze(1)
-    ref = F.scaled_dot_product_attention(q.transpose(1, 2), kc[slots][:, :, :L], vc[slots][:, :, :L],
-                                         attn_mask=mask, enable_gqa=True).transpose(1, 2)
-    assert torch.allclose(out, ref, atol=1e-5)
+    out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, slots, pos, nh)
     for b in range(B):
-        for t in range(T):  # one query alone == the same query inside the [B, T] call
-            one = kernels.attention_f32(q[b:b + 1, t:t + 1], kc, vc, slots[b:b + 1], pos[b:b + 1, t:t + 1])
+        for t in range(T):  # one query alone (its K/V rewritten as they are) == the same query in the [B, T] call
+            one = kernels.rope_attention_f32(qkv[b:b + 1, t:t + 1], cos, sin_signed, kc, vc, slots[b:b + 1],
+                                             pos[b:b + 1, t:t + 1], nh)
             assert torch.equal(one, out[b:b + 1, t:t + 1])
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specguide.speculative import prompts as P
+from specguide.training import prompts as P
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,7 @@
 """Scheduler (pure Python): slot free list, admission, chunked prefill budget, integrity."""
 from __future__ import annotations
 
-import pytest
-
-from specguide.request import QueueFullError, SamplingParams
+from specguide.request import SamplingParams
 from specguide.scheduler import Scheduler, Sequence, Status
 
 
@@ -13,10 +11,10 @@ def seq(i, n_prompt=10, **kw):
 
 
 def test_admission_fills_lowest_slots_and_queues_the_rest():
-    s = Scheduler(max_slots=2, max_seq_len=100, prefill_chunk=1000, max_queue=10)
+    s = Scheduler(max_slots=2, max_seq_len=100, prefill_chunk=1000)
     seqs = [seq(i) for i in range(3)]
     for q in seqs:
-        s.add(q)
+        s.waiting.append(q)
     plan = s.schedule()
     assert [c.seq.slot for c in plan.prefills] == [0, 1]
     assert seqs[2].status is Status.WAITING and s.num_waiting == 1
@@ -27,10 +25,10 @@ def test_admission_fills_lowest_slots_and_queues_the_rest():
 
 
 def test_chunked_prefill_respects_the_token_budget():
-    s = Scheduler(max_slots=4, max_seq_len=1000, prefill_chunk=16, max_queue=10)
+    s = Scheduler(max_slots=4, max_seq_len=1000, prefill_chunk=16)
     a, b = seq(1, n_prompt=40), seq(2, n_prompt=5)
-    s.add(a)
-    s.add(b)
+    s.waiting.append(a)
+    s.waiting.append(b)
     spans = []
     for _ in range(4):
         plan = s.schedule()
@@ -45,20 +43,18 @@ def test_chunked_prefill_respects_the_token_budget():
     assert a.status is b.status is Status.DECODE
 
 
-def test_queue_limit_and_not_ready_requests_wait():
-    s = Scheduler(max_slots=1, max_seq_len=100, prefill_chunk=100, max_queue=2)
+def test_not_ready_requests_wait():  # the queue limit is the engine's (test_reliability)
+    s = Scheduler(max_slots=1, max_seq_len=100, prefill_chunk=100)
     a, b = seq(1), seq(2)
-    s.add(a)
-    s.add(b)
-    with pytest.raises(QueueFullError):
-        s.add(seq(3))
+    s.waiting.append(a)
+    s.waiting.append(b)
     s.schedule(ready=lambda q: q is not a)
     assert a.status is Status.WAITING and b.slot == 0
     assert list(s.waiting) == [a]
 
 
 def test_stop_conditions():
-    s = Scheduler(max_slots=1, max_seq_len=14, prefill_chunk=100, max_queue=2)
+    s = Scheduler(max_slots=1, max_seq_len=14, prefill_chunk=100)
     q = seq(1, max_tokens=3, min_tokens=1)
     q.output_ids = [5]
     assert s.check_stop_token(q) is None

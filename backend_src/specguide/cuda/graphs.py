@@ -74,11 +74,11 @@ class StepGraphs:
             n *= 2
         return min(n, self.core.kv.max_seq_len)
 
-    def ensure(self, key: Any, drafter: Any) -> None:
+    def ensure(self, key: Any, plan: Any) -> None:
         """Capture the key's graph unless it exists (before the step's snapshot is queued:
         warm-up runs find none)."""
         if key not in self.graphs:
-            self._capture(key, drafter)
+            self._capture(key, plan)
 
     def replay(self, key: Any) -> None:
         t0 = time.perf_counter()
@@ -86,17 +86,15 @@ class StepGraphs:
         self.stats.steps += 1
         self.stats.wait_s += time.perf_counter() - t0
 
-    def _capture(self, key: Any, drafter: Any) -> None:
-        from ..step import DraftPlan  # the plan type only
-
+    def _capture(self, key: Any, plan: Any) -> None:
+        """Warm up and capture `body(key)` on all-padding inputs (the plan gives its drafter)."""
         core, t0 = self.core, time.perf_counter()
         if not self.capture:
             self.graphs[key] = _EagerStep(lambda: core.body(key))
             return
-        padding = DraftPlan([], drafter=drafter)
-        if drafter is not None:
-            drafter.prepare([], key)
-        core.stage([], padding, key)  # every row padding: warm-up writes only dead K/V
+        if plan.drafter is not None:
+            plan.drafter.prepare([], key)
+        core.stage([], plan, key)  # every row padding: warm-up writes only dead K/V
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -15,11 +15,10 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..request import GuidedDecodingParams, InvalidRequestError
-from .backend import BACKENDS, CompiledGuide, GrammarBackend, canonical_backend
+from .backend import BACKENDS, CompiledGuide, canonical_backend
 from .compile_pool import CompileScheduler, timeout_message  # noqa: F401 (re-exported)
 from .limits import GuideLimits, check_guide
 from .llguidance_backend import LlguidanceBackend
@@ -120,36 +119,22 @@ class GrammarCompilerService:
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, *, stop_token_ids: Optional[Sequence[int]] = None,
                  cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES, max_workers: int = 2,
-                 compile_threads: Optional[int] = None, timeout_s: Optional[float] = None,
-                 exclude_special_tokens: bool = True, default_backend: str = "auto",
+                 timeout_s: Optional[float] = None, default_backend: str = "auto",
                  limits: Optional[GuideLimits] = None):
         self.vocab_size = vocab_size
-        self.xgrammar = XgrammarBackend(hf_tokenizer, vocab_size, stop_token_ids, cache_limit_bytes,
-                                        compile_threads, exclude_special_tokens)
-        self.tokenizer_info = self.xgrammar.tokenizer_info
+        self.xgrammar = XgrammarBackend(hf_tokenizer, vocab_size, stop_token_ids, cache_limit_bytes)
         self.stop_token_ids: list[int] = list(self.xgrammar.stop_token_ids)
         self.llguidance = LlguidanceBackend(hf_tokenizer, vocab_size, self.stop_token_ids)
-        self.backends: dict[str, GrammarBackend] = {"xgrammar": self.xgrammar, "llguidance": self.llguidance}
         self.default_backend = canonical_backend(default_backend, "guided_backend") or "auto"
         self.timeout_s = timeout_s
         self._cache: "OrderedDict[tuple, CompiledGuide]" = OrderedDict()  # llguidance guides, LRU
         self.limits = limits or GuideLimits()  # admission limits, checked at submit (guided/limits.py)
         # lanes: llguidance, small or cached guides in-process; other xgrammar guides proven first in
         # killable worker processes (compile_pool.py)
-        self.scheduler = CompileScheduler(self._compile, self.tokenizer_info, workers=max_workers,
+        self.scheduler = CompileScheduler(self._compile, self.xgrammar.tokenizer_info, workers=max_workers,
                                           route=self.backend_for)
         self._lock = threading.Lock()
         self._closed = False
-
-    @classmethod
-    def from_model_dir(cls, model_dir: Path | str, vocab_size: Optional[int] = None, **kwargs: Any) -> "GrammarCompilerService":
-        """Tokenizer from an HF folder; `vocab_size` defaults to the config's (the logits' width)."""
-        from transformers import AutoConfig, AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        if vocab_size is None:
-            vocab_size = AutoConfig.from_pretrained(str(model_dir)).vocab_size
-        return cls(tok, vocab_size, **kwargs)
 
     def backend_for(self, params: GuidedDecodingParams) -> str:
         """The backend that compiles `params`: the request's, else the server default; `auto` routes."""
@@ -202,16 +187,12 @@ class GrammarCompilerService:
     def cache_limit_bytes(self) -> int:
         return self.xgrammar.compiler.cache_limit_bytes
 
-    @property
-    def compiler(self):  # the xgrammar GrammarCompiler (tests, tools)
-        return self.xgrammar.compiler
-
     def clear_cache(self) -> None:
         self.xgrammar.clear_cache()
         with self._lock:
             self._cache.clear()
 
-    def shutdown(self, wait: bool = False) -> None:
+    def shutdown(self) -> None:
         """Stop taking compiles; pending ones are cancelled, running ones finish in the background."""
         with self._lock:
             self._closed = True

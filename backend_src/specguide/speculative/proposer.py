@@ -14,13 +14,13 @@ from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_model_dir
 from ..scheduler import Sequence
-from ..step import DraftPlan
 from .draft_head import DraftHead, default_head_path
 from .draft_model import DraftModel
 from .early_exit import EarlyExitDrafter
 from .head_drafter import HeadDrafter
 from .hybrid import HybridPicks
 from .ngram import NgramDrafter
+from .plan import DraftPlan
 from .step_cost import StepCosts
 
 log = logging.getLogger("specguide")

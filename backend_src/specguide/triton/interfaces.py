@@ -254,7 +254,8 @@ def config_text(iface: Interface, existing: str = "") -> str:
     text = render_config(iface)
     if iface.kind == "engine":
         _, marker, settings = existing.partition(ENGINE_SETTINGS_MARKER)
-        assert marker, f"{iface.name}/config.pbtxt lost its line {ENGINE_SETTINGS_MARKER!r}"
+        if not marker:
+            raise ValueError(f"{iface.name}/config.pbtxt lost its line {ENGINE_SETTINGS_MARKER!r}")
         text += "\n" + ENGINE_SETTINGS_MARKER + settings
     return text
 

@@ -3,9 +3,10 @@
 Inputs follow the TensorRT-LLM ensemble (`text_input`, `max_tokens`, `temperature`, ...) and the
 vLLM backend's `sampling_parameters` JSON string. The guide (`guided_decoding_guide_type` /
 `guided_decoding_guide`, or vLLM's `structured_outputs` / `guided_decoding`) is read and checked by
-`specguide.guided.params`, the one mapping of guides. Every function here is pure: the Triton module
-(`triton_python_backend_utils`) is passed in as `pb` where a Triton object must be built, so the
-unit tests run with a tiny fake of it.
+`specguide.guided.params`, the one mapping of guides. Typed tensor access and value checks are in
+`values`, the vLLM JSON in `vllm_sampling`, responses in `responses`. Every function here is pure:
+the Triton module (`triton_python_backend_utils`) is passed in as `pb` where a Triton object must be
+built, so the unit tests run with a tiny fake of it.
 
 Row b of a request with batch size B becomes one `ParsedRequest` (one engine sequence); its
 responses carry `batch_index = b`.
@@ -28,6 +29,8 @@ from ..request import InvalidRequestError, Request, SamplingParams
 from .interfaces import ALIASES, INTERFACE_PARAMETER, TRTLLM_INPUT_NAMES, TRTLLM_INPUTS, TRTLLM_OUTPUTS, \
     VLLM_INPUT_NAMES, Spec
 from .limits import InputLimits, check_inputs
+from .values import DEFAULT_JSON_DEPTH, Row, as_int, check_neutral, encode_words, parse_json_object
+from .vllm_sampling import PENALTIES, VLLM_MAX_LOGPROBS, VLLM_SAMPLING_KEYS, sampling_from_vllm
 from .responses import (  # noqa: F401  (re-exported: the adapter and the tests use io.*)
     VLLM_ERROR_PREFIX, Payload, SequenceStream, UnsupportedError, error_code, error_response, event_error_code, merge_payloads,
     to_response,
@@ -38,12 +41,11 @@ INPUTS: tuple[Spec, ...] = TRTLLM_INPUTS  # the `specguide` model's inputs (the 
 OUTPUTS: tuple[Spec, ...] = TRTLLM_OUTPUTS
 INPUT_NAMES = tuple(s.name for s in INPUTS)
 GUIDED_DISABLED_MESSAGE = "guided decoding is not enabled yet"
-VLLM_DEFAULT_MAX_TOKENS = 16
-VLLM_MAX_LOGPROBS = 20
 FAULT_PARAMETER = "specguide_fault"  # request parameter naming an injected fault (specguide.faults)
 CLIENT_PARAMETERS = "specguide_client_parameters"  # a proxy's client's parameters, as a JSON string
 # request parameters every interface accepts: internal ones, and the `Streaming` flag that
 # TensorRT-LLM's inflight_batcher_llm_client sends beside its tensors (ignored there as here)
+FAULTS = faults.injector()  # on only with SPECGUIDE_FAULT_INJECTION=1
 _KNOWN_PARAMETERS = frozenset({FAULT_PARAMETER, INTERFACE_PARAMETER, CLIENT_PARAMETERS, "Streaming"})
 
 
@@ -150,12 +152,12 @@ def parse_request(
     interface = interface_of(parameters)
     client = parameters.pop(CLIENT_PARAMETERS, None)  # a proxy passes its client's parameters as JSON
     if client:
-        parameters.update(_parse_json_object(client, "request parameters", limits.max_json_depth))
+        parameters.update(parse_json_object(client, "request parameters", limits.max_json_depth))
     tensors = _check_names(tensors, parameters, interface)
     ctx = _Context(interface, default_max_tokens, max_tokens_limit, tokenizer, guided_enabled, request_id, limits)
     rows = []
     for b in range(_batch_size(tensors)):
-        rows.extend(_parse_row(_Row(tensors, parameters, b), ctx))
+        rows.extend(_parse_row(Row(tensors, parameters, b), ctx))
     return rows
 
 
@@ -212,67 +214,7 @@ def _batch_size(tensors: dict[str, np.ndarray]) -> int:
     return int(prompt.shape[0])
 
 
-class _Row:
-    """Typed access to row b of every tensor, falling back to request parameters for scalars."""
-
-    def __init__(self, tensors: dict[str, np.ndarray], parameters: dict[str, Any], b: int):
-        self.tensors, self.parameters, self.b = tensors, parameters, b
-
-    def values(self, name: str) -> Optional[np.ndarray]:
-        arr = self.tensors.get(name)
-        if arr is None:
-            return None
-        row = arr[self.b] if arr.ndim >= 1 and arr.shape[0] > self.b else arr
-        return np.asarray(row).reshape(-1)
-
-    def scalar(self, name: str) -> Any:
-        vals = self.values(name)
-        if vals is None:
-            return self.parameters.get(name)
-        if vals.size == 0:
-            return None
-        if vals.size != 1:
-            raise InvalidRequestError(f"{name} must hold one value per row, got {vals.size}")
-        return vals[0].item() if hasattr(vals[0], "item") else vals[0]
-
-    def int(self, name: str) -> Optional[int]:
-        return _as_int(self.scalar(name), name)
-
-    def float(self, name: str) -> Optional[float]:
-        return _as_float(self.scalar(name), name)
-
-    def bool(self, name: str) -> Optional[bool]:
-        return _as_bool(self.scalar(name), name)
-
-    def str(self, name: str) -> Optional[str]:
-        v = self.scalar(name)
-        return None if v is None else _as_str(v, name)
-
-    def strs(self, name: str) -> list[str]:
-        vals = self.values(name)
-        if vals is None:
-            return []
-        return [s for s in (_as_str(v, name) for v in vals) if s]
-
-    def word_lists(self, name: str) -> list[list[int]]:
-        """TensorRT-LLM's `[2, L]` word lists: flat token ids, then end offsets (-1 padded)."""
-        arr = self.tensors.get(name)
-        if arr is None:
-            return []
-        rows = np.asarray(arr[self.b] if arr.ndim == 3 else arr)
-        if rows.ndim != 2 or rows.shape[0] != 2:
-            raise InvalidRequestError(f"{name} must be [2, L] per row (token ids; end offsets), got {list(rows.shape)}")
-        ids, offsets = rows[0].tolist(), [int(o) for o in rows[1] if o >= 0]
-        words, start = [], 0
-        for end in offsets:
-            if not start < end <= len(ids) or min(ids[start:end]) < 0:
-                raise InvalidRequestError(f"{name}: offset {end} does not end a word of token ids")
-            words.append([int(i) for i in ids[start:end]])
-            start = end
-        return words
-
-
-def _parse_row(row: _Row, ctx: _Context) -> list[ParsedRequest]:
+def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
     vllm = ctx.interface == "vllm"
     base = Request(request_id=ctx.request_id)
     _parse_prompt(row, base)
@@ -282,8 +224,8 @@ def _parse_row(row: _Row, ctx: _Context) -> list[ParsedRequest]:
     if vllm and not sp_json:  # the vLLM backend reads the request parameters instead of the tensor
         sp_json = json.dumps({k: v for k, v in row.parameters.items() if k in VLLM_SAMPLING_KEYS})
     if sp_json:
-        vllm_params = _parse_json_object(sp_json, "sampling_parameters", ctx.limits.max_json_depth)
-        sp = _from_vllm(vllm_params, ctx.tokenizer)
+        vllm_params = parse_json_object(sp_json, "sampling_parameters", ctx.limits.max_json_depth)
+        sp = sampling_from_vllm(vllm_params, ctx.tokenizer)
     else:
         vllm_params, sp = None, SamplingParams(max_tokens=ctx.default_max_tokens, temperature=0.0)
     if not vllm:
@@ -306,10 +248,7 @@ def _parse_row(row: _Row, ctx: _Context) -> list[ParsedRequest]:
     if timeout is not None and not (0.0 <= timeout < math.inf):
         raise InvalidRequestError(f"timeout_s must be a finite number >= 0 (0 = none), got {timeout}")
     base.timeout_s = timeout
-    if faults.enabled():  # an injected fault (tests; only with SPECGUIDE_FAULT_INJECTION=1)
-        fault = row.parameters.get(FAULT_PARAMETER)
-        faults.parse(fault)  # a bad fault name is INVALID_ARG here
-        base.fault = fault
+    base.fault = FAULTS.checked(row.parameters.get(FAULT_PARAMETER))  # tests; a bad name is INVALID_ARG
 
     shape = _response_shape(row, ctx, vllm_params)
     n = row.int("num_return_sequences")
@@ -340,7 +279,7 @@ def _parse_row(row: _Row, ctx: _Context) -> list[ParsedRequest]:
 MAX_RETURN_SEQUENCES = 16
 
 
-def _parse_prompt(row: _Row, req: Request) -> None:
+def _parse_prompt(row: Row, req: Request) -> None:
     if "text_input" in row.tensors:
         req.prompt = row.str("text_input")
         if not req.prompt:
@@ -359,7 +298,7 @@ def _parse_prompt(row: _Row, req: Request) -> None:
         raise InvalidRequestError("input_ids must be >= 0")
 
 
-def _response_shape(row: _Row, ctx: _Context, vllm_params: Optional[dict]) -> ParsedRequest:
+def _response_shape(row: Row, ctx: _Context, vllm_params: Optional[dict]) -> ParsedRequest:
     """How the row's responses look (a ParsedRequest without its engine request yet)."""
     stream = bool(row.bool("stream"))
     exclude = row.bool("exclude_input_in_output")
@@ -375,7 +314,7 @@ def _response_shape(row: _Row, ctx: _Context, vllm_params: Optional[dict]) -> Pa
         p.return_logprobs = bool(row.bool("return_logprobs"))
         n = (vllm_params or {}).get("logprobs")
         if n is not None:
-            p.top_logprobs = _as_int(n, "logprobs")
+            p.top_logprobs = as_int(n, "logprobs")
             if not 0 <= p.top_logprobs <= VLLM_MAX_LOGPROBS:
                 raise InvalidRequestError(f"logprobs must be in [0, {VLLM_MAX_LOGPROBS}], got {p.top_logprobs}")
     else:
@@ -387,11 +326,11 @@ def _response_shape(row: _Row, ctx: _Context, vllm_params: Optional[dict]) -> Pa
         p.return_log_probs = bool(row.bool("return_log_probs"))
         p.return_context_logits = bool(row.bool("return_context_logits"))
         p.return_generation_logits = bool(row.bool("return_generation_logits"))
-        _check_neutral("beam_width", row.int("beam_width"), 1)
+        check_neutral("beam_width", row.int("beam_width"), 1)
     return p
 
 
-def _apply_tensor_sampling(row: _Row, sp: SamplingParams, explicit_sampling: bool, tokenizer: Any) -> None:
+def _apply_tensor_sampling(row: Row, sp: SamplingParams, explicit_sampling: bool, tokenizer: Any) -> None:
     """TensorRT-LLM tensors. Greedy unless temperature, top_k or top_p is given (TRT-LLM's rule);
     `top_k` / `top_p` <= 0 mean unset, as TensorRT-LLM's clients send 0 by default."""
     temperature, top_k, top_p = row.float("temperature"), row.int("top_k"), row.float("top_p")
@@ -418,104 +357,16 @@ def _apply_tensor_sampling(row: _Row, sp: SamplingParams, explicit_sampling: boo
     if end_id is not None:
         sp.end_id = end_id
     # stop words end the sequence on their token sequences and stay in the output (TensorRT-LLM)
-    stop = _encode_words(row.strs("stop_words"), tokenizer) + row.word_lists("stop_words_list")
+    stop = encode_words(row.strs("stop_words"), tokenizer) + row.word_lists("stop_words_list")
     if stop:
         sp.stop_token_seqs = list(sp.stop_token_seqs) + stop
-    bad = _encode_words(row.strs("bad_words"), tokenizer) + row.word_lists("bad_words_list")
+    bad = encode_words(row.strs("bad_words"), tokenizer) + row.word_lists("bad_words_list")
     if bad:
         sp.bad_words_ids = list(sp.bad_words_ids) + bad
-    for key in _PENALTIES:  # checked by SamplingParams.validate; they do not turn sampling on
+    for key in PENALTIES:  # checked by SamplingParams.validate; they do not turn sampling on
         v = row.float(key)
         if v is not None:
             setattr(sp, key, v)
-
-
-# Sampling penalties: the TensorRT-LLM tensors and the vLLM keys have the same names.
-_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
-
-# vLLM SamplingParams fields we accept only at their neutral value, and fields we ignore.
-_VLLM_NEUTRAL = {
-    "n": 1, "best_of": 1, "prompt_logprobs": 0, "use_beam_search": False, "length_penalty": 1.0,
-    "min_p": 0.0, "include_stop_str_in_output": False,
-}
-_VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
-_VLLM_FLOATS = ("temperature", "top_p") + _PENALTIES
-# accepted and without effect here: output formatting vLLM does its own way, and the LoRA name
-# (null only), the structured-output backend options (read by guided.params)
-_VLLM_IGNORED = ("detokenize", "skip_special_tokens", "spaces_between_special_tokens", "output_kind",
-                 "truncate_prompt_tokens", "lora_name", "logprobs", "structured_outputs", "guided_decoding",
-                 "max_completion_tokens", "stop", "stop_token_ids", "ignore_eos", "bad_words", "early_stopping",
-                 "extra_args")
-VLLM_SAMPLING_KEYS = frozenset(_VLLM_INTS + _VLLM_FLOATS + tuple(_VLLM_NEUTRAL) + _VLLM_IGNORED)
-
-
-DEFAULT_JSON_DEPTH = InputLimits().max_json_depth
-
-
-def _parse_json_object(text: Any, what: str, max_depth: int = DEFAULT_JSON_DEPTH) -> dict[str, Any]:
-    if isinstance(text, dict):
-        return text
-    if isinstance(text, bytes):
-        text = _as_str(text, what)
-    if not isinstance(text, str):
-        raise InvalidRequestError(f"{what} must be a JSON object (as a string)")
-    d = check_json_text(text, what, max_depth)  # refuses deep nesting before json.loads recurses
-    if not isinstance(d, dict):
-        raise InvalidRequestError(f"{what} must be a JSON object")
-    return d
-
-
-def _from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
-    """The vLLM backend's `sampling_parameters`, with vLLM's defaults (max_tokens 16, temperature 1.0).
-
-    Values may be strings ("max_tokens": "16"), as genai-perf sends them. A key vLLM does not know
-    is an error naming it. The guide (`structured_outputs` / `guided_decoding`) is read by
-    guided.params.resolve_guided.
-    """
-    unknown = [k for k in d if k not in VLLM_SAMPLING_KEYS]
-    if unknown:
-        raise InvalidRequestError(f"sampling_parameters: unknown key '{unknown[0]}'")
-    sp = SamplingParams(max_tokens=VLLM_DEFAULT_MAX_TOKENS, temperature=1.0)
-    for key in _VLLM_INTS:
-        if d.get(key) is not None:
-            setattr(sp, key, _as_int(d[key], key))
-    for key in _VLLM_FLOATS:
-        if d.get(key) is not None:
-            setattr(sp, key, _as_float(d[key], key))
-    if sp.top_k == -1:  # vLLM's "off"
-        sp.top_k = 0
-    if d.get("max_tokens") is None and d.get("max_completion_tokens") is not None:
-        sp.max_tokens = _as_int(d["max_completion_tokens"], "max_completion_tokens")
-    stop = d.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            sp.stop = [stop] if stop else []
-        elif isinstance(stop, list):
-            sp.stop = [_as_str(s, "each stop string") for s in stop if s != ""]
-        else:
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {_json_type(stop)}")
-    if d.get("stop_token_ids") is not None:
-        ids = [_as_int(t, "each stop_token_ids entry") for t in _as_list(d["stop_token_ids"], "stop_token_ids")]
-        if any(t < 0 or t >= 2**31 for t in ids):
-            raise InvalidRequestError("stop_token_ids must be token ids (integers >= 0 inside the vocabulary)")
-        sp.stop_token_ids = ids
-    if d.get("ignore_eos") is not None:
-        sp.ignore_eos = bool(_as_bool(d["ignore_eos"], "ignore_eos"))
-    if d.get("bad_words") is not None:
-        words = [d["bad_words"]] if isinstance(d["bad_words"], str) else _as_list(d["bad_words"], "bad_words")
-        sp.bad_words_ids = _encode_words([_as_str(w, "each bad_words entry") for w in words], tokenizer)
-    if d.get("lora_name") is not None:
-        raise UnsupportedError(f"lora_name={d['lora_name']!r} is not supported (no LoRA adapters are loaded)")
-    for key, neutral in _VLLM_NEUTRAL.items():
-        v = d.get(key)
-        if v is not None:
-            _check_neutral(key, _as_bool(v, key) if isinstance(neutral, bool) else _as_float(v, key), neutral)
-    return sp
-
-
-# --------------------------------------------------------------------------------------------
-# Small converters
-# --------------------------------------------------------------------------------------------
 
 
 def _echo(req: Request, tokenizer: Any) -> tuple[str, list[int]]:
@@ -527,95 +378,4 @@ def _echo(req: Request, tokenizer: Any) -> tuple[str, list[int]]:
     text = tokenizer.decode(req.prompt_ids) if tokenizer is not None else ""
     return text, list(req.prompt_ids)
 
-
-def _encode_words(words: list[str], tokenizer: Any) -> list[list[int]]:
-    if not words:
-        return []
-    if tokenizer is None:
-        raise InvalidRequestError("stop/bad words need a tokenizer")
-    return [list(tokenizer.encode(w)) for w in words if w]
-
-
-def _check_neutral(name: str, value: Any, neutral: Any) -> None:
-    if value is not None and value != neutral:
-        raise UnsupportedError(f"{name}={value} is not supported (only {neutral})")
-
-
-def _json_type(v: Any) -> str:
-    """The JSON name of a parsed value's type (what a client wrote), for messages."""
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-def _as_str(v: Any, name: str) -> str:
-    if isinstance(v, bytes):
-        try:
-            return v.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidRequestError(f"{name} is not valid UTF-8") from None
-    if isinstance(v, str):
-        return v
-    raise InvalidRequestError(f"{name} must be a string, got {_json_type(v)}")
-
-
-def _as_int(v: Any, name: str) -> Optional[int]:
-    if v is None:
-        return None
-    if isinstance(v, (bool, np.bool_)):
-        raise InvalidRequestError(f"{name} must be an integer, got {v!r}")
-    if isinstance(v, (bytes, str)):
-        s = _as_str(v, name).strip()
-        try:
-            return int(s)
-        except ValueError:
-            try:
-                f = float(s)
-            except ValueError:
-                raise InvalidRequestError(f"{name} must be an integer, got {s!r}") from None
-            v = f
-    if isinstance(v, (float, np.floating)):
-        if not math.isfinite(v) or v != int(v):
-            raise InvalidRequestError(f"{name} must be an integer, got {v!r}")
-        return int(v)
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"{name} must be an integer, got {v!r}") from None
-
-
-def _as_float(v: Any, name: str) -> Optional[float]:
-    if v is None:
-        return None
-    if isinstance(v, (bool, np.bool_)):
-        raise InvalidRequestError(f"{name} must be a number, got {v!r}")
-    try:
-        f = float(_as_str(v, name) if isinstance(v, bytes) else v)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"{name} must be a number, got {v!r}") from None
-    if math.isnan(f):
-        raise InvalidRequestError(f"{name} must be a number, got NaN")
-    return f
-
-
-def _as_bool(v: Any, name: str) -> Optional[bool]:
-    if v is None:
-        return None
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    if isinstance(v, (bytes, str)):
-        s = _as_str(v, name).strip().lower()
-        if s in ("true", "1", "yes"):
-            return True
-        if s in ("false", "0", "no", ""):
-            return False
-        raise InvalidRequestError(f"{name} must be a boolean, got {s!r}")
-    if isinstance(v, (int, np.integer)) and v in (0, 1):
-        return bool(v)
-    raise InvalidRequestError(f"{name} must be a boolean, got {v!r}")
-
-
-def _as_list(v: Any, name: str) -> list:
-    if isinstance(v, (list, tuple)):
-        return list(v)
-    raise InvalidRequestError(f"{name} must be a list, got {_json_type(v)}")
 

@@ -69,7 +69,8 @@ class TritonPythonModel:
         self.passed_on = set(INTERFACES[ENGINE_MODEL].input_names)  # the rest (vLLM's image, ...) is refused
         self.add_batch_dim = int(config.get("max_batch_size", 0)) == 0  # the engine model batches
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        assert self.decoupled == (self.kind == "vllm"), "specguide_vllm is decoupled, specguide_unary is not"
+        if self.decoupled != (self.kind == "vllm"):
+            raise ValueError("specguide_vllm is decoupled, specguide_unary is not (config.pbtxt model_transaction_policy)")
         self._live: set[_Live] = set()
         self._threads: set[threading.Thread] = set()  # one per request in flight
         self._lock = threading.Lock()

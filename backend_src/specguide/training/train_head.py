@@ -27,7 +27,7 @@ from ..kv_cache import KVCache
 from ..models.llama import LlamaModel, apply_rope, rms_norm
 from ..progress import Progress
 from ..request import GuidedDecodingParams, Request, SamplingParams
-from .draft_head import DraftHead
+from ..speculative.draft_head import DraftHead
 from .prompts import CHAT_TRAIN, SCHEMA_TEMPLATES, load_schemas, load_subschemas, schema_message
 
 log = logging.getLogger("specguide.train")

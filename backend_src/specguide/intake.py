@@ -1,0 +1,103 @@
+"""Request intake: check a `Request` against the engine's limits, build its `Sequence`, and hand it its
+compiled grammar once ready."""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+from typing import Any, Callable, Iterable
+
+from .config import EngineConfig
+from .faults import Injector
+from .request import InvalidRequestError, Request, RequestOutput
+from .scheduler import Sequence
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("specguide")
+
+
+class Intake:
+    """Validates requests (InvalidRequestError names what is wrong), numbers their sequences and
+starts, then collects, their grammar compiles."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, vocab_size: int,
+                 eos_token_ids: frozenset[int], compiler: Any, faults: Injector):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.compiler = compiler  # starts a guided request's grammar compile
+        self.faults = faults
+        self._ids = itertools.count(1)
+
+    def _prompt_ids(self, request: Request) -> list[int]:
+        if request.prompt_ids is not None:
+            ids = [int(t) for t in request.prompt_ids]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"input token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        elif request.prompt is not None:
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            raise InvalidRequestError("a request needs a prompt (text_input) or input_ids")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.config.max_seq_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; max_seq_len is {self.config.max_seq_len} "
+                f"(the prompt must leave room for at least one generated token)")
+        return ids
+
+    def sequence(self, request: Request, callback: Callable[[RequestOutput], None]) -> Sequence:
+        """The request's Sequence (its grammar compile started); raises InvalidRequestError."""
+        cfg, vocab = self.config, self.vocab_size
+        ids = self._prompt_ids(request)
+        p = request.params
+        p.validate(cfg.max_tokens_limit)
+        p.normalize(vocab)
+        k = request.num_draft_tokens
+        if k is not None and not 0 <= k <= cfg.num_draft_tokens:
+            raise InvalidRequestError(f"num_draft_tokens must be in [0, {cfg.num_draft_tokens}] "
+                                      f"(the configured maximum), got {k}")
+        if p.end_id is not None and not 0 <= p.end_id < vocab:
+            raise InvalidRequestError(f"end_id {p.end_id} is outside the vocabulary")
+        if any(not 0 <= t < vocab for word in p.stop_token_seqs for t in word):
+            raise InvalidRequestError(f"stop token sequences hold ids outside [0, {vocab})")
+        timeout = request.timeout_s if request.timeout_s is not None else cfg.request_timeout_s
+        if not (timeout >= 0 and math.isfinite(timeout)):
+            raise InvalidRequestError(f"timeout_s must be a finite number >= 0 (0 = none), got {timeout}")
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids |= {p.end_id} if p.end_id is not None else set(self.eos_token_ids)
+        seq = Sequence(
+            seq_id=next(self._ids), prompt_ids=ids, params=p,
+            seed=p.seed if p.seed is not None else random.getrandbits(64), callback=callback,
+            stop_ids=frozenset(stop_ids), guided=request.guided,
+            num_draft_tokens=cfg.num_draft_tokens if k is None else k, request_id=request.request_id,
+            fault=self.faults.parse(request.fault))
+        if timeout > 0:
+            seq.deadline = seq.arrival + timeout
+        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        if request.guided is not None:  # a malformed guide raises here; compile errors come later
+            seq.compile = self.compiler.submit(request.guided)
+        return seq
+
+    def poll_compiles(self, waiting: Iterable[Sequence]) -> list[tuple[Sequence, str, str]]:
+        """Move finished grammar compiles onto their sequences; returns (sequence, error message,
+        error code) for each compile that failed (the engine fails those requests)."""
+        failed = []
+        for seq in [q for q in waiting if q.compile is not None]:
+            handle = seq.compile
+            if not (handle.ready() or handle.timed_out()) or self.faults.holds_compile(seq):
+                continue
+            try:
+                seq.grammar = handle.result(timeout=0)
+                seq.compile = None
+            except InvalidRequestError as exc:
+                failed.append((seq, str(exc), "INVALID_ARG"))
+            except Exception as exc:
+                log.error("grammar compile of request %s failed: %r", seq.seq_id, exc)
+                failed.append((seq, f"the grammar compile failed ({type(exc).__name__}; "
+                                    f"the server log has the details)", "INTERNAL"))
+        return failed

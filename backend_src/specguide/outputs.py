@@ -1,0 +1,159 @@
+"""Output processing: appending a step's tokens to a request, its stop conditions and stop strings,
+and the events its callback receives."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from .request import RequestOutput
+from .scheduler import Sequence, Status
+
+log = logging.getLogger("specguide")
+STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode", Status.FINISHED: "finished"}
+
+
+class Finish(NamedTuple):
+    """Why a request ends: a finish reason and, for "error", the client's message and code."""
+
+    reason: str
+    error: Optional[str] = None
+    code: Optional[str] = None
+
+
+class OutputProcessor:
+    """The one owner of what a request has produced and been told: output tokens and their
+    per-token values, text held back for stop strings, and the events sent to its callback."""
+
+    def __init__(self, guided: Any, check_stop_token: Callable[[Sequence], Optional[str]],
+                 vocab_size: int, kv: Any):
+        self.guided = guided  # advanced by each appended token of a guided request
+        self.check_stop_token = check_stop_token  # EOS / stop ids / max_tokens / max_seq_len
+        self.vocab_size = vocab_size
+        self.kv = kv
+
+    def append(self, seq: Sequence, tokens: list[int]) -> Optional[Finish]:
+        """Append accepted tokens up to the first finish condition; detokenize; check stop strings.
+        Returns how the request ends, or None when it goes on."""
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+            seq.first_token_time_ns = time.time_ns()
+        seq.last_token_time_ns = time.time_ns()
+        lps, tops, rows = seq.step_logprobs, seq.step_top_logprobs, seq.step_logits  # aligned with tokens
+        seq.step_logprobs = seq.step_top_logprobs = seq.step_logits = None
+        reason = None
+        new: list[int] = []
+        guided = seq.grammar is not None
+        if any(t < 0 for t in tokens):  # the runner's mark for non-finite logits in this row
+            return Finish("error", "the model produced non-finite logits (NaN/inf) for this request")
+        for t in tokens:
+            if guided and not self.guided.advance(seq.slot, t):
+                why = self._violation(seq.slot)
+                return Finish("error", f"the output violates the JSON schema: {why}" if why else
+                              f"token {t} violates the grammar (its mask allowed no token outside bad_words/end_id?)",
+                              "INTERNAL")
+            if lps is not None:
+                seq.logprobs.append(lps[len(new)])
+            if tops is not None:
+                seq.top_logprobs.append(tops[len(new)])
+            if rows is not None:
+                seq.logits_unsent.append(rows[len(new)])
+            seq.output_ids.append(t)
+            new.append(t)
+            reason = self.check_stop_token(seq)
+            if guided and self.guided.is_terminated(seq.slot):
+                reason = "stop"
+            if len(seq.output_ids) >= seq.params.min_tokens and any(
+                    seq.output_ids[-len(w):] == w for w in seq.params.stop_token_seqs):
+                reason = "stop"  # TRT-LLM stop words: the tokens stay in the output
+            if reason:
+                break
+        seq.pending_text += seq.detok.add(new)
+        if self._cut_stop_string(seq, final=reason is not None):
+            reason = "stop"
+        return Finish(reason) if reason else None
+
+    def _violation(self, slot: int) -> Optional[str]:
+        """A best-effort guide's value-check verdict for an error message (None when unknown)."""
+        try:
+            return self.guided.violation(slot)
+        except Exception:  # noqa: BLE001 - a broken matcher: the plain message will do
+            return None
+
+    def _cut_stop_string(self, seq: Sequence, final: bool) -> bool:
+        """Move pending text to emitted text, holding back a possible stop-string prefix.
+        Returns True when a stop string was found (the text is cut right before it)."""
+        if final:
+            seq.pending_text += seq.detok.finish()
+        stops = seq.params.stop
+        if stops:
+            hits = [i for i in (seq.pending_text.find(s) for s in stops) if i >= 0]
+            if hits:
+                seq.delta += seq.pending_text[: min(hits)]
+                seq.text += seq.pending_text[: min(hits)]
+                seq.pending_text = ""
+                return True
+            keep = 0 if final else max(len(s) for s in stops) - 1
+            cut = max(len(seq.pending_text) - keep, 0)
+        else:
+            cut = len(seq.pending_text)
+        seq.delta += seq.pending_text[:cut]
+        seq.text += seq.pending_text[:cut]
+        seq.pending_text = seq.pending_text[cut:]
+        return False
+
+    def close(self, seq: Sequence, reason: str, error_code: Optional[str]) -> None:
+        """The output side of finishing, before the scheduler frees the slot: where the request was,
+        its error code, and its held-back text (dropped on cancel/error, flushed on timeout)."""
+        seq.stage = "compiling" if seq.compile is not None else STAGES[seq.status]
+        if reason in ("cancelled", "error"):
+            seq.pending_text = ""
+        elif reason == "timeout":  # keep what was generated; flush the held-back text
+            self._cut_stop_string(seq, final=True)
+        seq.error_code = error_code or ("INTERNAL" if reason == "error" else None)
+
+    def emit(self, seq: Sequence, finished: bool) -> bool:
+        """Send the request's new text and tokens (and, when `finished`, its final event) to its
+        callback. Returns False when the callback raised (the caller cancels the request)."""
+        delta, seq.delta = seq.delta, ""
+        new_ids = seq.output_ids[seq.ids_sent:]
+        if not finished and not delta and not new_ids:
+            return True
+        out = self._event(seq, delta, new_ids, finished)
+        seq.ids_sent = len(seq.output_ids)
+        try:
+            seq.callback(out)
+            return True
+        except Exception:
+            log.exception("callback of request %s raised; cancelling it", seq.seq_id)
+            return False
+
+    def _event(self, seq: Sequence, delta: str, new_ids: list[int], finished: bool) -> RequestOutput:
+        p, sent = seq.params, seq.ids_sent
+        context = None
+        if seq.context_logits and sum(len(c) for c in seq.context_logits) == len(seq.prompt_ids):
+            context = torch.cat(seq.context_logits).numpy()  # once, with the first event after prefill
+            seq.context_logits = []
+        gen_logits = None
+        if p.return_generation_logits:
+            rows, seq.logits_unsent = seq.logits_unsent, []
+            gen_logits = (torch.stack(rows) if rows else torch.empty(0, self.vocab_size)).numpy()
+        blocks = self.kv.blocks(seq.num_tokens) if seq.first_scheduled_time_ns else 0  # static slot: no reuse
+        return RequestOutput(
+            seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
+            finish_reason=seq.finish_reason if finished else None, error=seq.error,
+            error_code=seq.error_code if finished else None, stage=seq.stage if finished else None,
+            guide_notes=tuple(getattr(seq.grammar, "unenforced", ())) if finished else (),
+            total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
+            num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
+            first_token=seq.ids_sent == 0 and bool(new_ids),
+            logprobs=seq.logprobs[sent:] if p.wants_logprobs else None,
+            top_logprobs=seq.top_logprobs[sent:] if p.top_logprobs else None,
+            cum_logprob=sum(seq.logprobs) if p.wants_logprobs else None,
+            generation_logits=gen_logits, context_logits=context,
+            arrival_time_ns=seq.arrival_time_ns, first_scheduled_time_ns=seq.first_scheduled_time_ns,
+            first_token_time_ns=seq.first_token_time_ns, last_token_time_ns=seq.last_token_time_ns,
+            kv_cache_alloc_new_blocks=blocks, kv_cache_reused_blocks=0, kv_cache_alloc_total_blocks=blocks,
+            kv_cache_hit_rate=0.0)

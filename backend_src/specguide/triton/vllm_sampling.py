@@ -1,0 +1,77 @@
+"""The vLLM backend's `sampling_parameters` JSON, read with vLLM's defaults and key names."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..request import InvalidRequestError, SamplingParams
+from .responses import UnsupportedError
+from .values import as_bool, as_float, as_int, as_list, as_str, check_neutral, encode_words, json_type
+
+VLLM_DEFAULT_MAX_TOKENS = 16
+VLLM_MAX_LOGPROBS = 20
+
+# Sampling penalties: the TensorRT-LLM tensors and the vLLM keys have the same names.
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+# vLLM SamplingParams fields we accept only at their neutral value, and fields we ignore.
+_VLLM_NEUTRAL = {
+    "n": 1, "best_of": 1, "prompt_logprobs": 0, "use_beam_search": False, "length_penalty": 1.0,
+    "min_p": 0.0, "include_stop_str_in_output": False,
+}
+_VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
+_VLLM_FLOATS = ("temperature", "top_p") + PENALTIES
+# accepted and without effect here: output formatting vLLM does its own way, and the LoRA name
+# (null only), the structured-output backend options (read by guided.params)
+_VLLM_IGNORED = ("detokenize", "skip_special_tokens", "spaces_between_special_tokens", "output_kind",
+                 "truncate_prompt_tokens", "lora_name", "logprobs", "structured_outputs", "guided_decoding",
+                 "max_completion_tokens", "stop", "stop_token_ids", "ignore_eos", "bad_words", "early_stopping",
+                 "extra_args")
+VLLM_SAMPLING_KEYS = frozenset(_VLLM_INTS + _VLLM_FLOATS + tuple(_VLLM_NEUTRAL) + _VLLM_IGNORED)
+
+
+def sampling_from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
+    """The vLLM backend's `sampling_parameters`, with vLLM's defaults (max_tokens 16, temperature 1.0).
+
+    Values may be strings ("max_tokens": "16"), as genai-perf sends them. A key vLLM does not know
+    is an error naming it. The guide (`structured_outputs` / `guided_decoding`) is read by
+    guided.params.resolve_guided.
+    """
+    unknown = [k for k in d if k not in VLLM_SAMPLING_KEYS]
+    if unknown:
+        raise InvalidRequestError(f"sampling_parameters: unknown key '{unknown[0]}'")
+    sp = SamplingParams(max_tokens=VLLM_DEFAULT_MAX_TOKENS, temperature=1.0)
+    for key in _VLLM_INTS:
+        if d.get(key) is not None:
+            setattr(sp, key, as_int(d[key], key))
+    for key in _VLLM_FLOATS:
+        if d.get(key) is not None:
+            setattr(sp, key, as_float(d[key], key))
+    if sp.top_k == -1:  # vLLM's "off"
+        sp.top_k = 0
+    if d.get("max_tokens") is None and d.get("max_completion_tokens") is not None:
+        sp.max_tokens = as_int(d["max_completion_tokens"], "max_completion_tokens")
+    stop = d.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            sp.stop = [stop] if stop else []
+        elif isinstance(stop, list):
+            sp.stop = [as_str(s, "each stop string") for s in stop if s != ""]
+        else:
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {json_type(stop)}")
+    if d.get("stop_token_ids") is not None:
+        ids = [as_int(t, "each stop_token_ids entry") for t in as_list(d["stop_token_ids"], "stop_token_ids")]
+        if any(t < 0 or t >= 2**31 for t in ids):
+            raise InvalidRequestError("stop_token_ids must be token ids (integers >= 0 inside the vocabulary)")
+        sp.stop_token_ids = ids
+    if d.get("ignore_eos") is not None:
+        sp.ignore_eos = bool(as_bool(d["ignore_eos"], "ignore_eos"))
+    if d.get("bad_words") is not None:
+        words = [d["bad_words"]] if isinstance(d["bad_words"], str) else as_list(d["bad_words"], "bad_words")
+        sp.bad_words_ids = encode_words([as_str(w, "each bad_words entry") for w in words], tokenizer)
+    if d.get("lora_name") is not None:
+        raise UnsupportedError(f"lora_name={d['lora_name']!r} is not supported (no LoRA adapters are loaded)")
+    for key, neutral in _VLLM_NEUTRAL.items():
+        v = d.get(key)
+        if v is not None:
+            check_neutral(key, as_bool(v, key) if isinstance(neutral, bool) else as_float(v, key), neutral)
+    return sp

@@ -1,0 +1,126 @@
+"""Imports inside backend_src/specguide go one way, down the layers below, and never in a cycle.
+
+Units are the top-level modules and subpackages. A unit may import only units of a strictly lower
+layer (and its own modules); modules may not import each other in a cycle."""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "backend_src" / "specguide"
+
+LAYERS = {
+    # plain data, settings and helpers that import nothing of ours
+    "request": 0, "config": 0, "paths": 0, "progress": 0, "memory": 0,
+    # per-request state (Sequence) and small services every layer above reads
+    "faults": 1, "scheduler": 1, "tokenizer": 1, "kv_cache": 1, "sampling": 1,
+    "kernels": 2, "slot_sampling": 2, "cuda": 2,  # cuda: host functions, and graphs of any step body
+    "models": 3, "token_outputs": 3,
+    "guided": 4, "speculative": 4,
+    "step": 5,
+    "runner": 6,
+    "intake": 7, "outputs": 7,
+    "engine": 8,
+    "triton": 9, "training": 9,  # nothing in serving imports training
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        parts = f.relative_to(PACKAGE).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        out[".".join(parts)] = f
+    return out
+
+
+def _edges() -> dict[tuple[str, str], str]:
+    """(importer, imported) -> 'file:line' of the first such import (lazy ones included)."""
+    mods = _modules()
+    edges: dict[tuple[str, str], str] = {}
+    for mod, f in mods.items():
+        package = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
+        if mod == "":
+            package = []
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 0:
+                if not (node.module or "").startswith("specguide"):
+                    continue
+                base = node.module.split(".")[1:]
+            else:
+                base = package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            for alias in node.names:
+                target = ".".join(base + [alias.name])
+                target = target if target in mods else ".".join(base)  # `from .cuda import hostfunc`
+                if target and target != mod:
+                    edges.setdefault((mod, target), f"{f.relative_to(PACKAGE)}:{node.lineno}")
+    return edges
+
+
+def _unit(mod: str) -> str:
+    return mod.split(".")[0]
+
+
+def test_every_unit_has_a_layer():
+    missing = sorted({_unit(m) for m in _modules() if m} - set(LAYERS))
+    assert not missing, f"give these a layer in LAYERS: {missing}"
+
+
+def test_imports_go_down_the_layers():
+    edges = _edges()
+    bad = [f"{where}: {src} (layer {LAYERS[_unit(src)]}) imports {dst} (layer {LAYERS[_unit(dst)]})"
+           for (src, dst), where in sorted(edges.items())
+           if _unit(src) != _unit(dst) and LAYERS[_unit(src)] <= LAYERS[_unit(dst)]]
+    print("\n".join(bad))
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_between_modules_or_units():
+    edges = _edges()
+    modules: dict[str, set[str]] = defaultdict(set)
+    units: dict[str, set[str]] = defaultdict(set)
+    for src, dst in edges:
+        modules[src].add(dst)
+        if _unit(src) != _unit(dst):
+            units[_unit(src)].add(_unit(dst))
+    for graph, key in ((modules, str), (units, _unit)):
+        cycles = _cycles(graph)
+        detail = [f"{c}: " + ", ".join(f"{w} {a} -> {b}" for (a, b), w in sorted(edges.items())
+                                      if key(a) in c and key(b) in c and key(a) != key(b))
+                  for c in cycles]
+        assert not cycles, "import cycles:\n" + "\n".join(detail)
