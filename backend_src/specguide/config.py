@@ -75,9 +75,9 @@ class EngineConfig:
     max_sampling_parameters_bytes: int = 0  # sampling_parameters / request parameters JSON, and the
     # stop_words / bad_words tensors (each), larger are refused before parsing; 0 = guide limit + 64 KiB
     guided_mask_threads: int = 1  # threads for the batched mask fill (1 is fastest on 2 cores)
-    guided_executor: str = "auto"  # where grammar work runs: "plain" (GuidedDecoder, called directly),
-    # "inline" / "worker" (CapturableGuidedDecoder, callbacks at once / on a worker thread: test mode),
-    # "cuda" (host functions on a grammar stream); "auto" = "cuda" on a CUDA device, else "plain"
+    guided_executor: str = "auto"  # where the step's grammar callbacks run: "inline" (at once; "plain" is
+    # its old name), "worker" (a worker thread: the race test mode), "cuda" (host functions on a grammar
+    # stream, captured in the step graphs); "auto" = "cuda" on a CUDA device, else "inline"
     cuda_graphs: bool = True  # on CUDA: one CUDA graph per speculative step and batch bucket
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 M32 = 0xFFFFFFFF
+U_MAX = 1.0 - 2.0 ** -24  # the largest float32 below 1
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -29,7 +30,9 @@ def uniform(seed: torch.Tensor, counter: torch.Tensor, n: int, stream: int = 0) 
     key = hash32(lo ^ hash32(hi ^ hash32((counter * 2654435761 + stream * 40503) & M32)))  # [B]
     idx = torch.arange(n, device=seed.device, dtype=torch.int64)
     bits = hash32(hash32((key[:, None] ^ (idx[None, :] * 0x9E3779B1)) & M32) ^ key[:, None])  # [B, n]
-    return (bits.double() + 0.5).mul_(1.0 / 4294967296.0).float()
+    # NOTE: float32 rounds the top ~128 of 2^32 values to 1.0 (about 1 in 700 rows of 49k draws); a
+    # uniform of 1 makes the Gumbel noise -log(-log u) infinite: NaN / +inf argmax on any token
+    return (bits.double() + 0.5).mul_(1.0 / 4294967296.0).float().clamp_(max=U_MAX)
 
 
 @dataclass

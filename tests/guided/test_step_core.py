@@ -36,7 +36,7 @@ def _engine(drafter: str, head: str, executor: str) -> Engine:
                                guided_executor=executor))
 
 
-@pytest.mark.parametrize("drafter", ["hybrid", "head", "grammar", "ngram", "early_exit"])
+@pytest.mark.parametrize("drafter", ["hybrid", "head", "grammar", "ngram", "early_exit", "draft_model"])
 def test_graph_body_with_worker_callbacks_equals_the_plain_engine(drafter, random_head):
     plain, worker = _engine(drafter, random_head, "plain"), _engine(drafter, random_head, "worker")
     try:

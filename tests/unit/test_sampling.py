@@ -32,6 +32,18 @@ def test_uniforms_are_uniform_and_keyed():
     assert torch.equal(u[0], uniform(torch.tensor([5]), torch.tensor([0]), 20000)[0])
 
 
+def test_a_uniform_never_rounds_to_one():
+    """Seed 8, counter 12 draws a value that float32 rounds to 1.0 at ids 0 and 9526 (found by the
+    step-core test: a greedy row in a sampled batch emitted 9526). A uniform of 1 made the Gumbel
+    noise infinite: a masked token won, or a greedy row's rejection-sampling bonus token."""
+    u = uniform(torch.tensor([8]), torch.tensor([12]), 49152)
+    assert u.max() < 1 and u.min() > 0
+    logits = torch.full((1, 49152), float("-inf"))
+    logits[0, 5] = 0.0  # the grammar allows one token
+    assert sample(logits, batch(1, seed=8, counter=torch.tensor([12]))).tolist() == [5]
+    assert probabilities(logits, batch(1, seed=8, counter=torch.tensor([12])))[0, 5] == 1
+
+
 def test_samples_follow_softmax_with_temperature():
     # 8 tokens, 40k independent draws (distinct counters): chi-square with 7 dof, p=0.001 -> 24.3
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])

@@ -99,11 +99,6 @@ class GrammarBackend(ABC):
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         """Compile a validated guide; InvalidRequestError with a client-safe message."""
 
-    def fill_batch(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Fill bitmask[rows[i]] from matchers[i] (backends override with a parallel version)."""
-        for m, r in zip(matchers, rows):
-            m.fill(bitmask, r)
-
     def cache_size_bytes(self) -> int:
         return 0
 
