@@ -208,3 +208,35 @@ def test_ten_thousand_replays_with_grammar_callbacks_do_not_hang():
     del graph
     for k in hostfunc.registered_keys() - before:
         hostfunc.free_host_func_user_data(k)
+
+
+@pytest.mark.timeout(900)
+def test_ten_thousand_hybrid_graph_steps_with_a_competing_thread_do_not_hang(random_head):
+    """The default drafter's captured step (head on the device, per-draft grammar callbacks and
+    proposals, device-side pick) replayed 10,000 times while another Python thread competes for the GIL."""
+    eng = _engine(drafter="hybrid", draft_head_path=random_head, num_draft_tokens=3)
+    stop = threading.Event()
+    spin = threading.Thread(target=lambda: [sum(range(200)) for _ in iter(stop.is_set, True)], daemon=True)
+    spin.start()
+    try:
+        chat = lambda t: eng.tokenizer.apply_chat_template([{"role": "user", "content": t}])  # noqa: E731
+
+        def pair():
+            return [Request(prompt=chat("Describe Alice, 30, as JSON."), num_draft_tokens=3,
+                            guided=GuidedDecodingParams("json_schema", json.dumps(SCHEMA)),
+                            params=SamplingParams(max_tokens=64, temperature=0.0)),
+                    Request(prompt=chat("Count from one to one hundred in words."), num_draft_tokens=3,
+                            params=SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True))]
+
+        def reqs():
+            return [r for _ in range(4) for r in pair()]
+
+        while eng.step_graphs.stats.steps < 10_000:
+            for toks, text, final in _run_many(eng, reqs(), timeout=300):
+                assert final.finish_reason in ("stop", "length"), final.error
+        assert any(k.pick and k.guided for k in eng.step_graphs.graphs)
+        eng.scheduler.check_integrity()
+    finally:
+        stop.set()
+        spin.join()
+        eng.shutdown()
