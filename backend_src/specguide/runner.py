@@ -2,6 +2,7 @@
 eagerly or as a CUDA-graph replay; prefill chunks."""
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import torch
@@ -99,9 +100,12 @@ class Runner:
         core.stage(seqs, plan, key)
         if key.captured and graphs is not None:
             graphs.replay(key)
+            t0 = time.perf_counter()
+            core.finish(key)
+            graphs.stats.wait_s += time.perf_counter() - t0  # host waiting for the replayed step
         else:
             core.body(key)
-        core.finish(key)
+            core.finish(key)
         out = core.results(seqs, plan, key)
         if plan.drafter is not None and key.drafting != "none":
             plan.drafter.done(seqs, [a for _, _, a in out], key.T - 1)

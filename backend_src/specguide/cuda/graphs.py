@@ -81,10 +81,8 @@ class StepGraphs:
             self._capture(key, plan)
 
     def replay(self, key: Any) -> None:
-        t0 = time.perf_counter()
         self.graphs[key].replay()
         self.stats.steps += 1
-        self.stats.wait_s += time.perf_counter() - t0
 
     def _capture(self, key: Any, plan: Any) -> None:
         """Warm up and capture `body(key)` on all-padding inputs (the plan gives its drafter)."""
