@@ -102,7 +102,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--drafter", default="ngram", choices=["ngram", "early_exit"])
+    ap.add_argument("--drafter", default="ngram", choices=["ngram", "early_exit", "hybrid", "head", "draft_model"])
+    ap.add_argument("--draft-head", default="", help="draft head file for hybrid / head (default: the trained head)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -118,7 +119,8 @@ def main() -> None:
     for graphs in (True, False):
         engine = Engine(EngineConfig(device="cuda", dtype=args.dtype, max_slots=max(batches), max_seq_len=1024,
                                      prefill_chunk=512, num_draft_tokens=3, drafter=args.drafter,
-                                     spec_max_rows=0, cuda_graphs=graphs, max_queue=1024))
+                                     spec_max_rows=0, cuda_graphs=graphs, max_queue=1024,
+                                     draft_head_path=args.draft_head))
         try:
             for batch in batches:
                 for guided in (False, True):
