@@ -71,7 +71,8 @@ class Engine:
                                  DTYPES[config.dtype], self.device)
         self.runner.core.feature_sink = self.proposer.feature_sink
         self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free
-        self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk)
+        self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
+                                   config.prefix_caching, config.prefix_min_tokens)
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
         self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler,
@@ -299,7 +300,7 @@ class Engine:
     def _prefill(self, chunk: PrefillChunk) -> Optional[int]:
         """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""
         seq = chunk.seq
-        if chunk.start == 0:
+        if chunk.start == seq.num_reused:  # the first chunk (after a reused prefix)
             for owner in self.slot_state:
                 owner.admit(seq.slot, seq)
         self.faults.before_prefill(seq)

@@ -140,7 +140,8 @@ class OutputProcessor:
         if p.return_generation_logits:
             rows, seq.logits_unsent = seq.logits_unsent, []
             gen_logits = (torch.stack(rows) if rows else torch.empty(0, self.vocab_size)).numpy()
-        blocks = self.kv.blocks(seq.num_tokens) if seq.first_scheduled_time_ns else 0  # static slot: no reuse
+        blocks = self.kv.blocks(seq.num_tokens) if seq.first_scheduled_time_ns else 0
+        reused = seq.num_reused // self.kv.tokens_per_block  # whole blocks of a reused prompt prefix
         return RequestOutput(
             seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
@@ -155,5 +156,5 @@ class OutputProcessor:
             generation_logits=gen_logits, context_logits=context,
             arrival_time_ns=seq.arrival_time_ns, first_scheduled_time_ns=seq.first_scheduled_time_ns,
             first_token_time_ns=seq.first_token_time_ns, last_token_time_ns=seq.last_token_time_ns,
-            kv_cache_alloc_new_blocks=blocks, kv_cache_reused_blocks=0, kv_cache_alloc_total_blocks=blocks,
-            kv_cache_hit_rate=0.0)
+            kv_cache_alloc_new_blocks=blocks - reused, kv_cache_reused_blocks=reused,
+            kv_cache_alloc_total_blocks=blocks, kv_cache_hit_rate=reused / blocks if blocks else 0.0)

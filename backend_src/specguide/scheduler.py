@@ -36,6 +36,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     slot: Optional[int] = None
     num_cached: int = 0
+    num_reused: int = 0  # prompt tokens whose KV the slot already held at admission (prefix caching)
     status: Status = Status.WAITING
     cancelled: bool = False
     finish_reason: Optional[str] = None
@@ -103,11 +104,14 @@ class StepPlan:
 class Scheduler:
     """Owns the waiting queue and the slot free list; decides each step's work."""
 
-    def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int):
+    def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
+                 prefix_min_tokens: int = 1):
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
+        self.prefix_caching, self.prefix_min_tokens = prefix_caching, prefix_min_tokens
         self.free_slots: list[int] = list(range(max_slots))  # heap: lowest slot first keeps rows packed
+        self.slot_tokens: list[list[int]] = [[] for _ in range(max_slots)]  # tokens whose KV a free slot holds
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
 
@@ -122,7 +126,9 @@ class Scheduler:
             if not ready(seq):  # e.g. its grammar is still compiling
                 blocked.append(seq)
                 continue
-            seq.slot = heapq.heappop(self.free_slots)
+            seq.slot, seq.num_reused = self._pick_slot(seq)
+            seq.num_cached = seq.num_reused
+            self.slot_tokens[seq.slot] = []
             seq.status = Status.PREFILL
             seq.first_scheduled_time_ns = time.time_ns()
             self.running[seq.slot] = seq
@@ -141,6 +147,30 @@ class Scheduler:
         decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
         return StepPlan(prefills, decodes)
 
+    def _pick_slot(self, seq: Sequence) -> tuple[int, int]:
+        """(slot, prompt tokens to reuse): the free slot holding the longest prefix of the prompt,
+        cut to a multiple of prefill_chunk (the prefill's chunks stay [k*chunk, (k+1)*chunk), so
+        the numbers are those of a prefill from scratch) and leaving at least one token to prefill;
+        else the lowest free slot."""
+        slot, reuse = self.free_slots[0], 0
+        if self.prefix_caching and not seq.params.return_context_logits:
+            limit, prompt = len(seq.prompt_ids) - 1, seq.prompt_ids
+            for s in sorted(self.free_slots):
+                held = self.slot_tokens[s]
+                n = 0
+                for a, b in zip(held[:limit], prompt):
+                    if a != b:
+                        break
+                    n += 1
+                n -= n % self.prefill_chunk
+                if n > reuse:
+                    slot, reuse = s, n
+        if reuse < self.prefix_min_tokens:
+            slot, reuse = self.free_slots[0], 0
+        self.free_slots.remove(slot)
+        heapq.heapify(self.free_slots)
+        return slot, reuse
+
     # ---- bookkeeping -----------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
         """Mark finished and free the slot (idempotent)."""
@@ -152,6 +182,8 @@ class Scheduler:
         if seq.slot is not None:
             assert self.running.get(seq.slot) is seq
             del self.running[seq.slot]
+            # the slot keeps the KV of positions < num_cached (later positions are dead)
+            self.slot_tokens[seq.slot] = (seq.prompt_ids + seq.output_ids)[: seq.num_cached]
             heapq.heappush(self.free_slots, seq.slot)
             seq.slot = None
         elif seq in self.waiting:

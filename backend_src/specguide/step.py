@@ -32,7 +32,7 @@ from .scheduler import Sequence
 from .slot_sampling import SlotSampling
 from .speculative import acceptance
 from .speculative.hybrid import HEAD_UNSURE
-from .speculative.plan import DraftPlan
+from .speculative.plan import DraftPlan, Drafter
 from .token_outputs import StepExtras
 
 BAD_TOKEN = -1  # the next token of a row whose logits hold NaN or +inf: the engine fails that request

@@ -65,3 +65,55 @@ def test_stop_conditions():
     long = seq(2, max_tokens=50)
     long.output_ids = [5, 6, 7, 8]  # 10 prompt + 4 = max_seq_len
     assert s.check_stop_token(long) == "length"
+
+
+def _prompt(i, shared, n):
+    return Sequence(seq_id=i, prompt_ids=shared + [1000 + i] * n, params=SamplingParams(), seed=0,
+                    callback=lambda o: None, stop_ids=frozenset({0}))
+
+
+def test_prefix_caching_reuses_whole_chunks_of_the_longest_cached_prefix():
+    s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=16, prefix_caching=True)
+    shared = list(range(1, 41))  # 40 shared tokens: two whole chunks of 16
+    a, b = _prompt(1, shared, 5), _prompt(2, shared[:20], 30)
+    for q in (a, b):
+        s.waiting.append(q)
+    s.schedule()
+    assert (a.slot, a.num_reused, b.slot, b.num_reused) == (0, 0, 1, 0)  # nothing cached yet
+    a.num_cached, b.num_cached = 45, 50  # prompts prefilled (the KV of positions < num_cached)
+    s.finish(a, "stop")
+    s.finish(b, "stop")
+    c = _prompt(3, shared, 7)
+    s.waiting.append(c)
+    plan = s.schedule()
+    # slot 0 holds 40 shared tokens (32 reusable), slot 1 only 20 (16): slot 0, from position 32
+    assert (c.slot, c.num_reused, c.num_cached) == (0, 32, 32)
+    assert [(p.start, p.end) for p in plan.prefills] == [(32, 47)]  # chunks stay [k*16, (k+1)*16)
+    assert s.slot_tokens[0] == [] and s.slot_tokens[1] == b.prompt_ids[:50]
+    s.check_integrity()
+
+
+def test_prefix_caching_never_reuses_the_whole_prompt_or_for_context_logits():
+    s = Scheduler(max_slots=2, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
+    a = _prompt(1, list(range(1, 17)), 0)  # 16 tokens
+    s.waiting.append(a)
+    s.schedule()
+    a.num_cached = 16
+    s.finish(a, "stop")
+    same = _prompt(2, list(range(1, 17)), 0)
+    s.waiting.append(same)
+    s.schedule()
+    assert same.num_reused == 8  # one token at least is prefilled (its logits give the first token)
+    s.finish(same, "stop")
+    s.slot_tokens[0] = list(range(1, 17))
+    ctx = Sequence(seq_id=3, prompt_ids=list(range(1, 17)) + [5] * 9, params=SamplingParams(return_context_logits=True),
+                   seed=0, callback=lambda o: None, stop_ids=frozenset({0}))
+    s.waiting.append(ctx)
+    s.schedule()
+    assert ctx.num_reused == 0  # context logits need every prompt position computed
+    off = Scheduler(max_slots=1, max_seq_len=1000, prefill_chunk=8)
+    off.slot_tokens[0] = list(range(1, 17))
+    d = _prompt(4, list(range(1, 17)), 4)
+    off.waiting.append(d)
+    off.schedule()
+    assert d.num_reused == 0  # prefix_caching off
