@@ -280,6 +280,9 @@ def test_timestamps_are_monotone_and_kv_blocks_follow_the_length(eng):
             assert 0 < o.arrival_time_ns <= o.first_scheduled_time_ns <= o.first_token_time_ns <= o.last_token_time_ns
             assert o.last_token_time_ns >= last
             last = o.last_token_time_ns
-            assert o.kv_cache_alloc_total_blocks == o.kv_cache_alloc_new_blocks == math.ceil((len(ids) + n) / per_block)
-            assert o.kv_cache_reused_blocks == 0 and o.kv_cache_hit_rate == 0.0
+            # prefix caching: the prompt's reused whole blocks count as reused, the rest as new
+            assert o.kv_cache_alloc_total_blocks == math.ceil((len(ids) + n) / per_block)
+            assert o.kv_cache_alloc_new_blocks + o.kv_cache_reused_blocks == o.kv_cache_alloc_total_blocks
+            assert o.kv_cache_reused_blocks * per_block < len(ids)
+            assert o.kv_cache_hit_rate == o.kv_cache_reused_blocks / o.kv_cache_alloc_total_blocks
         assert n == 30 and events[-1].kv_cache_alloc_total_blocks > 1

@@ -1,0 +1,115 @@
+"""Prefix caching: TTFT and tokens/s with reuse on vs off, in one run.
+
+    python bench/bench_prefix_cache.py [--requests 32] [--max-tokens 48] [--prefill-chunks 256,64]
+        [--weight-dtype auto] [--json out.json]
+
+Workload "shared": N requests with one system prompt that carries a JSON schema (a held-out
+JSONSchemaBench schema; the prompt is the issue's 300-600 tokens) and different user texts,
+guided by that schema; batch 1 (one after another) and batch 8 (all submitted together).
+Workload "distinct": the same requests, each with a different schema (no shared prefix beyond the
+chat template): reuse must not cost anything there. Every "on" run's tokens are checked against
+the "off" run's (identical: reuse is exact).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
+
+from specguide.config import EngineConfig  # noqa: E402
+from specguide.engine import Engine  # noqa: E402
+from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
+from specguide.training.prompts import load_schemas  # noqa: E402
+from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+NAMES = ["Alice", "Bob", "Carol", "Dan", "Eve", "Frank", "Grace", "Heidi"]
+CITIES = ["Paris", "Lyon", "Berlin", "Oslo", "Madrid", "Rome", "Vienna", "Prague"]
+
+
+def workload(engine: Engine, n: int, shared: bool, max_tokens: int) -> list[Request]:
+    schemas = [s for s in load_schemas("heldout", engine.compiler) if 900 <= len(s) <= 2200]
+    reqs = []
+    for i in range(n):
+        schema = schemas[0] if shared else schemas[i % len(schemas)]
+        system = f"Extract the record as one JSON object following this JSON schema, nothing else: {schema}"
+        user = f"Record {i}: {NAMES[i % 8]} is {20 + i} years old and lives in {CITIES[(i * 3) % 8]}."
+        prompt = engine.tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                                       {"role": "user", "content": user}])
+        reqs.append(Request(prompt=prompt, guided=GuidedDecodingParams("json_schema", schema),
+                            params=SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+    return reqs
+
+
+def run(engine: Engine, reqs: list[Request], batch: int) -> dict:
+    """Submit `batch` at a time; TTFT p50 (submit -> first token) and tokens/s over the wall time."""
+    ttft, tokens, outs = [], 0, []
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), batch):
+        group = reqs[start: start + batch]
+        done = threading.Semaphore(0)
+        results: list[list[int]] = [[] for _ in group]
+        sent = [0.0] * len(group)
+        first = [0.0] * len(group)
+
+        def cb(out, i):
+            if out.token_ids and not first[i]:
+                first[i] = time.perf_counter()
+            results[i].extend(out.token_ids)
+            if out.finished:
+                done.release()
+        for i, r in enumerate(group):
+            sent[i] = time.perf_counter()
+            engine.submit(r, lambda o, i=i: cb(o, i))
+        for _ in group:
+            done.acquire()
+        ttft += [f - s for f, s in zip(first, sent)]
+        tokens += sum(len(x) for x in results)
+        outs += results
+    wall = time.perf_counter() - t0
+    return {"ttft_p50_s": round(median(ttft), 4), "tok_s": round(tokens / wall, 1), "outputs": outs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prefill-chunks", default="256,64")
+    ap.add_argument("--weight-dtype", default="auto")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    print(cpu_header(), flush=True)
+    rows = []
+    for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
+        engines = {on: Engine(EngineConfig(max_slots=8, max_seq_len=2048, prefill_chunk=chunk, num_draft_tokens=0,
+                                           weight_dtype=args.weight_dtype, prefix_caching=on)) for on in (False, True)}
+        try:
+            for shared in (True, False):
+                for batch in (1, 8):
+                    res = {}
+                    for on, eng in engines.items():
+                        reqs = workload(eng, args.requests, shared, args.max_tokens)
+                        run(eng, reqs[:2], 1)  # warm: the first prompt's chunks are cached for "on"
+                        res[on] = run(eng, reqs, batch)
+                    row = dict(prefill_chunk=chunk, workload="shared" if shared else "distinct", batch=batch,
+                               ttft_off=res[False]["ttft_p50_s"], ttft_on=res[True]["ttft_p50_s"],
+                               ttft_ratio=round(res[True]["ttft_p50_s"] / res[False]["ttft_p50_s"], 3),
+                               tok_s_off=res[False]["tok_s"], tok_s_on=res[True]["tok_s"],
+                               tok_s_ratio=round(res[True]["tok_s"] / res[False]["tok_s"], 3),
+                               identical=res[True]["outputs"] == res[False]["outputs"])
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            for eng in engines.values():
+                eng.shutdown()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
