@@ -6,8 +6,8 @@
 Workload "shared": N requests with one system prompt that carries a JSON schema (a held-out
 JSONSchemaBench schema; the prompt is the issue's 300-600 tokens) and different user texts,
 guided by that schema; batch 1 (one after another) and batch 8 (all submitted together).
-Workload "distinct": the same requests, each with a different schema (no shared prefix beyond the
-chat template): reuse must not cost anything there. Every "on" run's tokens are checked against
+Workload "distinct": the same requests, each system prompt starting with its own job number (no
+shared prefix beyond the chat template's first tokens): reuse must not cost anything there. Every "on" run's tokens are checked against
 the "off" run's (identical: reuse is exact).
 """
 from __future__ import annotations
@@ -37,7 +37,8 @@ def workload(engine: Engine, n: int, shared: bool, max_tokens: int) -> list[Requ
     reqs = []
     for i in range(n):
         schema = schemas[0] if shared else schemas[i % len(schemas)]
-        system = f"Extract the record as one JSON object following this JSON schema, nothing else: {schema}"
+        job = "" if shared else f"Job {i}. "  # distinct: the prompts part within a few tokens
+        system = f"{job}Extract the record as one JSON object following this JSON schema, nothing else: {schema}"
         user = f"Record {i}: {NAMES[i % 8]} is {20 + i} years old and lives in {CITIES[(i * 3) % 8]}."
         prompt = engine.tokenizer.apply_chat_template([{"role": "system", "content": system},
                                                        {"role": "user", "content": user}])
