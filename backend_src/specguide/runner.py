@@ -2,6 +2,7 @@
 eagerly or as a CUDA-graph replay; prefill chunks."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Optional
 
@@ -17,7 +18,7 @@ from .models.llama import LlamaModel
 from .scheduler import PrefillChunk, Sequence
 from .slot_sampling import SlotSampling
 from .speculative.plan import DraftPlan
-from .step import StepCore, StepKey
+from .step import StepCore
 
 Result = tuple[list[int], int, int]  # tokens to append, drafts verified, drafts accepted
 
@@ -82,7 +83,7 @@ class Runner:
             logits = self.model.logits(hidden[:, -1])  # [1, V]
         if key is None:
             return None
-        core.tail(key, logits[:, None].clone(), None)
+        core.tail(key, logits[:, None], None)
         core.finish(key)
         return core.results([seq], plan, key)[0][0][0]
 
@@ -93,7 +94,8 @@ class Runner:
         core, graphs = self.core, self.graphs
         key = core.key(seqs, plan)
         if graphs is not None and not key.extras and len(seqs) <= graphs.buckets[-1]:
-            key = core.key(seqs, plan, batch=graphs.bucket(len(seqs)), length=graphs.length(seqs, key.T))
+            key = dataclasses.replace(key, batch=graphs.bucket(len(seqs)), length=graphs.length(seqs, key.T),
+                                      captured=True)
             graphs.ensure(key, plan)  # captured before this step's snapshot is queued
         if plan.drafter is not None and key.drafting != "none":
             plan.drafter.prepare(seqs, key)
@@ -123,5 +125,3 @@ class Runner:
             self.graphs.close()
         self.guided.close()
 
-
-__all__ = ["Runner", "StepKey", "resolve_executor"]

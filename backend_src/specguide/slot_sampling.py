@@ -72,6 +72,5 @@ class SlotSampling:
 
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record emitted tokens [B] of slots [B] for the penalties."""
-        self.counts.index_put_((slots, tokens.clamp_min(0)), torch.ones_like(tokens, dtype=torch.int32),
-                               accumulate=True)
-        self.seen[slots, tokens.clamp_min(0)] = True
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        self.seen[slots, tokens] = True

@@ -85,16 +85,14 @@ class StepCore:
         self.slot_list: Optional[list[int]] = None  # eager: host slots (consecutive slots use views)
 
     # ---- host side -----------------------------------------------------------------------
-    def key(self, seqs: list[Sequence], plan: DraftPlan, batch: Optional[int] = None,
-            length: Optional[int] = None) -> StepKey:
-        """The step's key; `batch` / `length` buckets when captured."""
+    def key(self, seqs: list[Sequence], plan: DraftPlan) -> StepKey:
+        """The key of an eager step on exact shapes (a captured step buckets batch and length)."""
         greedy, top_k_p = self.params.kind([s.slot for s in seqs])
-        guided = any(self.guided.is_guided(s.slot) for s in seqs)
-        extras = batch is None and any(self._needs_extras(s) for s in seqs)
-        return StepKey(batch=batch or len(seqs), T=plan.width + 1, drafting=plan.drafting,
-                       length=length or max(s.num_tokens for s in seqs), greedy=greedy, top_k_p=top_k_p,
-                       guided=guided, pick=plan.picker is not None and plan.drafting == "model",
-                       captured=batch is not None, extras=extras)
+        return StepKey(batch=len(seqs), T=plan.width + 1, drafting=plan.drafting,
+                       length=max(s.num_tokens for s in seqs), greedy=greedy, top_k_p=top_k_p,
+                       guided=any(self.guided.is_guided(s.slot) for s in seqs),
+                       pick=plan.picker is not None and plan.drafting == "model",
+                       extras=any(self._needs_extras(s) for s in seqs))
 
     def _needs_extras(self, s: Sequence) -> bool:
         p = s.params
@@ -145,7 +143,10 @@ class StepCore:
         res = []
         for b, s in enumerate(seqs):
             a, nxt = out[0][b], out[1][b]
-            n = {"host": len(plan.drafts[b]) if plan.drafts else 0, "none": 0}.get(key.drafting, plan.ks[b])
+            if key.drafting == "none":
+                n = 0
+            else:  # drafts verified: the host's, or the row's budget of in-step drafts
+                n = len(plan.drafts[b]) if key.drafting == "host" else plan.ks[b]
             if lim and self.guided.is_guided(s.slot):
                 n = min(n, lim[b])
             d = [out[2 + i][b] for i in range(n)]
@@ -243,7 +244,7 @@ class StepCore:
         if ex is not None:  # emitted[b, j]: the token position j produced
             emitted = nxt[:, None] if drafts is None else \
                 torch.cat([drafts, nxt[:, None]], dim=1).scatter(1, accepted.long()[:, None], nxt[:, None])
-            ex.after(logits, slots, counter, emitted, nxt)
+            ex.after(logits, slots, emitted, nxt)
         nxt = torch.where(nonfinite_rows(logits).any(dim=1), BAD_TOKEN, nxt)
         self.out[0, :B].copy_(accepted)
         self.out[1, :B].copy_(nxt)

@@ -62,8 +62,7 @@ class StepExtras:
             rows, toks = self.bans
             first[torch.tensor(rows), torch.tensor(toks)] = NEG_INF
 
-    def after(self, logits: torch.Tensor, slots: torch.Tensor, counter: torch.Tensor,
-              emitted: torch.Tensor, nxt: torch.Tensor) -> None:
+    def after(self, logits: torch.Tensor, slots: torch.Tensor, emitted: torch.Tensor, nxt: torch.Tensor) -> None:
         """Log probabilities of the emitted tokens [B, T] from the processed logits [B, T, V] (the
         distribution each token is drawn from; under rejection sampling the target's p at that
         position); penalty counts of the drawn token."""

@@ -7,7 +7,8 @@ import torch
 from specguide.config import EngineConfig
 from specguide.engine import Engine
 from specguide.models.loader import resolve_model_dir
-from specguide.speculative.draft_head import DraftHead
+
+from ..guided.helpers import save_random_head
 
 PROMPTS = [
     "The capital of France is",
@@ -33,11 +34,7 @@ def hf_model(model_dir):
 @pytest.fixture(scope="session")
 def random_head(tmp_path_factory, engine):
     """An untrained head over a pruned vocabulary (every 3rd id): lossless whatever it proposes."""
-    torch.manual_seed(0)
-    head = DraftHead(engine.model.cfg, torch.arange(0, engine.model.cfg.vocab_size, 3))
-    path = tmp_path_factory.mktemp("head") / "random.pt"
-    head.save(path, {"note": "random"})
-    return path
+    return save_random_head(tmp_path_factory.mktemp("head") / "random.pt", engine.model.cfg)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from specguide.cuda import hostfunc
 from specguide.engine import Engine
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
-from ..guided.helpers import check_output, load_guided_samples
+from ..guided.helpers import check_output, load_guided_samples, save_random_head
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -34,15 +34,7 @@ def _run_many(engine, reqs, timeout=600):
 
 @pytest.fixture(scope="module")
 def random_head(tmp_path_factory):
-    """An untrained head over a pruned vocabulary: hybrid / head drafting without a trained file."""
-    from specguide.models.loader import load_model, resolve_model_dir
-    from specguide.speculative.draft_head import DraftHead
-
-    model = load_model(resolve_model_dir(), torch.float32, "cpu")
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("head") / "random.pt"
-    DraftHead(model.cfg, torch.arange(0, model.cfg.vocab_size, 3)).save(path, {"note": "random"})
-    return str(path)
+    return str(save_random_head(tmp_path_factory.mktemp("head") / "random.pt"))
 
 
 def _engine(**kw):

@@ -123,3 +123,17 @@ def check_output(sample: Sample, text: str) -> None:
     elif sample.kind == "structural_tag":
         for body in re.findall(r"<function=\w+>(.*?)</function>", text, re.S):
             json.loads(body)
+
+
+def save_random_head(path: Path, cfg=None) -> Path:
+    """An untrained draft head over a pruned vocabulary (every 3rd id: the d2t mask path), saved at
+    `path`: hybrid / head drafting without a trained file. `cfg`: the target's ModelConfig
+    (default: the default model's)."""
+    from specguide.models.loader import load_model, resolve_model_dir
+    from specguide.speculative.draft_head import DraftHead
+
+    if cfg is None:
+        cfg = load_model(resolve_model_dir(), torch.float32, "cpu").cfg
+    torch.manual_seed(0)
+    DraftHead(cfg, torch.arange(0, cfg.vocab_size, 3)).save(path, {"note": "random"})
+    return path

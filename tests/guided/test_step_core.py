@@ -5,13 +5,12 @@ rows mixed, greedy and sampled, batch 1 and 8."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specguide.config import EngineConfig
 from specguide.cuda.graphs import StepGraphs
 from specguide.engine import Engine
-from specguide.speculative.draft_head import DraftHead
 
+from .helpers import save_random_head
 from .test_capturable import GUIDES, MIXED_K, _requests, _run
 
 SAMPLED = {1, 5}  # a guided and an unguided row sample (rejection sampling in the verification)
@@ -19,15 +18,7 @@ SAMPLED = {1, 5}  # a guided and an unguided row sample (rejection sampling in t
 
 @pytest.fixture(scope="module")
 def random_head(tmp_path_factory):
-    """An untrained head over a pruned vocabulary (every 3rd id: the d2t mask path)."""
-    from specguide.models.loader import load_model, resolve_model_dir
-
-    model = load_model(resolve_model_dir(), torch.float32, "cpu")
-    torch.manual_seed(0)
-    head = DraftHead(model.cfg, torch.arange(0, model.cfg.vocab_size, 3))
-    path = tmp_path_factory.mktemp("head") / "random.pt"
-    head.save(path, {"note": "random"})
-    return str(path)
+    return str(save_random_head(tmp_path_factory.mktemp("head") / "random.pt"))
 
 
 def _engine(drafter: str, head: str, executor: str) -> Engine:

@@ -90,7 +90,7 @@ class CapturableGuidedDecoder:
         self._mask_ev = stream.record()
         self._commit_ev = self._mask_ev
         self._commit_pending = False
-        self.step: Optional[GuidedStep] = None  # the open step (host side)
+        self.step: Optional[GuidedStep] = None  # the last step begun (its callbacks write its limits)
         self.callback_s = 0.0  # time spent inside callbacks (CPU work the device may overlap)
 
     # ---- host API: slots ------------------------------------------------------------------
@@ -182,13 +182,12 @@ class CapturableGuidedDecoder:
 
     def step_done(self) -> None:
         """The step's device work was waited for: its commit has run."""
-        self.step = None
         self._wait_commit()
         self.stream.raise_pending()
 
     def limits(self) -> list[int]:
         """The last step's per-row draft limits (read after `step_done`)."""
-        st = self._cur_host
+        st = self.step
         return list(st.limit) if st is not None and st.limit else []
 
     # ---- host API: the engine's append loop and recovery ----------------------------------
@@ -244,8 +243,6 @@ class CapturableGuidedDecoder:
             self._confirm = self._committed
 
     # ---- callbacks (grammar stream; read only the snapshot and pinned buffers) -------------
-    _cur_host: Optional[GuidedStep] = None  # the last fetched snapshot, for `limits` after the step
-
     def _timed(self, fn):
         def run(*args):
             t0 = time.perf_counter()
@@ -261,7 +258,6 @@ class CapturableGuidedDecoder:
             self._cur = self._pending.get_nowait()
         except queue.Empty:  # CUDA-graph warm-up runs the step with no snapshot queued
             self._cur = None
-        self._cur_host = self._cur
 
     def _fill_step(self) -> None:
         st, g = self._cur, self.inner
