@@ -146,7 +146,7 @@ class OutputProcessor:
             seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
             error_code=seq.error_code if finished else None, stage=seq.stage if finished else None,
-            guide_notes=tuple(getattr(seq.grammar, "unenforced", ())) if finished else (),
+            guide_notes=guide_notes(seq.grammar) if finished else (),
             total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
             num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
             first_token=seq.ids_sent == 0 and bool(new_ids),
@@ -158,3 +158,10 @@ class OutputProcessor:
             first_token_time_ns=seq.first_token_time_ns, last_token_time_ns=seq.last_token_time_ns,
             kv_cache_alloc_new_blocks=blocks - reused, kv_cache_reused_blocks=reused,
             kv_cache_alloc_total_blocks=blocks, kv_cache_hit_rate=reused / blocks if blocks else 0.0)
+
+
+def guide_notes(guide: Any) -> tuple[str, ...]:
+    """What a JSON guide's grammar does not enforce by itself: keywords left unchecked (best effort)
+    and keywords checked with jsonschema when their value closes ("keyword at /pointer")."""
+    return tuple(f"not enforced: {u}" for u in getattr(guide, "unenforced", ())) + tuple(
+        f"checked when its value closes: {c}" for c in getattr(guide, "checked", ()))

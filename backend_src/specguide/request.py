@@ -153,8 +153,8 @@ class RequestOutput:
     error: Optional[str] = None
     error_code: Optional[str] = None  # with "error": INVALID_ARG (bad guide) | INTERNAL | UNAVAILABLE (engine died)
     stage: Optional[str] = None  # on the final event: queued | compiling | prefill | decode (where it ended)
-    guide_notes: tuple[str, ...] = ()  # final event, best_effort guides: keywords the grammar leaves to the
-    # value-close check ("uniqueItems at /l"), i.e. checked only when the value closes
+    guide_notes: tuple[str, ...] = ()  # final event of a JSON guide: keywords its grammar leaves to the value
+    # check ("checked when its value closes: uniqueItems at /l") or unenforced (best effort; "not enforced: ...")
     num_input_tokens: int = 0
     num_output_tokens: int = 0  # total so far
     first_token: bool = False  # this event carries the request's first token(s)

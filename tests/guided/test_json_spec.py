@@ -88,12 +88,9 @@ def test_ref_with_sibling_properties_and_allof(xgr_service, encode, backend):
     assert v[(0, "compact")] and v[(0, "spaced")] and not v[(1, "compact")]
     allof = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                        {"properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}
-    if backend == "xgrammar":  # xgrammar would accept {"a": 1} (the second part's `required` dropped)
-        with pytest.raises(InvalidRequestError, match="xgrammar cannot enforce allOf at /"):
-            xgr_service.compile(G("json_schema", json.dumps(allof), backend=backend))
-        return
+    # xgrammar drops the second part's `required`: the value check at the object's close holds it
     v = verdicts(xgr_service, encode, allof, [({"a": 1, "b": True}, True), ({"a": 1}, False)], backend)
-    assert v[(0, "compact")] and v[(0, "spaced")] and not v[(1, "compact")]
+    assert v[(0, "compact")] and v[(0, "spaced")] and not v[(1, "compact")] and not v[(1, "spaced")]
 
 
 # (5) compile failures: patternProperties with oneOf values, int64 maximum, the `false` schema
@@ -106,36 +103,32 @@ def test_former_compile_failures(xgr_service, encode):
         assert verdicts(xgr_service, encode, big, [(5, True)], backend)[(0, "compact")]
         with pytest.raises(InvalidRequestError, match="the schema is `false`"):
             xgr_service.compile(G("json_schema", "false", backend=backend))
-    with pytest.raises(InvalidRequestError, match=r"xgrammar cannot enforce oneOf at /patternProperties/\^x"):
-        xgr_service.compile(G("json_schema", json.dumps(pat), backend="xgrammar"))
+    v = verdicts(xgr_service, encode, pat, [({"x1": 1.5}, False)], "xgrammar")  # no assertion; nothing invalid
+    assert not any(v.values())
 
 
-# (6) nothing invalid accepted silently: refused with keyword + pointer, or enforced
+# (6) nothing invalid accepted silently: what no grammar enforces is checked when its value closes
 @pytest.mark.parametrize("backend", BOTH)
-@pytest.mark.parametrize("schema,where", [
-    ({"type": "object", "properties": {"l": {"type": "array", "uniqueItems": True}}}, "uniqueItems at /properties/l"),
-    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
-    ({"type": "object", "dependencies": {"a": ["b"]}}, "dependencies at /"),
+@pytest.mark.parametrize("schema,tests,where", [
+    ({"type": "object", "properties": {"l": {"type": "array", "uniqueItems": True}}},
+     [({"l": [1, 2]}, True), ({"l": [1, 1]}, False), ({"l": [[1], [1]]}, False)], "uniqueItems at /properties/l"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 10}]}, [(3, True), (12, False), (15.5, True)],
+     "oneOf at /"),
+    ({"type": "object", "dependencies": {"a": ["b"]}}, [({"a": 1, "b": 2}, True), ({"a": 1}, False), ({"b": 1}, True)],
+     "dependencies at /"),
 ])
-def test_unenforceable_keywords_are_refused(xgr_service, backend, schema, where):
-    with pytest.raises(InvalidRequestError, match="invalid json_schema guide") as e:
-        xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend))
-    assert where in str(e.value)
-
-
-def test_invalid_date_rejected_or_refused(xgr_service, encode):
-    schema = {"type": "string", "format": "date"}
-    v = verdicts(xgr_service, encode, schema, [("2024-02-28", True), ("2024-02-30", False)], "llguidance")
-    assert v == {(0, "compact"): True, (0, "spaced"): True, (1, "compact"): False, (1, "spaced"): False}
-    with pytest.raises(InvalidRequestError, match="format at /"):
-        xgr_service.compile(G("json_schema", json.dumps(schema), backend="xgrammar"))
+def test_unenforceable_keywords_are_checked_when_the_value_closes(xgr_service, encode, backend, schema, tests, where):
+    v = verdicts(xgr_service, encode, schema, tests, backend)
+    assert v == {(i, f): ok for i, (_, ok) in enumerate(tests) for f in ("compact", "spaced")}, v
+    guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend))
+    assert where in guide.checked and not guide.unenforced, (guide.checked, guide.unenforced)
 
 
 @pytest.mark.parametrize("backend", BOTH)
-def test_best_effort_compiles_and_lists_what_it_leaves_unchecked(xgr_service, backend):
-    schema = {"type": "object", "properties": {"l": {"type": "array", "uniqueItems": True}}}
-    guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend, best_effort=True))
-    assert guide.backend == backend and any("uniqueItems" in u for u in guide.unenforced), guide.unenforced
+def test_invalid_date_rejected(xgr_service, encode, backend):
+    schema = {"type": "string", "format": "date"}
+    v = verdicts(xgr_service, encode, schema, [("2024-02-28", True), ("2024-02-30", False)], backend)
+    assert v == {(0, "compact"): True, (0, "spaced"): True, (1, "compact"): False, (1, "spaced"): False}
 
 
 # routing and the cache
@@ -159,6 +152,7 @@ def test_check_tool_on_a_small_jsonl(tmp_path):
          "note": "kept"},
         {"schema": {"type": "array", "uniqueItems": True}, "tests": [{"data": [1, 1], "valid": False}]},
         {"schema": {"type": "string", "format": "date"}, "tests": [{"data": "2024-02-30", "valid": False}]},
+        {"schema": {"type": "string", "format": "uri-reference"}, "tests": [{"data": "a", "valid": True}]},
     ]
     path = tmp_path / "cases.jsonl"
     path.write_text("\n".join(json.dumps(c) for c in cases) + "\n")
@@ -166,59 +160,99 @@ def test_check_tool_on_a_small_jsonl(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
-    assert [x["id"] for x in lines] == ["obj", 2, 3]
-    obj, uniq, date = lines
+    assert [x["id"] for x in lines] == ["obj", 2, 3, 4]
+    obj, uniq, date, uri = lines
     assert obj["backend"] == "llguidance" and obj["compiled"] and obj["note"] == "kept"
     assert obj["tests"][0]["compact"] == {"valid": True, "accepted": True, "rejected_at": None}
     assert obj["tests"][1]["spaced"]["accepted"] is False and obj["tests"][1]["spaced"]["rejected_at"] > 0
     assert obj["mask_us_p50"] > 0 and obj["mask_us_p99"] >= obj["mask_us_p50"] and obj["compile_ms"] > 0
-    assert not uniq["compiled"] and "uniqueItems" in uniq["error"]
+    assert uniq["compiled"] and uniq["tests"][0]["compact"] == {"valid": False, "accepted": False, "rejected_at": 4}
     assert date["compiled"] and date["tests"][0]["compact"]["accepted"] is False
-    assert "3 cases: 2 passing (both forms), 0 invalid" in proc.stderr
+    assert not uri["compiled"] and "format uri-reference at /" in uri["error"]
+    assert "4 cases: 3 passing (both forms), 0 invalid" in proc.stderr
 
 
-# best effort: value-close checks (jsonschema when the value closes; its stop token rejected)
+# value-close checks: a closing token that fails is rejected and masked out, the sampler goes on
 @pytest.mark.parametrize("backend", BOTH)
-def test_best_effort_checks_the_value_when_it_closes(xgr_service, encode, backend):
+def test_a_closing_token_that_fails_is_masked_and_another_way_on_is_open(xgr_service, encode, hf_tokenizer, backend):
     schema = {"type": "object", "properties": {"l": {"type": "array", "items": {"type": "integer"},
                                                       "uniqueItems": True}}, "required": ["l"]}
-    v = verdicts(xgr_service, encode, schema, [({"l": [1, 2]}, True), ({"l": [1, 1]}, False)], backend,
-                 best_effort=True)
-    assert v == {(0, "compact"): True, (0, "spaced"): True, (1, "compact"): False, (1, "spaced"): False}
-    guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend, best_effort=True))
+    guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend))
     m = guide.matcher()
-    ids = encode('{"l": [1, 1]}')
-    assert all(m.accept(t) for t in ids) and not m.is_completed()
-    assert "non-unique" in m.violation() and "uniqueItems" in m.violation()
+    dup = encode(", 1")
+    assert all(m.accept(t) for t in encode('{"l": [1') + dup)
+    mask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    m.fill(mask, 0)
+    allowed = [t for t in range(VOCAB) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+    assert allowed and not any("]" in hf_tokenizer.decode([t]) for t in allowed)  # `]`, `]}`, ` ]`: all masked
+    assert encode(",")[0] in allowed  # the array can go on
+    close = encode("]")[0]
+    assert not m.accept(close) and "non-unique" in m.violation() and "uniqueItems" in m.violation()
+    m.rollback(len(dup))
+    assert all(m.accept(t) for t in encode(", 2]}")) and m.is_completed()
+    stop = xgr_service.stop_token_ids[0]
+    assert m.accept(stop) and m.is_terminated()
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_the_stop_token_is_masked_while_the_document_is_invalid(xgr_service, encode, backend):
+    schema = {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}
+    guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend))
+    m = guide.matcher()
+    assert all(m.accept(t) for t in encode("[1, 2]"))
     stop = xgr_service.stop_token_ids[0]
     mask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
     m.fill(mask, 0)
-    assert not (int(mask[0, stop // 32]) >> (stop % 32)) & 1  # the stop token is masked out
-    assert not m.accept(stop) and not m.is_terminated()
-    m.rollback(len(ids))
-    assert all(m.accept(t) for t in encode('{"l": [1') + encode(", 2]}")) and m.accept(stop) and m.is_terminated()
+    assert (int(mask[0, stop // 32]) >> (stop % 32)) & 1 and m.is_completed()
 
 
-def test_best_effort_date_and_oneof_on_llguidance(xgr_service, encode):
-    one = {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 10}]}  # 12 matches both
-    v = verdicts(xgr_service, encode, one, [(3, True), (12, False), (15.5, True)], "llguidance", best_effort=True)
-    assert [v[(i, "compact")] for i in range(3)] == [True, False, True]
+def test_nested_checks_never_reject_a_valid_document(xgr_service, encode):
+    """A check runs only against subschemas that apply whatever branch is taken: [1, 1] fails the first
+    anyOf branch's uniqueItems but is valid through the second; $ref / allOf parts do apply."""
+    any_of = {"type": "object", "properties": {"l": {"anyOf": [{"type": "array", "uniqueItems": True},
+                                                               {"type": "array", "items": {"type": "integer"}}]}}}
+    ref = {"$defs": {"U": {"type": "array", "uniqueItems": True}}, "type": "object",
+           "properties": {"l": {"allOf": [{"$ref": "#/$defs/U"}]}, "s": {"type": "string"}}}
+    tricky = {"l": [1, 1], "s": 'x"]}[,'}
+    for backend in BOTH:
+        v = verdicts(xgr_service, encode, any_of, [({"l": [1, 1]}, True), (tricky, True)], backend)
+        assert all(v.values()), (backend, v)
+        v = verdicts(xgr_service, encode, ref, [({"l": [1, 1]}, False), ({"l": [1, 2], "s": tricky["s"]}, True)], backend)
+        assert v == {(0, "compact"): False, (0, "spaced"): False, (1, "compact"): True, (1, "spaced"): True}, v
+        m = xgr_service.compile(G("json_schema", json.dumps(ref), backend=backend)).matcher()
+        ids = encode('{"l": [1, 1]')
+        assert m.validate(ids) == len(ids) - 1  # rejected at the `]` that closes the array, not at the end
 
 
 @pytest.mark.parametrize("backend", BOTH)
-def test_best_effort_refuses_what_neither_grammar_nor_value_check_can_enforce(xgr_service, backend):
-    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri-reference"}}}
-    with pytest.raises(InvalidRequestError, match="can enforce format uri-reference at /properties/u"):
-        xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend, best_effort=True))
+def test_formats_nothing_checks_are_refused_unless_best_effort(xgr_service, encode, backend):
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri-reference"},
+                                               "l": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(InvalidRequestError, match="can enforce format uri-reference at /properties/u; set best_effort"):
+        xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend))
+    guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend, best_effort=True))
+    assert guide.unenforced == ("format uri-reference at /properties/u",)
+    assert "uniqueItems at /properties/l" in guide.checked
+    v = verdicts(xgr_service, encode, schema, [({"u": "a", "l": [1]}, True), ({"l": [2, 2]}, False)], backend,
+                 best_effort=True)
+    assert v == {(0, "compact"): True, (0, "spaced"): True, (1, "compact"): False, (1, "spaced"): False}
 
 
-@pytest.mark.parametrize("schema,where", [  # what xgrammar silently accepted on MaskBench
-    ({"type": "object", "patternProperties": {"^(?!@@)[a-z@]+$": {"type": "integer"}}}, "pattern lookaround at /"),
-    ({"type": "number", "multipleOf": 0.01}, "multipleOf on numbers at /"),
-    ({"type": "object", "properties": {"b": {"type": "object", "enum": ["X"]}}}, "type beside enum at /properties/b"),
-    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength with pattern at /"),
+def test_a_schema_that_is_not_json_schema_is_refused(xgr_service):
+    for backend in BOTH:
+        with pytest.raises(InvalidRequestError, match=r"invalid json_schema guide: .*\(at /"):
+            xgr_service.compile(G("json_schema", json.dumps({"type": "array", "uniqueItems": True, "description": 5}), backend=backend))
+
+
+@pytest.mark.parametrize("schema,tests,where", [  # what xgrammar silently accepted on MaskBench
+    ({"type": "object", "patternProperties": {"^(?!@@)[a-z@]+$": {"type": "integer"}}},
+     [({"ab": 1}, True), ({"ab": "x"}, False)], "pattern lookaround at /"),
+    ({"type": "number", "multipleOf": 0.01}, [(0.25, True), (0.005, False)], "multipleOf on numbers at /"),
+    ({"type": "object", "properties": {"b": {"type": "object", "enum": ["X"]}}}, [({}, True), ({"b": "X"}, False)],
+     "type beside enum at /properties/b"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, [("aa", True), ("aaaa", False)], "maxLength with pattern at /"),
 ])
-def test_xgrammar_refuses_what_it_would_accept_wrongly(xgr_service, schema, where):
-    with pytest.raises(InvalidRequestError, match="xgrammar cannot enforce") as e:
-        xgr_service.compile(G("json_schema", json.dumps(schema), backend="xgrammar"))
-    assert where in str(e.value)
+def test_xgrammar_blind_spots_are_value_checked(xgr_service, encode, schema, tests, where):
+    v = verdicts(xgr_service, encode, schema, tests, "xgrammar")
+    assert v == {(i, f): ok for i, (_, ok) in enumerate(tests) for f in ("compact", "spaced")}, v
+    assert where in xgr_service.compile(G("json_schema", json.dumps(schema), backend="xgrammar")).checked

@@ -26,6 +26,7 @@ SCHEMA_FILE = ROOT / "client" / "examples" / "person.schema.json"  # the README'
 SCHEMA = json.loads(SCHEMA_FILE.read_text())
 PERSON = "Describe a person as a JSON object with the fields name, age and city."
 JSON_MAX_TOKENS = 128
+GT, G = "guided_decoding_guide_type", "guided_decoding_guide"
 PHONE = "[0-9]{3}-[0-9]{4}"
 CAPITAL_EBNF = '''root ::= city " is the capital of " country
 city ::= "London" | "Paris" | "Berlin" | "Rome"
@@ -138,9 +139,31 @@ def test_vllm_json_schema_with_a_backend_over_http_and_grpc(server, chat, backen
     assert err.error and "unknown guided backend 'outlines'" in err.error
 
 
+def test_guide_notes_name_the_keywords_left_to_the_value_check_over_grpc_and_http(server, chat):
+    """A schema with `uniqueItems` compiles (checked when the array closes); the last response says so
+    in `guide_notes`, on gRPC and on HTTP /generate; the output is valid, uniqueItems included."""
+    props = dict(SCHEMA["properties"], tags={"type": "array", "items": {"type": "string"}, "uniqueItems": True})
+    schema = dict(SCHEMA, properties=props)
+    got = raw_stream(server, {"text_input": S(chat(PERSON)), "max_tokens": I(JSON_MAX_TOKENS), "stream": B(True),
+                              "exclude_input_in_output": B(True), GT: S("json_schema"), G: S(json.dumps(schema))})
+    assert all(err is None for _, err, _ in got), got[-1][1]
+    note = "checked when its value closes: uniqueItems at /properties/tags"
+    last = got[-1][0]
+    assert [n.decode() for n in last.as_numpy("guide_notes")] == [note]
+    assert all(r.as_numpy("guide_notes") is None for r, _, _ in got[:-1])
+    text = "".join(r.as_numpy("text_output")[0].decode() for r, _, _ in got)
+    jsonschema.validate(json.loads(text), schema)
+    body = json.dumps({"text_input": chat(PERSON), "max_tokens": JSON_MAX_TOKENS, "exclude_input_in_output": True,
+                       GT: "json_schema", G: json.dumps(schema)}).encode()
+    req = urllib.request.Request(f"http://{server.http}/v2/models/{MODEL}/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        out = json.loads(r.read())
+    assert out["guide_notes"] in ([note], note) and out["text_output"] == text
+
+
 # ----------------------------------------------------------------------------- (c) bad guides
 
-GT, G = "guided_decoding_guide_type", "guided_decoding_guide"
 BAD_GUIDES = [
     # refused when the request is mapped (io / guided.params)
     ({GT: S("xml"), G: S("<a/>")}, "guided_decoding_guide_type must be one of", "rejected"),

@@ -85,6 +85,7 @@ class CompiledGuide:
     make_matcher: Callable[[], Matcher]
     compile_s: float = 0.0
     unenforced: tuple[str, ...] = ()  # best effort: "keyword at /json/pointer" not enforced
+    checked: tuple[str, ...] = ()  # "keyword at /json/pointer" checked when its value closes (value_check.py)
 
     def matcher(self) -> Matcher:
         return self.make_matcher()

@@ -64,7 +64,7 @@ def main() -> None:
             return
         t0 = time.perf_counter()
         try:
-            backend._compile(job, [])
+            backend._compile(job, backend.schema_of(job))
             reply = (True, None, time.perf_counter() - t0)
         except InvalidRequestError as e:
             reply = (False, str(e), time.perf_counter() - t0)

@@ -1,14 +1,15 @@
 """The llguidance backend: LLMatcher behind the interface (JSON Schema as the spec means it).
 
-llguidance refuses at compile what it cannot enforce (`uniqueItems`, non-disjoint `oneOf`,
-unknown formats, ...); that refusal becomes an InvalidRequestError naming the keyword and its
-JSON pointer. With `best_effort` the schema is compiled `lenient`, the ignored keywords are
-listed on the CompiledGuide, and the value is checked with jsonschema when it closes
-(value_check.py). A compiled guide is one template LLMatcher; each sequence gets a
+What llguidance cannot enforce (`uniqueItems`, non-disjoint `oneOf`, unknown formats, ...) it
+refuses at compile; the schema is then compiled `lenient` (those keywords left out) and they are
+checked with jsonschema when their value closes (value_check.py). What neither can check (formats
+jsonschema does not know) is refused, naming the keyword and its JSON pointer, unless the request
+is `best_effort`: then it is listed on the CompiledGuide as unenforced. A compiled guide is one template LLMatcher; each sequence gets a
 deep copy (no second grammar build).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -22,13 +23,19 @@ from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import looks_like_lark
 from .schema import ANY_JSON_SCHEMA, find_keywords, strictify, walk
-from .value_check import ValueCheckedMatcher, make_validator, uncheckable_formats
+from .value_check import TokenTable, ValueChecker, ValueCheckedMatcher, checked_validator
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_JSON_WHITESPACE  # one bounded run
 KNOWN_KEYWORDS = ("uniqueItems", "oneOf", "dependencies", "dependentRequired", "dependentSchemas", "format",
                   "if", "then", "else", "not", "contains", "minContains", "maxContains", "propertyNames",
                   "unevaluatedProperties", "unevaluatedItems", "allOf", "patternProperties", "pattern",
                   "minProperties", "maxProperties", "$ref", "multipleOf")
+# what `lenient` leaves out, and so what the value check looks at (formats included: checked twice
+# where llguidance knows them, never zero times)
+LENIENT_DROPS = ("uniqueItems", "oneOf", "dependencies", "dependentRequired", "dependentSchemas", "format", "if",
+                 "then", "else", "not", "contains", "minContains", "maxContains", "propertyNames",
+                 "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties", "pattern",
+                 "patternProperties")
 LLG_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
 _QUOTED = re.compile(r'"([^"]+)"')
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (.+?)$", re.MULTILINE)
@@ -178,26 +185,31 @@ class LlguidanceBackend(GrammarBackend):
             raise InvalidRequestError(f"invalid {gtype} guide: {e}") from None
         template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
-            msg = template.get_error()
-            if schema is not None and params.best_effort:  # lenient grammar + value-close check
-                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(params),
-                                                                 overrides={"lenient": True})
-                template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-                unenforced = tuple(locate(schema, msg) or [msg])
-                if not template.is_error():
-                    validator, stop, tok = make_validator(schema), self.stop_ids, self.tokenizer
-                    blind = uncheckable_formats(schema, validator, LLG_FORMATS)
-                    if blind:
-                        raise InvalidRequestError(f"invalid json_schema guide: neither the grammar nor the value check "
-                                                  f"can enforce {'; '.join(blind[:4])} (not even with best_effort)")
-                    return CompiledGuide(
-                        self.name, self.vocab_size, template,
-                        lambda: ValueCheckedMatcher(LlguidanceMatcher(template.deep_copy(), stop), validator,
-                                                    tok.decode_str, stop),
-                        compile_s=time.perf_counter() - t0, unenforced=unenforced)
-            if template.is_error():
-                where = locate(schema, msg) if schema is not None else []
-                raise InvalidRequestError(f"invalid {gtype} guide: {msg}" + (f" ({'; '.join(where[:4])})" if where else ""))
+            if schema is None:
+                raise InvalidRequestError(f"invalid {gtype} guide: {template.get_error()}")
+            return self._value_checked(schema, params, template.get_error(), t0)
         stop = self.stop_ids
         return CompiledGuide(self.name, self.vocab_size, template, lambda: LlguidanceMatcher(template.deep_copy(), stop),
                              compile_s=time.perf_counter() - t0, unenforced=unenforced)
+
+    @functools.cached_property
+    def table(self) -> TokenTable:
+        tok = self.tokenizer
+        return TokenTable([b"" if i in self.stop_ids or tok.is_special_token(i) else tok.decode_bytes([i])
+                           for i in range(self.vocab_size)])
+
+    def _value_checked(self, schema: Any, params: GuidedDecodingParams, msg: str, t0: float) -> CompiledGuide:
+        """What llguidance refused (`msg`): the schema compiled `lenient` (the keywords it cannot
+        enforce left out), those keywords checked with jsonschema when their value closes."""
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(params), overrides={"lenient": True})
+        template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():  # not a keyword it lacks: the schema's own fault (or a limit)
+            msg = template.get_error()
+            where = locate(schema, msg)
+            raise InvalidRequestError(f"invalid json_schema guide: {msg}" + (f" ({'; '.join(where[:4])})" if where else ""))
+        validator, blind = checked_validator(schema, params, LLG_FORMATS)
+        flagged = find_keywords(schema, LENIENT_DROPS)
+        checker, stop = ValueChecker(schema, validator, flagged, self.table, self.stop_ids), self.stop_ids
+        return CompiledGuide(self.name, self.vocab_size, template,
+                             lambda: ValueCheckedMatcher(LlguidanceMatcher(template.deep_copy(), stop), checker),
+                             compile_s=time.perf_counter() - t0, unenforced=tuple(blind), checked=tuple(flagged))

@@ -1,26 +1,48 @@
-"""Value-close checks for `best_effort` JSON guides: what the grammar leaves unchecked (`uniqueItems`,
-non-exclusive `oneOf`, `dependencies`, ...) is checked with `jsonschema` when the JSON value closes.
+"""Value-close checks: what a JSON grammar leaves unchecked (`uniqueItems`, non-exclusive `oneOf`,
+`dependencies`, formats, ...) is checked with `jsonschema` when the value closes.
 
-The check runs on the stop token: a closed value that fails the schema gets its stop token
-rejected (and masked out), like a rejected draft token, so nothing invalid ends a sequence. The
-grammar then allows nothing else, and the engine ends the request with an error that names the
-violation (`ValueCheckedMatcher.violation`).
+A scanner follows the JSON structure of the accepted bytes. When a token closes a string value,
+an array or an object whose subschemas hold an unchecked keyword, the value is validated against
+the subschemas that apply to its path unconditionally (`$ref`, `allOf`, `properties`,
+`patternProperties`, `additionalProperties`, `items`, `prefixItems`; anyOf/oneOf/if branches are
+not descended, so a nested verdict never rejects a valid document). A token that closes a failing
+value is rejected and masked out, like a rejected draft token, and the sampler goes on with
+another one (`[1, 1` cannot close with `]`, `, 2]` can). The whole document is checked again on
+the stop token: what no nested path reached is caught there. When nothing valid is left, the
+engine ends the request with an error naming the violation (`ValueCheckedMatcher.violation`).
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+import re
+from typing import Any, Optional
+from urllib.parse import unquote
 
 import torch
 
+from ..request import InvalidRequestError
 from .backend import Encode, Matcher
+from .schema import walk
 
 _NEWER = ("prefixItems", "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "$defs")
+# keywords whose subschemas apply conditionally: a flag under them is checked where they sit
+_BRANCHES = ("anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "dependencies", "contains",
+             "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_MAPS = ("dependentSchemas", "dependencies")
+_Q, _BS, _LB, _RB, _LC, _RC, _COMMA, _COLON = b'"\\[]{},:'
+
+# scanner state: (stack, in_string, escaped, string_start, string_is_key); a frame is
+# (open byte, start offset, path, array index, current key, next string is a key)
+Frame = tuple[int, int, tuple, int, Any, bool]
+State = tuple[tuple[Frame, ...], bool, bool, int, bool]
+START: State = ((), False, False, 0, False)
+Event = tuple[tuple, int, int]  # (path, start, end): bytes [start, end) close a value at path
 
 
 def make_validator(schema: Any) -> Any:
     """A jsonschema validator with format checks: the schema's `$schema` draft, else 2020-12 when it
-    uses a 2019+ keyword, else draft 7 (MaskBench-style schemas use `dependencies`, tuple `items`)."""
+    uses a 2019+ keyword, else draft 7 (MaskBench-style schemas use `dependencies`, tuple `items`).
+    jsonschema.SchemaError when the schema itself is not valid."""
     import jsonschema
 
     text = json.dumps(schema)
@@ -30,69 +52,318 @@ def make_validator(schema: Any) -> Any:
         cls = jsonschema.Draft202012Validator
     else:
         cls = jsonschema.Draft7Validator
+    cls.check_schema(schema)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
 def uncheckable_formats(schema: Any, validator: Any, grammar_formats: frozenset[str]) -> list[str]:
     """'format X at /pointer' for formats neither the grammar nor `validator` checks (jsonschema
-    checks only some formats without extra packages): best effort refuses those too."""
-    from .schema import walk
-
+    checks only some formats without extra packages): refused unless the request is best effort."""
     known = set(validator.format_checker.checkers) | grammar_formats
     return [f"format {node['format']} at {p or '/'}" for p, node in walk(schema)
             if isinstance(node.get("format"), str) and node["format"] not in known]
 
 
-class ValueCheckedMatcher(Matcher):
-    """Wraps a backend matcher: its stop token is accepted only when the text is a value the schema
-    accepts. `decode` turns the accepted tokens (stop tokens excluded) into text."""
+def checked_validator(schema: Any, params: Any, grammar_formats: frozenset[str]) -> tuple[Any, list[str]]:
+    """The validator for value-close checks and the formats nothing checks (left unenforced).
+    InvalidRequestError when the schema is not valid JSON Schema, or uses such a format and the
+    request (`params`, GuidedDecodingParams) is not best effort."""
+    import jsonschema
 
-    def __init__(self, inner: Matcher, validator: Any, decode: Callable[[list[int]], str], stop_ids: frozenset[int]):
-        self.inner = inner
-        self.validator = validator
-        self.decode = decode
-        self.stop_ids = stop_ids
-        self.tokens: list[int] = []
-        self._cache: tuple[int, Optional[str]] = (-1, None)  # (len(tokens), violation)
+    try:
+        validator = make_validator(schema)
+    except jsonschema.SchemaError as e:
+        at = "/".join(map(str, e.absolute_path))
+        raise InvalidRequestError(f"invalid json_schema guide: {e.message} (at /{at})") from None
+    blind = uncheckable_formats(schema, validator, grammar_formats)
+    if blind and not params.best_effort:
+        raise InvalidRequestError(f"invalid json_schema guide: neither the grammar nor the value check can enforce "
+                                  f"{'; '.join(blind[:4])}; set best_effort to accept it unchecked")
+    return validator, blind
+
+
+def _child(stack: tuple[Frame, ...]) -> tuple:
+    """The path of the value that starts next (inside the innermost open container)."""
+    if not stack:
+        return ()
+    kind, _, path, idx, key, _ = stack[-1]
+    return path + ((idx,) if kind == _LB else (key,))
+
+
+def scan(state: State, data: bytes, pos: int, span: Any) -> tuple[State, list[Event]]:
+    """Follow `data` (starting at byte offset `pos`) from `state`; the values it closes.
+    `span(start, end)` returns the bytes [start, end) of the text (to read object keys)."""
+    stack, in_str, esc, s0, is_key = state
+    events: list[Event] = []
+    for i, c in enumerate(data):
+        p = pos + i
+        if in_str:
+            if esc:
+                esc = False
+            elif c == _BS:
+                esc = True
+            elif c == _Q:
+                in_str = False
+                if is_key:
+                    try:
+                        key = json.loads(span(s0, p + 1))
+                    except ValueError:
+                        key = None
+                    kind, start, path, idx, _, _ = stack[-1]
+                    stack = stack[:-1] + ((kind, start, path, idx, key, False),)
+                else:
+                    events.append((_child(stack), s0, p + 1))
+        elif c == _Q:
+            in_str, s0 = True, p
+            is_key = bool(stack) and stack[-1][0] == _LC and stack[-1][5]
+        elif c == _LB or c == _LC:
+            stack = stack + ((c, p, _child(stack), 0, None, c == _LC),)
+        elif (c == _RB or c == _RC) and stack:
+            events.append((stack[-1][2], stack[-1][1], p + 1))
+            stack = stack[:-1]
+        elif c == _COMMA and stack:
+            kind, start, path, idx, key, _ = stack[-1]
+            stack = stack[:-1] + ((kind, start, path, idx + 1, key, kind == _LC),)
+    return (stack, in_str, esc, s0, is_key), events
+
+
+class TokenTable:
+    """Per tokenizer: each token's bytes and the tokens that can close a string or a container."""
+
+    def __init__(self, token_bytes: list[bytes]):
+        self.bytes = token_bytes
+        ids = [i for i, b in enumerate(token_bytes) if b'"' in b or b"]" in b or b"}" in b]
+        self.closers = torch.tensor(ids, dtype=torch.long)
+        self.n_close = torch.tensor([token_bytes[i].count(b"]") + token_bytes[i].count(b"}") for i in ids])
+        self.quoted = torch.tensor([b'"' in token_bytes[i] for i in ids])
+
+
+class ValueChecker:
+    """Per compiled guide: the validator, the paths whose values need a check, and a memo of verdicts.
+    `flagged`: 'keyword at /pointer' for the keywords the grammar leaves unchecked."""
+
+    MEMO = 65536  # verdicts kept (cleared when full)
+
+    def __init__(self, schema: Any, validator: Any, flagged: list[str], table: TokenTable, stop_ids: frozenset[int]):
+        self.schema, self.validator, self.table, self.stop_ids = schema, validator, table, stop_ids
+        ptrs = {f.rsplit(" at ", 1)[-1] for f in flagged}
+        self.flagged = {id(node) for p, node in walk(schema) if (p or "/") in ptrs}
+        self._nodes: dict[tuple, tuple[dict, ...]] = {}
+        self._needs: dict[tuple, bool] = {}
+        self._below: dict[int, bool] = {}
+        self._validators: dict[int, Any] = {}
+        self._verdicts: dict[tuple, Optional[str]] = {}
+
+    # -- which subschemas apply to a path ---------------------------------------------------------
+    def _deref(self, ref: str) -> Any:
+        if not ref.startswith("#"):
+            return None  # remote / $id refs: not followed (the whole-document check still runs)
+        node: Any = self.schema
+        for part in [unquote(p).replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p]:
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def _expand(self, node: Any, seen: set[int]) -> list[dict]:
+        """`node` and what its `$ref` and `allOf` add (they apply unconditionally)."""
+        if not isinstance(node, dict) or id(node) in seen:
+            return []
+        seen.add(id(node))
+        out = [node]
+        if isinstance(node.get("$ref"), str):
+            out += self._expand(self._deref(node["$ref"]), seen)
+        for part in node.get("allOf", []) if isinstance(node.get("allOf"), list) else []:
+            out += self._expand(part, seen)
+        return out
+
+    @staticmethod
+    def _children(node: dict, step: Any) -> list[Any]:
+        if isinstance(step, str):
+            out = []
+            if isinstance(node.get("properties"), dict) and step in node["properties"]:
+                out.append(node["properties"][step])
+            for pat, sub in (node.get("patternProperties") or {}).items() if isinstance(
+                    node.get("patternProperties"), dict) else []:
+                try:
+                    if re.search(pat, step):
+                        out.append(sub)
+                except re.error:
+                    pass
+            return out or [node.get("additionalProperties")]
+        if not isinstance(step, int):
+            return []  # a key that did not decode
+        pre, items = node.get("prefixItems"), node.get("items")
+        if isinstance(pre, list):
+            return [pre[step]] if step < len(pre) else [items]
+        if isinstance(items, list):
+            return [items[step]] if step < len(items) else [node.get("additionalItems")]
+        return [items]
+
+    def nodes(self, path: tuple) -> tuple[dict, ...]:
+        """The subschemas that every valid document applies to the value at `path`."""
+        got = self._nodes.get(path)
+        if got is None:
+            if not path:
+                got = tuple(self._expand(self.schema, set()))
+            else:
+                got = tuple(n for parent in self.nodes(path[:-1]) for c in self._children(parent, path[-1])
+                            for n in self._expand(c, set()))
+            self._nodes[path] = got
+        return got
+
+    def _flagged_below(self, node: dict, seen: Optional[set[int]] = None) -> bool:
+        if id(node) in self._below:
+            return self._below[id(node)]
+        seen = set() if seen is None else seen
+        seen.add(id(node))
+        hit = False
+        for _, sub in walk(node):
+            if id(sub) in self.flagged:
+                hit = True
+            elif isinstance(sub.get("$ref"), str):
+                target = self._deref(sub["$ref"])
+                hit = isinstance(target, dict) and id(target) not in seen and self._flagged_below(target, seen)
+            if hit:
+                break
+        if len(seen) == 1 or hit:  # a partial answer inside a $ref cycle is not memoized
+            self._below[id(node)] = hit
+        return hit
+
+    def _flagged_here(self, node: dict) -> bool:
+        """`node` is flagged, or holds a flagged keyword under a branch no path resolves (anyOf,
+        oneOf, not, if, ...); what sits under `properties` / `items` is checked at its own path."""
+        if id(node) in self.flagged:
+            return True
+        for kw in _BRANCHES:
+            v = node.get(kw)
+            subs = v if isinstance(v, list) else list(v.values()) if isinstance(v, dict) and kw in _MAPS else [v]
+            if any(isinstance(s, dict) and self._flagged_below(s) for s in subs):
+                return True
+        return False
+
+    def needs(self, path: tuple) -> bool:
+        """Whether the value at `path` holds a keyword the grammar leaves unchecked."""
+        got = self._needs.get(path)
+        if got is None:
+            got = self._needs[path] = any(self._flagged_here(n) for n in self.nodes(path))
+        return got
+
+    # -- verdicts ---------------------------------------------------------------------------------
+    def verdict(self, path: tuple, text: bytes) -> Optional[str]:
+        """Why the closed value `text` at `path` is invalid; None when valid (or not a JSON value)."""
+        key = (path, text)
+        if key in self._verdicts:
+            return self._verdicts[key]
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None  # not a closed value: the grammar decides
+        msg = None
+        for node in (self.schema,) if not path else self.nodes(path):
+            v = self._validators.get(id(node))
+            if v is None:
+                v = self._validators[id(node)] = self.validator if node is self.schema else self.validator.evolve(schema=node)
+            try:
+                err = next(iter(v.iter_errors(value)), None)
+            except Exception as e:  # noqa: BLE001 - a check that cannot run accepts nothing
+                msg = f"the value at /{'/'.join(map(str, path))} cannot be checked ({type(e).__name__})"
+                break
+            if err is not None:
+                where = "/".join(map(str, path + tuple(err.absolute_path)))
+                msg = (f"{err.message} (at /{where}, schema {err.validator} at "
+                       f"/{'/'.join(map(str, err.absolute_schema_path))})")
+                break
+        if len(self._verdicts) >= self.MEMO:
+            self._verdicts.clear()
+        self._verdicts[key] = msg
+        return msg
+
+
+class ValueCheckedMatcher(Matcher):
+    """Wraps a backend matcher: a token that closes a value the schema rejects is not accepted, and
+    the stop token only ends a document the schema accepts."""
+
+    def __init__(self, inner: Matcher, checker: ValueChecker):
+        self.inner, self.c = inner, checker
+        self.buf = bytearray()
+        self.states: list[tuple[State, int]] = [(START, 0)]  # after each accepted token: (state, len(buf))
+        self.last_reason: Optional[str] = None  # the latest nested rejection (for the error message)
+
+    def _span(self, data: bytes) -> Any:
+        pos = len(self.buf)
+        return lambda s, e: bytes(self.buf[s:e]) if e <= pos else bytes(self.buf[s:]) + data[max(0, s - pos):e - pos]
+
+    def _next(self, data: bytes) -> Optional[State]:
+        """The scanner state after `data`, or None when it closes a value that fails its check."""
+        state, events = scan(self.states[-1][0], data, len(self.buf), self._span(data))
+        for path, s, e in events:
+            if self.c.needs(path):
+                why = self.c.verdict(path, self._span(data)(s, e))
+                if why is not None:
+                    self.last_reason = why
+                    return None
+        return state
+
+    def _doc_violation(self) -> Optional[str]:
+        """Why the whole text cannot end here (None: valid, or not a complete JSON value)."""
+        return self.c.verdict((), bytes(self.buf)) if not self.states[-1][0][0] else None
 
     def violation(self) -> Optional[str]:
-        """Why the value so far cannot end here (None: it is valid, or not a complete JSON value)."""
-        n = len(self.tokens)
-        if self._cache[0] != n:
-            try:
-                value = json.loads(self.decode(self.tokens))
-            except ValueError:
-                msg = None  # not a closed value: the grammar decides
-            else:
-                err = next(iter(self.validator.iter_errors(value)), None)
-                msg = None if err is None else f"{err.message} (at /{'/'.join(map(str, err.absolute_path))}, " \
-                                               f"schema {err.validator} at /{'/'.join(map(str, err.absolute_schema_path))})"
-            self._cache = (n, msg)
-        return self._cache[1]
+        """Why the value so far is invalid: the document's verdict, else the latest nested one."""
+        return self._doc_violation() or self.last_reason
 
     def accept(self, token: int) -> bool:
         t = int(token)
-        if t in self.stop_ids and not self.inner.is_terminated() and self.violation() is not None:
+        if t in self.c.stop_ids and not self.inner.is_terminated():
+            if self._doc_violation() is not None or not self.inner.accept(t):
+                return False
+            self.states.append(self.states[-1])
+            return True
+        data = self.c.table.bytes[t]
+        state = self._next(data)
+        if state is None or not self.inner.accept(t):
             return False
-        if not self.inner.accept(t):
-            return False
-        self.tokens.append(t)
+        self.buf += data
+        self.states.append((state, len(self.buf)))
         return True
 
     def rollback(self, n: int) -> None:
         if n > 0:
             self.inner.rollback(n)
-            del self.tokens[len(self.tokens) - n:]
-            self._cache = (-1, None)  # the cache is keyed by length: valid only between rollbacks
+            del self.states[len(self.states) - n:]
+            del self.buf[self.states[-1][1]:]
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.inner.fill(bitmask, row)
-        self._ban_stop(bitmask, row)
+        self._ban(bitmask, row)
 
-    def _ban_stop(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.inner.is_completed() and self.violation() is not None:
-            for t in self.stop_ids:  # bit t % 32 of word t // 32
-                bitmask[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
+    def _closes_needed(self) -> Optional[tuple[int, bool]]:
+        """(containers to close, string to close first) before the innermost checked value closes;
+        None when no open value needs a check."""
+        stack, in_str, _, _, is_key = self.states[-1][0]
+        if in_str and not is_key and self.c.needs(_child(stack)):
+            return 0, True
+        for j in range(len(stack) - 1, -1, -1):
+            if self.c.needs(stack[j][2]):
+                return len(stack) - j, in_str
+        return None
+
+    def _ban(self, bitmask: torch.Tensor, row: int) -> None:
+        banned: list[int] = []
+        if self.inner.is_completed() and self._doc_violation() is not None:
+            banned += self.c.stop_ids
+        need = self._closes_needed()
+        if need is not None:  # try each allowed token that can close the checked value
+            tab = self.c.table
+            ids = tab.closers[(tab.n_close >= need[0]) & (tab.quoted | (not need[1]))]
+            bits = (bitmask[row, ids >> 5] >> (ids & 31)) & 1
+            banned += [t for t in ids[bits.bool()].tolist() if self._next(tab.bytes[t]) is None]
+        for t in banned:  # bit t % 32 of word t // 32
+            bitmask[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
 
     def forced_tokens(self, encode: Encode, k: int) -> list[int]:
         toks = self.inner.forced_tokens(encode, k)
@@ -102,12 +373,13 @@ class ValueCheckedMatcher(Matcher):
         return self.inner.is_terminated()
 
     def is_completed(self) -> bool:
-        return self.inner.is_completed() and self.violation() is None
+        return self.inner.is_completed() and self._doc_violation() is None
 
     def reset(self) -> None:
         self.inner.reset()
-        self.tokens.clear()
-        self._cache = (-1, None)
+        self.buf.clear()
+        self.states = [(START, 0)]
+        self.last_reason = None
 
     @classmethod
     def fill_many(cls, matchers: list["ValueCheckedMatcher"], bitmask: torch.Tensor, rows: list[int],
@@ -120,4 +392,4 @@ class ValueCheckedMatcher(Matcher):
         for inner_cls, (ms, idx) in groups.items():
             inner_cls.fill_many(ms, bitmask, idx, num_threads)  # type: ignore[attr-defined]
         for m, r in zip(matchers, rows):
-            m._ban_stop(bitmask, r)
+            m._ban(bitmask, r)

@@ -3,10 +3,12 @@
 JSON Schema defaults are spec-true as far as xgrammar goes: `strict_mode=False` (additional
 properties allowed unless `false`, arrays without `items` hold anything), keys in schema order
 (fixed, as in llguidance), whitespace allowed but bounded (`max_whitespace_cnt`), so compact and `json.dumps`
-spacing both match. Keywords xgrammar would ignore are refused (schema.xgrammar_unenforced).
+spacing both match. Keywords xgrammar would ignore (schema.xgrammar_unenforced) are checked with
+jsonschema when their value closes (value_check.py).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -20,7 +22,7 @@ from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import choice_to_ebnf, looks_like_lark, normalize_structural_tag
 from .schema import ANY_JSON_SCHEMA, strictify, xgrammar_unenforced
-from .value_check import ValueCheckedMatcher, make_validator, uncheckable_formats
+from .value_check import TokenTable, ValueChecker, ValueCheckedMatcher, checked_validator
 
 # "[02:15:01] /project/cpp/grammar_parser.cc:820: " and "Check failed: (...) is false: "
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
@@ -140,42 +142,41 @@ class XgrammarBackend(GrammarBackend):
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         t0 = time.perf_counter()
-        unenforced: list[str] = []
-        grammar = self._compile(params, unenforced)
-        make: Any = lambda: XgrammarMatcher(grammar)  # noqa: E731
-        if unenforced:  # best effort: the value is checked with jsonschema when it closes
-            schema = json.loads(params.guide)
-            validator, stop, tok = make_validator(schema), frozenset(self.stop_token_ids), self.hf_tokenizer
-            blind = uncheckable_formats(schema, validator, frozenset())
-            if blind:
-                raise InvalidRequestError(f"invalid json_schema guide: neither the grammar nor the value check "
-                                          f"can enforce {'; '.join(blind[:4])} (not even with best_effort)")
-            make = lambda: ValueCheckedMatcher(XgrammarMatcher(grammar), validator,  # noqa: E731
-                                               lambda ids: tok.decode(ids, skip_special_tokens=True), stop)
-        return CompiledGuide(self.name, self.vocab_size, grammar, make,
-                             compile_s=time.perf_counter() - t0, unenforced=tuple(unenforced))
+        schema, unenforced, blind, make = self.schema_of(params), [], [], None
+        if schema is not None:
+            unenforced = xgrammar_unenforced(schema)
+            if unenforced:  # what xgrammar ignores is checked with jsonschema when its value closes
+                validator, blind = checked_validator(schema, params, frozenset())  # refusals before the compile
+                checker = ValueChecker(schema, validator, unenforced, self.table, frozenset(self.stop_token_ids))
+                make = lambda: ValueCheckedMatcher(XgrammarMatcher(grammar), checker)  # noqa: E731
+        grammar = self._compile(params, schema)
+        return CompiledGuide(self.name, self.vocab_size, grammar, make or (lambda: XgrammarMatcher(grammar)),
+                             compile_s=time.perf_counter() - t0, unenforced=tuple(blind), checked=tuple(unenforced))
 
-    def _compile(self, params: GuidedDecodingParams, unenforced: list[str]) -> xgr.CompiledGrammar:
+    @staticmethod
+    def schema_of(params: GuidedDecodingParams) -> Any:
+        """The JSON schema a `json` / `json_schema` guide compiles (OpenAI strict applied); else None."""
+        if params.guide_type not in ("json", "json_schema"):
+            return None
+        schema = ANY_JSON_SCHEMA if params.guide_type == "json" else json.loads(params.guide)
+        if schema is False:
+            raise InvalidRequestError("invalid json_schema guide: the schema is `false`: no JSON value is valid")
+        return strictify(schema) if params.strict else schema
+
+    @functools.cached_property
+    def table(self) -> TokenTable:
+        vocab = list(self.tokenizer_info.decoded_vocab)
+        return TokenTable(vocab + [b""] * (self.vocab_size - len(vocab)))
+
+    def _compile(self, params: GuidedDecodingParams, schema: Any) -> xgr.CompiledGrammar:
         gtype, guide = params.guide_type, params.guide  # already validated
         try:
-            if gtype in ("json", "json_schema"):
+            if schema is not None:
                 if params.whitespace_pattern:
                     raise InvalidRequestError("whitespace_pattern needs the llguidance backend (xgrammar has no such option)")
-                schema = ANY_JSON_SCHEMA if gtype == "json" else json.loads(guide)
-                if schema is False:
-                    raise InvalidRequestError("invalid json_schema guide: the schema is `false`: no JSON value is valid")
-                if params.strict:
-                    schema = strictify(schema)
-                unenforced += xgrammar_unenforced(schema)
-                if unenforced and not params.best_effort:
-                    raise InvalidRequestError(
-                        f"invalid json_schema guide: xgrammar cannot enforce {', '.join(unenforced[:4])}"
-                        f"{' ...' if len(unenforced) > 4 else ''}; use backend 'llguidance' (or 'auto'), "
-                        "or set best_effort to accept unchecked keywords")
                 ws = dict(any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE) if params.any_whitespace \
                     else dict(any_whitespace=False, separators=(",", ":"))
-                return self.compiler.compile_json_schema(json.dumps(schema), strict_mode=params.strict,
-                                                         **ws)
+                return self.compiler.compile_json_schema(json.dumps(schema), strict_mode=params.strict, **ws)
             if gtype == "regex":
                 return self.compiler.compile_regex(guide)
             if gtype == "ebnf_grammar":

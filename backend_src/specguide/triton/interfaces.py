@@ -151,6 +151,8 @@ TRTLLM_OUTPUTS: tuple[Spec, ...] = (
     _s("acceptance_rate", "FP32", [1], "", "accepted / proposed draft tokens (with `return_perf_metrics`)"),
     _s("total_accepted_draft_tokens", "INT32", [1], "", "draft tokens accepted so far (with `return_perf_metrics`)"),
     _s("total_draft_tokens", "INT32", [1], "", "draft tokens proposed so far (with `return_perf_metrics`)"),
+    _s("guide_notes", "STRING", [-1], "", "last response of a JSON guide whose grammar leaves keywords to the "
+       "value check or unenforced: one note each (\"checked when its value closes: uniqueItems at /l\")"),
     # vLLM-only outputs, sent only through specguide_vllm
     _s("cumulative_logprob", "FP32", [-1], "", "vLLM: sum of the log probs so far", vllm_only=True),
     _s("logprobs", "STRING", [-1], "", "vLLM: JSON list of {token_id: {logprob, rank, decoded_token}}",

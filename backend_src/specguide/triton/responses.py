@@ -111,6 +111,8 @@ class SequenceStream:
             outputs["num_input_tokens"] = _col(out.num_input_tokens, np.uint32)
         if p.return_num_output_tokens:
             outputs["num_output_tokens"] = _col(n_out, np.uint32)
+        if out.finished and out.guide_notes:
+            outputs["guide_notes"] = np.array([n.encode() for n in out.guide_notes], dtype=np.object_)
         if p.return_log_probs:
             outputs["cum_log_probs"] = _col(self.cum_logprob, np.float32)
             outputs["output_log_probs"] = np.array(lps, dtype=np.float32).reshape(1, 1, -1)
