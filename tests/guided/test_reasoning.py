@@ -126,3 +126,36 @@ def test_fill_many_mixes_reasoning_and_guided_rows(hf_tokenizer, reasoning, guid
         assert torch.equal(dec.bitmask[s], mask(dec.matchers[s])), s
         assert dec.check_fresh(s) is None
     assert torch.equal(dec.bitmask[1], mask(guide.matcher()))
+
+
+def test_verification_rows_across_the_boundary(hf_tokenizer, reasoning, guide):
+    """A verification step whose drafts hold the marker: rows before it are free text, the row after
+    it is the guide's; rejecting drafts from before the marker on rolls back across it exactly."""
+    wrapped = reasoning.wrap(guide, enc(hf_tokenizer, THINK))
+    drafts = enc(hf_tokenizer, "1.</think>") + enc(hf_tokenizer, '{"')
+    marker_end = len(enc(hf_tokenizer, "1.</think>"))
+    dec = GuidedDecoder(1, len(drafts), VOCAB)
+    for accepted in range(len(drafts) + 1):
+        dec.add(0, wrapped)
+        dec.advance_many(0, enc(hf_tokenizer, "So a="))
+        assert dec.fill_verify_rows({0: drafts}) == {0: len(drafts)}
+        assert torch.equal(dec.bitmask[marker_end], mask(guide.matcher()))  # the first guided position
+        assert allowed(dec.bitmask[0], drafts[0]) and not allowed(dec.bitmask[0], hf_tokenizer.eos_token_id)
+        dec.rollback(0, len(drafts) - accepted)
+        assert dec.matchers[0].ended == (accepted >= marker_end) and dec.check_fresh(0) is None
+        dec.remove(0)
+
+
+def test_a_best_effort_guide_is_value_checked_after_the_marker(hf_tokenizer, reasoning, service):
+    """The wrapped guide may itself be a wrapper (best effort: ValueCheckedMatcher): its value check
+    sees only the answer, and its stop-token ban comes through the batched fill."""
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    guide = service.compile(GuidedDecodingParams("json_schema", json.dumps(schema), best_effort=True))
+    eos = hf_tokenizer.eos_token_id
+    dec = GuidedDecoder(1, 0, VOCAB)
+    dec.add(0, reasoning.wrap(guide, enc(hf_tokenizer, THINK)))
+    assert dec.advance_many(0, enc(hf_tokenizer, "[1, 1] is fine.</think>")) == len(enc(hf_tokenizer, "[1, 1] is fine.</think>"))
+    assert dec.violation(0) is None and dec.advance_many(0, enc(hf_tokenizer, "[1, 1]")) == len(enc(hf_tokenizer, "[1, 1]"))
+    assert "non-unique" in dec.violation(0)
+    dec.fill([(0, 0)])
+    assert not allowed(dec.bitmask[0], eos) and not dec.advance(0, eos)

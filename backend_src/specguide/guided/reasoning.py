@@ -44,7 +44,7 @@ class EndMarker:
                 allowed[p, t] = self.step(p, t) != BANNED
         allowed[:, [t for t in self.stop_ids if 0 <= t < vocab_size]] = False
         packed = np.packbits(allowed, axis=1, bitorder="little")  # bit j of word w = token 32w + j
-        self.rows = torch.from_numpy(packed.view(np.int32).copy())  # [m, words]
+        self.rows = packed.view(np.int32).copy()  # [m, words] int32 (numpy: no torch dispatch in callbacks)
 
     def allows(self, token: int) -> bool:
         """Not a stop token and inside the vocabulary (what the mask rows say besides BANNED)."""
@@ -105,7 +105,7 @@ class ReasoningMatcher(Matcher):
         if self.ended:
             self.inner.fill(bitmask, row)
         else:
-            bitmask[row] = self.end.rows[self._progress()]
+            bitmask.numpy()[row] = self.end.rows[self._progress()]
 
     def forced_tokens(self, encode: Encode, k: int) -> list[int]:
         return self.inner.forced_tokens(encode, k) if self.ended else []  # nothing is forced in free text
@@ -130,13 +130,14 @@ class ReasoningMatcher(Matcher):
                   num_threads: int | str = "auto") -> None:
         """Rows past the marker: one batched call per inner backend; reasoning rows: copies."""
         groups: dict[type, tuple[list[Matcher], list[int]]] = {}
+        host = bitmask.numpy()
         for m, r in zip(matchers, rows):
             if m.ended:
                 ms, idx = groups.setdefault(type(m.inner), ([], []))
                 ms.append(m.inner)
                 idx.append(r)
             else:
-                bitmask[r] = m.end.rows[m._progress()]
+                host[r] = m.end.rows[m._progress()]
         for inner_cls, (ms, idx) in groups.items():
             inner_cls.fill_many(ms, bitmask, idx, num_threads)  # type: ignore[attr-defined]
 
