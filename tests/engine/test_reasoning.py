@@ -38,10 +38,12 @@ def guide(backend: str) -> GuidedDecodingParams:
 
 @pytest.fixture(scope="module", params=["ngram", "hybrid"])
 def reasoning_engine(request, random_head):
-    """K=4 with a fixed K; `hybrid` drafts in the step with an untrained head (lossless whatever it proposes)."""
+    """K=4 with a fixed K; `hybrid` drafts in the step with an untrained head (lossless whatever it proposes),
+    its grammar callbacks on a worker thread (the race test mode)."""
     eng = Engine(EngineConfig(max_slots=4, max_seq_len=512, prefill_chunk=64, num_draft_tokens=4,
                               drafter=request.param, draft_head_path=str(random_head), adaptive_k=False,
-                              cost_aware_k=False, reasoning_markers="<think>,</think>"))
+                              cost_aware_k=False, reasoning_markers="<think>,</think>",
+                              guided_executor="worker" if request.param == "hybrid" else "inline"))
     yield eng
     eng.shutdown()
 
