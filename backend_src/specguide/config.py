@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0")  # how the C kernels hold a weight
@@ -15,6 +15,26 @@ GUIDED_EXECUTORS = ("auto", "plain", "inline", "worker", "cuda")
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """A reasoning block's start and end markers (`<think>`, `</think>`): the guide applies after the end."""
+
+    start: str
+    end: str
+
+    @classmethod
+    def parse(cls, text: str) -> Optional["ReasoningMarkers"]:
+        """'' -> None (off); '<think>,</think>' -> the markers; anything else -> ValueError saying why."""
+        if not text.strip():
+            return None
+        parts = [p.strip() for p in text.split(",")]
+        _check(len(parts) == 2 and all(parts),
+               f"reasoning_markers must be '' (off) or '<start>,<end>' (e.g. '<think>,</think>'), got {text!r}")
+        start, end = parts
+        _check(end not in start, f"reasoning_markers: the end marker {end!r} must not occur in the start marker {start!r}")
+        return cls(start, end)
 
 
 @dataclass
@@ -82,6 +102,8 @@ class EngineConfig:
     # its old name), "worker" (a worker thread: the race test mode), "cuda" (host functions on a grammar
     # stream, captured in the step graphs); "auto" = "cuda" on a CUDA device, else "inline"
     cuda_graphs: bool = True  # on CUDA: one CUDA graph per speculative step and batch bucket
+    reasoning_markers: str = ""  # reasoning models: '<start>,<end>' (e.g. '<think>,</think>'); a guide then
+    # applies only after the end marker (guided/reasoning.py); "" = off
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -104,6 +126,7 @@ class EngineConfig:
                f"unknown guided_backend {self.guided_backend!r} (one of auto, xgrammar, llguidance)")
         _check(self.guided_executor in GUIDED_EXECUTORS,
                f"unknown guided_executor {self.guided_executor!r} (one of {GUIDED_EXECUTORS})")
+        self.reasoning()  # ValueError for a bad reasoning_markers
         if self.max_sampling_parameters_bytes <= 0:
             self.max_sampling_parameters_bytes = (self.guided_max_guide_bytes or 1 << 20) + 65536
         if self.max_prompt_bytes <= 0:
@@ -123,6 +146,10 @@ class EngineConfig:
                 raw = raw.get("string_value", "")
             kwargs[f.name] = _coerce(f, raw)
         return cls(**kwargs)
+
+    def reasoning(self) -> Optional[ReasoningMarkers]:
+        """The reasoning block's markers; None when off."""
+        return ReasoningMarkers.parse(self.reasoning_markers)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

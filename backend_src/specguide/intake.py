@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable
 
 from .config import EngineConfig
 from .faults import Injector
+from .guided.reasoning import Reasoning
 from .request import InvalidRequestError, Request, RequestOutput
 from .scheduler import Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -30,6 +31,9 @@ starts, then collects, their grammar compiles."""
         self.compiler = compiler  # starts a guided request's grammar compile
         self.faults = faults
         self._ids = itertools.count(1)
+        markers = config.reasoning()  # reasoning models: guides wait for the end marker
+        self.reasoning = None if markers is None else Reasoning.for_tokenizer(
+            markers, tokenizer.hf, eos_token_ids, vocab_size)
 
     def _prompt_ids(self, request: Request) -> list[int]:
         if request.prompt_ids is not None:
@@ -94,6 +98,8 @@ starts, then collects, their grammar compiles."""
             try:
                 seq.grammar = handle.result(timeout=0)
                 seq.compile = None
+                if self.reasoning is not None:
+                    seq.grammar = self.reasoning.wrap(seq.grammar, seq.prompt_ids)
             except InvalidRequestError as exc:
                 failed.append((seq, str(exc), "INVALID_ARG"))
             except Exception as exc:

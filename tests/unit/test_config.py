@@ -28,6 +28,10 @@ from specguide.config import EngineConfig
     ({"drain_timeout_s": -1.0}, "drain_timeout_s must be >= 0"),
     ({"guided_max_guide_bytes": -1}, "guided_max_guide_bytes must be >= 0"),
     ({"max_sampling_parameters_bytes": -1}, "max_sampling_parameters_bytes must be >= 0"),
+    ({"reasoning_markers": "</think>"}, r"reasoning_markers must be '' \(off\) or '<start>,<end>'"),
+    ({"reasoning_markers": "<think>,"}, r"reasoning_markers must be '' \(off\) or '<start>,<end>'"),
+    ({"reasoning_markers": "<a>,<b>,<c>"}, r"reasoning_markers must be '' \(off\) or '<start>,<end>'"),
+    ({"reasoning_markers": "<think>,think>"}, "the end marker 'think>' must not occur in the start marker"),
 ])
 def test_a_bad_setting_raises_value_error_naming_it(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -44,3 +48,12 @@ def test_bad_parameters_from_config_pbtxt_raise_value_error():
 def test_defaults_are_valid_and_derived_limits_are_filled():
     cfg = EngineConfig()
     assert cfg.max_tokens_limit == cfg.max_seq_len and cfg.max_prompt_bytes == 16 * cfg.max_seq_len
+
+
+def test_reasoning_markers_parse():
+    from specguide.config import ReasoningMarkers
+
+    assert EngineConfig().reasoning() is None and EngineConfig(reasoning_markers="  ").reasoning() is None
+    assert EngineConfig(reasoning_markers=" <think> , </think> ").reasoning() == ReasoningMarkers("<think>", "</think>")
+    cfg = EngineConfig.from_parameters({"reasoning_markers": {"string_value": "<think>,</think>"}})
+    assert cfg.reasoning() == ReasoningMarkers("<think>", "</think>")
