@@ -146,16 +146,18 @@ def test_verification_rows_across_the_boundary(hf_tokenizer, reasoning, guide):
         dec.remove(0)
 
 
-def test_a_best_effort_guide_is_value_checked_after_the_marker(hf_tokenizer, reasoning, service):
-    """The wrapped guide may itself be a wrapper (best effort: ValueCheckedMatcher): its value check
-    sees only the answer, and its stop-token ban comes through the batched fill."""
+def test_a_value_checked_guide_is_checked_after_the_marker(hf_tokenizer, reasoning, service):
+    """The wrapped guide may itself be a wrapper (ValueCheckedMatcher): its value check sees only the
+    answer, and its bans come through the batched fill."""
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
-    guide = service.compile(GuidedDecodingParams("json_schema", json.dumps(schema), best_effort=True))
+    guide = service.compile(GuidedDecodingParams("json_schema", json.dumps(schema)))
     eos = hf_tokenizer.eos_token_id
     dec = GuidedDecoder(1, 0, VOCAB)
     dec.add(0, reasoning.wrap(guide, enc(hf_tokenizer, THINK)))
     assert dec.advance_many(0, enc(hf_tokenizer, "[1, 1] is fine.</think>")) == len(enc(hf_tokenizer, "[1, 1] is fine.</think>"))
-    assert dec.violation(0) is None and dec.advance_many(0, enc(hf_tokenizer, "[1, 1]")) == len(enc(hf_tokenizer, "[1, 1]"))
-    assert "non-unique" in dec.violation(0)
+    head, close = enc(hf_tokenizer, "[1, 1"), enc(hf_tokenizer, "]")[0]
+    assert dec.violation(0) is None and dec.advance_many(0, head) == len(head)
     dec.fill([(0, 0)])
+    assert not allowed(dec.bitmask[0], close) and not dec.advance(0, close)  # the closing `]` is checked
+    assert "non-unique" in dec.violation(0)
     assert not allowed(dec.bitmask[0], eos) and not dec.advance(0, eos)
