@@ -120,11 +120,12 @@ class GuidedDecodingParams:
     strict: bool = False  # OpenAI strict (JSON): additionalProperties false everywhere, all keys required
     any_whitespace: bool = True  # JSON: compact and spaced both allowed (False: compact only)
     whitespace_pattern: str = ""  # JSON: regex for one whitespace run (overrides any_whitespace)
-    best_effort: bool = False  # JSON: keywords the grammar cannot enforce are noted, not refused
+    best_effort: bool = False  # JSON: formats nothing can check are noted, not refused
+    any_key_order: bool = False  # JSON: listed keys in any order (llguidance; `required` checked at the close)
 
     def cache_key(self, backend: str) -> tuple:
         return (backend, self.guide_type, self.guide, self.strict, self.any_whitespace,
-                self.whitespace_pattern, self.best_effort)
+                self.whitespace_pattern, self.best_effort, self.any_key_order)
 
 
 @dataclass

@@ -93,6 +93,31 @@ def test_ref_with_sibling_properties_and_allof(xgr_service, encode, backend):
     assert v[(0, "compact")] and v[(0, "spaced")] and not v[(1, "compact")] and not v[(1, "spaced")]
 
 
+# key order: schema order by default (both libraries; it keeps grammar-forced keys for drafting),
+# any order with `any_key_order` (llguidance; `required` and duplicate keys checked at the close)
+def test_any_key_order_is_an_opt_in(xgr_service, encode, hf_tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
+                                               "c": {"type": "object", "properties": {"x": {}, "y": {}},
+                                                     "required": ["x"]}}, "required": ["a", "b"]}
+    tests = [({"b": "x", "a": 1}, True), ({"a": 1, "b": "x"}, True), ({"c": {"y": 1, "x": 2}, "b": "", "a": 0}, True),
+             ({"a": 1}, False), ({"a": 1, "b": "x", "c": {"y": 1}}, False), ({"b": 1, "a": 1}, False)]
+    v = verdicts(xgr_service, encode, schema, tests, "llguidance")
+    assert [v[(i, "compact")] for i in range(6)] == [False, True, False, False, False, False]  # schema order
+    v = verdicts(xgr_service, encode, schema, tests, "llguidance", any_key_order=True)
+    assert v == {(i, f): ok for i, (_, ok) in enumerate(tests) for f in ("compact", "spaced")}, v
+    guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend="auto", any_key_order=True))
+    assert guide.backend == "llguidance" and set(guide.checked) == {"required at /", "required at /properties/c"}
+    m = guide.matcher()
+    assert m.validate(encode('{"a":1,"a":2,"b":"x"}')) < len(encode('{"a":1,"a":2,"b":"x"}'))  # duplicate key
+    assert all(m.accept(t) for t in encode('{"a":1'))
+    mask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    m.fill(mask, 0)
+    allowed = [t for t in range(VOCAB) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+    assert not any("}" in hf_tokenizer.decode([t]) for t in allowed)  # "b" is still required
+    with pytest.raises(InvalidRequestError, match="any_key_order needs the llguidance backend"):
+        xgr_service.compile(G("json_schema", json.dumps(schema), backend="xgrammar", any_key_order=True))
+
+
 # (5) compile failures: patternProperties with oneOf values, int64 maximum, the `false` schema
 def test_former_compile_failures(xgr_service, encode):
     pat = {"type": "object", "patternProperties": {"^x": {"oneOf": [{"type": "string"}, {"type": "integer"}]}}}

@@ -87,6 +87,7 @@ def test_validate_rejects_non_params_and_non_string_guides():
     ({"json": {"name": "x", "schema": SCHEMA, "strict": True}, "backend": "auto"},  # OpenAI's json_schema object
      G("json_schema", json.dumps(SCHEMA), backend="auto", strict=True)),
     ({"json": SCHEMA, "strict": True}, G("json_schema", json.dumps(SCHEMA), strict=True)),
+    ({"json": SCHEMA, "any_key_order": True}, G("json_schema", json.dumps(SCHEMA), any_key_order=True)),
     ({"structural_tag": {"type": "structural_tag", "format": {}}},
      G("structural_tag", '{"type": "structural_tag", "format": {}}')),
 ])

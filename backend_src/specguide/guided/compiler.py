@@ -57,7 +57,7 @@ def auto_backend(params: GuidedDecodingParams) -> str:
     xgrammar keeps the forced-token drafts the speculative tests were tuned on)."""
     if params.guide_type in AUTO_XGRAMMAR:
         return "xgrammar"
-    if params.guide_type == "json_schema":
+    if params.guide_type == "json_schema" and not params.any_key_order:  # (any key order: llguidance only)
         try:
             if widest_object(json.loads(params.guide)) > LLG_MAX_OBJECT_PROPERTIES:
                 return "xgrammar"

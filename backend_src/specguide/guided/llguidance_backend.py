@@ -22,7 +22,7 @@ import torch
 from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import looks_like_lark
-from .schema import ANY_JSON_SCHEMA, find_keywords, strictify, walk
+from .schema import ANY_JSON_SCHEMA, any_key_order, find_keywords, strictify, walk
 from .value_check import TokenTable, ValueChecker, ValueCheckedMatcher, checked_validator
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_JSON_WHITESPACE  # one bounded run
@@ -160,8 +160,7 @@ class LlguidanceBackend(GrammarBackend):
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         t0 = time.perf_counter()
-        gtype, schema = params.guide_type, None
-        unenforced: tuple[str, ...] = ()
+        gtype, schema, order = params.guide_type, None, []
         try:
             if gtype in ("json", "json_schema"):
                 schema = ANY_JSON_SCHEMA if gtype == "json" else json.loads(params.guide)
@@ -170,7 +169,8 @@ class LlguidanceBackend(GrammarBackend):
                 schema = {} if schema is True else schema
                 if params.strict:
                     schema = strictify(schema)
-                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(params))
+                gschema, order = any_key_order(schema) if params.any_key_order else (schema, [])
+                grammar = llg.LLMatcher.grammar_from_json_schema(gschema, defaults=json_options(params))
             elif gtype == "regex":
                 grammar = llg.grammar_from("regex", params.guide)
             elif gtype == "choice":
@@ -184,13 +184,13 @@ class LlguidanceBackend(GrammarBackend):
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(f"invalid {gtype} guide: {e}") from None
         template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if template.is_error():
-            if schema is None:
-                raise InvalidRequestError(f"invalid {gtype} guide: {template.get_error()}")
-            return self._value_checked(schema, params, template.get_error(), t0)
+        if template.is_error() and schema is None:
+            raise InvalidRequestError(f"invalid {gtype} guide: {template.get_error()}")
+        if template.is_error() or order:
+            return self._value_checked(schema, gschema, params, order, None if template.is_error() else template, t0)
         stop = self.stop_ids
         return CompiledGuide(self.name, self.vocab_size, template, lambda: LlguidanceMatcher(template.deep_copy(), stop),
-                             compile_s=time.perf_counter() - t0, unenforced=unenforced)
+                             compile_s=time.perf_counter() - t0)
 
     @functools.cached_property
     def table(self) -> TokenTable:
@@ -198,17 +198,21 @@ class LlguidanceBackend(GrammarBackend):
         return TokenTable([b"" if i in self.stop_ids or tok.is_special_token(i) else tok.decode_bytes([i])
                            for i in range(self.vocab_size)])
 
-    def _value_checked(self, schema: Any, params: GuidedDecodingParams, msg: str, t0: float) -> CompiledGuide:
-        """What llguidance refused (`msg`): the schema compiled `lenient` (the keywords it cannot
-        enforce left out), those keywords checked with jsonschema when their value closes."""
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(params), overrides={"lenient": True})
-        template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if template.is_error():  # not a keyword it lacks: the schema's own fault (or a limit)
-            msg = template.get_error()
-            where = locate(schema, msg)
-            raise InvalidRequestError(f"invalid json_schema guide: {msg}" + (f" ({'; '.join(where[:4])})" if where else ""))
+    def _value_checked(self, schema: Any, gschema: Any, params: GuidedDecodingParams, flagged: list[str],
+                       template: Optional[llg.LLMatcher], t0: float) -> CompiledGuide:
+        """`gschema` (the grammar's schema) compiled `lenient` when llguidance refused it (the keywords
+        it cannot enforce left out); those keywords and `flagged` checked with jsonschema (against
+        `schema`) when their value closes."""
+        if template is None:
+            grammar = llg.LLMatcher.grammar_from_json_schema(gschema, defaults=json_options(params),
+                                                             overrides={"lenient": True})
+            template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if template.is_error():  # not a keyword it lacks: the schema's own fault (or a limit)
+                msg = template.get_error()
+                where = locate(schema, msg)
+                raise InvalidRequestError(f"invalid json_schema guide: {msg}" + (f" ({'; '.join(where[:4])})" if where else ""))
+            flagged = flagged + find_keywords(schema, LENIENT_DROPS)
         validator, blind = checked_validator(schema, params, LLG_FORMATS)
-        flagged = find_keywords(schema, LENIENT_DROPS)
         checker, stop = ValueChecker(schema, validator, flagged, self.table, self.stop_ids), self.stop_ids
         return CompiledGuide(self.name, self.vocab_size, template,
                              lambda: ValueCheckedMatcher(LlguidanceMatcher(template.deep_copy(), stop), checker),

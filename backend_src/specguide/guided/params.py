@@ -21,10 +21,10 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag",
 # vLLM StructuredOutputsParams / GuidedDecodingParams fields that select a guide
 VLLM_GUIDE_KEYS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
 # vLLM fields that pick or tune a backend: `backend`, `disable_any_whitespace`, `whitespace_pattern`
-# are honoured; SpecGuide adds `strict` (OpenAI strict JSON) and `best_effort` (keywords no grammar
-# can check are noted instead of refused); the rest are vLLM bookkeeping, accepted and ignored
+# are honoured; SpecGuide adds `strict` (OpenAI strict JSON), `best_effort` (formats nothing can
+# check are noted instead of refused) and `any_key_order` (listed keys in any order); the rest are vLLM bookkeeping, accepted and ignored
 VLLM_OPTION_KEYS = (
-    "backend", "disable_any_whitespace", "whitespace_pattern", "strict", "best_effort",
+    "backend", "disable_any_whitespace", "whitespace_pattern", "strict", "best_effort", "any_key_order",
     "_backend", "backend_was_auto", "disable_fallback", "disable_additional_properties", "_backend_was_auto",
 )
 OPENAI_SCHEMA_KEYS = {"name", "schema", "strict", "description"}  # a response_format json_schema object
@@ -125,7 +125,7 @@ def _vllm_options(value: Mapping[str, Any], key: str) -> dict[str, Any]:
     backend = value.get("backend")
     if backend is not None and not isinstance(backend, str):
         raise InvalidRequestError(f"{key}.backend must be a string, got {type(backend).__name__}")
-    for flag in ("disable_any_whitespace", "strict", "best_effort"):
+    for flag in ("disable_any_whitespace", "strict", "best_effort", "any_key_order"):
         if value.get(flag) is not None and not isinstance(value[flag], bool):
             raise InvalidRequestError(f"{key}.{flag} must be a boolean, got {value[flag]!r}")
     ws = value.get("whitespace_pattern")
@@ -133,7 +133,8 @@ def _vllm_options(value: Mapping[str, Any], key: str) -> dict[str, Any]:
         raise InvalidRequestError(f"{key}.whitespace_pattern must be a string, got {type(ws).__name__}")
     return dict(backend=backend or "", any_whitespace=not value.get("disable_any_whitespace", False),
                 whitespace_pattern=ws or "", strict=bool(value.get("strict", False)),
-                best_effort=bool(value.get("best_effort", False)))
+                best_effort=bool(value.get("best_effort", False)),
+                any_key_order=bool(value.get("any_key_order", False)))
 
 
 def from_sampling_parameters(params: Mapping[str, Any]) -> Optional[GuidedDecodingParams]:

@@ -7,6 +7,7 @@ opts into best effort.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 ANY_JSON_SCHEMA = {"type": ["object", "array"]}  # guide type `json`: an object or an array
@@ -114,4 +115,44 @@ def strictify(schema: Any) -> Any:
         out.setdefault("additionalProperties", False)
         props = list(out.get("properties", {}))
         out["required"] = list(dict.fromkeys(list(out.get("required", [])) + props))
+    return out
+
+
+_REGEX_META = re.compile(r"([\\.+*?()|\[\]{}^$])")
+
+
+def any_key_order(schema: Any) -> tuple[Any, list[str]]:
+    """The schema for a grammar that takes listed keys in any order, and the objects whose `required`
+    it no longer holds ('required at /pointer': the value check holds them, and duplicate keys).
+    Each object's `properties` become exact-key `patternProperties` (llguidance fixes the order of
+    `properties` only) and its `required` goes; an object with patternProperties of its own keeps
+    its order (patterns must stay disjoint). The input is not changed."""
+    if isinstance(schema, list):
+        return [any_key_order(s)[0] for s in schema], []
+    if not isinstance(schema, dict):
+        return schema, []
+    flagged: list[str] = []
+    out = _unorder(schema, "", flagged)
+    return out, flagged
+
+
+def _unorder(node: Any, ptr: str, flagged: list[str]) -> Any:
+    if isinstance(node, list):
+        return [_unorder(s, f"{ptr}/{i}", flagged) for i, s in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k in ("enum", "const", "default", "examples", "required"):
+            out[k] = v
+        elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
+            out[k] = {n: _unorder(s, f"{ptr}/{_esc(k)}/{_esc(n)}", flagged) for n, s in v.items()}
+        else:
+            out[k] = _unorder(v, f"{ptr}/{_esc(k)}", flagged)
+    props = out.get("properties")
+    if isinstance(props, dict) and len(props) > 1 and "patternProperties" not in out:
+        del out["properties"]
+        out["patternProperties"] = {"^" + _REGEX_META.sub(r"\\\1", n) + "$": s for n, s in props.items()}
+        out.pop("required", None)
+        flagged.append(f"required at {ptr or '/'}")
     return out

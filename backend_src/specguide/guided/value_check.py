@@ -127,6 +127,18 @@ def scan(state: State, data: bytes, pos: int, span: Any) -> tuple[State, list[Ev
     return (stack, in_str, esc, s0, is_key), events
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+    return out
+
+
 class TokenTable:
     """Per tokenizer: each token's bytes and the tokens that can close a string or a container."""
 
@@ -259,7 +271,11 @@ class ValueChecker:
         if key in self._verdicts:
             return self._verdicts[key]
         try:
-            value = json.loads(text)
+            value = json.loads(text, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:
+            msg = f"duplicate key {e.args[0]!r} (at /{'/'.join(map(str, path))})"
+            self._verdicts[key] = msg
+            return msg
         except ValueError:
             return None  # not a closed value: the grammar decides
         msg = None

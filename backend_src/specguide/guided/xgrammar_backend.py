@@ -172,8 +172,9 @@ class XgrammarBackend(GrammarBackend):
         gtype, guide = params.guide_type, params.guide  # already validated
         try:
             if schema is not None:
-                if params.whitespace_pattern:
-                    raise InvalidRequestError("whitespace_pattern needs the llguidance backend (xgrammar has no such option)")
+                for opt in ("whitespace_pattern", "any_key_order"):
+                    if getattr(params, opt):
+                        raise InvalidRequestError(f"{opt} needs the llguidance backend (xgrammar has no such option)")
                 ws = dict(any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE) if params.any_whitespace \
                     else dict(any_whitespace=False, separators=(",", ":"))
                 return self.compiler.compile_json_schema(json.dumps(schema), strict_mode=params.strict, **ws)
