@@ -68,8 +68,10 @@ def load_schemas(data_dir: Path) -> list[tuple[str, str]]:
     return [(f"{f.parent.name}/{f.name}", f.read_text()) for f in files]
 
 
-def pick_schemas(schemas: list[tuple[str, str]], engine: Engine, n: int, max_schema_tokens: int) -> list[dict]:
-    """Round-robin over the subsets, file-name order; keep small ones that compile (warms the cache)."""
+def pick_schemas(schemas: list[tuple[str, str]], engine: Engine, n: int, max_schema_tokens: int,
+                 value_checked: bool = False) -> list[dict]:
+    """Round-robin over the subsets, file-name order; keep small ones that compile (warms the cache);
+    with `value_checked`, only schemas whose llguidance guide leaves keywords to the value check."""
     by_subset: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for name, text in schemas:
         by_subset[name.split("/")[0]].append((name, text))
@@ -84,8 +86,10 @@ def pick_schemas(schemas: list[tuple[str, str]], engine: Engine, n: int, max_sch
                     continue
                 try:
                     for backend in ("xgrammar", "llguidance"):  # the same schemas for either --backend
-                        engine.compiler.compile(GuidedDecodingParams("json_schema", text, backend=backend))
+                        g = engine.compiler.compile(GuidedDecodingParams("json_schema", text, backend=backend))
                 except InvalidRequestError:
+                    continue
+                if value_checked and not g.checked:
                     continue
                 picked.append({"name": name, "schema_text": text, "schema": json.loads(text), "compact": compact})
                 break
@@ -322,6 +326,8 @@ def main() -> None:
     ap.add_argument("--skip-compile", action="store_true", help="no compile / mask-fill micro-benchmark")
     ap.add_argument("--backend", default="", help="grammar backend of the guides: auto | xgrammar | llguidance "
                     "('' = the engine's guided_backend, auto)")
+    ap.add_argument("--value-checked", action="store_true",
+                    help="only schemas with keywords left to the value check (guided/value_check.py)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     print(cpu_header(), flush=True)
@@ -335,7 +341,7 @@ def main() -> None:
     model_dir = resolve_model_dir()
     engine = Engine(EngineConfig(dtype=args.dtype, weight_dtype=args.weight_dtype, max_slots=max(8, c), max_seq_len=2048))
     timers = StepTimers(engine)
-    picked = pick_schemas(schemas, engine, args.num_schemas, args.max_schema_tokens)
+    picked = pick_schemas(schemas, engine, args.num_schemas, args.max_schema_tokens, args.value_checked)
     prompts = build_prompts(engine, picked)
     results: dict = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

@@ -18,6 +18,7 @@ import re
 from typing import Any, Optional
 from urllib.parse import unquote
 
+import numpy as np
 import torch
 
 from ..request import InvalidRequestError
@@ -145,9 +146,10 @@ class TokenTable:
     def __init__(self, token_bytes: list[bytes]):
         self.bytes = token_bytes
         ids = [i for i, b in enumerate(token_bytes) if b'"' in b or b"]" in b or b"}" in b]
-        self.closers = torch.tensor(ids, dtype=torch.long)
-        self.n_close = torch.tensor([token_bytes[i].count(b"]") + token_bytes[i].count(b"}") for i in ids])
-        self.quoted = torch.tensor([b'"' in token_bytes[i] for i in ids])
+        # numpy, not torch: masks are filled inside CUDA host callbacks too (no dispatcher there)
+        self.closers = np.array(ids, dtype=np.int64)
+        self.n_close = np.array([token_bytes[i].count(b"]") + token_bytes[i].count(b"}") for i in ids])
+        self.quoted = np.array([b'"' in token_bytes[i] for i in ids], dtype=bool)
 
 
 class ValueChecker:
@@ -373,13 +375,14 @@ class ValueCheckedMatcher(Matcher):
         if self.inner.is_completed() and self._doc_violation() is not None:
             banned += self.c.stop_ids
         need = self._closes_needed()
+        words = bitmask.numpy()[row].view(np.uint32)  # bit t % 32 of word t // 32: token t allowed
         if need is not None:  # try each allowed token that can close the checked value
             tab = self.c.table
             ids = tab.closers[(tab.n_close >= need[0]) & (tab.quoted | (not need[1]))]
-            bits = (bitmask[row, ids >> 5] >> (ids & 31)) & 1
-            banned += [t for t in ids[bits.bool()].tolist() if self._next(tab.bytes[t]) is None]
-        for t in banned:  # bit t % 32 of word t // 32
-            bitmask[row, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
+            on = (words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1
+            banned += [t for t in ids[on.astype(bool)].tolist() if self._next(tab.bytes[t]) is None]
+        for t in banned:
+            words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
     def forced_tokens(self, encode: Encode, k: int) -> list[int]:
         toks = self.inner.forced_tokens(encode, k)
