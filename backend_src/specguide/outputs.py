@@ -48,12 +48,14 @@ class OutputProcessor:
         guided = seq.grammar is not None
         if any(t < 0 for t in tokens):  # the runner's mark for non-finite logits in this row
             return Finish("error", "the model produced non-finite logits (NaN/inf) for this request")
+        failed = None
         for t in tokens:
             if guided and not self.guided.advance(seq.slot, t):
                 why = self._violation(seq.slot)
-                return Finish("error", f"the output violates the JSON schema: {why}" if why else
-                              f"token {t} violates the grammar (its mask allowed no token outside bad_words/end_id?)",
-                              "INTERNAL")
+                failed = Finish("error", f"the output violates the JSON schema: {why}" if why else
+                                f"token {t} violates the grammar (its mask allowed no token outside bad_words/end_id?)",
+                                "INTERNAL")
+                break
             if lps is not None:
                 seq.logprobs.append(lps[len(new)])
             if tops is not None:
@@ -70,7 +72,10 @@ class OutputProcessor:
                 reason = "stop"  # TRT-LLM stop words: the tokens stay in the output
             if reason:
                 break
-        seq.pending_text += seq.detok.add(new)
+        seq.pending_text += seq.detok.add(new)  # NOTE: also before an error: the tokens before it are output
+        if failed is not None:
+            self._cut_stop_string(seq, final=True)
+            return failed
         if self._cut_stop_string(seq, final=reason is not None):
             reason = "stop"
         return Finish(reason) if reason else None

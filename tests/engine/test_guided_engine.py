@@ -186,19 +186,27 @@ def engine_k4():
     eng.shutdown()
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_lossless_k0_vs_k4_under_a_json_schema_per_backend(engine_k4, backend):
+@pytest.mark.parametrize("backend,checked", [("xgrammar", False), ("llguidance", False), ("xgrammar", True),
+                                             ("llguidance", True)])
+def test_lossless_k0_vs_k4_under_a_json_schema_per_backend(engine_k4, backend, checked):
     """Invariant 1 per backend: greedy K=0 == greedy K=4 token for token under a json_schema guide
-    with spec-true defaults; outputs ended by the grammar validate with jsonschema (invariant 4)."""
+    with spec-true defaults; outputs ended by the grammar validate with jsonschema (invariant 4).
+    `checked`: keywords left to the value check (uniqueItems; llguidance: any key order too)."""
     import jsonschema
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                                "age": {"type": "integer"}, "city": {"type": "string", "maxLength": 16}},
               "required": ["name", "age", "city"], "additionalProperties": False}
-    guide = GuidedDecodingParams("json_schema", json.dumps(schema), backend=backend)
+    if checked:
+        schema["properties"]["hobbies"] = {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                           "maxItems": 3, "uniqueItems": True}
+    guide = GuidedDecodingParams("json_schema", json.dumps(schema), backend=backend,
+                                 any_key_order=checked and backend == "llguidance")
     engine = engine_k4
-    prompts = [chat(engine, f"Describe {who} as JSON with name, age and city.") for who in ("Alice", "Bob", "a pilot")]
-    base = [Request(prompt=p, params=SamplingParams(max_tokens=60, temperature=0.0), guided=guide) for p in prompts]
+    fields = "name, age, city and hobbies" if checked else "name, age and city"
+    prompts = [chat(engine, f"Describe {who} as JSON with {fields}.") for who in ("Alice", "Bob", "a pilot")]
+    base = [Request(prompt=p, params=SamplingParams(max_tokens=90 if checked else 60, temperature=0.0), guided=guide)
+            for p in prompts]
     k0 = run_many(engine, [dataclasses.replace(r, num_draft_tokens=0) for r in base])
     k4 = run_many(engine, [dataclasses.replace(r, num_draft_tokens=4) for r in base])
     stops = 0

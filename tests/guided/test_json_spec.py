@@ -210,13 +210,31 @@ def test_a_closing_token_that_fails_is_masked_and_another_way_on_is_open(xgr_ser
     m.fill(mask, 0)
     allowed = [t for t in range(VOCAB) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
     assert allowed and not any("]" in hf_tokenizer.decode([t]) for t in allowed)  # `]`, `]}`, ` ]`: all masked
-    assert encode(",")[0] in allowed  # the array can go on
+    assert encode(",")[0] not in allowed and encode("2")[0] in allowed  # the item can still become 12
     close = encode("]")[0]
     assert not m.accept(close) and "non-unique" in m.violation() and "uniqueItems" in m.violation()
     m.rollback(len(dup))
     assert all(m.accept(t) for t in encode(", 2]}")) and m.is_completed()
     stop = xgr_service.stop_token_ids[0]
     assert m.accept(stop) and m.is_terminated()
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_unique_items_are_checked_as_each_item_ends(xgr_service, encode, hf_tokenizer, backend):
+    """A duplicate item is refused where it ends (its closing quote, the comma after a number), so the
+    model can still write another item instead of being stuck with an array that cannot close."""
+    schema = {"type": "array", "uniqueItems": True, "items": {"type": ["string", "integer"]}}
+    m = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend)).matcher()
+    assert all(m.accept(t) for t in encode('["ab", 1, "ab'))
+    mask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    m.fill(mask, 0)
+    allowed = [t for t in range(VOCAB) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+    assert not any(hf_tokenizer.decode([t]).startswith('"') for t in allowed)  # "ab" again: masked
+    assert encode("c")[0] in allowed and "non-unique" in (m.violation() or "non-unique")
+    assert m.validate(encode('c", 1')) == len(encode('c", 1'))  # "abc" is new; the 1 not yet ended...
+    ids = encode('c", 1,')
+    assert m.validate(ids) == len(ids) - 1  # ...its comma is refused
+    assert m.validate(encode('c", 12]')) == len(encode('c", 12]'))
 
 
 @pytest.mark.parametrize("backend", BOTH)

@@ -37,7 +37,9 @@ _Q, _BS, _LB, _RB, _LC, _RC, _COMMA, _COLON = b'"\\[]{},:'
 Frame = tuple[int, int, tuple, int, Any, bool]
 State = tuple[tuple[Frame, ...], bool, bool, int, bool]
 START: State = ((), False, False, 0, False)
-Event = tuple[tuple, int, int]  # (path, start, end): bytes [start, end) close a value at path
+# (item, path, start, end): bytes [start, end) close the value at `path`; item: they end an item of the
+# array at `path` ([start, end) + "]" is that array so far: uniqueItems is checked per item)
+Event = tuple[bool, tuple, int, int]
 
 
 def make_validator(schema: Any) -> Any:
@@ -113,17 +115,23 @@ def scan(state: State, data: bytes, pos: int, span: Any) -> tuple[State, list[Ev
                     kind, start, path, idx, _, _ = stack[-1]
                     stack = stack[:-1] + ((kind, start, path, idx, key, False),)
                 else:
-                    events.append((_child(stack), s0, p + 1))
+                    events.append((False, _child(stack), s0, p + 1))
+                    if stack and stack[-1][0] == _LB:
+                        events.append((True, stack[-1][2], stack[-1][1], p + 1))
         elif c == _Q:
             in_str, s0 = True, p
             is_key = bool(stack) and stack[-1][0] == _LC and stack[-1][5]
         elif c == _LB or c == _LC:
             stack = stack + ((c, p, _child(stack), 0, None, c == _LC),)
         elif (c == _RB or c == _RC) and stack:
-            events.append((stack[-1][2], stack[-1][1], p + 1))
+            events.append((False, stack[-1][2], stack[-1][1], p + 1))
             stack = stack[:-1]
+            if stack and stack[-1][0] == _LB:
+                events.append((True, stack[-1][2], stack[-1][1], p + 1))
         elif c == _COMMA and stack:
             kind, start, path, idx, key, _ = stack[-1]
+            if kind == _LB:  # a number or literal item ends here
+                events.append((True, path, start, p))
             stack = stack[:-1] + ((kind, start, path, idx + 1, key, kind == _LC),)
     return (stack, in_str, esc, s0, is_key), events
 
@@ -146,6 +154,8 @@ class TokenTable:
     def __init__(self, token_bytes: list[bytes]):
         self.bytes = token_bytes
         ids = [i for i, b in enumerate(token_bytes) if b'"' in b or b"]" in b or b"}" in b]
+        self.item_closers = np.array([i for i, b in enumerate(token_bytes) if any(c in b for c in b'"]},')],
+                                     dtype=np.int64)
         # numpy, not torch: masks are filled inside CUDA host callbacks too (no dispatcher there)
         self.closers = np.array(ids, dtype=np.int64)
         self.n_close = np.array([token_bytes[i].count(b"]") + token_bytes[i].count(b"}") for i in ids])
@@ -266,7 +276,33 @@ class ValueChecker:
             got = self._needs[path] = any(self._flagged_here(n) for n in self.nodes(path))
         return got
 
+    def unique(self, path: tuple) -> bool:
+        """Whether the array at `path` must hold unique items (checked as each item ends)."""
+        return any(n.get("uniqueItems") is True for n in self.nodes(path))
+
     # -- verdicts ---------------------------------------------------------------------------------
+    def items_verdict(self, path: tuple, text: bytes) -> Optional[str]:
+        """Why the items so far (`text` + "]") of a uniqueItems array already fail it; None if not."""
+        key = (path, text, "items")
+        if key not in self._verdicts:
+            msg = None
+            try:
+                value = json.loads(text + b"]")
+            except ValueError:
+                value = None
+            if isinstance(value, list):
+                err = next(iter(self._unique_validator().iter_errors(value)), None)
+                if err is not None:
+                    msg = f"{err.message} (at /{'/'.join(map(str, path))}, schema uniqueItems)"
+            self._verdicts[key] = msg
+        return self._verdicts[key]
+
+    def _unique_validator(self) -> Any:
+        v = self._validators.get(0)
+        if v is None:
+            v = self._validators[0] = self.validator.evolve(schema={"uniqueItems": True})
+        return v
+
     def verdict(self, path: tuple, text: bytes) -> Optional[str]:
         """Why the closed value `text` at `path` is invalid; None when valid (or not a JSON value)."""
         key = (path, text)
@@ -318,12 +354,14 @@ class ValueCheckedMatcher(Matcher):
     def _next(self, data: bytes) -> Optional[State]:
         """The scanner state after `data`, or None when it closes a value that fails its check."""
         state, events = scan(self.states[-1][0], data, len(self.buf), self._span(data))
-        for path, s, e in events:
-            if self.c.needs(path):
-                why = self.c.verdict(path, self._span(data)(s, e))
-                if why is not None:
-                    self.last_reason = why
-                    return None
+        for item, path, s, e in events:
+            if item:
+                why = self.c.items_verdict(path, self._span(data)(s, e)) if self.c.unique(path) else None
+            else:
+                why = self.c.verdict(path, self._span(data)(s, e)) if self.c.needs(path) else None
+            if why is not None:
+                self.last_reason = why
+                return None
         return state
 
     def _doc_violation(self) -> Optional[str]:
@@ -359,28 +397,36 @@ class ValueCheckedMatcher(Matcher):
         self.inner.fill(bitmask, row)
         self._ban(bitmask, row)
 
-    def _closes_needed(self) -> Optional[tuple[int, bool]]:
-        """(containers to close, string to close first) before the innermost checked value closes;
-        None when no open value needs a check."""
+    def _candidates(self) -> Optional[np.ndarray]:
+        """The tokens that could close a checked value (or end an item of a uniqueItems array) from
+        here; None when no open value needs a check."""
         stack, in_str, _, _, is_key = self.states[-1][0]
-        if in_str and not is_key and self.c.needs(_child(stack)):
-            return 0, True
+        tab, c = self.c.table, self.c
+        if in_str and not is_key and (c.needs(_child(stack)) or (stack and stack[-1][0] == _LB and c.unique(stack[-1][2]))):
+            return tab.closers[tab.quoted]
+        closes = None  # fewest `]` / `}` before a checked value closes or an item of a unique array ends
         for j in range(len(stack) - 1, -1, -1):
-            if self.c.needs(stack[j][2]):
-                return len(stack) - j, in_str
-        return None
+            if c.unique(stack[j][2]) and stack[j][0] == _LB:
+                closes = len(stack) - 1 - j
+            elif c.needs(stack[j][2]):
+                closes = len(stack) - j
+            if closes is not None:
+                break
+        if closes is None:
+            return None
+        if closes == 0 and not in_str:
+            return tab.item_closers
+        return tab.closers[(tab.n_close >= closes) & (tab.quoted | (not in_str))]
 
     def _ban(self, bitmask: torch.Tensor, row: int) -> None:
         banned: list[int] = []
         if self.inner.is_completed() and self._doc_violation() is not None:
             banned += self.c.stop_ids
-        need = self._closes_needed()
+        ids = self._candidates()
         words = bitmask.numpy()[row].view(np.uint32)  # bit t % 32 of word t // 32: token t allowed
-        if need is not None:  # try each allowed token that can close the checked value
-            tab = self.c.table
-            ids = tab.closers[(tab.n_close >= need[0]) & (tab.quoted | (not need[1]))]
+        if ids is not None:  # try each allowed token that can close a checked value
             on = (words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1
-            banned += [t for t in ids[on.astype(bool)].tolist() if self._next(tab.bytes[t]) is None]
+            banned += [t for t in ids[on.astype(bool)].tolist() if self._next(self.c.table.bytes[t]) is None]
         for t in banned:
             words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
