@@ -114,6 +114,12 @@ def test_any_key_order_is_an_opt_in(xgr_service, encode, hf_tokenizer):
     m.fill(mask, 0)
     allowed = [t for t in range(VOCAB) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
     assert not any("}" in hf_tokenizer.decode([t]) for t in allowed)  # "b" is still required
+    refs = {"$defs": {"A": {"type": "object", "properties": {"p": {"type": "integer"}, "q": {"type": "string"}}}},
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/A/properties/p"}, "b": {"type": "string"}},
+            "allOf": [{"required": ["a", "b"]}]}  # a $ref into moved properties; `required` in another part
+    tests = [({"b": "x", "a": 1}, True), ({"b": "x", "a": "s"}, False), ({"b": "x"}, False)]
+    v = verdicts(xgr_service, encode, refs, tests, "llguidance", any_key_order=True)
+    assert v == {(i, f): ok for i, (_, ok) in enumerate(tests) for f in ("compact", "spaced")}, v
     with pytest.raises(InvalidRequestError, match="any_key_order needs the llguidance backend"):
         xgr_service.compile(G("json_schema", json.dumps(schema), backend="xgrammar", any_key_order=True))
 

@@ -212,7 +212,10 @@ class LlguidanceBackend(GrammarBackend):
                 where = locate(schema, msg)
                 raise InvalidRequestError(f"invalid json_schema guide: {msg}" + (f" ({'; '.join(where[:4])})" if where else ""))
             flagged = flagged + find_keywords(schema, LENIENT_DROPS)
-        validator, blind = checked_validator(schema, params, LLG_FORMATS)
+            formats = LLG_FORMATS
+        else:  # compiled as it is: llguidance enforces every format it took
+            formats = frozenset(n["format"] for _, n in walk(schema) if isinstance(n.get("format"), str))
+        validator, blind = checked_validator(schema, params, formats)
         checker, stop = ValueChecker(schema, validator, flagged, self.table, self.stop_ids), self.stop_ids
         return CompiledGuide(self.name, self.vocab_size, template,
                              lambda: ValueCheckedMatcher(LlguidanceMatcher(template.deep_copy(), stop), checker),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from typing import Any, Iterator
+from urllib.parse import quote
 
 ANY_JSON_SCHEMA = {"type": ["object", "array"]}  # guide type `json`: an object or an array
 
@@ -125,20 +126,24 @@ def any_key_order(schema: Any) -> tuple[Any, list[str]]:
     """The schema for a grammar that takes listed keys in any order, and the objects whose `required`
     it no longer holds ('required at /pointer': the value check holds them, and duplicate keys).
     Each object's `properties` become exact-key `patternProperties` (llguidance fixes the order of
-    `properties` only) and its `required` goes; an object with patternProperties of its own keeps
-    its order (patterns must stay disjoint). The input is not changed."""
-    if isinstance(schema, list):
-        return [any_key_order(s)[0] for s in schema], []
+    `properties` and of `required` keys) and its `required` goes; an object with patternProperties
+    of its own keeps its order (patterns must stay disjoint). Local `$ref`s into moved properties
+    follow them. The input is not changed."""
     if not isinstance(schema, dict):
         return schema, []
     flagged: list[str] = []
-    out = _unorder(schema, "", flagged)
-    return out, flagged
+    moved: set[str] = set()
+    out = _unorder(schema, "", flagged, moved)
+    return (_follow_refs(out, moved) if moved else out), flagged
 
 
-def _unorder(node: Any, ptr: str, flagged: list[str]) -> Any:
+def _pattern(name: str) -> str:
+    return "^" + _REGEX_META.sub(r"\\\1", name) + "$"
+
+
+def _unorder(node: Any, ptr: str, flagged: list[str], moved: set[str]) -> Any:
     if isinstance(node, list):
-        return [_unorder(s, f"{ptr}/{i}", flagged) for i, s in enumerate(node)]
+        return [_unorder(s, f"{ptr}/{i}", flagged, moved) for i, s in enumerate(node)]
     if not isinstance(node, dict):
         return node
     out = {}
@@ -146,13 +151,42 @@ def _unorder(node: Any, ptr: str, flagged: list[str]) -> Any:
         if k in ("enum", "const", "default", "examples", "required"):
             out[k] = v
         elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
-            out[k] = {n: _unorder(s, f"{ptr}/{_esc(k)}/{_esc(n)}", flagged) for n, s in v.items()}
+            out[k] = {n: _unorder(s, f"{ptr}/{_esc(k)}/{_esc(n)}", flagged, moved) for n, s in v.items()}
         else:
-            out[k] = _unorder(v, f"{ptr}/{_esc(k)}", flagged)
+            out[k] = _unorder(v, f"{ptr}/{_esc(k)}", flagged, moved)
     props = out.get("properties")
-    if isinstance(props, dict) and len(props) > 1 and "patternProperties" not in out:
+    ordered = isinstance(props, dict) and len(props) > 1 and "patternProperties" in out  # kept as it is
+    if isinstance(props, dict) and len(props) > 1 and not ordered:
         del out["properties"]
-        out["patternProperties"] = {"^" + _REGEX_META.sub(r"\\\1", n) + "$": s for n, s in props.items()}
-        out.pop("required", None)
+        out["patternProperties"] = {_pattern(n): s for n, s in props.items()}
+        moved.add(ptr)
+    if out.get("required") and not ordered:
+        del out["required"]
         flagged.append(f"required at {ptr or '/'}")
+    return out
+
+
+def _follow_refs(node: Any, moved: set[str]) -> Any:
+    """`$ref: #/a/properties/x` -> `#/a/patternProperties/^x$` where /a's properties moved."""
+    if isinstance(node, list):
+        return [_follow_refs(s, moved) for s in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _follow_refs(v, moved) if k not in ("enum", "const", "default", "examples") else v
+           for k, v in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        parts, at, new = ref[2:].split("/"), "", []
+        i = 0
+        while i < len(parts):
+            if parts[i] == "properties" and at in moved and i + 1 < len(parts):
+                name = parts[i + 1].replace("~1", "/").replace("~0", "~")
+                new += ["patternProperties", quote(_esc(_pattern(name)), safe="")]  # a URI fragment
+                at += f"/properties/{parts[i + 1]}"
+                i += 2
+                continue
+            new.append(parts[i])
+            at += f"/{parts[i]}"
+            i += 1
+        out["$ref"] = "#/" + "/".join(new)
     return out
