@@ -107,19 +107,20 @@ def build_prompts(engine: Engine, picked: list[dict]) -> list[list[int]]:
 # ---- instrumentation (wraps the engine's objects; the engine is not modified) ------------------
 
 class StepTimers:
-    """Per-call wall time of GuidedDecoder.fill / apply / advance and of Runner.decode."""
+    """Per-call wall time of the grammar's mask fill (GuidedDecoder.fill), mask apply
+    (CapturableGuidedDecoder.apply_rows), advance, and of Runner.step ("decode")."""
 
     def __init__(self, engine: Engine):
         self.on = False
         self.calls: dict[str, list[tuple[int, float]]] = defaultdict(list)  # name -> [(rows, seconds)]
         g, r = engine.guided, engine.runner
-        self._wrap(g, "fill", lambda a: len(a[0]))
-        self._wrap(g, "apply", lambda a: sum(g.token_mask[g.row(s, p)] for s, p in a[1]))
+        self._wrap(g.inner, "fill", lambda a: len(a[0]))
+        self._wrap(g, "apply_rows", lambda a: int(a[1].numel()), "apply")
         self._wrap(g, "advance", lambda a: 1)
-        self._wrap(r, "decode", lambda a: len(a[0]))
+        self._wrap(r, "step", lambda a: len(a[0]), "decode")
 
-    def _wrap(self, obj, name, rows_of) -> None:
-        fn = getattr(obj, name)
+    def _wrap(self, obj, attr, rows_of, name: str = "") -> None:
+        fn, name = getattr(obj, attr), name or attr
 
         def timed(*a, **kw):
             if not self.on:
@@ -128,7 +129,7 @@ class StepTimers:
             out = fn(*a, **kw)
             self.calls[name].append((int(rows_of(a)), time.perf_counter() - t0))
             return out
-        setattr(obj, name, timed)
+        setattr(obj, attr, timed)
 
     def take(self) -> dict[str, list[tuple[int, float]]]:
         calls, self.calls = self.calls, defaultdict(list)
