@@ -108,11 +108,13 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.copies
 
 
 class Scheduler:
     """Owns the waiting queue and the slot free list; decides each step's work."""
+
+    copy_min_tokens = 1  # copying a prefix from a busy slot beats computing it from 1 token up (bench_prefix_copy)
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
                  prefix_min_tokens: int = 1):
@@ -186,11 +188,9 @@ class Scheduler:
             slot, reuse = least_useful, 0
         self.free_slots.remove(slot)
         self.slot_hits[slot] = (self.slot_hits[src if copy else slot] + 1) if reuse else 0
-        if copy is not None and src != slot:
+        if copy is not None:
             self.slot_hits[src] += 1
         return slot, reuse, copy
-
-    copy_min_tokens = 1  # copying beats computing from one token up (bench/bench_prefix_copy.py)
 
     def _reusable(self, slot: int) -> list[int]:
         """Tokens whose KV the slot holds as a prefill from scratch computes it: a free slot's kept
