@@ -54,8 +54,8 @@ class EngineConfig:
     max_slots: int = 8  # sequences decoded together (static KV cache rows)
     max_seq_len: int = 2048  # prompt + generated tokens per slot
     prefill_chunk: int = 256  # prefill token budget per engine step
-    prefix_caching: bool = True  # a free slot keeps its KV: a prompt starting with the same tokens reuses
-    # them, in multiples of prefill_chunk (outputs are those of a prefill from scratch)
+    prefix_caching: bool = True  # a free slot keeps its prompt's KV: a prompt starting with tokens a slot
+    # holds reuses them (copied from a busy slot), in whole prefill_chunks (outputs as from scratch)
     prefix_min_tokens: int = 1  # reuse only this many prompt tokens or more
     max_queue: int = 256  # waiting requests before new ones are refused
     default_max_tokens: int = 64  # when a request gives no max_tokens

@@ -70,7 +70,7 @@ class Engine:
         self.proposer = Proposer(config, self.model, self.runner.kv, self.guided, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
         self.runner.core.feature_sink = self.proposer.feature_sink
-        self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free
+        self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free / copy_prefix
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
                                    config.prefix_caching, config.prefix_min_tokens)
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
@@ -245,6 +245,9 @@ class Engine:
         if plan.empty:
             return False
         self.num_steps += 1
+        for copy in plan.copies:  # prefix rows from another slot, before any chunk overwrites a source
+            for owner in self.slot_state:
+                owner.copy_prefix(copy)
         touched = [seq for seq in map(self._prefill_chunk, plan.prefills) if seq is not None]
         touched += self._decode_batch(plan.decodes)
         for seq in touched:

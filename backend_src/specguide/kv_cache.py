@@ -24,6 +24,11 @@ class KVCache:
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len + spare  # positions the cache holds
 
+    def copy_rows(self, src: int, dst: int, start: int, end: int) -> None:
+        """Positions [start, end) of every layer from slot src into slot dst."""
+        self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
+        self.v[:, dst, :, start:end] = self.v[:, src, :, start:end]
+
     def blocks(self, positions: int) -> int:
         """Blocks covering `positions` token positions."""
         return -(-positions // self.tokens_per_block)

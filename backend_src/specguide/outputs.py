@@ -154,6 +154,7 @@ class OutputProcessor:
             guide_notes=guide_notes(seq.grammar) if finished else (),
             total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
             num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
+            num_cached_tokens=seq.num_reused,
             first_token=seq.ids_sent == 0 and bool(new_ids),
             logprobs=seq.logprobs[sent:] if p.wants_logprobs else None,
             top_logprobs=seq.top_logprobs[sent:] if p.top_logprobs else None,

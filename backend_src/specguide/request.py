@@ -158,6 +158,7 @@ class RequestOutput:
     # check ("checked when its value closes: uniqueItems at /l") or unenforced (best effort; "not enforced: ...")
     num_input_tokens: int = 0
     num_output_tokens: int = 0  # total so far
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     first_token: bool = False  # this event carries the request's first token(s)
     total_draft_tokens: int = 0  # speculative decoding counters (totals so far)
     total_accepted_draft_tokens: int = 0

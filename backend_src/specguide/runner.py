@@ -15,7 +15,7 @@ from .guided.capturable import CapturableGuidedDecoder
 from .guided.decoder import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaModel
-from .scheduler import PrefillChunk, Sequence
+from .scheduler import PrefillChunk, PrefixCopy, Sequence
 from .slot_sampling import SlotSampling
 from .speculative.plan import DraftPlan
 from .step import StepCore
@@ -58,6 +58,10 @@ class Runner:
     def free(self, slot: int) -> None:
         self.params.free(slot)
         self.guided.free(slot)
+
+    def copy_prefix(self, c: PrefixCopy) -> None:
+        """The target's K/V of positions [start, end), every layer, from slot src into slot dst."""
+        self.kv.copy_rows(c.src, c.dst, c.start, c.end)
 
     # ---- forward passes ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -4,7 +4,6 @@ Pure Python: no torch. The runner turns a `StepPlan` into tensors."""
 from __future__ import annotations
 
 import enum
-import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -92,17 +91,30 @@ class PrefillChunk:
 
 
 @dataclass
+class PrefixCopy:
+    """Copy the KV (and per-slot features) of positions [start, end) from slot src into slot dst."""
+
+    src: int
+    dst: int
+    start: int
+    end: int
+
+
+@dataclass
 class StepPlan:
     prefills: list[PrefillChunk]
     decodes: list[Sequence]  # sorted by slot
+    copies: list[PrefixCopy] = field(default_factory=list)  # run first, in this order
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.copies
 
 
 class Scheduler:
     """Owns the waiting queue and the slot free list; decides each step's work."""
+
+    copy_min_tokens = 1  # copying a prefix from a busy slot beats computing it from 1 token up (bench_prefix_copy)
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
                  prefix_min_tokens: int = 1):
@@ -110,8 +122,11 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.prefix_caching, self.prefix_min_tokens = prefix_caching, prefix_min_tokens
-        self.free_slots: list[int] = list(range(max_slots))  # heap: lowest slot first keeps rows packed
+        self.free_slots: list[int] = list(range(max_slots))
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_slots)]  # tokens whose KV a free slot holds
+        self.slot_hits = [0] * max_slots  # admissions that reused (a prefix of) the slot's tokens
+        self.slot_freed = [0] * max_slots  # when the slot was last freed (a tick): least recently used first
+        self._tick = 0
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
 
@@ -119,6 +134,7 @@ class Scheduler:
     def schedule(self, ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
         """Admit waiting sequences into free slots, then plan prefill chunks and the decode batch."""
         blocked: list[Sequence] = []
+        copies: list[PrefixCopy] = []
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             if seq.cancelled:
@@ -126,8 +142,10 @@ class Scheduler:
             if not ready(seq):  # e.g. its grammar is still compiling
                 blocked.append(seq)
                 continue
-            seq.slot, seq.num_reused = self._pick_slot(seq)
+            seq.slot, seq.num_reused, copy = self._pick_slot(seq)
             seq.num_cached = seq.num_reused
+            if copy is not None:
+                copies.append(copy)
             self.slot_tokens[seq.slot] = []
             seq.status = Status.PREFILL
             seq.first_scheduled_time_ns = time.time_ns()
@@ -145,31 +163,59 @@ class Scheduler:
             prefills.append(PrefillChunk(seq, seq.num_cached, seq.num_cached + n))
             budget -= n
         decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
-        return StepPlan(prefills, decodes)
+        return StepPlan(prefills, decodes, copies)
 
-    def _pick_slot(self, seq: Sequence) -> tuple[int, int]:
-        """(slot, prompt tokens to reuse): the free slot holding the longest prefix of the prompt,
-        cut to a multiple of prefill_chunk (the prefill's chunks stay [k*chunk, (k+1)*chunk), so
-        the numbers are those of a prefill from scratch) and leaving at least one token to prefill;
-        else the lowest free slot."""
-        slot, reuse = self.free_slots[0], 0
+    def _pick_slot(self, seq: Sequence) -> tuple[int, int, Optional[PrefixCopy]]:
+        """(slot, prompt tokens to reuse, rows to copy first). Reuse is the longest prefix of the
+        prompt that any slot holds (`_reusable`), cut to whole prefill chunks and leaving at least
+        one token to prefill. A free slot holding it is taken; when a busy slot holds more, its rows
+        past what the taken slot holds are copied (far cheaper than computing them: bench_prefix_copy).
+        Without reuse, the free slot whose tokens are least useful is taken (`_evict_order`)."""
+        match = [0] * self.max_slots
         if self.prefix_caching and not seq.params.return_context_logits:
-            limit, prompt = len(seq.prompt_ids) - 1, seq.prompt_ids
-            for s in sorted(self.free_slots):
-                held = self.slot_tokens[s]
-                n = 0
-                for a, b in zip(held[:limit], prompt):
-                    if a != b:
-                        break
-                    n += 1
-                n -= n % self.prefill_chunk
-                if n > reuse:
-                    slot, reuse = s, n
-        if reuse < self.prefix_min_tokens:
-            slot, reuse = self.free_slots[0], 0
+            for s in range(self.max_slots):
+                match[s] = self._common(self._reusable(s), seq.prompt_ids)
+        own = max(self.free_slots, key=lambda s: (match[s], -s))  # the best free slot, lowest on ties
+        src = max(range(self.max_slots), key=lambda s: (match[s], s in self.free_slots, -s))
+        least_useful = min(self.free_slots, key=self._evict_order)
+        copy = None
+        if match[src] >= self.prefix_min_tokens and match[src] - match[own] >= max(1, self.copy_min_tokens):
+            slot, reuse = (own, match[own]) if match[own] else (least_useful, 0)
+            copy, reuse = PrefixCopy(src, slot, reuse, match[src]), match[src]
+        elif match[own] and match[own] >= self.prefix_min_tokens:
+            slot, reuse = own, match[own]
+        else:
+            slot, reuse = least_useful, 0
         self.free_slots.remove(slot)
-        heapq.heapify(self.free_slots)
-        return slot, reuse
+        self.slot_hits[slot] = (self.slot_hits[src if copy else slot] + 1) if reuse else 0
+        if copy is not None:
+            self.slot_hits[src] += 1
+        return slot, reuse, copy
+
+    def _reusable(self, slot: int) -> list[int]:
+        """Tokens whose KV the slot holds as a prefill from scratch computes it: a free slot's kept
+        tokens; a busy slot's prompt positions prefilled so far, in whole chunks."""
+        seq = self.running.get(slot)
+        if seq is None:
+            return self.slot_tokens[slot]
+        n = min(seq.num_cached, len(seq.prompt_ids))
+        return seq.prompt_ids[: n - n % self.prefill_chunk]
+
+    def _common(self, held: list[int], prompt: list[int]) -> int:
+        """Common prefix length, cut to whole prefill chunks, leaving >= 1 prompt token to compute."""
+        n = 0
+        for a, b in zip(held[: len(prompt) - 1], prompt):
+            if a != b:
+                break
+            n += 1
+        return n - n % self.prefill_chunk
+
+    def _evict_order(self, slot: int) -> tuple[int, ...]:
+        """Free slots to overwrite first: empty ones, then the fewest hits, then least recently freed
+        (without prefix caching: the lowest, which keeps the batch's rows packed)."""
+        if not self.prefix_caching:
+            return (slot,)
+        return bool(self.slot_tokens[slot]), self.slot_hits[slot], self.slot_freed[slot], slot
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
@@ -181,10 +227,13 @@ class Scheduler:
         seq.error = error
         if seq.slot is not None:
             assert self.running.get(seq.slot) is seq
+            # the slot keeps the KV of its prompt's prefilled whole chunks: positions computed by
+            # decode steps (attention over other query counts) differ in the last bits from a prefill
+            self.slot_tokens[seq.slot] = self._reusable(seq.slot)
             del self.running[seq.slot]
-            # the slot keeps the KV of positions < num_cached (later positions are dead)
-            self.slot_tokens[seq.slot] = (seq.prompt_ids + seq.output_ids)[: seq.num_cached]
-            heapq.heappush(self.free_slots, seq.slot)
+            self._tick += 1
+            self.slot_freed[seq.slot] = self._tick
+            self.free_slots.append(seq.slot)
             seq.slot = None
         elif seq in self.waiting:
             self.waiting.remove(seq)

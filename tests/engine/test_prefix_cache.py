@@ -5,7 +5,10 @@ head reads the reused positions' features), alone and in a batch; a prompt that 
 a chunk reuses only the chunks before it."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
+import time
 
 import pytest
 
@@ -52,7 +55,8 @@ def engines(random_head):
 def _run(engine: Engine, reqs: list[Request], alone: bool):
     out = []
     for batch in ([[r] for r in reqs] if alone else [reqs]):
-        out += [(toks, final.finish_reason, final.kv_cache_reused_blocks) for toks, _, final in run_many(engine, batch)]
+        out += [(toks, final.finish_reason, final.total_draft_tokens, final.total_accepted_draft_tokens,
+                 final.kv_cache_reused_blocks) for toks, _, final in run_many(engine, batch)]
     return out
 
 
@@ -61,9 +65,9 @@ def test_outputs_with_reuse_equal_outputs_without(engines, alone):
     on, off = engines
     want = _run(off, _requests(off), alone)
     got = _run(on, _requests(on), alone)
-    assert [g[:2] for g in got] == [w[:2] for w in want]
-    assert all(w[2] == 0 for w in want)
-    assert sum(1 for g in got if g[2] > 0) >= len(got) - on.config.max_slots  # the first of each slot computes
+    assert [g[:4] for g in got] == [w[:4] for w in want]  # tokens, and the drafts: the head's features are right
+    assert all(w[4] == 0 for w in want)
+    assert sum(1 for g in got if g[4] > 0) >= len(got) - on.config.max_slots  # the first of each slot computes
     assert all(g[1] in ("stop", "length") for g in got)
     on.scheduler.check_integrity()
 
@@ -78,9 +82,102 @@ def test_a_prompt_diverging_inside_a_chunk_reuses_only_the_chunks_before_it(engi
     for system in (early, late):
         req = _requests(on, system)[:1]
         got = _run(on, req, alone=True)
-        assert [g[:2] for g in got] == [w[:2] for w in _run(off, _requests(off, system)[:1], alone=True)]
+        assert [g[:4] for g in got] == [w[:4] for w in _run(off, _requests(off, system)[:1], alone=True)]
         a, b = on.tokenizer.encode(base[0].prompt), on.tokenizer.encode(req[0].prompt)
         common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        assert got[0][2] * on.runner.kv.tokens_per_block == common - common % chunk  # whole chunks before it
+        assert got[0][4] * on.runner.kv.tokens_per_block == common - common % chunk  # whole chunks before it
         _run(on, base, alone=True)  # the base prompt again: fully reusable
     assert common > 2 * chunk and common % chunk  # the late variant shares chunks and diverges mid-chunk
+
+
+def _detailed(engine: Engine, reqs: list[Request], first: Request) -> list[tuple]:
+    """Run `first`; once it has its first token (its prompt is prefilled), the others, all at once.
+    Per request (`first` last): tokens, log probs, finish reason, drafts proposed / accepted, cached tokens."""
+    results: list[list] = [[[], [], None] for _ in range(len(reqs) + 1)]
+    started, done = threading.Event(), threading.Semaphore(0)
+
+    def collect(i):
+        def cb(out):
+            results[i][0].extend(out.token_ids)
+            results[i][1].extend(out.logprobs or [])
+            started.set()
+            if out.finished:
+                results[i][2] = out
+                done.release()
+        return cb
+
+    engine.submit(first, collect(len(reqs)))
+    assert started.wait(120)
+    for i, r in enumerate(reqs):
+        engine.submit(r, collect(i))
+    for _ in range(len(reqs) + 1):
+        assert done.acquire(timeout=600)
+    return [(toks, lps, f.finish_reason, f.total_draft_tokens, f.total_accepted_draft_tokens, f.num_cached_tokens)
+            for toks, lps, f in results]
+
+
+def test_a_prefix_held_by_a_busy_slot_is_copied_exactly(engines, monkeypatch):
+    on, off = engines
+    system = "Copy test. " + SYSTEM  # no free slot holds it: any reuse is a copy from the busy slot
+    copies = []
+    orig = on.runner.copy_prefix
+    monkeypatch.setattr(on.runner, "copy_prefix", lambda c: (copies.append(c), orig(c)))
+    got, want = [], []
+    for engine, out in ((on, got), (off, want)):
+        reqs = _requests(engine, system)
+        donor = dataclasses.replace(reqs[0], guided=None, num_draft_tokens=0,  # decodes 40 tokens, then stops
+                                    params=SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0))
+        others = []
+        for r in reqs[1:4]:  # sampled + speculative, guided sampled + speculative, greedy
+            r.params.return_log_probs = True
+            others.append(r)
+        out += _detailed(engine, others, donor)
+    prompts = [on.tokenizer.encode(r.prompt) for r in _requests(on, system)[:4]]
+    chunk = on.config.prefill_chunk
+    common = [next(i for i, (x, y) in enumerate(zip(prompts[0], p)) if x != y) for p in prompts[1:]]
+    assert copies and copies[0].start == 0 and min(common) >= 2 * chunk
+    assert [g[5] for g in got[:3]] == [c - c % chunk for c in common]  # whole chunks of the shared part
+    assert [w[5] for w in want] == [0] * 4
+    # tokens, exact log probs (a stale or shifted row would move them), the drafts (the head's features)
+    assert [g[:5] for g in got] == [w[:5] for w in want]
+    on.scheduler.check_integrity()
+
+
+def test_a_next_turn_reuses_only_prefilled_positions_and_stays_exact(engines):
+    """A chat's next turn holds the last answer: positions the decode steps computed differ in the
+    last bits from a prefill's, so reuse stops at the first turn's prompt chunks (exact log probs)."""
+    on, off = engines
+    chunk = on.config.prefill_chunk
+    first = on.tokenizer.apply_chat_template([{"role": "system", "content": "Turns. " + SYSTEM},
+                                              {"role": "user", "content": TEXTS[4]}])
+    ids = on.tokenizer.encode(first)
+    got, want = [], []
+    for engine, out in ((on, got), (off, want)):
+        params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0, return_log_probs=True)
+        answer, _, _ = run_many(engine, [Request(prompt_ids=ids, params=params, num_draft_tokens=0)])[0]
+        turn = ids + answer + engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd Frank?<|im_end|>\n")
+        events = list(engine.generate(Request(prompt_ids=turn, params=params, num_draft_tokens=3)))
+        out.append(([t for e in events for t in e.token_ids], [lp for e in events for lp in e.logprobs],
+                    events[-1].num_cached_tokens))
+    assert got[0][:2] == want[0][:2]
+    assert got[0][2] == len(ids) - len(ids) % chunk and want[0][2] == 0
+
+
+@pytest.fixture(scope="module")
+def draft_model_engines():
+    cfg = dict(max_slots=3, max_seq_len=512, prefill_chunk=32, num_draft_tokens=3, drafter="draft_model",
+               spec_max_rows=0)
+    on, off = Engine(EngineConfig(**cfg, prefix_caching=True)), Engine(EngineConfig(**cfg, prefix_caching=False))
+    yield on, off
+    on.shutdown()
+    off.shutdown()
+
+
+def test_the_draft_models_cache_starts_right_after_reuse(draft_model_engines):
+    """The draft model (here the target itself: every right draft is accepted) refills its own
+    cache from position 0 after reuse: the same tokens and the same accepted drafts as without."""
+    on, off = draft_model_engines
+    want = _run(off, _requests(off), alone=False) + _run(off, _requests(off), alone=True)
+    got = _run(on, _requests(on), alone=False) + _run(on, _requests(on), alone=True)
+    assert [g[:4] for g in got] == [w[:4] for w in want]
+    assert sum(1 for g in got if g[4] > 0) >= len(got) - on.config.max_slots

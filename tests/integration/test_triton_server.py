@@ -251,6 +251,25 @@ def test_custom_metrics_on_the_metrics_port(server):
     assert server.metric("specguide_requests_total", finish_reason="length") >= 1
 
 
+def test_prefix_cache_output_and_metrics_move_on_a_repeated_prompt(server):
+    chunk = int(config_parameters()["prefill_chunk"])
+    prompt = "Count with me: " + ", ".join(str(i) for i in range(chunk))  # more than one prefill chunk
+    inputs = {"text_input": S(prompt), "max_tokens": I(4), "return_num_input_tokens": np.array([[True]])}
+    query = server.metric("specguide_prefix_cache_query_tokens_total", model=MODEL)
+    hit = server.metric("specguide_prefix_cache_hit_tokens_total", model=MODEL)
+    cached, n_in = [], 0
+    for _ in range(2):
+        got = raw_stream(server, inputs)
+        assert len(got) == 1 and got[0][1] is None
+        n_in = int(got[0][0].as_numpy("num_input_tokens")[0, 0])
+        cached.append(int(got[0][0].as_numpy("num_cached_tokens")[0, 0]))
+    assert n_in > chunk and cached[1] == (n_in - 1) // chunk * chunk > 0  # whole chunks, >= 1 token computed
+    assert server.wait_metric("specguide_prefix_cache_query_tokens_total", query + 2 * n_in, model=MODEL) == query + 2 * n_in
+    want = hit + sum(cached)
+    assert server.wait_metric("specguide_prefix_cache_hit_tokens_total", want, model=MODEL) == want
+    assert "# TYPE specguide_prefix_cache_hit_tokens_total counter" in server.metrics_text()
+
+
 def test_speculation_metrics(server):
     drafted = server.metric("specguide_draft_tokens_total", model=MODEL)
     steps = server.metric("specguide_tokens_per_step_count", model=MODEL)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specguide.request import SamplingParams
-from specguide.scheduler import Scheduler, Sequence, Status
+from specguide.scheduler import PrefixCopy, Scheduler, Sequence, Status
 
 
 def seq(i, n_prompt=10, **kw):
@@ -89,7 +89,7 @@ def test_prefix_caching_reuses_whole_chunks_of_the_longest_cached_prefix():
     # slot 0 holds 40 shared tokens (32 reusable), slot 1 only 20 (16): slot 0, from position 32
     assert (c.slot, c.num_reused, c.num_cached) == (0, 32, 32)
     assert [(p.start, p.end) for p in plan.prefills] == [(32, 47)]  # chunks stay [k*16, (k+1)*16)
-    assert s.slot_tokens[0] == [] and s.slot_tokens[1] == b.prompt_ids[:50]
+    assert s.slot_tokens[0] == [] and s.slot_tokens[1] == b.prompt_ids[:48]  # whole chunks of the prompt
     s.check_integrity()
 
 
@@ -117,3 +117,85 @@ def test_prefix_caching_never_reuses_the_whole_prompt_or_for_context_logits():
     off.waiting.append(d)
     off.schedule()
     assert d.num_reused == 0  # prefix_caching off
+
+
+def _run_to_end(s, q, num_cached=None):
+    """Admit q alone, pretend its prompt (or num_cached tokens) was computed, finish it."""
+    s.waiting.append(q)
+    s.schedule()
+    q.num_cached = len(q.prompt_ids) if num_cached is None else num_cached
+    s.finish(q, "stop")
+    return q
+
+
+def test_a_slot_keeps_only_its_prompts_prefilled_whole_chunks():
+    s = Scheduler(max_slots=1, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
+    a = _prompt(1, list(range(1, 21)), 0)  # 20 prompt tokens: chunks [0, 8), [8, 16), [16, 20)
+    a.output_ids = [7] * 10
+    _run_to_end(s, a, num_cached=30)
+    # positions >= 16 were computed by a partial chunk or by decode steps: not what a prefill from
+    # scratch computes for a longer prompt, so never reused
+    assert s.slot_tokens[0] == a.prompt_ids[:16]
+    b = _prompt(2, a.prompt_ids + a.output_ids, 5)
+    s.waiting.append(b)
+    s.schedule()
+    assert b.num_reused == 16
+
+
+def test_without_reuse_the_least_useful_free_slot_is_overwritten():
+    s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
+    hot = list(range(1, 17))  # a shared system prompt: two whole chunks
+    _run_to_end(s, _prompt(1, hot, 4))  # slot 0
+    again = _run_to_end(s, _prompt(2, hot, 6))  # reuses slot 0: its prefix is hot
+    assert (again.slot, again.num_reused) == (None, 16) and s.slot_hits[0] == 1
+    one_off = Sequence(seq_id=3, prompt_ids=[500 + i for i in range(20)], params=SamplingParams(), seed=0,
+                       callback=lambda o: None, stop_ids=frozenset({0}))
+    s.waiting.append(one_off)
+    s.schedule()
+    assert one_off.slot == 1  # the lowest empty slot
+    s.finish(one_off, "stop")
+    old_one_off = _run_to_end(s, Sequence(seq_id=4, prompt_ids=[600 + i for i in range(20)], params=SamplingParams(),
+                                          seed=0, callback=lambda o: None, stop_ids=frozenset({0})))
+    assert s.slot_tokens[2] == old_one_off.prompt_ids[:16]  # slot 2, the last empty one; all hold tokens now
+    new = [Sequence(seq_id=5 + i, prompt_ids=[700 + 50 * i + j for j in range(20)], params=SamplingParams(), seed=0,
+                    callback=lambda o: None, stop_ids=frozenset({0})) for i in range(2)]
+    for q in new:
+        s.waiting.append(q)
+    s.schedule()
+    # no reuse for either: the one-offs' slots go first, least recently freed first (1, then 2);
+    # the hot prefix in slot 0 survives (the lowest free slot would have been 0)
+    assert [q.slot for q in new] == [1, 2] and s.slot_tokens[0] == (hot + [1002] * 6)[:16]
+    late = _prompt(9, hot, 3)
+    s.waiting.append(late)
+    s.finish(new[0], "stop")
+    s.schedule()
+    assert (late.slot, late.num_reused) == (0, 16)
+    s.check_integrity()
+
+
+def test_a_prefix_held_by_a_busy_slot_is_copied_into_the_new_slot():
+    s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
+    shared = list(range(1, 33))  # 4 chunks
+    _run_to_end(s, _prompt(1, shared[:16], 3))  # slot 0 keeps 2 chunks of the shared prefix
+    busy = _prompt(2, shared, 5)
+    s.waiting.append(busy)
+    s.schedule()
+    assert (busy.slot, busy.num_reused) == (0, 16)  # same-slot reuse, then it runs in slot 0
+    busy.num_cached = 24  # three chunks prefilled so far
+    c = _prompt(3, shared, 9)
+    s.waiting.append(c)
+    plan = s.schedule()
+    # 24 prefilled tokens of the busy slot are reusable: copy them into a free slot, prefill the rest
+    assert (c.slot, c.num_reused, c.num_cached) == (1, 24, 24)
+    assert plan.copies == [PrefixCopy(src=0, dst=1, start=0, end=24)]
+    assert [(p.seq.seq_id, p.start, p.end) for p in plan.prefills] == [(2, 24, 32)]  # c's chunk waits for budget
+    # a free slot holding part of it: only the rest is copied
+    s.finish(c, "stop")  # cancelled before its prefill: slot 1 keeps the 24 copied positions
+    assert s.slot_tokens[1] == shared[:24]
+    busy.num_cached = 37
+    d = _prompt(4, shared, 2)
+    s.waiting.append(d)
+    plan = s.schedule()
+    assert (d.slot, d.num_reused) == (1, 32) and plan.copies == [PrefixCopy(0, 1, 24, 32)]
+    assert s.slot_hits == [3, 3, 0]  # each reuse of the shared prefix counts for the slots holding it
+    s.check_integrity()

@@ -453,6 +453,17 @@ def test_streaming_sends_one_delta_per_event_and_final_last():
     assert "total_draft_tokens" not in b.outputs
 
 
+def test_num_cached_tokens_comes_with_num_input_tokens():
+    o = out("a", [1], finished=True, reason="length")
+    o.num_cached_tokens = 256
+    asked = one({"text_input": s("Hi"), "return_num_input_tokens": np.array([[True]])})
+    got = io.SequenceStream(asked).on_output(o).outputs
+    assert got["num_cached_tokens"].tolist() == [[256]] and got["num_cached_tokens"].dtype == np.uint32
+    assert "num_cached_tokens" not in io.SequenceStream(one({"text_input": s("Hi")})).on_output(o).outputs
+    v = vparse({"text_input": vtext("Hi"), "return_num_input_tokens": np.array([True])})[0]
+    assert "num_cached_tokens" not in io.SequenceStream(v).on_output(o).outputs  # vLLM's outputs exactly
+
+
 def test_non_streaming_accumulates_into_exactly_one_payload_with_echo():
     p = one({"text_input": s("Hi"), "return_num_output_tokens": np.array([[True]])})
     st = io.SequenceStream(p)

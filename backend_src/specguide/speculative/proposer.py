@@ -13,7 +13,7 @@ from ..config import EngineConfig
 from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_model_dir
-from ..scheduler import Sequence
+from ..scheduler import PrefixCopy, Sequence
 from .draft_head import DraftHead, default_head_path
 from .draft_model import DraftModel
 from .early_exit import EarlyExitDrafter
@@ -81,6 +81,13 @@ class Proposer:
 
     def free(self, slot: int) -> None:
         pass
+
+    def copy_prefix(self, c: PrefixCopy) -> None:
+        """A prefix copied between slots: the head's target features come with it. The head's and
+        the draft model's own caches are recomputed from position 0 at admission (their catch-up
+        chunks depend on the prompt's length, so copied rows would not be those of a fresh run)."""
+        if self.head is not None:
+            self.head.feats[c.dst, c.start: c.end] = self.head.feats[c.src, c.start: c.end]
 
     def observe(self, slot: int, drafted: int, accepted: int) -> None:
         """One verification's outcome for the slot (adaptive K)."""

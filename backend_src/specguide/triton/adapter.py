@@ -261,6 +261,9 @@ class TritonPythonModel:
         if out.token_ids:
             if not seq.prompt_counted:
                 m.prompt_tokens.increment(out.num_input_tokens)
+                if self.config.prefix_caching:
+                    m.prefix_query_tokens.increment(out.num_input_tokens)
+                    m.prefix_hit_tokens.increment(out.num_cached_tokens)
                 seq.prompt_counted = True
             m.generation_tokens.increment(len(out.token_ids))
             if not out.first_token:  # a decode step (the first token comes from the prefill)

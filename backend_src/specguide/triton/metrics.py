@@ -5,6 +5,8 @@
     specguide_engine_alive                         gauge: 1 while the engine loop runs, 0 once it died (reload the model)
     specguide_prompt_tokens_total                  prompt tokens of admitted sequences
     specguide_generation_tokens_total              generated tokens
+    specguide_prefix_cache_query_tokens_total      prompt tokens looked up in the prefix cache (prefix_caching on)
+    specguide_prefix_cache_hit_tokens_total        of those, tokens whose KV was reused, not computed
     specguide_time_to_first_token_seconds          histogram: arrival -> first generated token
     specguide_time_per_output_token_seconds        histogram: gap between responses / tokens in the later one
     specguide_request_latency_seconds              histogram: arrival -> last response
@@ -59,6 +61,10 @@ class Metrics:
         self.requests = {r: req.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
         self.prompt_tokens = counter("specguide_prompt_tokens_total", "Prompt tokens processed")
         self.generation_tokens = counter("specguide_generation_tokens_total", "Tokens generated")
+        self.prefix_query_tokens = counter("specguide_prefix_cache_query_tokens_total",
+                                           "Prompt tokens looked up in the prefix cache")
+        self.prefix_hit_tokens = counter("specguide_prefix_cache_hit_tokens_total",
+                                         "Prompt tokens whose KV came from the prefix cache")
         self.ttft = histogram("specguide_time_to_first_token_seconds",
                               "Time from request arrival to its first generated token", TTFT_BUCKETS)
         self.tpot = histogram("specguide_time_per_output_token_seconds",

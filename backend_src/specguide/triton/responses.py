@@ -109,6 +109,7 @@ class SequenceStream:
         }
         if p.return_num_input_tokens:
             outputs["num_input_tokens"] = _col(out.num_input_tokens, np.uint32)
+            outputs["num_cached_tokens"] = _col(out.num_cached_tokens, np.uint32)
         if p.return_num_output_tokens:
             outputs["num_output_tokens"] = _col(n_out, np.uint32)
         if out.finished and out.guide_notes:
