@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
+CPU_SLOTS = 8  # max_slots 0 on CPU: decode cost grows with the batch, 8 keeps steps short
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0")  # how the C kernels hold a weight
 WEIGHT_DTYPES = WEIGHT_FORMATS + ("auto",)  # auto: each weight in the narrowest format that holds it exactly
@@ -51,7 +52,9 @@ class EngineConfig:
     # (the default GGUF model: Q4_1 layers and a Q8_0 head, the same logits as float32)
     device: str = "cpu"  # "cpu", "cuda", "auto"
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
-    max_slots: int = 8  # sequences decoded together (static KV cache rows)
+    max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU, on CUDA as many
+    # as kv_cache_memory_fraction of the free memory (after the weights) holds, at most 256 (logged)
+    kv_cache_memory_fraction: float = 0.9  # CUDA with max_slots 0: the share of free GPU memory for KV caches
     max_seq_len: int = 2048  # prompt + generated tokens per slot
     prefill_chunk: int = 256  # prefill token budget per engine step
     prefix_caching: bool = True  # a free slot keeps its prompt's KV: a prompt starting with tokens a slot
@@ -112,7 +115,7 @@ class EngineConfig:
                f"draft_head_weight_dtype must be '' or one of {WEIGHT_DTYPES}, got {self.draft_head_weight_dtype!r}")
         _check(self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:"),
                f"device must be cpu, cuda, cuda:<n> or auto, got {self.device!r}")
-        for name, low in (("max_slots", 1), ("max_seq_len", 16), ("prefill_chunk", 1), ("max_queue", 1),
+        for name, low in (("max_slots", 0), ("max_seq_len", 16), ("prefill_chunk", 1), ("max_queue", 1),
                           ("default_max_tokens", 1), ("draft_layers", 1), ("ngram_max", 1),
                           ("ngram_trust", 1), ("spec_max_rows", 0), ("guided_compile_workers", 1),
                           ("guided_mask_threads", 1), ("guided_compile_timeout_s", 0), ("request_timeout_s", 0),
@@ -126,6 +129,10 @@ class EngineConfig:
                f"unknown guided_backend {self.guided_backend!r} (one of auto, xgrammar, llguidance)")
         _check(self.guided_executor in GUIDED_EXECUTORS,
                f"unknown guided_executor {self.guided_executor!r} (one of {GUIDED_EXECUTORS})")
+        _check(0 < self.kv_cache_memory_fraction <= 1,
+               f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        if self.max_slots == 0 and not self.resolved_device().startswith("cuda"):
+            self.max_slots = CPU_SLOTS
         self.reasoning()  # ValueError for a bad reasoning_markers
         if self.max_sampling_parameters_bytes <= 0:
             self.max_sampling_parameters_bytes = (self.guided_max_guide_bytes or 1 << 20) + 65536

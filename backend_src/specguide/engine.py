@@ -1,11 +1,12 @@
 """Engine: thread-safe submit / cancel / shutdown around one background loop thread."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -15,6 +16,7 @@ from .cuda.hostfunc import HostFuncError
 from .guided.compiler import GrammarCompilerService
 from .guided.limits import GuideLimits
 from .intake import Intake
+from .kv_cache import slot_bytes, slots_for_memory
 from .models.loader import load_model, resolve_model_dir
 from .outputs import Finish, OutputProcessor
 from .request import EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput
@@ -56,6 +58,8 @@ class Engine:
         folder = resolve_model_dir(config.model_dir, config.gguf_file)
         self.tokenizer = Tokenizer(folder)
         self.model = load_model(folder, DTYPES[config.dtype], str(self.device), config.weight_dtype)
+        if config.max_slots == 0:  # CUDA: as many slots as the free memory holds
+            config = self.config = size_slots(config, self.model.cfg, self.device)
         model_eos = getattr(self.model, "eos_token_ids", frozenset())
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(model_eos))
         vocab = self.model.cfg.vocab_size
@@ -375,3 +379,17 @@ class Engine:
         if not self.outputs.emit(seq, finished=False):
             seq.cancelled = True
             self._finish(seq, "cancelled")
+
+
+def size_slots(config: EngineConfig, cfg: Any, device: torch.device, free_bytes: Optional[int] = None) -> EngineConfig:
+    """`config` with max_slots from `kv_cache_memory_fraction` of the device's free memory (read
+    after the weights are loaded, or `free_bytes`), logged."""
+    if free_bytes is None:
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    positions = config.max_seq_len + config.num_draft_tokens + 1
+    per_slot = slot_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, positions,
+                          torch.finfo(DTYPES[config.dtype]).bits // 8)
+    n = slots_for_memory(free_bytes, config.kv_cache_memory_fraction, per_slot)
+    log.info("max_slots %d: %d slots x %d positions = %.2f GiB of %.2f GiB free (kv_cache_memory_fraction %.2f)",
+             n, n, positions, n * per_slot / 2**30, free_bytes / 2**30, config.kv_cache_memory_fraction)
+    return dataclasses.replace(config, max_slots=n)

@@ -36,3 +36,20 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+MAX_AUTO_SLOTS = 256  # what sizing from free memory may give (the interfaces batch up to 64 a request)
+
+
+def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int, positions: int,
+               elem_bytes: int) -> int:
+    """Device bytes one slot takes: the target's K and V over every layer, the draft head's
+    features and its one-layer K and V (the default drafter), all at `positions`."""
+    kv = 2 * (num_layers + 1) * num_kv_heads * head_dim * positions * elem_bytes
+    return kv + hidden_size * positions * elem_bytes
+
+
+def slots_for_memory(free_bytes: int, fraction: float, per_slot: int, cap: int = MAX_AUTO_SLOTS) -> int:
+    """Slots that `fraction` of `free_bytes` holds at `per_slot` bytes each: in [1, cap]."""
+    assert 0 < fraction <= 1 and per_slot > 0
+    return max(1, min(cap, int(free_bytes * fraction) // per_slot))

@@ -43,3 +43,21 @@ def test_cuda_half_precision_runs_a_batch(dtype):
         assert eng.stats()["active_slots"] == 0
     finally:
         eng.shutdown()
+
+
+def test_cuda_max_slots_0_sizes_the_kv_cache_from_free_memory():
+    """max_slots 0 on CUDA: slots from kv_cache_memory_fraction of the free memory, and the KV cache
+    allocated stays within that share."""
+    from specguide.config import EngineConfig
+    from specguide.engine import Engine
+
+    free_before, _ = torch.cuda.mem_get_info()
+    eng = Engine(EngineConfig(device="cuda", max_slots=0, max_seq_len=512, kv_cache_memory_fraction=0.05,
+                              drafter="ngram", warmup=False))
+    try:
+        assert 1 <= eng.config.max_slots <= 256 and eng.scheduler.max_slots == eng.config.max_slots
+        kv = eng.runner.kv
+        assert kv.k.shape[1] == eng.config.max_slots
+        assert 2 * kv.k.numel() * kv.k.element_size() <= 0.05 * free_before
+    finally:
+        eng.shutdown()

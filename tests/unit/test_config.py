@@ -11,7 +11,9 @@ from specguide.config import EngineConfig
     ({"weight_dtype": "int4"}, "weight_dtype must be one of"),
     ({"draft_head_weight_dtype": "int4"}, "draft_head_weight_dtype must be"),
     ({"device": "tpu"}, "device must be cpu, cuda"),
-    ({"max_slots": 0}, "max_slots must be >= 1, got 0"),
+    ({"max_slots": -1}, "max_slots must be >= 0, got -1"),
+    ({"kv_cache_memory_fraction": 0.0}, r"kv_cache_memory_fraction must be in \(0, 1\], got 0.0"),
+    ({"kv_cache_memory_fraction": 1.5}, r"kv_cache_memory_fraction must be in \(0, 1\], got 1.5"),
     ({"max_seq_len": 8}, "max_seq_len must be >= 16, got 8"),
     ({"prefill_chunk": 0}, "prefill_chunk must be >= 1"),
     ({"max_queue": 0}, "max_queue must be >= 1"),
@@ -39,8 +41,8 @@ def test_a_bad_setting_raises_value_error_naming_it(kwargs, words):
 
 
 def test_bad_parameters_from_config_pbtxt_raise_value_error():
-    with pytest.raises(ValueError, match="max_slots must be >= 1"):
-        EngineConfig.from_parameters({"max_slots": {"string_value": "0"}})
+    with pytest.raises(ValueError, match="max_slots must be >= 0"):
+        EngineConfig.from_parameters({"max_slots": {"string_value": "-2"}})
     with pytest.raises(ValueError, match="expected a boolean"):
         EngineConfig.from_parameters({"warmup": "maybe"})
 
@@ -57,3 +59,29 @@ def test_reasoning_markers_parse():
     assert EngineConfig(reasoning_markers=" <think> , </think> ").reasoning() == ReasoningMarkers("<think>", "</think>")
     cfg = EngineConfig.from_parameters({"reasoning_markers": {"string_value": "<think>,</think>"}})
     assert cfg.reasoning() == ReasoningMarkers("<think>", "</think>")
+
+
+def test_max_slots_0_is_8_on_cpu_and_sized_from_free_memory_on_cuda(caplog):
+    """On CUDA, max_slots 0 becomes what kv_cache_memory_fraction of the free memory holds (TensorRT-LLM's
+    kv_cache_free_gpu_mem_fraction): the sizing maths on the default model's shapes, without a GPU."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from specguide.engine import size_slots
+    from specguide.kv_cache import slot_bytes, slots_for_memory
+
+    assert EngineConfig().max_slots == 8 and EngineConfig(max_slots=0, device="cpu").max_slots == 8
+    assert EngineConfig(max_slots=3).max_slots == 3
+    assert slots_for_memory(10 << 30, 0.5, 1 << 30) == 5 and slots_for_memory(1 << 20, 0.9, 1 << 30) == 1
+    assert slots_for_memory(1 << 50, 1.0, 1 << 20) == 256  # capped
+    smol = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, hidden_size=576)
+    cfg = EngineConfig(device="cpu", max_seq_len=2048, num_draft_tokens=3, kv_cache_memory_fraction=0.5)
+    per = slot_bytes(30, 3, 64, 576, 2048 + 4, 4)
+    assert per == 2 * 31 * 3 * 64 * 2052 * 4 + 576 * 2052 * 4  # K and V of 30 layers + the head's layer, features
+    with caplog.at_level(logging.INFO, logger="specguide"):
+        sized = size_slots(cfg, smol, torch.device("cpu"), free_bytes=80 << 30)
+    assert sized.max_slots == min(256, (40 << 30) // per) and sized.max_slots > 8
+    assert sized.max_slots * per <= 0.5 * (80 << 30) and f"max_slots {sized.max_slots}:" in caplog.text
+    assert size_slots(cfg, smol, torch.device("cpu"), free_bytes=1 << 20).max_slots == 1
