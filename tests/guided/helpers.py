@@ -49,8 +49,7 @@ def load_guided_samples() -> list[Sample]:
             gtype = "ebnf_grammar"
         else:
             gtype = kind
-        backend = "xgrammar" if gtype == "structural_tag" else ""  # structural tags: xgrammar only
-        out.append(Sample(entry["file"], kind, GuidedDecodingParams(gtype, text, backend=backend), text))
+        out.append(Sample(entry["file"], kind, GuidedDecodingParams(gtype, text), text))
     return out
 
 

@@ -49,7 +49,7 @@ def test_bad_guides_are_invalid_requests(xgr_service, params, msg):
     (G("json_schema", '{"type": "foo"}'), "type: foo"),
     (G("json_schema", '{"$ref": "#/defs/x"}'), "/defs/x"),
     (G("json_schema", "false"), "false"),
-    (G("structural_tag", '{"type": "structural_tag", "format": {}}'), "needs the xgrammar backend"),
+    (G("structural_tag", '{"type": "structural_tag", "format": {}}'), "needs backend 'xgrammar' or 'auto'"),
 ])
 def test_bad_guides_are_invalid_requests_on_llguidance(hf_tokenizer, params, msg):
     svc = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=1, default_backend="llguidance")

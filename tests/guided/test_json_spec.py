@@ -305,3 +305,28 @@ def test_xgrammar_blind_spots_are_value_checked(xgr_service, encode, schema, tes
     v = verdicts(xgr_service, encode, schema, tests, "xgrammar")
     assert v == {(i, f): ok for i, (_, ok) in enumerate(tests) for f in ("compact", "spaced")}, v
     assert where in xgr_service.compile(G("json_schema", json.dumps(schema), backend="xgrammar")).checked
+
+
+# structural tags on both backends (llguidance: its StructTag, for `triggered_tags` of JSON schemas)
+@pytest.mark.parametrize("backend", BOTH)
+def test_structural_tags_on_both_backends(xgr_service, encode, backend):
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+        {"begin": "<function=get>", "content": {"type": "json_schema", "json_schema": OBJ}, "end": "</function>"}]}}
+    guide = xgr_service.compile(G("structural_tag", json.dumps(tag), backend=backend))
+    assert guide.backend == backend
+    stop = xgr_service.stop_token_ids[0]
+
+    def ends(text: str) -> bool:
+        m = guide.matcher()
+        ids = encode(text)
+        return m.validate(ids + [stop]) == len(ids) + 1
+
+    assert ends('Sure. <function=get>{"a": 1}</function> Done.') and ends("No call at all.")
+    assert ends('<function=get>{"a":2}</function>')
+    assert not ends('<function=get>{"a": "x"}</function>')  # the schema holds inside the tag
+    assert not ends('<function=put>{"a": 1}</function>')  # after the trigger, only a listed tag
+    assert not ends('<function=get>{"a": 1}')  # a tag must end
+    once = json.loads(json.dumps(tag))
+    once["format"]["at_least_one"] = True
+    guide = xgr_service.compile(G("structural_tag", json.dumps(once), backend=backend))
+    assert not ends("No call at all.") and ends('<function=get>{"a": 1}</function>')

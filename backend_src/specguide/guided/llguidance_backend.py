@@ -21,7 +21,7 @@ import torch
 
 from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
-from .params import looks_like_lark
+from .params import looks_like_lark, normalize_structural_tag
 from .schema import ANY_JSON_SCHEMA, any_key_order, find_keywords, strictify, walk
 from .value_check import TokenTable, ValueChecker, ValueCheckedMatcher, checked_validator
 
@@ -62,6 +62,39 @@ def locate(schema: Any, message: str) -> list[str]:
         if found:
             return found
     return []
+
+
+def struct_tag_lark(tag: Any, params: GuidedDecodingParams) -> str:
+    """An xgrammar structural tag (`triggered_tags` of JSON-schema tags, or the legacy `structures` /
+    `triggers` form) as llguidance StructTags: free text until a trigger, then one of the tags that
+    begin with it, its JSON, its end, and free text again."""
+    def refuse(why: str) -> InvalidRequestError:
+        return InvalidRequestError(f"invalid structural_tag guide: {why}")
+
+    fmt = normalize_structural_tag(tag).get("format") if isinstance(tag, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") != "triggered_tags":
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        raise refuse(f"the llguidance backend takes `triggered_tags` formats only (format type {kind!r} needs "
+                     "backend 'xgrammar' or 'auto')")
+    if fmt.get("stop_after_first"):
+        raise refuse("stop_after_first needs backend 'xgrammar' or 'auto'")
+    triggers, tags = fmt.get("triggers"), fmt.get("tags")
+    if not isinstance(triggers, list) or not isinstance(tags, list) or not tags:
+        raise refuse("triggered_tags needs a list of triggers and a non-empty list of tags")
+    out = []
+    for t in tags:
+        content = t.get("content") if isinstance(t, dict) else None
+        if not isinstance(content, dict) or content.get("type") != "json_schema" or not {"begin", "end"} <= t.keys():
+            raise refuse("each tag needs begin, end and a json_schema content on the llguidance backend")
+        trig = next((tr for tr in triggers if isinstance(tr, str) and tr and t["begin"].startswith(tr)), None)
+        if trig is None:
+            raise refuse(f"tag begin {t['begin']!r} starts with none of the triggers")
+        schema = content.get("json_schema")
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": json_options(params)}
+        out.append(llg.StructTag(trigger=trig, begin=t["begin"], grammar=schema, end=t["end"]))
+    lark = llg.StructTag.to_grammar(out, assume_special=False)
+    return lark.replace(")* tag_end", ")+ tag_end", 1) if fmt.get("at_least_one") else lark
 
 
 class LlguidanceMatcher(Matcher):
@@ -177,6 +210,8 @@ class LlguidanceBackend(GrammarBackend):
                 grammar = llg.grammar_from("choice", params.guide)
             elif gtype == "ebnf_grammar":
                 grammar = llg.grammar_from("lark" if looks_like_lark(params.guide) else "ebnf", params.guide)
+            elif gtype == "structural_tag":
+                grammar = llg.grammar_from("lark", struct_tag_lark(json.loads(params.guide), params))
             else:
                 raise InvalidRequestError(f"invalid {gtype} guide: guide type {gtype} needs the xgrammar backend (or 'auto')")
         except InvalidRequestError:
