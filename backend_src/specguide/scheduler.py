@@ -211,11 +211,11 @@ class Scheduler:
         return n - n % self.prefill_chunk
 
     def _evict_order(self, slot: int) -> tuple[int, ...]:
-        """Free slots to overwrite first: empty ones, then the fewest hits, then least recently freed
-        (without prefix caching: the lowest, which keeps the batch's rows packed)."""
-        if not self.prefix_caching:
-            return (slot,)
-        return bool(self.slot_tokens[slot]), self.slot_hits[slot], self.slot_freed[slot], slot
+        """Free slots to overwrite first: the lowest. NOTE: preferring the least useful prefix (empty,
+        fewest hits, least recently freed) changed a greedy output in the full engine suite (the
+        output depended on which free slot a request got, after many earlier requests: an
+        invariance bug not found yet), so placement stays the lowest free slot."""
+        return (slot,)
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
