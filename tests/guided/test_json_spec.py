@@ -330,3 +330,15 @@ def test_structural_tags_on_both_backends(xgr_service, encode, backend):
     once["format"]["at_least_one"] = True
     guide = xgr_service.compile(G("structural_tag", json.dumps(once), backend=backend))
     assert not ends("No call at all.") and ends('<function=get>{"a": 1}</function>')
+
+
+def test_a_format_under_a_dropped_not_is_not_counted_as_enforced(xgr_service, encode):
+    """MaskBench Github_medium---o76785: a `uri` format inside a `not` is neither the lenient grammar's (it
+    drops `not`) nor jsonschema's (no rfc3987): refused by default, never accepted unchecked."""
+    schema = {"type": "object", "not": {"properties": {"href": {"format": "uri"}, "t": {"enum": ["x"]}},
+                                        "required": ["href", "t"]}}
+    with pytest.raises(InvalidRequestError, match="can enforce format uri at /not/properties/href"):
+        xgr_service.compile(G("json_schema", json.dumps(schema), backend="llguidance"))
+    plain = {"type": "object", "properties": {"href": {"type": "string", "format": "uri"}}, "not": {"required": ["x"]}}
+    guide = xgr_service.compile(G("json_schema", json.dumps(plain), backend="llguidance"))  # uri: the grammar's
+    assert not guide.unenforced

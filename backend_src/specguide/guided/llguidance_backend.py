@@ -36,6 +36,9 @@ LENIENT_DROPS = ("uniqueItems", "oneOf", "dependencies", "dependentRequired", "d
                  "then", "else", "not", "contains", "minContains", "maxContains", "propertyNames",
                  "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties", "pattern",
                  "patternProperties")
+# subschemas `lenient` leaves out whole: a format inside them is not the grammar's
+LENIENT_BRANCHES = ("not", "if", "then", "else", "dependentSchemas", "dependencies", "contains", "propertyNames",
+                    "unevaluatedProperties", "unevaluatedItems")
 LLG_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
 _QUOTED = re.compile(r'"([^"]+)"')
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (.+?)$", re.MULTILINE)
@@ -247,10 +250,10 @@ class LlguidanceBackend(GrammarBackend):
                 where = locate(schema, msg)
                 raise InvalidRequestError(f"invalid json_schema guide: {msg}" + (f" ({'; '.join(where[:4])})" if where else ""))
             flagged = flagged + find_keywords(schema, LENIENT_DROPS)
-            formats = LLG_FORMATS
+            formats, dropped = LLG_FORMATS, LENIENT_BRANCHES
         else:  # compiled as it is: llguidance enforces every format it took
-            formats = frozenset(n["format"] for _, n in walk(schema) if isinstance(n.get("format"), str))
-        validator, blind = checked_validator(schema, params, formats)
+            formats, dropped = frozenset(n["format"] for _, n in walk(schema) if isinstance(n.get("format"), str)), ()
+        validator, blind = checked_validator(schema, params, formats, dropped)
         checker, stop = ValueChecker(schema, validator, flagged, self.table, self.stop_ids), self.stop_ids
         return CompiledGuide(self.name, self.vocab_size, template,
                              lambda: ValueCheckedMatcher(LlguidanceMatcher(template.deep_copy(), stop), checker),

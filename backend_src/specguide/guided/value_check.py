@@ -59,15 +59,26 @@ def make_validator(schema: Any) -> Any:
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
-def uncheckable_formats(schema: Any, validator: Any, grammar_formats: frozenset[str]) -> list[str]:
+def uncheckable_formats(schema: Any, validator: Any, grammar_formats: frozenset[str],
+                        dropped: tuple[str, ...] = ()) -> list[str]:
     """'format X at /pointer' for formats neither the grammar nor `validator` checks (jsonschema
-    checks only some formats without extra packages): refused unless the request is best effort."""
-    known = set(validator.format_checker.checkers) | grammar_formats
-    return [f"format {node['format']} at {p or '/'}" for p, node in walk(schema)
-            if isinstance(node.get("format"), str) and node["format"] not in known]
+    checks only some formats without extra packages): refused unless the request is best effort.
+    `grammar_formats` do not count under a `dropped` keyword (a grammar without `not` does not
+    enforce the formats inside it)."""
+    checked = set(validator.format_checker.checkers)
+    out = []
+    for p, node in walk(schema):
+        fmt = node.get("format")
+        if not isinstance(fmt, str) or fmt in checked:
+            continue
+        if fmt in grammar_formats and not set(p.split("/")) & set(dropped):
+            continue
+        out.append(f"format {fmt} at {p or '/'}")
+    return out
 
 
-def checked_validator(schema: Any, params: Any, grammar_formats: frozenset[str]) -> tuple[Any, list[str]]:
+def checked_validator(schema: Any, params: Any, grammar_formats: frozenset[str],
+                      dropped: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
     """The validator for value-close checks and the formats nothing checks (left unenforced).
     InvalidRequestError when the schema is not valid JSON Schema, or uses such a format and the
     request (`params`, GuidedDecodingParams) is not best effort."""
@@ -78,7 +89,7 @@ def checked_validator(schema: Any, params: Any, grammar_formats: frozenset[str])
     except jsonschema.SchemaError as e:
         at = "/".join(map(str, e.absolute_path))
         raise InvalidRequestError(f"invalid json_schema guide: {e.message} (at /{at})") from None
-    blind = uncheckable_formats(schema, validator, grammar_formats)
+    blind = uncheckable_formats(schema, validator, grammar_formats, dropped)
     if blind and not params.best_effort:
         raise InvalidRequestError(f"invalid json_schema guide: neither the grammar nor the value check can enforce "
                                   f"{'; '.join(blind[:4])}; set best_effort to accept it unchecked")
