@@ -14,7 +14,6 @@ Prints per phase: the stream's 3 largest client gaps, its engine-clock gaps, the
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile

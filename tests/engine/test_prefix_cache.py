@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-import time
 
 import pytest
 

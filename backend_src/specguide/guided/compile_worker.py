@@ -49,6 +49,7 @@ def main() -> None:
 
     from ..memory import trim
     from ..request import InvalidRequestError
+    from .schema import json_schema_of
     from .xgrammar_backend import XgrammarBackend
 
     init = read_msg(inp)
@@ -64,7 +65,7 @@ def main() -> None:
             return
         t0 = time.perf_counter()
         try:
-            backend._compile(job, backend.schema_of(job))
+            backend._compile(job, json_schema_of(job))
             reply = (True, None, time.perf_counter() - t0)
         except InvalidRequestError as e:
             reply = (False, str(e), time.perf_counter() - t0)

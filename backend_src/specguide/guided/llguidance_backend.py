@@ -22,7 +22,7 @@ import torch
 from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import looks_like_lark, normalize_structural_tag
-from .schema import ANY_JSON_SCHEMA, any_key_order, find_keywords, strictify, walk
+from .schema import any_key_order, find_keywords, json_schema_of, walk
 from .value_check import TokenTable, ValueChecker, ValueCheckedMatcher, checked_validator
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_JSON_WHITESPACE  # one bounded run
@@ -199,12 +199,8 @@ class LlguidanceBackend(GrammarBackend):
         gtype, schema, order = params.guide_type, None, []
         try:
             if gtype in ("json", "json_schema"):
-                schema = ANY_JSON_SCHEMA if gtype == "json" else json.loads(params.guide)
-                if schema is False:
-                    raise InvalidRequestError("invalid json_schema guide: the schema is `false`: no JSON value is valid")
+                schema = json_schema_of(params)
                 schema = {} if schema is True else schema
-                if params.strict:
-                    schema = strictify(schema)
                 gschema, order = any_key_order(schema) if params.any_key_order else (schema, [])
                 grammar = llg.LLMatcher.grammar_from_json_schema(gschema, defaults=json_options(params))
             elif gtype == "regex":

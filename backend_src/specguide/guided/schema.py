@@ -7,9 +7,12 @@ opts into best effort.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Iterator
 from urllib.parse import quote
+
+from ..request import InvalidRequestError
 
 ANY_JSON_SCHEMA = {"type": ["object", "array"]}  # guide type `json`: an object or an array
 
@@ -98,6 +101,17 @@ def xgrammar_unenforced(schema: Any) -> list[str]:
         if "type" in node and any(not _has_type(v, node["type"]) for v in values):
             out.append(f"type beside enum at {at}")
     return out
+
+
+def json_schema_of(params: Any) -> Any:
+    """The JSON schema a `json` / `json_schema` guide (GuidedDecodingParams) compiles, OpenAI strict
+    applied; None for other guide types. InvalidRequestError for the `false` schema."""
+    if params.guide_type not in ("json", "json_schema"):
+        return None
+    schema = ANY_JSON_SCHEMA if params.guide_type == "json" else json.loads(params.guide)
+    if schema is False:
+        raise InvalidRequestError("invalid json_schema guide: the schema is `false`: no JSON value is valid")
+    return strictify(schema) if params.strict else schema
 
 
 def strictify(schema: Any) -> Any:

@@ -30,7 +30,7 @@ _NEWER = ("prefixItems", "dependentRequired", "dependentSchemas", "unevaluatedPr
 _BRANCHES = ("anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "dependencies", "contains",
              "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _MAPS = ("dependentSchemas", "dependencies")
-_Q, _BS, _LB, _RB, _LC, _RC, _COMMA, _COLON = b'"\\[]{},:'
+_Q, _BS, _LB, _RB, _LC, _RC, _COMMA = b'"\\[]{},'
 
 # scanner state: (stack, in_string, escaped, string_start, string_is_key); a frame is
 # (open byte, start offset, path, array index, current key, next string is a key)
@@ -186,7 +186,8 @@ class ValueChecker:
         self._nodes: dict[tuple, tuple[dict, ...]] = {}
         self._needs: dict[tuple, bool] = {}
         self._below: dict[int, bool] = {}
-        self._validators: dict[int, Any] = {}
+        self._validators: dict[int, Any] = {}  # id(subschema) -> its validator
+        self._unique: Any = None  # the validator of {"uniqueItems": true}
         self._verdicts: dict[tuple, Optional[str]] = {}
 
     # -- which subschemas apply to a path ---------------------------------------------------------
@@ -221,8 +222,8 @@ class ValueChecker:
             out = []
             if isinstance(node.get("properties"), dict) and step in node["properties"]:
                 out.append(node["properties"][step])
-            for pat, sub in (node.get("patternProperties") or {}).items() if isinstance(
-                    node.get("patternProperties"), dict) else []:
+            pats = node.get("patternProperties")
+            for pat, sub in pats.items() if isinstance(pats, dict) else ():
                 try:
                     if re.search(pat, step):
                         out.append(sub)
@@ -295,24 +296,26 @@ class ValueChecker:
     def items_verdict(self, path: tuple, text: bytes) -> Optional[str]:
         """Why the items so far (`text` + "]") of a uniqueItems array already fail it; None if not."""
         key = (path, text, "items")
-        if key not in self._verdicts:
-            msg = None
-            try:
-                value = json.loads(text + b"]")
-            except ValueError:
-                value = None
-            if isinstance(value, list):
-                err = next(iter(self._unique_validator().iter_errors(value)), None)
-                if err is not None:
-                    msg = f"{err.message} (at /{'/'.join(map(str, path))}, schema uniqueItems)"
-            self._verdicts[key] = msg
-        return self._verdicts[key]
+        if key in self._verdicts:
+            return self._verdicts[key]
+        msg = None
+        try:
+            value = json.loads(text + b"]")
+        except ValueError:
+            value = None
+        if isinstance(value, list):
+            if self._unique is None:
+                self._unique = self.validator.evolve(schema={"uniqueItems": True})
+            err = next(iter(self._unique.iter_errors(value)), None)
+            if err is not None:
+                msg = f"{err.message} (at /{'/'.join(map(str, path))}, schema uniqueItems)"
+        return self._remember(key, msg)
 
-    def _unique_validator(self) -> Any:
-        v = self._validators.get(0)
-        if v is None:
-            v = self._validators[0] = self.validator.evolve(schema={"uniqueItems": True})
-        return v
+    def _remember(self, key: tuple, msg: Optional[str]) -> Optional[str]:
+        if len(self._verdicts) >= self.MEMO:
+            self._verdicts.clear()
+        self._verdicts[key] = msg
+        return msg
 
     def verdict(self, path: tuple, text: bytes) -> Optional[str]:
         """Why the closed value `text` at `path` is invalid; None when valid (or not a JSON value)."""
@@ -322,9 +325,7 @@ class ValueChecker:
         try:
             value = json.loads(text, object_pairs_hook=_unique_keys)
         except _DuplicateKey as e:
-            msg = f"duplicate key {e.args[0]!r} (at /{'/'.join(map(str, path))})"
-            self._verdicts[key] = msg
-            return msg
+            return self._remember(key, f"duplicate key {e.args[0]!r} (at /{'/'.join(map(str, path))})")
         except ValueError:
             return None  # not a closed value: the grammar decides
         msg = None
@@ -342,10 +343,7 @@ class ValueChecker:
                 msg = (f"{err.message} (at /{where}, schema {err.validator} at "
                        f"/{'/'.join(map(str, err.absolute_schema_path))})")
                 break
-        if len(self._verdicts) >= self.MEMO:
-            self._verdicts.clear()
-        self._verdicts[key] = msg
-        return msg
+        return self._remember(key, msg)
 
 
 class ValueCheckedMatcher(Matcher):
@@ -364,12 +362,13 @@ class ValueCheckedMatcher(Matcher):
 
     def _next(self, data: bytes) -> Optional[State]:
         """The scanner state after `data`, or None when it closes a value that fails its check."""
-        state, events = scan(self.states[-1][0], data, len(self.buf), self._span(data))
+        span = self._span(data)
+        state, events = scan(self.states[-1][0], data, len(self.buf), span)
         for item, path, s, e in events:
             if item:
-                why = self.c.items_verdict(path, self._span(data)(s, e)) if self.c.unique(path) else None
+                why = self.c.items_verdict(path, span(s, e)) if self.c.unique(path) else None
             else:
-                why = self.c.verdict(path, self._span(data)(s, e)) if self.c.needs(path) else None
+                why = self.c.verdict(path, span(s, e)) if self.c.needs(path) else None
             if why is not None:
                 self.last_reason = why
                 return None

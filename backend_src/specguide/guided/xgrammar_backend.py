@@ -21,7 +21,7 @@ import xgrammar as xgr
 from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import choice_to_ebnf, looks_like_lark, normalize_structural_tag
-from .schema import ANY_JSON_SCHEMA, strictify, xgrammar_unenforced
+from .schema import json_schema_of, xgrammar_unenforced
 from .value_check import TokenTable, ValueChecker, ValueCheckedMatcher, checked_validator
 
 # "[02:15:01] /project/cpp/grammar_parser.cc:820: " and "Check failed: (...) is false: "
@@ -142,7 +142,7 @@ class XgrammarBackend(GrammarBackend):
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         t0 = time.perf_counter()
-        schema, unenforced, blind, make = self.schema_of(params), [], [], None
+        schema, unenforced, blind, make = json_schema_of(params), [], [], None
         if schema is not None:
             unenforced = xgrammar_unenforced(schema)
             if unenforced:  # what xgrammar ignores is checked with jsonschema when its value closes
@@ -152,16 +152,6 @@ class XgrammarBackend(GrammarBackend):
         grammar = self._compile(params, schema)
         return CompiledGuide(self.name, self.vocab_size, grammar, make or (lambda: XgrammarMatcher(grammar)),
                              compile_s=time.perf_counter() - t0, unenforced=tuple(blind), checked=tuple(unenforced))
-
-    @staticmethod
-    def schema_of(params: GuidedDecodingParams) -> Any:
-        """The JSON schema a `json` / `json_schema` guide compiles (OpenAI strict applied); else None."""
-        if params.guide_type not in ("json", "json_schema"):
-            return None
-        schema = ANY_JSON_SCHEMA if params.guide_type == "json" else json.loads(params.guide)
-        if schema is False:
-            raise InvalidRequestError("invalid json_schema guide: the schema is `false`: no JSON value is valid")
-        return strictify(schema) if params.strict else schema
 
     @functools.cached_property
     def table(self) -> TokenTable:
