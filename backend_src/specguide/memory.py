@@ -1,4 +1,4 @@
-"""Give freed heap memory back to the OS (glibc `malloc_trim`), and read a process's RSS.
+"""Give freed heap memory back to the OS (glibc `malloc_trim`); read a process's RSS and CPU time.
 
 After a big request (a multi-megabyte prompt tensor) or a big grammar compile, glibc keeps the
 freed arenas mapped: the stub's RSS stays up for good. `trim()` returns them; it is cheap (a few
@@ -7,6 +7,7 @@ milliseconds) and rate-limited so bursts of big requests do not call it in a loo
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
@@ -46,3 +47,16 @@ def rss_bytes(pid: int | str = "self") -> int:
     except OSError:
         pass
     return 0
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has run (None if it is gone or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (stat fields 14, 15)
+    except (OSError, IndexError, ValueError):
+        return None

@@ -3,12 +3,20 @@ wait behind big ones; a bomb that timed out is refused at once the next time."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import xgrammar as xgr
 
+import specguide
+
 from specguide.guided import GrammarCompilerService
+from specguide.guided.compile_pool import _WALL_FACTOR
 from specguide.guided.limits import GuideLimits
 from specguide.request import GuidedDecodingParams as G
 from specguide.request import InvalidRequestError
@@ -67,7 +75,7 @@ def test_bombs_time_out_free_their_workers_and_never_delay_small_guides(svc):
         took = wait(h)
         with pytest.raises(InvalidRequestError, match="grammar compilation timed out after 2 s"):
             h.result()
-        assert took < TIMEOUT_S + 2.0
+        assert took < TIMEOUT_S * _WALL_FACTOR + 2.0  # the worker's CPU seconds, capped in wall time
     t1 = time.monotonic()
     while svc.scheduler.kills < 2 and time.monotonic() - t1 < 3:  # the probe threads notice at the deadline too
         time.sleep(0.02)
@@ -114,3 +122,99 @@ def test_cheaper_big_guides_go_first(svc):
     assert not late_bomb.ready() or blockers[0].ready()
     for h in blockers + [late_bomb]:
         wait(h)
+
+
+def test_workers_take_the_least_cpu_share_in_a_session_of_their_own(svc):
+    """With autogroup, CPU is shared between sessions first: a worker in the server's session (or
+    its own at autogroup nice 0) beside a decoding engine starved every other process for seconds
+    (bench/probe_stalls.py). Each worker gets its own session at autogroup nice 19."""
+    wait(svc.submit(medium("session")))  # both lanes' workers up (after earlier kills, too)
+    for w in svc.scheduler._workers:
+        assert w is not None and w.alive()
+        assert os.getsid(w.proc.pid) == w.proc.pid != os.getsid(0)
+        assert os.getpriority(os.PRIO_PROCESS, w.proc.pid) >= 5
+        if os.path.exists(f"/proc/{w.proc.pid}/autogroup"):
+            with open(f"/proc/{w.proc.pid}/autogroup") as f:
+                assert f.read().split()[-1] == "19"  # "/autogroup-123 nice 19"
+
+
+PARENT = """
+import json, sys, time
+from transformers import AutoTokenizer
+from specguide.guided import GrammarCompilerService
+from specguide.guided.limits import GuideLimits
+from specguide.models.loader import resolve_model_dir
+from specguide.request import GuidedDecodingParams as G
+s = GrammarCompilerService(AutoTokenizer.from_pretrained(str(resolve_model_dir())), {vocab}, max_workers=1,
+                           timeout_s=600, limits=GuideLimits(max_properties=0))
+assert s.scheduler.wait_started(60)
+props = {{f"p{{i}}": {{"type": "integer"}} for i in range(3000)}}
+s.submit(G("json_schema", json.dumps({{"type": "object", "properties": props}}), backend="xgrammar"))
+while not s.scheduler._running:
+    time.sleep(0.01)
+print(s.scheduler._workers[0].proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_worker_dies_with_the_serving_process():
+    """Out of the server's session, a worker escapes a process-group kill, and a compiling one does
+    not read its closed pipe: it must die with its parent (a killed stub must not leave a compile
+    bomb running for minutes)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(vocab=VOCAB)], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(Path(specguide.__file__).parents[1])})
+    try:
+        pid = int(parent.stdout.readline())
+        os.kill(pid, 0)  # alive
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and alive(pid):
+        time.sleep(0.05)
+    assert not alive(pid), "the compile worker outlived the serving process"
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def running_worker(scheduler, limit: float = 30.0) -> int:
+    """The pid of the worker running a job (waits for one)."""
+    t0 = time.monotonic()
+    while not scheduler._running:
+        assert time.monotonic() - t0 < limit, "no worker took the job"
+        time.sleep(0.01)
+    return scheduler._workers[next(iter(scheduler._running))].proc.pid
+
+
+@pytest.mark.parametrize("timeout_s, stopped_s, compiles", [(2.0, 4.0, True), (1.0, 6.0, False)])
+def test_the_timeout_counts_the_workers_cpu_time_up_to_a_wall_clock_cap(hf_tokenizer, timeout_s, stopped_s, compiles):
+    """A worker starved of CPU (here: stopped) for longer than the timeout still finishes a guide
+    that compiles in well under it; past _WALL_FACTOR (5) timeouts of wall time it is stopped."""
+    s = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=1, timeout_s=timeout_s,
+                               limits=GuideLimits(max_properties=0))
+    try:
+        assert s.scheduler.wait_started(60)
+        wait(s.submit(medium(f"warm{stopped_s:g}")))  # the worker's first compile costs ~0.7 s of CPU
+        h = s.submit(medium(f"s{stopped_s:g}"))
+        pid = running_worker(s.scheduler)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(stopped_s)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:  # killed at the wall-clock cap meanwhile
+            assert not compiles
+        wait(h)
+        if compiles:
+            assert is_xgrammar(h.result())
+        else:
+            with pytest.raises(InvalidRequestError, match=f"timed out after {timeout_s:g} s"):
+                h.result()
+    finally:
+        s.shutdown()

@@ -4,9 +4,10 @@ Three lanes:
 - fast (one in-process thread): guides judged small by `limits.GuideSize.small()`, and guides
   already compiled in this process (xgrammar's cache answers them at once). No process round trip.
 - probe (`workers` killable processes, smallest expected cost first): every other guide is first
-  compiled in a worker process (`compile_worker.py`). Past the compile timeout the worker is
-  killed and replaced, so a compile bomb frees its worker at its deadline; a guide that timed out
-  or failed is remembered and refused at once the next time.
+  compiled in a worker process (`compile_worker.py`, at the lowest CPU share). Past the compile
+  timeout (the worker's CPU seconds, capped in wall time) the worker is killed and replaced, so a
+  compile bomb frees its worker at its deadline; a guide that timed out or failed is remembered
+  and refused at once the next time.
 - big (one in-process thread, lower OS priority): a guide the probe proved compiles in time is
   compiled again in-process (xgrammar cannot ship a compiled grammar cheaply: see
   compile_worker.py), then counts as cached.
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..memory import rss_bytes, trim
+from ..memory import cpu_seconds, rss_bytes, trim
 from ..request import GuidedDecodingParams, InvalidRequestError
 from .compile_worker import read_msg, write_msg
 from .limits import GuideSize
@@ -39,8 +40,9 @@ from .limits import GuideSize
 log = logging.getLogger("specguide")
 _REMEMBER = 512  # guides remembered as proven / refused
 _POLL_S = 0.05  # how often a waiting probe checks for abandonment
-_RECYCLE_RSS = 1 << 30
-_WORKER_MAIN = "from specguide.guided.compile_worker import main; main()"  # a worker past this resident size is replaced after its job
+_RECYCLE_RSS = 1 << 30  # a worker past this resident size is replaced after its job
+_WALL_FACTOR = 5.0  # a starved worker's compile still stops after this many timeouts of wall time
+_WORKER_MAIN = "from specguide.guided.compile_worker import main; main()"
 
 
 class AbandonableFuture(Future):
@@ -94,8 +96,10 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
+        env["SPECGUIDE_COMPILE_PARENT"] = str(os.getpid())
         self.proc = subprocess.Popen([_python(), "-c", _WORKER_MAIN], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+                                     start_new_session=True)  # its own autogroup: compile_worker._demote
         write_msg(self.proc.stdin, init)
         if read_msg(self.proc.stdout) is None:
             self.kill()
@@ -105,13 +109,25 @@ class _Worker:
         """The worker's reply, or None when the deadline passed or the job was abandoned first."""
         write_msg(self.proc.stdin, params)
         fd = self.proc.stdout.fileno()
+        started, cpu0 = time.monotonic(), cpu_seconds(self.proc.pid)
         while True:
+            if job.timeout_s is not None:
+                job.deadline = job.future.deadline = self._deadline(job.timeout_s, started, cpu0)
             wait = _POLL_S if job.deadline is None else min(_POLL_S, job.deadline - time.monotonic())
             if wait <= 0 or job.future.abandoned.is_set():
                 return None
             ready, _, _ = select.select([fd], [], [], wait)
             if ready:
                 return read_msg(self.proc.stdout)
+
+    def _deadline(self, timeout_s: float, started: float, cpu0: Optional[float]) -> float:
+        """The timeout counts the worker's CPU seconds, not the wall clock: it runs at the lowest
+        priority (compile_worker._demote), so a busy machine slows its compile without making it a
+        bomb. Capped at _WALL_FACTOR timeouts of wall time."""
+        now = time.monotonic()
+        cpu = cpu_seconds(self.proc.pid)
+        used = now - started if cpu is None or cpu0 is None else cpu - cpu0
+        return min(now + timeout_s - used, started + _WALL_FACTOR * timeout_s)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -258,9 +274,6 @@ class CompileScheduler:
     def _probe(self, i: int, job: _Job) -> None:
         key = job.params.cache_key(self.route(job.params))
         worker = self._worker(i)
-        started = time.monotonic()
-        if job.timeout_s is not None:
-            job.deadline = job.future.deadline = started + job.timeout_s
         reply = worker.run(job.params, job)
         if reply is None:  # past the deadline, or nobody waits any more: stop the compile now
             self._drop_worker(i)

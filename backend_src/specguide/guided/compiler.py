@@ -28,6 +28,7 @@ from .xgrammar_backend import XgrammarBackend, build_tokenizer_info, xgrammar_me
 DEFAULT_CACHE_LIMIT_BYTES = 512 << 20
 LLG_CACHE_ENTRIES = 256  # compiled llguidance guides kept (xgrammar keeps its own byte-limited cache)
 AUTO_XGRAMMAR = ("ebnf_grammar", "structural_tag", "regex", "choice")  # `auto` keeps these on xgrammar
+_WORKER_GRACE_S = 0.5  # how long after a worker job's deadline a handle gives up on its probe
 
 
 # llguidance's Earley rows grow by ~4 items per optional property of one object and it fails past
@@ -76,8 +77,12 @@ class CompileHandle:
         self.timeout_s = timeout_s
 
     def _deadline(self) -> Optional[float]:
-        # a worker-process job's clock starts when the worker takes it (compile_pool.AbandonableFuture)
-        return getattr(self._future, "deadline", self.deadline)
+        # a worker-process job's clock starts when the worker takes it and follows the worker's CPU
+        # time (compile_pool.AbandonableFuture): its probe fails the future at the deadline (and
+        # remembers the guide as refused), so the handle only gives up _WORKER_GRACE_S later.
+        if not hasattr(self._future, "deadline"):
+            return self.deadline
+        return None if self._future.deadline is None else self._future.deadline + _WORKER_GRACE_S
 
     def timed_out(self) -> bool:
         deadline = self._deadline()
