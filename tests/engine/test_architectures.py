@@ -1,5 +1,5 @@
 """Small random Llama-family models (Llama 3 rope scaling, Mistral, Qwen2 QKV bias, Qwen3 q/k norms,
-Phi-3 fused projections, untied head)
+Phi-3 fused projections, untied head, Gemma 2 / Gemma 3 with a sliding window of 6 keys)
 saved as HF folders: our loader + forward match transformers."""
 from __future__ import annotations
 
@@ -11,6 +11,34 @@ from specguide.models.loader import load_model
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+# head_dim != hidden / heads, a query_pre_attn_scalar != head_dim, a window far shorter than the prompts
+GEMMA = {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6, "initializer_range": 0.1}
+
+
+def _gemma(kind: str, common: dict):
+    """Gemma 2 (soft-capped scores and logits) or Gemma 3 (q/k norms, the local layers' own RoPE
+    theta, linearly scaled global RoPE); layer 0 sliding, layer 1 full; random norm weights."""
+    import transformers as tf
+
+    if kind == "gemma2":
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, **GEMMA, attn_logit_softcapping=5.0,
+                                                     final_logit_softcapping=3.0))
+    else:
+        text = tf.Gemma3TextConfig(**common, **GEMMA, sliding_window_pattern=2, rope_local_base_freq=100.0,
+                                   rope_scaling={"rope_type": "linear", "factor": 4.0})
+        if kind == "gemma3":
+            model = tf.Gemma3ForCausalLM(text)
+        else:  # a multimodal checkpoint: its text model is served
+            vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=32, patch_size=8)
+            model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+                text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                boi_token_index=297, eoi_token_index=298))
+    with torch.no_grad():  # (1 + w) norms: a missing offset or a misplaced norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name and "vision" not in name:
+                p.uniform_(-0.5, 0.5)
+    return model
 
 
 def _make(kind: str, path):
@@ -31,6 +59,8 @@ def _make(kind: str, path):
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True))
     elif kind == "phi3":  # qkv_proj and gate_up_proj fused in the checkpoint
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**COMMON, pad_token_id=0, tie_word_embeddings=False))
+    elif kind.startswith("gemma"):
+        model = _gemma(kind, COMMON)
     else:
         raise AssertionError(kind)
     model.save_pretrained(path)
@@ -38,7 +68,7 @@ def _make(kind: str, path):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3_mm"])
 def test_random_model_matches_transformers(kind, tmp_path):
     ref_model = _make(kind, tmp_path)
     ours = load_model(tmp_path, torch.float32)
@@ -52,15 +82,63 @@ def test_random_model_matches_transformers(kind, tmp_path):
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
         ref_model.save_pretrained(tmp_path)
         ours = load_model(tmp_path, torch.float32)
-    ids = torch.randint(0, 300, (1, 90), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 290, (1, 90), generator=torch.Generator().manual_seed(1))
     ref = ref_model(ids).logits[0]
     kv = KVCache(2, 2, 2, 128, ours.cfg.head_dim, torch.float32)
     ctx = ours.make_context(torch.tensor([1]), torch.arange(90)[None], [1], 90)
     got = ours.logits(ours(ids, ctx, kv))[0]
     assert (got - ref).abs().max().item() < 1e-4
+    if kind.startswith("gemma"):
+        assert ours.cfg.sliding == (True, False) and ours.cfg.sliding_window == 6
+        assert (ours.cfg.attn_softcap, ours.cfg.final_softcap) == ((5.0, 3.0) if kind == "gemma2" else (0.0, 0.0))
+        _check_the_window_matters(tmp_path, ids, ref)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+def _check_the_window_matters(path, ids, ref):
+    """The same checkpoint with a window wider than the prompt: far from transformers' logits."""
+    import json
+
+    cfg_file = path / "config.json"
+    conf = json.loads(cfg_file.read_text())
+    (conf.get("text_config") or conf)["sliding_window"] = 4096
+    cfg_file.write_text(json.dumps(conf))
+    wide = load_model(path, torch.float32)
+    kv = KVCache(2, 1, 2, 128, wide.cfg.head_dim, torch.float32)
+    ctx = wide.make_context(torch.tensor([0]), torch.arange(90)[None], [0], 90)
+    assert (wide.logits(wide(ids, ctx, kv))[0] - ref).abs().max().item() > 0.1
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_decode_steps_match_transformers_and_are_invariant(kind, tmp_path):
+    """Decode and verification steps (the C kernel where available: window, soft-cap, local RoPE)
+    past the window: transformers' logits, and bit-identical alone, batched, or as one of T queries."""
+    ref_model = _make(kind, tmp_path)
+    ours = load_model(tmp_path, torch.float32)
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(2))
+    ref = ref_model(ids).logits[0]
+    kv = KVCache(2, 4, 2, 64, ours.cfg.head_dim, torch.float32)
+
+    def run(slots: list[int], start: int, T: int) -> torch.Tensor:
+        pos = torch.arange(start, start + T).expand(len(slots), T)
+        ctx = ours.make_context(torch.tensor(slots), pos, slots, start + T)
+        assert (ctx.mask is None) == (ours.invariant_attention and T <= 16)
+        return ours.logits(ours(ids[:, start:start + T].expand(len(slots), T), ctx, kv))
+
+    for s in range(4):
+        run([s], 0, 20)  # prefill (SDPA / soft-capped torch path)
+    steps = torch.cat([run([2], t, 1)[0] for t in range(20, 40)])  # slot 2: one token at a time
+    assert (steps - ref[20:]).abs().max().item() < 1e-4
+    four = run([0, 1, 3], 20, 4)  # three slots, four queries each (a verification step)
+    assert (four - ref[20:24]).abs().max().item() < 1e-4
+    if ours.invariant_attention:
+        assert torch.equal(four[0], steps[:4]) and torch.equal(four[1], four[2])
+        assert torch.equal(run([1], 20, 1)[0, 0], steps[0])
+        ours.invariant_attention = False  # the torch path (no C compiler, CUDA) masks alike
+        assert (run([0, 3], 20, 4) - ref[20:24]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "phi3", "gemma2", "gemma3"])
 def test_engine_serves_the_architecture_greedy_as_transformers_and_lossless(kind, tmp_path):
     """Through the engine (the default model's tokenizer in the folder, random weights in the
     architecture's shape): greedy tokens equal transformers' `generate`, with speculation off and at K=3."""
@@ -75,6 +153,8 @@ def test_engine_serves_the_architecture_greedy_as_transformers_and_lossless(kind
     common = {**COMMON, "vocab_size": 49152, "max_position_embeddings": 512}
     if kind == "qwen3":
         ref = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
+    elif kind.startswith("gemma"):  # a window of 6: the 11-token prompt and 24 new tokens outgrow it
+        ref = _gemma(kind, common)
     else:
         ref = tf.Phi3ForCausalLM(tf.Phi3Config(**common, pad_token_id=0, tie_word_embeddings=False))
     ref.eval().save_pretrained(tmp_path)
@@ -104,4 +184,10 @@ def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
         load_model(tmp_path, torch.float32)
     tf.Phi3Config(**COMMON, partial_rotary_factor=0.5).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="partial_rotary_factor"):
+        load_model(tmp_path, torch.float32)
+    tf.GemmaConfig(**COMMON, architectures=["GemmaForCausalLM"]).save_pretrained(tmp_path)  # Gemma 1: not served
+    with pytest.raises(ValueError, match="architecture GemmaForCausalLM .*'gemma'.* not supported"):
+        load_model(tmp_path, torch.float32)
+    tf.Gemma3TextConfig(**COMMON, use_bidirectional_attention=True).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
         load_model(tmp_path, torch.float32)

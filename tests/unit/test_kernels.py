@@ -173,3 +173,27 @@ def test_fused_rope_attention_matches_the_torch_path_and_writes_the_cache():
     ref = F.scaled_dot_product_attention(qk[:, :, :nh].transpose(1, 2), kc2[slots][:, :, :8], vc2[slots][:, :, :8],
                                          attn_mask=mask, enable_gqa=True).transpose(1, 2)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_sliding_window_and_soft_capped_attention_match_torch_and_stay_invariant():
+    """Gemma: only the last `window` keys, scores capped to cap * tanh(s / cap), a custom scale."""
+    from specguide.models.llama import apply_rope
+
+    g = torch.Generator().manual_seed(2)
+    B, T, nh, kvh, S, hd, W, cap, scale = 2, 3, 4, 2, 32, 32, 4, 2.0, 0.3
+    qkv = torch.randn(B, T, nh + 2 * kvh, hd, generator=g)
+    cos, sin_signed = _rope_tables(S, hd, g)
+    kc, vc = torch.randn(4, kvh, S, hd, generator=g), torch.randn(4, kvh, S, hd, generator=g)
+    slots, pos = torch.tensor([3, 1]), torch.tensor([[10, 11, 12], [0, 1, 2]])
+    out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, slots, pos, nh, scale, W, cap)
+    q = apply_rope(qkv[:, :, :nh], cos[pos].unsqueeze(2), sin_signed[pos].unsqueeze(2)).transpose(1, 2)
+    k, v = (c[slots][:, :, :13].repeat_interleave(nh // kvh, 1) for c in (kc, vc))  # [B, nh, 13, hd]
+    s = torch.tanh((q @ k.transpose(-1, -2)) * scale / cap) * cap
+    kpos, qpos = torch.arange(13)[None, None, :], pos[:, :, None]
+    s = s.masked_fill(~((kpos <= qpos) & (kpos > qpos - W)).unsqueeze(1), float("-inf"))
+    assert torch.allclose(out, (s.softmax(-1) @ v).transpose(1, 2), atol=1e-5)
+    for b in range(B):
+        for t in range(T):
+            one = kernels.rope_attention_f32(qkv[b:b + 1, t:t + 1], cos, sin_signed, kc, vc, slots[b:b + 1],
+                                             pos[b:b + 1, t:t + 1], nh, scale, W, cap)
+            assert torch.equal(one, out[b:b + 1, t:t + 1])

@@ -76,7 +76,8 @@ def _build() -> ctypes.CDLL:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.rope_attn_f32.restype = None
-    lib.rope_attn_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.rope_attn_f32.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 6
+                                  + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     return lib
 
 
@@ -266,9 +267,13 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
 
 def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                       num_heads: int) -> torch.Tensor:
+                       num_heads: int, scale: float | None = None, window: int = 0,
+                       softcap: float = 0.0) -> torch.Tensor:
     """qkv [B, T, nh + 2 kvh, hd] -> RoPE, K/V written to the slot cache at `positions`, causal
-    attention -> [B, T, nh, hd]. Tables cos / sin_signed [P, hd]. Batch- and T-invariant."""
+    attention -> [B, T, nh, hd]. Tables cos / sin_signed [P, hd]. Batch- and T-invariant.
+
+    `scale` (default hd ** -0.5) multiplies q.k; `window` > 0 attends to the last `window` keys
+    only (sliding-window layers); `softcap` > 0 caps scores to softcap * tanh(s / softcap)."""
     lib = library()
     assert lib is not None
     B, T, H, hd = qkv.shape
@@ -284,5 +289,6 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
     out = torch.empty_like(qrot)
     lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       slots.data_ptr(), positions.data_ptr(), qrot.data_ptr(), out.data_ptr(),
-                      B, T, nh, kvh, S, hd, hd ** -0.5, torch.get_num_threads())
+                      B, T, nh, kvh, S, hd, hd ** -0.5 if scale is None else scale, window, softcap,
+                      torch.get_num_threads())
     return out

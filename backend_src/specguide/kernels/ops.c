@@ -291,18 +291,22 @@ void gemv_q8_0(const float *x, const int8_t *Wp, const float *d, const float *r,
  *   vc   [slots, kvh, S, hd]
  *   slot [B], pos [B, T]     cache row and absolute position of each query
  *   out  [B, T, nh, hd]
- * Query (b, t, h) attends to keys 0..pos[b, t] of its slot, KV head h / (nh / kvh). Each output
- * is computed by the same instruction sequence whatever B and T are. hd % 16 == 0. */
+ * Query (b, t, h) attends to keys 0..pos[b, t] of its slot (only the last `window` of them when
+ * window > 0: sliding-window layers), KV head h / (nh / kvh). Scores are q.k * scale, soft-capped
+ * to softcap * tanh(s / softcap) when softcap > 0 (Gemma 2). Each output is computed by the same
+ * instruction sequence whatever B and T are. hd % 16 == 0. */
 void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *slot, const int64_t *pos,
-              float *out, int B, int T, int nh, int kvh, int S, int hd, float scale, int threads) {
+              float *out, int B, int T, int nh, int kvh, int S, int hd, float scale, int window, float softcap,
+              int threads) {
     const int group = nh / kvh;
     #pragma omp parallel for collapse(3) schedule(dynamic, 2) num_threads(threads)
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)
             for (int h = 0; h < nh; h++) {
-                const int64_t n = pos[(int64_t)b * T + t] + 1;
+                const int64_t end = pos[(int64_t)b * T + t] + 1;
+                const int64_t first = window > 0 && end > window ? end - window : 0, n = end - first;
                 const float *qv = q + (((int64_t)b * T + t) * nh + h) * hd;
-                const int64_t base = ((slot[b] * kvh) + h / group) * (int64_t)S * hd;
+                const int64_t base = (((slot[b] * kvh) + h / group) * (int64_t)S + first) * hd;
                 const float *K = kc + base, *V = vc + base;
                 float *o = out + (((int64_t)b * T + t) * nh + h) * hd;
                 float stack[4096];
@@ -312,6 +316,7 @@ void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *s
                     v16 acc = {0};
                     for (int i = 0; i < hd; i += 16) acc += load(qv + i) * load(K + j * hd + i);
                     p[j] = hsum(acc) * scale;
+                    if (softcap > 0.0f) p[j] = tanhf(p[j] / softcap) * softcap;
                     if (p[j] > m) m = p[j];
                 }
                 float sum = 0.0f;
@@ -335,7 +340,8 @@ void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *s
  * RoPE: x * cos + roll(x, hd / 2) * sin, as the torch path computes it. */
 void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, float *kc, float *vc,
                    const int64_t *slot, const int64_t *pos, float *qrot, float *out,
-                   int B, int T, int nh, int kvh, int S, int hd, float scale, int threads) {
+                   int B, int T, int nh, int kvh, int S, int hd, float scale, int window, float softcap,
+                   int threads) {
     const int H = nh + 2 * kvh, half = hd / 2;
     /* phase 1: rotate q, rotate k and write k, v (all before any query reads the cache) */
     #pragma omp parallel for collapse(2) schedule(dynamic, 2) num_threads(threads)
@@ -354,5 +360,5 @@ void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, flo
                 memcpy(vc + ((slot[b] * kvh + g) * (int64_t)S + p) * hd, row + (int64_t)(nh + kvh + g) * hd,
                        sizeof(float) * hd);
         }
-    attn_f32(qrot, kc, vc, slot, pos, out, B, T, nh, kvh, S, hd, scale, threads);
+    attn_f32(qrot, kc, vc, slot, pos, out, B, T, nh, kvh, S, hd, scale, window, softcap, threads);
 }

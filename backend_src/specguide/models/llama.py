@@ -1,13 +1,14 @@
 """Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2 with QKV bias, Qwen3 with q/k norms,
-Phi-3 with fused projections) over a per-slot KV cache.
+Phi-3 with fused projections, Gemma 2/3: see models/gemma.py) over a per-slot KV cache.
 
 One attention path serves prefill chunks and decode steps of 1..K+1 tokens: every query of
 slot b at position p attends to the cached keys of slot b at positions <= p. Positions past a
 slot's length hold stale keys that the mask hides, so rolling back is just not advancing.
+Sliding-window layers (Gemma) see only the last `sliding_window` keys, in both paths.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -36,9 +37,28 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     max_position_embeddings: int = 8192
+    # Gemma (models/gemma.py; norm weights are stored as 1 + w, so every norm is a plain RMSNorm)
+    act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
+    sandwich_norm: bool = False  # Gemma 2/3: norms on the attention and MLP outputs too
+    embed_scale: float = 1.0  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    attn_scale: float = 0.0  # q.k scale; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # > 0: attention scores soft-capped (Gemma 2)
+    final_softcap: float = 0.0  # > 0: logits soft-capped (Gemma 2)
+    sliding_window: int = 0  # keys seen by a sliding layer's query (itself included)
+    sliding: tuple[bool, ...] = ()  # per layer: sliding-window (local) attention
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
+
+    def plain_attention(self) -> ModelConfig:
+        """This config with Llama's attention (full, head_dim ** -0.5, uncapped): draft heads."""
+        return replace(self, attn_scale=0.0, attn_softcap=0.0, sliding_window=0, sliding=())
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
+        from .gemma import gemma_fields
+
         heads = hf.num_attention_heads
         return cls(
             vocab_size=hf.vocab_size,
@@ -51,15 +71,18 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2",
-            qk_norm=hf.model_type == "qwen3",
+            qk_norm=hf.model_type in ("qwen3", "gemma3_text"),
             max_position_embeddings=getattr(hf, "max_position_embeddings", 8192),
+            **gemma_fields(hf),
         )
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, sliding: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.sliding = sliding  # local layer: sliding window, local RoPE tables
+        self.window = cfg.sliding_window if sliding else 0
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)  # fused q|k|v
@@ -67,7 +90,10 @@ class DecoderLayer(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
         self.o = nn.Linear(q, cfg.hidden_size, bias=False)
-        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))  # before the MLP
+        if cfg.sandwich_norm:
+            self.attn_out_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+            self.mlp_out_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused gate|up
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
@@ -78,15 +104,16 @@ class DecoderLayer(nn.Module):
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.qkv_proj(x)  # [B, T, nh+2kvh, hd]
         if ctx.mask is None:  # decode-sized: one batch-invariant C call (RoPE, cache write, attention)
-            attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, ctx.slots, ctx.positions, nh)
+            attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, ctx.slots, ctx.positions, nh,
+                                              cfg.scale, self.window, cfg.attn_softcap)
         else:
             qk = apply_rope(qkv[:, :, : nh + kvh], cos, sin)  # [B, T, nh+kvh, hd]
             q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + kvh:]
             ctx.write(k_cache, k)
             ctx.write(v_cache, v)
             keys, values = ctx.read(k_cache), ctx.read(v_cache)  # [B, kvh, L, hd]
-            attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
-                                                  enable_gqa=nh != kvh).transpose(1, 2)  # [B, T, nh, hd]
+            mask = ctx.window_mask if self.window else ctx.mask
+            attn = attention(q.transpose(1, 2), keys, values, mask, cfg).transpose(1, 2)  # [B, T, nh, hd]
         return self.out_mlp(x, attn.reshape(B, T, nh * hd))
 
     def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,11 +129,18 @@ class DecoderLayer(nn.Module):
         return qkv
 
     def out_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The layer after attention: x + o(attn), then the gated MLP with its residual."""
-        x = linear_add(self.o, attn, x)
-        h = rms_norm(x, self.post_norm, self.cfg.rms_norm_eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return linear_add(self.down, F.silu(gate) * up, x)
+        """The layer after attention: x + o(attn), then the gated MLP with its residual (Gemma 2/3:
+        each branch normed before its residual add)."""
+        eps = self.cfg.rms_norm_eps
+        if self.cfg.sandwich_norm:
+            x = x + rms_norm(self.o(attn), self.attn_out_norm, eps)
+        else:
+            x = linear_add(self.o, attn, x)
+        gate, up = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)
+        h = (F.gelu(gate, approximate="tanh") if self.cfg.act == "gelu_tanh" else F.silu(gate)) * up
+        if self.cfg.sandwich_norm:
+            return x + rms_norm(self.down(h), self.mlp_out_norm, eps)
+        return linear_add(self.down, h, x)
 
 
 @dataclass
@@ -118,6 +152,7 @@ class AttnContext:
     mask: Optional[torch.Tensor]  # [B, 1, T, L] bool: key position <= query position; None: C kernel
     length: int  # L: keys attended (max position + 1 over the batch)
     slot_range: Optional[tuple[int, int]]  # (first, end) when slots are consecutive: views, no gather
+    window_mask: torch.Tensor | None = None  # mask, and query position - key position < window
 
     def write(self, cache: torch.Tensor, x: torch.Tensor) -> None:
         # cache [slots, kvh, S, hd] <- x [B, T, kvh, hd] at (slot b, position positions[b, t])
@@ -127,6 +162,17 @@ class AttnContext:
         if self.slot_range is not None:
             return cache[self.slot_range[0]: self.slot_range[1], :, : self.length]
         return cache.index_select(0, self.slots)[:, :, : self.length]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """q [B, nh, T, hd], k / v [B, kvh, L, hd], mask [B, 1, T, L] -> [B, nh, T, hd] (the C kernel's math)."""
+    if not cfg.attn_softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1],
+                                              scale=cfg.attn_scale or None)
+    g = q.shape[1] // k.shape[1]  # soft-capped scores (Gemma 2): SDPA has no such option
+    s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)) * cfg.scale
+    s = (torch.tanh(s / cfg.attn_softcap) * cfg.attn_softcap).masked_fill(~mask, float("-inf"))
+    return s.softmax(-1, dtype=torch.float32).to(q.dtype) @ v.repeat_interleave(g, 1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,35 +189,46 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 class LlamaModel(nn.Module):
     """Decoder stack + final norm + LM head. `forward` returns hidden states; `logits` projects them."""
 
-    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+                 local_rope: tuple[torch.Tensor, float] | None = None):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        sliding = cfg.sliding or (False,) * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, sliding[i]) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
+        # Gemma 3: sliding layers' own RoPE (inv_freq, scaling); None: the global tables
+        self.register_buffer("inv_freq_local", None if local_rope is None else local_rope[0].float(), persistent=False)
+        self.local_scaling = 1.0 if local_rope is None else local_rope[1]
+        self.embed_scale = cfg.embed_scale  # rounded to the model dtype by finalize()
         self.invariant_attention = False  # set by finalize() when the C kernel can serve this model
-        self._rope_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [max_len, hd] in the model dtype, computed once in fp32 like transformers."""
-        if self._rope_cache is None or self._rope_cache[0].shape[0] < max_len:
-            pos = torch.arange(max_len, device=self.inv_freq.device, dtype=torch.float32)
-            freqs = torch.outer(pos, self.inv_freq)
+    def rope_tables(self, max_len: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [max_len, hd] in the model dtype, computed once in fp32 like transformers
+        (`local`: the sliding layers' tables when they have their own)."""
+        local = local and self.inv_freq_local is not None
+        cached = self._rope_cache.get(local)
+        if cached is None or cached[0].shape[0] < max_len:
+            inv_freq, scaling = (self.inv_freq_local, self.local_scaling) if local else (self.inv_freq,
+                                                                                         self.attention_scaling)
+            pos = torch.arange(max_len, device=inv_freq.device, dtype=torch.float32)
+            freqs = torch.outer(pos, inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             dtype = self.embed.weight.dtype
-            sin = emb.sin() * self.attention_scaling
+            sin = emb.sin() * scaling
             half = sin.shape[-1] // 2
             sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-            self._rope_cache = ((emb.cos() * self.attention_scaling).to(dtype), sin_signed.to(dtype))
-        return self._rope_cache
+            self._rope_cache[local] = cached = ((emb.cos() * scaling).to(dtype), sin_signed.to(dtype))
+        return cached
 
-    def rope(self, ctx: AttnContext, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, ctx: AttnContext, max_len: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / signed sin for a forward: whole tables [P, hd] for the C kernel (it indexes them
         itself), else gathered at the query positions [B, T, 1, hd]."""
-        cos, sin = self.rope_tables(max_len)
+        cos, sin = self.rope_tables(max_len, local)
         if ctx.mask is not None:
             cos, sin = cos[ctx.positions].unsqueeze(2), sin[ctx.positions].unsqueeze(2)
         return cos, sin
@@ -180,21 +237,27 @@ class LlamaModel(nn.Module):
                      length: int) -> AttnContext:
         if self.invariant_attention and positions.shape[1] <= INVARIANT_MAX_QUERIES:
             return AttnContext(slots, positions, None, length, None)
-        kpos = torch.arange(length, device=positions.device)
-        mask = (kpos[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        kpos = torch.arange(length, device=positions.device)[None, None, :]
+        mask = (kpos <= positions[:, :, None]).unsqueeze(1)
+        window = None
+        if self.cfg.sliding_window and any(self.cfg.sliding):  # the C kernel's window: the last W keys
+            window = mask & (kpos > positions[:, :, None] - self.cfg.sliding_window).unsqueeze(1)
         consecutive = slot_list is not None and slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
         rng = (slot_list[0], slot_list[0] + len(slot_list)) if consecutive else None
-        return AttnContext(slots, positions, mask, length, rng)
+        return AttnContext(slots, positions, mask, length, rng, window)
 
     def forward(self, input_ids: torch.Tensor, ctx: AttnContext, kv: KVCache,
                 num_layers: Optional[int] = None) -> torch.Tensor:
         """input_ids [B, T] at ctx.positions -> hidden [B, T, hidden] after the final norm.
 
         `num_layers` < all runs only the first layers (early-exit drafting shares their KV)."""
-        cos, sin = self.rope(ctx, kv.max_seq_len)
+        tables = {False: self.rope(ctx, kv.max_seq_len)}
+        tables[True] = self.rope(ctx, kv.max_seq_len, True) if self.inv_freq_local is not None else tables[False]
         x = self.embed(input_ids)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
-            x = layer(x, cos, sin, ctx, kv.k[i], kv.v[i])
+            x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def finalize(self, weight_dtype: str = "float32") -> None:
@@ -209,7 +272,11 @@ class LlamaModel(nn.Module):
             prepare_linears(self.layers, weight_dtype)
         self.invariant_attention = (w.device.type == "cpu" and w.dtype == torch.float32
                                     and self.cfg.head_dim % 16 == 0 and kernels.library() is not None)
+        # as transformers: the scale in the model dtype (sqrt(hidden) is rounded in bf16)
+        self.embed_scale = float(torch.tensor(self.cfg.embed_scale).to(w.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., hidden] -> fp32 logits [..., vocab]."""
-        return self.head(hidden).float()
+        """hidden [..., hidden] -> fp32 logits [..., vocab] (soft-capped: Gemma 2)."""
+        logits = self.head(hidden).float()
+        cap = self.cfg.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits

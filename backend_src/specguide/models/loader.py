@@ -8,10 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from ..paths import cache_dir
+from . import gemma
 from .default_model import convert_gguf, prepare_default_model
 from .llama import LlamaModel, ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
 
 
 def resolve_model_dir(model_dir: str = "", gguf_file: str = "") -> Path:
@@ -35,53 +36,72 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     """Build a LlamaModel from an HF folder, fusing q|k|v and gate|up; linear weights held in
     `weight_dtype` (see `LlamaModel.finalize`)."""
     from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     folder = Path(folder)
-    hf = AutoConfig.from_pretrained(folder)
-    if hf.model_type not in SUPPORTED:
-        arch = ", ".join(getattr(hf, "architectures", None) or [hf.model_type])
-        raise ValueError(f"{folder}: architecture {arch} (model_type {hf.model_type!r}) is not supported "
+    top = AutoConfig.from_pretrained(folder)
+    if top.model_type not in SUPPORTED:
+        arch = ", ".join(getattr(top, "architectures", None) or [top.model_type])
+        raise ValueError(f"{folder}: architecture {arch} (model_type {top.model_type!r}) is not supported "
                          f"(supported model types: {', '.join(SUPPORTED)})")
+    hf = gemma.text_config(top)  # a multimodal Gemma 3: its text model only
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ValueError(f"{folder}: hidden_act {hf.hidden_act!r} is not supported (only silu)")
     if float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         raise ValueError(f"{folder}: partial_rotary_factor {hf.partial_rotary_factor} is not supported (only 1.0)")
+    if why := gemma.unsupported(hf):
+        raise ValueError(f"{folder}: {why}")
     cfg = ModelConfig.from_hf(hf)
-    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-        scaling = 1.0
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    per_type = "full_attention" in (getattr(hf, "rope_parameters", None) or {})  # Gemma 3: RoPE per layer type
+    inv_freq, scaling = _rope(hf, cfg.head_dim, "full_attention" if per_type else None)
+    local = _rope(hf, cfg.head_dim, "sliding_attention") if per_type and any(cfg.sliding) else None
     state: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(f)))
     if not state:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     with torch.device("meta"):
-        model = LlamaModel(cfg, torch.zeros(cfg.head_dim // 2), scaling)
-    model.load_state_dict(_remap(state, cfg), strict=True, assign=True)
+        model = LlamaModel(cfg, torch.zeros(cfg.head_dim // 2), scaling,
+                           None if local is None else (torch.zeros(cfg.head_dim // 2), local[1]))
+    model.load_state_dict(_remap(state, cfg, hf.model_type in gemma.GEMMA), strict=True, assign=True)
     model.inv_freq = inv_freq.float()
+    if local is not None:
+        model.inv_freq_local = local[0].float()
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.finalize(weight_dtype)
-    eos = hf.eos_token_id
+    eos = getattr(top, "eos_token_id", None) or hf.eos_token_id
     model.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     return model
 
 
-def _remap(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {"embed.weight": state["model.embed_tokens.weight"],
-                                    "norm": state["model.norm.weight"]}
+def _rope(hf, head_dim: int, layer_type: str | None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) of the RoPE of `layer_type` (None: the model's one RoPE)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    rope = rope[layer_type] if layer_type else rope
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
+    return ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", **({"layer_type": layer_type} if layer_type else {}))
+
+
+def _remap(state: dict[str, torch.Tensor], cfg: ModelConfig, norm_plus_one: bool = False) -> dict[str, torch.Tensor]:
+    m = gemma.weight_prefix(state)
+    head = "language_model.lm_head.weight" if m.startswith("language_model.") else "lm_head.weight"
+    out: dict[str, torch.Tensor] = {"embed.weight": state[m + "embed_tokens.weight"], "norm": state[m + "norm.weight"]}
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        out["lm_head.weight"] = state.get(head, state[m + "embed_tokens.weight"])
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{m}layers.{i}."
         a = p + "self_attn."
         out[f"layers.{i}.input_norm"] = state[p + "input_layernorm.weight"]
-        out[f"layers.{i}.post_norm"] = state[p + "post_attention_layernorm.weight"]
+        if cfg.sandwich_norm:  # Gemma 2/3: post-attention, pre- and post-feedforward norms
+            out[f"layers.{i}.attn_out_norm"] = state[p + "post_attention_layernorm.weight"]
+            out[f"layers.{i}.post_norm"] = state[p + "pre_feedforward_layernorm.weight"]
+            out[f"layers.{i}.mlp_out_norm"] = state[p + "post_feedforward_layernorm.weight"]
+        else:
+            out[f"layers.{i}.post_norm"] = state[p + "post_attention_layernorm.weight"]
         if a + "qkv_proj.weight" in state:  # Phi-3: fused in the checkpoint already
             out[f"layers.{i}.qkv.weight"] = state[a + "qkv_proj.weight"]
         else:
@@ -98,4 +118,6 @@ def _remap(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.
             out[f"layers.{i}.gate_up.weight"] = torch.cat([state[p + "mlp.gate_proj.weight"],
                                                            state[p + "mlp.up_proj.weight"]])
         out[f"layers.{i}.down.weight"] = state[p + "mlp.down_proj.weight"]
+    if norm_plus_one:  # Gemma's RMSNorm scales by 1 + w: stored so, computed in fp32 as transformers does
+        out = {k: v.float() + 1.0 if k.endswith("norm") else v for k, v in out.items()}
     return out

@@ -30,7 +30,7 @@ class DraftHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig, d2t: torch.Tensor):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg = cfg.plain_attention()  # full, uncapped attention: what train_head computes
         H = cfg.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.embed_norm = nn.Parameter(torch.ones(H))
