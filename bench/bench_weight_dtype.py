@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 
 from specguide.config import EngineConfig  # noqa: E402
 from specguide.engine import Engine  # noqa: E402
+from specguide.kv_cache import KVCache  # noqa: E402
 from specguide.models.linear import InvariantLinear  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 from specguide.training.prompts import CHAT_BENCH, load_schemas, schema_message  # noqa: E402
@@ -36,25 +37,32 @@ def answers(engine: Engine, work: list[tuple[str, GuidedDecodingParams | None]],
     return out
 
 
+def scratch_kv(engine: Engine) -> KVCache:
+    """A one-slot KV cache shaped like the engine's: direct forwards must not write the engine's own
+    (a free slot keeps its prompt's rows for prefix caching; the answers below would reuse them)."""
+    m, kv = engine.model, engine.runner.kv
+    return KVCache(m.cfg.num_layers, 1, m.cfg.num_kv_heads, kv.max_seq_len, m.cfg.head_dim, kv.k.dtype, kv.k.device)
+
+
 @torch.no_grad()
 def logits_along(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced logits [T, vocab] (prefill-sized forward, slot 0)."""
+    """Teacher-forced logits [T, vocab] (prefill-sized forward, a scratch cache)."""
     m = engine.model
     ctx = m.make_context(torch.tensor([0]), torch.arange(len(ids))[None], [0], len(ids))
-    return m.logits(m(torch.tensor([ids]), ctx, engine.runner.kv))[0]
+    return m.logits(m(torch.tensor([ids]), ctx, scratch_kv(engine)))[0]
 
 
 @torch.no_grad()
 def forward_ms(engine: Engine, rows: int, reps: int = 30) -> float:
-    m = engine.model
+    m, kv = engine.model, scratch_kv(engine)
     pos = torch.arange(400, 400 + rows)[None]
     ctx = m.make_context(torch.tensor([0]), pos, [0], 400 + rows)
     ids = torch.randint(0, 1000, (1, rows))
     for _ in range(3):
-        m.logits(m(ids, ctx, engine.runner.kv))
+        m.logits(m(ids, ctx, kv))
     t = time.perf_counter()
     for _ in range(reps):
-        m.logits(m(ids, ctx, engine.runner.kv))
+        m.logits(m(ids, ctx, kv))
     return (time.perf_counter() - t) / reps * 1e3
 
 

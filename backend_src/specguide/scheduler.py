@@ -125,6 +125,8 @@ class Scheduler:
         self.free_slots: list[int] = list(range(max_slots))
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_slots)]  # tokens whose KV a free slot holds
         self.slot_hits = [0] * max_slots  # admissions that reused (a prefix of) the slot's tokens
+        self.slot_freed = [0] * max_slots  # when the slot was last freed (a tick): least recently used first
+        self._tick = 0
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
 
@@ -168,23 +170,22 @@ class Scheduler:
         prompt that any slot holds (`_reusable`), cut to whole prefill chunks and leaving at least
         one token to prefill. A free slot holding it is taken; when a busy slot holds more, its rows
         past what the taken slot holds are copied (far cheaper than computing them: bench_prefix_copy).
-        Without reuse, the lowest free slot is taken. NOTE: taking the least useful one instead (empty,
-        fewest hits, least recently freed) changed a greedy output in the full engine suite: a
-        request's output depended on which free slot it got (an invariance bug not found yet)."""
+        Without reuse, the free slot whose tokens are least useful is taken (`_evict_order`)."""
         match = [0] * self.max_slots
         if self.prefix_caching and not seq.params.return_context_logits:
             for s in range(self.max_slots):
                 match[s] = self._common(self._reusable(s), seq.prompt_ids)
         own = max(self.free_slots, key=lambda s: (match[s], -s))  # the best free slot, lowest on ties
         src = max(range(self.max_slots), key=lambda s: (match[s], s in self.free_slots, -s))
+        least_useful = min(self.free_slots, key=self._evict_order)
         copy = None
         if match[src] >= self.prefix_min_tokens and match[src] - match[own] >= max(1, self.copy_min_tokens):
-            slot = own  # (the lowest free slot when no free slot holds any of it)
-            copy, reuse = PrefixCopy(src, slot, match[own], match[src]), match[src]
+            slot, reuse = (own, match[own]) if match[own] else (least_useful, 0)
+            copy, reuse = PrefixCopy(src, slot, reuse, match[src]), match[src]
         elif match[own] and match[own] >= self.prefix_min_tokens:
             slot, reuse = own, match[own]
         else:
-            slot, reuse = min(self.free_slots), 0
+            slot, reuse = least_useful, 0
         self.free_slots.remove(slot)
         self.slot_hits[slot] = (self.slot_hits[src if copy else slot] + 1) if reuse else 0
         if copy is not None:
@@ -209,6 +210,16 @@ class Scheduler:
             n += 1
         return n - n % self.prefill_chunk
 
+    def _evict_order(self, slot: int) -> tuple[int, ...]:
+        """Free slots to overwrite first: empty ones, then the fewest hits, then least recently freed
+        (without prefix caching: the lowest, which keeps the batch's rows packed). NOTE: which free
+        slot a request gets never changes its output (test_prefix_cache places the same greedy
+        requests in each slot after dirtying traffic); a test helper that wrote slot 0's KV behind
+        the scheduler once made it look so, and had this preference reverted for a while."""
+        if not self.prefix_caching:
+            return (slot,)
+        return bool(self.slot_tokens[slot]), self.slot_hits[slot], self.slot_freed[slot], slot
+
     # ---- bookkeeping -----------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
         """Mark finished and free the slot (idempotent)."""
@@ -223,6 +234,8 @@ class Scheduler:
             # decode steps (attention over other query counts) differ in the last bits from a prefill
             self.slot_tokens[seq.slot] = self._reusable(seq.slot)
             del self.running[seq.slot]
+            self._tick += 1
+            self.slot_freed[seq.slot] = self._tick
             self.free_slots.append(seq.slot)
             seq.slot = None
         elif seq in self.waiting:

@@ -1,11 +1,14 @@
 """Fixtures for engine tests: the real SmolLM2 (default model) and a transformers reference."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from specguide.config import EngineConfig
 from specguide.engine import Engine
+from specguide.kv_cache import KVCache
 from specguide.models.loader import resolve_model_dir
 
 from ..guided.helpers import save_random_head
@@ -50,3 +53,48 @@ def run_alone(engine: Engine, request):
     outs = list(engine.generate(request))
     assert outs[-1].finished and all(not o.finished for o in outs[:-1])
     return [t for o in outs for t in o.token_ids], "".join(o.text for o in outs), outs[-1]
+
+
+@contextlib.contextmanager
+def placed_in(engine: Engine, slot: int):
+    """Requests admitted meanwhile (one at a time: `slot` must be free) take `slot`, as if it were
+    the only free slot: reuse from it, or a copy into it from another slot, as the scheduler picks."""
+    sched = engine.scheduler
+    pick = sched._pick_slot
+
+    def forced(seq):
+        assert slot in sched.free_slots, (slot, sched.free_slots)
+        others = [s for s in sched.free_slots if s != slot]
+        sched.free_slots = [slot]
+        try:
+            return pick(seq)
+        finally:
+            sched.free_slots = others + sched.free_slots
+
+    sched._pick_slot = forced
+    try:
+        yield
+    finally:
+        del sched._pick_slot
+
+
+@torch.inference_mode()
+def stale_kept_prefixes(engine: Engine) -> list[int]:
+    """Free slots whose kept prompt rows (prefix caching) are not, bit for bit, what prefilling the
+    tokens they stand for computes (call with the engine idle)."""
+    m, kv, chunk = engine.model, engine.runner.kv, engine.config.prefill_chunk
+    bad = []
+    for slot in sorted(engine.scheduler.free_slots):
+        tokens = engine.scheduler.slot_tokens[slot]
+        if not tokens:
+            continue
+        own = KVCache(m.cfg.num_layers, 1, m.cfg.num_kv_heads, kv.max_seq_len, m.cfg.head_dim, kv.k.dtype, kv.k.device)
+        for a in range(0, len(tokens), chunk):  # the engine's chunks: [k*chunk, (k+1)*chunk)
+            b = min(len(tokens), a + chunk)
+            ctx = m.make_context(torch.tensor([0]), torch.arange(a, b)[None], [0], b)
+            m(torch.tensor([tokens[a:b]]), ctx, own)
+        n = len(tokens)
+        if not (torch.equal(kv.k[:, slot, :, :n], own.k[:, 0, :, :n])
+                and torch.equal(kv.v[:, slot, :, :n], own.v[:, 0, :, :n])):
+            bad.append(slot)
+    return bad

@@ -11,10 +11,12 @@ import threading
 
 import pytest
 
+from specguide import faults
 from specguide.config import EngineConfig
 from specguide.engine import Engine
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
+from .conftest import placed_in, stale_kept_prefixes
 from .test_guided_engine import run_many
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -180,3 +182,60 @@ def test_the_draft_models_cache_starts_right_after_reuse(draft_model_engines):
     got = _run(on, _requests(on), alone=False) + _run(on, _requests(on), alone=True)
     assert [g[:4] for g in got] == [w[:4] for w in want]
     assert sum(1 for g in got if g[4] > 0) >= len(got) - on.config.max_slots
+
+
+def _dirty(engine: Engine) -> None:
+    """Traffic that leaves state behind in every slot: prompts sharing chunks with the probes and
+    not, guided and not, sampled with penalties and bans, log probs, K 0 and 3, a request failing
+    mid-decode (NaN logits), one cancelled mid-decode and one timing out."""
+    reqs = []
+    for i, r in enumerate(_requests(engine) + _requests(engine, "Dirty. " + SYSTEM)[:3]):
+        p = r.params
+        p.temperature, p.seed, p.max_tokens = (0.9, 100 + i, 8 + 5 * i) if i % 2 else (0.0, None, 30)
+        if i % 3 == 1:
+            p.repetition_penalty, p.presence_penalty, p.frequency_penalty = 1.3, 0.5, 0.4
+        if i % 4 == 2:
+            p.bad_words_ids, p.return_log_probs = [[11], [28]], True
+        reqs.append(r)
+    reqs.append(Request(prompt=reqs[0].prompt, params=SamplingParams(max_tokens=30, temperature=0.0),
+                        num_draft_tokens=3, fault="nan_logits"))
+    reqs.append(Request(prompt="word " * 90, params=SamplingParams(max_tokens=40, temperature=0.0), timeout_s=0.5))
+    run_many(engine, reqs)
+    started, done = threading.Event(), threading.Event()
+    sid = engine.submit(Request(prompt=reqs[1].prompt, params=SamplingParams(max_tokens=200, ignore_eos=True)),
+                        lambda o: (started.set(), o.finished and done.set()))
+    assert started.wait(120)
+    engine.cancel(sid)
+    assert done.wait(120)
+
+
+def test_a_greedy_output_is_the_same_whichever_free_slot_it_gets(engines, monkeypatch):
+    """After traffic that dirties every slot, the same greedy requests (reusing a kept prefix, or
+    a copy of it, or none) placed in each free slot in turn: the same tokens, log probs and drafts
+    as without prefix caching; every free slot's kept rows are what a prefill computes."""
+    monkeypatch.setenv(faults.ENV, "1")
+    on, off = engines
+
+    def run(engine):  # per probe: tokens, log probs, finish reason, drafts proposed / accepted, cached tokens
+        out = []
+        for r, k in zip((_requests(engine)[0], _requests(engine)[3], _requests(engine, "Fresh. " + SYSTEM)[5]),
+                        (3, 0, 3)):
+            r = dataclasses.replace(r, num_draft_tokens=k,
+                                    params=SamplingParams(max_tokens=30, temperature=0.0, return_log_probs=True))
+            events = list(engine.generate(r))
+            f = events[-1]
+            out.append(([t for e in events for t in e.token_ids], [lp for e in events for lp in e.logprobs],
+                        f.finish_reason, f.total_draft_tokens, f.total_accepted_draft_tokens, f.num_cached_tokens))
+        return out
+
+    want = run(off)
+    _dirty(on)
+    assert stale_kept_prefixes(on) == []
+    for slot in range(on.config.max_slots):
+        with placed_in(on, slot):
+            got = run(on)
+        assert [g[:5] for g in got] == [w[:5] for w in want], slot
+        assert got[0][5] > 0 and got[1][5] > 0  # the first two reuse the kept system prompt (or a copy)
+        assert stale_kept_prefixes(on) == []
+    assert sum(w[3] for w in want) > 0  # drafts were proposed (their counts compare the head's state)
+    on.scheduler.check_integrity()

@@ -8,11 +8,14 @@ import torch
 from specguide import kernels
 from specguide.config import EngineConfig
 from specguide.engine import Engine
+from specguide.kv_cache import KVCache
 from specguide.models.linear import InvariantLinear
+from specguide.request import Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead
 
+from .conftest import placed_in, run_alone, stale_kept_prefixes
 from .test_drafters import outputs
-from .test_speculative import requests
+from .test_speculative import prompts, requests
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"no C compiler: {kernels.unavailable_reason()}")
 
@@ -26,12 +29,31 @@ def packed_bytes(model) -> int:
 
 
 def teacher_forced_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits [T, vocab] of one sequence through the engine's model (slot 0, positions 0..T-1)."""
-    m = engine.model
+    """Logits [T, vocab] of one sequence through the engine's model (positions 0..T-1), on a KV cache
+    of its own: the engine's cache is the engine's (a free slot keeps its prompt's rows for prefix
+    caching; writing slot 0 behind the scheduler's back changed later outputs that reused it)."""
+    m, kv = engine.model, engine.runner.kv
+    own = KVCache(m.cfg.num_layers, 1, m.cfg.num_kv_heads, kv.max_seq_len, m.cfg.head_dim, kv.k.dtype, kv.k.device)
     positions = torch.arange(len(ids))[None]
     ctx = m.make_context(torch.tensor([0]), positions, [0], len(ids))
     with torch.no_grad():
-        return m.logits(m(torch.tensor([ids]), ctx, engine.runner.kv))[0]
+        return m.logits(m(torch.tensor([ids]), ctx, own))[0]
+
+
+def test_teacher_forcing_leaves_the_engines_kept_prefixes_alone(engine):
+    """The helper runs on a cache of its own. It used to write slot 0 of the engine's: with prefix
+    caching, a request that then reused slot 0's kept prompt rows decoded from the helper's rows
+    (the greedy outputs of the test below changed when slot 0 kept a prompt of theirs)."""
+    prompt, _ = prompts(engine)[0]  # a 64-token chunk and more: slot 0 keeps one chunk
+    req = Request(prompt=prompt, params=SamplingParams(max_tokens=24, temperature=0.0), num_draft_tokens=0)
+    with placed_in(engine, 0):
+        want, _, _ = run_alone(engine, req)
+        assert engine.scheduler.slot_tokens[0]
+        teacher_forced_logits(engine, engine.tokenizer.encode(TEXT))
+        assert stale_kept_prefixes(engine) == []
+        got, _, final = run_alone(engine, req)
+    assert final.num_cached_tokens == len(engine.scheduler.slot_tokens[0]) > 0  # slot 0's rows were reused
+    assert got == want
 
 
 @pytest.fixture(scope="module")

@@ -142,6 +142,37 @@ def test_a_slot_keeps_only_its_prompts_prefilled_whole_chunks():
     assert b.num_reused == 16
 
 
+def test_without_reuse_the_least_useful_free_slot_is_overwritten():
+    s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
+    hot = list(range(1, 17))  # a shared system prompt: two whole chunks
+    _run_to_end(s, _prompt(1, hot, 4))  # slot 0
+    again = _run_to_end(s, _prompt(2, hot, 6))  # reuses slot 0: its prefix is hot
+    assert (again.slot, again.num_reused) == (None, 16) and s.slot_hits[0] == 1
+    one_off = Sequence(seq_id=3, prompt_ids=[500 + i for i in range(20)], params=SamplingParams(), seed=0,
+                       callback=lambda o: None, stop_ids=frozenset({0}))
+    s.waiting.append(one_off)
+    s.schedule()
+    assert one_off.slot == 1  # the lowest empty slot
+    s.finish(one_off, "stop")
+    old_one_off = _run_to_end(s, Sequence(seq_id=4, prompt_ids=[600 + i for i in range(20)], params=SamplingParams(),
+                                          seed=0, callback=lambda o: None, stop_ids=frozenset({0})))
+    assert s.slot_tokens[2] == old_one_off.prompt_ids[:16]  # slot 2, the last empty one; all hold tokens now
+    new = [Sequence(seq_id=5 + i, prompt_ids=[700 + 50 * i + j for j in range(20)], params=SamplingParams(), seed=0,
+                    callback=lambda o: None, stop_ids=frozenset({0})) for i in range(2)]
+    for q in new:
+        s.waiting.append(q)
+    s.schedule()
+    # no reuse for either: the one-offs' slots go first, least recently freed first (1, then 2);
+    # the hot prefix in slot 0 survives (the lowest free slot would have been 0)
+    assert [q.slot for q in new] == [1, 2] and s.slot_tokens[0] == (hot + [1002] * 6)[:16]
+    late = _prompt(9, hot, 3)
+    s.waiting.append(late)
+    s.finish(new[0], "stop")
+    s.schedule()
+    assert (late.slot, late.num_reused) == (0, 16)
+    s.check_integrity()
+
+
 def test_a_prefix_held_by_a_busy_slot_is_copied_into_the_new_slot():
     s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
     shared = list(range(1, 33))  # 4 chunks
