@@ -197,3 +197,34 @@ def test_sliding_window_and_soft_capped_attention_match_torch_and_stay_invariant
             one = kernels.rope_attention_f32(qkv[b:b + 1, t:t + 1], cos, sin_signed, kc, vc, slots[b:b + 1],
                                              pos[b:b + 1, t:t + 1], nh, scale, W, cap)
             assert torch.equal(one, out[b:b + 1, t:t + 1])
+
+
+def test_rows_per_pass_never_changes_a_bit(monkeypatch):
+    """The tuner's choice (RB rows per pass, kernels/tune.py) changes speed only: every candidate
+    gives the default build's bits, for every weight format, in-register and scratch paths."""
+    from specguide.kernels import tune
+
+    g = torch.Generator().manual_seed(3)
+    W, x = torch.randn(130, 96, generator=g), torch.randn(20, 96, generator=g)
+    packs = {fmt: kernels.pack_weight(W, fmt) for fmt in ("float32", "q4_1", "q8_0", "int8", "bfloat16")}
+    ref = {(fmt, n): kernels.gemv(x[:n], *packs[fmt], 130) for fmt in packs for n in (1, 3, 20)}
+    for rb in tune.CANDIDATES:
+        monkeypatch.setattr(kernels, "_lib", kernels.variant(rb))
+        for (fmt, n), want in ref.items():
+            assert torch.equal(kernels.gemv(x[:n], *packs[fmt], 130), want), (rb, fmt, n)
+
+
+def test_the_tuned_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
+    from specguide.kernels import tune
+
+    monkeypatch.delenv("SPECGUIDE_KERNEL_RB", raising=False)
+    built = []
+
+    def build(rb):
+        built.append(rb)
+        return kernels.variant(rb)
+    rb = tune.rows_per_pass(tmp_path, "k", build)
+    assert rb in tune.CANDIDATES and sorted(built) == sorted(tune.CANDIDATES)
+    assert tune.rows_per_pass(tmp_path, "k", lambda n: pytest.fail("measured again")) == rb
+    monkeypatch.setenv("SPECGUIDE_KERNEL_RB", "3")
+    assert tune.rows_per_pass(tmp_path, "k", lambda n: pytest.fail("measured again")) == 3

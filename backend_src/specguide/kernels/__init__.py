@@ -20,6 +20,7 @@ import torch
 
 from ..config import WEIGHT_FORMATS
 from ..paths import cache_dir
+from . import tune
 
 log = logging.getLogger("specguide")
 HERE = Path(__file__).resolve().parent
@@ -41,31 +42,53 @@ def _cpu_key() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    src = (HERE / "ops.c").read_bytes()
+    folder, key, _ = _target()
+    return variant(tune.rows_per_pass(folder, key, variant))
+
+
+def _target() -> tuple[Path, str, list[str]]:
+    """(cache folder, key of this source + CPU + -march, the -march flags)."""
     # NOTE: SPECGUIDE_KERNEL_MARCH (e.g. "-march=x86-64-v3" = AVX2) builds another ISA's path on this
     # machine: the tests check every path here, whatever CPU runs them
     march = os.environ.get("SPECGUIDE_KERNEL_MARCH", "-march=native").split()
+    src = (HERE / "ops.c").read_bytes()
     key = hashlib.sha1(src + _cpu_key().encode() + " ".join(march).encode()).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"ops-{key}.so"
-    if not out.exists():
-        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-        if cc is None:
-            raise RuntimeError("no C compiler (gcc/cc) found")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        # NOTE: -march=native: the cache key includes the CPU flags, so a copy never runs on another CPU;
-        # the vector paths (AVX-512, AVX2, portable) are chosen at compile time from what this CPU has
-        cmd = [cc, "-O3", *march, "-fopenmp", "-shared", "-fPIC", str(HERE / "ops.c"), "-o", tmp, "-lm"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
+    folder = cache_dir() / "kernels"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder, key, march
+
+
+def variant(rb: int) -> ctypes.CDLL:
+    """The kernels built for this machine with RB = rb rows per pass (kernels/tune.py)."""
+    folder, key, march = _target()
+    return _declare(ctypes.CDLL(str(_compile(folder, key, march, rb))))
+
+
+def _compile(folder: Path, key: str, march: list[str], rb: int) -> Path:
+    """ops.c built for this machine with RB = rb (once: the file is cached under its key)."""
+    out = folder / f"ops-{key}-rb{rb}.so"
+    if out.exists():
+        return out
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) found")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    # NOTE: -march=native: the cache key includes the CPU flags, so a copy never runs on another CPU;
+    # the vector paths (AVX-512, AVX2, portable) are chosen at compile time from what this CPU has
+    cmd = [cc, "-O3", *march, f"-DRB={rb}", "-fopenmp", "-shared", "-fPIC", str(HERE / "ops.c"), "-o", tmp, "-lm"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemv_f32.restype = None
     lib.gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.gemv_i8.restype = None

@@ -17,16 +17,32 @@
 #include <immintrin.h>
 #endif
 
-typedef float v16 __attribute__((vector_size(64)));
+/* NOTE: vectors of the CPU's own width (16 floats with AVX-512, 8 with AVX2, 4 otherwise). GCC
+ * lowers wider generic vectors through the stack: a 16-float vector type built for AVX2 ran the
+ * GEMM 35x slower than the AVX-512 build on the same CPU. Each output lane's sums are the same
+ * operations whatever the width, so the width changes speed, never a row's result within a build. */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX2__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
+typedef int8_t vi8 __attribute__((vector_size(VW)));
+typedef uint8_t vu8 __attribute__((vector_size(VW)));
 
-static inline float hsum(v16 v) {
+static inline __attribute__((always_inline)) float hsum(vf v) {
     float s = 0.0f;
-    for (int j = 0; j < 16; j++) s += v[j];
+    for (int j = 0; j < VW; j++) s += v[j];
     return s;
 }
 
-static inline v16 load(const float *p) {
-    v16 v;
+static inline __attribute__((always_inline)) vf load(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
@@ -40,34 +56,41 @@ static inline v16 load(const float *p) {
    widens its tile once into an fp32 scratch tile (same values, so the same results) instead of
    once per RB rows. */
 #define TILE 64
-#define RB 4 /* rows of x per pass over a weight tile */
+#define NV (TILE / VW) /* vectors per tile row */
+#ifndef RB
+#define RB 4 /* rows of x per pass over a weight tile (tuned per machine: kernels/tune.py) */
+#endif
+#ifndef SCRATCH_B
 #define SCRATCH_B 16
+#endif
 
 enum { W_F32 = 0, W_I8 = 1, W_BF16 = 2 };
 
-typedef int8_t v16i8 __attribute__((vector_size(16)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
-typedef int32_t v16i32 __attribute__((vector_size(64)));
-
-static inline __attribute__((always_inline)) v16 wload(const void *base, int64_t idx, int kind) {
+/* VW weights from `base` at element idx, widened to fp32. */
+static inline __attribute__((always_inline)) vf wload(const void *base, int64_t idx, int kind) {
     if (kind == W_I8) {
-#ifdef __AVX512F__
-        return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + idx))));
+        const int8_t *p = (const int8_t *)base + idx;
+#if defined(__AVX512F__)
+        return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+        return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 #else
-        v16i8 q;
-        memcpy(&q, (const int8_t *)base + idx, sizeof q);
-        return __builtin_convertvector(__builtin_convertvector(q, v16i32), v16);
+        vi8 q;
+        memcpy(&q, p, sizeof q);
+        return __builtin_convertvector(__builtin_convertvector(q, vi32), vf);
 #endif
     }
     if (kind == W_BF16) {
-#ifdef __AVX512F__
-        return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx))), 16);
+        const uint16_t *p = (const uint16_t *)base + idx;
+#if defined(__AVX512F__)
+        return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+        return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 #else
-        v16u16 h;
-        memcpy(&h, (const uint16_t *)base + idx, sizeof h);
-        v16u32 w = __builtin_convertvector(h, v16u32) << 16;
-        v16 f;
+        vu16 h;
+        memcpy(&h, p, sizeof h);
+        vu32 w = __builtin_convertvector(h, vu32) << 16;
+        vf f;
         memcpy(&f, &w, sizeof f);
         return f;
 #endif
@@ -79,25 +102,24 @@ static inline size_t wsize(int kind) { return kind == W_F32 ? 4 : kind == W_I8 ?
 
 /* acc[k] += w * x[k, i] for the nb rows of this pass: every weight format ends here, so a row's
    sums are the same operations whatever the format (and the block formats give the fp32 bits). */
-static inline __attribute__((always_inline)) void accumulate(v16 acc[RB][4], const v16 *w, const float *xb,
+static inline __attribute__((always_inline)) void accumulate(vf acc[RB][NV], const vf *w, const float *xb,
                                                              int nb, int i, int I) {
-    v16 w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
     for (int k = 0; k < RB; k++) {
         if (k >= nb) break;
-        float xv = xb[(int64_t)k * I + i];
-        acc[k][0] += w0 * xv; acc[k][1] += w1 * xv; acc[k][2] += w2 * xv; acc[k][3] += w3 * xv;
+        const float xv = xb[(int64_t)k * I + i];
+        for (int v = 0; v < NV; v++) acc[k][v] += w[v] * xv;
     }
 }
 
 /* y[b + k, tile t] = acc[k] (* scale) (+ r). */
-static inline __attribute__((always_inline)) void store_rows(v16 acc[RB][4], int nb, const float *scale,
+static inline __attribute__((always_inline)) void store_rows(vf acc[RB][NV], int nb, const float *scale,
                                                              const float *r, float *y, int t, int b, int O) {
     for (int k = 0; k < nb; k++)
         for (int j = 0; j < TILE; j++) {
             int o = t * TILE + j;
             if (o >= O) break;
             int64_t idx = (int64_t)(b + k) * O + o;
-            float v = acc[k][j / 16][j % 16];
+            float v = acc[k][j / VW][j % VW];
             if (scale) v *= scale[o];
             y[idx] = r ? v + r[idx] : v;
         }
@@ -107,11 +129,11 @@ static inline __attribute__((always_inline)) void store_rows(v16 acc[RB][4], int
 static inline __attribute__((always_inline)) void tile_rows(
         const float *xb, int nb, const void *wt, int kind, const float *scale, const float *r, float *y,
         int t, int b, int I, int O) {
-    v16 acc[RB][4];
+    vf acc[RB][NV];
     memset(acc, 0, sizeof acc);
     for (int i = 0; i < I; i++) {
-        const int64_t w = (int64_t)i * TILE;
-        v16 wv[4] = {wload(wt, w, kind), wload(wt, w + 16, kind), wload(wt, w + 32, kind), wload(wt, w + 48, kind)};
+        vf wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = wload(wt, (int64_t)i * TILE + v * VW, kind);
         accumulate(acc, wv, xb, nb, i, I);
     }
     store_rows(acc, nb, scale, r, y, t, b, O);
@@ -124,8 +146,8 @@ static inline __attribute__((always_inline)) void tile_all(
         int t, int B, int I, int O) {
     const char *wt = (const char *)Wp + (int64_t)t * I * TILE * wsize(kind);
     if (buf) {
-        for (int64_t e = 0; e < (int64_t)I * TILE; e += 16) {
-            v16 v = wload(wt, e, kind);
+        for (int64_t e = 0; e < (int64_t)I * TILE; e += VW) {
+            vf v = wload(wt, e, kind);
             memcpy(buf + e, &v, sizeof v);
         }
     }
@@ -155,63 +177,63 @@ TILE_FN(tile_bf16, W_BF16)
 #define QBLK 32
 enum { W_Q4_1 = 3, W_Q8_0 = 4 };
 
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
+static inline __attribute__((always_inline)) vf i32_to_f(vi32 q) { return __builtin_convertvector(q, vf); }
 
-static inline __attribute__((always_inline)) v16 i32_to_f(v16i32 q) { return __builtin_convertvector(q, v16); }
+/* VW bytes zero-extended to int32. */
+static inline __attribute__((always_inline)) vi32 zext_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vi32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vi32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vu8 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, vi32);
+#endif
+}
 
-/* The 64 weights of input i of a tile (4 vectors), given its block's d (and m). */
-static inline __attribute__((always_inline)) void widen_blk(int kind, const char *wt, int64_t i, const v16 *d,
-                                                             const v16 *m, v16 *w) {
+/* The 64 weights of input i of a tile (NV vectors), given its block's d (and m). Q4_1 lane l is
+   byte l % 32's low nibble (l < 32) or high nibble (l >= 32). */
+static inline __attribute__((always_inline)) void widen_blk(int kind, const char *wt, int64_t i, const vf *d,
+                                                             const vf *m, vf *w) {
     if (kind == W_Q4_1) {
         const uint8_t *qb = (const uint8_t *)wt + i * (TILE / 2);
-        v16i32 a, b;  /* bytes 0..15 and 16..31, zero-extended */
-#if defined(__AVX512F__)
-        a = (v16i32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb));
-        b = (v16i32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16)));
-#elif defined(__AVX2__)
-        __m256i h[4];
-        for (int j = 0; j < 4; j++) h[j] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * j)));
-        memcpy(&a, h, sizeof a);
-        memcpy(&b, h + 2, sizeof b);
-#else
-        v16u8 lo, hi;  /* NOTE: GCC scalarizes this conversion: slow, but portable */
-        memcpy(&lo, qb, sizeof lo);
-        memcpy(&hi, qb + 16, sizeof hi);
-        a = __builtin_convertvector(lo, v16i32);
-        b = __builtin_convertvector(hi, v16i32);
-#endif
-        w[0] = i32_to_f(a & 15) * d[0] + m[0];
-        w[1] = i32_to_f(b & 15) * d[1] + m[1];
-        w[2] = i32_to_f(a >> 4) * d[2] + m[2];
-        w[3] = i32_to_f(b >> 4) * d[3] + m[3];
+        vi32 q[NV / 2];  /* the 32 bytes, each zero-extended once */
+        for (int c = 0; c < NV / 2; c++) q[c] = zext_u8(qb + c * VW);
+        for (int v = 0; v < NV; v++)
+            w[v] = i32_to_f(v < NV / 2 ? q[v] & 15 : q[v - NV / 2] >> 4) * d[v] + m[v];
     } else {
-        for (int j = 0; j < 4; j++) w[j] = wload(wt, i * TILE + 16 * j, W_I8) * d[j];
+        for (int v = 0; v < NV; v++) w[v] = wload(wt, i * TILE + v * VW, W_I8) * d[v];
     }
 }
 
-static inline __attribute__((always_inline)) void load_dm(int kind, const float *dm, int64_t blk, v16 *d, v16 *m) {
+static inline __attribute__((always_inline)) void load_dm(int kind, const float *dm, int64_t blk, vf *d, vf *m) {
     const int per = kind == W_Q4_1 ? 2 * TILE : TILE;  /* floats per block: d [64] (+ m [64]) */
-    for (int j = 0; j < 4; j++) {
-        d[j] = load(dm + blk * per + 16 * j);
-        m[j] = kind == W_Q4_1 ? load(dm + blk * per + TILE + 16 * j) : (v16){0};
+    for (int v = 0; v < NV; v++) {
+        d[v] = load(dm + blk * per + v * VW);
+        m[v] = kind == W_Q4_1 ? load(dm + blk * per + TILE + v * VW) : (vf){0};
     }
 }
+
+/* For each input i of a block-scaled tile, in order: its widened weights `w` [NV], then BODY. */
+#define EACH_WIDENED(kind, wt, dm, I, i, w, BODY)                                    \
+    for (int64_t blk_ = 0; blk_ < (I) / QBLK; blk_++) {                              \
+        vf d_[NV], m_[NV];                                                           \
+        load_dm(kind, dm, blk_, d_, m_);                                             \
+        for (int i = blk_ * QBLK; i < (blk_ + 1) * QBLK; i++) {                      \
+            vf w[NV];                                                                \
+            widen_blk(kind, wt, i, d_, m_, w);                                       \
+            BODY;                                                                    \
+        }                                                                            \
+    }
 
 /* tile_rows for block-scaled weights: the same accumulation, the weights widened per block. */
 static inline __attribute__((always_inline)) void tile_rows_blk(
         const float *xb, int nb, const char *wt, const float *dm, int kind, const float *r, float *y,
         int t, int b, int I, int O) {
-    v16 acc[RB][4];
+    vf acc[RB][NV];
     memset(acc, 0, sizeof acc);
-    for (int64_t blk = 0; blk < I / QBLK; blk++) {
-        v16 d[4], m[4];
-        load_dm(kind, dm, blk, d, m);
-        for (int i = blk * QBLK; i < (blk + 1) * QBLK; i++) {
-            v16 w[4];
-            widen_blk(kind, wt, i, d, m, w);
-            accumulate(acc, w, xb, nb, i, I);
-        }
-    }
+    EACH_WIDENED(kind, wt, dm, I, i, w, accumulate(acc, w, xb, nb, i, I));
     store_rows(acc, nb, NULL, r, y, t, b, O);
 }
 
@@ -221,17 +243,8 @@ static inline __attribute__((always_inline)) void tile_all_blk(
     const int64_t qbytes = kind == W_Q4_1 ? TILE / 2 : TILE;
     const char *wt = (const char *)Wp + (int64_t)t * I * qbytes;
     const float *dm = dm_all + (int64_t)t * (I / QBLK) * (kind == W_Q4_1 ? 2 * TILE : TILE);
-    if (buf) {  /* prefill: widen the tile once, then the fp32 path (the same values, the same sums) */
-        for (int64_t blk = 0; blk < I / QBLK; blk++) {
-            v16 d[4], m[4];
-            load_dm(kind, dm, blk, d, m);
-            for (int i = blk * QBLK; i < (blk + 1) * QBLK; i++) {
-                v16 w[4];
-                widen_blk(kind, wt, i, d, m, w);
-                memcpy(buf + (int64_t)i * TILE, w, sizeof w);
-            }
-        }
-    }
+    if (buf)  /* prefill: widen the tile once, then the fp32 path (the same values, the same sums) */
+        EACH_WIDENED(kind, wt, dm, I, i, w, memcpy(buf + (int64_t)i * TILE, w, sizeof w));
     for (int b = 0; b < B; b += RB) {
         const int nb = B - b < RB ? B - b : RB;
         const float *xb = x + (int64_t)b * I;
@@ -313,8 +326,8 @@ void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *s
                 float *p = n <= 4096 ? stack : (float *)malloc(sizeof(float) * n);
                 float m = -INFINITY;
                 for (int64_t j = 0; j < n; j++) {
-                    v16 acc = {0};
-                    for (int i = 0; i < hd; i += 16) acc += load(qv + i) * load(K + j * hd + i);
+                    vf acc = {0};
+                    for (int i = 0; i < hd; i += VW) acc += load(qv + i) * load(K + j * hd + i);
                     p[j] = hsum(acc) * scale;
                     if (softcap > 0.0f) p[j] = tanhf(p[j] / softcap) * softcap;
                     if (p[j] > m) m = p[j];
@@ -322,8 +335,8 @@ void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *s
                 float sum = 0.0f;
                 for (int64_t j = 0; j < n; j++) { p[j] = expf(p[j] - m); sum += p[j]; }
                 const float inv = 1.0f / sum;
-                for (int i = 0; i < hd; i += 16) {
-                    v16 acc = {0};
+                for (int i = 0; i < hd; i += VW) {
+                    vf acc = {0};
                     for (int64_t j = 0; j < n; j++) acc += p[j] * load(V + j * hd + i);
                     acc *= inv;
                     memcpy(o + i, &acc, sizeof acc);

@@ -1,0 +1,96 @@
+"""Per-machine choice of the GEMM kernel's rows per pass (`RB` in ops.c), measured once and cached.
+
+RB rows of x share each pass over a weight tile: more rows reuse each loaded weight more, but
+need RB x 4 vector accumulators. With AVX-512 (32 registers) RB 4-6 fit; an AVX2-only CPU holds
+a 16-float vector in two of its 16 registers, so RB 4 already spills. Which RB is fastest is a
+property of the CPU and compiler (and more rows can cost decode: RB 6 keeps 24 accumulators live,
+which with the Q4_1 widening spill on AVX-512 and made batch-1 decode 10% slower), so it is
+measured here: each candidate is built and timed on decode, verification and prefill shapes (one
+thread, CPU time of this thread, so other processes on a shared machine do not decide it; best
+of several interleaved rounds), and the choice is cached next to the built kernels. RB never changes a result: a row's sums are the same
+operations whatever RB is (tests/unit/test_kernels.py checks every candidate bit for bit).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("specguide")
+CANDIDATES = (1, 2, 3, 4, 6, 8)
+DEFAULT = 4
+MARGIN = 0.05  # another RB replaces the default only when its summed relative time is this much lower
+# (weight format, rows B, inputs I, outputs O): decode and verification (B <= 16, the served
+# default's q4_1 and fp32 weights) and a prefill chunk (B >= 16 widens to the fp32 path)
+SHAPES = (("q4_1", 1, 576, 3072), ("float32", 1, 576, 3072), ("q4_1", 4, 1536, 576), ("float32", 4, 1536, 576),
+          ("q4_1", 16, 576, 1536), ("float32", 128, 576, 1536))
+ROUNDS = 5
+CALLS = 10  # per timing: the decode shapes take ~20 us
+
+
+def _timer(lib: ctypes.CDLL, fmt: str, B: int, I: int, O: int, g: torch.Generator) -> Callable[[], float]:
+    from . import pack_weight  # noqa: PLC0415 - the package is initialized by the time a build is tuned
+
+    packed, aux = pack_weight(torch.randn(O, I, generator=g) * 0.05, fmt)
+    x, y = torch.randn(B, I, generator=g), torch.empty(B, O)
+    if fmt == "q4_1":
+        def call() -> None:
+            lib.gemv_q4_1(x.data_ptr(), packed.data_ptr(), aux.data_ptr(), None, y.data_ptr(), B, I, O, 1)
+    else:
+        def call() -> None:
+            lib.gemv_f32(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), B, I, O, 1)
+
+    def timed() -> float:
+        t0 = time.thread_time()
+        for _ in range(CALLS):
+            call()
+        return time.thread_time() - t0
+    return timed
+
+
+def measure(build: Callable[[int], ctypes.CDLL]) -> dict[int, float]:
+    """Per candidate RB: the sum over SHAPES of its best time relative to the best candidate's
+    (1.0 per shape at best), so the ~20-us decode GEMVs weigh as much as a prefill GEMM."""
+    libs = {rb: build(rb) for rb in CANDIDATES}
+    g = torch.Generator().manual_seed(0)
+    timers = {rb: [_timer(lib, *shape, g=g) for shape in SHAPES] for rb, lib in libs.items()}
+    best = {rb: [float("inf")] * len(SHAPES) for rb in libs}
+    for _ in range(ROUNDS):
+        for rb in libs:  # interleaved: a slow moment hits every candidate alike
+            for s, timed in enumerate(timers[rb]):
+                best[rb][s] = min(best[rb][s], timed())
+    floor = [min(best[rb][s] for rb in libs) for s in range(len(SHAPES))]
+    return {rb: sum(t / f for t, f in zip(best[rb], floor)) for rb in libs}
+
+
+def rows_per_pass(cache: Path, key: str, build: Callable[[int], ctypes.CDLL]) -> int:
+    """RB for this machine (`key`: the source, CPU flags and -march): cached, else measured.
+    SPECGUIDE_KERNEL_RB forces one (tests, benchmarks)."""
+    forced = os.environ.get("SPECGUIDE_KERNEL_RB")
+    if forced:
+        return int(forced)
+    path = cache / f"tuned-{key}.json"
+    try:
+        return int(json.loads(path.read_text())["RB"])
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        times = measure(build)
+    except Exception as exc:  # noqa: BLE001 - a candidate that does not build: keep the default
+        log.warning("specguide: kernel tuning failed (%s); RB=%d", exc, DEFAULT)
+        return DEFAULT
+    rb = min(times, key=times.get)
+    if times[rb] > times[DEFAULT] * (1 - MARGIN):  # within the noise of a shared machine: the default
+        rb = DEFAULT
+    log.info("specguide: kernel rows per pass RB=%d (time relative to the best, summed over %d shapes: %s)",
+             rb, len(SHAPES), {k: round(v, 3) for k, v in times.items()})
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"RB": rb, "relative": {str(k): round(v, 4) for k, v in times.items()}}))
+    os.replace(tmp, path)
+    return rb
