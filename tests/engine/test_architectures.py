@@ -53,6 +53,11 @@ def _make(kind: str, path):
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=None))
+    elif kind == "mistral_sw":  # every layer sliding (Mistral 7B v0.1's 4096, here 6 keys)
+        model = tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=6))
+    elif kind == "qwen2_sw":  # use_sliding_window: layers from max_window_layers on slide
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=6,
+                                                   max_window_layers=1))
     elif kind == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON, tie_word_embeddings=True))
     elif kind == "qwen3":  # q/k norms, an explicit head_dim (not hidden / heads)
@@ -68,7 +73,8 @@ def _make(kind: str, path):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3_mm"])
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "mistral_sw", "qwen2", "qwen2_sw", "qwen3", "phi3", "gemma2",
+                                  "gemma3", "gemma3_mm"])
 def test_random_model_matches_transformers(kind, tmp_path):
     ref_model = _make(kind, tmp_path)
     ours = load_model(tmp_path, torch.float32)
@@ -91,6 +97,9 @@ def test_random_model_matches_transformers(kind, tmp_path):
     if kind.startswith("gemma"):
         assert ours.cfg.sliding == (True, False) and ours.cfg.sliding_window == 6
         assert (ours.cfg.attn_softcap, ours.cfg.final_softcap) == ((5.0, 3.0) if kind == "gemma2" else (0.0, 0.0))
+        _check_the_window_matters(tmp_path, ids, ref)
+    if kind.endswith("_sw"):
+        assert ours.cfg.sliding == ((True, True) if kind == "mistral_sw" else (False, True))
         _check_the_window_matters(tmp_path, ids, ref)
 
 
