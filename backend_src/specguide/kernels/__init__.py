@@ -204,12 +204,13 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, boo
 
 def _pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t = _tiles(q)  # [T, I, 64]: lane j in the low nibble of byte j, lane j + 32 in its high nibble
-    return (t[..., :32] | (t[..., 32:] << 4)).contiguous(), torch.stack([_tiles(d), _tiles(m)], 2)
+    return (t[..., :32] | (t[..., 32:] << 4)).contiguous(), torch.stack([_tiles(d), _tiles(m)], 2).half()
 
 
 def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """W [O, I] fp32 -> (packed tiles in `weight_dtype`, aux): aux is None (float32, bfloat16), the
-    per-row scale [O] (int8), d and m [O/64, I/32, 2, 64] (q4_1) or d [O/64, I/32, 64] (q8_0)."""
+    per-row scale [O] (int8), d and m [O/64, I/32, 2, 64] (q4_1) or d [O/64, I/32, 64] (q8_0), fp16
+    as GGUF stores them (exact: they are fp16 values)."""
     assert weight_dtype in WEIGHT_FORMATS, weight_dtype
     if weight_dtype in ("float32", "bfloat16"):
         return _tiles(weight.detach().to(getattr(torch, weight_dtype))), None
@@ -217,7 +218,7 @@ def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[to
         return _pack_q4_1(*quantize_q4_1(weight)[:3])
     if weight_dtype == "q8_0":
         q, d, _ = quantize_q8_0(weight)
-        return _tiles(q), _tiles(d)
+        return _tiles(q), _tiles(d).half()
     q, scale = quantize_int8(weight.detach())
     return _tiles(q), scale
 
@@ -232,7 +233,7 @@ def pack_exact(weight: torch.Tensor) -> tuple[str, torch.Tensor, Optional[torch.
             return ("q4_1", *_pack_q4_1(q, d, m))
         q8, d8, exact = quantize_q8_0(w)
         if exact:
-            return "q8_0", _tiles(q8), _tiles(d8)
+            return "q8_0", _tiles(q8), _tiles(d8).half()
     fmt = "bfloat16" if torch.equal(w.to(torch.bfloat16).float(), w) else "float32"
     return (fmt, *pack_weight(w, fmt))
 
@@ -275,9 +276,11 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
         lib.gemv_f32(x.data_ptr(), packed.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     elif packed.dtype == torch.uint8:  # q4_1
         assert scale is not None and scale.shape == (packed.shape[0], I // QBLK, 2, TILE) and scale.is_contiguous()
+        assert scale.dtype == torch.float16
         lib.gemv_q4_1(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     elif packed.dtype == torch.int8 and scale is not None and scale.dim() == 3:  # q8_0
         assert scale.shape == (packed.shape[0], I // QBLK, TILE) and scale.is_contiguous()
+        assert scale.dtype == torch.float16
         lib.gemv_q8_0(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     elif packed.dtype == torch.int8:
         assert scale is not None and scale.dtype == torch.float32 and scale.numel() == out_features

@@ -159,10 +159,10 @@ static inline __attribute__((always_inline)) void tile_all(
     }
 }
 
-typedef void (*tile_fn)(const float *, const void *, float *, const float *, const float *, float *, int, int, int, int);
+typedef void (*tile_fn)(const float *, const void *, float *, const void *, const float *, float *, int, int, int, int);
 #define TILE_FN(NAME, KIND) \
-    static void NAME(const float *x, const void *Wp, float *buf, const float *scale, const float *r, float *y, \
-                     int t, int B, int I, int O) { tile_all(KIND, x, Wp, buf, scale, r, y, t, B, I, O); }
+    static void NAME(const float *x, const void *Wp, float *buf, const void *aux, const float *r, float *y, \
+                     int t, int B, int I, int O) { tile_all(KIND, x, Wp, buf, (const float *)aux, r, y, t, B, I, O); }
 TILE_FN(tile_f32, W_F32)
 TILE_FN(tile_i8, W_I8)
 TILE_FN(tile_bf16, W_BF16)
@@ -170,7 +170,7 @@ TILE_FN(tile_bf16, W_BF16)
 /* Block-scaled weights (GGUF's Q4_1 and Q8_0 blocks of 32 inputs, repacked into the same 64-wide
    tiles): for tile t and input i, Q4_1 holds 32 bytes (byte j: lane j in its low nibble, lane
    j + 32 in its high nibble) and Q8_0 64 int8; per block of 32 inputs, `dm` holds d [64] (and m
-   [64] for Q4_1) as fp32. w = q * d + m (Q4_1) or q * d (Q8_0): d is an fp16 value and q has at
+   [64] for Q4_1) as fp16, as GGUF stores them. w = q * d + m (Q4_1) or q * d (Q8_0): d is an fp16 value and q has at
    most 8 bits, so q * d is exact in fp32 and w is the value GGUF's dequantization gives. The
    accumulation below is the fp32 kernel's, operation for operation, so a block-scaled weight
    gives the same bits as the fp32 kernel on its dequantized weight. I % 32 == 0. */
@@ -207,11 +207,33 @@ static inline __attribute__((always_inline)) void widen_blk(int kind, const char
     }
 }
 
-static inline __attribute__((always_inline)) void load_dm(int kind, const float *dm, int64_t blk, vf *d, vf *m) {
-    const int per = kind == W_Q4_1 ? 2 * TILE : TILE;  /* floats per block: d [64] (+ m [64]) */
+/* VW fp16 values (bits) widened to fp32 (exact). */
+static inline __attribute__((always_inline)) vf load_h(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf out;
+    for (int j = 0; j < VW; j++) {  /* sign, exponent, mantissa by hand (subnormals included) */
+        const uint32_t h = p[j], sign = (h & 0x8000u) << 16, e = (h >> 10) & 31, mant = h & 0x3FFu;
+        float v = e == 0 ? ldexpf((float)mant, -24) : e == 31 ? (mant ? NAN : INFINITY)
+                                                            : ldexpf((float)(mant | 0x400u), (int)e - 25);
+        uint32_t bits;
+        memcpy(&bits, &v, sizeof bits);
+        bits |= sign;
+        memcpy(&v, &bits, sizeof v);
+        out[j] = v;
+    }
+    return out;
+#endif
+}
+
+static inline __attribute__((always_inline)) void load_dm(int kind, const uint16_t *dm, int64_t blk, vf *d, vf *m) {
+    const int per = kind == W_Q4_1 ? 2 * TILE : TILE;  /* fp16 per block: d [64] (+ m [64]) */
     for (int v = 0; v < NV; v++) {
-        d[v] = load(dm + blk * per + v * VW);
-        m[v] = kind == W_Q4_1 ? load(dm + blk * per + TILE + v * VW) : (vf){0};
+        d[v] = load_h(dm + blk * per + v * VW);
+        m[v] = kind == W_Q4_1 ? load_h(dm + blk * per + TILE + v * VW) : (vf){0};
     }
 }
 
@@ -229,7 +251,7 @@ static inline __attribute__((always_inline)) void load_dm(int kind, const float 
 
 /* tile_rows for block-scaled weights: the same accumulation, the weights widened per block. */
 static inline __attribute__((always_inline)) void tile_rows_blk(
-        const float *xb, int nb, const char *wt, const float *dm, int kind, const float *r, float *y,
+        const float *xb, int nb, const char *wt, const uint16_t *dm, int kind, const float *r, float *y,
         int t, int b, int I, int O) {
     vf acc[RB][NV];
     memset(acc, 0, sizeof acc);
@@ -238,11 +260,11 @@ static inline __attribute__((always_inline)) void tile_rows_blk(
 }
 
 static inline __attribute__((always_inline)) void tile_all_blk(
-        int kind, const float *x, const void *Wp, float *buf, const float *dm_all, const float *r, float *y,
+        int kind, const float *x, const void *Wp, float *buf, const uint16_t *dm_all, const float *r, float *y,
         int t, int B, int I, int O) {
     const int64_t qbytes = kind == W_Q4_1 ? TILE / 2 : TILE;
     const char *wt = (const char *)Wp + (int64_t)t * I * qbytes;
-    const float *dm = dm_all + (int64_t)t * (I / QBLK) * (kind == W_Q4_1 ? 2 * TILE : TILE);
+    const uint16_t *dm = dm_all + (int64_t)t * (I / QBLK) * (kind == W_Q4_1 ? 2 * TILE : TILE);
     if (buf)  /* prefill: widen the tile once, then the fp32 path (the same values, the same sums) */
         EACH_WIDENED(kind, wt, dm, I, i, w, memcpy(buf + (int64_t)i * TILE, w, sizeof w));
     for (int b = 0; b < B; b += RB) {
@@ -253,12 +275,12 @@ static inline __attribute__((always_inline)) void tile_all_blk(
     }
 }
 
-static void tile_q4_1(const float *x, const void *Wp, float *buf, const float *dm, const float *r, float *y,
+static void tile_q4_1(const float *x, const void *Wp, float *buf, const void *dm, const float *r, float *y,
                       int t, int B, int I, int O) { tile_all_blk(W_Q4_1, x, Wp, buf, dm, r, y, t, B, I, O); }
-static void tile_q8_0(const float *x, const void *Wp, float *buf, const float *dm, const float *r, float *y,
+static void tile_q8_0(const float *x, const void *Wp, float *buf, const void *dm, const float *r, float *y,
                       int t, int B, int I, int O) { tile_all_blk(W_Q8_0, x, Wp, buf, dm, r, y, t, B, I, O); }
 
-static void gemv_any(int kind, tile_fn fn, const float *x, const void *Wp, const float *scale, const float *r,
+static void gemv_any(int kind, tile_fn fn, const float *x, const void *Wp, const void *aux, const float *r,
                      float *y, int B, int I, int O, int threads) {
     const int tiles = (O + TILE - 1) / TILE;
     const int widen = kind != W_F32 && B >= SCRATCH_B;
@@ -266,7 +288,7 @@ static void gemv_any(int kind, tile_fn fn, const float *x, const void *Wp, const
     {
         float *buf = widen ? (float *)aligned_alloc(64, sizeof(float) * (size_t)I * TILE) : NULL;
         #pragma omp for schedule(dynamic, 2)
-        for (int t = 0; t < tiles; t++) fn(x, Wp, buf, scale, r, y, t, B, I, O);
+        for (int t = 0; t < tiles; t++) fn(x, Wp, buf, aux, r, y, t, B, I, O);
         free(buf);
     }
 }
@@ -286,14 +308,14 @@ void gemv_bf16(const float *x, const uint16_t *Wp, const float *r, float *y, int
     gemv_any(W_BF16, tile_bf16, x, Wp, NULL, r, y, B, I, O, threads);
 }
 
-/* Wp Q4_1 nibbles [O/64, I, 32] uint8, dm [O/64, I/32, 2, 64] fp32 (d, m). */
-void gemv_q4_1(const float *x, const uint8_t *Wp, const float *dm, const float *r, float *y,
+/* Wp Q4_1 nibbles [O/64, I, 32] uint8, dm [O/64, I/32, 2, 64] fp16 (d, m). */
+void gemv_q4_1(const float *x, const uint8_t *Wp, const uint16_t *dm, const float *r, float *y,
                int B, int I, int O, int threads) {
     gemv_any(W_Q4_1, tile_q4_1, x, Wp, dm, r, y, B, I, O, threads);
 }
 
-/* Wp Q8_0 [O/64, I, 64] int8, d [O/64, I/32, 64] fp32. */
-void gemv_q8_0(const float *x, const int8_t *Wp, const float *d, const float *r, float *y,
+/* Wp Q8_0 [O/64, I, 64] int8, d [O/64, I/32, 64] fp16. */
+void gemv_q8_0(const float *x, const int8_t *Wp, const uint16_t *d, const float *r, float *y,
                int B, int I, int O, int threads) {
     gemv_any(W_Q8_0, tile_q8_0, x, Wp, d, r, y, B, I, O, threads);
 }

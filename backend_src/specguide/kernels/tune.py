@@ -35,16 +35,18 @@ CALLS = 10  # per timing: the decode shapes take ~20 us
 
 
 def _timer(lib: ctypes.CDLL, fmt: str, B: int, I: int, O: int, g: torch.Generator) -> Callable[[], float]:
-    from . import pack_weight  # noqa: PLC0415 - the package is initialized by the time a build is tuned
-
-    packed, aux = pack_weight(torch.randn(O, I, generator=g) * 0.05, fmt)
     x, y = torch.randn(B, I, generator=g), torch.empty(B, O)
-    if fmt == "q4_1":
+    if fmt == "q4_1":  # any values do for timing: nibbles [O/64, I, 32], fp16 d and m [O/64, I/32, 2, 64]
+        packed = torch.randint(0, 256, (O // 64, I, 32), generator=g, dtype=torch.uint8)
+        dm = (torch.rand(O // 64, I // 32, 2, 64, generator=g) * 0.01).half()
+
         def call() -> None:
-            lib.gemv_q4_1(x.data_ptr(), packed.data_ptr(), aux.data_ptr(), None, y.data_ptr(), B, I, O, 1)
-    else:
+            lib.gemv_q4_1(x.data_ptr(), packed.data_ptr(), dm.data_ptr(), None, y.data_ptr(), B, I, O, 1)
+    else:  # packed fp32 [O/64, I, 64]
+        w = torch.randn(O // 64, I, 64, generator=g)
+
         def call() -> None:
-            lib.gemv_f32(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), B, I, O, 1)
+            lib.gemv_f32(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), B, I, O, 1)
 
     def timed() -> float:
         t0 = time.thread_time()
