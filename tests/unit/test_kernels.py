@@ -104,6 +104,15 @@ for fmt in ("q4_1", "q8_0", "int8", "bfloat16"):
         if fmt.startswith("q"):
             assert torch.equal(got, kernels.gemv(x[lo:hi], ref, None, 130)), (fmt, lo, hi)
         assert torch.allclose(got, x[lo:hi] @ kernels.dequantized(W, fmt).t(), atol=1e-4, rtol=1e-5), fmt
+from specguide.kernels import rope_attention_f32
+for window, cap in ((0, 0.0), (7, 2.0)):  # every query count and split gives the same bits
+    qkv = torch.randn(1, 45, 9 + 6, 64, generator=g)
+    pos, cos = torch.arange(45)[None], torch.randn(64, 64, generator=g)
+    caches = [tuple(torch.zeros(2, 3, 64, 64) for _ in range(2)) for _ in range(2)]
+    one = rope_attention_f32(qkv, cos, cos, *caches[0], torch.tensor([1]), pos, 9, 0.2, window, cap)
+    parts = [rope_attention_f32(qkv[:, a:b], cos, cos, *caches[1], torch.tensor([1]), pos[:, a:b], 9, 0.2, window, cap)
+             for a, b in ((0, 1), (1, 18), (18, 19), (19, 45))]
+    assert torch.equal(torch.cat(parts, 1), one) and torch.equal(caches[0][0], caches[1][0]), (window, cap)
 print("ok")
 """
 
@@ -115,7 +124,8 @@ def _cpu_has(flag: str) -> bool:
 @pytest.mark.parametrize("march", ["-march=x86-64-v3", "-march=x86-64"])
 def test_every_isa_path_is_exact(march, tmp_path):
     """The AVX2 path (x86-64-v3) and the portable one (x86-64) of the same kernels, built here
-    whatever this CPU has beyond them: block formats equal fp32 on their dequantized weights."""
+    whatever this CPU has beyond them: block formats equal fp32 on their dequantized weights;
+    attention gives the same bits under any chunk split."""
     import os
     import platform
     import subprocess
@@ -197,6 +207,56 @@ def test_sliding_window_and_soft_capped_attention_match_torch_and_stay_invariant
             one = kernels.rope_attention_f32(qkv[b:b + 1, t:t + 1], cos, sin_signed, kc, vc, slots[b:b + 1],
                                              pos[b:b + 1, t:t + 1], nh, scale, W, cap)
             assert torch.equal(one, out[b:b + 1, t:t + 1])
+
+
+def _attention_reference(q, k, v, qpos, scale, window=0, cap=0.0):
+    """q [B, T, nh, hd] (after RoPE), k / v [B, kvh, L, hd], qpos [B, T] -> [B, T, nh, hd], in float64."""
+    g = q.shape[2] // k.shape[1]
+    q, k, v = q.double().transpose(1, 2), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if cap:
+        s = torch.tanh(s / cap) * cap
+    kpos, p = torch.arange(k.shape[2])[None, None, :], qpos[:, :, None]
+    mask = (kpos <= p) & ((kpos > p - window) if window else True)
+    s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    return (s.softmax(-1) @ v).transpose(1, 2).float()
+
+
+@pytest.mark.parametrize("nh, kvh, hd, window, cap", [(9, 3, 64, 0, 0.0), (8, 1, 32, 0, 0.0), (4, 2, 48, 50, 1.5),
+                                                      (6, 6, 16, 0, 30.0)])
+def test_attention_gives_the_same_bits_for_any_chunk_split(nh, kvh, hd, window, cap):
+    """A 300-position prompt in one chunk, in uneven chunks (1, 15, 16, 17 and 100 queries) and one
+    query at a time (decode steps): the same K/V cache and outputs, bit for bit, in a batch of two
+    slots or alone; close to a float64 reference (GQA groups that do not fill a vector, a
+    sliding window, soft-capped scores)."""
+    g = torch.Generator().manual_seed(nh * hd + kvh)
+    N, S, scale = 300, 320, hd ** -0.5 * 0.9
+    qkv = torch.randn(2, N, nh + 2 * kvh, hd, generator=g)
+    cos, sin_signed = _rope_tables(S, hd, g)
+    slots, pos = torch.tensor([2, 0]), torch.stack([torch.arange(N), torch.arange(N) + 7])
+
+    def run(bounds, rows=(0, 1)):
+        kc, vc = torch.zeros(3, kvh, S, hd), torch.zeros(3, kvh, S, hd)
+        r = list(rows)
+        outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin_signed, kc, vc, slots[r], pos[r, a:b], nh, scale,
+                                           window, cap) for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(outs, 1), kc, vc
+
+    whole, kc, vc = run([0, N])
+    ref = _attention_reference(_queries(qkv, cos, sin_signed, pos, nh), kc[slots][:, :, : N + 7],
+                               vc[slots][:, :, : N + 7], pos, scale, window, cap)
+    assert torch.allclose(whole, ref, atol=2e-6, rtol=1e-5)
+    for bounds in ([0, 1, 16, 32, 49, 149, N], [0, 100, 117, 118, N], list(range(N + 1))):
+        got, kc2, vc2 = run(bounds)
+        assert torch.equal(got, whole) and torch.equal(kc2, kc) and torch.equal(vc2, vc), bounds[:4]
+    alone, _, _ = run([0, 40, N], rows=(1,))
+    assert torch.equal(alone, whole[1:])
+
+
+def _queries(qkv, cos, sin_signed, pos, nh):
+    from specguide.models.llama import apply_rope
+
+    return apply_rope(qkv[:, :, :nh], cos[pos].unsqueeze(2), sin_signed[pos].unsqueeze(2))
 
 
 def test_rows_per_pass_never_changes_a_bit(monkeypatch):

@@ -320,7 +320,8 @@ void gemv_q8_0(const float *x, const int8_t *Wp, const uint16_t *d, const float 
     gemv_any(W_Q8_0, tile_q8_0, x, Wp, d, r, y, B, I, O, threads);
 }
 
-/* Causal attention of decode/verification queries over the per-slot KV cache.
+/* Causal attention over the per-slot KV cache, for every query count: decode, verification and
+ * prefill chunks alike.
  *   q    [B, T, nh, hd]      queries after RoPE
  *   kc   [slots, kvh, S, hd] this layer's key cache (already holding the queries' own keys)
  *   vc   [slots, kvh, S, hd]
@@ -328,42 +329,183 @@ void gemv_q8_0(const float *x, const int8_t *Wp, const uint16_t *d, const float 
  *   out  [B, T, nh, hd]
  * Query (b, t, h) attends to keys 0..pos[b, t] of its slot (only the last `window` of them when
  * window > 0: sliding-window layers), KV head h / (nh / kvh). Scores are q.k * scale, soft-capped
- * to softcap * tanh(s / softcap) when softcap > 0 (Gemma 2). Each output is computed by the same
- * instruction sequence whatever B and T are. hd % 16 == 0. */
+ * to softcap * tanh(s / softcap) when softcap > 0 (Gemma 2). hd % 16 == 0.
+ *
+ * NOTE: invariance. One vector lane holds one query: a tile is up to VW queries (t, h) of one row
+ * b and one KV head, in (t, h) order, and every operation is lane-wise. For each query, in its own
+ * lane and whatever else shares the tile (other positions, heads, T, B, the chunk split):
+ *   s_j = (sum over i ascending of q_i * k_ji, one FMA chain) * scale [then soft-capped]
+ *   m = max_j s_j;  p_j = vexp(s_j - m);  l = sum over j ascending of p_j
+ *   o_i = (sum over j ascending of p_j * v_ji, one FMA chain) * (1 / l)
+ * over its keys j = first..pos. A tile runs over the union of its queries' keys; a key outside a
+ * lane's range gets s = -inf there, so p = 0 and the sums add exact zeros (keys within the tile's
+ * range are real, finite cache rows: the tile's own keys or earlier ones). So the result of a query
+ * is the same bits in a decode step, a verification step or any prefill chunk: a prompt's K/V and
+ * outputs do not depend on how it was split into chunks (prefix caching reuses any prefix).
+ * Speed: scores are vectors of VW queries (no horizontal sum per score), each key row is loaded
+ * once per tile (a broadcast operand) for VW queries, exp is a polynomial in vector registers. */
+
+#if VW == 16
+#define KJ 16 /* keys per score block (independent FMA chains in flight) */
+#define DB 16 /* output dims per value pass */
+#else
+#define KJ 8
+#define DB 8
+#endif
+
+static inline __attribute__((always_inline)) vf splat(float x) {
+    vf v;
+    for (int j = 0; j < VW; j++) v[j] = x; /* (not {0} + x: that turns -0.0 into +0.0) */
+    return v;
+}
+
+/* m ? a : b, lane-wise (m: all ones or zero per lane) */
+static inline __attribute__((always_inline)) vf vsel(vi32 m, vf a, vf b) {
+    return (vf)((m & (vi32)a) | (~m & (vi32)b));
+}
+
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
+
+/* exp(x) for x <= 0 (a score minus its query's max): Cephes' expf polynomial on x - n ln2, times
+   2^n (about 1 ulp); 0 below -87 (and for -inf). */
+static inline __attribute__((always_inline)) vf vexp(vf x) {
+    const vi32 under = x < splat(-87.0f);
+    x = vsel(under, splat(-87.0f), x);
+    const vf t = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: round to nearest */
+    const vf n = t - 12582912.0f;
+    const vi32 e = ((vi32)t - 0x4B400000 + 127) << 23; /* 2^n */
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return (vf)(~under & (vi32)(p * (vf)e));
+}
+
+/* tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) */
+static inline __attribute__((always_inline)) vf vtanh(vf x) {
+    const vi32 sign = (vi32)x & (vi32)splat(-0.0f);
+    const vf e = vexp((vf)((vi32)x | (vi32)splat(-0.0f)) * 2.0f); /* -2|x| */
+    return (vf)((vi32)((1.0f - e) / (1.0f + e)) | sign);
+}
+
+/* Scores of NK keys (rows K[0..NK)) for the tile's queries Qt [hd][VW], into s[0..NK). */
+static inline __attribute__((always_inline)) void qk_keys(const float *Qt, const float *K, int nk, int hd, vf *s) {
+    vf acc[KJ];
+    for (int k = 0; k < nk; k++) acc[k] = (vf){0};
+    for (int i = 0; i < hd; i++) {
+        const vf qi = load(Qt + (int64_t)i * VW);
+        for (int k = 0; k < nk; k++) acc[k] += qi * K[(int64_t)k * hd + i];
+    }
+    for (int k = 0; k < nk; k++) s[k] = acc[k];
+}
+
+/* Per-thread scratch that grows as needed (OpenMP threads persist between calls). */
+static __thread float *scratch_buf;
+static __thread size_t scratch_cap;
+
+static float *scratch(size_t floats) {
+    if (floats > scratch_cap) {
+        free(scratch_buf);
+        scratch_cap = floats + floats / 2;
+        scratch_buf = (float *)aligned_alloc(64, (scratch_cap * sizeof(float) + 63) / 64 * 64);
+    }
+    return scratch_buf;
+}
+
+/* One tile: queries e0 .. e0+ne-1 of row b, KV head g (query e: t = e / group, head g * group + e % group). */
+static void attn_tile(const float *q, const float *kc, const float *vc, const int64_t *slot, const int64_t *pos,
+                      float *out, int b, int g, int e0, int ne, int T, int nh, int kvh, int S, int hd,
+                      float scale, int window, float softcap) {
+    const int group = nh / kvh;
+    int32_t lpos[VW], lfirst[VW];
+    int64_t row[VW]; /* (b, t, h) index of each lane's query */
+    int64_t jmin = INT64_MAX, jmax = -1;
+    for (int l = 0; l < VW; l++) {
+        if (l < ne) {
+            const int e = e0 + l, t = e / group, h = g * group + e % group;
+            const int64_t p = pos[(int64_t)b * T + t], f = window > 0 && p + 1 > window ? p + 1 - window : 0;
+            lpos[l] = (int32_t)p;
+            lfirst[l] = (int32_t)f;
+            row[l] = ((int64_t)b * T + t) * nh + h;
+            if (f < jmin) jmin = f;
+            if (p > jmax) jmax = p;
+        } else {  /* an empty lane: every key masked */
+            lpos[l] = -1;
+            lfirst[l] = INT32_MAX;
+            row[l] = -1;
+        }
+    }
+    const int64_t n = jmax - jmin + 1;
+    float *Qt = scratch((size_t)hd * VW + (size_t)n * VW);
+    float *P = Qt + (size_t)hd * VW; /* [n][VW]: scores, then probabilities */
+    for (int i = 0; i < hd; i++)
+        for (int l = 0; l < VW; l++) Qt[i * VW + l] = row[l] >= 0 ? q[row[l] * hd + i] : 0.0f;
+    vi32 vpos, vfirst;
+    memcpy(&vpos, lpos, sizeof vpos);
+    memcpy(&vfirst, lfirst, sizeof vfirst);
+    const int64_t base = ((slot[b] * kvh) + g) * (int64_t)S * hd;
+    const float *K = kc + base + jmin * hd, *V = vc + base + jmin * hd;
+    /* scores, masked to -inf outside each lane's keys; the running max */
+    vf m = splat(-INFINITY);
+    vf s[KJ];
+    for (int64_t j = 0; j < n;) {
+        const int nk = n - j >= KJ ? KJ : 1;
+        if (nk == KJ) qk_keys(Qt, K + j * hd, KJ, hd, s);
+        else qk_keys(Qt, K + j * hd, 1, hd, s);
+        for (int k = 0; k < nk; k++) {
+            vf x = s[k] * scale;
+            if (softcap > 0.0f) x = vtanh(x / softcap) * softcap;
+            const int32_t key = (int32_t)(jmin + j + k);
+            const vi32 in = (vfirst <= key) & (vpos >= key);
+            x = vsel(in, x, splat(-INFINITY));
+            m = vmax(m, x);
+            memcpy(P + (j + k) * VW, &x, sizeof x);
+        }
+        j += nk;
+    }
+    /* probabilities and their sum, in key order */
+    vf l = (vf){0};
+    for (int64_t j = 0; j < n; j++) {
+        const vf p = vexp(load(P + j * VW) - m);
+        l += p;
+        memcpy(P + j * VW, &p, sizeof p);
+    }
+    const vf inv = 1.0f / l;
+    /* outputs, DB dims at a time: one FMA chain over the keys per (query, dim) */
+    for (int d0 = 0; d0 < hd; d0 += DB) {
+        vf acc[DB];
+        for (int d = 0; d < DB; d++) acc[d] = (vf){0};
+        for (int64_t j = 0; j < n; j++) {
+            const vf p = load(P + j * VW);
+            const float *vr = V + j * hd + d0;
+            for (int d = 0; d < DB; d++) acc[d] += p * vr[d];
+        }
+        float o[DB][VW];
+        for (int d = 0; d < DB; d++) {
+            const vf x = acc[d] * inv;
+            memcpy(o[d], &x, sizeof x);
+        }
+        for (int ll = 0; ll < ne; ll++)
+            for (int d = 0; d < DB; d++) out[row[ll] * hd + d0 + d] = o[d][ll];
+    }
+}
+
 void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *slot, const int64_t *pos,
               float *out, int B, int T, int nh, int kvh, int S, int hd, float scale, int window, float softcap,
               int threads) {
-    const int group = nh / kvh;
-    #pragma omp parallel for collapse(3) schedule(dynamic, 2) num_threads(threads)
+    const int per = T * (nh / kvh), tiles = (per + VW - 1) / VW;
+    /* the last tiles (the most keys) first, so the dynamic schedule ends balanced */
+    #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(threads)
     for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++)
-            for (int h = 0; h < nh; h++) {
-                const int64_t end = pos[(int64_t)b * T + t] + 1;
-                const int64_t first = window > 0 && end > window ? end - window : 0, n = end - first;
-                const float *qv = q + (((int64_t)b * T + t) * nh + h) * hd;
-                const int64_t base = (((slot[b] * kvh) + h / group) * (int64_t)S + first) * hd;
-                const float *K = kc + base, *V = vc + base;
-                float *o = out + (((int64_t)b * T + t) * nh + h) * hd;
-                float stack[4096];
-                float *p = n <= 4096 ? stack : (float *)malloc(sizeof(float) * n);
-                float m = -INFINITY;
-                for (int64_t j = 0; j < n; j++) {
-                    vf acc = {0};
-                    for (int i = 0; i < hd; i += VW) acc += load(qv + i) * load(K + j * hd + i);
-                    p[j] = hsum(acc) * scale;
-                    if (softcap > 0.0f) p[j] = tanhf(p[j] / softcap) * softcap;
-                    if (p[j] > m) m = p[j];
-                }
-                float sum = 0.0f;
-                for (int64_t j = 0; j < n; j++) { p[j] = expf(p[j] - m); sum += p[j]; }
-                const float inv = 1.0f / sum;
-                for (int i = 0; i < hd; i += VW) {
-                    vf acc = {0};
-                    for (int64_t j = 0; j < n; j++) acc += p[j] * load(V + j * hd + i);
-                    acc *= inv;
-                    memcpy(o + i, &acc, sizeof acc);
-                }
-                if (p != stack) free(p);
+        for (int g = 0; g < kvh; g++)
+            for (int k = tiles - 1; k >= 0; k--) {
+                const int e0 = k * VW, ne = per - e0 < VW ? per - e0 : VW;
+                attn_tile(q, kc, vc, slot, pos, out, b, g, e0, ne, T, nh, kvh, S, hd, scale, window, softcap);
             }
 }
 
