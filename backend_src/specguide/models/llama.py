@@ -5,6 +5,11 @@ One attention path serves prefill chunks and decode steps of 1..K+1 tokens: ever
 slot b at position p attends to the cached keys of slot b at positions <= p. Positions past a
 slot's length hold stale keys that the mask hides, so rolling back is just not advancing.
 Sliding-window layers (Gemma) see only the last `sliding_window` keys, in both paths.
+
+On CPU in fp32 with the C kernels, every forward (prefill chunks of any length included) runs the
+batch- and chunk-invariant attention kernel: a position's K/V and hidden state are the same bits
+however the prompt was split into chunks or batched, so prefix caching can reuse any prefix
+(`LlamaModel.chunk_invariant`). Elsewhere prefill uses SDPA over a mask.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from ..kv_cache import KVCache
 from .linear import linear_add, make_head, prepare_linears
 
 
-INVARIANT_MAX_QUERIES = 16  # decode and verification steps (T <= K+1) use the invariant kernel
+INVARIANT_MAX_QUERIES = 16  # without `invariant_prefill`: only decode and verification steps (T <= K+1) use the kernel
 
 
 @dataclass(frozen=True)
@@ -217,6 +222,9 @@ class LlamaModel(nn.Module):
         self.local_scaling = 1.0 if local_rope is None else local_rope[1]
         self.embed_scale = cfg.embed_scale  # rounded to the model dtype by finalize()
         self.invariant_attention = False  # set by finalize() when the C kernel can serve this model
+        # prefill chunks too (as fast as SDPA at 256-1024 tokens: bench/bench_prefill_attention.py); False:
+        # SDPA for T > INVARIANT_MAX_QUERIES (benchmarks only: prefix reuse then stops at whole chunks)
+        self.invariant_prefill = True
         self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope_tables(self, max_len: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,9 +253,15 @@ class LlamaModel(nn.Module):
             cos, sin = cos[ctx.positions].unsqueeze(2), sin[ctx.positions].unsqueeze(2)
         return cos, sin
 
+    @property
+    def chunk_invariant(self) -> bool:
+        """Every forward runs the invariant kernels: a position's K/V do not depend on the chunk split,
+        the batch or the query count (decode steps included)."""
+        return self.invariant_attention and self.invariant_prefill
+
     def make_context(self, slots: torch.Tensor, positions: torch.Tensor, slot_list: Optional[list[int]],
                      length: int) -> AttnContext:
-        if self.invariant_attention and positions.shape[1] <= INVARIANT_MAX_QUERIES:
+        if self.invariant_attention and (self.invariant_prefill or positions.shape[1] <= INVARIANT_MAX_QUERIES):
             return AttnContext(slots, positions, None, length, None)
         kpos = torch.arange(length, device=positions.device)[None, None, :]
         mask = (kpos <= positions[:, :, None]).unsqueeze(1)
