@@ -57,8 +57,10 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9  # CUDA with max_slots 0: the share of free GPU memory for KV caches
     max_seq_len: int = 2048  # prompt + generated tokens per slot
     prefill_chunk: int = 256  # prefill token budget per engine step
-    prefix_caching: bool = True  # a free slot keeps its prompt's KV: a prompt starting with tokens a slot
-    # holds reuses them (copied from a busy slot), in whole prefill_chunks (outputs as from scratch)
+    prefix_caching: bool = True  # a free slot keeps its KV: a prompt starting with tokens a slot holds
+    # reuses them (copied from a busy slot), outputs as from scratch: up to the first differing token
+    # (prompt and output positions) where the forward is chunk-invariant (CPU, fp32, C kernels), else
+    # in whole prefill_chunks of the prompt
     prefix_min_tokens: int = 1  # reuse only this many prompt tokens or more
     max_queue: int = 256  # waiting requests before new ones are refused
     default_max_tokens: int = 64  # when a request gives no max_tokens

@@ -76,7 +76,7 @@ class Engine:
         self.runner.core.feature_sink = self.proposer.feature_sink
         self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free / copy_prefix
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
-                                   config.prefix_caching, config.prefix_min_tokens)
+                                   config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant)
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
         self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler,

@@ -117,11 +117,16 @@ class Scheduler:
     copy_min_tokens = 1  # copying a prefix from a busy slot beats computing it from 1 token up (bench_prefix_copy)
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
-                 prefix_min_tokens: int = 1):
+                 prefix_min_tokens: int = 1, any_prefix: bool = False):
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.prefix_caching, self.prefix_min_tokens = prefix_caching, prefix_min_tokens
+        # any_prefix: the model's forwards are chunk-invariant (LlamaModel.chunk_invariant: a position's
+        # K/V are the same bits whatever the chunk split, batch or query count, decode steps included),
+        # so every position a slot computed is reusable, up to the first differing token; else only a
+        # prompt's whole prefill chunks are (a prefill from scratch computes them with the same split)
+        self.any_prefix = any_prefix
         self.free_slots: list[int] = list(range(max_slots))
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_slots)]  # tokens whose KV a free slot holds
         self.slot_hits = [0] * max_slots  # admissions that reused (a prefix of) the slot's tokens
@@ -151,9 +156,10 @@ class Scheduler:
             seq.first_scheduled_time_ns = time.time_ns()
             self.running[seq.slot] = seq
         self.waiting.extendleft(reversed(blocked))
-        # NOTE: a request's chunks are always [k*chunk, (k+1)*chunk), whatever else is running, so
-        # its prompt's numerics never depend on its neighbours; a chunk that does not fit the
-        # remaining budget waits for the next step (the first one always fits)
+        # NOTE: a request's chunks are [r + k*chunk, r + (k+1)*chunk) after r reused tokens (r a
+        # multiple of chunk unless `any_prefix`), whatever else is running, so its prompt's numerics
+        # never depend on its neighbours; a chunk that does not fit the remaining budget waits for
+        # the next step (the first one always fits)
         budget = self.prefill_chunk
         prefills: list[PrefillChunk] = []
         for seq in sorted((s for s in self.running.values() if s.status is Status.PREFILL), key=lambda s: s.seq_id):
@@ -167,8 +173,8 @@ class Scheduler:
 
     def _pick_slot(self, seq: Sequence) -> tuple[int, int, Optional[PrefixCopy]]:
         """(slot, prompt tokens to reuse, rows to copy first). Reuse is the longest prefix of the
-        prompt that any slot holds (`_reusable`), cut to whole prefill chunks and leaving at least
-        one token to prefill. A free slot holding it is taken; when a busy slot holds more, its rows
+        prompt that any slot holds (`_reusable`), leaving at least one token to prefill (cut to
+        whole prefill chunks unless `any_prefix`). A free slot holding it is taken; when a busy slot holds more, its rows
         past what the taken slot holds are copied (far cheaper than computing them: bench_prefix_copy).
         Without reuse, the free slot whose tokens are least useful is taken (`_evict_order`)."""
         match = [0] * self.max_slots
@@ -194,21 +200,29 @@ class Scheduler:
 
     def _reusable(self, slot: int) -> list[int]:
         """Tokens whose KV the slot holds as a prefill from scratch computes it: a free slot's kept
-        tokens; a busy slot's prompt positions prefilled so far, in whole chunks."""
+        tokens; a busy slot's (`_kept`)."""
         seq = self.running.get(slot)
-        if seq is None:
-            return self.slot_tokens[slot]
+        return self.slot_tokens[slot] if seq is None else self._kept(seq)
+
+    def _kept(self, seq: Sequence) -> list[int]:
+        """The tokens whose K/V rows the sequence's slot holds exactly as a prefill of them computes
+        them: with `any_prefix` every cached position (prompt and output, `num_cached`: all but the
+        newest token), else the prompt positions prefilled so far in whole chunks (positions computed
+        by a partial chunk or by decode steps differ in the last bits from a prefill's)."""
+        if self.any_prefix:
+            return (seq.prompt_ids + seq.output_ids)[: seq.num_cached]
         n = min(seq.num_cached, len(seq.prompt_ids))
         return seq.prompt_ids[: n - n % self.prefill_chunk]
 
     def _common(self, held: list[int], prompt: list[int]) -> int:
-        """Common prefix length, cut to whole prefill chunks, leaving >= 1 prompt token to compute."""
+        """Common prefix length, leaving >= 1 prompt token to compute (cut to whole prefill chunks
+        unless `any_prefix`)."""
         n = 0
         for a, b in zip(held[: len(prompt) - 1], prompt):
             if a != b:
                 break
             n += 1
-        return n - n % self.prefill_chunk
+        return n if self.any_prefix else n - n % self.prefill_chunk
 
     def _evict_order(self, slot: int) -> tuple[int, ...]:
         """Free slots to overwrite first: empty ones, then the fewest hits, then least recently freed
@@ -230,9 +244,7 @@ class Scheduler:
         seq.error = error
         if seq.slot is not None:
             assert self.running.get(seq.slot) is seq
-            # the slot keeps the KV of its prompt's prefilled whole chunks: positions computed by
-            # decode steps (attention over other query counts) differ in the last bits from a prefill
-            self.slot_tokens[seq.slot] = self._reusable(seq.slot)
+            self.slot_tokens[seq.slot] = self._kept(seq)  # what later prompts may reuse
             del self.running[seq.slot]
             self._tick += 1
             self.slot_freed[seq.slot] = self._tick

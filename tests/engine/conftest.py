@@ -80,8 +80,9 @@ def placed_in(engine: Engine, slot: int):
 
 @torch.inference_mode()
 def stale_kept_prefixes(engine: Engine) -> list[int]:
-    """Free slots whose kept prompt rows (prefix caching) are not, bit for bit, what prefilling the
-    tokens they stand for computes (call with the engine idle)."""
+    """Free slots whose kept rows (prefix caching) are not, bit for bit, what prefilling the
+    tokens they stand for computes (call with the engine idle). A chunk-invariant model is checked
+    against another split than the engine's chunks (a first chunk of 7 tokens)."""
     m, kv, chunk = engine.model, engine.runner.kv, engine.config.prefill_chunk
     bad = []
     for slot in sorted(engine.scheduler.free_slots):
@@ -89,8 +90,8 @@ def stale_kept_prefixes(engine: Engine) -> list[int]:
         if not tokens:
             continue
         own = KVCache(m.cfg.num_layers, 1, m.cfg.num_kv_heads, kv.max_seq_len, m.cfg.head_dim, kv.k.dtype, kv.k.device)
-        for a in range(0, len(tokens), chunk):  # the engine's chunks: [k*chunk, (k+1)*chunk)
-            b = min(len(tokens), a + chunk)
+        starts = [0, *range(7, len(tokens), chunk)] if m.chunk_invariant else range(0, len(tokens), chunk)
+        for a, b in zip(starts, [*starts[1:], len(tokens)]):
             ctx = m.make_context(torch.tensor([0]), torch.arange(a, b)[None], [0], b)
             m(torch.tensor([tokens[a:b]]), ctx, own)
         n = len(tokens)

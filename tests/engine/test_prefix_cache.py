@@ -1,8 +1,10 @@
 """Prefix caching: a free slot keeps its KV, and a prompt that starts with the same tokens prefills
-only the rest (whole prefill chunks). Outputs equal those of the engine without reuse, token for
-token: greedy and seeded sampled, guided and unguided, speculative with the hybrid drafter (whose
-head reads the reused positions' features), alone and in a batch; a prompt that diverges inside
-a chunk reuses only the chunks before it."""
+only the rest, up to the first differing token (the CPU forward is chunk-invariant: a prompt
+prefilled in any chunk split gives the same K/V and logits, bit for bit). Outputs equal those of
+the engine without reuse, token for token: greedy and seeded sampled, guided and unguided,
+speculative with the hybrid drafter (whose head reads the reused positions' features and reuses
+its own rows) or a draft model, alone and in a batch; reused prefixes end inside prefill chunks,
+and a chat's next turn reuses the answer that decode steps computed."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,10 +12,12 @@ import json
 import threading
 
 import pytest
+import torch
 
 from specguide import faults
 from specguide.config import EngineConfig
 from specguide.engine import Engine
+from specguide.kv_cache import KVCache
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
 from .conftest import placed_in, stale_kept_prefixes
@@ -57,8 +61,32 @@ def _run(engine: Engine, reqs: list[Request], alone: bool):
     out = []
     for batch in ([[r] for r in reqs] if alone else [reqs]):
         out += [(toks, final.finish_reason, final.total_draft_tokens, final.total_accepted_draft_tokens,
-                 final.kv_cache_reused_blocks) for toks, _, final in run_many(engine, batch)]
+                 final.kv_cache_reused_blocks, final.num_cached_tokens) for toks, _, final in run_many(engine, batch)]
     return out
+
+
+@torch.inference_mode()
+def test_a_prompt_prefilled_in_any_chunk_split_gives_the_same_kv_and_logits(engine):
+    """The forward of a 150-token prompt in one chunk, in the engine's chunks, in uneven chunks and
+    one token at a time (decode steps): bit-identical K/V in every layer and logits at every position."""
+    m = engine.model
+    assert m.chunk_invariant and engine.scheduler.any_prefix
+    ids = engine.tokenizer.encode(_requests(engine, SYSTEM + " " + SYSTEM)[0].prompt)[:150]
+    N = len(ids)
+    assert N == 150
+
+    def run(bounds):
+        kv = KVCache(m.cfg.num_layers, 2, m.cfg.num_kv_heads, 256, m.cfg.head_dim, torch.float32)
+        logits = []
+        for a, b in zip(bounds, bounds[1:]):
+            ctx = m.make_context(torch.tensor([1]), torch.arange(a, b)[None], [1], b)
+            logits.append(m.logits(m(torch.tensor([ids[a:b]]), ctx, kv))[0])
+        return kv.k[:, 1, :, :N], kv.v[:, 1, :, :N], torch.cat(logits)
+
+    want = run([0, N])
+    for bounds in ([0, 64, 128, N], [0, 1, 17, 18, 100, N], list(range(N + 1))):
+        got = run(bounds)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), bounds[:4]
 
 
 @pytest.mark.parametrize("alone", [True, False], ids=["batch1", "batch3"])
@@ -69,26 +97,40 @@ def test_outputs_with_reuse_equal_outputs_without(engines, alone):
     assert [g[:4] for g in got] == [w[:4] for w in want]  # tokens, and the drafts: the head's features are right
     assert all(w[4] == 0 for w in want)
     assert sum(1 for g in got if g[4] > 0) >= len(got) - on.config.max_slots  # the first of each slot computes
+    assert any(g[5] % on.config.prefill_chunk for g in got)  # prefixes that end inside a chunk
     assert all(g[1] in ("stop", "length") for g in got)
     on.scheduler.check_integrity()
 
 
-def test_a_prompt_diverging_inside_a_chunk_reuses_only_the_chunks_before_it(engines):
+def test_a_prompt_diverging_inside_a_chunk_reuses_up_to_the_first_differing_token(engines):
+    """Each request kind (greedy guided, seeded sampled + speculative, guided sampled + speculative,
+    greedy, ...) after a base prompt that it shares up to a token inside a chunk: it reuses exactly
+    the longest prefix a free slot holds (the base's, or an earlier variant's), and its outputs and
+    drafts are those without reuse."""
     on, off = engines
     base = _requests(on)[:1]
-    _run(on, base, alone=True)  # a free slot now holds this prompt
     early = SYSTEM.replace("short texts", "brief notes")  # diverges in the first chunk
     late = SYSTEM.replace('"tags"', '"labels"')  # diverges inside a later chunk
     chunk = on.config.prefill_chunk
-    for system in (early, late):
-        req = _requests(on, system)[:1]
-        got = _run(on, req, alone=True)
-        assert [g[:4] for g in got] == [w[:4] for w in _run(off, _requests(off, system)[:1], alone=True)]
+    reused = []
+    for system, i in [(early, 0)] + [(late, i) for i in range(len(TEXTS))]:
+        _run(on, base, alone=True)  # the base prompt again: a free slot holds it (fully reusable)
+        req = _requests(on, system)[i:i + 1]
         a, b = on.tokenizer.encode(base[0].prompt), on.tokenizer.encode(req[0].prompt)
-        common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        assert got[0][4] * on.runner.kv.tokens_per_block == common - common % chunk  # whole chunks before it
-        _run(on, base, alone=True)  # the base prompt again: fully reusable
-    assert common > 2 * chunk and common % chunk  # the late variant shares chunks and diverges mid-chunk
+        common = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        held = max(_common(on.scheduler.slot_tokens[s], b) for s in on.scheduler.free_slots)
+        got = _run(on, req, alone=True)
+        assert [g[:4] for g in got] == [w[:4] for w in _run(off, _requests(off, system)[i:i + 1], alone=True)]
+        assert got[0][5] == held >= common, (system == late, i)
+        reused.append((common, got[0][5]))
+    assert reused[0][1] < chunk < 2 * chunk < reused[1][0]  # the early variant in the first chunk, the late ones later
+    assert all(n % chunk for _, n in reused[1:])  # the late ones reuse prefixes ending inside a chunk
+    assert stale_kept_prefixes(on) == []
+
+
+def _common(held: list[int], prompt: list[int]) -> int:
+    """Tokens a prompt shares with a slot's kept ones, leaving one to compute."""
+    return next((j for j, (x, y) in enumerate(zip(held, prompt[:-1])) if x != y), min(len(held), len(prompt) - 1))
 
 
 def _detailed(engine: Engine, reqs: list[Request], first: Request) -> list[tuple]:
@@ -136,32 +178,34 @@ def test_a_prefix_held_by_a_busy_slot_is_copied_exactly(engines, monkeypatch):
     prompts = [on.tokenizer.encode(r.prompt) for r in _requests(on, system)[:4]]
     chunk = on.config.prefill_chunk
     common = [next(i for i, (x, y) in enumerate(zip(prompts[0], p)) if x != y) for p in prompts[1:]]
-    assert copies and copies[0].start == 0 and min(common) >= 2 * chunk
-    assert [g[5] for g in got[:3]] == [c - c % chunk for c in common]  # whole chunks of the shared part
+    # the free slots share only the chat template's first tokens with these prompts
+    assert copies and copies[0].start < chunk and min(common) >= 2 * chunk
+    assert [g[5] for g in got[:3]] == common and any(c % chunk for c in common)  # up to the first differing token
     assert [w[5] for w in want] == [0] * 4
     # tokens, exact log probs (a stale or shifted row would move them), the drafts (the head's features)
     assert [g[:5] for g in got] == [w[:5] for w in want]
     on.scheduler.check_integrity()
 
 
-def test_a_next_turn_reuses_only_prefilled_positions_and_stays_exact(engines):
-    """A chat's next turn holds the last answer: positions the decode steps computed differ in the
-    last bits from a prefill's, so reuse stops at the first turn's prompt chunks (exact log probs)."""
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_next_turn_reuses_the_answer_and_stays_exact(engines, k):
+    """A chat's next turn holds the last answer: the positions decode steps (or verification steps,
+    K = 3) computed are what a prefill computes, so reuse goes through the answer (exact log probs)."""
     on, off = engines
-    chunk = on.config.prefill_chunk
     first = on.tokenizer.apply_chat_template([{"role": "system", "content": "Turns. " + SYSTEM},
                                               {"role": "user", "content": TEXTS[4]}])
     ids = on.tokenizer.encode(first)
     got, want = [], []
     for engine, out in ((on, got), (off, want)):
         params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0, return_log_probs=True)
-        answer, _, _ = run_many(engine, [Request(prompt_ids=ids, params=params, num_draft_tokens=0)])[0]
+        answer, _, _ = run_many(engine, [Request(prompt_ids=ids, params=params, num_draft_tokens=k)])[0]
         turn = ids + answer + engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd Frank?<|im_end|>\n")
         events = list(engine.generate(Request(prompt_ids=turn, params=params, num_draft_tokens=3)))
         out.append(([t for e in events for t in e.token_ids], [lp for e in events for lp in e.logprobs],
-                    events[-1].num_cached_tokens))
-    assert got[0][:2] == want[0][:2]
-    assert got[0][2] == len(ids) - len(ids) % chunk and want[0][2] == 0
+                    events[-1].num_cached_tokens, answer))
+    assert got[0][:2] == want[0][:2] and got[0][3] == want[0][3]
+    assert got[0][2] == len(ids) + len(got[0][3]) - 1 and want[0][2] == 0  # all but the answer's last token
+    assert stale_kept_prefixes(on) == []
 
 
 @pytest.fixture(scope="module")

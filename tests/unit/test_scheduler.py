@@ -142,6 +142,32 @@ def test_a_slot_keeps_only_its_prompts_prefilled_whole_chunks():
     assert b.num_reused == 16
 
 
+def test_with_a_chunk_invariant_model_reuse_goes_to_the_first_differing_token():
+    """any_prefix (the forward is chunk-invariant): a slot keeps every computed position, prompt and
+    output (all but the newest token), and reuse goes up to the first differing token, from a free
+    slot or copied from a busy one; chunks then start at the reused position."""
+    s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=8, prefix_caching=True, any_prefix=True)
+    a = _prompt(1, list(range(1, 21)), 0)  # 20 prompt tokens
+    a.output_ids = [7] * 10
+    _run_to_end(s, a, num_cached=29)  # the newest output token has no K/V yet
+    assert s.slot_tokens[0] == (a.prompt_ids + a.output_ids)[:29]
+    b = _prompt(2, a.prompt_ids + a.output_ids[:5] + [9], 12)  # a's prompt and 5 of its outputs, then not
+    s.waiting.append(b)
+    plan = s.schedule()
+    assert (b.slot, b.num_reused) == (0, 25)
+    assert [(p.start, p.end) for p in plan.prefills] == [(25, 33)]  # chunks from the reused position
+    b.num_cached = 33
+    c = _prompt(3, b.prompt_ids[:30], 4)  # its first 30 tokens are b's, whose slot has computed 33: copied
+    s.waiting.append(c)
+    plan = s.schedule()
+    assert (c.slot, c.num_reused) == (1, 30) and plan.copies == [PrefixCopy(0, 1, 0, 30)]
+    whole = _prompt(4, list(range(1, 21)), 0)  # a prompt that a slot holds whole: one token left to compute
+    s.waiting.append(whole)
+    s.schedule()
+    assert whole.num_reused == 19
+    s.check_integrity()
+
+
 def test_without_reuse_the_least_useful_free_slot_is_overwritten():
     s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
     hot = list(range(1, 17))  # a shared system prompt: two whole chunks
