@@ -99,3 +99,36 @@ def stale_kept_prefixes(engine: Engine) -> list[int]:
                 and torch.equal(kv.v[:, slot, :, :n], own.v[:, 0, :, :n])):
             bad.append(slot)
     return bad
+
+
+@torch.inference_mode()
+def stale_draft_rows(engine: Engine) -> list[int]:
+    """Free slots whose drafter rows that a new sequence sharing the slot's kept tokens would reuse
+    (the draft head's K/V rows and the target features it reads; a draft model's K/V rows) are not,
+    bit for bit, what computing them from scratch over those tokens gives (call with the engine idle)."""
+    m, head, dm = engine.model, engine.proposer.head, engine.proposer.draft_model
+    bad = []
+    for slot in sorted(engine.scheduler.free_slots):
+        tokens = engine.scheduler.slot_tokens[slot]
+        n, ok = len(tokens), True
+        rows = min(head.valid[slot], n - 1) if head is not None else 0
+        if rows > 0:  # row p: (f_p, x_{p+1})
+            kv = KVCache(m.cfg.num_layers, 1, m.cfg.num_kv_heads, n, m.cfg.head_dim, torch.float32)
+            feats = m(torch.tensor([tokens]), m.make_context(torch.tensor([0]), torch.arange(n)[None], [0], n), kv)
+            _, _, kvh, S, hd = head.kv.k.shape
+            own = KVCache(1, 1, kvh, S, hd, head.kv.k.dtype)
+            ctx = m.make_context(torch.tensor([0]), torch.arange(rows)[None], [0], rows)
+            head.head(feats[:, :rows], torch.tensor([tokens[1: rows + 1]]), ctx, own)
+            ok = (torch.equal(head.feats[slot, :rows], feats[0, :rows])
+                  and torch.equal(head.kv.k[0, slot, :, :rows], own.k[0, 0, :, :rows])
+                  and torch.equal(head.kv.v[0, slot, :, :rows], own.v[0, 0, :, :rows]))
+        rows = min(dm.cached[slot], n) if dm is not None else 0
+        if rows > 0:
+            d = dm.model
+            own = KVCache(d.cfg.num_layers, 1, d.cfg.num_kv_heads, rows, d.cfg.head_dim, dm.kv.k.dtype)
+            d(torch.tensor([tokens[:rows]]), d.make_context(torch.tensor([0]), torch.arange(rows)[None], [0], rows), own)
+            ok = ok and (torch.equal(dm.kv.k[:, slot, :, :rows], own.k[:, 0])
+                         and torch.equal(dm.kv.v[:, slot, :, :rows], own.v[:, 0]))
+        if not ok:
+            bad.append(slot)
+    return bad

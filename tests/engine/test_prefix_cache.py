@@ -20,7 +20,7 @@ from specguide.engine import Engine
 from specguide.kv_cache import KVCache
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
-from .conftest import placed_in, stale_kept_prefixes
+from .conftest import placed_in, stale_draft_rows, stale_kept_prefixes
 from .test_guided_engine import run_many
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -90,16 +90,60 @@ def test_a_prompt_prefilled_in_any_chunk_split_gives_the_same_kv_and_logits(engi
 
 
 @pytest.mark.parametrize("alone", [True, False], ids=["batch1", "batch3"])
-def test_outputs_with_reuse_equal_outputs_without(engines, alone):
+def test_outputs_with_reuse_equal_outputs_without(engines, alone, monkeypatch):
     on, off = engines
+    head = on.proposer.head
+    assert head.reuse
+    starts = []  # head rows a new sequence starts with (its own cache's reused prefix)
+    admit = head.admit
+    monkeypatch.setattr(head, "admit", lambda slot, seq: (admit(slot, seq), starts.append(head.cached[slot])))
     want = _run(off, _requests(off), alone)
     got = _run(on, _requests(on), alone)
-    assert [g[:4] for g in got] == [w[:4] for w in want]  # tokens, and the drafts: the head's features are right
+    assert [g[:4] for g in got] == [w[:4] for w in want]  # tokens, and the drafts
+    assert any(starts)
     assert all(w[4] == 0 for w in want)
     assert sum(1 for g in got if g[4] > 0) >= len(got) - on.config.max_slots  # the first of each slot computes
     assert any(g[5] % on.config.prefill_chunk for g in got)  # prefixes that end inside a chunk
     assert all(g[1] in ("stop", "length") for g in got)
     on.scheduler.check_integrity()
+
+
+def _own_rows(engine, drafter) -> list[tuple[torch.Tensor, ...]]:
+    """Run each request alone; after each, the drafter's rows of the slot it ran in (the draft head:
+    its K/V rows and the target features it read; a draft model: its K/V in every layer)."""
+    slots, rows = [], []
+    admit = drafter.admit
+    drafter.admit = lambda slot, seq: (slots.append(slot), admit(slot, seq))
+    try:
+        for r in _requests(engine):
+            run_many(engine, [r])
+            s = slots[-1]
+            if hasattr(drafter, "feats"):
+                n = drafter.valid[s]
+                rows.append((drafter.kv.k[0, s, :, :n].clone(), drafter.kv.v[0, s, :, :n].clone(),
+                             drafter.feats[s, : n + 1].clone()))
+            else:
+                n = drafter.cached[s]
+                rows.append((drafter.kv.k[:, s, :, :n].clone(), drafter.kv.v[:, s, :, :n].clone()))
+    finally:
+        del drafter.admit
+    return rows
+
+
+def test_the_draft_heads_reused_rows_are_those_it_computes_from_scratch(engines):
+    """The head's own K/V rows and the features it reads, after each request (which reused its
+    prefix, rows included): bit for bit those of the engine without prefix caching."""
+    on, off = engines
+    _same_rows(_own_rows(on, on.proposer.head), _own_rows(off, off.proposer.head), on)
+
+
+def _same_rows(got, want, engine) -> None:
+    """The rows both hold are equal; after a speculative request both hold all but the last tokens'."""
+    for g, w, r in zip(got, want, _requests(engine)):
+        n = min(g[0].shape[-2], w[0].shape[-2])
+        if r.num_draft_tokens:
+            assert n > 100 and g[0].shape == w[0].shape
+        assert all(torch.equal(a[..., :n, :], b[..., :n, :]) for a, b in zip(g, w))
 
 
 def test_a_prompt_diverging_inside_a_chunk_reuses_up_to_the_first_differing_token(engines):
@@ -125,7 +169,7 @@ def test_a_prompt_diverging_inside_a_chunk_reuses_up_to_the_first_differing_toke
         reused.append((common, got[0][5]))
     assert reused[0][1] < chunk < 2 * chunk < reused[1][0]  # the early variant in the first chunk, the late ones later
     assert all(n % chunk for _, n in reused[1:])  # the late ones reuse prefixes ending inside a chunk
-    assert stale_kept_prefixes(on) == []
+    assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
 
 
 def _common(held: list[int], prompt: list[int]) -> int:
@@ -133,9 +177,10 @@ def _common(held: list[int], prompt: list[int]) -> int:
     return next((j for j, (x, y) in enumerate(zip(held, prompt[:-1])) if x != y), min(len(held), len(prompt) - 1))
 
 
-def _detailed(engine: Engine, reqs: list[Request], first: Request) -> list[tuple]:
-    """Run `first`; once it has its first token (its prompt is prefilled), the others, all at once.
-    Per request (`first` last): tokens, log probs, finish reason, drafts proposed / accepted, cached tokens."""
+def _detailed(engine: Engine, reqs: list[Request], first: Request, after: int = 1) -> list[tuple]:
+    """Run `first`; once it has `after` tokens (its prompt is prefilled, and decode steps ran), the
+    others, all at once. Per request (`first` last): tokens, log probs, finish reason, drafts
+    proposed / accepted, cached tokens."""
     results: list[list] = [[[], [], None] for _ in range(len(reqs) + 1)]
     started, done = threading.Event(), threading.Semaphore(0)
 
@@ -143,7 +188,8 @@ def _detailed(engine: Engine, reqs: list[Request], first: Request) -> list[tuple
         def cb(out):
             results[i][0].extend(out.token_ids)
             results[i][1].extend(out.logprobs or [])
-            started.set()
+            if len(results[i][0]) >= after:
+                started.set()
             if out.finished:
                 results[i][2] = out
                 done.release()
@@ -165,16 +211,19 @@ def test_a_prefix_held_by_a_busy_slot_is_copied_exactly(engines, monkeypatch):
     copies = []
     orig = on.runner.copy_prefix
     monkeypatch.setattr(on.runner, "copy_prefix", lambda c: (copies.append(c), orig(c)))
+    head, head_rows = on.proposer.head, []  # the head's own rows come along (its catch-up ran in the donor's steps)
+    head_copy = head.copy_prefix
+    monkeypatch.setattr(head, "copy_prefix", lambda *a: (head_copy(*a), head_rows.append(head.valid[a[1]])))
     got, want = [], []
     for engine, out in ((on, got), (off, want)):
         reqs = _requests(engine, system)
-        donor = dataclasses.replace(reqs[0], guided=None, num_draft_tokens=0,  # decodes 40 tokens, then stops
-                                    params=SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0))
+        donor = dataclasses.replace(reqs[0], guided=None, num_draft_tokens=3,  # decodes 40 tokens, then stops
+                                    params=SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0))
         others = []
         for r in reqs[1:4]:  # sampled + speculative, guided sampled + speculative, greedy
             r.params.return_log_probs = True
             others.append(r)
-        out += _detailed(engine, others, donor)
+        out += _detailed(engine, others, donor, after=5)
     prompts = [on.tokenizer.encode(r.prompt) for r in _requests(on, system)[:4]]
     chunk = on.config.prefill_chunk
     common = [next(i for i, (x, y) in enumerate(zip(prompts[0], p)) if x != y) for p in prompts[1:]]
@@ -184,6 +233,8 @@ def test_a_prefix_held_by_a_busy_slot_is_copied_exactly(engines, monkeypatch):
     assert [w[5] for w in want] == [0] * 4
     # tokens, exact log probs (a stale or shifted row would move them), the drafts (the head's features)
     assert [g[:5] for g in got] == [w[:5] for w in want]
+    assert max(head_rows) > 2 * chunk
+    assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
     on.scheduler.check_integrity()
 
 
@@ -205,7 +256,7 @@ def test_a_next_turn_reuses_the_answer_and_stays_exact(engines, k):
                     events[-1].num_cached_tokens, answer))
     assert got[0][:2] == want[0][:2] and got[0][3] == want[0][3]
     assert got[0][2] == len(ids) + len(got[0][3]) - 1 and want[0][2] == 0  # all but the answer's last token
-    assert stale_kept_prefixes(on) == []
+    assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
 
 
 @pytest.fixture(scope="module")
@@ -218,14 +269,43 @@ def draft_model_engines():
     off.shutdown()
 
 
-def test_the_draft_models_cache_starts_right_after_reuse(draft_model_engines):
-    """The draft model (here the target itself: every right draft is accepted) refills its own
-    cache from position 0 after reuse: the same tokens and the same accepted drafts as without."""
+def test_the_draft_models_cache_starts_right_after_reuse(draft_model_engines, monkeypatch):
+    """The draft model (here the target itself: every right draft is accepted) keeps its own rows
+    of the reused prefix (its forwards are chunk-invariant too; copied along with the target's):
+    the same tokens and the same accepted drafts as without, and its catch-up starts past row 0."""
     on, off = draft_model_engines
+    dm = on.proposer.draft_model
+    assert dm.reuse
+    starts = []
+    admit = dm.admit
+    monkeypatch.setattr(dm, "admit", lambda slot, seq: (admit(slot, seq), starts.append(dm.cached[slot])))
     want = _run(off, _requests(off), alone=False) + _run(off, _requests(off), alone=True)
     got = _run(on, _requests(on), alone=False) + _run(on, _requests(on), alone=True)
     assert [g[:4] for g in got] == [w[:4] for w in want]
     assert sum(1 for g in got if g[4] > 0) >= len(got) - on.config.max_slots
+    assert sum(1 for s in starts if s > 0) >= len(got) - on.config.max_slots
+    monkeypatch.undo()
+    # its rows after each request: those it computes without reuse
+    _same_rows(_own_rows(on, dm), _own_rows(off, off.proposer.draft_model), on)
+    assert stale_draft_rows(on) == []
+
+
+def test_the_draft_models_rows_come_with_a_copy_from_a_busy_slot(draft_model_engines, monkeypatch):
+    """A prefix copied from a busy slot whose draft model has caught up: its rows are copied too,
+    and the outputs and accepted drafts are those without reuse."""
+    on, off = draft_model_engines
+    dm, rows = on.proposer.draft_model, []
+    copy = dm.copy_prefix
+    monkeypatch.setattr(dm, "copy_prefix", lambda *a: (copy(*a), rows.append(dm.cached[a[1]])))
+    got, want = [], []
+    for engine, out in ((on, got), (off, want)):
+        reqs = _requests(engine, "Draft copy test. " + SYSTEM)
+        donor = dataclasses.replace(reqs[0], guided=None, num_draft_tokens=3,
+                                    params=SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0))
+        out += _detailed(engine, reqs[1:3], donor, after=5)
+    assert [g[:5] for g in got] == [w[:5] for w in want]
+    assert max(rows) > 2 * on.config.prefill_chunk
+    assert stale_draft_rows(on) == []
 
 
 def _dirty(engine: Engine) -> None:
@@ -274,12 +354,12 @@ def test_a_greedy_output_is_the_same_whichever_free_slot_it_gets(engines, monkey
 
     want = run(off)
     _dirty(on)
-    assert stale_kept_prefixes(on) == []
+    assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
     for slot in range(on.config.max_slots):
         with placed_in(on, slot):
             got = run(on)
         assert [g[:5] for g in got] == [w[:5] for w in want], slot
         assert got[0][5] > 0 and got[1][5] > 0  # the first two reuse the kept system prompt (or a copy)
-        assert stale_kept_prefixes(on) == []
+        assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
     assert sum(w[3] for w in want) > 0  # drafts were proposed (their counts compare the head's state)
     on.scheduler.check_integrity()

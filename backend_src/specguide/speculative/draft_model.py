@@ -14,7 +14,12 @@ class DraftModel:
     `cached[slot]` tokens of the slot's sequence are in the draft cache. Before drafting,
     `catch_up` feeds what is missing (the prompt for a new request; nothing after a fully
     accepted step); after verification `done` keeps only the positions whose tokens were
-    accepted (the rest is dead, like the target's)."""
+    accepted (the rest is dead, like the target's).
+
+    Prefix caching: when the draft model's forwards are chunk-invariant (`LlamaModel.chunk_invariant`)
+    a slot's rows stay valid for its last sequence's tokens after it ends, so a new sequence that
+    reuses r target positions starts with min(cached, r) rows (and copies follow the target's);
+    otherwise it refills from position 0."""
 
     def __init__(self, model: LlamaModel, max_slots: int, max_seq_len: int, K: int, chunk: int,
                  device: torch.device):
@@ -25,11 +30,23 @@ class DraftModel:
         self.kv = KVCache(cfg.num_layers, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
                           model.embed.weight.dtype, device, spare=K)
         self.cached = [0] * max_slots
+        self.reuse = model.chunk_invariant
 
     d2t = None
 
     def admit(self, slot: int, seq: Sequence) -> None:
-        self.cached[slot] = 0
+        """The slot's rows of its last sequence that the new one shares (its first num_reused tokens)."""
+        self.cached[slot] = min(self.cached[slot], seq.num_reused) if self.reuse else 0
+
+    def copy_prefix(self, src: int, dst: int, start: int, end: int) -> None:
+        """The target copies positions [start, end) from src into dst, whose first `start` tokens
+        already match: the draft rows dst lacks of those, from src."""
+        if not self.reuse:
+            return
+        have, get = min(self.cached[dst], start), min(self.cached[src], end)
+        if get > have:
+            self.kv.copy_rows(src, dst, have, get)
+        self.cached[dst] = max(have, get)
 
     def prepare(self, seqs: list[Sequence], key) -> None:
         self.catch_up(seqs)

@@ -12,7 +12,13 @@ from .draft_head import DraftHead
 
 class HeadDrafter:
     """Keeps, per slot, the target's features f_p (written by the runner after every forward)
-    and the head's KV cache, whose rows < `cached[slot]` hold real (f_p, x_{p+1}) inputs."""
+    and the head's KV cache, whose rows < `cached[slot]` hold real (f_p, x_{p+1}) inputs
+    (`valid[slot]` of them computed for sure: the staged rows count once their step is done).
+
+    Prefix caching: when the forwards are chunk-invariant (the target's `chunk_invariant`; the head's
+    layer runs the same kernels) the rows stay valid for the slot's last sequence after it ends, so
+    a new sequence that reuses r target positions starts with min(valid, r - 1) head rows (row p
+    needs token p + 1), and copies follow the target's; otherwise it refills from position 0."""
 
     def __init__(self, head: DraftHead, max_slots: int, max_seq_len: int, K: int, chunk: int,
                  device: torch.device):
@@ -25,6 +31,8 @@ class HeadDrafter:
         self.kv = KVCache(1, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim, dtype, device, spare=K + 1)
         self.feats = torch.zeros(max_slots, max_seq_len + K + 1, cfg.hidden_size, dtype=dtype, device=device)
         self.cached = [0] * max_slots
+        self.valid = [0] * max_slots
+        self.reuse = head.target.chunk_invariant
         self.d2t = head.d2t
         self.max_seq_len = max_seq_len
         pin = device.type == "cuda"
@@ -41,7 +49,19 @@ class HeadDrafter:
         self.feats[slots[:, None], positions] = hidden.to(self.feats.dtype)
 
     def admit(self, slot: int, seq: Sequence) -> None:
-        self.cached[slot] = 0
+        """The slot's head rows of its last sequence that the new one shares."""
+        self.cached[slot] = self.valid[slot] = max(0, min(self.valid[slot], seq.num_reused - 1)) if self.reuse else 0
+
+    def copy_prefix(self, src: int, dst: int, start: int, end: int) -> None:
+        """The target copies positions [start, end) from src into dst, whose first `start` tokens
+        already match: the features come with them; the head rows dst lacks, from src."""
+        self.feats[dst, start:end] = self.feats[src, start:end]
+        if not self.reuse:
+            return
+        have, get = min(self.valid[dst], max(0, start - 1)), min(self.valid[src], end - 1)
+        if get > have:
+            self.kv.copy_rows(src, dst, have, get)
+        self.cached[dst] = self.valid[dst] = max(have, get)
 
     @torch.inference_mode()
     def prepare(self, seqs: list[Sequence], key) -> None:
@@ -50,15 +70,15 @@ class HeadDrafter:
         rows: list[list[int]] = []
         history: list[list[int]] = []
         for s in seqs:
-            # a step that failed after this point last time (and is retried) re-feeds row N-2
-            self.cached[s.slot] = max(0, min(self.cached[s.slot], s.num_tokens - 2))
+            # a step that failed after this point last time (and is retried) re-feeds its rows
+            self.cached[s.slot] = max(0, min(self.valid[s.slot], s.num_tokens - 2))
             toks = s.prompt_ids + s.output_ids
             history.append(toks)
             while (left := s.num_tokens - 1 - self.cached[s.slot]) > self.K + 1:
                 a = self.cached[s.slot]  # a new prompt: chunks of its own, leaving <= K+1 rows for the batch
                 n = min(self.chunk, left - self.K - 1)
                 self._run([s.slot], [list(range(a, a + n))], [toks[a + 1: a + 1 + n]])
-                self.cached[s.slot] = a + n
+                self.cached[s.slot] = self.valid[s.slot] = a + n
             rows.append(list(range(self.cached[s.slot], s.num_tokens - 1)))
         T = self.K + 1 if key.captured else max(len(r) for r in rows)
         P, X, L = self.pos_host.numpy(), self.tok_host.numpy(), self.last_host.numpy()
@@ -89,7 +109,9 @@ class HeadDrafter:
         return self.head.logits(self.g)
 
     def done(self, seqs: list[Sequence], accepted: list[int], width: int) -> None:
-        pass
+        """The step ran: its staged rows (up to N-2) are in the head's cache."""
+        for s in seqs:
+            self.valid[s.slot] = self.cached[s.slot]
 
     def _run(self, slots: list[int], positions: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
         """Catch-up forward of verified rows (host lists, outside the step)."""

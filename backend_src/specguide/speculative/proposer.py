@@ -83,11 +83,12 @@ class Proposer:
         pass
 
     def copy_prefix(self, c: PrefixCopy) -> None:
-        """A prefix copied between slots: the head's target features come with it. The head's and
-        the draft model's own caches are recomputed from position 0 at admission (their catch-up
-        chunks depend on the prompt's length, so copied rows would not be those of a fresh run)."""
-        if self.head is not None:
-            self.head.feats[c.dst, c.start: c.end] = self.head.feats[c.src, c.start: c.end]
+        """A prefix copied between slots: the head's target features come with it, and the head's
+        and the draft model's own rows where their forwards are chunk-invariant (else they refill
+        from position 0 at admission: their catch-up chunks depend on the prompt's length)."""
+        for d in (self.head, self.draft_model):
+            if d is not None:
+                d.copy_prefix(c.src, c.dst, c.start, c.end)
 
     def observe(self, slot: int, drafted: int, accepted: int) -> None:
         """One verification's outcome for the slot (adaptive K)."""
