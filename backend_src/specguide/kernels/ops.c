@@ -1,4 +1,5 @@
-/* Batch-invariant fp32 kernels for decode-sized inputs: GEMV/GEMM and attention over the slot cache.
+/* Batch-invariant fp32 kernels: GEMV/GEMM and attention over the slot cache (decode, verification
+ * and prefill chunks).
  *
  * y[b, o] = sum_i x[b, i] * W[o, i] (+ r[b, o]), W row-major [O, I].
  * Every output element is computed by the same instruction sequence whatever the number of
@@ -509,8 +510,8 @@ void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *s
             }
 }
 
-/* Fused decode attention block: RoPE on q and k, K/V written into the slot cache, causal
- * attention - one call per layer instead of ~10 torch ops.
+/* Fused attention block: RoPE on q and k, K/V written into the slot cache, causal attention - one
+ * call per layer instead of ~10 torch ops.
  *   qkv  [B, T, nh + 2 kvh, hd]  the fused projection (q heads, k heads, v heads)
  *   cos, sin [P, hd]             RoPE tables; sin carries the rotate_half sign (-sin | +sin)
  *   qrot [B, T, nh, hd]          scratch for the rotated queries

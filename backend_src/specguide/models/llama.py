@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         B, T, _ = x.shape
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.qkv_proj(x)  # [B, T, nh+2kvh, hd]
-        if ctx.mask is None:  # decode-sized: one batch-invariant C call (RoPE, cache write, attention)
+        if ctx.mask is None:  # one batch- and chunk-invariant C call (RoPE, cache write, attention)
             attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, ctx.slots, ctx.positions, nh,
                                               cfg.scale, self.window, cfg.attn_softcap)
         else:
