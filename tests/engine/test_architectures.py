@@ -120,8 +120,9 @@ def _check_the_window_matters(path, ids, ref):
 @torch.inference_mode()
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
 def test_gemma_decode_steps_match_transformers_and_are_invariant(kind, tmp_path):
-    """Decode and verification steps (the C kernel where available: window, soft-cap, local RoPE)
-    past the window: transformers' logits, and bit-identical alone, batched, or as one of T queries."""
+    """Prefill, decode and verification steps (the C kernel where available: window, soft-cap, local
+    RoPE) past the window: transformers' logits, and bit-identical alone, batched, as one of T
+    queries or of a prefill chunk."""
     ref_model = _make(kind, tmp_path)
     ours = load_model(tmp_path, torch.float32)
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(2))
@@ -131,11 +132,11 @@ def test_gemma_decode_steps_match_transformers_and_are_invariant(kind, tmp_path)
     def run(slots: list[int], start: int, T: int) -> torch.Tensor:
         pos = torch.arange(start, start + T).expand(len(slots), T)
         ctx = ours.make_context(torch.tensor(slots), pos, slots, start + T)
-        assert (ctx.mask is None) == (ours.invariant_attention and T <= 16)
+        assert (ctx.mask is None) == ours.invariant_attention  # every query count: the chunk-invariant kernel
         return ours.logits(ours(ids[:, start:start + T].expand(len(slots), T), ctx, kv))
 
     for s in range(4):
-        run([s], 0, 20)  # prefill (SDPA / soft-capped torch path)
+        run([s], 0, 20)  # prefill
     steps = torch.cat([run([2], t, 1)[0] for t in range(20, 40)])  # slot 2: one token at a time
     assert (steps - ref[20:]).abs().max().item() < 1e-4
     four = run([0, 1, 3], 20, 4)  # three slots, four queries each (a verification step)
@@ -143,6 +144,7 @@ def test_gemma_decode_steps_match_transformers_and_are_invariant(kind, tmp_path)
     if ours.invariant_attention:
         assert torch.equal(four[0], steps[:4]) and torch.equal(four[1], four[2])
         assert torch.equal(run([1], 20, 1)[0, 0], steps[0])
+        assert torch.equal(run([3], 20, 20)[0], steps)  # a 20-query prefill chunk: the decode steps' bits
         ours.invariant_attention = False  # the torch path (no C compiler, CUDA) masks alike
         assert (run([0, 3], 20, 4) - ref[20:24]).abs().max().item() < 1e-4
 
