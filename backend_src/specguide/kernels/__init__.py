@@ -5,6 +5,7 @@ the callers fall back to torch ops and `available()` says why."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -46,8 +47,9 @@ def _build() -> ctypes.CDLL:
     return variant(tune.rows_per_pass(folder, key, variant))
 
 
+@functools.cache
 def _target() -> tuple[Path, str, list[str]]:
-    """(cache folder, key of this source + CPU + -march, the -march flags)."""
+    """(cache folder, key of this source + CPU + -march, the -march flags): read once per process."""
     # NOTE: SPECGUIDE_KERNEL_MARCH (e.g. "-march=x86-64-v3" = AVX2) builds another ISA's path on this
     # machine: the tests check every path here, whatever CPU runs them
     march = os.environ.get("SPECGUIDE_KERNEL_MARCH", "-march=native").split()

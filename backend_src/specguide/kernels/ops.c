@@ -36,12 +36,6 @@ typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
 typedef int8_t vi8 __attribute__((vector_size(VW)));
 typedef uint8_t vu8 __attribute__((vector_size(VW)));
 
-static inline __attribute__((always_inline)) float hsum(vf v) {
-    float s = 0.0f;
-    for (int j = 0; j < VW; j++) s += v[j];
-    return s;
-}
-
 static inline __attribute__((always_inline)) vf load(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
@@ -61,9 +55,7 @@ static inline __attribute__((always_inline)) vf load(const float *p) {
 #ifndef RB
 #define RB 4 /* rows of x per pass over a weight tile (tuned per machine: kernels/tune.py) */
 #endif
-#ifndef SCRATCH_B
 #define SCRATCH_B 16
-#endif
 
 enum { W_F32 = 0, W_I8 = 1, W_BF16 = 2 };
 

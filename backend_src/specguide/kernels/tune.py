@@ -1,14 +1,15 @@
 """Per-machine choice of the GEMM kernel's rows per pass (`RB` in ops.c), measured once and cached.
 
 RB rows of x share each pass over a weight tile: more rows reuse each loaded weight more, but
-need RB x 4 vector accumulators. With AVX-512 (32 registers) RB 4-6 fit; an AVX2-only CPU holds
-a 16-float vector in two of its 16 registers, so RB 4 already spills. Which RB is fastest is a
-property of the CPU and compiler (and more rows can cost decode: RB 6 keeps 24 accumulators live,
-which with the Q4_1 widening spill on AVX-512 and made batch-1 decode 10% slower), so it is
-measured here: each candidate is built and timed on decode, verification and prefill shapes (one
-thread, CPU time of this thread, so other processes on a shared machine do not decide it; best
-of several interleaved rounds), and the choice is cached next to the built kernels. RB never changes a result: a row's sums are the same
-operations whatever RB is (tests/unit/test_kernels.py checks every candidate bit for bit).
+keep RB x NV vector accumulators live (NV = 64 / vector width: 4 with AVX-512's 32 registers, 8
+with AVX2's 16), besides the widened weights. Which RB is fastest is a property of the CPU and
+compiler, and more rows can cost decode: on AVX-512, RB 6 ties RB 4 on prefill but its 24
+accumulators plus the Q4_1 widening spill registers and made the batch-1 GEMV 7.6% slower. So it
+is measured here: each candidate is built and timed on decode, verification and prefill shapes
+(one thread, CPU time of this thread, so other processes on a shared machine do not decide it;
+best of several interleaved rounds), and the choice is cached next to the built kernels. RB never
+changes a result: a row's sums are the same operations whatever RB is (tests/unit/test_kernels.py
+checks every candidate bit for bit).
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@
 * embeddings times sqrt(hidden_size), GeGLU MLP (gelu tanh), a norm on each branch's output
   before its residual add (pre/post attention and feed-forward norms).
 * q.k scaled by query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps attention scores and logits.
-* sliding-window layers (`layer_types`): Gemma 2 every other layer, Gemma 3 five in six, with
-  their own RoPE theta (Gemma 3: rope_parameters["sliding_attention"]); Gemma 3 q/k norms.
+* sliding-window layers (`layer_types`, read by llama.sliding_fields): Gemma 2 every other layer,
+  Gemma 3 five in six, with their own RoPE theta (Gemma 3: rope_parameters["sliding_attention"]);
+  Gemma 3 q/k norms.
 * "gemma3" multimodal checkpoints: the text model only (its `text_config` and weights).
 """
 from __future__ import annotations
@@ -41,16 +42,13 @@ def gemma_fields(hf: Any) -> dict[str, Any]:
     """ModelConfig fields for a Gemma text config ({} for other model types)."""
     if hf.model_type not in GEMMA:
         return {}
-    types = list(getattr(hf, "layer_types", None) or [])
     return {
         "act": "gelu_tanh", "sandwich_norm": True, "embed_scale": hf.hidden_size ** 0.5,
         "attn_scale": hf.query_pre_attn_scalar ** -0.5,
         # NOTE: transformers' Gemma 3 ignores attn_logit_softcapping (it never passes it on)
         "attn_softcap": float(hf.attn_logit_softcapping or 0.0) if hf.model_type == "gemma2" else 0.0,
         "final_softcap": float(getattr(hf, "final_logit_softcapping", None) or 0.0),
-        "sliding_window": int(getattr(hf, "sliding_window", None) or 0),
-        "sliding": tuple(t == "sliding_attention" for t in types),
-    }
+    }  # the sliding-window layers (`layer_types`) are read as for every model: llama.sliding_fields
 
 
 def weight_prefix(state: dict, default: str = "model.") -> str:

@@ -78,13 +78,14 @@ class ModelConfig:
             qkv_bias=bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2",
             qk_norm=hf.model_type in ("qwen3", "gemma3_text"),
             max_position_embeddings=getattr(hf, "max_position_embeddings", 8192),
-            **(gemma_fields(hf) or sliding_fields(hf)),
+            **gemma_fields(hf),
+            **sliding_fields(hf),
         )
 
 
 def sliding_fields(hf) -> dict:
-    """Sliding-window layers of the Llama-family configs: `layer_types` (Qwen2 with
-    use_sliding_window, Qwen3), else Mistral's `sliding_window` on every layer."""
+    """Sliding-window layers: `layer_types` (Gemma 2/3, Qwen2 with use_sliding_window, Qwen3), else
+    Mistral's `sliding_window` on every layer; {} when no layer slides."""
     window = int(getattr(hf, "sliding_window", None) or 0)
     types = getattr(hf, "layer_types", None)
     if types:
