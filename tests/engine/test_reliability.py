@@ -159,8 +159,10 @@ def test_cancel_at_every_stage_frees_everything(small, tmp_path):
 
 
 def test_time_limit_ends_with_timeout_and_keeps_the_text(small):
-    full_ids, full_text, _ = run_alone(small, greedy(PROMPTS[1], n=200, k=0))
-    sid, q = submit(small, greedy(PROMPTS[1], n=200, k=0, timeout_s=0.5))
+    # the counting prompt runs to max_tokens (no EOS): 200 tokens take seconds, well past the limit
+    full_ids, full_text, _ = run_alone(small, greedy(PROMPTS[0], n=200, k=0))
+    assert len(full_ids) == 200
+    sid, q = submit(small, greedy(PROMPTS[0], n=200, k=0, timeout_s=0.5))
     waiting_id, wq = submit(small, greedy(PROMPTS[2], n=4, timeout_s=0.2))  # queued behind it
     outs = []
     while not (outs and outs[-1].finished):

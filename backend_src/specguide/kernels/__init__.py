@@ -103,6 +103,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rope_attn_f32.restype = None
     lib.rope_attn_f32.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 6
                                   + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])
+    lib.forward_f32.restype = None  # (layers, nl, stack, x, slots, positions, B, T, threads): kernels/stack.py
+    lib.forward_f32.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     return lib
 
 

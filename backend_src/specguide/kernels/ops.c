@@ -230,10 +230,22 @@ static inline __attribute__((always_inline)) void load_dm(int kind, const uint16
     }
 }
 
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 0 /* blocks ahead to prefetch (0: none) */
+#endif
+static inline __attribute__((always_inline)) void prefetch_blk(int kind, const char *wt, const uint16_t *dm,
+                                                                int64_t blk, int64_t nblk) {
+    if (PF_BLOCKS == 0 || blk >= nblk) return;
+    const int64_t qb = (kind == W_Q4_1 ? TILE / 2 : TILE) * QBLK, per = kind == W_Q4_1 ? 2 * TILE : TILE;
+    for (int64_t o = 0; o < qb; o += 64) __builtin_prefetch(wt + blk * qb + o, 0, 0);
+    for (int64_t o = 0; o < per * 2; o += 64) __builtin_prefetch((const char *)(dm + blk * per) + o, 0, 0);
+}
+
 /* For each input i of a block-scaled tile, in order: its widened weights `w` [NV], then BODY. */
 #define EACH_WIDENED(kind, wt, dm, I, i, w, BODY)                                    \
     for (int64_t blk_ = 0; blk_ < (I) / QBLK; blk_++) {                              \
         vf d_[NV], m_[NV];                                                           \
+        prefetch_blk(kind, wt, dm, blk_ + PF_BLOCKS, (I) / QBLK);                    \
         load_dm(kind, dm, blk_, d_, m_);                                             \
         for (int i = blk_ * QBLK; i < (blk_ + 1) * QBLK; i++) {                      \
             vf w[NV];                                                                \
@@ -273,44 +285,51 @@ static void tile_q4_1(const float *x, const void *Wp, float *buf, const void *dm
 static void tile_q8_0(const float *x, const void *Wp, float *buf, const void *dm, const float *r, float *y,
                       int t, int B, int I, int O) { tile_all_blk(W_Q8_0, x, Wp, buf, dm, r, y, t, B, I, O); }
 
-static void gemv_any(int kind, tile_fn fn, const float *x, const void *Wp, const void *aux, const float *r,
-                     float *y, int B, int I, int O, int threads) {
+static const tile_fn TILE_FNS[] = {tile_f32, tile_i8, tile_bf16, tile_q4_1, tile_q8_0}; /* by kind */
+
+/* y = x W^T (+ r) as a worksharing loop: inside a parallel region the team shares the tiles
+   (then waits at the loop's end); outside one, the calling thread does them all. */
+static void gemv_for(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
+                     int B, int I, int O) {
     const int tiles = (O + TILE - 1) / TILE;
     const int widen = kind != W_F32 && B >= SCRATCH_B;
+    float *buf = widen ? (float *)aligned_alloc(64, sizeof(float) * (size_t)I * TILE) : NULL;
+    #pragma omp for schedule(dynamic, 2)
+    for (int t = 0; t < tiles; t++) TILE_FNS[kind](x, Wp, buf, aux, r, y, t, B, I, O);
+    free(buf);
+}
+
+static void gemv_any(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
+                     int B, int I, int O, int threads) {
     #pragma omp parallel num_threads(threads)
-    {
-        float *buf = widen ? (float *)aligned_alloc(64, sizeof(float) * (size_t)I * TILE) : NULL;
-        #pragma omp for schedule(dynamic, 2)
-        for (int t = 0; t < tiles; t++) fn(x, Wp, buf, aux, r, y, t, B, I, O);
-        free(buf);
-    }
+    gemv_for(kind, x, Wp, aux, r, y, B, I, O);
 }
 
 void gemv_f32(const float *x, const float *Wp, const float *r, float *y, int B, int I, int O, int threads) {
-    gemv_any(W_F32, tile_f32, x, Wp, NULL, r, y, B, I, O, threads);
+    gemv_any(W_F32, x, Wp, NULL, r, y, B, I, O, threads);
 }
 
 /* Wp int8 [O/64, I, 64], scale [O]: y = scale[o] * (x . q[o]) (+ r). */
 void gemv_i8(const float *x, const int8_t *Wp, const float *scale, const float *r, float *y,
              int B, int I, int O, int threads) {
-    gemv_any(W_I8, tile_i8, x, Wp, scale, r, y, B, I, O, threads);
+    gemv_any(W_I8, x, Wp, scale, r, y, B, I, O, threads);
 }
 
 /* Wp bf16 bits [O/64, I, 64]. */
 void gemv_bf16(const float *x, const uint16_t *Wp, const float *r, float *y, int B, int I, int O, int threads) {
-    gemv_any(W_BF16, tile_bf16, x, Wp, NULL, r, y, B, I, O, threads);
+    gemv_any(W_BF16, x, Wp, NULL, r, y, B, I, O, threads);
 }
 
 /* Wp Q4_1 nibbles [O/64, I, 32] uint8, dm [O/64, I/32, 2, 64] fp16 (d, m). */
 void gemv_q4_1(const float *x, const uint8_t *Wp, const uint16_t *dm, const float *r, float *y,
                int B, int I, int O, int threads) {
-    gemv_any(W_Q4_1, tile_q4_1, x, Wp, dm, r, y, B, I, O, threads);
+    gemv_any(W_Q4_1, x, Wp, dm, r, y, B, I, O, threads);
 }
 
 /* Wp Q8_0 [O/64, I, 64] int8, d [O/64, I/32, 64] fp16. */
 void gemv_q8_0(const float *x, const int8_t *Wp, const uint16_t *d, const float *r, float *y,
                int B, int I, int O, int threads) {
-    gemv_any(W_Q8_0, tile_q8_0, x, Wp, d, r, y, B, I, O, threads);
+    gemv_any(W_Q8_0, x, Wp, d, r, y, B, I, O, threads);
 }
 
 /* Causal attention over the per-slot KV cache, for every query count: decode, verification and
@@ -488,12 +507,13 @@ static void attn_tile(const float *q, const float *kc, const float *vc, const in
     }
 }
 
-void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *slot, const int64_t *pos,
-              float *out, int B, int T, int nh, int kvh, int S, int hd, float scale, int window, float softcap,
-              int threads) {
+/* Attention of every query as a worksharing loop (see gemv_for). */
+static void attn_for(const float *q, const float *kc, const float *vc, const int64_t *slot, const int64_t *pos,
+                     float *out, int B, int T, int nh, int kvh, int S, int hd, float scale, int window,
+                     float softcap) {
     const int per = T * (nh / kvh), tiles = (per + VW - 1) / VW;
     /* the last tiles (the most keys) first, so the dynamic schedule ends balanced */
-    #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(threads)
+    #pragma omp for collapse(3) schedule(dynamic, 1)
     for (int b = 0; b < B; b++)
         for (int g = 0; g < kvh; g++)
             for (int k = tiles - 1; k >= 0; k--) {
@@ -502,19 +522,13 @@ void attn_f32(const float *q, const float *kc, const float *vc, const int64_t *s
             }
 }
 
-/* Fused attention block: RoPE on q and k, K/V written into the slot cache, causal attention - one
- * call per layer instead of ~10 torch ops.
- *   qkv  [B, T, nh + 2 kvh, hd]  the fused projection (q heads, k heads, v heads)
- *   cos, sin [P, hd]             RoPE tables; sin carries the rotate_half sign (-sin | +sin)
- *   qrot [B, T, nh, hd]          scratch for the rotated queries
- * RoPE: x * cos + roll(x, hd / 2) * sin, as the torch path computes it. */
-void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, float *kc, float *vc,
-                   const int64_t *slot, const int64_t *pos, float *qrot, float *out,
-                   int B, int T, int nh, int kvh, int S, int hd, float scale, int window, float softcap,
-                   int threads) {
+/* RoPE on q (into qrot) and k, K and V written into the slot cache at their positions: a
+   worksharing loop (see gemv_for). */
+static void rope_write_for(const float *qkv, const float *cos_t, const float *sin_t, float *kc, float *vc,
+                           const int64_t *slot, const int64_t *pos, float *qrot, int B, int T, int nh, int kvh,
+                           int S, int hd) {
     const int H = nh + 2 * kvh, half = hd / 2;
-    /* phase 1: rotate q, rotate k and write k, v (all before any query reads the cache) */
-    #pragma omp parallel for collapse(2) schedule(dynamic, 2) num_threads(threads)
+    #pragma omp for collapse(2) schedule(dynamic, 2)
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             const int64_t bt = (int64_t)b * T + t, p = pos[bt];
@@ -530,5 +544,143 @@ void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, flo
                 memcpy(vc + ((slot[b] * kvh + g) * (int64_t)S + p) * hd, row + (int64_t)(nh + kvh + g) * hd,
                        sizeof(float) * hd);
         }
-    attn_f32(qrot, kc, vc, slot, pos, out, B, T, nh, kvh, S, hd, scale, window, softcap, threads);
+}
+
+/* Fused attention block: RoPE on q and k, K/V written into the slot cache, causal attention - one
+ * call per layer instead of ~10 torch ops.
+ *   qkv  [B, T, nh + 2 kvh, hd]  the fused projection (q heads, k heads, v heads)
+ *   cos, sin [P, hd]             RoPE tables; sin carries the rotate_half sign (-sin | +sin)
+ *   qrot [B, T, nh, hd]          scratch for the rotated queries
+ * RoPE: x * cos + roll(x, hd / 2) * sin, as the torch path computes it. */
+void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, float *kc, float *vc,
+                   const int64_t *slot, const int64_t *pos, float *qrot, float *out,
+                   int B, int T, int nh, int kvh, int S, int hd, float scale, int window, float softcap,
+                   int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        /* every key written before any query reads the cache: the loop's end is a barrier */
+        rope_write_for(qkv, cos_t, sin_t, kc, vc, slot, pos, qrot, B, T, nh, kvh, S, hd);
+        attn_for(qrot, kc, vc, slot, pos, out, B, T, nh, kvh, S, hd, scale, window, softcap);
+    }
+}
+
+/* ---- Decoder layers in one call ------------------------------------------------------------
+ * A whole forward of the Llama-family decoder stack (models/llama.py) in one parallel region:
+ * per layer, RMSNorm, q|k|v (+ bias) [, q/k norms], RoPE + cache write + attention, o + residual
+ * [sandwich norm], RMSNorm, gate|up, act(gate) * up, down + residual [sandwich norm]. The Python
+ * path did ~15 calls a layer (ctypes, torch ops, allocations): at batch 1 those cost as much as
+ * streaming the weights. Every step is per row (RMSNorm, activation) or one of the batch-invariant
+ * kernels above, so a row's result still never depends on the batch, T or the thread count. */
+enum { P_QKV = 0, P_O = 1, P_GATE_UP = 2, P_DOWN = 3 };
+
+typedef struct {
+    const void *w[4];   /* packed weights (qkv, o, gate_up, down) */
+    const void *aux[4]; /* their scales (int8: fp32 [O]; q4_1 / q8_0: fp16 blocks) or NULL */
+    int kind[4];        /* W_F32 .. W_Q8_0 */
+    int local;          /* sliding-window layer: `window` keys, the local RoPE tables */
+    const float *qkv_bias, *in_norm, *post_norm, *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm; /* or NULL */
+} layer_t;
+
+typedef struct {
+    int hidden, inter, nh, kvh, hd, S, window, act; /* act: 0 silu, 1 gelu (tanh) */
+    float eps, scale, softcap;
+    const float *cos, *sin, *cos_local, *sin_local; /* RoPE tables [P, hd] */
+    float *kc, *vc;        /* this stack's caches [layers, slots, kvh, S, hd] */
+    int64_t layer_stride;  /* floats from one layer's cache to the next */
+} stack_t;
+
+/* y[n] = x[n] * rsqrt(mean(x[n]^2) + eps) * w for N rows of D (y may be x). */
+static void rms_rows_for(const float *x, const float *w, float *y, int64_t N, int D, float eps) {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *xr = x + n * D;
+        float *yr = y + n * D;
+        float ss = 0.0f;
+        for (int i = 0; i < D; i++) ss += xr[i] * xr[i];
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int i = 0; i < D; i++) yr[i] = (xr[i] * r) * w[i];
+    }
+}
+
+/* h[n, j] = act(gu[n, j]) * gu[n, inter + j] */
+static void act_mul_for(const float *gu, float *h, int64_t N, int inter, int act) {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *g = gu + n * 2 * inter, *u = g + inter;
+        float *hr = h + n * inter;
+        if (act == 1)
+            for (int j = 0; j < inter; j++) {
+                const float x = g[j];
+                hr[j] = (0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)))) * u[j];
+            }
+        else
+            for (int j = 0; j < inter; j++) hr[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+    }
+}
+
+static void add_rows_for(float *y, const float *a, int64_t N, int D) { /* y += a */
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int i = 0; i < D; i++) y[n * D + i] += a[n * D + i];
+}
+
+static void bias_rows_for(float *y, const float *b, int64_t N, int D) { /* y[n] += b */
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int i = 0; i < D; i++) y[n * D + i] += b[i];
+}
+
+/* y = W x (+ r), with an optional sandwich norm before the residual: y = r + norm(W x). */
+static void proj_for(const layer_t *l, int p, const float *x, float *y, float *tmp, const float *r,
+                     const float *out_norm, int64_t N, int I, int O, float eps) {
+    if (out_norm) {
+        gemv_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O);
+        rms_rows_for(tmp, out_norm, tmp, N, O, eps);
+        add_rows_for(y, tmp, N, O);
+    } else {
+        gemv_for(l->kind[p], x, l->w[p], l->aux[p], r, y, (int)N, I, O);
+    }
+}
+
+/* x [B, T, hidden] (the residual stream, updated in place) through layers L[0..nl) at positions
+   pos [B, T] of cache rows slot [B]. */
+void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int64_t *slot, const int64_t *pos,
+                 int B, int T, int threads) {
+    const int64_t N = (int64_t)B * T;
+    const int H = c->nh + 2 * c->kvh, D = c->hidden, Q = c->nh * c->hd;
+    const int64_t need = N * ((int64_t)D * 2 + (int64_t)H * c->hd + 2 * (int64_t)Q + 3 * (int64_t)c->inter);
+    float *work = (float *)malloc(sizeof(float) * (size_t)need);
+    float *xn = work, *tmp = xn + N * D, *qkv = tmp + N * D, *qrot = qkv + N * H * c->hd, *att = qrot + N * Q;
+    float *gu = att + N * Q, *h = gu + N * 2 * c->inter;
+    #pragma omp parallel num_threads(threads)
+    for (int li = 0; li < nl; li++) {
+        const layer_t *l = &L[li];
+        float *kc = c->kc + li * c->layer_stride, *vc = c->vc + li * c->layer_stride;
+        rms_rows_for(x, l->in_norm, xn, N, D, c->eps);
+        gemv_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd);
+        if (l->qkv_bias) bias_rows_for(qkv, l->qkv_bias, N, H * c->hd);
+        if (l->q_norm) {  /* per head, before RoPE (Qwen3, Gemma 3) */
+            #pragma omp for schedule(static)
+            for (int64_t e = 0; e < N * (c->nh + c->kvh); e++) {
+                const int64_t n = e / (c->nh + c->kvh);
+                const int hh = (int)(e % (c->nh + c->kvh));
+                float *row = qkv + (n * H + hh) * c->hd;
+                const float *w = hh < c->nh ? l->q_norm : l->k_norm;
+                float ss = 0.0f;
+                for (int i = 0; i < c->hd; i++) ss += row[i] * row[i];
+                const float r = 1.0f / sqrtf(ss / (float)c->hd + c->eps);
+                for (int i = 0; i < c->hd; i++) row[i] = (row[i] * r) * w[i];
+            }
+        }
+        const float *cs = l->local ? c->cos_local : c->cos, *sn = l->local ? c->sin_local : c->sin;
+        rope_write_for(qkv, cs, sn, kc, vc, slot, pos, qrot, B, T, c->nh, c->kvh, c->S, c->hd);
+        attn_for(qrot, kc, vc, slot, pos, att, B, T, c->nh, c->kvh, c->S, c->hd, c->scale,
+                 l->local ? c->window : 0, c->softcap);
+        proj_for(l, P_O, att, x, tmp, x, l->attn_out_norm, N, Q, D, c->eps);
+        rms_rows_for(x, l->post_norm, xn, N, D, c->eps);
+        gemv_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter);
+        act_mul_for(gu, h, N, c->inter, c->act);
+        proj_for(l, P_DOWN, h, x, tmp, x, l->mlp_out_norm, N, c->inter, D, c->eps);
+    }
+    free(work);
 }

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..kernels import stack
 from ..kv_cache import KVCache
-from .linear import linear_add, make_head, prepare_linears
+from .linear import InvariantLinear, linear_add, make_head, prepare_linears
 
 
 INVARIANT_MAX_QUERIES = 16  # without `invariant_prefill`: only decode and verification steps (T <= K+1) use the kernel
@@ -134,6 +135,20 @@ class DecoderLayer(nn.Module):
             attn = attention(q.transpose(1, 2), keys, values, mask, cfg).transpose(1, 2)  # [B, T, nh, hd]
         return self.out_mlp(x, attn.reshape(B, T, nh * hd))
 
+    def weights(self) -> Optional[stack.LayerWeights]:
+        """This layer as the C stack reads it (kernels/stack.py), or None when a linear is not the C
+        kernels' (other dtypes, CUDA) or has a bias the C stack does not add."""
+        lins = (self.qkv, self.o, self.gate_up, self.down)
+        if not all(isinstance(lin, InvariantLinear) for lin in lins) or any(lin.bias is not None for lin in lins[1:]):
+            return None
+        opt = lambda name: getattr(self, name, None)  # noqa: E731
+        return stack.LayerWeights(
+            *(stack.Linear(lin.packed, lin.scale, lin.weight_dtype) for lin in lins),
+            in_norm=self.input_norm.detach(), post_norm=self.post_norm.detach(), local=self.sliding,
+            qkv_bias=None if self.qkv.bias is None else self.qkv.bias.contiguous(),
+            **{name: opt(name).detach() for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+               if opt(name) is not None})
+
     def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., T, hidden] -> fused q|k|v heads [..., T, nh+2kvh, hd] (before RoPE)."""
         cfg = self.cfg
@@ -226,6 +241,7 @@ class LlamaModel(nn.Module):
         # prefill chunks too (as fast as SDPA at 256-1024 tokens: bench/bench_prefill_attention.py); False:
         # SDPA for T > INVARIANT_MAX_QUERIES (benchmarks only: prefix reuse then stops at whole chunks)
         self.invariant_prefill = True
+        self.fused: Optional[stack.FusedStack] = None  # every layer in one C call (set by finalize)
         self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope_tables(self, max_len: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,6 +299,10 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
+        if self.fused is not None and ctx.mask is None:  # the same kernels, one C call
+            x = self.fused(x, (*tables[False], *tables[True]), kv.k, kv.v, ctx.slots, ctx.positions,
+                           num_layers or 0)
+            return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
@@ -299,6 +319,7 @@ class LlamaModel(nn.Module):
             prepare_linears(self.layers, weight_dtype)
         self.invariant_attention = (w.device.type == "cpu" and w.dtype == torch.float32
                                     and self.cfg.head_dim % 16 == 0 and kernels.library() is not None)
+        self.fused = fused_stack(self.layers, self.cfg) if self.invariant_attention else None
         # as transformers: the scale in the model dtype (sqrt(hidden) is rounded in bf16)
         self.embed_scale = float(torch.tensor(self.cfg.embed_scale).to(w.dtype))
 
@@ -307,3 +328,13 @@ class LlamaModel(nn.Module):
         logits = self.head(hidden).float()
         cap = self.cfg.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def fused_stack(layers: list[DecoderLayer], cfg: ModelConfig) -> Optional[stack.FusedStack]:
+    """`layers` as one C call (kernels/stack.py), or None when one of them cannot be."""
+    weights = [layer.weights() for layer in layers]
+    if not weights or any(w is None for w in weights) or cfg.act not in stack.ACTS:
+        return None
+    return stack.FusedStack(weights, stack.Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                                                 cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.scale,
+                                                 cfg.sliding_window, cfg.attn_softcap, cfg.act))

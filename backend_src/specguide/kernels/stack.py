@@ -1,0 +1,152 @@
+"""A decoder stack's forward in one C call (`forward_f32` in ops.c): the layers' packed weights and
+norms described once as C structs, the per-forward arguments (caches, RoPE tables, rows) per call.
+
+The Python path makes ~15 calls a layer (ctypes, torch ops, allocations); at batch 1 those cost as
+much as streaming the weights, so the CPU fp32 forward of every Llama-family model runs here when
+its linears are the C kernels' (models/llama.py decides). The results are the same per-row and
+batch-invariant kernels, called in one parallel region."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import library
+
+_P = ctypes.c_void_p
+KINDS = {"float32": 0, "int8": 1, "bfloat16": 2, "q4_1": 3, "q8_0": 4}  # ops.c's W_* per weight format
+ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+class LayerStruct(ctypes.Structure):
+    """ops.c `layer_t`: one decoder layer's weights (pointers into tensors the owner keeps alive)."""
+
+    _fields_ = [("w", _P * 4), ("aux", _P * 4), ("kind", ctypes.c_int * 4), ("local", ctypes.c_int),
+                ("qkv_bias", _P), ("in_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("attn_out_norm", _P), ("mlp_out_norm", _P)]
+
+
+class StackStruct(ctypes.Structure):
+    """ops.c `stack_t`: shapes, attention settings, RoPE tables and caches of one forward."""
+
+    _fields_ = [("hidden", ctypes.c_int), ("inter", ctypes.c_int), ("nh", ctypes.c_int), ("kvh", ctypes.c_int),
+                ("hd", ctypes.c_int), ("S", ctypes.c_int), ("window", ctypes.c_int), ("act", ctypes.c_int),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("cos", _P), ("sin", _P), ("cos_local", _P), ("sin_local", _P), ("kc", _P), ("vc", _P),
+                ("layer_stride", ctypes.c_int64)]
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    if t is None:
+        return None
+    assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    return t.data_ptr()
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear's packed weight, its aux (scales) and format (kernels.pack_weight / pack_exact)."""
+
+    packed: torch.Tensor
+    aux: Optional[torch.Tensor]
+    weight_dtype: str
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """What `forward_f32` reads of one layer; None: the layer has no such norm or bias."""
+
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    local: bool = False
+    qkv_bias: Optional[torch.Tensor] = None
+    q_norm: Optional[torch.Tensor] = None
+    k_norm: Optional[torch.Tensor] = None
+    attn_out_norm: Optional[torch.Tensor] = None
+    mlp_out_norm: Optional[torch.Tensor] = None
+
+    def struct(self) -> LayerStruct:
+        s = LayerStruct()
+        for i, lin in enumerate((self.qkv, self.o, self.gate_up, self.down)):
+            s.w[i] = lin.packed.data_ptr()
+            s.aux[i] = None if lin.aux is None else lin.aux.data_ptr()
+            s.kind[i] = KINDS[lin.weight_dtype]
+        s.local = int(self.local)
+        for name in ("qkv_bias", "in_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
+            setattr(s, name, _ptr(getattr(self, name)))
+        return s
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The stack's sizes and attention settings (ModelConfig's, as the C struct wants them)."""
+
+    hidden: int
+    inter: int
+    nh: int
+    kvh: int
+    hd: int
+    eps: float
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
+    act: str = "silu"
+
+
+class FusedStack:
+    """Layers run by one `forward_f32` call. NOTE: holds raw pointers into the weights: the owner
+    rebuilds it whenever it repacks or replaces them (finalize / attach)."""
+
+    def __init__(self, layers: Sequence[LayerWeights], shape: Shape):
+        self.layers = list(layers)  # keeps every tensor a pointer refers to alive
+        self.array = (LayerStruct * len(self.layers))(*(w.struct() for w in self.layers))
+        self.shape = shape
+        self._stacks: dict[tuple, StackStruct] = {}
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def _stack(self, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor) -> StackStruct:
+        key = tuple(t.data_ptr() for t in tables) + (kc.data_ptr(), vc.data_ptr(), tuple(kc.shape))
+        s = self._stacks.get(key)
+        if s is None:
+            assert kc.is_contiguous() and vc.is_contiguous() and kc.shape == vc.shape and kc.dim() == 5
+            assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tables)
+            sh = self.shape
+            s = StackStruct(hidden=sh.hidden, inter=sh.inter, nh=sh.nh, kvh=sh.kvh, hd=sh.hd, S=kc.shape[3],
+                            window=sh.window, act=ACTS[sh.act], eps=sh.eps, scale=sh.scale, softcap=sh.softcap,
+                            layer_stride=kc.stride(0))
+            s.cos, s.sin, s.cos_local, s.sin_local = (t.data_ptr() for t in tables)
+            s.kc, s.vc = kc.data_ptr(), vc.data_ptr()
+            if len(self._stacks) > 8:  # a few caches and tables per model: never grows without bound
+                self._stacks.clear()
+            self._stacks[key] = s
+            # NOTE: the key holds the tensors' addresses, the struct their pointers: a freed table whose
+            # address is reused by a new one of the same shape is the same key and the right pointer
+        return s
+
+    def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor,
+                 slots: torch.Tensor, positions: torch.Tensor, num_layers: int = 0) -> torch.Tensor:
+        """x [B, T, hidden] through the first `num_layers` (0: all) layers, caches kc / vc
+        [layers, slots, kvh, S, hd] written at (slots [B], positions [B, T]); tables: (cos, sin,
+        cos_local, sin_local) [P, hd] -> [B, T, hidden] (a new tensor)."""
+        lib = library()
+        assert lib is not None
+        nl = num_layers or len(self.layers)
+        assert 0 < nl <= len(self.layers) <= kc.shape[0]
+        B, T, D = x.shape
+        assert D == self.shape.hidden and x.dtype == torch.float32
+        out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        assert positions.shape == (B, T) and slots.shape == (B,)
+        lib.forward_f32(ctypes.addressof(self.array), nl, ctypes.addressof(self._stack(tables, kc, vc)),
+                        out.data_ptr(), slots.data_ptr(),
+                        positions.data_ptr(), B, T, torch.get_num_threads())
+        return out
