@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specguide import kernels
 from specguide.kv_cache import KVCache
 from specguide.models.loader import load_model
 
@@ -94,6 +95,14 @@ def test_random_model_matches_transformers(kind, tmp_path):
     ctx = ours.make_context(torch.tensor([1]), torch.arange(90)[None], [1], 90)
     got = ours.logits(ours(ids, ctx, kv))[0]
     assert (got - ref).abs().max().item() < 1e-4
+    if kernels.library() is not None:  # that was the whole stack in one C call; layer by layer matches too
+        assert ours.fused is not None and len(ours.fused) == 2
+        fused, ours.fused = ours.fused, None
+        try:
+            layerwise = ours.logits(ours(ids, ctx, KVCache(2, 2, 2, 128, ours.cfg.head_dim, torch.float32)))[0]
+        finally:
+            ours.fused = fused
+        assert (layerwise - ref).abs().max().item() < 1e-4 and (layerwise - got).abs().max().item() < 1e-4
     if kind.startswith("gemma"):
         assert ours.cfg.sliding == (True, False) and ours.cfg.sliding_window == 6
         assert (ours.cfg.attn_softcap, ours.cfg.final_softcap) == ((5.0, 3.0) if kind == "gemma2" else (0.0, 0.0))

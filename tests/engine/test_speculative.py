@@ -125,7 +125,7 @@ def test_stops_inside_an_accepted_run(engine, recorded_runs):
             break
         pos += len(toks)
     assert cut is not None, "no multi-token accepted run"
-    prompt, base = req.prompt, req.params
+    prompt = req.prompt
     # max_tokens inside the run
     p = SamplingParams(max_tokens=cut + 1, temperature=0.0)
     a = run_alone(engine, Request(prompt=prompt, params=p, num_draft_tokens=3))

@@ -1,6 +1,8 @@
 """C kernels: correct against torch, and batch-invariant bit for bit."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -288,3 +290,41 @@ def test_the_tuned_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert tune.rows_per_pass(tmp_path, "k", lambda n: pytest.fail("measured again")) == rb
     monkeypatch.setenv("SPECGUIDE_KERNEL_RB", "3")
     assert tune.rows_per_pass(tmp_path, "k", lambda n: pytest.fail("measured again")) == 3
+
+
+def test_prefetch_never_changes_a_bit():
+    """The tuned prefetch distance (ops.c set_prefetch) changes when weights arrive, never a result:
+    every candidate gives the bits of no prefetch, block formats in-register and widened."""
+    from specguide.kernels import tune
+
+    lib = kernels.library()
+    g = torch.Generator().manual_seed(4)
+    W, x = torch.randn(200, 128, generator=g), torch.randn(20, 128, generator=g)
+    packs = {fmt: kernels.pack_weight(W, fmt) for fmt in ("q4_1", "q8_0")}
+    try:
+        lib.set_prefetch(0)
+        ref = {(fmt, n): kernels.gemv(x[:n], *packs[fmt], 200) for fmt in packs for n in (1, 3, 20)}
+        for pf in tune.PF_CANDIDATES + (64,):  # 64: far past the end of the weights
+            lib.set_prefetch(pf)
+            for (fmt, n), want in ref.items():
+                assert torch.equal(kernels.gemv(x[:n], *packs[fmt], 200), want), (pf, fmt, n)
+    finally:
+        lib.set_prefetch(tune.prefetch_blocks(*kernels._target()[:2], lib, torch.get_num_threads()))
+
+
+def test_the_prefetch_distance_is_measured_once_and_cached_beside_rows_per_pass(tmp_path, monkeypatch):
+    from specguide.kernels import tune
+
+    monkeypatch.delenv("SPECGUIDE_KERNEL_PF", raising=False)
+    monkeypatch.setattr(tune, "STREAM_BYTES", 4 << 20)  # speed: the choice itself is not checked here
+    monkeypatch.setattr(tune, "_l3_bytes", lambda: 0)
+    (tmp_path / "tuned-k.json").write_text('{"RB": 3}')
+    lib = kernels.library()
+    pf = tune.prefetch_blocks(tmp_path, "k", lib, 2)
+    assert pf in tune.PF_CANDIDATES
+    record = json.loads((tmp_path / "tuned-k.json").read_text())
+    assert record["RB"] == 3 and record["PF"] == pf and set(record["prefetch_ms"]) == {str(c) for c in tune.PF_CANDIDATES}
+    monkeypatch.setattr(tune, "measure_prefetch", lambda *a: pytest.fail("measured again"))
+    assert tune.prefetch_blocks(tmp_path, "k", lib, 2) == pf
+    monkeypatch.setenv("SPECGUIDE_KERNEL_PF", "6")
+    assert tune.prefetch_blocks(tmp_path, "k", lib, 2) == 6

@@ -44,7 +44,9 @@ def _cpu_key() -> str:
 
 def _build() -> ctypes.CDLL:
     folder, key, _ = _target()
-    return variant(tune.rows_per_pass(folder, key, variant))
+    lib = variant(tune.rows_per_pass(folder, key, variant))
+    lib.set_prefetch(tune.prefetch_blocks(folder, key, lib, torch.get_num_threads()))
+    return lib
 
 
 @functools.cache
@@ -103,6 +105,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rope_attn_f32.restype = None
     lib.rope_attn_f32.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 6
                                   + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])
+    lib.set_prefetch.restype = None
+    lib.set_prefetch.argtypes = [ctypes.c_int]
     lib.forward_f32.restype = None  # (layers, nl, stack, x, slots, positions, B, T, threads): kernels/stack.py
     lib.forward_f32.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     return lib

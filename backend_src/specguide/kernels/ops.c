@@ -230,22 +230,32 @@ static inline __attribute__((always_inline)) void load_dm(int kind, const uint16
     }
 }
 
-#ifndef PF_BLOCKS
-#define PF_BLOCKS 0 /* blocks ahead to prefetch (0: none) */
-#endif
+/* NOTE: software prefetch of the block `pf_blocks` ahead of the one being widened (0: none). The
+   hardware prefetchers lose the stream at each 64-row tile; how far ahead pays is a property of
+   the machine's memory, so kernels/tune.py measures it on a stream larger than the L3 cache and
+   sets it once (set_prefetch). It changes when bytes arrive, never what is computed. */
+static int pf_blocks = 0;
+
+void set_prefetch(int blocks) { pf_blocks = blocks; }
+
+/* NOTE: past the tile's last block it prefetches the next tile's first ones (tiles are contiguous;
+   with the dynamic schedule that is usually this thread's next tile: 25% faster than stopping at the
+   tile's end), and past the last tile addresses outside the weights: a prefetch never faults. */
 static inline __attribute__((always_inline)) void prefetch_blk(int kind, const char *wt, const uint16_t *dm,
-                                                                int64_t blk, int64_t nblk) {
-    if (PF_BLOCKS == 0 || blk >= nblk) return;
+                                                                int64_t blk) {
+    if (pf_blocks == 0) return;
+    blk += pf_blocks;
     const int64_t qb = (kind == W_Q4_1 ? TILE / 2 : TILE) * QBLK, per = kind == W_Q4_1 ? 2 * TILE : TILE;
-    for (int64_t o = 0; o < qb; o += 64) __builtin_prefetch(wt + blk * qb + o, 0, 0);
-    for (int64_t o = 0; o < per * 2; o += 64) __builtin_prefetch((const char *)(dm + blk * per) + o, 0, 0);
+    const uintptr_t q = (uintptr_t)wt + (uintptr_t)(blk * qb), s = (uintptr_t)dm + (uintptr_t)(blk * per * 2);
+    for (int64_t o = 0; o < qb; o += 64) __builtin_prefetch((const void *)(q + o), 0, 0);
+    for (int64_t o = 0; o < per * 2; o += 64) __builtin_prefetch((const void *)(s + o), 0, 0);
 }
 
 /* For each input i of a block-scaled tile, in order: its widened weights `w` [NV], then BODY. */
 #define EACH_WIDENED(kind, wt, dm, I, i, w, BODY)                                    \
     for (int64_t blk_ = 0; blk_ < (I) / QBLK; blk_++) {                              \
         vf d_[NV], m_[NV];                                                           \
-        prefetch_blk(kind, wt, dm, blk_ + PF_BLOCKS, (I) / QBLK);                    \
+        prefetch_blk(kind, wt, dm, blk_);                                    \
         load_dm(kind, dm, blk_, d_, m_);                                             \
         for (int i = blk_ * QBLK; i < (blk_ + 1) * QBLK; i++) {                      \
             vf w[NV];                                                                \

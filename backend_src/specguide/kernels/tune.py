@@ -10,6 +10,10 @@ is measured here: each candidate is built and timed on decode, verification and 
 best of several interleaved rounds), and the choice is cached next to the built kernels. RB never
 changes a result: a row's sums are the same operations whatever RB is (tests/unit/test_kernels.py
 checks every candidate bit for bit).
+
+The software prefetch distance of the block-format GEMVs (`set_prefetch` in ops.c) is measured the
+same way, but where it matters: batch-1 GEMVs streaming more weights than the L3 cache holds (a
+decode step's), with the serving thread count and wall time, on the built library (no rebuilds).
 """
 from __future__ import annotations
 
@@ -72,17 +76,35 @@ def measure(build: Callable[[int], ctypes.CDLL]) -> dict[int, float]:
     return {rb: sum(t / f for t, f in zip(best[rb], floor)) for rb in libs}
 
 
+def _record(cache: Path, key: str) -> dict:
+    """What tuned-{key}.json holds (empty when missing or unreadable)."""
+    try:
+        return json.loads((cache / f"tuned-{key}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _cached(cache: Path, key: str, field: str) -> dict:
+    """The record, with `field` forced by SPECGUIDE_KERNEL_<field> when set (tests, benchmarks)."""
+    forced = os.environ.get(f"SPECGUIDE_KERNEL_{field}")
+    return {field: int(forced)} if forced else _record(cache, key)
+
+
+def _save(cache: Path, key: str, fields: dict) -> None:
+    path = cache / f"tuned-{key}.json"
+    record = _record(cache, key)
+    record.update(fields)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
 def rows_per_pass(cache: Path, key: str, build: Callable[[int], ctypes.CDLL]) -> int:
     """RB for this machine (`key`: the source, CPU flags and -march): cached, else measured.
     SPECGUIDE_KERNEL_RB forces one (tests, benchmarks)."""
-    forced = os.environ.get("SPECGUIDE_KERNEL_RB")
-    if forced:
-        return int(forced)
-    path = cache / f"tuned-{key}.json"
-    try:
-        return int(json.loads(path.read_text())["RB"])
-    except (OSError, ValueError, KeyError):
-        pass
+    record = _cached(cache, key, "RB")
+    if "RB" in record:
+        return int(record["RB"])
     try:
         times = measure(build)
     except Exception as exc:  # noqa: BLE001 - a candidate that does not build: keep the default
@@ -93,7 +115,63 @@ def rows_per_pass(cache: Path, key: str, build: Callable[[int], ctypes.CDLL]) ->
         rb = DEFAULT
     log.info("specguide: kernel rows per pass RB=%d (time relative to the best, summed over %d shapes: %s)",
              rb, len(SHAPES), {k: round(v, 3) for k, v in times.items()})
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"RB": rb, "relative": {str(k): round(v, 4) for k, v in times.items()}}))
-    os.replace(tmp, path)
+    _save(cache, key, {"RB": rb, "relative": {str(k): round(v, 4) for k, v in times.items()}})
     return rb
+
+
+PF_CANDIDATES = (0, 2, 4, 6, 8)  # blocks of 32 inputs ahead (0: no software prefetch)
+STREAM_BYTES = 64 << 20  # at least; twice the L3 cache where it is larger
+
+
+def _l3_bytes() -> int:
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(size[:-1]) << (10 if size[-1] == "K" else 20) if size[-1] in "KM" else int(size)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def measure_prefetch(lib: ctypes.CDLL, threads: int) -> dict[int, float]:
+    """Per prefetch distance: the best wall time of one pass of batch-1 Q4_1 GEMVs over more
+    distinct weights than the L3 cache holds (interleaved rounds)."""
+    I, O = 576, 3072  # a SmolLM2 gate|up: 1.1 MB of nibbles, 0.2 MB of scales
+    per = (O // 64) * I * 32 + (O // 64) * (I // 32) * 2 * 64 * 2
+    n = -(-max(STREAM_BYTES, 2 * _l3_bytes()) // per)
+    mats = [(torch.full((O // 64, I, 32), 0x35, dtype=torch.uint8),  # written: no lazily mapped zero pages
+             torch.full((O // 64, I // 32, 2, 64), 0.01, dtype=torch.float16)) for _ in range(n)]
+    x, y = torch.randn(1, I), torch.empty(1, O)
+
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        for w, dm in mats:
+            lib.gemv_q4_1(x.data_ptr(), w.data_ptr(), dm.data_ptr(), None, y.data_ptr(), 1, I, O, threads)
+        return time.perf_counter() - t0
+    best = {pf: float("inf") for pf in PF_CANDIDATES}
+    try:
+        for _ in range(ROUNDS):
+            for pf in PF_CANDIDATES:
+                lib.set_prefetch(pf)
+                best[pf] = min(best[pf], one_pass())
+    finally:
+        lib.set_prefetch(0)
+    return best
+
+
+def prefetch_blocks(cache: Path, key: str, lib: ctypes.CDLL, threads: int) -> int:
+    """The prefetch distance for this machine: cached, else measured (`measure_prefetch`); 0 stays
+    unless another is MARGIN faster. SPECGUIDE_KERNEL_PF forces one."""
+    record = _cached(cache, key, "PF")
+    if "PF" in record:
+        return int(record["PF"])
+    try:
+        times = measure_prefetch(lib, threads)
+    except Exception as exc:  # noqa: BLE001 - no prefetch is always correct
+        log.warning("specguide: prefetch tuning failed (%s); none", exc)
+        return 0
+    pf = min(times, key=times.get)
+    if times[pf] > times[0] * (1 - MARGIN):
+        pf = 0
+    log.info("specguide: kernel prefetch distance %d blocks (ms per stream: %s)", pf,
+             {k: round(v * 1e3, 3) for k, v in times.items()})
+    _save(cache, key, {"PF": pf, "prefetch_ms": {str(k): round(v * 1e3, 4) for k, v in times.items()}})
+    return pf

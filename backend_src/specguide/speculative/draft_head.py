@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..models.linear import invariant_available, make_head, prepare_linears
-from ..models.llama import AttnContext, DecoderLayer, LlamaModel, ModelConfig, rms_norm
+from ..models.llama import AttnContext, DecoderLayer, LlamaModel, ModelConfig, fused_stack, rms_norm
 from ..kv_cache import KVCache
 from ..paths import cache_dir
 
@@ -39,6 +39,7 @@ class DraftHead(nn.Module):
         self.register_buffer("d2t", d2t.to(torch.int64))  # [Vd]: draft id -> target id
         self.target: Optional[LlamaModel] = None  # embedding, RoPE tables, LM head rows (not saved)
         self.lm: Optional[nn.Module] = None
+        self.fused = None  # the layer as one C call (kernels/stack.py), set by attach
 
     @property
     def draft_vocab_size(self) -> int:
@@ -55,6 +56,7 @@ class DraftHead(nn.Module):
         self.lm = make_head(w.contiguous(), wd) if pack else _frozen_linear(w)
         if pack:
             prepare_linears(self, wd)
+        self.fused = fused_stack([self.layer], self.cfg) if pack and target.invariant_attention else None
         return self
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, ctx: AttnContext, kv: KVCache) -> torch.Tensor:
@@ -63,7 +65,10 @@ class DraftHead(nn.Module):
         e = rms_norm(t.embed(tokens), self.embed_norm, self.cfg.rms_norm_eps)
         x = self.fc(torch.cat([feats.to(e.dtype), e], dim=-1))
         cos, sin = t.rope(ctx, kv.max_seq_len)
-        x = self.layer(x, cos, sin, ctx, kv.k[0], kv.v[0])
+        if self.fused is not None and ctx.mask is None:
+            x = self.fused(x, (cos, sin, cos, sin), kv.k, kv.v, ctx.slots, ctx.positions)
+        else:
+            x = self.layer(x, cos, sin, ctx, kv.k[0], kv.v[0])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
