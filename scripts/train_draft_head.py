@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     if args.if_missing and out.exists():
         print(f"draft head: {out} (delete it to retrain)")
         return 0
-    print(f"training the draft head into {out} (about 15-25 minutes on a 2-core CPU; once)", flush=True)
+    print(f"training the draft head into {out} (about 15 minutes on a 2-core CPU; once)", flush=True)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model_dir=str(folder), max_slots=8, max_seq_len=1024, drafter="grammar",
                                  weight_dtype=args.weight_dtype))
