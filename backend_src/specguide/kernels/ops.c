@@ -599,17 +599,18 @@ typedef struct {
     int64_t layer_stride;  /* floats from one layer's cache to the next */
 } stack_t;
 
-/* y[n] = x[n] * rsqrt(mean(x[n]^2) + eps) * w for N rows of D (y may be x). */
+/* y = x * rsqrt(mean(x^2) + eps) * w over one row of D (y may be x). */
+static inline void rms_row(const float *x, const float *w, float *y, int D, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < D; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int i = 0; i < D; i++) y[i] = (x[i] * r) * w[i];
+}
+
+/* rms_row over N rows of D. */
 static void rms_rows_for(const float *x, const float *w, float *y, int64_t N, int D, float eps) {
     #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *xr = x + n * D;
-        float *yr = y + n * D;
-        float ss = 0.0f;
-        for (int i = 0; i < D; i++) ss += xr[i] * xr[i];
-        const float r = 1.0f / sqrtf(ss / (float)D + eps);
-        for (int i = 0; i < D; i++) yr[i] = (xr[i] * r) * w[i];
-    }
+    for (int64_t n = 0; n < N; n++) rms_row(x + n * D, w, y + n * D, D, eps);
 }
 
 /* h[n, j] = act(gu[n, j]) * gu[n, inter + j] */
@@ -640,15 +641,15 @@ static void bias_rows_for(float *y, const float *b, int64_t N, int D) { /* y[n] 
         for (int i = 0; i < D; i++) y[n * D + i] += b[i];
 }
 
-/* y = W x (+ r), with an optional sandwich norm before the residual: y = r + norm(W x). */
-static void proj_for(const layer_t *l, int p, const float *x, float *y, float *tmp, const float *r,
-                     const float *out_norm, int64_t N, int I, int O, float eps) {
+/* The residual stream y += W x, or with a sandwich norm y += norm(W x) (tmp: scratch [N, O]). */
+static void proj_add_for(const layer_t *l, int p, const float *x, float *y, float *tmp, const float *out_norm,
+                         int64_t N, int I, int O, float eps) {
     if (out_norm) {
         gemv_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O);
         rms_rows_for(tmp, out_norm, tmp, N, O, eps);
         add_rows_for(y, tmp, N, O);
     } else {
-        gemv_for(l->kind[p], x, l->w[p], l->aux[p], r, y, (int)N, I, O);
+        gemv_for(l->kind[p], x, l->w[p], l->aux[p], y, y, (int)N, I, O);
     }
 }
 
@@ -675,22 +676,18 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
                 const int64_t n = e / (c->nh + c->kvh);
                 const int hh = (int)(e % (c->nh + c->kvh));
                 float *row = qkv + (n * H + hh) * c->hd;
-                const float *w = hh < c->nh ? l->q_norm : l->k_norm;
-                float ss = 0.0f;
-                for (int i = 0; i < c->hd; i++) ss += row[i] * row[i];
-                const float r = 1.0f / sqrtf(ss / (float)c->hd + c->eps);
-                for (int i = 0; i < c->hd; i++) row[i] = (row[i] * r) * w[i];
+                rms_row(row, hh < c->nh ? l->q_norm : l->k_norm, row, c->hd, c->eps);
             }
         }
         const float *cs = l->local ? c->cos_local : c->cos, *sn = l->local ? c->sin_local : c->sin;
         rope_write_for(qkv, cs, sn, kc, vc, slot, pos, qrot, B, T, c->nh, c->kvh, c->S, c->hd);
         attn_for(qrot, kc, vc, slot, pos, att, B, T, c->nh, c->kvh, c->S, c->hd, c->scale,
                  l->local ? c->window : 0, c->softcap);
-        proj_for(l, P_O, att, x, tmp, x, l->attn_out_norm, N, Q, D, c->eps);
+        proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter);
         act_mul_for(gu, h, N, c->inter, c->act);
-        proj_for(l, P_DOWN, h, x, tmp, x, l->mlp_out_norm, N, c->inter, D, c->eps);
+        proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps);
     }
     free(work);
 }

@@ -107,28 +107,20 @@ class FusedStack:
         self.layers = list(layers)  # keeps every tensor a pointer refers to alive
         self.array = (LayerStruct * len(self.layers))(*(w.struct() for w in self.layers))
         self.shape = shape
-        self._stacks: dict[tuple, StackStruct] = {}
 
     def __len__(self) -> int:
         return len(self.layers)
 
     def _stack(self, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor) -> StackStruct:
-        key = tuple(t.data_ptr() for t in tables) + (kc.data_ptr(), vc.data_ptr(), tuple(kc.shape))
-        s = self._stacks.get(key)
-        if s is None:
-            assert kc.is_contiguous() and vc.is_contiguous() and kc.shape == vc.shape and kc.dim() == 5
-            assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tables)
-            sh = self.shape
-            s = StackStruct(hidden=sh.hidden, inter=sh.inter, nh=sh.nh, kvh=sh.kvh, hd=sh.hd, S=kc.shape[3],
-                            window=sh.window, act=ACTS[sh.act], eps=sh.eps, scale=sh.scale, softcap=sh.softcap,
-                            layer_stride=kc.stride(0))
-            s.cos, s.sin, s.cos_local, s.sin_local = (t.data_ptr() for t in tables)
-            s.kc, s.vc = kc.data_ptr(), vc.data_ptr()
-            if len(self._stacks) > 8:  # a few caches and tables per model: never grows without bound
-                self._stacks.clear()
-            self._stacks[key] = s
-            # NOTE: the key holds the tensors' addresses, the struct their pointers: a freed table whose
-            # address is reused by a new one of the same shape is the same key and the right pointer
+        """The per-forward struct (a few us to build: not worth caching)."""
+        assert kc.is_contiguous() and vc.is_contiguous() and kc.shape == vc.shape and kc.dim() == 5
+        assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tables)
+        sh = self.shape
+        s = StackStruct(hidden=sh.hidden, inter=sh.inter, nh=sh.nh, kvh=sh.kvh, hd=sh.hd, S=kc.shape[3],
+                        window=sh.window, act=ACTS[sh.act], eps=sh.eps, scale=sh.scale, softcap=sh.softcap,
+                        layer_stride=kc.stride(0))
+        s.cos, s.sin, s.cos_local, s.sin_local = (t.data_ptr() for t in tables)
+        s.kc, s.vc = kc.data_ptr(), vc.data_ptr()
         return s
 
     def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor,
@@ -142,11 +134,11 @@ class FusedStack:
         assert 0 < nl <= len(self.layers) <= kc.shape[0]
         B, T, D = x.shape
         assert D == self.shape.hidden and x.dtype == torch.float32
-        out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+        out = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         assert positions.shape == (B, T) and slots.shape == (B,)
-        lib.forward_f32(ctypes.addressof(self.array), nl, ctypes.addressof(self._stack(tables, kc, vc)),
-                        out.data_ptr(), slots.data_ptr(),
+        stack = self._stack(tables, kc, vc)  # NOTE: kept alive until the call returns
+        lib.forward_f32(ctypes.addressof(self.array), nl, ctypes.addressof(stack), out.data_ptr(), slots.data_ptr(),
                         positions.data_ptr(), B, T, torch.get_num_threads())
         return out

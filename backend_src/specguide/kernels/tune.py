@@ -99,24 +99,32 @@ def _save(cache: Path, key: str, fields: dict) -> None:
     os.replace(tmp, path)
 
 
-def rows_per_pass(cache: Path, key: str, build: Callable[[int], ctypes.CDLL]) -> int:
-    """RB for this machine (`key`: the source, CPU flags and -march): cached, else measured.
-    SPECGUIDE_KERNEL_RB forces one (tests, benchmarks)."""
-    record = _cached(cache, key, "RB")
-    if "RB" in record:
-        return int(record["RB"])
+def _tuned(cache: Path, key: str, field: str, default: int, measure: Callable[[], dict[int, float]],
+           times_field: str, what: str) -> int:
+    """`field` for this machine (`key`: the source, CPU flags and -march): forced, cached, else
+    measured: the candidate with the least time, unless it is within MARGIN of `default` (the noise
+    of a shared machine); saved with its candidates' times under `times_field`."""
+    record = _cached(cache, key, field)
+    if field in record:
+        return int(record[field])
     try:
-        times = measure(build)
-    except Exception as exc:  # noqa: BLE001 - a candidate that does not build: keep the default
-        log.warning("specguide: kernel tuning failed (%s); RB=%d", exc, DEFAULT)
-        return DEFAULT
-    rb = min(times, key=times.get)
-    if times[rb] > times[DEFAULT] * (1 - MARGIN):  # within the noise of a shared machine: the default
-        rb = DEFAULT
-    log.info("specguide: kernel rows per pass RB=%d (time relative to the best, summed over %d shapes: %s)",
-             rb, len(SHAPES), {k: round(v, 3) for k, v in times.items()})
-    _save(cache, key, {"RB": rb, "relative": {str(k): round(v, 4) for k, v in times.items()}})
-    return rb
+        times = measure()
+    except Exception as exc:  # noqa: BLE001 - a candidate that does not build or run: the default is correct
+        log.warning("specguide: kernel tuning of the %s failed (%s); %s=%d", what, exc, field, default)
+        return default
+    best = min(times, key=times.get)
+    if times[best] > times[default] * (1 - MARGIN):
+        best = default
+    log.info("specguide: kernel %s %s=%d (%s: %s)", what, field, best, times_field,
+             {k: round(v, 3) for k, v in times.items()})
+    _save(cache, key, {field: best, times_field: {str(k): round(v, 4) for k, v in times.items()}})
+    return best
+
+
+def rows_per_pass(cache: Path, key: str, build: Callable[[int], ctypes.CDLL]) -> int:
+    """RB for this machine: cached, else measured (time relative to the best, summed over SHAPES).
+    SPECGUIDE_KERNEL_RB forces one (tests, benchmarks)."""
+    return _tuned(cache, key, "RB", DEFAULT, lambda: measure(build), "relative", "rows per pass")
 
 
 PF_CANDIDATES = (0, 2, 4, 6, 8)  # blocks of 32 inputs ahead (0: no software prefetch)
@@ -158,20 +166,8 @@ def measure_prefetch(lib: ctypes.CDLL, threads: int) -> dict[int, float]:
 
 
 def prefetch_blocks(cache: Path, key: str, lib: ctypes.CDLL, threads: int) -> int:
-    """The prefetch distance for this machine: cached, else measured (`measure_prefetch`); 0 stays
-    unless another is MARGIN faster. SPECGUIDE_KERNEL_PF forces one."""
-    record = _cached(cache, key, "PF")
-    if "PF" in record:
-        return int(record["PF"])
-    try:
-        times = measure_prefetch(lib, threads)
-    except Exception as exc:  # noqa: BLE001 - no prefetch is always correct
-        log.warning("specguide: prefetch tuning failed (%s); none", exc)
-        return 0
-    pf = min(times, key=times.get)
-    if times[pf] > times[0] * (1 - MARGIN):
-        pf = 0
-    log.info("specguide: kernel prefetch distance %d blocks (ms per stream: %s)", pf,
-             {k: round(v * 1e3, 3) for k, v in times.items()})
-    _save(cache, key, {"PF": pf, "prefetch_ms": {str(k): round(v * 1e3, 4) for k, v in times.items()}})
-    return pf
+    """The prefetch distance for this machine: cached, else measured (`measure_prefetch`, ms per
+    stream); none stays unless another is MARGIN faster. SPECGUIDE_KERNEL_PF forces one."""
+    def ms() -> dict[int, float]:
+        return {pf: t * 1e3 for pf, t in measure_prefetch(lib, threads).items()}
+    return _tuned(cache, key, "PF", 0, ms, "prefetch_ms", "prefetch distance")
