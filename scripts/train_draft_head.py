@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 
-from specguide.config import EngineConfig  # noqa: E402
 from specguide.engine import Engine  # noqa: E402
 from specguide.models.loader import resolve_model_dir  # noqa: E402
 from specguide.speculative.draft_head import default_head_path  # noqa: E402
-from specguide.training.train_head import TrainConfig, run  # noqa: E402
+from specguide.training.precision import CHOICES  # noqa: E402
+from specguide.training.train_head import TrainConfig, corpus_engine_config, run  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -41,16 +41,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--chat", type=int, default=TrainConfig.num_chat)
     ap.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab)
     ap.add_argument("--depth", type=int, default=TrainConfig.depth)
+    ap.add_argument("--matmul-dtype", default=TrainConfig.matmul_dtype, choices=CHOICES,
+                    help="training matmuls: auto = bfloat16 autocast where the CPU/GPU has bf16 dot products")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     ap.add_argument("--if-missing", action="store_true", help="do nothing when the head already exists")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = TrainConfig(seed=args.seed, epochs=args.epochs, num_schemas=args.schemas, num_chat=args.chat,
                       schema_variants=args.variants, num_subschemas=args.subschemas,
-                      draft_vocab=args.draft_vocab, depth=args.depth)
+                      draft_vocab=args.draft_vocab, depth=args.depth, matmul_dtype=args.matmul_dtype)
     if args.quick:
         cfg = TrainConfig(seed=args.seed, epochs=1, num_schemas=8, num_chat=8, max_tokens_json=48,
-                          max_tokens_chat=32, num_subschemas=8, draft_vocab=args.draft_vocab, depth=2)
+                          max_tokens_chat=32, num_subschemas=8, draft_vocab=args.draft_vocab, depth=2,
+                          matmul_dtype=args.matmul_dtype)
     folder = resolve_model_dir(args.model_dir, args.gguf_file)
     out = Path(args.out) if args.out else default_head_path(folder)
     if args.if_missing and out.exists():
@@ -58,8 +61,7 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"training the draft head into {out} (about 15 minutes on a 2-core CPU; once)", flush=True)
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model_dir=str(folder), max_slots=8, max_seq_len=1024, drafter="grammar",
-                                 weight_dtype=args.weight_dtype))
+    engine = Engine(corpus_engine_config(str(folder), args.weight_dtype))
     head, report, engine = run(cfg, engine)
     engine.shutdown()
     meta = {"train_config": asdict(cfg), "report": asdict(report), "model": str(folder),

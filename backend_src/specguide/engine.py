@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -113,6 +114,27 @@ class Engine:
     @step_graphs.setter
     def step_graphs(self, graphs) -> None:
         self.runner.graphs = graphs
+
+    @contextmanager
+    def feature_recording(self, owner: Any) -> Iterator[None]:
+        """While idle: `owner` (admit / free / copy_prefix, and `record`) joins the per-slot owners
+        and gets (slots, positions, hidden) after every target forward, next to the draft head's
+        sink, until the block ends (training keeps f_p this way). Steps run eagerly meanwhile: a
+        CUDA graph captured before would not call it."""
+        sink, graphs = self.runner.core.feature_sink, self.runner.graphs
+
+        def both(slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+            if sink is not None:
+                sink(slots, positions, hidden)
+            owner.record(slots, positions, hidden)
+
+        self.slot_state += (owner,)
+        self.runner.core.feature_sink, self.runner.graphs = both, None
+        try:
+            yield
+        finally:
+            self.runner.core.feature_sink, self.runner.graphs = sink, graphs
+            self.slot_state = tuple(o for o in self.slot_state if o is not owner)
 
     # ---- public API (any thread) ------------------------------------------------------------
     def submit(self, request: Request, callback: Optional[Callback] = None) -> int:

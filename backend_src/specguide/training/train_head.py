@@ -2,8 +2,9 @@
 
 1. `generate_corpus`: the target answers training prompts (JSON-schema prompts under their
    grammar, chat prompts unguided), greedy, through the engine itself.
-2. `compute_features`: one teacher-forced target pass per sequence gives f_p for every position.
-3. `train`: the head learns to predict x_{p+2} from (f_p, x_{p+1}) and, unrolled ("training-time
+   The engine's feature sink keeps the target's f_p of every position as it goes
+   (`FeatureRecorder`): no second, teacher-forced pass.
+2. `train`: the head learns to predict x_{p+2} from (f_p, x_{p+1}) and, unrolled ("training-time
    test"), from its own estimates (g_{p-1}, x_{p+1}) for draft depths 2..D, with the attention
    pattern it sees at inference (real keys up to p-j+1, then its own speculative keys).
 Deterministic from a seed (fixed thread count, fixed data order).
@@ -23,11 +24,12 @@ import torch.nn.functional as F
 
 from ..config import EngineConfig
 from ..engine import Engine
-from ..kv_cache import KVCache
 from ..models.llama import LlamaModel, apply_rope, rms_norm
 from ..progress import Progress
 from ..request import GuidedDecodingParams, Request, SamplingParams
+from ..scheduler import PrefixCopy, Sequence
 from ..speculative.draft_head import DraftHead
+from .precision import training_autocast
 from .prompts import CHAT_TRAIN, SCHEMA_TEMPLATES, load_schemas, load_subschemas, schema_message
 
 log = logging.getLogger("specguide.train")
@@ -53,13 +55,21 @@ class TrainConfig:
     lr: float = 1e-3
     val_fraction: float = 0.1
     threads: int = 0  # 0 = torch default
+    matmul_dtype: str = "auto"  # auto | float32 | bfloat16: autocast of the training matmuls (precision.py)
+
+
+def corpus_engine_config(model_dir: str = "", weight_dtype: str = "auto") -> EngineConfig:
+    """The engine that answers the training prompts: 16 slots with K up to 2 at a full batch
+    (2 CPU cores: 132 s for the default corpus, 157 s with 8 slots; the same tokens either way)."""
+    return EngineConfig(model_dir=model_dir, max_slots=16, spec_max_rows=32, max_seq_len=1024,
+                        drafter="grammar", weight_dtype=weight_dtype)
 
 
 @dataclass
 class Sample:
     tokens: list[int]  # prompt + output
     prompt_len: int
-    feats: Optional[torch.Tensor] = None  # [L, H] f_p of every position
+    feats: Optional[torch.Tensor] = None  # [L-1, H] f_p of every position but the last
 
 
 @dataclass
@@ -67,14 +77,41 @@ class TrainReport:
     samples: int = 0
     output_tokens: int = 0
     vocab_coverage: float = 0.0  # fraction of output tokens inside the draft vocabulary
+    matmul_dtype: str = ""  # what the training matmuls ran in
     seconds: dict[str, float] = field(default_factory=dict)
     val_accuracy: list[float] = field(default_factory=list)  # top-1 agreement per depth (held-out samples)
     val_accept_per_step: float = 0.0  # 1 + expected accepted drafts at K=depth, from chained accuracies
 
 
+class FeatureRecorder:
+    """The engine's feature sink while the corpus is generated: f_p of every position of every
+    slot (rows past the accepted tokens are rewritten by the next forward, as in HeadDrafter),
+    copied out when a sequence leaves its slot. Saves a second, teacher-forced pass."""
+
+    def __init__(self, max_slots: int, rows: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        self.feats = torch.zeros(max_slots, rows, hidden, dtype=dtype, device=device)  # [slots, rows, H]
+        self.seqs: dict[int, Sequence] = {}  # slot -> its sequence
+        self.done: dict[int, torch.Tensor] = {}  # seq_id -> [num_tokens, H] fp32 on CPU
+
+    def record(self, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.feats[slots[:, None], positions] = hidden  # hidden [B, T, H] at positions [B, T]
+
+    def admit(self, slot: int, seq: Sequence) -> None:
+        self.seqs[slot] = seq
+
+    def free(self, slot: int) -> None:
+        seq = self.seqs.pop(slot, None)
+        if seq is not None:  # NOTE: runs before the final event, so the callback finds it
+            self.done[seq.seq_id] = self.feats[slot, : seq.num_tokens].to("cpu", torch.float32, copy=True)
+
+    def copy_prefix(self, c: PrefixCopy) -> None:
+        self.feats[c.dst, c.start: c.end] = self.feats[c.src, c.start: c.end]
+
+
 def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str]] = None) -> list[Sample]:
-    """The target's greedy answers to the training prompts (JSON prompts under their schema);
-    `schemas` replaces the train split's schema texts."""
+    """The target's greedy answers to the training prompts (JSON prompts under their schema),
+    with its features f_p at every position but the last; `schemas` replaces the train split's
+    schema texts."""
     tok = engine.tokenizer
     texts = (schemas if schemas is not None else load_schemas("train", engine.compiler))[: cfg.num_schemas]
     subs = load_subschemas(engine.compiler)[: cfg.num_subschemas] if cfg.num_subschemas else []
@@ -90,41 +127,30 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
     progress = Progress("generate (the target answers the training prompts)", len(reqs), "answers")
     done = threading.Semaphore(0)
     window = threading.Semaphore(2 * engine.config.max_slots)  # bounded: the queue has a limit
-    for i, r in enumerate(reqs):
-        window.acquire()
-        ids = tok.encode(r.prompt)
-        toks: list[int] = []
+    ec, H = engine.config, engine.model.cfg.hidden_size
+    recorder = FeatureRecorder(ec.max_slots, ec.max_seq_len + ec.num_draft_tokens + 1, H,
+                               engine.model.embed.weight.dtype, engine.device)
+    with engine.feature_recording(recorder):
+        for i, r in enumerate(reqs):
+            window.acquire()
+            ids = tok.encode(r.prompt)
+            toks: list[int] = []
 
-        def cb(o, i=i, ids=ids, toks=toks):
-            toks += o.token_ids
-            if o.finished:
-                out[i] = Sample(ids + toks, len(ids)) if o.finish_reason in ("stop", "length") else None
-                progress.update()
-                done.release()
-                window.release()
-        engine.submit(r, cb)
-    for _ in reqs:
-        done.acquire()
+            def cb(o, i=i, ids=ids, toks=toks):
+                toks += o.token_ids
+                if o.finished:
+                    feats = recorder.done.pop(o.seq_id, None)
+                    if o.finish_reason in ("stop", "length") and feats is not None:
+                        n = len(ids) + len(toks) - 1  # f_p of every position that predicts a token
+                        assert feats.shape[0] >= n, (feats.shape, n)
+                        out[i] = Sample(ids + toks, len(ids), feats[:n])
+                    progress.update()
+                    done.release()
+                    window.release()
+            engine.submit(r, cb)
+        for _ in reqs:
+            done.acquire()
     return [s for s in out if s is not None and len(s.tokens) - s.prompt_len >= 2]
-
-
-@torch.inference_mode()
-def compute_features(model: LlamaModel, samples: list[Sample], chunk: int = 256) -> None:
-    """f_p for every position of every sample (one slot, chunked like prefill)."""
-    cfg = model.cfg
-    L = max(len(s.tokens) for s in samples)
-    kv = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, L, cfg.head_dim, model.embed.weight.dtype)
-    slots = torch.zeros(1, dtype=torch.int64)
-    progress = Progress("features (the target's hidden states)", len(samples), "samples")
-    for s in samples:
-        parts = []
-        for a in range(0, len(s.tokens), chunk):
-            b = min(len(s.tokens), a + chunk)
-            pos = torch.arange(a, b)[None, :]
-            ctx = model.make_context(slots, pos, [0], b)
-            parts.append(model(torch.tensor([s.tokens[a:b]]), ctx, kv)[0].float())
-        s.feats = torch.cat(parts)
-        progress.update()
 
 
 def build_draft_vocab(samples: list[Sample], size: int, vocab: int, always: list[int]) -> torch.Tensor:
@@ -146,12 +172,16 @@ def build_draft_vocab(samples: list[Sample], size: int, vocab: int, always: list
 class Trainer:
     """Training-time-test forward of a DraftHead (plain autograd ops, no KV cache)."""
 
-    def __init__(self, head: DraftHead, target: LlamaModel, cfg: TrainConfig):
+    def __init__(self, head: DraftHead, target: LlamaModel, cfg: TrainConfig,
+                 autocast: Optional[torch.dtype] = None):
         self.head, self.target, self.cfg = head, target, cfg
+        self.device = target.embed.weight.device
+        self.autocast = autocast  # matmuls in this dtype (fp32 master weights, fp32 losses); None = fp32
         V = target.cfg.vocab_size
-        self.t2d = torch.full((V,), -100, dtype=torch.int64)
-        self.t2d[head.d2t] = torch.arange(head.draft_vocab_size)
-        self.lm_weight = target.head_weight[head.d2t].detach().float()  # [Vd, H] frozen
+        d2t = head.d2t.to(self.device)
+        self.t2d = torch.full((V,), -100, dtype=torch.int64, device=self.device)
+        self.t2d[d2t] = torch.arange(head.draft_vocab_size, device=self.device)
+        self.lm_weight = target.head_weight[d2t].detach().to(autocast or torch.float32)  # [Vd, H] frozen
 
     def _attn_inputs(self, x: torch.Tensor, pos: torch.Tensor):
         c = self.head.cfg
@@ -168,62 +198,77 @@ class Trainer:
         x = self.head.layer.out_mlp(x, attn.transpose(0, 1).reshape(x.shape[0], -1))
         return rms_norm(x, self.head.norm, self.head.cfg.rms_norm_eps)
 
-    def unroll(self, s: Sample) -> list[torch.Tensor]:
-        """g of depth 1..D at positions p = 0..L-2 ([P, H] each); depth j reads (g^{j-1}_{p-1}, x_{p+1})."""
+    def first_loss_position(self, s: Sample) -> int:
+        """lo: g_p for p >= lo predicts an output token x_{p+2} (and has D-1 positions before it)."""
+        return max(s.prompt_len - 2, self.cfg.depth - 1)
+
+    def unroll(self, s: Sample, every_position: bool = False) -> tuple[int, list[torch.Tensor]]:
+        """(r, outs): g of depth 1..D at positions p = r..L-2 ([L-1-r, H] each), r = lo - (D-1)
+        (0 with `every_position`); depth j reads (g^{j-1}_{p-1}, x_{p+1}). Below r only the
+        depth-1 keys/values are computed: no loss reads a query there (depth j's loss reads depth
+        d's rows from lo - (j-d) on), so the losses equal those of unrolling every position, at
+        ~1.5x less work on these prompt-heavy samples."""
         head, c = self.head, self.head.cfg
-        toks = torch.tensor(s.tokens)
+        toks = torch.tensor(s.tokens, device=self.device)
         P = len(s.tokens) - 1
-        pos = torch.arange(P)
+        r = 0 if every_position else self.first_loss_position(s) - (self.cfg.depth - 1)
+        pos = torch.arange(P, device=self.device)
+        qpos = pos[r:]  # the query positions
         e = rms_norm(self.target.embed(toks[1:]).float(), head.embed_norm, c.rms_norm_eps)  # [P, H]
         scale = 1.0 / math.sqrt(c.head_dim)
         keys, vals, outs = [], [], []
-        feats = s.feats[:P]
         for j in range(1, self.cfg.depth + 1):
-            if j > 1:  # the previous depth's estimate of f_p, from position p-1
+            if j == 1:
+                x = head.fc(torch.cat([s.feats[:P].to(self.device), e], dim=-1))  # [P, H]: every position is a key
+                q, k, v = self._attn_inputs(x, pos)
+                q, x = q[:, r:], x[r:]
+            else:  # the previous depth's estimate of f_p, from position p-1 (row 0: never read)
                 feats = torch.cat([outs[-1][:1], outs[-1][:-1]])
-            x = head.fc(torch.cat([feats, e], dim=-1))
-            q, k, v = self._attn_inputs(x, pos)
+                x = head.fc(torch.cat([feats, e[r:]], dim=-1))  # [Q, H]
+                q, k, v = self._attn_inputs(x, qpos)
             keys.append(k)
             vals.append(v)
             # real (depth-1) keys at positions <= p-j+1, then depth-d keys at p-(j-d), d = 2..j
-            real = (q @ keys[0].transpose(1, 2)) * scale  # [nh, P, P]
-            allowed = pos[None, :] <= pos[:, None] - (j - 1)
+            real = (q @ keys[0].transpose(1, 2)) * scale  # [nh, Q, P]
+            allowed = pos[None, :] <= qpos[:, None] - (j - 1)
             real = real.masked_fill(~allowed, float("-inf"))
             diag = []
             for d in range(2, j + 1):
-                shift = j - d
-                kd = torch.roll(keys[d - 1], shift, dims=1)  # kd[:, p] = keys_d[:, p - shift]
-                diag.append((q * kd).sum(-1, keepdim=True) * scale)  # [nh, P, 1]
+                kd = torch.roll(keys[d - 1], j - d, dims=1)  # kd[:, i] = keys_d[:, i - (j-d)] (query rows)
+                diag.append((q * kd).sum(-1, keepdim=True) * scale)  # [nh, Q, 1]
             scores = torch.cat([real] + diag, dim=-1).softmax(-1)
             attn = scores[..., :P] @ vals[0]
             for i, d in enumerate(range(2, j + 1)):
                 vd = torch.roll(vals[d - 1], j - d, dims=1)
                 attn = attn + scores[..., P + i: P + i + 1] * vd
             outs.append(self._finish(x, attn))
-        return outs
+        return r, outs
 
-    def losses(self, s: Sample) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def losses(self, s: Sample, every_position: bool = False) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Weighted CE over output positions (label x_{p+2}) summed over depths; (correct, total) per depth."""
-        outs = self.unroll(s)
+        with torch.autocast(self.device.type, self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            return self._losses(s, every_position)
+
+    def _losses(self, s: Sample, every_position: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        r, outs = self.unroll(s, every_position)
         L = len(s.tokens)
-        lo = max(s.prompt_len - 2, self.cfg.depth - 1)
-        p = torch.arange(lo, L - 2)  # g_p predicts x_{p+2}, an output token
-        labels = self.t2d[torch.tensor(s.tokens)[p + 2]]
+        p = torch.arange(self.first_loss_position(s), L - 2, device=self.device)  # g_p predicts x_{p+2}
+        labels = self.t2d[torch.tensor(s.tokens, device=self.device)[p + 2]]
         if not bool((labels >= 0).any()):
-            return torch.zeros(()), [(0, 0)] * len(outs)
-        total = torch.zeros(())
+            return torch.zeros((), device=self.device), [(0, 0)] * len(outs)
+        total = torch.zeros((), device=self.device)
         stats = []
-        feats_next = s.feats[p + 1]  # [n, H]: what g_p estimates
+        feats_next = s.feats[(p + 1).cpu()].to(self.device)  # [n, H]: what g_p estimates
         with torch.no_grad():  # soft labels: the target's own next-token distribution over the draft vocabulary
-            teacher = (feats_next @ self.lm_weight.T).softmax(-1)  # [n, Vd]
+            teacher = (feats_next @ self.lm_weight.T).float().softmax(-1)  # [n, Vd]
         for j, g in enumerate(outs):
-            logits = g[p] @ self.lm_weight.T  # [n, Vd]
-            soft = -(teacher * logits.log_softmax(-1)).sum(-1).mean()
-            loss = soft + self.cfg.hard_weight * F.cross_entropy(logits, labels, ignore_index=-100)
+            logp = (g[p - r] @ self.lm_weight.T).float().log_softmax(-1)  # [n, Vd]
+            soft = -(teacher * logp).sum(-1).mean()
+            loss = soft + self.cfg.hard_weight * F.nll_loss(logp, labels, ignore_index=-100)
             if self.cfg.feature_weight:
-                loss = loss + self.cfg.feature_weight * F.smooth_l1_loss(g[p], feats_next)
+                loss = loss + self.cfg.feature_weight * F.smooth_l1_loss(g[p - r].float(), feats_next)
             total = total + self.cfg.depth_decay ** j * loss
-            stats.append((int((logits.argmax(-1) == labels).sum()), len(p)))
+            stats.append((int((logp.argmax(-1) == labels).sum()), len(p)))
         return total, stats
 
 
@@ -246,7 +291,11 @@ def train_head(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, repo
         head.fc.weight.zero_()
         head.fc.weight[:, :H] = torch.eye(H)
         head.fc.weight[:, H:] = torch.eye(H) * 0.5
-    trainer = Trainer(head, target, cfg)
+    device = target.embed.weight.device
+    head = head.to(device)
+    autocast = training_autocast(cfg.matmul_dtype, device, target.cfg.hidden_size)
+    report.matmul_dtype = "bfloat16" if autocast is not None else "float32"
+    trainer = Trainer(head, target, cfg, autocast)
     params = [p for n, p in head.named_parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     steps = cfg.epochs * len(tr)
@@ -303,14 +352,11 @@ def run(cfg: TrainConfig, engine: Optional[Engine] = None, schemas: Optional[lis
         torch.set_num_threads(cfg.threads)
     report = TrainReport()
     t0 = time.perf_counter()
-    engine = engine or Engine(EngineConfig(max_slots=8, max_seq_len=1024, drafter="grammar"))
+    engine = engine or Engine(corpus_engine_config())
     samples = generate_corpus(engine, cfg, schemas)
     report.samples = len(samples)
     report.output_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
     report.seconds["generate"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    compute_features(engine.model, samples)
-    report.seconds["features"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     head = train_head(engine.model, samples, cfg, report, sorted(engine.eos_token_ids))
     report.seconds["train"] = time.perf_counter() - t2
