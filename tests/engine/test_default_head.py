@@ -73,5 +73,6 @@ def test_the_default_head_beats_drafting_without_it_on_held_out_schemas(engine, 
         per_step[drafter] = tokens_per_step(finals)
         if drafter == "hybrid":
             acceptance = sum(f.total_accepted_draft_tokens for f in finals) / sum(f.total_draft_tokens for f in finals)
-            assert acceptance > 0.4, acceptance
-    assert per_step["hybrid"] > 1.8 and per_step["hybrid"] > 1.15 * per_step["grammar"], per_step
+            assert acceptance > 0.3, acceptance  # 0.45 measured (2-core AMD EPYC, bf16 training)
+    # measured: hybrid 1.89, grammar 1.44 tokens per step (6 schemas, 64 tokens, K=3)
+    assert per_step["hybrid"] > 1.6 and per_step["hybrid"] > 1.15 * per_step["grammar"], per_step

@@ -155,6 +155,8 @@ def load_and_check_ready_after_warmup(server: Server) -> None:
     time.sleep(0.5)  # the backend's log lines arrive through the stub
     lines = [ln for ln in server.log.read_text(errors="replace").splitlines() if "specguide: engine ready" in ln]
     assert lines and "warmed up in" in lines[-1], lines[-1:]
+    assert re.search(r"drafter (hybrid with the trained draft head|grammar|ngram|head with the trained draft head)",
+                     lines[-1]), lines[-1]
     stamp = re.search(r"(\d\d:\d\d:\d\d\.\d+)", lines[-1]).group(1)
     logged = datetime.combine(t_ready.date(), datetime.strptime(stamp, "%H:%M:%S.%f").time())
     # NOTE: the server stamps a backend log line when the stub's message reaches it, a few ms after

@@ -153,7 +153,9 @@ class TritonPythonModel:
         self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
         self._thread.start()
         warm = getattr(self.engine, "warmup_s", 0.0)
-        pb_utils.Logger.log_info(f"specguide: engine ready, warmed up in {warm:.2f} s ({self.config})")
+        head = " with the trained draft head" if getattr(self.engine, "head_drafter", None) is not None else ""
+        pb_utils.Logger.log_info(f"specguide: engine ready, drafter {getattr(self.engine, 'drafter', '-')}{head}, "
+                                 f"warmed up in {warm:.2f} s ({self.config})")
 
     # ------------------------------------------------------------------ execute thread
 
