@@ -44,7 +44,7 @@ model: $(STAMPS)/deps
 setup: $(STAMPS)/tritonserver model
 
 # The trained draft head of the "hybrid"/"head" drafters: trained once into the model cache by the
-# project's own script and recipe (deterministic from its seed; ~5 min on 2 CPU cores). `make test`
+# project's own script and recipe (deterministic from its seed; ~7 min on 2 CPU cores). `make test`
 # makes it too, so the suite runs what `make serve` serves. DRAFT_HEAD=skip goes without it (the
 # engine then drafts with grammar-forced tokens + n-gram and logs how to train it).
 DRAFT_HEAD ?= train

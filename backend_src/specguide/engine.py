@@ -121,6 +121,8 @@ class Engine:
         and gets (slots, positions, hidden) after every target forward, next to the draft head's
         sink, until the block ends (training keeps f_p this way). Steps run eagerly meanwhile: a
         CUDA graph captured before would not call it."""
+        assert not self.scheduler.running and not self.scheduler.waiting, "feature_recording needs an idle engine"
+        self.scheduler.forget_prefixes()  # rows computed before the owner joined are not in its buffers
         sink, graphs = self.runner.core.feature_sink, self.runner.graphs
 
         def both(slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:

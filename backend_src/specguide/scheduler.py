@@ -253,6 +253,12 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def forget_prefixes(self) -> None:
+        """Free slots keep no reusable tokens (for a per-slot owner that joins now: it has none of
+        their rows)."""
+        for slot in self.free_slots:
+            self.slot_tokens[slot] = []
+
     def check_stop_token(self, seq: Sequence) -> Optional[str]:
         """Finish reason after the newest output token, or None to go on."""
         n = len(seq.output_ids)

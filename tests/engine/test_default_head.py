@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def default_head(model_dir) -> Path:
-    """The cached head; trained here, exactly as `make serve` does, when missing (~5 min)."""
+    """The cached head; trained here, exactly as `make serve` does, when missing (~7 min)."""
     path = default_head_path(model_dir)
     if not path.exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "train_draft_head.py"), "--if-missing"],

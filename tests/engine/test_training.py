@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from specguide.kv_cache import KVCache
+from specguide.request import Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead
 from specguide.training import precision, train_head
 from specguide.training.train_head import Sample, TrainConfig, Trainer, generate_corpus
 
 from ..guided.helpers import load_guided_samples
+from .conftest import run_alone
 
 
 @torch.inference_mode()
@@ -31,6 +33,9 @@ def test_the_corpus_comes_with_the_features_a_teacher_forced_pass_computes(engin
     copy = train_head.FeatureRecorder.copy_prefix
     monkeypatch.setattr(train_head.FeatureRecorder, "copy_prefix", lambda self, c: (copies.append(c), copy(self, c)))
     schemas = [s.text for s in load_guided_samples() if s.kind == "json_schema" and "unsupported" not in s.name][:3]
+    # a slot that already holds the chat template's prefix from before the recording (CI caught it)
+    run_alone(engine, Request(prompt=engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}]),
+                              params=SamplingParams(max_tokens=4, temperature=0.0)))
     cfg = TrainConfig(num_schemas=3, schema_variants=2, num_chat=3, max_tokens_json=40, max_tokens_chat=24)
     samples = generate_corpus(engine, cfg, schemas)
     assert len(samples) == 9

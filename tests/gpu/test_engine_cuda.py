@@ -61,3 +61,37 @@ def test_cuda_max_slots_0_sizes_the_kv_cache_from_free_memory():
         assert 2 * kv.k.numel() * kv.k.element_size() <= 0.05 * free_before
     finally:
         eng.shutdown()
+
+
+def test_a_tiny_head_trains_on_cuda_and_drafts_there(tmp_path):
+    """scripts/train_draft_head.py on a CUDA machine: the corpus is answered on the GPU with its
+    features kept on the way (CUDA graphs paused meanwhile), the head trains there (bf16 autocast
+    where supported), and it drafts in a CUDA engine without changing the greedy start."""
+    from specguide.training.train_head import TrainConfig, run
+
+    from ..guided.helpers import load_guided_samples
+
+    schemas = [s.text for s in load_guided_samples() if s.kind == "json_schema" and "unsupported" not in s.name][:6]
+    eng = Engine(EngineConfig(device="cuda", max_slots=8, max_seq_len=1024, drafter="grammar"))
+    try:
+        cfg = TrainConfig(seed=0, epochs=2, num_schemas=6, num_chat=6, max_tokens_json=48, max_tokens_chat=32,
+                          draft_vocab=4096, depth=2, val_fraction=0.25)
+        head, report, _ = run(cfg, engine=eng, schemas=schemas)
+        assert eng.runner.core.feature_sink is None  # the recording detached again
+        assert report.matmul_dtype == ("bfloat16" if torch.cuda.is_bf16_supported() else "float32")
+        assert report.samples >= 10 and report.val_accuracy[0] > 0.05, report
+        path = tmp_path / "head.pt"
+        head.save(path, {})
+    finally:
+        eng.shutdown()
+    off = Engine(EngineConfig(device="cuda", max_slots=4, max_seq_len=512, num_draft_tokens=0))
+    on = Engine(EngineConfig(device="cuda", max_slots=4, max_seq_len=512, num_draft_tokens=3, drafter="head",
+                             draft_head_path=str(path), adaptive_k=False))
+    try:
+        assert on.head_drafter is not None
+        for p in PROMPTS:  # cuBLAS may round a verification row unlike a single step: the start must agree
+            assert _greedy(on, p)[:8] == _greedy(off, p)[:8], p
+        assert on.stats()["active_slots"] == 0
+    finally:
+        off.shutdown()
+        on.shutdown()

@@ -37,7 +37,7 @@ log = logging.getLogger("specguide.train")
 
 @dataclass
 class TrainConfig:
-    """Knobs of one training run (the defaults take ~22 minutes on a 2-core CPU)."""
+    """Knobs of one training run (the defaults take ~7 minutes on a 2-core CPU with bf16, ~9.5 in fp32)."""
 
     seed: int = 0
     num_schemas: int = 80  # JSON schemas (train split)
