@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -21,51 +19,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_speculative import run, schema_prompts  # noqa: E402
 from machine import cpu_header  # noqa: E402
 
 from specguide.config import EngineConfig  # noqa: E402
 from specguide.engine import Engine  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
-from specguide.training.prompts import load_schemas, schema_message  # noqa: E402
-
-
-def run_all(engine: Engine, reqs: list[Request]) -> list:
-    """Submit all; the final event of each."""
-    finals: list = [None] * len(reqs)
-    done = threading.Semaphore(0)
-    for i, r in enumerate(reqs):
-        def cb(o, i=i):
-            if o.finished:
-                finals[i] = o
-                done.release()
-        engine.submit(r, cb)
-    for _ in reqs:
-        done.acquire()
-    return finals
 
 
 def measure(head: str, k: int, max_tokens: int) -> dict:
+    """The held-out schemas all at once through the hybrid with `head` ("" = the grammar drafter)."""
     drafter = "hybrid" if head else "grammar"
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=1024, drafter=drafter, draft_head_path=head,
                               adaptive_k=False, cost_aware_k=False, spec_max_rows=8 * (k + 1)))
     try:
         assert (eng.head_drafter is not None) == bool(head), f"{head}: the head did not load"
-        tok = eng.tokenizer
-        reqs = [Request(prompt=tok.apply_chat_template([{"role": "user", "content": schema_message(s)}]),
-                        guided=GuidedDecodingParams("json_schema", s), num_draft_tokens=k,
-                        params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
-                for s in load_schemas("heldout", eng.compiler)]
-        t0 = time.perf_counter()
-        finals = run_all(eng, reqs)
-        seconds = time.perf_counter() - t0
+        prompts = schema_prompts(eng, 10_000)
+        reqs = [Request(prompt=p, guided=GuidedDecodingParams("json_schema", s), num_draft_tokens=k,
+                        params=SamplingParams(max_tokens=max_tokens, temperature=0.0)) for p, s in prompts]
+        r = run(eng, reqs, concurrent=True)
     finally:
         eng.shutdown()
-    out = sum(f.num_output_tokens for f in finals)
-    accepted = sum(f.total_accepted_draft_tokens for f in finals)
-    drafted = sum(f.total_draft_tokens for f in finals)
-    return {"head": head or "(none: grammar drafter)", "schemas": len(reqs), "output_tokens": out,
-            "tokens_per_step": round(out / (out - accepted), 3), "acceptance": round(accepted / max(drafted, 1), 3),
-            "seconds": round(seconds, 1)}
+    return {"head": head or "(none: grammar drafter)", "schemas": len(reqs),
+            "output_tokens": sum(map(len, r["outputs"])), "tokens_per_step": round(r["tokens_per_step"], 3),
+            "acceptance": round(r["accepted"] / max(r["drafted"], 1), 3), "tok_s": round(r["tok_s"], 1)}
 
 
 def same_weights(a: str, b: str) -> bool:

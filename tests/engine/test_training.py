@@ -55,7 +55,7 @@ def test_the_loss_reads_no_prompt_query_and_equals_the_full_unroll(engine):
     H, V = model.cfg.hidden_size, model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     d2t = torch.arange(0, V, 7)
-    cfg = TrainConfig(depth=3)
+    cfg = TrainConfig(depth=3, matmul_dtype="float32")
     torch.manual_seed(0)
     head = DraftHead(model.cfg, d2t).float()
     trainer = Trainer(head, model, cfg)
@@ -101,9 +101,11 @@ def test_bf16_autocast_losses_track_fp32_and_keep_fp32_gradients(engine):
     tokens = d2t[torch.randint(0, len(d2t), (90,), generator=gen)].tolist()
     s = Sample(tokens, 50, torch.randn(89, H, generator=gen))
     got = []
-    for autocast in (None, torch.bfloat16):
+    for matmul_dtype in ("float32", "bfloat16"):
         head.zero_grad(set_to_none=True)
-        loss, _ = Trainer(head, model, TrainConfig(), autocast).losses(s)
+        trainer = Trainer(head, model, TrainConfig(matmul_dtype=matmul_dtype))
+        assert trainer.autocast is (torch.bfloat16 if matmul_dtype == "bfloat16" else None)
+        loss, _ = trainer.losses(s)
         loss.backward()
         assert loss.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in head.parameters())
         got.append(float(loss))

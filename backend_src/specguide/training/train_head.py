@@ -172,16 +172,16 @@ def build_draft_vocab(samples: list[Sample], size: int, vocab: int, always: list
 class Trainer:
     """Training-time-test forward of a DraftHead (plain autograd ops, no KV cache)."""
 
-    def __init__(self, head: DraftHead, target: LlamaModel, cfg: TrainConfig,
-                 autocast: Optional[torch.dtype] = None):
+    def __init__(self, head: DraftHead, target: LlamaModel, cfg: TrainConfig):
         self.head, self.target, self.cfg = head, target, cfg
         self.device = target.embed.weight.device
-        self.autocast = autocast  # matmuls in this dtype (fp32 master weights, fp32 losses); None = fp32
+        # matmuls in this dtype (fp32 master weights, fp32 losses); None = fp32
+        self.autocast = training_autocast(cfg.matmul_dtype, self.device, target.cfg.hidden_size)
         V = target.cfg.vocab_size
         d2t = head.d2t.to(self.device)
         self.t2d = torch.full((V,), -100, dtype=torch.int64, device=self.device)
         self.t2d[d2t] = torch.arange(head.draft_vocab_size, device=self.device)
-        self.lm_weight = target.head_weight[d2t].detach().to(autocast or torch.float32)  # [Vd, H] frozen
+        self.lm_weight = target.head_weight[d2t].detach().to(self.autocast or torch.float32)  # [Vd, H] frozen
 
     def _attn_inputs(self, x: torch.Tensor, pos: torch.Tensor):
         c = self.head.cfg
@@ -252,13 +252,14 @@ class Trainer:
     def _losses(self, s: Sample, every_position: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         r, outs = self.unroll(s, every_position)
         L = len(s.tokens)
-        p = torch.arange(self.first_loss_position(s), L - 2, device=self.device)  # g_p predicts x_{p+2}
+        p = torch.arange(self.first_loss_position(s), L - 2)  # g_p predicts x_{p+2}, an output token
+        feats_next = s.feats[p + 1].to(self.device)  # [n, H]: what g_p estimates
+        p = p.to(self.device)
         labels = self.t2d[torch.tensor(s.tokens, device=self.device)[p + 2]]
         if not bool((labels >= 0).any()):
             return torch.zeros((), device=self.device), [(0, 0)] * len(outs)
         total = torch.zeros((), device=self.device)
         stats = []
-        feats_next = s.feats[(p + 1).cpu()].to(self.device)  # [n, H]: what g_p estimates
         with torch.no_grad():  # soft labels: the target's own next-token distribution over the draft vocabulary
             teacher = (feats_next @ self.lm_weight.T).float().softmax(-1)  # [n, Vd]
         for j, g in enumerate(outs):
@@ -291,11 +292,9 @@ def train_head(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, repo
         head.fc.weight.zero_()
         head.fc.weight[:, :H] = torch.eye(H)
         head.fc.weight[:, H:] = torch.eye(H) * 0.5
-    device = target.embed.weight.device
-    head = head.to(device)
-    autocast = training_autocast(cfg.matmul_dtype, device, target.cfg.hidden_size)
-    report.matmul_dtype = "bfloat16" if autocast is not None else "float32"
-    trainer = Trainer(head, target, cfg, autocast)
+    head = head.to(target.embed.weight.device)
+    trainer = Trainer(head, target, cfg)
+    report.matmul_dtype = "bfloat16" if trainer.autocast is not None else "float32"
     params = [p for n, p in head.named_parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     steps = cfg.epochs * len(tr)
