@@ -2,6 +2,8 @@
 loss computed only where it is read."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -36,6 +38,19 @@ def test_the_corpus_comes_with_the_features_a_teacher_forced_pass_computes(engin
     # a slot that already holds the chat template's prefix from before the recording (CI caught it)
     run_alone(engine, Request(prompt=engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}]),
                               params=SamplingParams(max_tokens=4, temperature=0.0)))
+    # NOTE: requests admitted in one step cannot copy from each other (no rows yet), and with their
+    # grammars already compiled (CI: earlier tests) all of them are: the first prompt's first chunk
+    # runs before the others arrive, so they copy the chat template's prefix from its busy slot
+    recorded = threading.Event()
+    record = train_head.FeatureRecorder.record
+    monkeypatch.setattr(train_head.FeatureRecorder, "record", lambda self, *a: (record(self, *a), recorded.set()))
+    submit = engine.submit
+
+    def staggered(request, callback):
+        seq_id = submit(request, callback)
+        assert recorded.wait(60), "the first prompt was never prefilled"
+        return seq_id
+    monkeypatch.setattr(engine, "submit", staggered)
     cfg = TrainConfig(num_schemas=3, schema_variants=2, num_chat=3, max_tokens_json=40, max_tokens_chat=24)
     samples = generate_corpus(engine, cfg, schemas)
     assert len(samples) == 9
