@@ -14,6 +14,9 @@ PYTEST_ARGS ?= -q -ra --timeout=900
 export TRITON_HTTP_PORT ?= 8000
 export TRITON_GRPC_PORT ?= 8001
 export TRITON_METRICS_PORT ?= 8002
+# The repository `make serve` serves; `make serve MODEL_REPOSITORY=DIR` serves your own copy (README,
+# "Serve your own model"), and `draft-head` trains the head of the model its config.pbtxt names.
+export MODEL_REPOSITORY ?= model_repository
 
 .PHONY: all setup serve test test-unit test-integration model draft-head clean
 
@@ -43,16 +46,17 @@ model: $(STAMPS)/deps
 
 setup: $(STAMPS)/tritonserver model
 
-# The trained draft head of the "hybrid"/"head" drafters: trained once into the model cache by the
-# project's own script and recipe (deterministic from its seed; ~7 min on 2 CPU cores). `make test`
-# makes it too, so the suite runs what `make serve` serves. DRAFT_HEAD=skip goes without it (the
-# engine then drafts with grammar-forced tokens + n-gram and logs how to train it).
+# The trained draft head of the "hybrid"/"head" drafters, for the model MODEL_REPOSITORY serves:
+# trained once into the model cache by the project's own script and recipe (deterministic from its
+# seed; ~7 min on 2 CPU cores for the default model). `make test` makes it too, so the suite runs
+# what `make serve` serves. DRAFT_HEAD=skip goes without it (the engine then drafts
+# with grammar-forced tokens + n-gram and logs how to train it).
 DRAFT_HEAD ?= train
 draft-head: setup
 ifeq ($(DRAFT_HEAD),skip)
-	@echo "draft head skipped; train it later with: $(PY) scripts/train_draft_head.py"
+	@echo "draft head skipped; train it later with: $(PY) scripts/train_draft_head.py --model-repository $(MODEL_REPOSITORY)"
 else
-	$(PY) scripts/train_draft_head.py --if-missing
+	$(PY) scripts/train_draft_head.py --if-missing --model-repository $(MODEL_REPOSITORY)
 endif
 
 serve: setup draft-head

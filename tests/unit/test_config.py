@@ -85,3 +85,30 @@ def test_max_slots_0_is_8_on_cpu_and_sized_from_free_memory_on_cuda(caplog):
     assert sized.max_slots == min(256, (40 << 30) // per) and sized.max_slots > 8
     assert sized.max_slots * per <= 0.5 * (80 << 30) and f"max_slots {sized.max_slots}:" in caplog.text
     assert size_slots(cfg, smol, torch.device("cpu"), free_bytes=1 << 20).max_slots == 1
+
+
+def test_the_readmes_own_model_example_is_valid_config_pbtxt_for_the_engine(tmp_path):
+    """README, "Serve your own model": its config.pbtxt lines, pasted into a copy of the shipped
+    repository's engine settings, parse as Triton parses them and make a valid EngineConfig."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    from specguide.triton.interfaces import ENGINE_MODEL, engine_parameters
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("## Serve your own model"):]
+    example = re.search(r"```\n(parameters \{.*?)```", section, re.S).group(1)
+    repo = tmp_path / "repo"
+    shutil.copytree(root / "model_repository" / ENGINE_MODEL, repo / ENGINE_MODEL)
+    config = repo / ENGINE_MODEL / "config.pbtxt"
+    text = config.read_text()
+    for key in re.findall(r'key: "(\w+)"', example):  # the example replaces the shipped entries
+        text, n = re.subn(r'parameters \{\s*key: "%s"\s*value: \{[^}]*\}\s*\}' % key, "", text)
+        assert n == 1, key
+    config.write_text(text + "\n" + example)
+    params = engine_parameters(repo)
+    assert set(params) <= set(EngineConfig.__dataclass_fields__)
+    cfg = EngineConfig.from_parameters(params)
+    assert cfg.model_dir.startswith("/") and cfg.reasoning() is not None and cfg.max_seq_len == 4096

@@ -42,6 +42,7 @@ def test_dockerfile_copies_and_installs_what_exists():
     assert "./backend_src" in runs and (ROOT / "backend_src" / "pyproject.toml").exists()
     assert "torch==2.13.0" in runs
     assert "specguide.models.default_model" in runs
+    assert "scripts/train_draft_head.py --if-missing" in runs  # the image serves the hybrid with its head
     entry = [arg for op, arg in ins if op == "ENTRYPOINT"]
     assert entry and "/usr/local/bin/specguide-entrypoint" in entry[0]
 

@@ -9,6 +9,7 @@ speculative and rewritten at the next step (like the target's).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -110,5 +111,9 @@ def _frozen_linear(w: torch.Tensor) -> nn.Linear:
 
 
 def default_head_path(model_dir: Path) -> Path:
-    """Where the trained head of a model lives: the model cache, next to nothing committed."""
-    return cache_dir() / "draft_heads" / f"{Path(model_dir).name}.pt"
+    """Where the trained head of a model lives: the model cache, under the folder's name and a hash
+    of its absolute path (two checkpoints in folders of one name, `/models/a/hf` and `/models/b/hf`,
+    get a head each)."""
+    folder = Path(model_dir).resolve()
+    key = hashlib.sha1(str(folder).encode()).hexdigest()[:8]
+    return cache_dir() / "draft_heads" / f"{folder.name}-{key}.pt"

@@ -58,8 +58,9 @@ class Proposer:
         cfg = self.config
         path = Path(cfg.draft_head_path) if cfg.draft_head_path else default_head_path(folder)
         if not path.exists():
+            how = "make draft-head MODEL_REPOSITORY=<this model repository>" if cfg.model_dir else "make draft-head"
             log.warning("drafter %r: no trained draft head at %s; using the 'grammar' drafter. Train it "
-                        "once with: python scripts/train_draft_head.py (or `make draft-head`)", cfg.drafter, path)
+                        "once with: %s (or python scripts/train_draft_head.py --help)", cfg.drafter, path, how)
             return None
         head = DraftHead.load(path, model, cfg.draft_head_weight_dtype)
         log.info("draft head %s (draft vocabulary %d, %s weights)", path, head.draft_vocab_size,

@@ -58,11 +58,18 @@ class TrainConfig:
     matmul_dtype: str = "auto"  # auto | float32 | bfloat16: autocast of the training matmuls (precision.py)
 
 
-def corpus_engine_config(model_dir: str = "", weight_dtype: str = "auto") -> EngineConfig:
-    """The engine that answers the training prompts: 16 slots with K up to 2 at a full batch
-    (2 CPU cores: 132 s for the default corpus, 157 s with 8 slots; the same tokens either way)."""
-    return EngineConfig(model_dir=model_dir, max_slots=16, spec_max_rows=32, max_seq_len=1024,
-                        drafter="grammar", weight_dtype=weight_dtype)
+SERVED_FIELDS = ("model_dir", "gguf_file", "device", "dtype", "weight_dtype", "num_threads", "guided_backend",
+                 "reasoning_markers")  # what the corpus engine takes from the served configuration
+
+
+def corpus_engine_config(served: Optional[EngineConfig] = None) -> EngineConfig:
+    """The engine that answers the training prompts: the target as `served` loads it (its folder,
+    device, dtypes, guide backend, reasoning markers; default: the default model, CUDA when
+    present), with 16 slots and K up to 2 at a full batch (2 CPU cores: 132 s for the default
+    corpus, 157 s with 8 slots; the same tokens either way)."""
+    served = served or EngineConfig(device="auto", weight_dtype="auto")
+    return EngineConfig(**{k: getattr(served, k) for k in SERVED_FIELDS}, max_slots=16, spec_max_rows=32,
+                        max_seq_len=1024, drafter="grammar")
 
 
 @dataclass

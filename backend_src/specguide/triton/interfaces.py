@@ -279,6 +279,17 @@ def write_configs(repo: Path, check: bool = False) -> list[str]:
     return stale
 
 
+def engine_parameters(repo: Path) -> dict[str, str]:
+    """The engine settings of `repo/specguide/config.pbtxt` as the adapter receives them
+    (`{key: string_value}`; Triton's own parser: the protobuf text format of ModelConfig)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    path = Path(repo) / ENGINE_MODEL / "config.pbtxt"
+    config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    return {key: value.string_value for key, value in config.parameters.items()}
+
+
 def main(argv: list[str]) -> int:
     repo = Path(__file__).resolve().parents[3] / "model_repository"
     stale = write_configs(repo, check="--check" in argv)

@@ -1,0 +1,122 @@
+"""Serving your own model (README, "Serve your own model"): a copy of the model repository whose
+config.pbtxt names another checkpoint; `scripts/train_draft_head.py --model-repository DIR` (what
+`make serve MODEL_REPOSITORY=DIR` runs) trains that model's head where the server looks for it, and
+an engine built from the same config.pbtxt drafts with it, losslessly. Two checkpoints in folders of
+one name get a head each.
+
+The checkpoint is a small random Llama with the default model's tokenizer and chat template."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from specguide.config import EngineConfig
+from specguide.engine import Engine
+from specguide.request import GuidedDecodingParams, Request, SamplingParams
+from specguide.speculative.draft_head import DraftHead, default_head_path
+from specguide.triton.interfaces import engine_parameters
+
+from .test_guided_engine import run_many
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = json.dumps({"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array",
+                     "items": {"type": "string"}}}, "required": ["id", "tags"]})
+
+
+def make_checkpoint(folder: Path, tokenizer_dir: Path, seed: int) -> Path:
+    """A 2-layer random Llama (hidden 64) saved with `tokenizer_dir`'s tokenizer files."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+def set_parameter(config: Path, key: str, value: str) -> None:
+    text, n = re.subn(r'(key: "%s"\s*value: \{ string_value: )"[^"]*"' % key, r'\1"%s"' % value, config.read_text())
+    assert n == 1, key
+    config.write_text(text)
+
+
+def train_script():
+    spec = importlib.util.spec_from_file_location("train_draft_head", ROOT / "scripts" / "train_draft_head.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory, model_dir):
+    """(repository, checkpoint, a second checkpoint in a folder of the same name, the trained head);
+    the model cache is a fresh folder of the test's own."""
+    tmp = tmp_path_factory.mktemp("own_model")
+    mine = make_checkpoint(tmp / "a" / "hf", model_dir, seed=0)
+    other = make_checkpoint(tmp / "b" / "hf", model_dir, seed=1)
+    repo = tmp / "repository"
+    shutil.copytree(ROOT / "model_repository", repo)
+    set_parameter(repo / "specguide" / "config.pbtxt", "model_dir", str(mine))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECGUIDE_CACHE_DIR", str(tmp / "cache"))
+        script = train_script()
+        assert script.main(["--model-repository", str(repo), "--quick", "--if-missing"]) == 0
+        head = default_head_path(mine)
+        assert head.exists() and head.parent == tmp / "cache" / "draft_heads"
+        mtime = head.stat().st_mtime_ns
+        assert script.main(["--model-repository", str(repo), "--quick", "--if-missing"]) == 0
+        assert head.stat().st_mtime_ns == mtime  # found, not trained again
+        yield repo, mine, other, head
+
+
+def test_the_repositorys_config_is_what_the_script_and_the_engine_read(own_model):
+    repo, mine, _, _ = own_model
+    params = engine_parameters(repo)
+    assert params["model_dir"] == str(mine) and params["drafter"] == "hybrid"
+    shipped = engine_parameters(ROOT / "model_repository")
+    assert set(shipped) == set(params) and shipped["model_dir"] == ""
+    fields = set(EngineConfig.__dataclass_fields__)
+    assert set(shipped) <= fields, set(shipped) - fields  # a misspelt setting would be ignored silently
+    assert EngineConfig.from_parameters(params).model_dir == str(mine)
+
+
+def test_the_head_is_trained_for_the_served_model_and_only_found_for_it(own_model, monkeypatch):
+    repo, mine, other, head = own_model
+    monkeypatch.setenv("SPECGUIDE_CACHE_DIR", str(head.parents[1]))
+    assert default_head_path(other) != head and default_head_path(mine) == head  # same folder name "hf"
+    assert not default_head_path(other).exists()
+    served = EngineConfig.from_parameters(engine_parameters(repo))
+    small = dict(max_slots=2, max_seq_len=512, adaptive_k=False, cost_aware_k=False)
+    eng = Engine(replace(served, **small))
+    try:
+        assert eng.head_drafter is not None and eng.drafter == "hybrid"
+        assert DraftHead.load(head, eng.model).meta["model"] == str(mine)
+        assert eng.model.cfg.hidden_size == 64
+        tok = eng.tokenizer
+
+        def requests(k: int) -> list[Request]:
+            return [Request(prompt=tok.apply_chat_template([{"role": "user", "content": m}]), num_draft_tokens=k,
+                            guided=GuidedDecodingParams("json_schema", SCHEMA) if i % 2 == 0 else None,
+                            params=SamplingParams(max_tokens=40, temperature=0.0))
+                    for i, m in enumerate(["Tag a photo.", "Say hi.", "A record, please.", "Count to five."])]
+        off = [(toks, f.finish_reason) for toks, _, f in run_many(eng, requests(0))]
+        runs = run_many(eng, requests(3))
+        assert [(toks, f.finish_reason) for toks, _, f in runs] == off  # lossless
+        assert sum(f.total_draft_tokens for _, _, f in runs) > 0
+    finally:
+        eng.shutdown()
+    eng = Engine(replace(served, **small, model_dir=str(other)))
+    try:  # the other "hf" has no head of its own: no drafting with one trained for another model
+        assert eng.head_drafter is None and eng.drafter == "grammar"
+    finally:
+        eng.shutdown()
