@@ -55,7 +55,7 @@ from specguide.models.loader import resolve_model_dir  # noqa: E402
 from specguide.request import GuidedDecodingParams, InvalidRequestError, Request, SamplingParams  # noqa: E402
 from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
-DATA_DIR = BENCH.parents[1] / "shared" / "data" / "jsonschemabench_dev"
+DATA_DIR = BENCH.parent / "backend_src" / "specguide" / "training" / "data" / "jsonschemabench_dev"
 INSTRUCTION = ("Generate a JSON object that follows this JSON schema. Reply with the JSON object only, "
                "no explanation.\n\nJSON schema:\n{schema}")
 

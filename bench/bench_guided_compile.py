@@ -1,6 +1,6 @@
 """Grammar compile time (cold and cached) over JSONSchemaBench, and mask-fill time per row per step.
 
-    python bench/bench_guided_compile.py [--data-dir ../shared/data/jsonschemabench_dev]
+    python bench/bench_guided_compile.py [--data-dir DIR (default: the shipped jsonschemabench_dev)]
         [--batch-sizes 1,8,32] [--steps 64] [--fill-schemas 32]
 
 Compile: every schema once on a fresh compiler (cold, one at a time on the calling thread), then
@@ -116,7 +116,7 @@ def bench_fill(svc: GrammarCompilerService, grammars: list, batch: int, steps: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "jsonschemabench_dev"))
+    ap.add_argument("--data-dir", default=str(REPO / "backend_src" / "specguide" / "training" / "data" / "jsonschemabench_dev"))
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--fill-schemas", type=int, default=32, help="compiled schemas cycled through the fill benchmark")

@@ -125,3 +125,12 @@ def test_bf16_autocast_losses_track_fp32_and_keep_fp32_gradients(engine):
         assert loss.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in head.parameters())
         got.append(float(loss))
     assert abs(got[1] - got[0]) < 0.02 * got[0], got
+
+
+def test_no_training_schemas_is_an_error_not_a_chat_only_head(engine, monkeypatch, tmp_path):
+    """Without the shipped schemas (a data folder that lost them) the corpus refuses to be made:
+    a head trained on chat prompts alone would draft JSON poorly, silently."""
+    assert train_head.load_schemas("train", engine.compiler)  # the shipped data has them
+    monkeypatch.setenv("SPECGUIDE_DATA_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no training schemas"):
+        generate_corpus(engine, TrainConfig(num_schemas=4, num_chat=2))

@@ -2,29 +2,24 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from specguide.guided import GuidedDecoder
 from specguide.guided.backend import CompiledGuide
 from specguide.request import GuidedDecodingParams
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+from specguide.training import prompts
 
 
-def data_dir(name: str) -> Optional[Path]:
-    """tests/guided/data/<name>, else $SPECGUIDE_DATA_DIR/<name>, else <repo>/../shared/data/<name>."""
-    for base in (HERE / "data", Path(os.environ.get("SPECGUIDE_DATA_DIR", "/nonexistent")), REPO.parent / "shared" / "data"):
-        if (base / name).is_dir():
-            return base / name
-    return None
+def data_dir(name: str) -> Path:
+    """The shipped data folder `name` (specguide/training/data, or $SPECGUIDE_DATA_DIR)."""
+    folder = prompts.data_dir() / name
+    assert folder.is_dir(), f"{folder} is missing"
+    return folder
 
 
 @dataclass
@@ -37,7 +32,6 @@ class Sample:
 
 def load_guided_samples() -> list[Sample]:
     folder = data_dir("guided_samples")
-    assert folder is not None, "guided_samples not found"
     out = []
     for entry in json.loads((folder / "manifest.json").read_text()):
         text = (folder / entry["file"]).read_text()

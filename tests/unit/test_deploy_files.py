@@ -81,3 +81,23 @@ def test_kubernetes_fleet_has_replicas_behind_a_service_with_readiness():
     assert svc["spec"]["selector"] == dep["spec"]["template"]["metadata"]["labels"]
     ports = {p["name"] for p in container["ports"]}
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
+
+
+def test_the_installed_package_carries_the_training_data(tmp_path):
+    """The Docker image pip-installs backend_src (not editable): the wheel must carry the schemas the
+    draft head trains on, or the image's head would be trained on chat prompts alone."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    src = shutil.copytree(ROOT / "backend_src", tmp_path / "src", ignore=shutil.ignore_patterns(
+        "build", "*.egg-info", "__pycache__"))  # setuptools writes build/ next to the sources
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("specguide-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    data = ROOT / "backend_src" / "specguide" / "training" / "data"
+    shipped = {p.relative_to(ROOT / "backend_src").as_posix() for p in data.rglob("*") if p.is_file()}
+    assert len(shipped) > 200 and shipped <= names, sorted(shipped - names)[:5]
+    assert "specguide/kernels/ops.c" in names

@@ -1,6 +1,7 @@
 """Prompt sets for training the draft head and for the speculative benchmarks, kept disjoint.
 
-JSON-schema prompts come from ../shared/data: JSONSchemaBench dev schemas (the benchmark subsets'
+JSON-schema prompts come from the data shipped in `training/data` (package data, so a pip-installed
+specguide and the Docker image have it too): JSONSchemaBench dev schemas (the benchmark subsets'
 even-indexed files are held out for benchmarks; everything else may be trained on) and the
 guided-decoding samples' JSON schemas. Chat prompts are plain instructions (two disjoint lists)."""
 from __future__ import annotations
@@ -49,8 +50,9 @@ CHAT_TRAIN = [
 
 
 def data_dir() -> Path:
-    env = os.environ.get("SPECGUIDE_SHARED_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[4] / "shared" / "data"
+    """`$SPECGUIDE_DATA_DIR`, default the shipped `training/data` (jsonschemabench_dev, guided_samples)."""
+    env = os.environ.get("SPECGUIDE_DATA_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent / "data"
 
 
 def schema_files(split: Literal["train", "heldout"]) -> list[Path]:

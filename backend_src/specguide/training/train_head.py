@@ -30,7 +30,8 @@ from ..request import GuidedDecodingParams, Request, SamplingParams
 from ..scheduler import PrefixCopy, Sequence
 from ..speculative.draft_head import DraftHead
 from .precision import training_autocast
-from .prompts import CHAT_TRAIN, SCHEMA_TEMPLATES, load_schemas, load_subschemas, schema_message
+from .prompts import (CHAT_TRAIN, MAX_SCHEMA_CHARS, SCHEMA_TEMPLATES, data_dir, load_schemas, load_subschemas,
+                      schema_message)
 
 log = logging.getLogger("specguide.train")
 
@@ -121,6 +122,9 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
     schema texts."""
     tok = engine.tokenizer
     texts = (schemas if schemas is not None else load_schemas("train", engine.compiler))[: cfg.num_schemas]
+    if cfg.num_schemas and not texts:  # a head trained on chat alone drafts JSON poorly: say so, do not train it
+        raise FileNotFoundError(f"no training schemas (compilable, at most {MAX_SCHEMA_CHARS} characters) under "
+                                f"{data_dir()}")
     subs = load_subschemas(engine.compiler)[: cfg.num_subschemas] if cfg.num_subschemas else []
     n_phrasings = len(SCHEMA_TEMPLATES)
     work = [(schema_message(s, v), GuidedDecodingParams("json_schema", s), cfg.max_tokens_json)
