@@ -3,6 +3,8 @@ Phi-3 fused projections, untied head, Gemma 2 / Gemma 3 with a sliding window of
 saved as HF folders: our loader + forward match transformers."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -194,6 +196,35 @@ def test_engine_serves_the_architecture_greedy_as_transformers_and_lossless(kind
             assert (events[-1].total_draft_tokens > 0) == (k > 0)  # K=3 really drafted (early exit: always)
     finally:
         engine.shutdown()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_sharded_half_precision_checkpoint_is_read_through_its_index(dtype, tmp_path, monkeypatch):
+    """A bf16 / fp16 checkpoint in shards (`model.safetensors.index.json`) beside a
+    `consolidated.safetensors` (as Mistral's folders have): exactly the index's shards are read, and
+    the logits (fp32 compute) match transformers' on the same checkpoint."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from specguide.models import loader
+
+    torch.manual_seed(0)
+    tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=None)).to(dtype).save_pretrained(
+        tmp_path, max_shard_size="50KB")
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and (tmp_path / "model.safetensors.index.json").exists()
+    save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64, dtype=dtype)}, str(tmp_path / "consolidated.safetensors"))
+    read, load_file = [], loader.load_file
+    monkeypatch.setattr(loader, "load_file", lambda f: (read.append(Path(f).name), load_file(f))[1])
+    ours = load_model(tmp_path, torch.float32)
+    assert sorted(read) == shards
+    ref = tf.MistralForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert ref.model.embed_tokens.weight.dtype == torch.float32
+    ids = torch.randint(0, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+    ctx = ours.make_context(torch.tensor([0]), torch.arange(40)[None], [0], 40)
+    got = ours.logits(ours(ids, ctx, KVCache(2, 1, 2, 64, ours.cfg.head_dim, torch.float32)))[0]
+    assert (got - ref(ids).logits[0]).abs().max().item() < 1e-4
 
 
 def test_an_unsupported_architecture_is_refused_by_name(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -55,10 +56,8 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     inv_freq, scaling = _rope(hf, cfg.head_dim, "full_attention" if per_type else None)
     local = _rope(hf, cfg.head_dim, "sliding_attention") if per_type and any(cfg.sliding) else None
     state: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in weight_files(folder):
         state.update(load_file(str(f)))
-    if not state:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
     with torch.device("meta"):
         model = LlamaModel(cfg, torch.zeros(cfg.head_dim // 2), scaling,
                            None if local is None else (torch.zeros(cfg.head_dim // 2), local[1]))
@@ -71,6 +70,19 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     eos = getattr(top, "eos_token_id", None) or hf.eos_token_id
     model.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     return model
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors: the shards its `model.safetensors.index.json` names, else
+    `model.safetensors`, else every `*.safetensors` (NOTE: Mistral's folders also hold a
+    `consolidated.safetensors` in another layout: reading it too would double the memory)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = [folder / "model.safetensors"] if (folder / "model.safetensors").exists() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return files
 
 
 def _rope(hf, head_dim: int, layer_type: str | None) -> tuple[torch.Tensor, float]:
