@@ -59,6 +59,9 @@ class Engine:
         folder = resolve_model_dir(config.model_dir, config.gguf_file)
         self.tokenizer = Tokenizer(folder)
         self.model = load_model(folder, DTYPES[config.dtype], str(self.device), config.weight_dtype)
+        if config.max_seq_len > self.model.cfg.max_position_embeddings:  # RoPE past its trained range: noise
+            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds {folder.name}'s max_position_embeddings "
+                             f"{self.model.cfg.max_position_embeddings} (config.json): lower max_seq_len")
         if config.max_slots == 0:  # CUDA: as many slots as the free memory holds
             config = self.config = size_slots(config, self.model.cfg, self.device)
         model_eos = getattr(self.model, "eos_token_ids", frozenset())

@@ -120,3 +120,15 @@ def test_the_head_is_trained_for_the_served_model_and_only_found_for_it(own_mode
         assert eng.head_drafter is None and eng.drafter == "grammar"
     finally:
         eng.shutdown()
+
+
+def test_a_max_seq_len_past_the_models_positions_is_refused(own_model, tmp_path):
+    """max_seq_len beyond config.json's max_position_embeddings (RoPE past its trained range) is a
+    configuration error naming both, not a model that decodes noise on long prompts."""
+    _, mine, _, _ = own_model
+    folder = shutil.copytree(mine, tmp_path / "short")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 256}))
+    with pytest.raises(ValueError, match="max_seq_len 512 exceeds short's max_position_embeddings 256"):
+        Engine(EngineConfig(model_dir=str(folder), max_slots=1, max_seq_len=512))
+    Engine(EngineConfig(model_dir=str(folder), max_slots=1, max_seq_len=256)).shutdown()
