@@ -132,3 +132,23 @@ def test_a_max_seq_len_past_the_models_positions_is_refused(own_model, tmp_path)
     with pytest.raises(ValueError, match="max_seq_len 512 exceeds short's max_position_embeddings 256"):
         Engine(EngineConfig(model_dir=str(folder), max_slots=1, max_seq_len=512))
     Engine(EngineConfig(model_dir=str(folder), max_slots=1, max_seq_len=256)).shutdown()
+
+
+def test_a_base_model_without_a_chat_template_gets_its_training_prompts_plain(own_model, tmp_path):
+    """A base checkpoint (no chat template): the training prompts are the messages themselves, and the
+    corpus is made (apply_chat_template would raise)."""
+    from specguide.training.train_head import TrainConfig, generate_corpus
+
+    _, mine, _, _ = own_model
+    folder = shutil.copytree(mine, tmp_path / "base", ignore=shutil.ignore_patterns("chat_template.jinja"))
+    eng = Engine(EngineConfig(model_dir=str(folder), max_slots=2, max_seq_len=1024, drafter="grammar"))
+    try:
+        assert not eng.tokenizer.hf.chat_template
+        samples = generate_corpus(eng, TrainConfig(num_schemas=2, schema_variants=1, num_chat=2, max_tokens_json=12,
+                                                   max_tokens_chat=8))
+        prompts = [eng.tokenizer.hf.decode(s.tokens[: s.prompt_len]) for s in samples]
+    finally:
+        eng.shutdown()
+    assert len(samples) == 4, prompts
+    assert sum(p.startswith("Generate a JSON object") for p in prompts) == 2 and all(p.endswith("\n") for p in prompts)
+    assert not any("<|im_start|>" in p for p in prompts)

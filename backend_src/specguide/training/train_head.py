@@ -116,6 +116,14 @@ class FeatureRecorder:
         self.feats[c.dst, c.start: c.end] = self.feats[c.src, c.start: c.end]
 
 
+def user_turn(tok, message: str) -> str:
+    """`message` as the model's chat template frames a user turn; a model without one (a base model)
+    reads the message and a newline."""
+    if getattr(tok.hf, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": message}])
+    return message + "\n"
+
+
 def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str]] = None) -> list[Sample]:
     """The target's greedy answers to the training prompts (JSON prompts under their schema),
     with its features f_p at every position but the last; `schemas` replaces the train split's
@@ -132,7 +140,7 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
     work += [(schema_message(s, i % n_phrasings), GuidedDecodingParams("json_schema", s), cfg.max_tokens_json)
              for i, s in enumerate(subs)]
     work += [(c, None, cfg.max_tokens_chat) for c in CHAT_TRAIN[: cfg.num_chat]]
-    reqs = [Request(prompt=tok.apply_chat_template([{"role": "user", "content": m}]), guided=g,
+    reqs = [Request(prompt=user_turn(tok, m), guided=g,
                     params=SamplingParams(max_tokens=n, temperature=0.0)) for m, g, n in work]
     out: list[Optional[Sample]] = [None] * len(reqs)
     progress = Progress("generate (the target answers the training prompts)", len(reqs), "answers")
