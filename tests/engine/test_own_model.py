@@ -152,3 +152,27 @@ def test_a_base_model_without_a_chat_template_gets_its_training_prompts_plain(ow
     assert len(samples) == 4, prompts
     assert sum(p.startswith("Generate a JSON object") for p in prompts) == 2 and all(p.endswith("\n") for p in prompts)
     assert not any("<|im_start|>" in p for p in prompts)
+
+
+def test_generation_configs_end_of_turn_ids_end_the_answer(own_model, tmp_path):
+    """generation_config.json's eos_token_id list (where Llama 3 / Qwen2.5 / Gemma 3 instruct models
+    keep their end-of-turn ids) ends an answer like config.json's EOS does."""
+    from .conftest import run_alone
+
+    _, mine, _, _ = own_model
+
+    def answer(folder):
+        eng = Engine(EngineConfig(model_dir=str(folder), max_slots=1, max_seq_len=256, num_draft_tokens=0))
+        try:
+            return eng.eos_token_ids, run_alone(eng, Request(prompt="Count: one two", params=SamplingParams(
+                max_tokens=12, temperature=0.0)))
+        finally:
+            eng.shutdown()
+    eos, (toks, _, final) = answer(mine)
+    assert final.finish_reason == "length" and not eos & set(toks)
+    i = max(i for i in range(len(toks)) if toks[i] not in toks[:i])  # the latest token not seen before it
+    folder = shutil.copytree(mine, tmp_path / "instruct")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, toks[i]]}))
+    eos2, (toks2, _, final2) = answer(folder)
+    # the answer ends at that id (included in the output ids, as config.json's EOS is)
+    assert eos2 == eos | {toks[i]} and final2.finish_reason == "stop" and toks2 == toks[: i + 1], (toks, toks2)

@@ -67,9 +67,22 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
         model.inv_freq_local = local[0].float()
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.finalize(weight_dtype)
-    eos = getattr(top, "eos_token_id", None) or hf.eos_token_id
-    model.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+    model.eos_token_ids = eos_token_ids(folder, top, hf)
     return model
+
+
+def eos_token_ids(folder: Path, *configs) -> frozenset[int]:
+    """End-of-sequence ids: config.json's (the top config's, else the text model's) and
+    generation_config.json's (Llama 3, Qwen2.5 and Gemma 3 instruct models list their end-of-turn
+    tokens only there), as vLLM merges them."""
+    out: set[int] = set()
+    gen = folder / "generation_config.json"
+    sources = [next((c.eos_token_id for c in configs if getattr(c, "eos_token_id", None) is not None), None)]
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for eos in sources:
+        out.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(out)
 
 
 def weight_files(folder: Path) -> list[Path]:
