@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..paths import cache_dir
+from ..progress import Progress
 from . import gemma
 from .default_model import convert_gguf, prepare_default_model
 from .llama import LlamaModel, ModelConfig
@@ -56,8 +57,12 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     inv_freq, scaling = _rope(hf, cfg.head_dim, "full_attention" if per_type else None)
     local = _rope(hf, cfg.head_dim, "sliding_attention") if per_type and any(cfg.sliding) else None
     state: dict[str, torch.Tensor] = {}
-    for f in weight_files(folder):
+    files = weight_files(folder)
+    progress = Progress(f"load {folder.name}", len(files), "safetensors files") if len(files) > 1 else None
+    for f in files:
         state.update(load_file(str(f)))
+        if progress is not None:
+            progress.update()
     with torch.device("meta"):
         model = LlamaModel(cfg, torch.zeros(cfg.head_dim // 2), scaling,
                            None if local is None else (torch.zeros(cfg.head_dim // 2), local[1]))
