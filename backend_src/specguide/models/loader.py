@@ -97,7 +97,8 @@ def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    files = [folder / "model.safetensors"] if (folder / "model.safetensors").exists() else sorted(folder.glob("*.safetensors"))
+    single = folder / "model.safetensors"
+    files = [single] if single.exists() else sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     return files
