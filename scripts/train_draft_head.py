@@ -3,14 +3,14 @@
 cache, where the "head" and "hybrid" drafters find it.
 
     python scripts/train_draft_head.py [--model-repository DIR | --model-dir DIR [--gguf-file F]]
-                                       [--epochs 8] [--seed 0] [--out PATH] [--quick] [--if-missing]
+                                       [--epochs N] [--seed 0] [--out PATH] [--quick] [--if-missing]
 
 `--model-repository DIR` trains for what DIR/specguide/config.pbtxt serves (its model_dir,
 gguf_file, device, dtypes, draft_head_path), as `make serve MODEL_REPOSITORY=DIR` does; without
 it, for --model-dir (default: the embedded default model). The target answers the training
 prompts on CUDA when one is present (device "auto"), and the head trains where the target is.
 
-~7 minutes on a 2-core CPU with bf16 dot products (~9.5 in fp32), with the defaults; `--quick` is
+~7 minutes on a 2-core CPU with bf16 dot products (~5.7 in fp32, with 4 epochs), with the defaults; `--quick` is
 a smoke run (a minute or two).
 """
 from __future__ import annotations
@@ -45,7 +45,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--weight-dtype", default="", help="EngineConfig.weight_dtype of the target while training "
                                                        "(default: the repository's, else auto)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    ap.add_argument("--epochs", type=int, default=TrainConfig.epochs,
+                    help="0 = by the matmul dtype: 8 with bf16, 4 in fp32 (training.train_head.AUTO_EPOCHS)")
     ap.add_argument("--schemas", type=int, default=TrainConfig.num_schemas)
     ap.add_argument("--variants", type=int, default=TrainConfig.schema_variants, help="phrasings per whole schema")
     ap.add_argument("--subschemas", type=int, default=TrainConfig.num_subschemas,

@@ -16,7 +16,7 @@ from specguide.engine import Engine
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead, default_head_path
 from specguide.training.prompts import load_schemas, schema_message
-from specguide.training.train_head import TrainConfig
+from specguide.training.train_head import AUTO_EPOCHS, TrainConfig
 
 from .test_guided_engine import run_many
 
@@ -39,6 +39,8 @@ def test_the_default_head_records_the_projects_recipe_and_loads_onto_the_default
     assert meta["train_config"] == asdict(TrainConfig()), (
         f"{default_head} was trained with another recipe; delete it and run `make draft-head`")
     assert Path(meta["model"]).name == Path(model_dir).name
+    report = meta["report"]  # epochs by what the matmuls ran in: 8 in bf16, 4 in fp32
+    assert report["epochs"] == AUTO_EPOCHS[report["matmul_dtype"]] and TrainConfig().epochs == 0
     assert head.cfg.hidden_size == engine.model.cfg.hidden_size and head.draft_vocab_size == TrainConfig.draft_vocab
     assert meta["report"]["vocab_coverage"] > 0.99 and meta["report"]["val_accuracy"][0] > 0.45, meta["report"]
 

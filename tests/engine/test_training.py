@@ -134,3 +134,18 @@ def test_no_training_schemas_is_an_error_not_a_chat_only_head(engine, monkeypatc
     monkeypatch.setenv("SPECGUIDE_DATA_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no training schemas"):
         generate_corpus(engine, TrainConfig(num_schemas=4, num_chat=2))
+
+
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_epochs_0_trains_as_many_as_the_matmul_dtype_affords(engine, matmul_dtype):
+    """TrainConfig.epochs 0: 8 epochs with bf16 matmuls, 4 in fp32 (fp32 at 8 would put a fresh
+    `make serve` past 10 minutes); an explicit count wins."""
+    model = engine.model
+    gen = torch.Generator().manual_seed(2)
+    samples = [Sample(torch.randint(0, 3000, (40,), generator=gen).tolist(), 30,
+                      torch.randn(39, model.cfg.hidden_size, generator=gen)) for _ in range(3)]
+    for epochs, want in [(0, train_head.AUTO_EPOCHS[matmul_dtype]), (1, 1)]:
+        report = train_head.TrainReport()
+        cfg = TrainConfig(epochs=epochs, matmul_dtype=matmul_dtype, draft_vocab=512, val_fraction=0.0)
+        train_head.train_head(model, samples, cfg, report, sorted(engine.eos_token_ids))
+        assert (report.epochs, report.matmul_dtype) == (want, matmul_dtype)

@@ -38,7 +38,7 @@ log = logging.getLogger("specguide.train")
 
 @dataclass
 class TrainConfig:
-    """Knobs of one training run (the defaults take ~7 minutes on a 2-core CPU with bf16, ~9.5 in fp32)."""
+    """Knobs of one training run (the defaults take ~7 minutes on a 2-core CPU with bf16, ~5.7 in fp32)."""
 
     seed: int = 0
     num_schemas: int = 80  # JSON schemas (train split)
@@ -52,11 +52,17 @@ class TrainConfig:
     depth_decay: float = 0.8  # loss weight of depth j: decay**(j-1)
     feature_weight: float = 0.5  # smooth-L1 of g_p against the target's f_{p+1} (EAGLE-1's regression)
     hard_weight: float = 0.2  # CE on the emitted token, next to the soft target distribution
-    epochs: int = 8
+    epochs: int = 0  # 0 = AUTO_EPOCHS of the matmul dtype
     lr: float = 1e-3
     val_fraction: float = 0.1
     threads: int = 0  # 0 = torch default
     matmul_dtype: str = "auto"  # auto | float32 | bfloat16: autocast of the training matmuls (precision.py)
+
+
+# Epochs by matmul dtype (2-core AMD EPYC, 24 held-out schemas, hybrid tokens per step; BENCHMARKS):
+# bf16 8 epochs 2.841 in 260 s of training (4: 2.796); fp32 4 epochs 2.818 in 215 s, where 8 would
+# take 435 s (2.895) and put `make serve` past 10 minutes on a CPU without bf16 dot products.
+AUTO_EPOCHS = {"bfloat16": 8, "float32": 4}
 
 
 SERVED_FIELDS = ("model_dir", "gguf_file", "device", "dtype", "weight_dtype", "num_threads", "guided_backend",
@@ -86,6 +92,7 @@ class TrainReport:
     output_tokens: int = 0
     vocab_coverage: float = 0.0  # fraction of output tokens inside the draft vocabulary
     matmul_dtype: str = ""  # what the training matmuls ran in
+    epochs: int = 0  # how many epochs ran (TrainConfig.epochs, or AUTO_EPOCHS of the matmul dtype)
     seconds: dict[str, float] = field(default_factory=dict)
     val_accuracy: list[float] = field(default_factory=list)  # top-1 agreement per depth (held-out samples)
     val_accept_per_step: float = 0.0  # 1 + expected accepted drafts at K=depth, from chained accuracies
@@ -314,13 +321,14 @@ def train_head(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, repo
     head = head.to(target.embed.weight.device)
     trainer = Trainer(head, target, cfg)
     report.matmul_dtype = "bfloat16" if trainer.autocast is not None else "float32"
+    report.epochs = epochs = cfg.epochs or AUTO_EPOCHS[report.matmul_dtype]
     params = [p for n, p in head.named_parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    steps = cfg.epochs * len(tr)
+    steps = epochs * len(tr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / max(1, steps // 20)) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
-    progress = Progress(f"train ({cfg.epochs} epochs)", steps, "steps")
-    for epoch in range(cfg.epochs):
+    progress = Progress(f"train ({epochs} epochs, {report.matmul_dtype} matmuls)", steps, "steps")
+    for epoch in range(epochs):
         rng.shuffle(tr)
         t0, tot, right, seen = time.perf_counter(), 0.0, 0, 0
         for s in tr:
