@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from specguide.request import GuidedDecodingParams, Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead, default_head_path
 from specguide.triton.interfaces import engine_parameters
 
+from ..integration.conftest import repository_with
 from .test_guided_engine import run_many
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,12 +44,6 @@ def make_checkpoint(folder: Path, tokenizer_dir: Path, seed: int) -> Path:
     return folder
 
 
-def set_parameter(config: Path, key: str, value: str) -> None:
-    text, n = re.subn(r'(key: "%s"\s*value: \{ string_value: )"[^"]*"' % key, r'\1"%s"' % value, config.read_text())
-    assert n == 1, key
-    config.write_text(text)
-
-
 def train_script():
     spec = importlib.util.spec_from_file_location("train_draft_head", ROOT / "scripts" / "train_draft_head.py")
     module = importlib.util.module_from_spec(spec)
@@ -64,9 +58,7 @@ def own_model(tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp("own_model")
     mine = make_checkpoint(tmp / "a" / "hf", model_dir, seed=0)
     other = make_checkpoint(tmp / "b" / "hf", model_dir, seed=1)
-    repo = tmp / "repository"
-    shutil.copytree(ROOT / "model_repository", repo)
-    set_parameter(repo / "specguide" / "config.pbtxt", "model_dir", str(mine))
+    repo = repository_with(tmp, {"model_dir": str(mine)})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECGUIDE_CACHE_DIR", str(tmp / "cache"))
         script = train_script()
