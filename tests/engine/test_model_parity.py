@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specguide.kv_cache import KVCache
-from specguide.models.loader import load_model
+from specguide.models.loader import cpu_bf16_matmuls, load_model
 
 from .conftest import PROMPTS
 
@@ -61,6 +61,8 @@ def test_batched_decode_over_non_consecutive_slots(ours, hf_model, model_dir):
 
 @torch.inference_mode()
 def test_bf16_stays_close_to_fp32(model_dir):
+    if not cpu_bf16_matmuls():
+        pytest.skip("torch has no bf16 matmuls on this CPU (AVX-512 bw/vl/dq or AVX-NE-CONVERT needed)")
     ours16 = load_model(model_dir, torch.bfloat16)
     ours32 = load_model(model_dir, torch.float32)
     ids = list(range(100, 140))
@@ -70,6 +72,16 @@ def test_bf16_stays_close_to_fp32(model_dir):
     assert l16.dtype == torch.float32
     agree = (l16.argmax(-1) == l32.argmax(-1)).float().mean().item()
     assert agree > 0.8, agree
+
+
+def test_bf16_is_refused_up_front_where_the_cpu_has_no_bf16_matmuls(model_dir, monkeypatch):
+    """Not a crash at the first forward: a load error that names the CPU's lack and the way out."""
+    from specguide.models import loader
+
+    monkeypatch.setattr(loader, "cpu_bf16_matmuls", lambda: False)
+    with pytest.raises(ValueError, match="bf16 matmuls need .* use dtype float32"):
+        load_model(model_dir, torch.bfloat16)
+    assert load_model(model_dir, torch.float32).embed.weight.dtype == torch.float32  # fp32 does not need them
 
 
 @torch.inference_mode()

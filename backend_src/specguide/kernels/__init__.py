@@ -49,6 +49,12 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
+# NOTE: -ffp-contract=off: the compiler never fuses a product and a sum by itself (its choice varies
+# with the loop and the -mtune target, and broke batch / query-count invariance on Zen 3); ops.c
+# writes every FMA out and refuses to build without the define
+FLAGS = ["-O3", "-ffp-contract=off", "-DSPECGUIDE_FP_CONTRACT_OFF", "-fopenmp"]
+
+
 @functools.cache
 def _target() -> tuple[Path, str, list[str]]:
     """(cache folder, key of this source + CPU + -march, the -march flags): read once per process."""
@@ -56,7 +62,7 @@ def _target() -> tuple[Path, str, list[str]]:
     # machine: the tests check every path here, whatever CPU runs them
     march = os.environ.get("SPECGUIDE_KERNEL_MARCH", "-march=native").split()
     src = (HERE / "ops.c").read_bytes()
-    key = hashlib.sha1(src + _cpu_key().encode() + " ".join(march).encode()).hexdigest()[:16]
+    key = hashlib.sha1(src + _cpu_key().encode() + " ".join(FLAGS + march).encode()).hexdigest()[:16]
     folder = cache_dir() / "kernels"
     folder.mkdir(parents=True, exist_ok=True)
     return folder, key, march
@@ -80,7 +86,7 @@ def _compile(folder: Path, key: str, march: list[str], rb: int) -> Path:
     os.close(fd)
     # NOTE: -march=native: the cache key includes the CPU flags, so a copy never runs on another CPU;
     # the vector paths (AVX-512, AVX2, portable) are chosen at compile time from what this CPU has
-    cmd = [cc, "-O3", *march, f"-DRB={rb}", "-fopenmp", "-shared", "-fPIC", str(HERE / "ops.c"), "-o", tmp, "-lm"]
+    cmd = [cc, *FLAGS, *march, f"-DRB={rb}", "-shared", "-fPIC", str(HERE / "ops.c"), "-o", tmp, "-lm"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:

@@ -18,6 +18,16 @@
 #include <immintrin.h>
 #endif
 
+/* NOTE: exactness rests on this. With contraction allowed (GCC's default) the compiler decides per
+ * code path whether a * b + c becomes one FMA (one rounding) or a multiply and an add (two), and
+ * its tuning changes the decision (-mtune=znver3 avoids FMA chains in some loops, not in others):
+ * a verification step's logits then differ from single-token steps' in the last bit. So the build
+ * (kernels/__init__.py) turns contraction off, every fused multiply-add is written out (vfma), and
+ * the order and rounding of every sum and product is the source's, whatever -march / -mtune. */
+#ifndef SPECGUIDE_FP_CONTRACT_OFF
+#error "build with -ffp-contract=off -DSPECGUIDE_FP_CONTRACT_OFF (kernels/__init__.py)"
+#endif
+
 /* NOTE: vectors of the CPU's own width (16 floats with AVX-512, 8 with AVX2, 4 otherwise). GCC
  * lowers wider generic vectors through the stack: a 16-float vector type built for AVX2 ran the
  * GEMM 35x slower than the AVX-512 build on the same CPU. Each output lane's sums are the same
@@ -40,6 +50,28 @@ static inline __attribute__((always_inline)) vf load(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* a * b + c: one rounding where the build has FMA, else a rounded product then a rounded sum (the
+   same operations in every loop of one build, vector bodies and tails alike). */
+static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) {
+#if VW == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif VW == 8 && defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline __attribute__((always_inline)) vf splat(float x) {
+#if VW == 16
+    return (vf)_mm512_set1_ps(x);
+#elif VW == 8
+    return (vf)_mm256_set1_ps(x);
+#else
+    return (vf){x, x, x, x}; /* (not {0} + x: that turns -0.0 into +0.0) */
+#endif
 }
 
 /* Weights are packed once as Wp [O/64, I, 64] (O padded to a multiple of 64 with zero rows), so
@@ -100,7 +132,7 @@ static inline __attribute__((always_inline)) void accumulate(vf acc[RB][NV], con
     for (int k = 0; k < RB; k++) {
         if (k >= nb) break;
         const float xv = xb[(int64_t)k * I + i];
-        for (int v = 0; v < NV; v++) acc[k][v] += w[v] * xv;
+        for (int v = 0; v < NV; v++) acc[k][v] = vfma(w[v], splat(xv), acc[k][v]);
     }
 }
 
@@ -194,7 +226,7 @@ static inline __attribute__((always_inline)) void widen_blk(int kind, const char
         vi32 q[NV / 2];  /* the 32 bytes, each zero-extended once */
         for (int c = 0; c < NV / 2; c++) q[c] = zext_u8(qb + c * VW);
         for (int v = 0; v < NV; v++)
-            w[v] = i32_to_f(v < NV / 2 ? q[v] & 15 : q[v - NV / 2] >> 4) * d[v] + m[v];
+            w[v] = vfma(i32_to_f(v < NV / 2 ? q[v] & 15 : q[v - NV / 2] >> 4), d[v], m[v]);
     } else {
         for (int v = 0; v < NV; v++) w[v] = wload(wt, i * TILE + v * VW, W_I8) * d[v];
     }
@@ -375,12 +407,6 @@ void gemv_q8_0(const float *x, const int8_t *Wp, const uint16_t *d, const float 
 #define DB 8
 #endif
 
-static inline __attribute__((always_inline)) vf splat(float x) {
-    vf v;
-    for (int j = 0; j < VW; j++) v[j] = x; /* (not {0} + x: that turns -0.0 into +0.0) */
-    return v;
-}
-
 /* m ? a : b, lane-wise (m: all ones or zero per lane) */
 static inline __attribute__((always_inline)) vf vsel(vi32 m, vf a, vf b) {
     return (vf)((m & (vi32)a) | (~m & (vi32)b));
@@ -393,18 +419,18 @@ static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return vsel(a
 static inline __attribute__((always_inline)) vf vexp(vf x) {
     const vi32 under = x < splat(-87.0f);
     x = vsel(under, splat(-87.0f), x);
-    const vf t = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: round to nearest */
+    const vf t = vfma(x, splat(1.44269504088896341f), splat(12582912.0f)); /* 1.5 * 2^23: round to nearest */
     const vf n = t - 12582912.0f;
     const vi32 e = ((vi32)t - 0x4B400000 + 127) << 23; /* 2^n */
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
+    vf r = vfma(n, splat(-0.693359375f), x);
+    r = vfma(n, splat(2.12194440e-4f), r);
     vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
+    p = vfma(p, r, splat(1.3981999507e-3f));
+    p = vfma(p, r, splat(8.3334519073e-3f));
+    p = vfma(p, r, splat(4.1665795894e-2f));
+    p = vfma(p, r, splat(1.6666665459e-1f));
+    p = vfma(p, r, splat(5.0000001201e-1f));
+    p = vfma(p, r * r, r) + 1.0f;
     return (vf)(~under & (vi32)(p * (vf)e));
 }
 
@@ -421,7 +447,7 @@ static inline __attribute__((always_inline)) void qk_keys(const float *Qt, const
     for (int k = 0; k < nk; k++) acc[k] = (vf){0};
     for (int i = 0; i < hd; i++) {
         const vf qi = load(Qt + (int64_t)i * VW);
-        for (int k = 0; k < nk; k++) acc[k] += qi * K[(int64_t)k * hd + i];
+        for (int k = 0; k < nk; k++) acc[k] = vfma(qi, splat(K[(int64_t)k * hd + i]), acc[k]);
     }
     for (int k = 0; k < nk; k++) s[k] = acc[k];
 }
@@ -505,7 +531,7 @@ static void attn_tile(const float *q, const float *kc, const float *vc, const in
         for (int64_t j = 0; j < n; j++) {
             const vf p = load(P + j * VW);
             const float *vr = V + j * hd + d0;
-            for (int d = 0; d < DB; d++) acc[d] += p * vr[d];
+            for (int d = 0; d < DB; d++) acc[d] = vfma(p, splat(vr[d]), acc[d]);
         }
         float o[DB][VW];
         for (int d = 0; d < DB; d++) {

@@ -40,6 +40,10 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     from transformers import AutoConfig
 
     folder = Path(folder)
+    if device == "cpu" and dtype == torch.bfloat16 and not cpu_bf16_matmuls():
+        raise ValueError("dtype bfloat16: torch's CPU bf16 matmuls need AVX-512 (bw, vl, dq) or AVX-NE-CONVERT, "
+                         "which this CPU lacks; use dtype float32 (weight_dtype bfloat16 still holds the "
+                         "weights in bf16, with fp32 math in the C kernels)")
     top = AutoConfig.from_pretrained(folder)
     if top.model_type not in SUPPORTED:
         arch = ", ".join(getattr(top, "architectures", None) or [top.model_type])
@@ -74,6 +78,15 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     model.finalize(weight_dtype)
     model.eos_token_ids = eos_token_ids(folder, top, hf)
     return model
+
+
+def cpu_bf16_matmuls() -> bool:
+    """Whether torch runs bf16 matmuls on this CPU (oneDNN's check: AVX-512 bw/vl/dq or AVX-NE-CONVERT;
+    elsewhere a bf16 forward raises at its first linear)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def eos_token_ids(folder: Path, *configs) -> frozenset[int]:

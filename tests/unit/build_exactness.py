@@ -1,0 +1,159 @@
+"""The exactness invariants of one kernel build, in a process of its own.
+
+    SPECGUIDE_KERNEL_MARCH="-march=x86-64-v3 -mtune=znver3" python tests/unit/build_exactness.py
+
+The build (ISA and tuning) is chosen at the first kernel call of a process, so each build is
+checked by running this file under its SPECGUIDE_KERNEL_MARCH (tests/unit/test_kernel_builds.py
+runs every build this CPU can execute). Prints "ok" when every check holds, else raises:
+- GEMV: a row's bits do not depend on the other rows of the call, for every weight format; the
+  block formats (q4_1, q8_0) give the fp32 kernel's bits on their dequantized weights;
+- attention: any chunk split of a prompt gives the same outputs and K/V (window, soft cap);
+- whole models (random weights, real layer shapes: SmolLM2's attention geometry in q4_1 as the
+  default model is served, and a Gemma 2 layer pair in fp32 / q8_0): a decode step's logits are
+  the same alone or in a batch, a 4-query verification step equals 4 single-token steps, and a
+  prompt's logits and K/V do not depend on how it was split into prefill chunks.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specguide import kernels
+from specguide.kv_cache import KVCache
+from specguide.models.loader import load_model
+
+
+def check_gemv(g: torch.Generator) -> None:
+    for O, I in ((130, 576), (960, 576), (49, 96)):
+        W, x, r = torch.randn(O, I, generator=g) * 0.05, torch.randn(20, I, generator=g), torch.randn(20, O, generator=g)
+        for fmt in ("float32", "q4_1", "q8_0", "int8", "bfloat16"):
+            if fmt.startswith("q") and I % kernels.QBLK:
+                continue
+            packed, aux = kernels.pack_weight(W, fmt)
+            full = kernels.gemv(x, packed, aux, O, r)  # 20 rows: the widened-scratch path
+            deq = kernels.dequantized(W, fmt)
+            assert torch.allclose(full, x @ deq.t() + r, atol=1e-4, rtol=1e-5), (fmt, O, I)
+            ref = kernels.pack_weight(deq, "float32")[0] if fmt.startswith("q") else None
+            for lo, hi in ((0, 1), (3, 4), (5, 9), (2, 17), (0, 20)):  # in-register (< 16 rows) and scratch
+                got = kernels.gemv(x[lo:hi], packed, aux, O, r[lo:hi])
+                assert torch.equal(got, full[lo:hi]), (fmt, O, I, lo, hi)
+                if ref is not None:
+                    assert torch.equal(got, kernels.gemv(x[lo:hi], ref, None, O, r[lo:hi])), (fmt, O, I, lo, hi)
+
+
+def check_attention(g: torch.Generator) -> None:
+    for nh, kvh, hd, window, cap in ((9, 3, 64, 0, 0.0), (4, 2, 48, 7, 2.0), (8, 1, 32, 0, 0.0)):
+        N, S = 45, 64
+        qkv = torch.randn(2, N, nh + 2 * kvh, hd, generator=g)
+        cos, sin = torch.randn(S, hd, generator=g), torch.randn(S, hd, generator=g)
+        pos = torch.stack([torch.arange(N), torch.arange(N) + 5])
+
+        def run(bounds, rows=(0, 1)):
+            kc, vc = torch.zeros(3, kvh, S, hd), torch.zeros(3, kvh, S, hd)
+            r = list(rows)
+            outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin, kc, vc, torch.tensor([2, 0])[r], pos[r, a:b],
+                                               nh, 0.2, window, cap) for a, b in zip(bounds, bounds[1:])]
+            return torch.cat(outs, 1), kc, vc
+
+        whole = run([0, N])
+        for bounds, rows in (([0, 1, 18, 19, N], (0, 1)), (list(range(N + 1)), (0, 1)), ([0, 4, 8, N], (1,))):
+            got = run(bounds, rows)
+            want = whole[0][list(rows)]
+            assert torch.equal(got[0], want), (nh, kvh, hd, bounds[:5], rows)
+            assert all(torch.equal(a[[2, 0][r]], b[[2, 0][r]]) for r in rows for a, b in zip(got[1:], whole[1:]))
+
+
+def _q4_1_exact(model: torch.nn.Module) -> None:
+    """Every linear weight replaced by its Q4_1 dequantization: the loader packs it as q4_1 (as it
+    packs the default model's GGUF weights), so the served kernels run."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight"):
+                p.copy_(kernels.dequantized(p, "q4_1"))
+
+
+def _q8_0_mlp(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "mlp" in name and name.endswith("proj.weight"):
+                p.copy_(kernels.dequantized(p, "q8_0"))
+            elif "norm" in name:  # Gemma's (1 + w) norms: random, so every one of them counts
+                p.uniform_(-0.5, 0.5)
+
+
+def make_models(folder: Path) -> dict[str, Path]:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=256, tie_word_embeddings=True))
+    _q4_1_exact(llama)
+    gemma = tf.Gemma2ForCausalLM(tf.Gemma2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, max_position_embeddings=256))
+    _q8_0_mlp(gemma)
+    out = {}
+    for name, model in (("llama_q4_1", llama), ("gemma2", gemma)):
+        model.save_pretrained(folder / name)
+        out[name] = folder / name
+    return out
+
+
+@torch.inference_mode()
+def check_model(folder: Path) -> None:
+    model = load_model(folder, torch.float32, weight_dtype="auto")
+    assert model.chunk_invariant and model.fused is not None, folder
+    cfg = model.cfg
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    nxt = [11, 12, 13, 14]
+
+    def forward(kv, slots, ids, start):
+        T = len(ids[0])
+        pos = torch.arange(start, start + T).expand(len(slots), T)
+        ctx = model.make_context(torch.tensor(slots), pos, slots, start + T)
+        return model.logits(model(torch.tensor(ids), ctx, kv))
+
+    def cache():
+        return KVCache(cfg.num_layers, 6, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32)
+
+    # prefill in one chunk vs uneven chunks (1, 16, 23 tokens; one at a time): the same logits and K/V
+    kv = cache()
+    whole = forward(kv, [0], [prompt], 0)[0]
+    for bounds in ([0, 1, 17, 40], list(range(41))):
+        kv2 = cache()
+        parts = torch.cat([forward(kv2, [0], [prompt[a:b]], a)[0] for a, b in zip(bounds, bounds[1:])])
+        assert torch.equal(parts, whole), (folder.name, bounds[:4])
+        assert torch.equal(kv2.k[:, 0], kv.k[:, 0]) and torch.equal(kv2.v[:, 0], kv.v[:, 0]), folder.name
+    for s in range(1, 6):
+        forward(kv, [s], [prompt], 0)
+    # a decode step alone == inside a batch of 6 / of 2
+    alone = forward(kv, [3], [nxt[:1]], 40)[0, 0]
+    assert torch.equal(forward(kv, list(range(6)), [nxt[:1]] * 6, 40)[3, 0], alone), folder.name
+    assert torch.equal(forward(kv, [5, 3], [nxt[:1]] * 2, 40)[1, 0], alone), folder.name
+    # a verification step (4 queries) == 4 single-token steps, alone and beside another slot
+    four = forward(kv, [3], [nxt], 40)[0]
+    beside = forward(kv, [1, 3], [nxt, nxt], 40)[1]
+    assert torch.equal(beside, four), folder.name
+    for i in range(4):
+        assert torch.equal(forward(kv, [3], [nxt[i:i + 1]], 40 + i)[0, 0], four[i]), (folder.name, i)
+
+
+def main() -> None:
+    assert kernels.library() is not None, kernels.unavailable_reason()
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(3)
+    check_gemv(g)
+    check_attention(g)
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in make_models(Path(tmp)).values():
+            check_model(path)
+    print("ok")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
