@@ -68,6 +68,9 @@ def main() -> int:
     ap.add_argument("--backends", default="xgrammar,llguidance,auto,auto+best_effort",
                     help="comma list; '+best_effort' / '+any_key_order': with that request option")
     ap.add_argument("--timeout", type=float, default=30.0, help="compile timeout per schema, s")
+    ap.add_argument("--undeclared-keys", default="allow", choices=("allow", "forbid"),
+                    help="allow (default here): JSON Schema's reading, which MaskBench's instances test; "
+                         "forbid: the served default (declared keys only)")
     ap.add_argument("--model", default="")
     ap.add_argument("--out", default="", help="write per-case JSONL here too")
     args = ap.parse_args()
@@ -90,7 +93,8 @@ def main() -> int:
     sink = open(args.out, "w") if args.out else None
     for run in args.backends.split(","):
         backend, *modes = run.split("+")  # "auto+best_effort+any_key_order": request options set to true
-        svc = GrammarCompilerService(tok, vocab, max_workers=1, default_backend=backend)
+        svc = GrammarCompilerService(tok, vocab, max_workers=1, default_backend=backend,
+                                     undeclared_keys=args.undeclared_keys)
         params = {m: True for m in modes}
         results = []
         for cid, case in cases:

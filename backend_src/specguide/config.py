@@ -92,6 +92,9 @@ class EngineConfig:
     guided_compile_workers: int = 2  # grammar compile thread pool
     guided_backend: str = "auto"  # grammar backend of requests that name none: "auto" (JSON -> llguidance,
     # EBNF / structural tags / regex / choice -> xgrammar), "xgrammar", "llguidance" (alias "guidance")
+    guided_undeclared_keys: str = "forbid"  # JSON Schema objects silent on additionalProperties: only their
+    # declared keys ("forbid", as xgrammar strict mode / llama.cpp / OpenAI) or any key ("allow": the
+    # spec's reading); a request's structured_outputs.undeclared_keys overrides it
     guided_cache_bytes: int = 512 * 1024 * 1024  # xgrammar compile cache limit
     guided_compile_timeout_s: float = 60.0  # 0 = no limit; a request past it fails with INVALID_ARG
     guided_max_guide_bytes: int = 262144  # a guide (schema / regex / grammar) larger is refused (0 = no limit)
@@ -129,6 +132,8 @@ class EngineConfig:
         _check(self.drafter in DRAFTERS, f"unknown drafter {self.drafter!r} (one of {DRAFTERS})")
         _check(self.guided_backend.strip().lower() in ("auto", "xgrammar", "llguidance", "guidance"),
                f"unknown guided_backend {self.guided_backend!r} (one of auto, xgrammar, llguidance)")
+        _check(self.guided_undeclared_keys in ("forbid", "allow"),
+               f"guided_undeclared_keys must be 'forbid' or 'allow', got {self.guided_undeclared_keys!r}")
         _check(self.guided_executor in GUIDED_EXECUTORS,
                f"unknown guided_executor {self.guided_executor!r} (one of {GUIDED_EXECUTORS})")
         _check(0 < self.kv_cache_memory_fraction <= 1,

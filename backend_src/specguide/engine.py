@@ -71,7 +71,7 @@ class Engine:
             self.tokenizer.hf, vocab, stop_token_ids=sorted(self.eos_token_ids),
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
             timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend,
-            limits=GuideLimits.from_config(config))
+            limits=GuideLimits.from_config(config), undeclared_keys=config.guided_undeclared_keys)
         self.faults = faults.injector()
         self.runner = Runner(self.model, config, self.device, poison=self.faults.poison)
         self.guided = self.runner.guided

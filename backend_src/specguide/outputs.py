@@ -151,7 +151,7 @@ class OutputProcessor:
             seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
             error_code=seq.error_code if finished else None, stage=seq.stage if finished else None,
-            guide_notes=guide_notes(seq.grammar) if finished else (),
+            guide_notes=guide_notes(seq.grammar, seq.output_ids) if finished else (),
             total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
             num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
             num_cached_tokens=seq.num_reused,
@@ -166,8 +166,12 @@ class OutputProcessor:
             kv_cache_alloc_total_blocks=blocks, kv_cache_hit_rate=reused / blocks if blocks else 0.0)
 
 
-def guide_notes(guide: Any) -> tuple[str, ...]:
+def guide_notes(guide: Any, output_ids: "list[int] | tuple" = ()) -> tuple[str, ...]:
     """What a JSON guide's grammar does not enforce by itself: keywords left unchecked (best effort)
-    and keywords checked with jsonschema when their value closes ("keyword at /pointer")."""
+    and keywords checked with jsonschema when their value closes ("keyword at /pointer"); and
+    whether max_tokens closed the document (guided/budget.py)."""
+    budget = getattr(guide, "budget", None)
+    closed = (f"closed by the budget: max_tokens {budget.budget} left room only for the shortest valid end",) \
+        if budget is not None and budget.closed(output_ids) else ()
     return tuple(f"not enforced: {u}" for u in getattr(guide, "unenforced", ())) + tuple(
-        f"checked when its value closes: {c}" for c in getattr(guide, "checked", ()))
+        f"checked when its value closes: {c}" for c in getattr(guide, "checked", ())) + closed

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 import numpy as np
@@ -110,6 +111,16 @@ class SamplingParams:
             raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
 
+class UndeclaredKeys(str, Enum):
+    """JSON Schema objects silent on `additionalProperties`: generate only their declared keys
+    (FORBID, as xgrammar's strict mode, llama.cpp and OpenAI do) or any key (ALLOW, the spec's
+    reading: what MaskBench measures). DEFAULT: the server's `guided_undeclared_keys`."""
+
+    DEFAULT = ""
+    FORBID = "forbid"
+    ALLOW = "allow"
+
+
 @dataclass
 class GuidedDecodingParams:
     """One guide per request (TensorRT-LLM's GuidedDecodingParams plus vLLM's `choice`)."""
@@ -122,10 +133,12 @@ class GuidedDecodingParams:
     whitespace_pattern: str = ""  # JSON: regex for one whitespace run (overrides any_whitespace)
     best_effort: bool = False  # JSON: formats nothing can check are noted, not refused
     any_key_order: bool = False  # JSON: listed keys in any order (llguidance; `required` checked at the close)
+    undeclared_keys: UndeclaredKeys = UndeclaredKeys.DEFAULT  # JSON Schema: keys a schema does not declare
+    complete_within_budget: bool = True  # JSON: the document closes before max_tokens (guided/budget.py)
 
     def cache_key(self, backend: str) -> tuple:
         return (backend, self.guide_type, self.guide, self.strict, self.any_whitespace,
-                self.whitespace_pattern, self.best_effort, self.any_key_order)
+                self.whitespace_pattern, self.best_effort, self.any_key_order, UndeclaredKeys(self.undeclared_keys))
 
 
 @dataclass

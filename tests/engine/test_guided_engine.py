@@ -165,10 +165,11 @@ def test_cancel_while_grammar_compiles_and_guided_max_tokens(engine):
                         lambda o: (events.append(o), o.finished and ev.set()))
     engine.cancel(sid)
     assert ev.wait(30) and events[-1].finish_reason == "cancelled"
-    # max_tokens cuts a guided output before the grammar ends: "length", slot and matcher freed
+    # max_tokens cuts a guided output before the grammar ends (the budget's close opted out): "length",
+    # slot and matcher freed
+    guide = GuidedDecodingParams("json_schema", json.dumps(SCHEMA), complete_within_budget=False)
     toks, text, final = run_alone(engine, Request(prompt=chat(engine, "Describe a person as JSON."),
-                                                  params=SamplingParams(max_tokens=3, temperature=0.0),
-                                                  guided=GuidedDecodingParams("json_schema", json.dumps(SCHEMA))))
+                                                  params=SamplingParams(max_tokens=3, temperature=0.0), guided=guide))
     assert final.finish_reason == "length" and len(toks) == 3
     engine.scheduler.check_integrity()
     assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))

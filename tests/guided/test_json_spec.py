@@ -51,15 +51,95 @@ def test_whitespace_runs_are_bounded_and_compact_only_is_an_option(xgr_service, 
     assert not all(m.accept(t) for t in hf_tokenizer.encode('{"a": 1}', add_special_tokens=False))
 
 
-# (2) xgrammar strict_mode: every object closed, arrays without items empty
+# (2) xgrammar strict_mode: every object closed, arrays without items empty (spec mode: undeclared
+# keys allowed; generation's default forbids them, issue 33)
 @pytest.mark.parametrize("backend", BOTH)
 def test_additional_properties_and_untyped_arrays_allowed_unless_false(xgr_service, encode, backend):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "l": {"type": "array"}}}
-    v = verdicts(xgr_service, encode, schema, [({"a": 1, "b": "x"}, True), ({"l": [1, "z", None]}, True)], backend)
+    v = verdicts(xgr_service, encode, schema, [({"a": 1, "b": "x"}, True), ({"l": [1, "z", None]}, True)], backend,
+                 undeclared_keys="allow")
     assert all(v.values()), v
     closed = dict(schema, additionalProperties=False)
-    v = verdicts(xgr_service, encode, closed, [({"a": 1, "b": "x"}, False)], backend)
+    v = verdicts(xgr_service, encode, closed, [({"a": 1, "b": "x"}, False)], backend, undeclared_keys="allow")
     assert not any(v.values()), v
+
+
+NESTED = {"type": "object", "properties": {
+    "name": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+    "meta": {"type": "object", "properties": {"v": {"type": "integer"}}, "additionalProperties": True},
+    "counts": {"type": "object", "patternProperties": {"^n_": {"type": "integer"}}, "properties": {"total": {}}},
+    "free": {"type": "object"},
+}}
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_only_declared_keys_are_generated_by_default(xgr_service, encode, backend):
+    """Issue 33: objects silent on additionalProperties take their declared keys only (nested ones,
+    array items); what a schema states is kept (additionalProperties true, patternProperties keys,
+    an object with patternProperties or with no properties at all); `undeclared_keys: allow` is
+    JSON Schema's reading."""
+    tests = [({"name": "x", "tags": [{"k": "a"}]}, True),
+             ({"name": "x", "extra": 1}, False),  # undeclared at the top
+             ({"tags": [{"k": "a", "type": "b"}]}, False),  # undeclared in an array item
+             ({"meta": {"v": 1, "anything": [1]}}, True),  # additionalProperties: true is honoured
+             ({"counts": {"total": 3, "n_a": 1}}, True),  # patternProperties: the object stays as stated
+             ({"counts": {"total": 3, "other": 1}}, True),
+             ({"free": {"whatever": {"x": 1}}}, True)]  # no properties: a free-form object
+    v = verdicts(xgr_service, encode, NESTED, tests, backend)
+    assert [v[(i, "compact")] for i in range(len(tests))] == [ok for _, ok in tests]
+    assert [v[(i, "spaced")] for i in range(len(tests))] == [ok for _, ok in tests]
+    v = verdicts(xgr_service, encode, NESTED, tests, backend, undeclared_keys="allow")
+    assert all(v[(i, "compact")] for i in range(len(tests))), v
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_declared_keys_only_leaves_composed_objects_open(xgr_service, encode, backend):
+    """Keys declared by another subschema of the same instance stay allowed: an allOf's parts, a
+    $ref beside properties (and the definition it reaches), anyOf branches beside properties."""
+    allof = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                       {"properties": {"b": {"type": "boolean"}}}]}
+    refsib = {"$defs": {"B": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+              "$ref": "#/$defs/B", "properties": {"c": {"type": "string"}}}
+    beside = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "anyOf": [{"properties": {"b": {"type": "string"}}}, {"properties": {"c": {"type": "string"}}}]}
+    for schema, doc in ((allof, {"a": 1, "b": True}), (refsib, {"a": 1, "c": "x"}), (beside, {"a": 1, "b": "x"})):
+        v = verdicts(xgr_service, encode, schema, [(doc, True)], backend)
+        assert v[(0, "compact")] and v[(0, "spaced")], (schema, v)
+
+
+def test_declared_keys_only_is_a_pure_schema_rewrite():
+    from specguide.guided.schema import declared_keys_only
+
+    schema = {"type": "object", "properties": {"a": {"anyOf": [{"type": "object", "properties": {"x": {}}},
+                                                               {"type": "null"}]}},
+              "$defs": {"Used": {"properties": {"y": {}}}}, "items": {"properties": {"z": {}}}}
+    before = json.dumps(schema)
+    out = declared_keys_only(schema)
+    assert json.dumps(schema) == before  # the input is not changed
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["anyOf"][0]["additionalProperties"] is False  # an alternative closes alone
+    assert out["$defs"]["Used"]["additionalProperties"] is False and out["items"]["additionalProperties"] is False
+    assert declared_keys_only({"type": "object"}) == {"type": "object"}
+    assert declared_keys_only(True) is True
+
+
+def test_the_server_setting_and_the_request_pick_the_reading(hf_tokenizer, encode):
+    """guided_undeclared_keys (the service default) applies to requests that say nothing; a request's
+    own undeclared_keys wins; both are part of the compile cache key."""
+    from specguide.guided import GrammarCompilerService
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    text = encode('{"a":1,"b":2}')
+    svc = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=1, undeclared_keys="allow")
+    try:
+        for keys, ok in (("", True), ("forbid", False), ("allow", True)):
+            m = svc.submit(G("json_schema", schema, backend="llguidance", undeclared_keys=keys)).result().matcher()
+            assert (m.validate(text) == len(text)) == ok, keys
+        with pytest.raises(InvalidRequestError, match="undeclared_keys must be 'forbid' or 'allow'"):
+            svc.submit(G("json_schema", schema, undeclared_keys="never"))
+    finally:
+        svc.shutdown()
 
 
 @pytest.mark.parametrize("backend", BOTH)
@@ -264,7 +344,8 @@ def test_nested_checks_never_reject_a_valid_document(xgr_service, encode):
            "properties": {"l": {"allOf": [{"$ref": "#/$defs/U"}]}, "s": {"type": "string"}}}
     tricky = {"l": [1, 1], "s": 'x"]}[,'}
     for backend in BOTH:
-        v = verdicts(xgr_service, encode, any_of, [({"l": [1, 1]}, True), (tricky, True)], backend)
+        v = verdicts(xgr_service, encode, any_of, [({"l": [1, 1]}, True), (tricky, True)], backend,
+                     undeclared_keys="allow")
         assert all(v.values()), (backend, v)
         v = verdicts(xgr_service, encode, ref, [({"l": [1, 1]}, False), ({"l": [1, 2], "s": tricky["s"]}, True)], backend)
         assert v == {(0, "compact"): False, (0, "spaced"): False, (1, "compact"): True, (1, "spaced"): True}, v

@@ -88,6 +88,12 @@ def test_validate_rejects_non_params_and_non_string_guides():
      G("json_schema", json.dumps(SCHEMA), backend="auto", strict=True)),
     ({"json": SCHEMA, "strict": True}, G("json_schema", json.dumps(SCHEMA), strict=True)),
     ({"json": SCHEMA, "any_key_order": True}, G("json_schema", json.dumps(SCHEMA), any_key_order=True)),
+    ({"json": SCHEMA, "undeclared_keys": "Allow"}, G("json_schema", json.dumps(SCHEMA), undeclared_keys="allow")),
+    ({"json": SCHEMA, "undeclared_keys": "forbid"}, G("json_schema", json.dumps(SCHEMA), undeclared_keys="forbid")),
+    # vLLM's own name: true forbids; false (what a serialized StructuredOutputsParams always sends) is no opinion
+    ({"json": SCHEMA, "disable_additional_properties": True},
+     G("json_schema", json.dumps(SCHEMA), undeclared_keys="forbid")),
+    ({"json": SCHEMA, "disable_additional_properties": False}, G("json_schema", json.dumps(SCHEMA))),
     ({"structural_tag": {"type": "structural_tag", "format": {}}},
      G("structural_tag", '{"type": "structural_tag", "format": {}}')),
 ])
@@ -118,6 +124,10 @@ def test_vllm_mapping(value, expected):
     ({"regex": "a", "strict": "yes"}, "strict must be a boolean"),
     ({"json": {"schema": SCHEMA, "strict": 1}}, "strict must be a boolean"),
     ({"regex": "a", "whitespace_pattern": 5}, "whitespace_pattern must be a string"),
+    ({"json": SCHEMA, "undeclared_keys": "sometimes"}, "undeclared_keys must be 'forbid' or 'allow'"),
+    ({"json": SCHEMA, "undeclared_keys": True}, "undeclared_keys must be 'forbid' or 'allow'"),
+    ({"json": SCHEMA, "disable_additional_properties": "yes"}, "disable_additional_properties must be a boolean"),
+    ({"json": SCHEMA, "undeclared_keys": "allow", "disable_additional_properties": True}, "contradicts"),
 ])
 def test_vllm_errors(value, msg):
     with pytest.raises(InvalidRequestError, match=msg):

@@ -162,6 +162,37 @@ def test_guide_notes_name_the_keywords_left_to_the_value_check_over_grpc_and_htt
     assert out["guide_notes"] in ([note], note) and out["text_output"] == text
 
 
+def test_served_defaults_close_a_json_answer_within_max_tokens_and_forbid_undeclared_keys(server, chat):
+    """Issue 33, as served: a schema silent on additionalProperties gets only its declared keys, and
+    an answer longer than max_tokens still ends valid with finish_reason "stop" (guide_notes says the
+    budget closed it) over HTTP /generate and gRPC streaming alike; opting out (vLLM
+    structured_outputs.complete_within_budget false) gives the cut-off answer, "length"."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "story": {"type": "string"},
+                                               "age": {"type": "integer"}}, "required": ["name", "story", "age"]}
+    ask = chat("Describe a person as JSON with the fields name, a long story of their life, and age.")
+    values = {"text_input": ask, "max_tokens": 24, "exclude_input_in_output": True, GT: "json_schema",
+              G: json.dumps(schema)}
+    body = json.dumps(values).encode()
+    req = urllib.request.Request(f"http://{server.http}/v2/models/{MODEL}/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        out = json.loads(r.read())
+    assert out["finish_reason"] in ("stop", ["stop"]), out
+    doc = json.loads(out["text_output"])
+    jsonschema.validate(doc, dict(schema, additionalProperties=False))  # declared keys only
+    notes = out["guide_notes"] if isinstance(out["guide_notes"], list) else [out["guide_notes"]]
+    assert any(n.startswith("closed by the budget: max_tokens 24") for n in notes), notes
+    text, _ = check_stream(grpc_generate(server, dict(values, stream=True)))
+    assert text == out["text_output"]
+    sp = {"max_tokens": 24, "temperature": 0,
+          "structured_outputs": {"json": schema, "complete_within_budget": False}}
+    cut = http_generate({"text_input": ask, "exclude_input_in_output": True, "sampling_parameters": json.dumps(sp)},
+                        server.http)
+    assert cut.error is None and cut.finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(cut.text)
+
+
 # ----------------------------------------------------------------------------- (c) bad guides
 
 BAD_GUIDES = [

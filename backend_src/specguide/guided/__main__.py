@@ -1,4 +1,5 @@
-"""`python -m specguide.guided check --cases FILE.jsonl [--model DIR] [--backend auto|xgrammar|llguidance]`
+"""`python -m specguide.guided check --cases FILE.jsonl [--model DIR] [--backend auto|xgrammar|llguidance]
+    [--undeclared-keys forbid|allow]`
 
 Prints one JSON line per case (see guided/check.py) and a summary on stderr.
 """
@@ -19,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default="", help="HF model folder (default: the model `make serve` serves)")
     c.add_argument("--backend", default="auto", choices=BACKEND_NAMES)
     c.add_argument("--timeout", type=float, default=30.0, help="compile timeout per case, seconds")
+    c.add_argument("--undeclared-keys", default="forbid", choices=("forbid", "allow"),
+                   help="objects silent on additionalProperties: declared keys only (forbid, as served) or any "
+                        "key (allow: JSON Schema's reading, what MaskBench's instances expect)")
     c.add_argument("--out", default="-", help="output JSONL (default stdout)")
     args = ap.parse_args(argv)
 
@@ -31,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = resolve_model_dir(args.model) if args.model else resolve_model_dir()
     tok = AutoTokenizer.from_pretrained(str(folder))
     vocab = AutoConfig.from_pretrained(str(folder)).vocab_size
-    service = GrammarCompilerService(tok, vocab, max_workers=1, default_backend=args.backend)
+    service = GrammarCompilerService(tok, vocab, max_workers=1, default_backend=args.backend,
+                                     undeclared_keys=args.undeclared_keys)
 
     def encode(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False)

@@ -86,6 +86,7 @@ class CompiledGuide:
     compile_s: float = 0.0
     unenforced: tuple[str, ...] = ()  # best effort: "keyword at /json/pointer" not enforced
     checked: tuple[str, ...] = ()  # "keyword at /json/pointer" checked when its value closes (value_check.py)
+    budget: Any = None  # budget.BudgetPlan: the document closes within max_tokens (set per request)
 
     def matcher(self) -> Matcher:
         return self.make_matcher()

@@ -17,12 +17,13 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional, Sequence
 
-from ..request import GuidedDecodingParams, InvalidRequestError
+from ..request import GuidedDecodingParams, InvalidRequestError, UndeclaredKeys
 from .backend import BACKENDS, CompiledGuide, canonical_backend
 from .compile_pool import CompileScheduler, timeout_message  # noqa: F401 (re-exported)
 from .limits import GuideLimits, check_guide
 from .llguidance_backend import LlguidanceBackend
 from .params import validate_guided
+from .schema import json_schema_of
 from .xgrammar_backend import XgrammarBackend, build_tokenizer_info, xgrammar_message  # noqa: F401 (re-exported)
 
 DEFAULT_CACHE_LIMIT_BYTES = 512 << 20
@@ -125,12 +126,15 @@ class GrammarCompilerService:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, *, stop_token_ids: Optional[Sequence[int]] = None,
                  cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES, max_workers: int = 2,
                  timeout_s: Optional[float] = None, default_backend: str = "auto",
-                 limits: Optional[GuideLimits] = None):
+                 limits: Optional[GuideLimits] = None, undeclared_keys: str = "forbid"):
         self.vocab_size = vocab_size
         self.xgrammar = XgrammarBackend(hf_tokenizer, vocab_size, stop_token_ids, cache_limit_bytes)
         self.stop_token_ids: list[int] = list(self.xgrammar.stop_token_ids)
         self.llguidance = LlguidanceBackend(hf_tokenizer, vocab_size, self.stop_token_ids)
         self.default_backend = canonical_backend(default_backend, "guided_backend") or "auto"
+        # JSON Schema objects silent on additionalProperties, for requests that say nothing
+        self.undeclared_keys = UndeclaredKeys(undeclared_keys or "forbid")
+        assert self.undeclared_keys != UndeclaredKeys.DEFAULT
         self.timeout_s = timeout_s
         self._cache: "OrderedDict[tuple, CompiledGuide]" = OrderedDict()  # llguidance guides, LRU
         self.limits = limits or GuideLimits()  # admission limits, checked at submit (guided/limits.py)
@@ -151,7 +155,7 @@ class GrammarCompilerService:
 
     def submit(self, params: GuidedDecodingParams, timeout_s: Optional[float] = None) -> CompileHandle:
         """Validate now (InvalidRequestError at once for a malformed guide), compile in the pool."""
-        params = validate_guided(params)
+        params = self._with_defaults(validate_guided(params))
         size = check_guide(params, self.limits)  # InvalidRequestError naming the limit and its setting
         # resolved once (an unknown backend fails at once; `auto` reads the schema): the scheduler,
         # the probe and the compile see the backend by name
@@ -165,7 +169,21 @@ class GrammarCompilerService:
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         """Compile on the calling thread (cached); InvalidRequestError with a client-safe message."""
-        return self._compile(validate_guided(params))
+        return self._compile(self._with_defaults(validate_guided(params)))
+
+    def schema_of(self, params: GuidedDecodingParams) -> Any:
+        """The JSON schema a json / json_schema guide compiles (server defaults applied); None otherwise."""
+        return json_schema_of(self._with_defaults(validate_guided(params)))
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's bytes (b"" for special tokens and padding ids)."""
+        return self.xgrammar.table.bytes
+
+    def _with_defaults(self, params: GuidedDecodingParams) -> GuidedDecodingParams:
+        if params.undeclared_keys == UndeclaredKeys.DEFAULT:
+            return dataclasses.replace(params, undeclared_keys=self.undeclared_keys)
+        return params
 
     def _compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         name = self.backend_for(params)

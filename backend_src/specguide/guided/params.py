@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from ..request import GuidedDecodingParams, InvalidRequestError
+from ..request import GuidedDecodingParams, InvalidRequestError, UndeclaredKeys
 from .backend import canonical_backend
 
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag", "choice")
@@ -21,10 +21,14 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag",
 # vLLM StructuredOutputsParams / GuidedDecodingParams fields that select a guide
 VLLM_GUIDE_KEYS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
 # vLLM fields that pick or tune a backend: `backend`, `disable_any_whitespace`, `whitespace_pattern`
-# are honoured; SpecGuide adds `strict` (OpenAI strict JSON), `best_effort` (formats nothing can
-# check are noted instead of refused) and `any_key_order` (listed keys in any order); the rest are vLLM bookkeeping, accepted and ignored
+# are honoured, and `disable_additional_properties: true` (undeclared keys forbidden: the default
+# here anyway); SpecGuide adds `strict` (OpenAI strict JSON), `best_effort` (formats nothing can
+# check are noted instead of refused), `any_key_order` (listed keys in any order),
+# `undeclared_keys` ("forbid" | "allow") and `complete_within_budget` (false: a JSON answer may be
+# cut at max_tokens); the rest are vLLM bookkeeping, accepted and ignored
 VLLM_OPTION_KEYS = (
     "backend", "disable_any_whitespace", "whitespace_pattern", "strict", "best_effort", "any_key_order",
+    "undeclared_keys", "complete_within_budget",
     "_backend", "backend_was_auto", "disable_fallback", "disable_additional_properties", "_backend_was_auto",
 )
 OPENAI_SCHEMA_KEYS = {"name", "schema", "strict", "description"}  # a response_format json_schema object
@@ -46,7 +50,8 @@ def validate_guided(params: GuidedDecodingParams) -> GuidedDecodingParams:
         raise InvalidRequestError(str(e)) from None
     if params.whitespace_pattern and not isinstance(params.whitespace_pattern, str):
         raise InvalidRequestError("whitespace_pattern must be a string")
-    out = dataclasses.replace(params, guide_type=gtype, guide=guide, backend=backend)
+    out = dataclasses.replace(params, guide_type=gtype, guide=guide, backend=backend,
+                              undeclared_keys=undeclared_keys(params.undeclared_keys))
     if gtype == "json":
         if guide.strip():
             raise InvalidRequestError(
@@ -63,6 +68,16 @@ def validate_guided(params: GuidedDecodingParams) -> GuidedDecodingParams:
     elif gtype == "choice":
         check_choices(_parse_json(guide, "choice list"))
     return out
+
+
+def undeclared_keys(value: Any, what: str = "undeclared_keys") -> UndeclaredKeys:
+    """'forbid' | 'allow' (any case) | '' (the server's setting) -> UndeclaredKeys; else an error."""
+    if isinstance(value, UndeclaredKeys):
+        return value
+    try:
+        return UndeclaredKeys(value.strip().lower() if isinstance(value, str) else value)
+    except ValueError:
+        raise InvalidRequestError(f"{what} must be 'forbid' or 'allow', got {value!r}") from None
 
 
 def from_tensors(guide_type: Optional[str], guide: Optional[str]) -> Optional[GuidedDecodingParams]:
@@ -125,16 +140,25 @@ def _vllm_options(value: Mapping[str, Any], key: str) -> dict[str, Any]:
     backend = value.get("backend")
     if backend is not None and not isinstance(backend, str):
         raise InvalidRequestError(f"{key}.backend must be a string, got {type(backend).__name__}")
-    for flag in ("disable_any_whitespace", "strict", "best_effort", "any_key_order"):
+    for flag in ("disable_any_whitespace", "strict", "best_effort", "any_key_order", "complete_within_budget"):
         if value.get(flag) is not None and not isinstance(value[flag], bool):
             raise InvalidRequestError(f"{key}.{flag} must be a boolean, got {value[flag]!r}")
     ws = value.get("whitespace_pattern")
     if ws is not None and not isinstance(ws, str):
         raise InvalidRequestError(f"{key}.whitespace_pattern must be a string, got {type(ws).__name__}")
+    if value.get("disable_additional_properties") not in (None, True, False):
+        raise InvalidRequestError(f"{key}.disable_additional_properties must be a boolean, "
+                                  f"got {value['disable_additional_properties']!r}")
+    keys = undeclared_keys(value.get("undeclared_keys") or "", f"{key}.undeclared_keys")
+    if value.get("disable_additional_properties") is True:  # vLLM's name for it (false: no opinion)
+        if keys == UndeclaredKeys.ALLOW:
+            raise InvalidRequestError(f"{key}: undeclared_keys 'allow' contradicts disable_additional_properties")
+        keys = UndeclaredKeys.FORBID
     return dict(backend=backend or "", any_whitespace=not value.get("disable_any_whitespace", False),
                 whitespace_pattern=ws or "", strict=bool(value.get("strict", False)),
                 best_effort=bool(value.get("best_effort", False)),
-                any_key_order=bool(value.get("any_key_order", False)))
+                any_key_order=bool(value.get("any_key_order", False)), undeclared_keys=keys,
+                complete_within_budget=value.get("complete_within_budget") is not False)
 
 
 def from_sampling_parameters(params: Mapping[str, Any]) -> Optional[GuidedDecodingParams]:

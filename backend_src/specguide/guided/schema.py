@@ -12,7 +12,7 @@ import re
 from typing import Any, Iterator
 from urllib.parse import quote
 
-from ..request import InvalidRequestError
+from ..request import InvalidRequestError, UndeclaredKeys
 
 ANY_JSON_SCHEMA = {"type": ["object", "array"]}  # guide type `json`: an object or an array
 
@@ -105,13 +105,83 @@ def xgrammar_unenforced(schema: Any) -> list[str]:
 
 def json_schema_of(params: Any) -> Any:
     """The JSON schema a `json` / `json_schema` guide (GuidedDecodingParams) compiles, OpenAI strict
-    applied; None for other guide types. InvalidRequestError for the `false` schema."""
+    applied, undeclared keys closed unless allowed (`declared_keys_only`); None for other guide
+    types. InvalidRequestError for the `false` schema."""
     if params.guide_type not in ("json", "json_schema"):
         return None
     schema = ANY_JSON_SCHEMA if params.guide_type == "json" else json.loads(params.guide)
     if schema is False:
         raise InvalidRequestError("invalid json_schema guide: the schema is `false`: no JSON value is valid")
-    return strictify(schema) if params.strict else schema
+    if params.strict:
+        return strictify(schema)
+    return schema if UndeclaredKeys(params.undeclared_keys) == UndeclaredKeys.ALLOW else declared_keys_only(schema)
+
+
+# keywords that apply another subschema to the same instance: an object beside them (or inside
+# one of them) shares its keys with other subschemas, so closing it alone could refuse their keys
+_SAME_INSTANCE = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas",
+                  "dependencies", "unevaluatedProperties")
+_OBJECT_KEYWORDS = ("properties", "patternProperties", "required", "additionalProperties", "minProperties",
+                    "maxProperties", "propertyNames")
+_OWN_VALUE = (("properties", "map"), ("patternProperties", "map"), ("additionalProperties", "one"),
+              ("items", "one|list"), ("prefixItems", "list"), ("additionalItems", "one"), ("contains", "one"))
+_DEFS = ("$defs", "definitions")
+
+
+def declared_keys_only(schema: Any) -> Any:
+    """Generation's reading of JSON Schema: an object schema that declares `properties` and says
+    nothing of `additionalProperties` / `unevaluatedProperties` / `patternProperties` gets
+    `additionalProperties: false` (an object with patternProperties stays as it is: xgrammar would
+    drop its pattern keys from a closed object; so does one whose `required` names a key it does not
+    declare). What a schema states is kept, and so is
+    an object whose keys other subschemas of the same instance may declare: one beside allOf /
+    anyOf / oneOf / $ref / if / not / dependencies, a part of an allOf (or of an anyOf / oneOf
+    beside object keywords), and a `$defs` entry that a `$ref` reaches in such a place. A small
+    model told "any key" writes keys until max_tokens; xgrammar's strict mode, llama.cpp and OpenAI
+    generate declared keys only. Returns a new schema; the input is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    shared_refs: set[str] = set()
+    while True:  # $refs reached where their instance is shared, to a fixpoint (a shared def shares its refs)
+        before = len(shared_refs)
+        _close(schema, False, shared_refs, "#", collect=True)
+        if len(shared_refs) == before:
+            break
+    return _close(schema, False, shared_refs, "#")
+
+
+def _close(node: Any, shared: bool, shared_refs: set[str], ptr: str, collect: bool = False) -> Any:
+    """The node with its objects closed; `shared`: other subschemas apply to this instance too.
+    With `collect`, only adds to `shared_refs` the $refs that such nodes hold."""
+    if not isinstance(node, dict):
+        return node
+    if collect and isinstance(node.get("$ref"), str) and (shared or len(set(node) - {"$ref", "description", "title", "default", "examples", "$comment"})):
+        shared_refs.add(node["$ref"])
+    out = dict(node)
+    for key, kind in _OWN_VALUE:  # subschemas of other instances (values, items): closed on their own
+        v, p = node.get(key), f"{ptr}/{_esc(key)}"
+        if isinstance(v, dict) and "map" in kind:
+            out[key] = {n: _close(sub, False, shared_refs, f"{p}/{_esc(n)}", collect) for n, sub in v.items()}
+        elif isinstance(v, dict):
+            out[key] = _close(v, False, shared_refs, p, collect)
+        elif isinstance(v, list) and "list" in kind:
+            out[key] = [_close(sub, False, shared_refs, f"{p}/{i}", collect) for i, sub in enumerate(v)]
+    for key in _DEFS:  # reached through $ref: shared where a $ref shares its instance
+        if isinstance(node.get(key), dict):
+            out[key] = {n: _close(sub, f"{ptr}/{key}/{_esc(n)}" in shared_refs, shared_refs,
+                                  f"{ptr}/{key}/{_esc(n)}", collect) for n, sub in node[key].items()}
+    beside = shared or any(k in node for k in _OBJECT_KEYWORDS)
+    for key in ("allOf", "anyOf", "oneOf"):  # parts of this instance's schema
+        if isinstance(node.get(key), list):
+            out[key] = [_close(sub, key == "allOf" or beside, shared_refs, f"{ptr}/{key}/{i}", collect)
+                        for i, sub in enumerate(node[key])]
+    composed = any(k in node for k in _SAME_INSTANCE)
+    props = node.get("properties")
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    if (isinstance(props, dict) and props and not shared and not composed and "additionalProperties" not in node
+            and "patternProperties" not in node and all(k in props for k in required)):
+        out["additionalProperties"] = False
+    return out
 
 
 def strictify(schema: Any) -> Any:

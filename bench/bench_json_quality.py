@@ -1,0 +1,149 @@
+"""Generation quality of structured output (issue 33): do JSON answers validate within their budget?
+
+    python bench/bench_json_quality.py [--schemas 24] [--max-tokens 384] [--modes allow,forbid] [--llama-cpp]
+
+The served engine (model_repository/specguide/config.pbtxt: the default model, its drafter and
+every served setting) answers JSON-mode chat prompts, each showing its JSON schema (the held-out
+JSONSchemaBench dev schemas that no test and no draft-head training uses), greedy, one request
+after another, the schema as the request's json_schema guide. Per mode, side by side in one run:
+  * valid: the answer parses and validates against the request's schema (jsonschema, formats checked)
+  * cut: the answer ran to max_tokens (finish reason "length"), so it is cut-off JSON
+  * refused: the request got an error up front
+  * tokens per step (generated tokens after the first / decode steps) and tokens/s (wall time)
+Modes: `allow` (undeclared keys allowed: JSON Schema's reading), `forbid` (declared keys only: the
+served default). `--llama-cpp`: llama-cpp-python on the same GGUF, the schema through its
+LlamaGrammar (llama.cpp generates declared keys only), the same prompts and max_tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "backend_src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from machine import cpu_header  # noqa: E402
+
+from specguide.config import EngineConfig  # noqa: E402
+from specguide.engine import Engine  # noqa: E402
+from specguide.guided.value_check import make_validator  # noqa: E402
+from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
+from specguide.training.prompts import load_schemas, schema_message  # noqa: E402
+from specguide.triton.interfaces import engine_parameters  # noqa: E402
+
+
+def verdict(text: str, schema: dict) -> str:
+    """'valid', 'invalid' (parses, fails the schema) or 'unparsed'."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return "unparsed"
+    return "valid" if make_validator(schema).is_valid(doc) else "invalid"
+
+
+def generate(engine: Engine, req: Request) -> tuple[list[int], str, object, float]:
+    """(tokens, text, final event, seconds) of one request."""
+    toks, parts, final = [], [], []
+    done = threading.Event()
+
+    def cb(o):
+        toks.extend(o.token_ids)
+        parts.append(o.text)
+        if o.finished:
+            final.append(o)
+            done.set()
+    t0 = time.perf_counter()
+    engine.submit(req, cb)
+    done.wait()
+    return toks, "".join(parts), final[0], time.perf_counter() - t0
+
+
+def run_mode(engine: Engine, prompts: list[tuple[str, str]], mode: str, max_tokens: int) -> dict:
+    rows = []
+    for prompt, schema in prompts:
+        guide = GuidedDecodingParams("json_schema", schema, undeclared_keys=mode)
+        req = Request(prompt=prompt, params=SamplingParams(max_tokens=max_tokens, temperature=0.0), guided=guide)
+        toks, text, final, dt = generate(engine, req)
+        if final.error:
+            rows.append(dict(outcome="refused", error=final.error, tokens=0, seconds=dt, steps=0))
+            continue
+        steps = final.num_output_tokens - 1 - final.total_accepted_draft_tokens
+        rows.append(dict(outcome=verdict(text, json.loads(schema)), finish=final.finish_reason, tokens=len(toks),
+                         seconds=dt, steps=steps, text=text))
+    return summarize(mode, rows)
+
+
+def summarize(mode: str, rows: list[dict]) -> dict:
+    n = len(rows)
+    toks = sum(r["tokens"] for r in rows)
+    steps = sum(r["steps"] for r in rows)
+    secs = sum(r["seconds"] for r in rows)
+    return dict(mode=mode, n=n, valid=sum(r["outcome"] == "valid" for r in rows),
+                cut=sum(r.get("finish") == "length" for r in rows), refused=sum(r["outcome"] == "refused" for r in rows),
+                invalid_complete=sum(r["outcome"] != "valid" and r.get("finish") == "stop" for r in rows),
+                tokens=toks, tokens_per_step=round((toks - n) / steps, 3) if steps else None,
+                tok_s=round(toks / secs, 1) if secs else None, rows=rows)
+
+
+def llama_cpp(prompts: list[tuple[str, str]], max_tokens: int) -> dict:
+    from llama_cpp import Llama, LlamaGrammar
+
+    from specguide.models.default_model import default_gguf_path
+
+    llm = Llama(model_path=str(default_gguf_path()), n_ctx=2048, n_threads=2, verbose=False, seed=0)
+    rows = []
+    for prompt, schema in prompts:
+        try:
+            grammar = LlamaGrammar.from_json_schema(schema, verbose=False)
+        except Exception as e:  # noqa: BLE001 - a schema its converter refuses
+            rows.append(dict(outcome="refused", error=str(e), tokens=0, seconds=0.0, steps=0))
+            continue
+        llm.reset()
+        t0 = time.perf_counter()
+        out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, grammar=grammar)
+        dt = time.perf_counter() - t0
+        choice = out["choices"][0]
+        n = out["usage"]["completion_tokens"]
+        rows.append(dict(outcome=verdict(choice["text"], json.loads(schema)), finish=choice["finish_reason"],
+                         tokens=n, seconds=dt, steps=max(n - 1, 0), text=choice["text"]))
+    return summarize("llama.cpp (declared keys)", rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schemas", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--modes", default="allow,forbid")
+    ap.add_argument("--llama-cpp", action="store_true")
+    ap.add_argument("--json", help="write every answer here")
+    args = ap.parse_args()
+    print(cpu_header(), time.strftime("%Y-%m-%d"), flush=True)
+    config = EngineConfig.from_parameters(engine_parameters(ROOT / "model_repository"))
+    engine = Engine(config)
+    try:
+        print(f"engine: drafter {engine.drafter}, K={config.num_draft_tokens}, weight_dtype {config.weight_dtype}",
+              flush=True)
+        prompts = [(engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_message(s)}]), s)
+                   for s in load_schemas("heldout", engine.compiler)[: args.schemas]]
+        results = [run_mode(engine, prompts, mode, args.max_tokens) for mode in args.modes.split(",")]
+    finally:
+        engine.shutdown()
+    if args.llama_cpp:
+        results.append(llama_cpp(prompts, args.max_tokens))
+    print(f"\n{len(prompts)} held-out schemas, max_tokens {args.max_tokens}, greedy, batch 1\n")
+    print("| mode | valid | cut at max_tokens | refused | complete but invalid | tokens | tokens per step | tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        print(f"| {r['mode']} | {r['valid']}/{r['n']} ({100 * r['valid'] / r['n']:.0f}%) | {r['cut']} | {r['refused']} "
+              f"| {r['invalid_complete']} | {r['tokens']} | {r['tokens_per_step']} | {r['tok_s']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

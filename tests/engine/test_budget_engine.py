@@ -1,0 +1,73 @@
+"""Issue 33 with the real model: JSON answers close valid within max_tokens by default (the served
+drafter, speculation lossless against the same guided run without it); a budget that cannot hold
+the schema's shortest document is refused up front; the close is an opt-out."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jsonschema
+import pytest
+
+from specguide.guided.value_check import make_validator
+from specguide.request import GuidedDecodingParams, Request, SamplingParams
+from specguide.training.prompts import load_schemas, schema_message
+
+from .test_guided_engine import run_many
+
+MAX_TOKENS = 48  # far below what these answers take: the budget closes most of them
+
+
+@pytest.fixture(scope="module")
+def held_out(engine):
+    """(prompt, schema) for 5 held-out JSONSchemaBench schemas (never trained on, not the tests')."""
+    out = []
+    for text in load_schemas("heldout", engine.compiler)[:5]:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_message(text)}])
+        out.append((prompt, text))
+    return out
+
+
+def requests(held_out, **guide):
+    return [Request(prompt=p, params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+                    guided=GuidedDecodingParams("json_schema", s, **guide)) for p, s in held_out]
+
+
+def test_answers_close_valid_within_max_tokens_and_speculation_stays_lossless(engine, held_out):
+    base = requests(held_out)
+    off = run_many(engine, [dataclasses.replace(r, num_draft_tokens=0) for r in base])
+    on = run_many(engine, base)  # the engine's drafter and K
+    closed = 0
+    for (toks, text, final), (toks_on, text_on, final_on), (_, schema) in zip(off, on, held_out):
+        assert final.finish_reason == "stop", (final.error, text)
+        assert len(toks) <= MAX_TOKENS
+        assert make_validator(json.loads(schema)).is_valid(json.loads(text)), text
+        assert (toks_on, text_on, final_on.finish_reason, final_on.guide_notes) == \
+               (toks, text, final.finish_reason, final.guide_notes)
+        closed += any(n.startswith("closed by the budget") for n in final.guide_notes)
+    assert closed >= 3  # most of these answers need more than 48 tokens: the budget ended them
+    assert sum(f.total_accepted_draft_tokens for _, _, f in on) > 0
+    opted_out = run_many(engine, requests(held_out, complete_within_budget=False))
+    cut = [text for _, text, f in opted_out if f.finish_reason == "length"]
+    assert len(cut) >= 3  # without the close: cut-off JSON
+    for text in cut:
+        with pytest.raises(ValueError):
+            json.loads(text)
+
+
+def test_a_budget_that_cannot_hold_the_shortest_document_is_refused_up_front(engine, held_out):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "age": {"type": "integer", "minimum": 18}},
+              "required": ["name", "city", "age"]}
+    prompt, _ = held_out[0]
+    bad = Request(prompt=prompt, params=SamplingParams(max_tokens=6, temperature=0.0),
+                  guided=GuidedDecodingParams("json_schema", json.dumps(schema)))
+    fine = Request(prompt=prompt, params=SamplingParams(max_tokens=40, temperature=0.0),
+                   guided=GuidedDecodingParams("json_schema", json.dumps(schema)))
+    (_, _, refused), (_, text, ok) = run_many(engine, [bad, fine])
+    assert refused.finish_reason == "error" and refused.error_code == "INVALID_ARG"
+    assert "max_tokens 6 cannot hold a valid answer" in refused.error and "tokens (the stop token included)" in refused.error
+    assert ok.finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    engine.scheduler.check_integrity()
+    assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))

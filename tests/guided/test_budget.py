@@ -1,0 +1,149 @@
+"""Issue 33: a JSON answer closes within its budget (guided/budget.py), on the real tokenizer and
+both grammar backends, without the model: a rambling "model" that never closes anything still
+ends with a valid document and the stop token by max_tokens."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from specguide.guided.budget import SLACK, BudgetMatcher, Scanner, Schemas, State, Unknown, within_budget
+from specguide.request import GuidedDecodingParams as G
+from specguide.request import InvalidRequestError
+
+from .conftest import VOCAB
+
+BOTH = ["xgrammar", "llguidance"]
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string"},
+    "age": {"type": "integer", "minimum": 18},
+    "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+    "bio": {"type": "string"},
+    "addr": {"type": "object", "properties": {"city": {"type": "string", "minLength": 2},
+                                              "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+             "required": ["city", "zip"]}},
+    "required": ["name", "age", "addr"]}
+NESTED = {"$defs": {"P": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "boolean"}},
+                          "required": ["y"]}},
+          "type": "object", "properties": {"p": {"$ref": "#/$defs/P"},
+                                           "q": {"type": "array", "items": {"$ref": "#/$defs/P"}, "minItems": 2},
+                                           "kind": {"enum": ["alpha", "beta", "gamma"]},
+                                           "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+          "required": ["p", "q", "kind"]}
+CASES = [
+    (PERSON, '{"name":"Bob", "age": 30, "tags": ["x", "y"], "bio": "likes \\"quotes\\"", '
+             '"addr": {"city": "Paris", "zip": "75001"}}'),
+    (NESTED, '{"p": {"x": -1.5e3, "y": false}, "q": [{"y": true}, {"x": 0, "y": true}], "kind": "beta", '
+             '"note": null}'),
+    ({"type": "array", "items": {"anyOf": [{"type": "object", "properties": {"k": {"enum": ["alpha", "beta"]}},
+                                            "required": ["k"]}, {"type": "null"}]}, "minItems": 2},
+     '[{"k": "beta"}, null, {"k":"alpha"}]'),
+]
+
+
+@pytest.mark.parametrize("schema, doc", CASES)
+def test_every_prefix_of_a_valid_document_has_a_valid_shortest_end(schema, doc):
+    """At each byte of a valid document, the scanner's completion (where it can tell) makes the
+    prefix a document that validates; and the shortest document validates."""
+    sc = Scanner(Schemas(schema))
+    jsonschema.validate(json.loads(sc.completion(State())), schema)
+    st, told = State(), 0
+    for i in range(len(doc)):
+        st = sc.feed(st, doc[i].encode())
+        try:
+            end = sc.completion(st)
+        except Unknown:
+            continue
+        told += 1
+        jsonschema.validate(json.loads(doc[: i + 1] + end), schema)
+    assert st.done and told >= len(doc) - 6  # unknown only inside the half-written `pattern` string
+
+
+def rambler(hf_tokenizer):
+    """A 'model' that never closes a value: among the allowed tokens it takes the longest one
+    without a quote or a closing bracket (string content, new keys, digits), else the first allowed."""
+    texts = [hf_tokenizer.decode([t]) for t in range(len(hf_tokenizer))]
+    order = sorted((t for t, s in enumerate(texts) if not any(c in s for c in '"}]')),
+                   key=lambda t: -len(texts[t]))
+    rest = set(range(VOCAB)) - set(order)
+    order = np.array(order + sorted(rest), dtype=np.int64)
+
+    def pick(mask: torch.Tensor) -> int:
+        words = mask[0].numpy().view(np.uint32)
+        allowed = (words[order >> 5] >> (order & 31).astype(np.uint32)) & 1
+        return int(order[np.flatnonzero(allowed)[0]])
+    return pick
+
+
+@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("budget", [32, 48, 80])
+def test_a_rambling_answer_still_closes_valid_by_max_tokens(xgr_service, hf_tokenizer, backend, budget):
+    pick = rambler(hf_tokenizer)
+    stop = xgr_service.stop_token_ids[0]
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    for schema in (PERSON, NESTED):
+        guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend))
+        wrapped = within_budget(guide, schema, budget, xgr_service.token_bytes, encode, stop)
+        assert wrapped.budget is not None
+        m = wrapped.matcher()
+        assert isinstance(m, BudgetMatcher)
+        mask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+        out = []
+        while not m.is_terminated():
+            assert len(out) < budget, f"no stop token within {budget}: {hf_tokenizer.decode(out)!r}"
+            m.fill(mask, 0)
+            t = pick(mask)
+            assert m.accept(t)
+            out.append(t)
+        assert out[-1] == stop
+        jsonschema.validate(json.loads(hf_tokenizer.decode(out[:-1])), schema)
+        assert wrapped.budget.closed(out)  # the rambler never closes on its own
+        assert budget - SLACK - 30 <= len(out) <= budget  # it rambled until the budget took over
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_forced_tokens_are_the_completion_and_the_state_rolls_back(xgr_service, hf_tokenizer, backend):
+    stop = xgr_service.stop_token_ids[0]
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    guide = within_budget(xgr_service.compile(G("json_schema", json.dumps(PERSON), backend=backend)), PERSON, 30,
+                          xgr_service.token_bytes, encode, stop)
+    m = guide.matcher()
+    prefix = encode('{"name": "Alexander the Great of Macedon')
+    assert all(m.accept(t) for t in prefix)
+    forced = m.forced_tokens(encode, 64)  # in the budget's zone: the shortest end, stop token last
+    assert forced[-1] == stop
+    text = hf_tokenizer.decode(prefix + forced[:-1])
+    jsonschema.validate(json.loads(text), PERSON)
+    assert m.validate(forced) == len(forced)
+    n = len(prefix)
+    m.rollback(n)
+    assert m.forced_tokens(encode, 64) != forced and len(m.states) == 1
+
+
+def test_a_budget_below_the_shortest_document_is_refused_naming_both(xgr_service, hf_tokenizer):
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    guide = xgr_service.compile(G("json_schema", json.dumps(PERSON)))
+    shortest = len(encode(Schemas(PERSON).shortest(PERSON))) + 1
+    with pytest.raises(InvalidRequestError, match=f"max_tokens {shortest - 1} cannot hold .* {shortest} tokens"):
+        within_budget(guide, PERSON, shortest - 1, xgr_service.token_bytes, encode, xgr_service.stop_token_ids[0])
+    assert within_budget(guide, PERSON, shortest, xgr_service.token_bytes, encode,
+                         xgr_service.stop_token_ids[0]).budget is not None
+
+
+def test_shortest_values_follow_the_keywords():
+    s = Schemas({})
+    assert s.shortest({"type": "integer", "minimum": 7, "multipleOf": 5}) == "10"
+    assert s.shortest({"type": "integer", "exclusiveMaximum": -3}) == "-4"
+    assert s.shortest({"type": "string", "pattern": "^[A-Z]{2}-[0-9]+$"}) == '"AA-0"'
+    assert s.shortest({"type": "string", "format": "date"}) == '"2000-01-01"'
+    assert s.shortest({"enum": ["long one", 3, "ab"]}) == "3"
+    assert s.shortest({"type": ["string", "null"], "minLength": 5}) == "null"
+    assert s.shortest({"type": "array", "items": {"type": "boolean"}, "minItems": 2}) == "[true,true]"
+    assert s.shortest({"type": "object", "properties": {"b": {}, "a": {"type": "string"}}, "required": ["a"],
+                       "minProperties": 2}) == '{"b":0,"a":""}'  # keys in the schema's order
+    with pytest.raises(Unknown):
+        Schemas({"$ref": "#/$defs/L", "$defs": {"L": {"type": "object", "properties": {"n": {"$ref": "#/$defs/L"}},
+                                                     "required": ["n"]}}}).shortest({"$ref": "#/$defs/L"})
