@@ -1,6 +1,7 @@
 """Generation quality of structured output (issue 33): do JSON answers validate within their budget?
 
-    python bench/bench_json_quality.py [--schemas 24] [--max-tokens 384] [--modes allow,forbid] [--llama-cpp]
+    python bench/bench_json_quality.py [--schemas 24] [--max-tokens 384] [--modes allow/off,forbid/off,forbid/on]
+        [--llama-cpp]
 
 The served engine (model_repository/specguide/config.pbtxt: the default model, its drafter and
 every served setting) answers JSON-mode chat prompts, each showing its JSON schema (the held-out
@@ -10,14 +11,16 @@ after another, the schema as the request's json_schema guide. Per mode, side by 
   * cut: the answer ran to max_tokens (finish reason "length"), so it is cut-off JSON
   * refused: the request got an error up front
   * tokens per step (generated tokens after the first / decode steps) and tokens/s (wall time)
-Modes: `allow` (undeclared keys allowed: JSON Schema's reading), `forbid` (declared keys only: the
-served default). `--llama-cpp`: llama-cpp-python on the same GGUF, the schema through its
+A mode is KEYS/BUDGET: KEYS `allow` (undeclared keys allowed: JSON Schema's reading) or `forbid`
+(declared keys only: the served default); BUDGET `on` (the answer closes within max_tokens: the
+served default, guided/budget.py) or `off` (cut at max_tokens). `--llama-cpp`: llama-cpp-python on the same GGUF, the schema through its
 LlamaGrammar (llama.cpp generates declared keys only), the same prompts and max_tokens.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -65,8 +68,9 @@ def generate(engine: Engine, req: Request) -> tuple[list[int], str, object, floa
 
 def run_mode(engine: Engine, prompts: list[tuple[str, str]], mode: str, max_tokens: int) -> dict:
     rows = []
+    keys, budget = mode.split("/")
     for prompt, schema in prompts:
-        guide = GuidedDecodingParams("json_schema", schema, undeclared_keys=mode)
+        guide = GuidedDecodingParams("json_schema", schema, undeclared_keys=keys, complete_within_budget=budget == "on")
         req = Request(prompt=prompt, params=SamplingParams(max_tokens=max_tokens, temperature=0.0), guided=guide)
         toks, text, final, dt = generate(engine, req)
         if final.error:
@@ -90,35 +94,48 @@ def summarize(mode: str, rows: list[dict]) -> dict:
                 tok_s=round(toks / secs, 1) if secs else None, rows=rows)
 
 
+LLAMA_CHILD = """
+import json, sys, time
+from llama_cpp import Llama, LlamaGrammar
+from specguide.models.default_model import default_gguf_path
+prompt, schema, max_tokens = json.loads(sys.stdin.read())
+llm = Llama(model_path=str(default_gguf_path()), n_ctx=2048, n_threads=2, verbose=False, seed=0)
+grammar = LlamaGrammar.from_json_schema(schema, verbose=False)
+t0 = time.perf_counter()
+out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, grammar=grammar)
+print(json.dumps(dict(text=out["choices"][0]["text"], finish=out["choices"][0]["finish_reason"],
+                      tokens=out["usage"]["completion_tokens"], seconds=time.perf_counter() - t0)))
+"""
+
+
 def llama_cpp(prompts: list[tuple[str, str]], max_tokens: int) -> dict:
-    from llama_cpp import Llama, LlamaGrammar
+    """llama-cpp-python on the same GGUF, one process per schema: its grammar sampler crashes on some
+    schemas (a segfault counts as refused, like a converter error)."""
+    import subprocess
 
-    from specguide.models.default_model import default_gguf_path
-
-    llm = Llama(model_path=str(default_gguf_path()), n_ctx=2048, n_threads=2, verbose=False, seed=0)
     rows = []
     for prompt, schema in prompts:
-        try:
-            grammar = LlamaGrammar.from_json_schema(schema, verbose=False)
-        except Exception as e:  # noqa: BLE001 - a schema its converter refuses
-            rows.append(dict(outcome="refused", error=str(e), tokens=0, seconds=0.0, steps=0))
+        p = subprocess.run([sys.executable, "-c", LLAMA_CHILD], input=json.dumps([prompt, schema, max_tokens]),
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "backend_src")})
+        if p.returncode != 0:
+            rows.append(dict(outcome="refused", error=p.stderr[-300:], tokens=0, seconds=0.0, steps=0))
             continue
-        llm.reset()
-        t0 = time.perf_counter()
-        out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, grammar=grammar)
-        dt = time.perf_counter() - t0
-        choice = out["choices"][0]
-        n = out["usage"]["completion_tokens"]
-        rows.append(dict(outcome=verdict(choice["text"], json.loads(schema)), finish=choice["finish_reason"],
-                         tokens=n, seconds=dt, steps=max(n - 1, 0), text=choice["text"]))
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        rows.append(dict(outcome=verdict(out["text"], json.loads(schema)), finish=out["finish"], tokens=out["tokens"],
+                         seconds=out["seconds"], steps=max(out["tokens"] - 1, 0), text=out["text"]))
     return summarize("llama.cpp (declared keys)", rows)
+
+
+def row(r: dict) -> None:
+    print(f"| {r['mode']} | {r['valid']}/{r['n']} ({100 * r['valid'] / r['n']:.0f}%) | {r['cut']} | {r['refused']} "
+          f"| {r['invalid_complete']} | {r['tokens']} | {r['tokens_per_step']} | {r['tok_s']} |", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--schemas", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=384)
-    ap.add_argument("--modes", default="allow,forbid")
+    ap.add_argument("--modes", default="allow/off,forbid/off,forbid/on")
     ap.add_argument("--llama-cpp", action="store_true")
     ap.add_argument("--json", help="write every answer here")
     args = ap.parse_args()
@@ -130,17 +147,18 @@ def main() -> None:
               flush=True)
         prompts = [(engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_message(s)}]), s)
                    for s in load_schemas("heldout", engine.compiler)[: args.schemas]]
-        results = [run_mode(engine, prompts, mode, args.max_tokens) for mode in args.modes.split(",")]
+        print(f"{len(prompts)} held-out schemas, max_tokens {args.max_tokens}, greedy, batch 1\n")
+        print("| mode | valid | cut at max_tokens | refused | complete but invalid | tokens | tokens per step | tok/s |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+        results = []
+        for mode in args.modes.split(","):
+            results.append(run_mode(engine, prompts, mode, args.max_tokens))
+            row(results[-1])
     finally:
         engine.shutdown()
     if args.llama_cpp:
         results.append(llama_cpp(prompts, args.max_tokens))
-    print(f"\n{len(prompts)} held-out schemas, max_tokens {args.max_tokens}, greedy, batch 1\n")
-    print("| mode | valid | cut at max_tokens | refused | complete but invalid | tokens | tokens per step | tok/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in results:
-        print(f"| {r['mode']} | {r['valid']}/{r['n']} ({100 * r['valid'] / r['n']:.0f}%) | {r['cut']} | {r['refused']} "
-              f"| {r['invalid_complete']} | {r['tokens']} | {r['tokens_per_step']} | {r['tok_s']} |")
+        row(results[-1])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -2,19 +2,20 @@
 
 A `BudgetMatcher` wraps a JSON guide's matcher. It follows the accepted bytes with a scanner that
 knows, at every point, which subschema each open container and the current value belong to, and
-from that the shortest text that completes a valid document (`Completion.text`): the open string,
-number or literal finished, each open object's missing required keys with their shortest valid
-values (in the schema's key order, as the grammars generate them), each open array's missing
-items, every container closed. Its tokens plus the stop token are the fewest this path needs.
+from that the shortest text that completes a valid document (`Scanner.completion`): the open
+string, number or literal finished, each open object's missing required keys with their shortest
+valid values (in the schema's key order, as the grammars generate them), each open array's
+missing items, every container closed. Its tokens plus the stop token are the fewest this path needs.
 
-With r tokens left (max_tokens minus those accepted, the stop token included) and n needed:
-while n + SLACK < r the grammar's mask stands; from then on the mask allows only the first token
-of the completion (its tokens are also the forced tokens drafters propose), so the answer ends
-valid with finish reason "stop". SLACK covers what one freely chosen token can add to n (a key
-whose value is itself an object with required keys). Every decision is a function of the
-matcher's own state, so draft positions get the same masks as plain decoding: speculation stays
-lossless. Where the scanner cannot tell (an anyOf between objects, a pattern-constrained string
-half written) or the grammar refuses the completion, it does nothing and the grammar's mask stands.
+With r tokens left (max_tokens minus those accepted, the stop token included), n needed and g the
+most one free token can add (`Scanner.growth`: one more array item or optional key, in bytes):
+while n + g + SLACK < r the grammar's mask stands, so after any token the answer can still close;
+from then on the mask allows only the first token of the completion (its tokens are also the
+forced tokens drafters propose), so the answer ends valid with finish reason "stop". Every
+decision is a function of the matcher's own state, so draft positions get the same masks as plain
+decoding: speculation stays lossless. Where the scanner cannot tell (an anyOf between objects, a
+pattern-constrained string half written) or the grammar refuses the completion, it does nothing
+and the grammar's mask stands.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ except ImportError:  # pragma: no cover - Python < 3.11
 from ..request import InvalidRequestError
 from .backend import CompiledGuide, Encode, Matcher
 
-SLACK = 8  # tokens kept in hand for what one free token may add to the completion
+SLACK = 8  # tokens kept in hand beyond what one free token may add to the completion
 _WS = b" \t\n\r"
 _JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 _FORMATS = {"date": "2000-01-01", "time": "00:00:00Z", "date-time": "2000-01-01T00:00:00Z", "email": "a@a.aa",
@@ -238,71 +239,154 @@ def shortest_string(node: dict) -> str:
     return "a" * n
 
 
-def shortest_match(pattern: str) -> str:
-    """The shortest string that JSON Schema's `pattern` (a search, not anchored) accepts."""
-    try:
-        return _short_re(sre_parse.parse(pattern))
-    except (re.error, RecursionError, KeyError, TypeError) as e:
-        raise Unknown(f"pattern {pattern!r}: {e}") from None
+def shortest_match(pattern: str, prefix: str = "") -> str:
+    """The shortest text that, after `prefix`, makes a string JSON Schema's `pattern` accepts
+    (a search: unanchored ends take anything); Unknown when none (or the regex is beyond this)."""
+    return _Nfa(pattern).shortest_end(prefix)
 
 
-def _short_re(seq: Any) -> str:
-    out = []
-    for op, av in seq:
+_MAX_COPIES = 64  # {m,n} with n - m beyond this is taken as {m,} (the grammar's own check still holds)
+_PICKS = "a0A_-. "  # representative characters tried first for a character class
+
+
+class _Nfa:
+    """Thompson NFA of a regex (sre_parse's tree) over characters: just enough for the shortest end."""
+
+    def __init__(self, pattern: str):
+        try:
+            tree = sre_parse.parse(pattern)
+        except (re.error, RecursionError) as e:
+            raise Unknown(f"pattern {pattern!r}: {e}") from None
+        self.eps: list[list[int]] = []
+        self.moves: list[list[tuple[Any, int]]] = []  # (predicate, target)
+        items = list(tree)
+        anchored_start = bool(items) and items[0][0] == sre_constants.AT and items[0][1] == sre_constants.AT_BEGINNING
+        anchored_end = bool(items) and items[-1][0] == sre_constants.AT and items[-1][1] in (
+            sre_constants.AT_END, sre_constants.AT_END_STRING)
+        self.start = self._state()
+        s = self.start
+        if not anchored_start:
+            s = self._star_any(s)
+        s = self._seq(items, s)
+        if not anchored_end:
+            s = self._star_any(s)
+        self.accept = s
+
+    def _state(self) -> int:
+        self.eps.append([])
+        self.moves.append([])
+        return len(self.eps) - 1
+
+    def _star_any(self, s: int) -> int:
+        self.moves[s].append((lambda c: True, s))
+        return s
+
+    def _seq(self, items: Any, s: int) -> int:
+        for op, av in items:
+            s = self._one(op, av, s)
+        return s
+
+    def _one(self, op: Any, av: Any, s: int) -> int:
         if op == sre_constants.LITERAL:
-            out.append(chr(av))
-        elif op == sre_constants.IN:
-            out.append(_in_char(av))
-        elif op == sre_constants.ANY:
-            out.append("a")
-        elif op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT):
-            lo, _, sub = av
-            out.append(_short_re(sub) * lo)
-        elif op == sre_constants.SUBPATTERN:
-            out.append(_short_re(av[-1]))
-        elif op == sre_constants.BRANCH:
-            out.append(min((_short_re(b) for b in av[1]), key=len))
-        elif op in (sre_constants.AT, sre_constants.ASSERT, sre_constants.ASSERT_NOT):
-            if op != sre_constants.AT:
-                raise Unknown("lookaround")
-        elif op == sre_constants.NOT_LITERAL:
-            out.append("a" if av != ord("a") else "b")
-        else:
-            raise Unknown(f"regex op {op}")
-    return "".join(out)
+            return self._move(s, lambda c, v=av: ord(c) == v)
+        if op == sre_constants.NOT_LITERAL:
+            return self._move(s, lambda c, v=av: ord(c) != v)
+        if op == sre_constants.ANY:
+            return self._move(s, lambda c: c != "\n")
+        if op == sre_constants.IN:
+            return self._move(s, lambda c, items=av: _in_set(c, items))
+        if op == sre_constants.SUBPATTERN:
+            return self._seq(av[-1], s)
+        if op == sre_constants.AT:
+            return s
+        if op == sre_constants.BRANCH:
+            end = self._state()
+            for alt in av[1]:
+                self.eps[self._seq(alt, s)].append(end)
+            return end
+        if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, getattr(sre_constants, "POSSESSIVE_REPEAT", None)):
+            lo, hi, sub = av
+            for _ in range(lo):
+                s = self._seq(sub, s)
+            if hi == sre_constants.MAXREPEAT or hi - lo > _MAX_COPIES:
+                loop = self._state()
+                self.eps[s].append(loop)
+                self.eps[self._seq(sub, loop)].append(loop)
+                return loop
+            end = self._state()
+            for _ in range(hi - lo):
+                self.eps[s].append(end)
+                s = self._seq(sub, s)
+            self.eps[s].append(end)
+            return end
+        raise Unknown(f"regex op {op}")
+
+    def _move(self, s: int, pred: Any) -> int:
+        t = self._state()
+        self.moves[s].append((pred, t))
+        return t
+
+    def _closure(self, states: set[int]) -> set[int]:
+        todo, seen = list(states), set(states)
+        while todo:
+            for t in self.eps[todo.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return seen
+
+    def shortest_end(self, prefix: str) -> str:
+        cur = self._closure({self.start})
+        for c in prefix:
+            cur = self._closure({t for s in cur for pred, t in self.moves[s] if pred(c)})
+            if not cur:
+                raise Unknown("the prefix leaves the pattern")
+        seen, frontier = set(cur), [(s, "") for s in cur]
+        while frontier:  # breadth first: the first accepting state reached is the shortest end
+            nxt = []
+            for s, text in frontier:
+                if s == self.accept:
+                    return text
+                for pred, t in self.moves[s]:
+                    c = _pick(pred)
+                    if c is None:
+                        continue
+                    for u in self._closure({t}):
+                        if u not in seen:
+                            seen.add(u)
+                            nxt.append((u, text + c))
+            frontier = nxt
+        raise Unknown("no end matches the pattern")
 
 
-def _in_char(items: Any) -> str:
-    negate = any(op == sre_constants.NEGATE for op, _ in items)
-    if negate:
-        for c in "a0A_ ":
-            if not _in_set(c, items):
-                return c
-        raise Unknown("negated class")
-    for op, av in items:
-        if op == sre_constants.LITERAL:
-            return chr(av)
-        if op == sre_constants.RANGE:
-            return chr(av[0])
-        if op == sre_constants.CATEGORY:
-            return {sre_constants.CATEGORY_DIGIT: "0", sre_constants.CATEGORY_WORD: "a",
-                    sre_constants.CATEGORY_SPACE: " "}.get(av) or _raise(f"category {av}")
-    raise Unknown("empty class")
+def _pick(pred: Any) -> Optional[str]:
+    """A character the predicate takes (printable, JSON-safe), preferring _PICKS."""
+    for c in _PICKS:
+        if pred(c):
+            return c
+    for o in range(0x21, 0x7F):
+        if chr(o) not in '"\\' and pred(chr(o)):
+            return chr(o)
+    return None
 
 
 def _in_set(c: str, items: Any) -> bool:
+    """Whether character c is in a character class (sre_parse IN items)."""
+    hit, negate = False, False
     for op, av in items:
-        if op == sre_constants.LITERAL and chr(av) == c:
-            return True
-        if op == sre_constants.RANGE and av[0] <= ord(c) <= av[1]:
-            return True
-        if op == sre_constants.CATEGORY:
-            return True  # conservative: treat a category as containing it
-    return False
-
-
-def _raise(msg: str) -> str:
-    raise Unknown(msg)
+        if op == sre_constants.NEGATE:
+            negate = True
+        elif op == sre_constants.LITERAL:
+            hit = hit or ord(c) == av
+        elif op == sre_constants.RANGE:
+            hit = hit or av[0] <= ord(c) <= av[1]
+        elif op == sre_constants.CATEGORY:
+            hit = hit or {sre_constants.CATEGORY_DIGIT: c.isdigit(), sre_constants.CATEGORY_NOT_DIGIT: not c.isdigit(),
+                          sre_constants.CATEGORY_WORD: c.isalnum() or c == "_",
+                          sre_constants.CATEGORY_NOT_WORD: not (c.isalnum() or c == "_"),
+                          sre_constants.CATEGORY_SPACE: c.isspace(),
+                          sre_constants.CATEGORY_NOT_SPACE: not c.isspace()}.get(av, False)
+    return hit != negate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,10 +395,11 @@ def _raise(msg: str) -> str:
 
 @dataclass(frozen=True)
 class Frame:
-    """An open object or array. `phase`: what comes next ('key?' after '{', 'key' after ',',
-    ':' after a key, 'value' after ':' or '[' / ',' in an array, 'more' after a value)."""
+    """An open object or array, or the scalar being written (`kind` "scalar": its schema). `phase`:
+    what comes next ('key?' after '{', 'key' after ',', ':' after a key, 'value' after ':' or
+    '[' / ',' in an array, 'more' after a value)."""
 
-    kind: str  # "object" | "array"
+    kind: str  # "object" | "array" | "scalar"
     schema: Any
     phase: str
     keys: tuple[str, ...] = ()  # object: keys so far (the last is the current one)
@@ -510,6 +595,27 @@ class Scanner:
                 last = max(last, names.index(k))
         return last + 1
 
+    def growth(self, st: State) -> int:
+        """The most bytes one more element adds to the completion, over the open containers (one
+        token may close inner ones and start an element of an outer one: `},{"`): an array's item,
+        an object's optional key still to come (an open object's: a 16-byte key)."""
+        most = 0
+        for top in st.stack:
+            node = self.s.resolve(top.schema)
+            node = node if isinstance(node, dict) else {}
+            if top.kind == "array":
+                most = max(most, 1 + len(self.s.shortest(self.child(dataclasses.replace(top, items=top.items + 1)))))
+            elif top.kind == "object":
+                props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
+                done, required = set(top.keys), set(node.get("required", []))
+                for k in list(props)[self._next_index(top, props):]:
+                    if k not in done and k not in required:
+                        most = max(most, 2 + len(_dump(k)) + len(self.s.shortest(props[k])))
+                if node.get("additionalProperties") is not False and not node.get("patternProperties"):
+                    extra = node.get("additionalProperties", {})
+                    most = max(most, 20 + len(self.s.shortest(extra if isinstance(extra, dict) else {})))
+        return most
+
     def _close(self, top: Frame) -> str:
         node = self.s.resolve(top.schema)
         node = node if isinstance(node, dict) else {}
@@ -639,10 +745,15 @@ def _finish_scalar(kind: str, buf: bytes, node: Any) -> str:
         if not fits:
             raise Unknown("no enum value with this prefix")
         return _dump(min(fits, key=len))[1:][len(_dump(prefix)[1:-1]):]
-    if "pattern" in node or "format" in node:
+    if isinstance(node.get("format"), str):
         if prefix:
-            raise Unknown("a pattern-constrained string half written")
+            raise Unknown("a string with a format half written")
         return _dump(shortest_string(node))[1:]
+    if isinstance(node.get("pattern"), str):
+        end = shortest_match(node["pattern"], prefix)
+        if len(prefix + end) < int(node.get("minLength", 0) or 0):
+            raise Unknown("pattern and minLength")
+        return escape + _dump(end)[1:]
     missing = max(0, int(node.get("minLength", 0) or 0) - len(prefix))
     return escape + "a" * missing + '"'
 
@@ -675,26 +786,44 @@ class BudgetMatcher(Matcher):
     def __init__(self, inner: Matcher, plan: BudgetPlan):
         self.inner, self.plan = inner, plan
         self.states: list[Optional[State]] = [State()]  # after each accepted token (None: Unknown)
-        self._plans: dict[int, Optional[list[int]]] = {}  # per state index: the completion's tokens + stop
+        self._texts: dict[int, Optional[str]] = {}  # per state index: the completion's text
+        self._growths: dict[int, int] = {}  # per state index: Scanner.growth
+        self._plans: dict[int, Optional[list[int]]] = {}  # per state index: its verified tokens + stop
 
     # -- the completion ---------------------------------------------------------------------
+
+    def _text(self) -> Optional[str]:
+        """The shortest completion's text from the current state (None: cannot tell)."""
+        i = len(self.states) - 1
+        if i not in self._texts:
+            st = self.states[-1]
+            try:
+                self._texts[i] = None if st is None else self.plan.scanner.completion(st)
+            except Unknown:
+                self._texts[i] = None
+        return self._texts[i]
+
+    def _growth(self) -> int:
+        """Scanner.growth of the current state, in bytes (>= the tokens it may add)."""
+        i = len(self.states) - 1
+        if i not in self._growths:
+            try:
+                self._growths[i] = self.plan.scanner.growth(self.states[-1]) if self.states[-1] else 0
+            except Unknown:
+                self._growths[i] = 0
+        return self._growths[i]
 
     def _completion(self) -> Optional[list[int]]:
         """The verified completion tokens (stop token last) from the current state, or None."""
         i = len(self.states) - 1
-        if i in self._plans:
-            return self._plans[i]
-        st, out = self.states[-1], None
-        if st is not None:
-            try:
-                text = self.plan.scanner.completion(st)
+        if i not in self._plans:
+            text, out = self._text(), None
+            if text is not None:
                 toks = self.plan.tokens(text) + [self.plan.stop_id]
                 if self.inner.validate(toks) == len(toks):  # the grammar takes it, stop token included
                     out = toks
-            except Unknown:
-                out = None
-        self._plans[i] = out
-        return out
+            self._plans[i] = out
+        return self._plans[i]
 
     def left(self) -> int:
         """Tokens left in the budget (the one about to be chosen included)."""
@@ -705,8 +834,14 @@ class BudgetMatcher(Matcher):
         st = self.states[-1]
         if st is None or self.inner.is_terminated():
             return None
+        text = self._text()  # a token holds at least a byte: no tokenizing while the bytes fit
+        if text is None:
+            return None
+        margin = SLACK + self._growth()
+        if len(text.encode()) + 1 + margin < self.left():
+            return None
         comp = self._completion()
-        if comp is None or len(comp) + SLACK < self.left():
+        if comp is None or len(comp) + margin < self.left():
             return None
         return comp
 
@@ -730,6 +865,8 @@ class BudgetMatcher(Matcher):
             self.inner.rollback(n)
             for i in range(len(self.states) - n, len(self.states)):
                 self._plans.pop(i, None)
+                self._texts.pop(i, None)
+                self._growths.pop(i, None)
             del self.states[len(self.states) - n:]
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -762,6 +899,8 @@ class BudgetMatcher(Matcher):
         self.inner.reset()
         self.states = [State()]
         self._plans.clear()
+        self._texts.clear()
+        self._growths.clear()
 
     def violation(self) -> Optional[str]:
         fn = getattr(self.inner, "violation", None)
