@@ -165,6 +165,13 @@ TEXTS = ["Repeat this sentence three times: the cat sat on the mat.", "Write a h
          "List three primary colors."]
 
 
+def _prefix_of(got, longer) -> bool:
+    """Each output of a shorter-max_tokens run is a prefix of the longer run's, where it must be: not
+    for JSON guides, whose answers close within their own max_tokens (guided/budget.py)."""
+    json_rows = [i for i, g in enumerate(GUIDES) if "json" in g]
+    return all(g[0] == r[0][: len(g[0])] for i, (g, r) in enumerate(zip(got, longer)) if i not in json_rows)
+
+
 def _requests(engine, k_of, max_tokens=32, sampled=()):
     samples = {s.name: s for s in load_guided_samples()}
     chat = lambda t: engine.tokenizer.apply_chat_template([{"role": "user", "content": t}])  # noqa: E731
@@ -246,7 +253,7 @@ def test_worker_and_inline_executors_give_the_plain_tokens_with_ngram_speculatio
                                                                                   reference):
     plain = _run(plain_engine, _requests(plain_engine, k_of=lambda i: MIXED_K[i], max_tokens=16))
     worker = _run(worker_engine, _requests(worker_engine, k_of=lambda i: MIXED_K[i], max_tokens=16))
-    assert [w[0] for w in worker] == [r[0][: len(w[0])] for w, r in zip(worker, reference)]
+    assert _prefix_of(worker, reference)
     assert worker == plain  # same drafts proposed and accepted, not just the same tokens
     assert sum(w[2] for w in worker) > 0 and sum(w[3] for w in worker) > 0
     worker_engine.guided.synchronize()  # then the same engine with callbacks run inline
@@ -255,7 +262,7 @@ def test_worker_and_inline_executors_give_the_plain_tokens_with_ngram_speculatio
         got = _run(worker_engine, _requests(worker_engine, k_of=lambda i: MIXED_K[i], max_tokens=12))
     finally:
         worker_engine.guided.configured = worker_stream
-    assert [g[0] for g in got] == [p[0][: len(g[0])] for g, p in zip(got, plain)] and sum(g[3] for g in got) > 0
+    assert _prefix_of(got, plain) and sum(g[3] for g in got) > 0
     for eng in (plain_engine, worker_engine):
         eng.scheduler.check_integrity()
         assert not any(eng.guided.is_guided(s) for s in range(8))
@@ -298,5 +305,5 @@ def test_worker_executor_with_masked_early_exit_drafts(reference):
     assert b == a  # masked drafts walk the grammar in callbacks: same drafts, same acceptance
     assert c == a and any(k.drafting == "model" and k.guided for k in keys)
     assert not graphs.graphs  # shutdown closed the step graphs
-    assert [x[0] for x in b] == [r[0][: len(x[0])] for x, r in zip(b, reference)]  # == plain decoding
+    assert _prefix_of(b, reference)  # == plain decoding
     assert sum(x[3] for x in b) > 0

@@ -172,25 +172,36 @@ UNFINISHABLE = json.dumps({"type": "array", "items": {"type": "string", "minLeng
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(server, protocol):
-    values = {"text_input": "List some words as JSON.", "max_tokens": 12, "exclude_input_in_output": True,
-              GT: "json_schema", G: UNFINISHABLE}
+def test_a_grammar_that_cannot_finish_in_max_tokens_is_refused_or_ends_with_length(server, protocol):
+    """By default a JSON answer must close within max_tokens (README "JSON answers are complete
+    within max_tokens"): a schema whose shortest document does not fit is refused up front, one
+    clear INVALID_ARG naming both numbers. Opted out (structured_outputs.complete_within_budget
+    false), it runs to max_tokens: "length"."""
+    sp = {"max_tokens": 12, "structured_outputs": {"json": json.loads(UNFINISHABLE), "complete_within_budget": False}}
+    refused = {"text_input": "List some words as JSON.", "max_tokens": 12, "exclude_input_in_output": True,
+               GT: "json_schema", G: UNFINISHABLE}
+    cut = {"text_input": "List some words as JSON.", "max_tokens": 12, "exclude_input_in_output": True,
+           "sampling_parameters": json.dumps(sp)}
+    want = "max_tokens 12 cannot hold a valid answer: the shortest document this schema accepts takes"
     if protocol == "grpc":
         s = GrpcStream(server.grpc)
         try:
-            chunks = list(s.generate({**values, "stream": True}, timeout=120))
+            err = list(s.generate({**refused, "stream": True}, timeout=120))
+            chunks = list(s.generate({**cut, "stream": True}, timeout=120))
         finally:
             s.close()
+        assert err[-1].error and want in err[-1].error and err[-1].final, err[-1]
         assert chunks[-1].error is None and chunks[-1].final
         text, reason = "".join(c.text for c in chunks), chunks[-1].finish_reason
         n = sum(len(c.token_ids) for c in chunks)
     else:
-        case = Case("unfinishable", values, "")
-        status, body = http_post("generate" if protocol == "http" else "generate_stream", server, case,
-                                 protocol == "http-stream")
+        route, stream = ("generate" if protocol == "http" else "generate_stream"), protocol == "http-stream"
+        status, body = http_post(route, server, Case("unfinishable", refused, ""), stream)
+        assert want in (body if isinstance(body, str) else json.dumps(body)), (status, body)
+        status, body = http_post(route, server, Case("unfinishable", cut, ""), stream)
         assert status == 200, body
         events = [json.loads(line[len("data:"):]) for line in body.split("\n\n") if line.startswith("data:")] \
-            if protocol == "http-stream" else [json.loads(body)]
+            if stream else [json.loads(body)]
         text, reason = "".join(e["text_output"] for e in events), events[-1]["finish_reason"]
         n = sum(len(e["output_ids"]) if isinstance(e["output_ids"], list) else 1 for e in events)
     assert reason == "length" and n == 12

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -53,11 +52,9 @@ def test_a_huge_prompt_is_refused_by_bytes_before_tokenizing():
     tok = CountingTokenizer()
     limits = InputLimits.from_config(EngineConfig(max_seq_len=2048))
     assert limits.max_prompt_bytes == 16 * 2048
-    t0 = time.perf_counter()
     with pytest.raises(InvalidRequestError) as e:
         parse({"text_input": s("x" * 5_000_000)}, tok=tok, limits=limits)
-    assert time.perf_counter() - t0 < 0.5
-    assert tok.calls == 0  # nothing was tokenized
+    assert tok.calls == 0  # nothing was tokenized: refused by its bytes (no clock: CPUs differ)
     msg = str(e.value)
     assert "text_input has 5000000 bytes" in msg and "32768" in msg and "max_prompt_bytes" in msg
 

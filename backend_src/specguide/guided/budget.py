@@ -61,6 +61,7 @@ class Schemas:
         self.root = root
         self._short: dict[int, tuple[Any, str]] = {}  # id -> (the node, kept alive so its id stays its own; text)
         self._busy: set[int] = set()
+        self._extra: dict[tuple[int, str], tuple[Any, int]] = {}  # (id, kind) -> (the node, kept alive; bytes)
 
     def resolve(self, node: Any) -> Any:
         """The node with its local $ref followed and its allOf parts merged (shallow)."""
@@ -176,6 +177,35 @@ class Schemas:
             pairs.sort(key=lambda kv: order.get(kv[0], len(order)))
             return "{" + ",".join(_dump(k) + ":" + self.shortest(v) for k, v in pairs) + "}"
         raise Unknown(f"type {t}")
+
+    def extra(self, node: Any, kind: str) -> int:
+        """Bytes one more element of an object / array of this schema can add at most (memoized)."""
+        node = self.resolve(node)
+        node = node if isinstance(node, dict) else {}
+        key = (id(node), kind)
+        if key not in self._extra:
+            most = 0
+            if kind == "array":
+                subs = list(node.get("prefixItems", [])) if isinstance(node.get("prefixItems"), list) else []
+                subs.append(node.get("items", {}) if isinstance(node.get("items"), (dict, bool)) else {})
+                most = max(1 + self._size(sub) for sub in subs)
+            else:
+                props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
+                required = set(node.get("required", []))
+                most = max((2 + len(_dump(k)) + self._size(v) for k, v in props.items() if k not in required),
+                           default=0)
+                if node.get("additionalProperties") is not False and not node.get("patternProperties"):
+                    extra = node.get("additionalProperties", {})
+                    most = max(most, 20 + self._size(extra if isinstance(extra, dict) else {}))
+            self._extra[key] = (node, min(most, 256))
+        return self._extra[key][1]
+
+    def _size(self, node: Any) -> int:
+        """Bytes of the shortest value (64 where it cannot be told: a recursive schema)."""
+        try:
+            return len(self.shortest(node))
+        except Unknown:
+            return 64
 
     def _try(self, node: Any) -> str:
         try:
@@ -598,23 +628,8 @@ class Scanner:
     def growth(self, st: State) -> int:
         """The most bytes one more element adds to the completion, over the open containers (one
         token may close inner ones and start an element of an outer one: `},{"`): an array's item,
-        an object's optional key still to come (an open object's: a 16-byte key)."""
-        most = 0
-        for top in st.stack:
-            node = self.s.resolve(top.schema)
-            node = node if isinstance(node, dict) else {}
-            if top.kind == "array":
-                most = max(most, 1 + len(self.s.shortest(self.child(dataclasses.replace(top, items=top.items + 1)))))
-            elif top.kind == "object":
-                props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
-                done, required = set(top.keys), set(node.get("required", []))
-                for k in list(props)[self._next_index(top, props):]:
-                    if k not in done and k not in required:
-                        most = max(most, 2 + len(_dump(k)) + len(self.s.shortest(props[k])))
-                if node.get("additionalProperties") is not False and not node.get("patternProperties"):
-                    extra = node.get("additionalProperties", {})
-                    most = max(most, 20 + len(self.s.shortest(extra if isinstance(extra, dict) else {})))
-        return most
+        an object's optional key (any of them: an upper bound; a free object's: a 20-byte key)."""
+        return max((self.s.extra(top.schema, top.kind) for top in st.stack if top.kind != "scalar"), default=0)
 
     def _close(self, top: Frame) -> str:
         node = self.s.resolve(top.schema)

@@ -26,7 +26,7 @@ from ..config import EngineConfig
 from ..engine import Engine
 from ..models.llama import LlamaModel, apply_rope, rms_norm
 from ..progress import Progress
-from ..request import GuidedDecodingParams, Request, SamplingParams
+from ..request import GuidedDecodingParams, Request, SamplingParams, UndeclaredKeys
 from ..scheduler import PrefixCopy, Sequence
 from ..speculative.draft_head import DraftHead
 from .precision import training_autocast
@@ -142,10 +142,14 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
                                 f"{data_dir()}")
     subs = load_subschemas(engine.compiler)[: cfg.num_subschemas] if cfg.num_subschemas else []
     n_phrasings = len(SCHEMA_TEMPLATES)
-    work = [(schema_message(s, v), GuidedDecodingParams("json_schema", s), cfg.max_tokens_json)
-            for v in range(cfg.schema_variants) for s in texts]
-    work += [(schema_message(s, i % n_phrasings), GuidedDecodingParams("json_schema", s), cfg.max_tokens_json)
-             for i, s in enumerate(subs)]
+
+    def guide(schema: str) -> GuidedDecodingParams:  # the recipe's corpus: the model's own continuations,
+        # cut at max_tokens_json (not closed by the budget: forced tokens need no head) under JSON
+        # Schema's reading of undeclared keys, as the recorded recipe was generated
+        return GuidedDecodingParams("json_schema", schema, undeclared_keys=UndeclaredKeys.ALLOW,
+                                    complete_within_budget=False)
+    work = [(schema_message(s, v), guide(s), cfg.max_tokens_json) for v in range(cfg.schema_variants) for s in texts]
+    work += [(schema_message(s, i % n_phrasings), guide(s), cfg.max_tokens_json) for i, s in enumerate(subs)]
     work += [(c, None, cfg.max_tokens_chat) for c in CHAT_TRAIN[: cfg.num_chat]]
     reqs = [Request(prompt=user_turn(tok, m), guided=g,
                     params=SamplingParams(max_tokens=n, temperature=0.0)) for m, g, n in work]
