@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from client.common import MODEL, GrpcStream, chat_prompt, http_generate, http_generate_stream, load_tokenizer
+from client.common import MODEL, GrpcStream, chat_prompt, http_generate, http_generate_stream, load_chat_template
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,7 +60,7 @@ def build_values(a: argparse.Namespace) -> dict:
             sys.exit("give a prompt (or '-' for stdin, or --input-ids)")
         prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
         if a.chat:
-            prompt = chat_prompt(load_tokenizer(a.tokenizer), prompt, a.system)
+            prompt = chat_prompt(load_chat_template(a.tokenizer), prompt, a.system)
         values = {"text_input": prompt}
     guide = a.guide
     if a.guide_file:

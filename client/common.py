@@ -269,6 +269,47 @@ def load_tokenizer(path: Optional[str] = None):
     return AutoTokenizer.from_pretrained(str(path or default_tokenizer_dir()))
 
 
+class ChatTemplate:
+    """A model folder's chat template, rendered as transformers renders it (jinja2 sandbox,
+    trim_blocks / lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, the special
+    tokens' strings) without importing transformers: `--chat` costs ~0.1 s instead of ~4 s."""
+
+    def __init__(self, folder: Path):
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        jinja = folder / "chat_template.jinja"
+        template = jinja.read_text() if jinja.exists() else config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not isinstance(template, str):
+            raise ValueError(f"{folder} has no chat template")
+        self.template = template
+        self.special = {k: v["content"] if isinstance(v, dict) else v for k, v in config.items()
+                        if k.endswith("_token") and isinstance(v, (str, dict))}
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        assert not tokenize, "a ChatTemplate renders text only"
+        from datetime import datetime
+
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        return env.from_string(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                    **self.special, **extra)
+
+
+def load_chat_template(path: Optional[str] = None) -> Any:
+    """What `chat_prompt` needs of a model folder: its ChatTemplate (fast), else its tokenizer."""
+    folder = Path(path or default_tokenizer_dir())
+    try:
+        return ChatTemplate(folder)
+    except (OSError, ValueError):
+        return load_tokenizer(str(folder))
+
+
 def chat_prompt(tokenizer: Any, user: str, system: Optional[str] = None) -> str:
     """The model's chat template applied to one user turn, ready for generation."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
