@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 
 from .config import EngineConfig
 from .faults import Injector
-from .guided.budget import within_budget
+from .guided.budget import RegexScanner, Scanner, Schemas, within_budget
 from .guided.reasoning import Reasoning
 from .request import InvalidRequestError, Request, RequestOutput
 from .scheduler import Sequence
@@ -89,18 +89,19 @@ starts, then collects, their grammar compiles."""
         return seq
 
     def _within_budget(self, seq: Sequence) -> Any:
-        """A JSON guide whose answer must close before max_tokens (guided/budget.py); InvalidRequestError
-        when no valid document fits. Not with ignore_eos or min_tokens (the stop token may not come
+        """A JSON or regex guide whose answer must close before max_tokens (guided/budget.py);
+        InvalidRequestError when no valid answer fits. Not with ignore_eos or min_tokens (the stop token may not come
         when the budget needs it), nor for reasoning models (the guide's start is not known)."""
         guide, g, p = seq.grammar, seq.guided, seq.params
-        if not g.complete_within_budget or g.guide_type not in ("json", "json_schema") or p.min_tokens:
+        if not g.complete_within_budget or g.guide_type not in ("json", "json_schema", "regex") or p.min_tokens:
             return guide
         stops = [t for t in self.compiler.stop_token_ids if t in seq.stop_ids]
         if not stops:
             return guide
         budget = min(p.max_tokens, self.config.max_seq_len - len(seq.prompt_ids))
-        return within_budget(guide, self.compiler.schema_of(g), budget, self.compiler.token_bytes,
-                             self.tokenizer.encode, stops[0])
+        scanner = (lambda: RegexScanner(g.guide)) if g.guide_type == "regex" else \
+            (lambda: Scanner(Schemas(self.compiler.schema_of(g))))
+        return within_budget(guide, scanner, budget, self.compiler.token_bytes, self.tokenizer.encode, stops[0])
 
     def poll_compiles(self, waiting: Iterable[Sequence]) -> list[tuple[Sequence, str, str]]:
         """Move finished grammar compiles onto their sequences; returns (sequence, error message,

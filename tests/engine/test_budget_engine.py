@@ -71,3 +71,18 @@ def test_a_budget_that_cannot_hold_the_shortest_document_is_refused_up_front(eng
     jsonschema.validate(json.loads(text), schema)
     engine.scheduler.check_integrity()
     assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))
+
+
+def test_a_regex_answer_closes_within_max_tokens(engine):
+    """A regex guide whose matches run long (a sentence of up to 300 letters, then a full stop):
+    with max_tokens 12 the answer still ends matching, "stop", lossless with speculation."""
+    import re
+
+    pattern = r"[A-Za-z ,]{1,300}\."
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Describe the sea at length."}])
+    req = Request(prompt=prompt, params=SamplingParams(max_tokens=12, temperature=0.0),
+                  guided=GuidedDecodingParams("regex", pattern))
+    (toks, text, final), (toks_on, _, final_on) = run_many(engine, [dataclasses.replace(req, num_draft_tokens=0), req])
+    assert final.finish_reason == "stop" and len(toks) <= 12 and re.fullmatch(pattern, text), (final.error, text)
+    assert any(n.startswith("closed by the budget") for n in final.guide_notes)
+    assert (toks_on, final_on.finish_reason) == (toks, "stop")

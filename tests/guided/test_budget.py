@@ -4,6 +4,7 @@ ends with a valid document and the stop token by max_tokens."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -87,7 +88,7 @@ def test_a_rambling_answer_still_closes_valid_by_max_tokens(xgr_service, hf_toke
     encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     for schema in (PERSON, NESTED):
         guide = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend))
-        wrapped = within_budget(guide, schema, budget, xgr_service.token_bytes, encode, stop)
+        wrapped = within_budget(guide, Scanner(Schemas(schema)), budget, xgr_service.token_bytes, encode, stop)
         assert wrapped.budget is not None
         m = wrapped.matcher()
         assert isinstance(m, BudgetMatcher)
@@ -109,8 +110,8 @@ def test_a_rambling_answer_still_closes_valid_by_max_tokens(xgr_service, hf_toke
 def test_forced_tokens_are_the_completion_and_the_state_rolls_back(xgr_service, hf_tokenizer, backend):
     stop = xgr_service.stop_token_ids[0]
     encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-    guide = within_budget(xgr_service.compile(G("json_schema", json.dumps(PERSON), backend=backend)), PERSON, 30,
-                          xgr_service.token_bytes, encode, stop)
+    guide = within_budget(xgr_service.compile(G("json_schema", json.dumps(PERSON), backend=backend)),
+                          Scanner(Schemas(PERSON)), 30, xgr_service.token_bytes, encode, stop)
     m = guide.matcher()
     prefix = encode('{"name": "Alexander the Great of Macedon')
     assert all(m.accept(t) for t in prefix)
@@ -129,8 +130,9 @@ def test_a_budget_below_the_shortest_document_is_refused_naming_both(xgr_service
     guide = xgr_service.compile(G("json_schema", json.dumps(PERSON)))
     shortest = len(encode(Schemas(PERSON).shortest(PERSON))) + 1
     with pytest.raises(InvalidRequestError, match=f"max_tokens {shortest - 1} cannot hold .* {shortest} tokens"):
-        within_budget(guide, PERSON, shortest - 1, xgr_service.token_bytes, encode, xgr_service.stop_token_ids[0])
-    assert within_budget(guide, PERSON, shortest, xgr_service.token_bytes, encode,
+        within_budget(guide, Scanner(Schemas(PERSON)), shortest - 1, xgr_service.token_bytes, encode,
+                      xgr_service.stop_token_ids[0])
+    assert within_budget(guide, Scanner(Schemas(PERSON)), shortest, xgr_service.token_bytes, encode,
                          xgr_service.stop_token_ids[0]).budget is not None
 
 
@@ -154,3 +156,27 @@ def test_shortest_values_follow_the_keywords():
     with pytest.raises(Unknown):
         Schemas({"$ref": "#/$defs/L", "$defs": {"L": {"type": "object", "properties": {"n": {"$ref": "#/$defs/L"}},
                                                      "required": ["n"]}}}).shortest({"$ref": "#/$defs/L"})
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_a_regex_answer_closes_within_max_tokens_too(xgr_service, hf_tokenizer, backend):
+    """A regex guide (the whole answer matches): a rambler inside `[a-z ]+` still ends with a match
+    and the stop token by the budget; the shortest end of a half-written match is the NFA's."""
+    from specguide.guided.budget import RegexScanner
+
+    pattern = r"Name: [A-Za-z ]+\. Phone: [0-9]{3}-[0-9]{4}\."
+    pick, stop = rambler(hf_tokenizer), xgr_service.stop_token_ids[0]
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    sc = RegexScanner(pattern)
+    assert sc.completion(sc.feed(sc.start(), b"Name: Ada")) == ". Phone: 000-0000."
+    guide = within_budget(xgr_service.compile(G("regex", pattern, backend=backend)), lambda: RegexScanner(pattern),
+                          40, xgr_service.token_bytes, encode, stop)
+    m, out = guide.matcher(), []
+    mask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    while not m.is_terminated():
+        assert len(out) < 40, hf_tokenizer.decode(out)
+        m.fill(mask, 0)
+        out.append(pick(mask))
+        assert m.accept(out[-1])
+    text = hf_tokenizer.decode(out[:-1])
+    assert re.fullmatch(pattern, text) and guide.budget.closed(out), text

@@ -167,9 +167,9 @@ TEXTS = ["Repeat this sentence three times: the cat sat on the mat.", "Write a h
 
 def _prefix_of(got, longer) -> bool:
     """Each output of a shorter-max_tokens run is a prefix of the longer run's, where it must be: not
-    for JSON guides, whose answers close within their own max_tokens (guided/budget.py)."""
-    json_rows = [i for i, g in enumerate(GUIDES) if "json" in g]
-    return all(g[0] == r[0][: len(g[0])] for i, (g, r) in enumerate(zip(got, longer)) if i not in json_rows)
+    for JSON and regex guides, whose answers close within their own max_tokens (guided/budget.py)."""
+    closing = [i for i, g in enumerate(GUIDES) if "json" in g or "regex" in g]
+    return all(g[0] == r[0][: len(g[0])] for i, (g, r) in enumerate(zip(got, longer)) if i not in closing)
 
 
 def _requests(engine, k_of, max_tokens=32, sampled=()):

@@ -182,7 +182,7 @@ def test_a_grammar_that_cannot_finish_in_max_tokens_is_refused_or_ends_with_leng
                GT: "json_schema", G: UNFINISHABLE}
     cut = {"text_input": "List some words as JSON.", "max_tokens": 12, "exclude_input_in_output": True,
            "sampling_parameters": json.dumps(sp)}
-    want = "max_tokens 12 cannot hold a valid answer: the shortest document this schema accepts takes"
+    want = "max_tokens 12 cannot hold a valid answer: the shortest one this guide accepts takes"
     if protocol == "grpc":
         s = GrpcStream(server.grpc)
         try:

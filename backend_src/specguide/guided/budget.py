@@ -15,7 +15,8 @@ forced tokens drafters propose), so the answer ends valid with finish reason "st
 decision is a function of the matcher's own state, so draft positions get the same masks as plain
 decoding: speculation stays lossless. Where the scanner cannot tell (an anyOf between objects, a
 pattern-constrained string half written) or the grammar refuses the completion, it does nothing
-and the grammar's mask stands.
+and the grammar's mask stands. A regex guide gets the same through `RegexScanner`: the states of
+an NFA of the regex after the text so far, and the shortest text that completes the match.
 """
 from __future__ import annotations
 
@@ -280,9 +281,10 @@ _PICKS = "a0A_-. "  # representative characters tried first for a character clas
 
 
 class _Nfa:
-    """Thompson NFA of a regex (sre_parse's tree) over characters: just enough for the shortest end."""
+    """Thompson NFA of a regex (sre_parse's tree) over characters: just enough for the shortest end.
+    `full`: the whole text must match (a regex guide); else a search (JSON Schema's `pattern`)."""
 
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str, full: bool = False):
         try:
             tree = sre_parse.parse(pattern)
         except (re.error, RecursionError) as e:
@@ -290,9 +292,10 @@ class _Nfa:
         self.eps: list[list[int]] = []
         self.moves: list[list[tuple[Any, int]]] = []  # (predicate, target)
         items = list(tree)
-        anchored_start = bool(items) and items[0][0] == sre_constants.AT and items[0][1] == sre_constants.AT_BEGINNING
-        anchored_end = bool(items) and items[-1][0] == sre_constants.AT and items[-1][1] in (
-            sre_constants.AT_END, sre_constants.AT_END_STRING)
+        anchored_start = full or (bool(items) and items[0][0] == sre_constants.AT
+                                  and items[0][1] == sre_constants.AT_BEGINNING)
+        anchored_end = full or (bool(items) and items[-1][0] == sre_constants.AT and items[-1][1] in (
+            sre_constants.AT_END, sre_constants.AT_END_STRING))
         self.start = self._state()
         s = self.start
         if not anchored_start:
@@ -365,12 +368,19 @@ class _Nfa:
                     todo.append(t)
         return seen
 
-    def shortest_end(self, prefix: str) -> str:
-        cur = self._closure({self.start})
-        for c in prefix:
-            cur = self._closure({t for s in cur for pred, t in self.moves[s] if pred(c)})
+    def initial(self) -> frozenset[int]:
+        return frozenset(self._closure({self.start}))
+
+    def step(self, cur: frozenset[int], text: str) -> frozenset[int]:
+        """The states after `text` from `cur` (Unknown when none)."""
+        for c in text:
+            cur = frozenset(self._closure({t for s in cur for pred, t in self.moves[s] if pred(c)}))
             if not cur:
-                raise Unknown("the prefix leaves the pattern")
+                raise Unknown("the text leaves the pattern")
+        return cur
+
+    def shortest_end(self, prefix: str, cur: Optional[frozenset[int]] = None) -> str:
+        cur = self.step(self.initial() if cur is None else cur, prefix)
         seen, frontier = set(cur), [(s, "") for s in cur]
         while frontier:  # breadth first: the first accepting state reached is the shortest end
             nxt = []
@@ -489,6 +499,9 @@ class Scanner:
                     raise Unknown(f"{key}: {len(fits)} branches start with {chr(first)!r}")
                 return _merge(base, fits[0])
         return node
+
+    def start(self) -> State:
+        return State()
 
     def feed(self, state: State, data: bytes) -> State:
         for c in data:
@@ -777,13 +790,43 @@ def _finish_scalar(kind: str, buf: bytes, node: Any) -> str:
 # the matcher
 
 
-class BudgetPlan:
-    """What every BudgetMatcher of one request shares: the scanner, token bytes, encode, stop id,
-    and the tokens the budget forced (position -> token; NOTE: written by grammar callbacks, read
-    when the request ends)."""
+class RegexScanner:
+    """A regex guide's scanner (the whole answer matches): the NFA's states after the text so far;
+    the completion is the shortest end of the match; one free token adds at most SLACK."""
 
-    def __init__(self, schema: Any, token_bytes: Sequence[bytes], encode: Encode, stop_id: int, budget: int):
-        self.scanner = Scanner(Schemas(schema))
+    def __init__(self, pattern: str):
+        self.nfa = _Nfa(pattern, full=True)
+
+    def start(self) -> tuple[frozenset[int], bytes]:
+        return self.nfa.initial(), b""
+
+    def feed(self, state: tuple[frozenset[int], bytes], data: bytes) -> tuple[frozenset[int], bytes]:
+        cur, pending = state
+        raw = pending + data
+        for cut in range(len(raw), max(-1, len(raw) - 4), -1):  # a UTF-8 character split between tokens waits
+            try:
+                return self.nfa.step(cur, raw[:cut].decode()), raw[cut:]
+            except UnicodeDecodeError:
+                continue
+        raise Unknown("undecodable bytes")
+
+    def completion(self, state: tuple[frozenset[int], bytes]) -> str:
+        cur, pending = state
+        if pending:
+            raise Unknown("half a UTF-8 character")
+        return self.nfa.shortest_end("", cur)
+
+    def growth(self, state: Any) -> int:
+        return 0
+
+
+class BudgetPlan:
+    """What every BudgetMatcher of one request shares: the scanner (a JSON schema's or a regex's),
+    token bytes, encode, stop id, and the tokens the budget forced (position -> token; NOTE:
+    written by grammar callbacks, read when the request ends)."""
+
+    def __init__(self, scanner: Any, token_bytes: Sequence[bytes], encode: Encode, stop_id: int, budget: int):
+        self.scanner = scanner
         self.token_bytes, self.encode, self.stop_id, self.budget = token_bytes, encode, stop_id, budget
         self.forced: dict[int, int] = {}
 
@@ -800,7 +843,7 @@ class BudgetMatcher(Matcher):
 
     def __init__(self, inner: Matcher, plan: BudgetPlan):
         self.inner, self.plan = inner, plan
-        self.states: list[Optional[State]] = [State()]  # after each accepted token (None: Unknown)
+        self.states: list[Any] = [plan.scanner.start()]  # the scanner's state after each accepted token (None: Unknown)
         self._texts: dict[int, Optional[str]] = {}  # per state index: the completion's text
         self._growths: dict[int, int] = {}  # per state index: Scanner.growth
         self._plans: dict[int, Optional[list[int]]] = {}  # per state index: its verified tokens + stop
@@ -912,7 +955,7 @@ class BudgetMatcher(Matcher):
 
     def reset(self) -> None:
         self.inner.reset()
-        self.states = [State()]
+        self.states = [self.plan.scanner.start()]
         self._plans.clear()
         self._texts.clear()
         self._growths.clear()
@@ -935,20 +978,24 @@ class BudgetMatcher(Matcher):
             m._restrict(bitmask, r)
 
 
-def within_budget(guide: CompiledGuide, schema: Any, budget: int, token_bytes: Sequence[bytes], encode: Encode,
+def within_budget(guide: CompiledGuide, scanner: Any, budget: int, token_bytes: Sequence[bytes], encode: Encode,
                   stop_id: int) -> CompiledGuide:
-    """`guide` whose matchers close the document within `budget` tokens (stop token included).
-    InvalidRequestError when even the shortest valid document does not fit; the guide unchanged
-    where its shortest document cannot be told."""
-    plan = BudgetPlan(schema, token_bytes, encode, stop_id, budget)
+    """`guide` whose matchers close the answer within `budget` tokens (stop token included);
+    `scanner`: `Scanner(Schemas(schema))` for JSON guides, `RegexScanner(pattern)` for regex ones.
+    InvalidRequestError when even the shortest valid answer does not fit; the guide unchanged
+    where its shortest answer cannot be told."""
+    try:
+        plan = BudgetPlan(scanner() if callable(scanner) else scanner, token_bytes, encode, stop_id, budget)
+    except Unknown:
+        return guide
     probe = BudgetMatcher(guide.matcher(), plan)
     first = probe._completion()
     if first is None:
         return guide
     if len(first) > budget:
         raise InvalidRequestError(
-            f"max_tokens {budget} cannot hold a valid answer: the shortest document this schema "
-            f"accepts takes {len(first)} tokens (the stop token included)")
+            f"max_tokens {budget} cannot hold a valid answer: the shortest one this guide accepts takes "
+            f"{len(first)} tokens (the stop token included)")
     make = guide.make_matcher
     return dataclasses.replace(guide, make_matcher=lambda: BudgetMatcher(make(), plan), budget=plan)
 
