@@ -128,12 +128,13 @@ def test_forced_tokens_are_the_completion_and_the_state_rolls_back(xgr_service, 
 def test_a_budget_below_the_shortest_document_is_refused_naming_both(xgr_service, hf_tokenizer):
     encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     guide = xgr_service.compile(G("json_schema", json.dumps(PERSON)))
-    shortest = len(encode(Schemas(PERSON).shortest(PERSON))) + 1
-    with pytest.raises(InvalidRequestError, match=f"max_tokens {shortest - 1} cannot hold .* {shortest} tokens"):
+    shortest = len(encode(Schemas(PERSON).shortest(PERSON)))  # its text; the stop token may not fit
+    with pytest.raises(InvalidRequestError, match=f"max_tokens {shortest - 1} cannot hold .* takes {shortest} tokens$"):
         within_budget(guide, Scanner(Schemas(PERSON)), shortest - 1, xgr_service.token_bytes, encode,
                       xgr_service.stop_token_ids[0])
-    assert within_budget(guide, Scanner(Schemas(PERSON)), shortest, xgr_service.token_bytes, encode,
-                         xgr_service.stop_token_ids[0]).budget is not None
+    args = (xgr_service.token_bytes, encode, xgr_service.stop_token_ids[0])
+    assert within_budget(guide, Scanner(Schemas(PERSON)), shortest, *args).budget is None  # no room for the stop
+    assert within_budget(guide, Scanner(Schemas(PERSON)), shortest + 1, *args).budget is not None
 
 
 def test_shortest_values_follow_the_keywords():

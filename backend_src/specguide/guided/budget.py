@@ -982,8 +982,8 @@ def within_budget(guide: CompiledGuide, scanner: Any, budget: int, token_bytes: 
                   stop_id: int) -> CompiledGuide:
     """`guide` whose matchers close the answer within `budget` tokens (stop token included);
     `scanner`: `Scanner(Schemas(schema))` for JSON guides, `RegexScanner(pattern)` for regex ones.
-    InvalidRequestError when even the shortest valid answer does not fit; the guide unchanged
-    where its shortest answer cannot be told."""
+    InvalidRequestError when even the shortest valid answer's text does not fit; the guide unchanged
+    where its shortest answer cannot be told or fits only without its stop token."""
     try:
         plan = BudgetPlan(scanner() if callable(scanner) else scanner, token_bytes, encode, stop_id, budget)
     except Unknown:
@@ -992,10 +992,12 @@ def within_budget(guide: CompiledGuide, scanner: Any, budget: int, token_bytes: 
     first = probe._completion()
     if first is None:
         return guide
-    if len(first) > budget:
+    if len(first) - 1 > budget:  # not even the text fits (the text without its stop token ends with "length")
         raise InvalidRequestError(
             f"max_tokens {budget} cannot hold a valid answer: the shortest one this guide accepts takes "
-            f"{len(first)} tokens (the stop token included)")
+            f"{len(first) - 1} tokens")
+    if len(first) > budget:  # the shortest text fits but not its stop token: no answer can end with "stop",
+        return guide  # so the grammar alone decides (forcing would only replace the model's words)
     make = guide.make_matcher
     return dataclasses.replace(guide, make_matcher=lambda: BudgetMatcher(make(), plan), budget=plan)
 
