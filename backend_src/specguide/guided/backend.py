@@ -75,6 +75,19 @@ class Matcher(ABC):
         """Back to the start state."""
 
 
+def fill_by_class(matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequence[int],
+                  num_threads: int | str = "auto") -> None:
+    """bitmask[rows[i]] from matchers[i], one batched `fill_many` call per matcher class (wrappers
+    pass their inner matchers here, then adjust their own rows)."""
+    groups: dict[type, tuple[list[Matcher], list[int]]] = {}
+    for m, r in zip(matchers, rows):
+        ms, idx = groups.setdefault(type(m), ([], []))
+        ms.append(m)
+        idx.append(r)
+    for cls, (ms, idx) in groups.items():
+        cls.fill_many(ms, bitmask, idx, num_threads)  # type: ignore[attr-defined]
+
+
 @dataclass
 class CompiledGuide:
     """A compiled guide: the library's grammar and how to start a matcher for it."""

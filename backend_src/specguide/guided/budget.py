@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - Python < 3.11
     import sre_parse  # type: ignore[no-redef]
 
 from ..request import InvalidRequestError
-from .backend import CompiledGuide, Encode, Matcher
+from .backend import CompiledGuide, Encode, Matcher, fill_by_class
 
 SLACK = 8  # tokens kept in hand beyond what one free token may add to the completion
 _WS = b" \t\n\r"
@@ -967,13 +967,7 @@ class BudgetMatcher(Matcher):
     @classmethod
     def fill_many(cls, matchers: list["BudgetMatcher"], bitmask: torch.Tensor, rows: list[int],
                   num_threads: int | str = "auto") -> None:
-        groups: dict[type, tuple[list[Matcher], list[int]]] = {}
-        for m, r in zip(matchers, rows):
-            ms, idx = groups.setdefault(type(m.inner), ([], []))
-            ms.append(m.inner)
-            idx.append(r)
-        for inner_cls, (ms, idx) in groups.items():
-            inner_cls.fill_many(ms, bitmask, idx, num_threads)  # type: ignore[attr-defined]
+        fill_by_class([m.inner for m in matchers], bitmask, rows, num_threads)
         for m, r in zip(matchers, rows):
             m._restrict(bitmask, r)
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from .backend import CompiledGuide, Matcher
+from .backend import CompiledGuide, Matcher, fill_by_class
 
 Row = tuple[int, int]  # (slot, draft position)
 _BITS = (1 << torch.arange(32, dtype=torch.int64)).to(torch.int32)  # [32] bit j of an int32 word
@@ -129,21 +129,18 @@ class GuidedDecoder:
 
         A slot appears at most once (its matcher has one state). Rows of unguided or terminated
         slots are marked unconstrained."""
-        groups: dict[type, tuple[list[Matcher], list[int]]] = {}  # one batched call per backend
-        n = 0
+        ms: list[Matcher] = []
+        idx: list[int] = []
         for slot, pos in rows:
             r, m = self.row(slot, pos), self.matchers[slot]
             if m is None or m.is_terminated():
                 self.token_mask[r] = False
                 continue
-            ms, idx = groups.setdefault(type(m), ([], []))
             ms.append(m)
             idx.append(r)
-            n += 1
-        assert len(set(id(m) for ms, _ in groups.values() for m in ms)) == n, "a slot appears twice in one fill"
-        for cls, (ms, idx) in groups.items():
-            cls.fill_many(ms, self.bitmask, idx, self.num_threads)  # type: ignore[attr-defined]
-            self.token_mask[idx] = True
+        assert len(set(map(id, ms))) == len(ms), "a slot appears twice in one fill"
+        fill_by_class(ms, self.bitmask, idx, self.num_threads)  # one batched call per backend
+        self.token_mask[idx] = True
 
     def fill_verify_rows(self, drafts: Mapping[int, Sequence[int]]) -> dict[int, int]:
         """Masks for a verification step whose drafts are known (n-gram drafter): rows 0..len(d).

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..config import ReasoningMarkers
-from .backend import CompiledGuide, Encode, Matcher
+from .backend import CompiledGuide, Encode, Matcher, fill_by_class
 
 DONE = -1  # marker progress once the end marker went by
 BANNED = -2  # a token that completes the marker before its own end
@@ -129,17 +129,12 @@ class ReasoningMatcher(Matcher):
     def fill_many(cls, matchers: list["ReasoningMatcher"], bitmask: torch.Tensor, rows: list[int],
                   num_threads: int | str = "auto") -> None:
         """Rows past the marker: one batched call per inner backend; reasoning rows: copies."""
-        groups: dict[type, tuple[list[Matcher], list[int]]] = {}
         host = bitmask.numpy()
         for m, r in zip(matchers, rows):
-            if m.ended:
-                ms, idx = groups.setdefault(type(m.inner), ([], []))
-                ms.append(m.inner)
-                idx.append(r)
-            else:
+            if not m.ended:
                 host[r] = m.end.rows[m._progress()]
-        for inner_cls, (ms, idx) in groups.items():
-            inner_cls.fill_many(ms, bitmask, idx, num_threads)  # type: ignore[attr-defined]
+        ended = [(m.inner, r) for m, r in zip(matchers, rows) if m.ended]
+        fill_by_class([m for m, _ in ended], bitmask, [r for _, r in ended], num_threads)
 
 
 class Reasoning:

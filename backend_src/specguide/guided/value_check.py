@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..request import InvalidRequestError
-from .backend import Encode, Matcher
+from .backend import Encode, Matcher, fill_by_class
 from .schema import walk
 
 _NEWER = ("prefixItems", "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "$defs")
@@ -459,12 +459,6 @@ class ValueCheckedMatcher(Matcher):
     @classmethod
     def fill_many(cls, matchers: list["ValueCheckedMatcher"], bitmask: torch.Tensor, rows: list[int],
                   num_threads: int | str = "auto") -> None:
-        groups: dict[type, tuple[list[Matcher], list[int]]] = {}
-        for m, r in zip(matchers, rows):
-            ms, idx = groups.setdefault(type(m.inner), ([], []))
-            ms.append(m.inner)
-            idx.append(r)
-        for inner_cls, (ms, idx) in groups.items():
-            inner_cls.fill_many(ms, bitmask, idx, num_threads)  # type: ignore[attr-defined]
+        fill_by_class([m.inner for m in matchers], bitmask, rows, num_threads)
         for m, r in zip(matchers, rows):
             m._ban(bitmask, r)
