@@ -100,7 +100,7 @@ starts, then collects, their grammar compiles."""
             return guide
         budget = min(p.max_tokens, self.config.max_seq_len - len(seq.prompt_ids))
         scanner = (lambda: RegexScanner(g.guide)) if g.guide_type == "regex" else \
-            (lambda: Scanner(Schemas(self.compiler.schema_of(g))))
+            (lambda: Scanner(Schemas(guide.schema)))
         return within_budget(guide, scanner, budget, self.compiler.token_bytes, self.tokenizer.encode, stops[0])
 
     def poll_compiles(self, waiting: Iterable[Sequence]) -> list[tuple[Sequence, str, str]]:

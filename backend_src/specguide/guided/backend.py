@@ -100,6 +100,7 @@ class CompiledGuide:
     unenforced: tuple[str, ...] = ()  # best effort: "keyword at /json/pointer" not enforced
     checked: tuple[str, ...] = ()  # "keyword at /json/pointer" checked when its value closes (value_check.py)
     budget: Any = None  # budget.BudgetPlan: the document closes within max_tokens (set per request)
+    schema: Any = None  # json / json_schema guides: the schema compiled (schema.json_schema_of), for the budget
 
     def matcher(self) -> Matcher:
         return self.make_matcher()

@@ -23,7 +23,6 @@ from .compile_pool import CompileScheduler, timeout_message  # noqa: F401 (re-ex
 from .limits import GuideLimits, check_guide
 from .llguidance_backend import LlguidanceBackend
 from .params import validate_guided
-from .schema import json_schema_of
 from .xgrammar_backend import XgrammarBackend, build_tokenizer_info, xgrammar_message  # noqa: F401 (re-exported)
 
 DEFAULT_CACHE_LIMIT_BYTES = 512 << 20
@@ -170,10 +169,6 @@ class GrammarCompilerService:
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         """Compile on the calling thread (cached); InvalidRequestError with a client-safe message."""
         return self._compile(self._with_defaults(validate_guided(params)))
-
-    def schema_of(self, params: GuidedDecodingParams) -> Any:
-        """The JSON schema a json / json_schema guide compiles (server defaults applied); None otherwise."""
-        return json_schema_of(self._with_defaults(validate_guided(params)))
 
     @property
     def token_bytes(self) -> list[bytes]:

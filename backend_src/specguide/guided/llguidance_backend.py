@@ -224,7 +224,7 @@ class LlguidanceBackend(GrammarBackend):
             return self._value_checked(schema, gschema, params, order, None if template.is_error() else template, t0)
         stop = self.stop_ids
         return CompiledGuide(self.name, self.vocab_size, template, lambda: LlguidanceMatcher(template.deep_copy(), stop),
-                             compile_s=time.perf_counter() - t0)
+                             compile_s=time.perf_counter() - t0, schema=schema)
 
     @functools.cached_property
     def table(self) -> TokenTable:
@@ -253,4 +253,5 @@ class LlguidanceBackend(GrammarBackend):
         checker, stop = ValueChecker(schema, validator, flagged, self.table, self.stop_ids), self.stop_ids
         return CompiledGuide(self.name, self.vocab_size, template,
                              lambda: ValueCheckedMatcher(LlguidanceMatcher(template.deep_copy(), stop), checker),
-                             compile_s=time.perf_counter() - t0, unenforced=tuple(blind), checked=tuple(flagged))
+                             compile_s=time.perf_counter() - t0, unenforced=tuple(blind), checked=tuple(flagged),
+                             schema=schema)

@@ -151,7 +151,8 @@ class XgrammarBackend(GrammarBackend):
                 make = lambda: ValueCheckedMatcher(XgrammarMatcher(grammar), checker)  # noqa: E731
         grammar = self._compile(params, schema)
         return CompiledGuide(self.name, self.vocab_size, grammar, make or (lambda: XgrammarMatcher(grammar)),
-                             compile_s=time.perf_counter() - t0, unenforced=tuple(blind), checked=tuple(unenforced))
+                             compile_s=time.perf_counter() - t0, unenforced=tuple(blind), checked=tuple(unenforced),
+                             schema=schema)
 
     @functools.cached_property
     def table(self) -> TokenTable:
