@@ -3,7 +3,7 @@ running stream's largest gap while compile bombs and a 5 MB prompt arrive, and t
 
     python bench/bench_hostile.py [--settings key=value,...] [--requests 12] [--json out.json]
 
-Starts `scripts/tritonserver.py serve` on free ports with a copy of model_repository/ (with
+Starts `scripts/tritonserver.py run` on free ports with a copy of model_repository/ (with
 `--settings` applied to specguide's config.pbtxt), then:
 1. idle: `--requests` trivial regex-guided requests one after another (each regex distinct, so
    each compiles), TTFT p50;

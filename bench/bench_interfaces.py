@@ -57,10 +57,14 @@ def rss_mib(pid: int) -> dict[str, float]:
         return next(int(ln.split()[1]) for ln in Path(f"/proc/{p}/status").read_text().splitlines()
                     if ln.startswith("VmRSS:")) / 1024
     out = {"tritonserver": rss(pid)}
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+    from specguide.supervisor import descendants
+
+    for child in descendants(pid):
         cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         if b"triton_python_backend_stub" in cmd[0]:
             out["stub:" + Path(cmd[1].decode()).parents[1].name] = rss(int(child))
+        elif b"engine_process" in b" ".join(cmd):
+            out["engine process"] = rss(int(child))
     return out
 
 
@@ -73,7 +77,7 @@ class Server:
         env = {**os.environ, "MODEL_REPOSITORY": str(self.dir), "TRITON_HTTP_PORT": str(self.http),
                "TRITON_GRPC_PORT": str(self.grpc), "TRITON_METRICS_PORT": str(self.metrics)}
         self.log = open(self.dir / "server.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "serve"],
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "run"],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + 600
         while not self._ready():

@@ -2,7 +2,7 @@
 
     python bench/bench_soak.py [--requests 2000] [--concurrency 16] [--warmup 64] [--json out.json]
 
-Starts `scripts/tritonserver.py serve` on free ports with model_repository/, runs a warm-up mix,
+Starts `scripts/tritonserver.py run` on free ports with model_repository/, runs a warm-up mix,
 reads the Python backend stub's resident memory, runs the soak mix (client.soak: 10% bad inputs,
 10% cancelled streams, guided/unguided, streaming or not, gRPC/HTTP, num_draft_tokens 0/1/3) in
 rounds, reading the memory after each, then checks the gauges and stops the server (SIGTERM).
@@ -43,11 +43,17 @@ def metric(url: str, name: str) -> float:
 
 
 def stub_rss_mib(server_pid: int) -> float:
-    for child in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
+    """The engine model's stub and its engine process (engine_process.py): the memory that holds the model."""
+    from specguide.supervisor import descendants
+
+    def rss(pid: int) -> float:
+        return next(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if ln.startswith("VmRSS:")) / 1024
+
+    for child in descendants(server_pid):
         if b"triton_python_backend_stub" in Path(f"/proc/{child}/cmdline").read_bytes():
-            kb = next(int(ln.split()[1]) for ln in Path(f"/proc/{child}/status").read_text().splitlines()
-                      if ln.startswith("VmRSS:"))
-            return kb / 1024
+            engine = [p for p in descendants(child) if b"engine_process" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            return rss(child) + sum(rss(p) for p in engine)
     raise RuntimeError("no Python backend stub found")
 
 
@@ -63,7 +69,7 @@ def main() -> None:
     http, grpc, metrics = free_port(), free_port(), free_port()
     env = {**os.environ, "TRITON_HTTP_PORT": str(http), "TRITON_GRPC_PORT": str(grpc), "TRITON_METRICS_PORT": str(metrics)}
     log = tempfile.NamedTemporaryFile(prefix="soak-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "serve"], stdout=log,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "run"], stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
     http_url, grpc_url, metrics_url = f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics"
     try:

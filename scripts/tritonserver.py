@@ -1,7 +1,9 @@
 """Set up and start a real `tritonserver` from the `nvidia-pytriton` wheel (no container needed).
 
     python scripts/tritonserver.py setup            # copy the server + Python backend into .work/
-    python scripts/tritonserver.py serve [ARGS...]  # start it on 127.0.0.1 (extra ARGS go to tritonserver)
+    python scripts/tritonserver.py serve [ARGS...]  # start it on 127.0.0.1 under specguide.supervisor
+                                                    # (extra ARGS go to tritonserver)
+    python scripts/tritonserver.py run [ARGS...]    # the same without the supervisor (exec's tritonserver)
     python scripts/tritonserver.py env              # print the environment it runs with
 
 Run it with the virtual environment's python: the Python backend stub embeds the interpreter it
@@ -108,9 +110,12 @@ def main(argv: list[str]) -> int:
         for k in ("PATH", "LD_LIBRARY_PATH"):
             print(f"{k}={env[k]}")
         return 0
-    if cmd == "serve":
+    if cmd in ("serve", "run"):
         setup()
         args = server_command(extra=argv[1:])
+        if cmd == "serve":  # restarts the server if a Python backend stub dies (specguide/supervisor.py)
+            http = f"{os.environ.get('TRITON_ADDRESS', '127.0.0.1')}:{os.environ.get('TRITON_HTTP_PORT', 8000)}"
+            args = [sys.executable, "-m", "specguide.supervisor", "--http", http, "--", *args]
         print("+", " ".join(args), flush=True)
         os.execve(args[0], args, server_env())
     print(__doc__)

@@ -148,7 +148,7 @@ class Engine:
         seq = self._make_sequence(request, callback or (lambda out: None))
         with self._cv:
             if self._dead is not None or not self._thread.is_alive():
-                raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
+                raise EngineDeadError(self._dead_message())
             if self._stopping:
                 raise EngineDeadError("the engine is shutting down")
             if self.scheduler.num_waiting + self._pending_submits >= self.config.max_queue:
@@ -181,7 +181,7 @@ class Engine:
                 "steps": self.num_steps, "alive": int(self.is_alive())}
 
     def is_alive(self) -> bool:
-        """False once the loop thread has died (the model must be reloaded)."""
+        """False once the loop thread has died (its process then ends: engine_process starts a new one)."""
         return self._dead is None and self._thread.is_alive()
 
     def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
@@ -235,7 +235,7 @@ class Engine:
             inbox, self._inbox = self._inbox, []
             self._pending_submits = 0
         victims = list(self._seqs.values()) + [s for kind, s in inbox if kind == "submit"]
-        message = f"the engine stopped ({type(exc).__name__}; see the server log); the model must be reloaded"
+        message = self._dead_message()
         for seq in victims:
             assert isinstance(seq, Sequence)
             try:
@@ -248,6 +248,9 @@ class Engine:
                 except Exception:
                     pass
         self._seqs.clear()
+
+    def _dead_message(self) -> str:
+        return f"the engine stopped ({type(self._dead).__name__}; see the server log); a new engine is starting"
 
     def _expire(self) -> None:
         """Finish requests past their deadline (`timeout_s`) with finish_reason "timeout"."""

@@ -68,20 +68,34 @@ class Server:
                 return got
             time.sleep(0.02)
 
-    def stub_rss_by_model(self) -> dict[str, int]:
-        """Resident memory of each Python backend stub (one per model), by model name."""
+    def stubs(self) -> dict[str, int]:
+        """The pid of each Python backend stub (one per model), by model name."""
         out = {}
-        for child in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
+        for child in _descendants(self.proc.pid):  # the server, or the supervisor's server
             cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
             if b"triton_python_backend_stub" in cmd[0]:
-                model = Path(cmd[1].decode()).parents[1].name  # <repo>/<model>/1/model.py
-                for line in Path(f"/proc/{child}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        out[model] = int(line.split()[1]) * 1024
+                out[Path(cmd[1].decode()).parents[1].name] = child  # <repo>/<model>/1/model.py
+        return out
+
+    def engine_pid(self) -> Optional[int]:
+        """The engine process (engine_process.py), a child of the engine model's stub; None while there is none."""
+        stub = self.stubs().get(MODEL)
+        for child in _children(stub) if stub else []:
+            if b"engine_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+        return None
+
+    def stub_rss_by_model(self) -> dict[str, int]:
+        """Resident memory of each model's processes (its Python backend stub; for the engine model,
+        plus the engine process), by model name."""
+        out = {}
+        engine = self.engine_pid()
+        for model, pid in self.stubs().items():
+            out[model] = _rss(pid) + (_rss(engine) if model == MODEL and engine else 0)
         return out
 
     def stub_rss_bytes(self) -> int:
-        """Resident memory of the engine model's stub (`specguide`, the one that holds the model)."""
+        """Resident memory of the engine model's stub and engine process (the ones that hold the model)."""
         rss = self.stub_rss_by_model()
         if MODEL not in rss:
             raise RuntimeError("no triton_python_backend_stub child runs the engine model")
@@ -89,6 +103,36 @@ class Server:
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of `pid`, whichever of its threads started them."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _ready(http: str) -> bool:
@@ -112,8 +156,10 @@ def repository_with(tmp: Path, settings: dict[str, str]) -> Path:
     return repo
 
 
-def launch(log: Path, model_repository: Path, extra_args: tuple[str, ...] = (), env: Optional[dict] = None) -> Server:
-    """Start tritonserver on free ports and wait until it is ready (fails the test if it is not)."""
+def launch(log: Path, model_repository: Path, extra_args: tuple[str, ...] = (), env: Optional[dict] = None,
+           command: str = "run") -> Server:
+    """Start tritonserver on free ports and wait until it is ready (fails the test if it is not).
+    `command` "serve" runs it under specguide.supervisor, as `make serve` does."""
     subprocess.run([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "setup"], check=True,
                    stdout=subprocess.DEVNULL)
     http, grpc, metrics = _free_ports(3)
@@ -122,7 +168,7 @@ def launch(log: Path, model_repository: Path, extra_args: tuple[str, ...] = (), 
     with open(log, "wb") as f:
         # the script exec()s tritonserver, so proc.pid is the server; its own session lets us
         # clean up the Python backend stub with it
-        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "serve", *extra_args],
+        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), command, *extra_args],
                                 stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     srv = Server(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics", log, proc)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

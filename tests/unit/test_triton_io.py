@@ -662,11 +662,13 @@ BAD_REGEX = "(ab"
 
 
 class FakeEngine:
-    """Emits `max_tokens` one-token events per request from its own thread, one every few ms."""
+    """Emits `max_tokens` one-token events per request from its own thread, one every few ms
+    (in place of engine_process.EngineProcess)."""
 
     instances = []
+    pid, drafter, warmup_s, head_drafter = 0, "ngram", 0.0, None
 
-    def __init__(self, config):
+    def __init__(self, config, log=None):
         import threading
 
         self.config, self.tokenizer, self.supports_guided_decoding = config, TOK, False
@@ -708,10 +710,13 @@ class FakeEngine:
         self.cancelled.add(seq_id)
 
     def stats(self):
-        return {"active_slots": 0, "queue_depth": 0}
+        return {"active_slots": 0, "queue_depth": 0, "alive": int(self.is_alive()), "restarts": 0}
 
     def is_alive(self):
         return True
+
+    def down_reason(self):
+        return None
 
     def shutdown(self, drain=True, timeout=None):
         self.shutdown_args = (drain, timeout)
@@ -731,9 +736,9 @@ def model(monkeypatch):
     )
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb)
     monkeypatch.delitem(sys.modules, "specguide.triton.adapter", raising=False)
-    import specguide.engine
+    import specguide.engine_process
 
-    monkeypatch.setattr(specguide.engine, "Engine", FakeEngine)
+    monkeypatch.setattr(specguide.engine_process, "EngineProcess", FakeEngine)
     adapter = importlib.import_module("specguide.triton.adapter")
     m = adapter.TritonPythonModel()
     m.initialize({"model_config": json.dumps({"model_transaction_policy": {"decoupled": True},
@@ -866,6 +871,7 @@ def test_fault_parameter_only_with_fault_injection_enabled(monkeypatch):
 def test_adapter_dead_engine_refuses_at_once_with_unavailable_and_is_not_ready(model):
     assert model.is_ready()
     model.engine.is_alive = lambda: False
+    model.engine.down_reason = lambda: "the engine stopped (killed by SIGKILL); a new engine is starting"
     assert not model.is_ready()
     req = FakeTritonRequest({"text_input": s("Hi")})
     model.execute([req])

@@ -21,20 +21,18 @@ import itertools
 import logging
 import os
 import select
-import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..memory import cpu_seconds, rss_bytes, trim
 from ..request import GuidedDecodingParams, InvalidRequestError
-from .compile_worker import read_msg, write_msg
+from ..ipc import child_env, python_executable, read_msg, write_msg
+from .compile_worker import PARENT_ENV
 from .limits import GuideSize
 
 log = logging.getLogger("specguide")
@@ -77,27 +75,13 @@ def timeout_message(timeout_s: Optional[float], again: bool = False) -> str:
             f"the setting guided_compile_timeout_s raises the limit)")
 
 
-def _python() -> str:
-    """This interpreter (inside Triton's stub `sys.executable` is not a Python binary)."""
-    exe = sys.executable or ""
-    if os.path.basename(exe).startswith("python"):
-        return exe
-    for cand in (Path(sys.prefix) / "bin" / "python3", Path(sys.prefix) / "bin" / "python"):
-        if cand.exists():
-            return str(cand)
-    return shutil.which("python3") or "python3"
-
-
 class _Worker:
     """One compile worker process and the pipes to it."""
 
     def __init__(self, init: dict):
-        pkg_root = str(Path(__file__).resolve().parents[2])  # the folder holding `specguide`
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+        env = child_env(PARENT_ENV)
         env.setdefault("OMP_NUM_THREADS", "1")
-        env["SPECGUIDE_COMPILE_PARENT"] = str(os.getpid())
-        self.proc = subprocess.Popen([_python(), "-c", _WORKER_MAIN], env=env,
+        self.proc = subprocess.Popen([python_executable(), "-c", _WORKER_MAIN], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
                                      start_new_session=True)  # its own autogroup: compile_worker._demote
         write_msg(self.proc.stdin, init)

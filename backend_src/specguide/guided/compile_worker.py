@@ -11,33 +11,13 @@ compile timeout free its worker.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import pickle
-import signal
-import struct
 import sys
 import time
-from typing import Any, BinaryIO, Optional
 
-_HEADER = struct.Struct("<Q")
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+from ..ipc import die_with_parent, read_msg, write_msg
 
-
-def write_msg(f: BinaryIO, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    f.write(_HEADER.pack(len(data)) + data)
-    f.flush()
-
-
-def read_msg(f: BinaryIO) -> Optional[Any]:
-    """The next message, or None at end of file."""
-    head = f.read(_HEADER.size)
-    if len(head) < _HEADER.size:
-        return None
-    n = _HEADER.unpack(head)[0]
-    data = f.read(n)
-    return pickle.loads(data) if len(data) == n else None
+PARENT_ENV = "SPECGUIDE_COMPILE_PARENT"
 
 
 def _demote() -> None:
@@ -55,12 +35,7 @@ def _demote() -> None:
             step()
         except OSError:
             pass
-    try:  # a session of its own escapes the server's process group kill: die with the parent
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != int(os.environ.get("SPECGUIDE_COMPILE_PARENT", os.getppid())):
-        sys.exit(0)  # the parent died before the death signal was armed
+    die_with_parent(PARENT_ENV)  # a session of its own escapes the server's process group kill
 
 
 def _write(path: str, text: str) -> None:

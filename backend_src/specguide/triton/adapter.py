@@ -19,12 +19,14 @@ import time
 import traceback
 from typing import Any, Optional
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig
 from ..memory import trim
 from ..request import EngineDeadError, InvalidRequestError, QueueFullError, RequestOutput
 from . import io
+from .interfaces import PROXY_ERROR
 from .limits import BIG_REQUEST_BYTES, InputLimits, request_bytes
 from .metrics import Metrics
 
@@ -38,10 +40,11 @@ class _Group:
     """One Triton request: its sender and the sequences (rows x return sequences) still running.
     Sends FINAL once. A unary request (`specguide_unary`) gets one response with every sequence."""
 
-    def __init__(self, request: Any, sender: Any, n: int, request_id: str = "", unary: bool = False):
+    def __init__(self, request: Any, sender: Any, n: int, request_id: str = "", unary: bool = False,
+                 via_proxy: bool = False):
         self.request = request  # held until the group is done
         self.sender, self.remaining, self.closed = sender, n, False
-        self.request_id, self.unary = request_id, unary
+        self.request_id, self.unary, self.via_proxy = request_id, unary, via_proxy
         self.parts: list[Optional[io.Payload]] = [None] * n  # unary: each sequence's final payload
         self.cancel_seen = False
         self.lock = threading.Lock()
@@ -72,7 +75,7 @@ class _Group:
                 self.remaining -= 1
             final = seq_finished and self.remaining == 0
             self.closed = final
-            _safe_send(self.sender, response, FINAL if final else 0)
+            _safe_send(self.sender, self._shaped(response), FINAL if final else 0)
             if final:
                 self.request = None
 
@@ -81,9 +84,18 @@ class _Group:
             if self.closed:
                 return False
             self.closed = True
-            _safe_send(self.sender, response, FINAL)
+            _safe_send(self.sender, self._shaped(response), FINAL)
             self.request = None
             return True
+
+    def _shaped(self, response: Any) -> Any:
+        """An error to a proxy travels as the output PROXY_ERROR (see interfaces.PROXY_ERROR)."""
+        if not self.via_proxy or response is None or not response.has_error():
+            return response
+        err = response.error()
+        code = getattr(err.code(), "name", "INTERNAL")
+        value = np.array([[code.encode(), err.message().encode()]], dtype=np.object_)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PROXY_ERROR, value)])
 
 
 class _Seq:
@@ -119,6 +131,10 @@ def _code(exc: BaseException) -> str:
     return io.error_code(exc) if isinstance(exc, _CLEAR) else "INTERNAL"
 
 
+def _log(level: str, text: str) -> None:
+    {"info": pb_utils.Logger.log_info, "warn": pb_utils.Logger.log_warn}.get(level, pb_utils.Logger.log_error)(text)
+
+
 def _safe_send(sender: Any, response: Any, flags: int) -> None:
     try:
         if response is None:
@@ -135,16 +151,13 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("specguide needs `model_transaction_policy { decoupled: true }`")
-        self.config = EngineConfig.from_parameters(model_config.get("parameters", {}))
-        from ..engine import Engine  # imported here: loading the engine pulls in torch
+        from ..engine_process import EngineProcess  # the engine runs (and is restarted) in a process of its own
 
-        self.engine = Engine(self.config)
+        self.engine = EngineProcess(EngineConfig.from_parameters(model_config.get("parameters", {})), log=_log)
+        self.config = self.engine.config  # as the engine resolved it (slots sized to memory, ...)
         self.tokenizer = self.engine.tokenizer
-        self.guided_enabled = bool(getattr(self.engine, "supports_guided_decoding", False))
+        self.guided_enabled = bool(self.engine.supports_guided_decoding)
         self.limits = InputLimits.from_config(self.config)  # input caps, checked before any work
-        compiler = getattr(self.engine, "compiler", None)
-        if compiler is not None and hasattr(compiler, "scheduler"):
-            compiler.scheduler.start()  # compile worker processes warm before the first big guide
         self.metrics = Metrics(pb_utils, args.get("model_name", "specguide"), args.get("model_version", "1"))
         self._outbox: "queue.Queue[Any]" = queue.Queue()
         self._live: set[_Seq] = set()
@@ -152,10 +165,10 @@ class TritonPythonModel:
         self._closing = False
         self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
         self._thread.start()
-        warm = getattr(self.engine, "warmup_s", 0.0)
-        head = " with the trained draft head" if getattr(self.engine, "head_drafter", None) is not None else ""
-        pb_utils.Logger.log_info(f"specguide: engine ready, drafter {getattr(self.engine, 'drafter', '-')}{head}, "
-                                 f"warmed up in {warm:.2f} s ({self.config})")
+        self._restarts = 0  # engine restarts already counted in the metrics
+        head = " with the trained draft head" if self.engine.head_drafter else ""
+        pb_utils.Logger.log_info(f"specguide: engine ready, drafter {self.engine.drafter}{head}, "
+                                 f"warmed up in {self.engine.warmup_s:.2f} s (engine process {self.engine.pid}; {self.config})")
 
     # ------------------------------------------------------------------ execute thread
 
@@ -180,7 +193,7 @@ class TritonPythonModel:
             if self._closing:
                 raise EngineDeadError("the model is shutting down")
             if not self.engine.is_alive():
-                raise EngineDeadError("the engine stopped after a failure; the model must be reloaded")
+                raise EngineDeadError(self.engine.down_reason() or "the engine is not running")
             parsed = io.parse_request(
                 tensors,
                 parameters,
@@ -198,7 +211,8 @@ class TritonPythonModel:
             if tensors and request_bytes(tensors) > BIG_REQUEST_BYTES:
                 tensors = {}
                 trim(force=False)  # give a big request's freed heap back to the OS
-        group = _Group(request, sender, len(parsed), request.request_id(), unary=interface == "unary")
+        group = _Group(request, sender, len(parsed), request.request_id(), unary=interface == "unary",
+                       via_proxy=interface != "trtllm")
         seqs = [_Seq(group, i, p, t_arrival, self.tokenizer) for i, p in enumerate(parsed)]
         with self._live_lock:
             self._live.update(seqs)
@@ -331,10 +345,12 @@ class TritonPythonModel:
             self.engine.cancel(seq.seq_id)
 
     def is_ready(self) -> bool:
-        """Whether new requests can be served: the engine loop runs and the model is not unloading.
+        """Whether new requests can be served: the engine runs and the model is not unloading.
 
-        Triton 2.51's Python backend cannot report a model not ready after `initialize`; so a dead
-        engine shows as `specguide_engine_alive 0`, and every request gets UNAVAILABLE at once."""
+        Triton's Python backend asks a model's `is_ready()` for its readiness from r26.03 on; the
+        2.51 server of the `nvidia-pytriton` wheel does not, so there the engine's state shows as
+        `specguide_engine_alive` and a 1-token inference probe (docker/kubernetes.yaml) fails while
+        the engine restarts."""
         return not self._closing and self.engine.is_alive()
 
     def _poll(self) -> None:
@@ -342,14 +358,15 @@ class TritonPythonModel:
             live = list(self._live)
         for seq in live:
             self._check_cancel(seq)
-        try:
-            self.metrics.engine_stats(self.engine.stats())
-        except Exception:
-            pass
-        if not self.engine.is_alive():
-            self.metrics.engine_alive.set(0.0)
-            if live:  # a backstop: the dying engine fails its requests itself
-                self._fail_all("the engine stopped; see the server log")
+        stats = self.engine.stats()
+        self.metrics.engine_stats(stats)
+        restarts = int(stats.get("restarts", 0))
+        if restarts > self._restarts:
+            self.metrics.engine_restarts.increment(restarts - self._restarts)
+            self._restarts = restarts
+        if live and not self.engine.is_alive() and self._outbox.empty():
+            # a backstop: the engine's death fails its requests itself, and those errors went out first
+            self._fail_all(self.engine.down_reason() or "the engine stopped; see the server log")
 
     def _fail_all(self, message: str) -> None:
         with self._live_lock:

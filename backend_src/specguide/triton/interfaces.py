@@ -155,6 +155,8 @@ TRTLLM_OUTPUTS: tuple[Spec, ...] = (
     _s("total_draft_tokens", "INT32", [1], "", "draft tokens proposed so far (with `return_perf_metrics`)"),
     _s("guide_notes", "STRING", [-1], "", "last response of a JSON guide whose grammar leaves keywords to the "
        "value check or unenforced: one note each (\"checked when its value closes: uniqueItems at /l\")"),
+    _s("specguide_error", "STRING", [2], "", "[code, message]: sent only to the proxies (`specguide_vllm`, "
+       "`specguide_unary`), which answer their client with that error (PROXY_ERROR)"),
     # vLLM-only outputs, sent only through specguide_vllm
     _s("cumulative_logprob", "FP32", [-1], "", "vLLM: sum of the log probs so far", vllm_only=True),
     _s("logprobs", "STRING", [-1], "", "vLLM: JSON list of {token_id: {logprob, rank, decoded_token}}",
@@ -202,6 +204,11 @@ INTERFACES: dict[str, Interface] = {
 # what each front end accepts: the `specguide` engine model gets requests of all three kinds
 # and tells them apart by the BLS parameter INTERFACE_PARAMETER.
 INTERFACE_PARAMETER = "specguide_interface"
+# NOTE: Triton 2.51's Python backend (python_backend < r25.04, InferResponse::SaveToSharedMemory)
+# loses the id of a decoupled BLS error response that follows another response: the proxy's
+# response iterator never sees it and its client waits forever. So the engine model sends the
+# proxies every error as this output instead, and the proxy turns it back into the error.
+PROXY_ERROR = "specguide_error"
 TRTLLM_INPUT_NAMES = tuple(s.name for s in TRTLLM_INPUTS if not s.vllm_only)
 VLLM_INPUT_NAMES = tuple(s.name for s in VLLM_INPUTS)
 ALIASES: dict[str, str] = {s.name: s.alias_of for s in TRTLLM_INPUTS if s.alias_of}

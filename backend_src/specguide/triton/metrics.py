@@ -2,7 +2,9 @@
 
     specguide_requests_total{finish_reason}        sequences finished (stop|length|timeout|cancelled|error|rejected)
     specguide_cancellations_total{stage}           cancelled sequences by where they were (queued|compiling|prefill|decode)
-    specguide_engine_alive                         gauge: 1 while the engine loop runs, 0 once it died (reload the model)
+    specguide_engine_alive                         gauge: 1 while the engine serves, 0 while it is down (restarting)
+    specguide_engine_restarts_total                engine processes started again after the last one died
+    specguide_server_restarts_total                tritonserver restarts by specguide.supervisor (a stub died)
     specguide_prompt_tokens_total                  prompt tokens of admitted sequences
     specguide_generation_tokens_total              generated tokens
     specguide_prefix_cache_query_tokens_total      prompt tokens looked up in the prefix cache (prefix_caching on)
@@ -21,7 +23,10 @@ Every metric carries the labels `model` and `version`. `pb` is triton_python_bac
 """
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from ..supervisor import RESTARTS_ENV
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
@@ -75,8 +80,13 @@ class Metrics:
         self.queue_depth = gauge("specguide_queue_depth", "Sequences waiting for a slot")
         self.draft_tokens = counter("specguide_draft_tokens_total", "Speculative draft tokens proposed")
         self.accepted_tokens = counter("specguide_accepted_draft_tokens_total", "Speculative draft tokens accepted")
-        self.engine_alive = gauge("specguide_engine_alive", "1 while the engine loop runs; 0 after it died")
+        self.engine_alive = gauge("specguide_engine_alive", "1 while the engine serves; 0 while it is down (restarting)")
         self.engine_alive.set(1.0)
+        self.engine_restarts = counter("specguide_engine_restarts_total",
+                                       "Engine processes started again after the last one died")
+        self.server_restarts = counter("specguide_server_restarts_total",
+                                       "tritonserver restarts by specguide.supervisor after a Python backend stub died")
+        self.server_restarts.increment(float(os.environ.get(RESTARTS_ENV, "0") or 0))
         canc = family("specguide_cancellations_total", "Cancelled sequences, by the stage they were in", MF.COUNTER)
         self._families.append(canc)
         self.cancellations = {s: canc.Metric(labels={**labels, "stage": s}) for s in CANCEL_STAGES}

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .interfaces import ENGINE_MODEL, INTERFACE_PARAMETER, INTERFACES
+from .interfaces import ENGINE_MODEL, INTERFACE_PARAMETER, INTERFACES, PROXY_ERROR
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 POLL_S = 0.05  # cancellation poll period
@@ -115,10 +115,11 @@ class TritonPythonModel:
             if t is not None:
                 arr = t.as_numpy()
                 tensors.append(pb_utils.Tensor(name, arr[None] if self.add_batch_dim else arr))
+        requested = list(request.requested_output_names())  # none = all (PROXY_ERROR included)
         bls = pb_utils.InferenceRequest(
             model_name=self.target,
             inputs=tensors,
-            requested_output_names=list(request.requested_output_names()),
+            requested_output_names=requested + [PROXY_ERROR] if requested else [],
             request_id=live.bls_id,
             parameters={INTERFACE_PARAMETER: self.kind, CLIENT_PARAMETERS: request.parameters() or "{}"},
         )
@@ -130,6 +131,10 @@ class TritonPythonModel:
             outputs = response.output_tensors()
             if not outputs:  # the engine model's flag-only FINAL
                 continue
+            error = _proxy_error(outputs)
+            if error is not None:
+                live.send(pb_utils.InferenceResponse(error=error), FINAL)
+                return
             if self.decoupled:
                 live.send(pb_utils.InferenceResponse(output_tensors=outputs), 0)
             else:
@@ -180,6 +185,16 @@ class TritonPythonModel:
             if not threads:
                 break
             threads[0].join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _proxy_error(outputs: list) -> Any:
+    """The engine model's error for this request (its output PROXY_ERROR: [code name, message]), or None."""
+    for t in outputs:
+        if t.name() == PROXY_ERROR:
+            code, message = (v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+                             for v in t.as_numpy().reshape(-1)[:2])
+            return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL))
+    return None
 
 
 def _error(message: str) -> Any:

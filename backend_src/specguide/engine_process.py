@@ -1,0 +1,414 @@
+"""The engine in a process of its own, restarted when it dies: a crash costs seconds, not the replica.
+
+Everything that can kill a process (the weights, the KV cache, native kernels, grammar matchers,
+the kernel's OOM killer's choice: the biggest process) lives in the engine process; the Triton
+stub that owns an `EngineProcess` holds the clients' requests and only a tokenizer. So when the
+engine process dies, or its loop thread does, the stub is still there to tell every client:
+
+- at once (the pipe from the engine closes), every request in flight or queued ends with
+  UNAVAILABLE naming the cause ("killed by SIGKILL ...");
+- while it is down, new requests get UNAVAILABLE at once (`submit` raises EngineDeadError);
+- a new engine process starts by itself: at once after the first crash, then after a delay
+  that doubles with each crash that follows within `STABLE_S` of the last start (up to
+  `MAX_BACKOFF_S`): repeated crashes back off instead of looping. Each restart is logged and
+  counted (`stats()["restarts"]`, the metric specguide_engine_restarts_total).
+
+Messages are length-prefixed pickles over the child's stdin / stdout (compile_worker's framing).
+Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", key) |
+("shutdown", drain, timeout). Child -> parent: ("ready", EngineInfo) | ("failed", text), then
+("out", key, RequestOutput) | ("refused", key, exception) | ("stats", dict) | ("dead", text).
+`key` is the parent's id for a request: the seq_id `submit` returns and outputs carry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .config import EngineConfig
+from .ipc import child_env, die_with_parent, python_executable, read_msg, write_msg
+from .request import EngineDeadError, Request, RequestOutput
+
+Callback = Callable[[RequestOutput], None]
+Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
+
+STABLE_S = 300.0  # an engine up this long has its crash counted as the first again
+MAX_BACKOFF_S = 60.0  # the longest wait before a restart
+STATS_S = 0.05  # how often the engine process sends its stats (and checks its loop thread)
+EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
+_CHILD_MAIN = "from specguide.engine_process import child_main; child_main()"
+PARENT_ENV = "SPECGUIDE_ENGINE_PARENT"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine process reports once loaded."""
+
+    pid: int
+    config: EngineConfig  # as the engine resolved it (slots sized, ...)
+    model_dir: str  # the model folder (its tokenizer)
+    drafter: str
+    head: bool  # a trained draft head is in use
+    warmup_s: float
+    load_s: float
+
+
+def backoff_s(crashes: int) -> float:
+    """Delay before restarting after `crashes` crashes in a row (1 = the first): 0, 1, 2, 4, ... MAX_BACKOFF_S."""
+    return 0.0 if crashes <= 1 else min(MAX_BACKOFF_S, 2.0 ** (crashes - 2))
+
+
+def describe_exit(returncode: Optional[int], dead_message: str = "") -> str:
+    """Why the engine process ended, in words for clients and the log."""
+    if dead_message:
+        return dead_message
+    if returncode is None:
+        return "the engine process stopped answering"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        why = " (the kernel's OOM killer sends it when memory runs out)" if name == "SIGKILL" else ""
+        return f"the engine process was killed by {name}{why}"
+    return f"the engine process exited with code {returncode}"
+
+
+class _Child:
+    """One engine process and the pipes to it."""
+
+    def __init__(self, config: EngineConfig):
+        self.proc = subprocess.Popen([python_executable(), "-c", _CHILD_MAIN], env=child_env(PARENT_ENV), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, close_fds=True)
+        self.write_lock = threading.Lock()
+        self.send(config)
+        reply = read_msg(self.proc.stdout)
+        if not (isinstance(reply, tuple) and reply[0] == "ready"):
+            self.kill()
+            detail = reply[1] if isinstance(reply, tuple) and reply[0] == "failed" else describe_exit(self.proc.returncode)
+            raise RuntimeError(f"the engine did not start: {detail}")
+        self.info: EngineInfo = reply[1]
+
+    def send(self, msg: object) -> bool:
+        try:
+            with self.write_lock:
+                write_msg(self.proc.stdin, msg)
+            return True
+        except (OSError, ValueError):  # the process is gone: its reader thread reports it
+            return False
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class EngineProcess:
+    """The engine's interface (`submit`, `cancel`, `stats`, `is_alive`, `shutdown`) over an engine
+    process that is restarted when it dies. Callbacks run on this object's reader thread.
+
+    The first start happens in the constructor and raises if the engine cannot load."""
+
+    supports_guided_decoding = True
+
+    def __init__(self, config: EngineConfig, log: Optional[Log] = None):
+        self._log = log or (lambda level, text: logging.getLogger("specguide").log(
+            {"info": logging.INFO, "warn": logging.WARNING}.get(level, logging.ERROR), text))
+        self._config = config
+        self._lock = threading.Lock()
+        self._keys = itertools.count(1)
+        self._callbacks: dict[int, Callback] = {}  # requests the engine holds, by key
+        self._pending: dict[int, tuple[threading.Event, list]] = {}  # submits awaiting the engine's answer
+        self._stats: dict[str, int] = {}
+        self._down: Optional[str] = None  # why the engine is down (None while it serves)
+        self._closing = False
+        self.restarts = 0
+        self._crashes = 0  # in a row (crashes within STABLE_S of the last start)
+        self._started_at = time.monotonic()
+        self._wake = threading.Event()
+        self._child = _Child(config)
+        self._reader = self._start_reader(self._child)
+        self._supervisor = threading.Thread(target=self._supervise, name="specguide-engine-supervisor", daemon=True)
+        self._supervisor.start()
+        self._set_info(self._child.info)
+        from .tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer(self.info.model_dir)
+
+    def _set_info(self, info: EngineInfo) -> None:
+        self.info = info
+        self.config, self.drafter, self.warmup_s, self.pid = info.config, info.drafter, info.warmup_s, info.pid
+        self.head_drafter = info.head or None  # truthy when a trained draft head is in use
+
+    # ---- the engine's interface ------------------------------------------------------------
+    def submit(self, request: Request, callback: Optional[Callback] = None) -> int:
+        """Queue a request in the engine; returns its key (the seq_id its outputs carry). Raises
+        what the engine raises (InvalidRequestError, QueueFullError, ...) and EngineDeadError
+        while the engine is down."""
+        key = next(self._keys)
+        done, result = threading.Event(), []
+        with self._lock:
+            if self._down is not None or self._closing:
+                raise EngineDeadError(self._down or "the engine is shutting down")
+            self._callbacks[key] = callback or (lambda out: None)
+            self._pending[key] = (done, result)
+            child = self._child
+        child.send(("submit", key, request))
+        done.wait()
+        if result and result[0] is not None:
+            raise result[0]
+        return key
+
+    def cancel(self, key: int) -> None:
+        """Stop a request; a final 'cancelled' event follows (or the engine's death's error)."""
+        with self._lock:
+            child = self._child if key in self._callbacks else None
+        if child is not None:
+            child.send(("cancel", key))
+
+    def stats(self) -> dict[str, int]:
+        """The engine's last reported slots / queue / steps, its liveness and the restart count."""
+        with self._lock:
+            alive = self._down is None and not self._closing
+            stats = dict(self._stats) if alive else {"active_slots": 0, "queue_depth": 0}
+        return {**stats, "alive": int(alive), "restarts": self.restarts}
+
+    def is_alive(self) -> bool:
+        """False while the engine is down (a new one is starting) or shutting down."""
+        return self._down is None and not self._closing
+
+    def down_reason(self) -> Optional[str]:
+        """Why new requests are refused now; None while the engine serves."""
+        return self._down
+
+    def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop the engine (draining in-flight requests first when `drain`) and its process."""
+        with self._lock:
+            self._closing = True
+            child = self._child
+        self._wake.set()
+        child.send(("shutdown", drain, timeout))
+        try:
+            child.proc.wait(None if timeout is None else timeout + 30.0)
+        except subprocess.TimeoutExpired:
+            self._log("warn", "specguide: the engine process did not stop in time; killing it")
+        child.kill()
+        self._reader.join(timeout=10.0)
+        self._supervisor.join(timeout=10.0)
+
+    # ---- reader thread: the engine's messages ------------------------------------------------
+    def _start_reader(self, child: _Child) -> threading.Thread:
+        t = threading.Thread(target=self._read, args=(child,), name="specguide-engine-reader", daemon=True)
+        t.start()
+        return t
+
+    def _read(self, child: _Child) -> None:
+        dead = ""
+        while True:
+            try:
+                msg = read_msg(child.proc.stdout)
+            except Exception as e:  # a torn message: treat as the end
+                self._log("error", f"specguide: reading from the engine process: {e!r}")
+                msg = None
+            if msg is None:
+                break
+            kind = msg[0]
+            if kind == "out":
+                self._deliver(msg[1], msg[2])
+            elif kind == "refused":
+                self._answer(msg[1], msg[2])
+            elif kind == "submitted":
+                self._answer(msg[1], None)
+            elif kind == "stats":
+                with self._lock:
+                    self._stats = msg[1]
+            elif kind == "dead":
+                dead = msg[1]
+        try:
+            returncode = child.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            returncode = child.proc.returncode
+        self._on_exit(child, describe_exit(returncode, dead))
+
+    def _deliver(self, key: int, out: RequestOutput) -> None:
+        with self._lock:
+            callback = self._callbacks.pop(key, None) if out.finished else self._callbacks.get(key)
+        if callback is not None:
+            try:
+                callback(dataclasses.replace(out, seq_id=key))
+            except Exception as e:  # the reader thread must live on
+                self._log("error", f"specguide: a request's callback failed: {e!r}")
+
+    def _answer(self, key: int, error: Optional[BaseException]) -> None:
+        with self._lock:
+            done, result = self._pending.pop(key, (None, None))
+            if error is not None:
+                self._callbacks.pop(key, None)
+        if done is not None:
+            result.append(error)
+            done.set()
+
+    def _on_exit(self, child: _Child, cause: str) -> None:
+        """The engine process ended: fail what it held, then (unless closing) restart it."""
+        with self._lock:
+            closing = self._closing
+            if not closing:
+                self._crashes = self._crashes + 1 if time.monotonic() - self._started_at < STABLE_S else 1
+                self._down = f"{cause}; a new engine is starting"
+            callbacks, self._callbacks = self._callbacks, {}
+            pending, self._pending = self._pending, {}
+        message = (f"{cause}; the request was lost (a new engine is starting: retry in a few seconds)"
+                   if not closing else "the model was unloaded")
+        for done, result in pending.values():
+            result.append(EngineDeadError(message))
+            done.set()
+        for key, callback in callbacks.items():
+            try:
+                callback(RequestOutput(seq_id=key, finished=True, finish_reason="error", error=message,
+                                       error_code="UNAVAILABLE"))
+            except Exception as e:
+                self._log("error", f"specguide: failing a request of the dead engine: {e!r}")
+        child.kill()
+        if not closing:
+            self._log("error", f"specguide: {cause}; {len(callbacks)} request(s) failed with UNAVAILABLE; "
+                               f"restarting the engine (crash {self._crashes} in a row)")
+            self._wake.set()
+
+    # ---- supervisor thread: restarts -------------------------------------------------------
+    def _supervise(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closing:
+                return
+            if self._down is None:
+                continue
+            delay = backoff_s(self._crashes)
+            if delay > 0:
+                self._log("warn", f"specguide: waiting {delay:g} s before restarting the engine (crash {self._crashes} in a row)")
+                if self._sleep(delay):
+                    return
+            t0 = time.monotonic()
+            try:
+                child = _Child(self._config)
+            except Exception as e:
+                self._crashes += 1
+                with self._lock:
+                    self._down = f"the engine failed to restart ({e}); retrying"
+                self._log("error", f"specguide: {self._down}")
+                self._wake.set()
+                continue
+            with self._lock:
+                if self._closing:
+                    child.kill()
+                    return
+                self._child, self._down, self._started_at = child, None, time.monotonic()
+                self.restarts += 1
+                self._stats = {}
+            self._set_info(child.info)
+            self._reader = self._start_reader(child)
+            self._log("info", f"specguide: engine restarted in {time.monotonic() - t0:.1f} s "
+                              f"(restart {self.restarts}, pid {child.info.pid})")
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait, unless shutdown comes first (then True)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self._closing:
+                return True
+            time.sleep(min(0.1, deadline - time.monotonic()))
+        return self._closing
+
+
+# ---------------------------------------------------------------------------------- the child
+def child_main() -> None:
+    """The engine process: load the engine, then serve the parent's messages until shutdown."""
+    inp = sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb")  # messages; stray prints from libraries go to stderr instead
+    os.dup2(2, 1)
+    die_with_parent(PARENT_ENV)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="specguide engine: %(levelname)s %(message)s")
+    write_lock = threading.Lock()
+
+    def send(msg: object) -> None:
+        with write_lock:
+            write_msg(out, msg)
+
+    config = read_msg(inp)
+    t0 = time.perf_counter()
+    try:
+        from .engine import Engine
+        from .models.loader import resolve_model_dir
+
+        engine = Engine(config)
+        engine.compiler.scheduler.start()  # compile worker processes warm before the first big guide
+        folder = resolve_model_dir(config.model_dir, config.gguf_file)
+    except Exception as e:
+        logging.exception("the engine failed to load")
+        send(("failed", f"{type(e).__name__}: {e}"))
+        os._exit(2)
+    send(("ready", EngineInfo(os.getpid(), engine.config, str(folder), engine.drafter,
+                              engine.head_drafter is not None, engine.warmup_s, time.perf_counter() - t0)))
+    seq_of: dict[int, int] = {}  # parent key -> engine seq_id, while the request runs
+    seq_lock = threading.Lock()
+
+    def callback(key: int) -> Callback:
+        def on_output(o: RequestOutput) -> None:
+            if o.finished:
+                with seq_lock:
+                    seq_of.pop(key, None)
+            send(("out", key, o))
+        return on_output
+
+    def watch() -> None:  # stats for the metrics; the loop thread's death ends the process
+        while True:
+            time.sleep(STATS_S)
+            if not engine.is_alive():
+                engine._thread.join()  # its dying words (every request's error) are sent first
+                send(("dead", f"the engine loop failed ({type(engine._dead).__name__}; the server log has "
+                              f"the traceback)"))
+                out.flush()
+                os._exit(EXIT_LOOP_DIED)
+            try:
+                send(("stats", engine.stats()))
+            except Exception:
+                os._exit(0)  # the parent is gone
+
+    threading.Thread(target=watch, name="specguide-engine-watch", daemon=True).start()
+    while True:
+        msg = read_msg(inp)
+        if msg is None:  # the parent is gone
+            os._exit(0)
+        kind = msg[0]
+        if kind == "submit":
+            _, key, request = msg
+            try:
+                with seq_lock:  # NOTE: the engine calls callbacks outside its own lock: no deadlock
+                    seq_of[key] = engine.submit(request, callback(key))
+            except Exception as e:
+                send(("refused", key, e))
+            else:
+                send(("submitted", key))
+        elif kind == "cancel":
+            with seq_lock:
+                seq_id = seq_of.get(msg[1])
+            if seq_id is not None:
+                engine.cancel(seq_id)
+        elif kind == "shutdown":
+            engine.shutdown(drain=msg[1], timeout=msg[2])
+            out.flush()
+            os._exit(0)

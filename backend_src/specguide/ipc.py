@@ -1,0 +1,65 @@
+"""What the serving process and its helper processes (engine, compile workers) share: messages as
+length-prefixed pickles over pipes, the Python binary to start them with, dying with the parent."""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import shutil
+import signal
+import struct
+import sys
+from pathlib import Path
+from typing import Any, BinaryIO, Optional
+
+_HEADER = struct.Struct("<Q")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def write_msg(f: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(_HEADER.pack(len(data)) + data)
+    f.flush()
+
+
+def read_msg(f: BinaryIO) -> Optional[Any]:
+    """The next message, or None at end of file."""
+    head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    n = _HEADER.unpack(head)[0]
+    data = f.read(n)
+    return pickle.loads(data) if len(data) == n else None
+
+
+def python_executable() -> str:
+    """This interpreter (inside Triton's stub `sys.executable` is not a Python binary)."""
+    exe = sys.executable or ""
+    if os.path.basename(exe).startswith("python"):
+        return exe
+    for cand in (Path(sys.prefix) / "bin" / "python3", Path(sys.prefix) / "bin" / "python"):
+        if cand.exists():
+            return str(cand)
+    return shutil.which("python3") or "python3"
+
+
+def child_env(parent_var: str) -> dict[str, str]:
+    """The environment for a helper process: this package importable, the parent's pid in `parent_var`."""
+    pkg_root = str(Path(__file__).resolve().parents[1])  # the folder holding `specguide`
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+    env[parent_var] = str(os.getpid())
+    return env
+
+
+def die_with_parent(parent_var: str) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has.
+
+    NOTE: Linux sends the signal when the *thread* that started this process ends: start helper
+    processes from threads that live as long as the helper should."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != int(os.environ.get(parent_var, os.getppid())):
+        os._exit(0)  # the parent died before the death signal was armed

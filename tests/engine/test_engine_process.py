@@ -1,0 +1,152 @@
+"""EngineProcess: the engine in a process of its own, restarted when it dies (the real default model).
+
+Its death (SIGKILL, as the OOM killer sends; or its loop thread failing) must end every request
+it held, running and queued, with UNAVAILABLE naming the cause at once; refuse new requests
+while down; and bring a new engine that answers as the old one did. Repeated crashes back off."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from specguide import engine_process, faults
+from specguide.config import EngineConfig
+from specguide.engine_process import EngineProcess, backoff_s, describe_exit
+from specguide.request import EngineDeadError, InvalidRequestError, Request, RequestOutput, SamplingParams
+
+PROMPT = "<|im_start|>user\nTell me a long story about the sea.<|im_end|>\n<|im_start|>assistant\n"
+
+
+class Collector:
+    def __init__(self):
+        self.outs: list[RequestOutput] = []
+        self.done = threading.Event()
+        self.t_done = 0.0
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.outs.append(out)
+        if out.finished:
+            self.t_done = time.monotonic()
+            self.done.set()
+
+    @property
+    def last(self) -> RequestOutput:
+        assert self.done.wait(120), "no final event"
+        return self.outs[-1]
+
+    def ids(self) -> list[int]:
+        assert self.last.error is None, self.last.error
+        return [t for o in self.outs for t in o.token_ids]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    os.environ[faults.ENV] = "1"  # every engine process (restarts too) inherits it: the crash_engine fault below
+    try:
+        ep = EngineProcess(EngineConfig(max_slots=1, max_queue=4, warmup=False))
+        yield ep
+        ep.shutdown(drain=False, timeout=10)
+    finally:
+        del os.environ[faults.ENV]
+
+
+def request(ep: EngineProcess, max_tokens: int, fault: str | None = None) -> Request:
+    return Request(prompt_ids=ep.tokenizer.encode(PROMPT), params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                   fault=fault)
+
+
+def wait_alive(ep: EngineProcess, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ep.is_alive():
+        assert time.monotonic() < deadline, f"the engine is still down: {ep.down_reason()}"
+        time.sleep(0.05)
+
+
+def test_requests_run_through_the_engine_process_and_errors_come_back_as_raised(engine):
+    c = Collector()
+    engine.submit(request(engine, 8), c)
+    assert len(c.ids()) == 8 and c.last.finish_reason == "length" and c.last.seq_id > 0
+    with pytest.raises(InvalidRequestError):  # the engine's own refusal, raised here
+        engine.submit(Request(prompt_ids=[], params=SamplingParams(max_tokens=4)), Collector())
+    assert engine.pid != os.getpid() and engine.stats()["alive"] == 1
+
+
+def test_a_killed_engine_fails_running_and_queued_requests_at_once_and_comes_back(engine):
+    reference = Collector()
+    engine.submit(request(engine, 12), reference)
+    reference = reference.ids()
+    restarts, old = engine.restarts, engine.pid
+    running, queued = Collector(), [Collector(), Collector()]
+    engine.submit(request(engine, 2000), running)
+    for q in queued:  # one slot: these wait in the engine's queue
+        engine.submit(request(engine, 8), q)
+    deadline = time.monotonic() + 60
+    while not running.outs:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t_kill = time.monotonic()
+    os.kill(engine.pid, signal.SIGKILL)
+    for c in [running, *queued]:
+        last = c.last
+        assert last.finish_reason == "error" and last.error_code == "UNAVAILABLE", last
+        assert "killed by SIGKILL" in last.error and c.t_done - t_kill < 2.0, (last.error, c.t_done - t_kill)
+    assert not engine.is_alive() and engine.stats()["alive"] == 0
+    with pytest.raises(EngineDeadError, match="killed by SIGKILL.*a new engine is starting"):
+        engine.submit(request(engine, 4), Collector())
+    wait_alive(engine)
+    assert engine.restarts == restarts + 1 and engine.pid != old
+    again = Collector()
+    engine.submit(request(engine, 12), again)
+    assert again.ids() == reference  # greedy: the new engine answers as the old one did
+
+
+def test_a_dying_engine_loop_ends_its_process_and_a_new_engine_starts(engine):
+    restarts = engine.restarts
+    running, crash = Collector(), Collector()
+    engine.submit(request(engine, 2000), running)
+    engine.submit(request(engine, 4, fault="crash_engine"), crash)  # the loop raises at its turn
+    for c in (running, crash):
+        assert c.last.error_code == "UNAVAILABLE" and "engine stopped" in c.last.error, c.last
+    deadline = time.monotonic() + 120  # its requests are told before the process ends: wait for the restart
+    while engine.restarts == restarts:
+        assert time.monotonic() < deadline, "no restart"
+        time.sleep(0.05)
+    wait_alive(engine)
+    assert engine.restarts == restarts + 1
+    after = Collector()
+    engine.submit(request(engine, 4), after)
+    assert len(after.ids()) == 4
+
+
+def test_repeated_crashes_back_off():
+    assert [backoff_s(n) for n in range(1, 10)] == [0, 1, 2, 4, 8, 16, 32, 60, 60]
+    assert "killed by SIGKILL" in describe_exit(-signal.SIGKILL) and "OOM" in describe_exit(-signal.SIGKILL)
+    assert describe_exit(-signal.SIGSEGV) == "the engine process was killed by SIGSEGV"
+    assert describe_exit(3, "the engine loop failed") == "the engine loop failed"
+
+
+def test_crashes_in_a_row_count_up_and_a_stable_engine_counts_from_one(engine, monkeypatch):
+    assert engine._crashes >= 1  # the two crashes above came less than STABLE_S apart
+    monkeypatch.setattr(engine_process, "STABLE_S", 0.0)  # as if the engine had run for a long time
+    os.kill(engine.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while engine.is_alive():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert engine._crashes == 1  # restarted at once, not after a back-off
+    wait_alive(engine)
+
+
+def test_shutdown_drains_then_stops_the_engine_process():
+    ep = EngineProcess(EngineConfig(max_slots=2, warmup=False))
+    c = Collector()
+    ep.submit(request(ep, 16), c)
+    pid = ep.pid
+    ep.shutdown(drain=True, timeout=60)
+    assert c.last.finish_reason == "length" and len(c.ids()) == 16
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    with pytest.raises(EngineDeadError):
+        ep.submit(request(ep, 2), Collector())
