@@ -52,7 +52,8 @@ class EngineConfig:
     # (the default GGUF model: Q4_1 layers and a Q8_0 head, the same logits as float32)
     device: str = "cpu"  # "cpu", "cuda", "auto"
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
-    max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU, on CUDA as many
+    max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU (set here for
+    # device "cpu", by the engine for "auto"), on CUDA as many
     # as kv_cache_memory_fraction of the free memory (after the weights) holds, at most 256 (logged)
     kv_cache_memory_fraction: float = 0.9  # CUDA with max_slots 0: the share of free GPU memory for KV caches
     max_seq_len: int = 2048  # prompt + generated tokens per slot
@@ -138,7 +139,7 @@ class EngineConfig:
                f"unknown guided_executor {self.guided_executor!r} (one of {GUIDED_EXECUTORS})")
         _check(0 < self.kv_cache_memory_fraction <= 1,
                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
-        if self.max_slots == 0 and not self.resolved_device().startswith("cuda"):
+        if self.max_slots == 0 and self.device == "cpu":  # "auto": the engine decides (this imports no torch)
             self.max_slots = CPU_SLOTS
         self.reasoning()  # ValueError for a bad reasoning_markers
         if self.max_sampling_parameters_bytes <= 0:

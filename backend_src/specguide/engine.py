@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import faults
-from .config import EngineConfig
+from .config import CPU_SLOTS, EngineConfig
 from .cuda.hostfunc import HostFuncError
 from .guided.compiler import GrammarCompilerService
 from .guided.limits import GuideLimits
@@ -62,8 +62,9 @@ class Engine:
         if config.max_seq_len > self.model.cfg.max_position_embeddings:  # RoPE past its trained range: noise
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds {folder.name}'s max_position_embeddings "
                              f"{self.model.cfg.max_position_embeddings} (config.json): lower max_seq_len")
-        if config.max_slots == 0:  # CUDA: as many slots as the free memory holds
-            config = self.config = size_slots(config, self.model.cfg, self.device)
+        if config.max_slots == 0:  # CUDA: as many slots as the free memory holds; CPU: CPU_SLOTS
+            config = self.config = (size_slots(config, self.model.cfg, self.device) if self.device.type == "cuda"
+                                    else dataclasses.replace(config, max_slots=CPU_SLOTS))
         model_eos = getattr(self.model, "eos_token_ids", frozenset())
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(model_eos))
         vocab = self.model.cfg.vocab_size

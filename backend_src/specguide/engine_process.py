@@ -57,6 +57,7 @@ class EngineInfo:
     model_dir: str  # the model folder (its tokenizer)
     drafter: str
     head: bool  # a trained draft head is in use
+    probes: dict  # tokenizer.PROBES through the engine's tokenizer (the stub's light one must agree)
     warmup_s: float
     load_s: float
 
@@ -144,9 +145,21 @@ class EngineProcess:
         self._supervisor = threading.Thread(target=self._supervise, name="specguide-engine-supervisor", daemon=True)
         self._supervisor.start()
         self._set_info(self._child.info)
-        from .tokenizer import Tokenizer
+        self.tokenizer = self._text_tokenizer(self.info)
 
-        self.tokenizer = Tokenizer(self.info.model_dir)
+    def _text_tokenizer(self, info: EngineInfo):
+        """The tokenizers-only TokenizerFile when it gives the engine's ids, else the engine's own kind."""
+        from .tokenizer import Tokenizer, TokenizerFile
+
+        try:
+            light = TokenizerFile(info.model_dir)
+            if light.matches(info.probes):
+                return light
+            self._log("warn", "specguide: tokenizer.json alone does not give transformers' ids for this model: "
+                              "the stub loads transformers' tokenizer too")
+        except Exception as e:  # no tokenizer.json (a slow-only tokenizer)
+            self._log("info", f"specguide: the stub loads transformers' tokenizer ({type(e).__name__}: {e})")
+        return Tokenizer(info.model_dir)
 
     def _set_info(self, info: EngineInfo) -> None:
         self.info = info
@@ -361,8 +374,10 @@ def child_main() -> None:
         logging.exception("the engine failed to load")
         send(("failed", f"{type(e).__name__}: {e}"))
         os._exit(2)
-    send(("ready", EngineInfo(os.getpid(), engine.config, str(folder), engine.drafter,
-                              engine.head_drafter is not None, engine.warmup_s, time.perf_counter() - t0)))
+    from .tokenizer import probe
+
+    send(("ready", EngineInfo(os.getpid(), engine.config, str(folder), engine.drafter, engine.head_drafter is not None,
+                              probe(engine.tokenizer), engine.warmup_s, time.perf_counter() - t0)))
     seq_of: dict[int, int] = {}  # parent key -> engine seq_id, while the request runs
     seq_lock = threading.Lock()
 

@@ -32,6 +32,42 @@ class Tokenizer:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+# strings whose ids a light tokenizer must reproduce before it replaces the full one (engine_process)
+PROBES = ("Hello, world!", " leading space and  two", "Tab\there\nnew line\r\n", "naïve café 日本語 🙂",
+          "<|im_start|>user\nHi<|im_end|>\n", "def f(x):\n    return x ** 2  # comment", "3.14159 1e-10 $42",
+          "{\"key\": [1, 2, {\"a\": null}]}", "UPPER lower MiXeD", "   ")
+
+
+class TokenizerFile:
+    """`encode` / `decode` from a folder's tokenizer.json with the `tokenizers` library alone: no
+    transformers, no torch (~400 MB less where only text <-> ids is needed: the Triton stub).
+    A transformers fast tokenizer is this object underneath; `matches` checks a model's ids agree."""
+
+    def __init__(self, folder: Path | str):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self._tok = RustTokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        self._lock = threading.Lock()  # NOTE: as Tokenizer's
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        with self._lock:
+            return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        with self._lock:
+            return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def matches(self, reference: dict[str, tuple[list[int], str]]) -> bool:
+        """Whether this gives the ids, and their text back, that another tokenizer gave (text -> (ids, text))."""
+        return all(self.encode(t) == ids and self.decode(ids) == back for t, (ids, back) in reference.items())
+
+
+def probe(tokenizer: "Tokenizer | TokenizerFile") -> dict[str, tuple[list[int], str]]:
+    """`PROBES` through a tokenizer: text -> (ids, the ids decoded)."""
+    return {t: (ids, tokenizer.decode(ids)) for t in PROBES for ids in [tokenizer.encode(t)]}
+
+
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas.
 

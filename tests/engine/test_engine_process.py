@@ -13,7 +13,7 @@ import time
 import pytest
 
 from specguide import engine_process, faults
-from specguide.config import EngineConfig
+from specguide.config import CPU_SLOTS, EngineConfig
 from specguide.engine_process import EngineProcess, backoff_s, describe_exit
 from specguide.request import EngineDeadError, InvalidRequestError, Request, RequestOutput, SamplingParams
 
@@ -121,6 +121,20 @@ def test_a_dying_engine_loop_ends_its_process_and_a_new_engine_starts(engine):
     assert len(after.ids()) == 4
 
 
+def test_the_stub_side_tokenizer_needs_no_transformers_and_agrees_with_the_engines(engine):
+    from specguide.tokenizer import Tokenizer, TokenizerFile, probe
+
+    assert isinstance(engine.tokenizer, TokenizerFile)  # tokenizers alone: the stub stays small
+    full = Tokenizer(engine.info.model_dir)
+    text = "Grüße aus Köln 🙂 — \"quoted\" <|im_end|>"
+    assert engine.tokenizer.encode(text) == full.encode(text) and engine.tokenizer.decode(full.encode(text)) == \
+        full.decode(full.encode(text))
+    reference = probe(full)
+    assert engine.tokenizer.matches(reference)
+    text, (ids, back) = next(iter(reference.items()))
+    assert not engine.tokenizer.matches({text: (ids[:-1], back)})  # a model where they differ keeps transformers'
+
+
 def test_repeated_crashes_back_off():
     assert [backoff_s(n) for n in range(1, 10)] == [0, 1, 2, 4, 8, 16, 32, 60, 60]
     assert "killed by SIGKILL" in describe_exit(-signal.SIGKILL) and "OOM" in describe_exit(-signal.SIGKILL)
@@ -141,7 +155,8 @@ def test_crashes_in_a_row_count_up_and_a_stable_engine_counts_from_one(engine, m
 
 
 def test_shutdown_drains_then_stops_the_engine_process():
-    ep = EngineProcess(EngineConfig(max_slots=2, warmup=False))
+    ep = EngineProcess(EngineConfig(device="auto", max_slots=0, warmup=False))
+    assert ep.config.max_slots == (CPU_SLOTS if ep.config.resolved_device() == "cpu" else ep.config.max_slots) > 0
     c = Collector()
     ep.submit(request(ep, 16), c)
     pid = ep.pid

@@ -181,6 +181,8 @@ def kill_engine_and_recover(srv: Server, with_clients: bool) -> dict[str, Any]:
 
 def test_every_client_hears_of_an_engine_kill_at_once_and_the_engine_comes_back(crash):
     assert not not_ready(crash)
+    stub = _rss(crash.stubs()[MODEL])  # the stub that outlives the engine holds no model, no torch
+    assert stub < 150 * 2**20 < 4 * stub < _rss(crash.engine_pid()), (stub, _rss(crash.engine_pid()))
     before = greedy(crash)
     got = kill_engine_and_recover(crash, with_clients=True)
     for c in got["clients"]:

@@ -566,7 +566,7 @@ def test_config_pbtxt_parameters_build_an_engine_config():
     cfg = EngineConfig.from_parameters(params)
     known = {f for f in EngineConfig.__dataclass_fields__}
     assert set(params) <= known, f"unknown parameters: {set(params) - known}"
-    assert cfg.max_slots >= 1
+    assert cfg.max_slots >= 1 or cfg.device == "auto"  # "auto": the engine sizes it (8 on CPU)
 
 
 def test_readme_documents_every_input_with_its_default():

@@ -1,18 +1,24 @@
-"""Guided decoding (xgrammar or llguidance): request params, the compile service, the per-slot decoder."""
-from .backend import BACKEND_NAMES, BACKENDS, CompiledGuide, GrammarBackend, Matcher
-from .compiler import CompileHandle, GrammarCompilerService, build_tokenizer_info
-from .decoder import GuidedDecoder
-from .params import (
-    GUIDE_TYPES,
-    choice_to_ebnf,
-    from_sampling_parameters,
-    from_tensors,
-    from_vllm,
-    resolve_guided,
-    validate_guided,
-)
+"""Guided decoding (xgrammar or llguidance): request params, the compile service, the per-slot decoder.
 
-__all__ = [
-    "BACKENDS", "BACKEND_NAMES", "CompiledGuide", "GrammarBackend", "Matcher", "GUIDE_TYPES", "CompileHandle", "GrammarCompilerService", "GuidedDecoder", "build_tokenizer_info",
-    "choice_to_ebnf", "from_sampling_parameters", "from_tensors", "from_vllm", "resolve_guided", "validate_guided",
-]
+Names are loaded on first use: importing a light module of this package (params, limits, schema)
+must not pull in torch, xgrammar and llguidance (~280 MB in the Triton stub, which needs none)."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "BACKENDS": "params", "BACKEND_NAMES": "params", "GUIDE_TYPES": "params", "choice_to_ebnf": "params",
+    "from_sampling_parameters": "params", "from_tensors": "params", "from_vllm": "params",
+    "resolve_guided": "params", "validate_guided": "params",
+    "CompiledGuide": "backend", "GrammarBackend": "backend", "Matcher": "backend",
+    "CompileHandle": "compiler", "GrammarCompilerService": "compiler", "build_tokenizer_info": "compiler",
+    "GuidedDecoder": "decoder",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -14,22 +14,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..request import GuidedDecodingParams
+from .params import BACKEND_NAMES, BACKENDS, canonical_backend  # noqa: F401  (named here too)
 
-BACKENDS = ("xgrammar", "llguidance")  # implementations
-BACKEND_NAMES = ("auto",) + BACKENDS + ("guidance",)  # what a request or the server may name
 MAX_JSON_WHITESPACE = 8  # longest whitespace run a JSON guide allows between tokens (no loops)
 
 Encode = Callable[[str], list[int]]
-
-
-def canonical_backend(name: str, what: str = "guided backend") -> str:
-    """'' -> '' (server default), 'guidance' -> 'llguidance', unknown -> ValueError naming it."""
-    n = (name or "").strip().lower()
-    if n == "guidance":
-        return "llguidance"
-    if n and n not in BACKEND_NAMES:
-        raise ValueError(f"unknown {what} {name!r}; one of {', '.join(BACKEND_NAMES)}")
-    return n
 
 
 class Matcher(ABC):

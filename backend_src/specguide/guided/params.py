@@ -14,7 +14,20 @@ import re
 from typing import Any, Mapping, Optional, Sequence
 
 from ..request import GuidedDecodingParams, InvalidRequestError, UndeclaredKeys
-from .backend import canonical_backend
+
+BACKENDS = ("xgrammar", "llguidance")  # implementations
+BACKEND_NAMES = ("auto",) + BACKENDS + ("guidance",)  # what a request or the server may name
+
+
+def canonical_backend(name: str, what: str = "guided backend") -> str:
+    """'' -> '' (server default), 'guidance' -> 'llguidance', unknown -> ValueError naming it."""
+    n = (name or "").strip().lower()
+    if n == "guidance":
+        return "llguidance"
+    if n and n not in BACKEND_NAMES:
+        raise ValueError(f"unknown {what} {name!r}; one of {', '.join(BACKEND_NAMES)}")
+    return n
+
 
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag", "choice")
 
