@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
@@ -151,7 +152,15 @@ class EngineConfig:
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> "EngineConfig":
-        """Build from `{key: value}` or Triton's `{key: {"string_value": value}}`; unknown keys are ignored."""
+        """Build from `{key: value}` or Triton's `{key: {"string_value": value}}`. A key that is no
+        setting is a ValueError naming the nearest one (a typo must not be ignored silently); upper
+        case keys (EXECUTION_ENV_PATH, ...) belong to Triton and its Python backend."""
+        known = [f.name for f in fields(cls)]
+        for key in params:
+            if key not in known and not key.isupper():
+                near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+                hint = f"; did you mean {near[0]!r}?" if near else " (the settings: README, Engine settings)"
+                raise ValueError(f"unknown engine setting {key!r} in config.pbtxt{hint}")
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in params:

@@ -73,6 +73,7 @@ def test_max_slots_0_is_8_on_cpu_and_sized_from_free_memory_on_cuda(caplog):
     from specguide.kv_cache import slot_bytes, slots_for_memory
 
     assert EngineConfig().max_slots == 8 and EngineConfig(max_slots=0, device="cpu").max_slots == 8
+    assert EngineConfig(device="auto").max_slots == 0  # the engine decides (8 on CPU), without importing torch here
     assert EngineConfig(max_slots=3).max_slots == 3
     assert slots_for_memory(10 << 30, 0.5, 1 << 30) == 5 and slots_for_memory(1 << 20, 0.9, 1 << 30) == 1
     assert slots_for_memory(1 << 50, 1.0, 1 << 20) == 256  # capped
@@ -112,3 +113,12 @@ def test_the_readmes_own_model_example_is_valid_config_pbtxt_for_the_engine(tmp_
     assert set(params) <= set(EngineConfig.__dataclass_fields__)
     cfg = EngineConfig.from_parameters(params)
     assert cfg.model_dir.startswith("/") and cfg.reasoning() is not None and cfg.max_seq_len == 4096
+
+
+def test_an_unknown_parameter_is_an_error_naming_the_nearest_setting():
+    with pytest.raises(ValueError, match="unknown engine setting 'max_slot' in config.pbtxt; did you mean 'max_slots'"):
+        EngineConfig.from_parameters({"max_slot": {"string_value": "4"}})
+    with pytest.raises(ValueError, match="unknown engine setting 'zzz'"):
+        EngineConfig.from_parameters({"zzz": "1"})
+    # Triton's and the Python backend's own keys (upper case: EXECUTION_ENV_PATH, ...) are theirs
+    assert EngineConfig.from_parameters({"EXECUTION_ENV_PATH": {"string_value": "/env.tar.gz"}}) == EngineConfig()

@@ -1,0 +1,64 @@
+"""The package declares what it imports: `pip install ./backend_src` brings every runtime dependency."""
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "backend_src" / "specguide"
+PROVIDED = {"triton_python_backend_utils"}  # Triton's Python backend gives it to the models it runs
+
+
+def _imports() -> dict[str, str]:
+    """Top-level modules imported anywhere in the package (lazy imports too) -> a file that does."""
+    out: dict[str, str] = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for n in names:
+                out.setdefault(n.split(".")[0], str(f.relative_to(ROOT)))
+    return out
+
+
+def _declared() -> set[str]:
+    deps = tomllib.loads((ROOT / "backend_src" / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {re.split(r"[\[<>=!~ ;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    dists = md.packages_distributions()
+    declared = _declared()
+    missing = {}
+    for module, where in _imports().items():
+        if module in sys.stdlib_module_names or module == "specguide" or module in PROVIDED:
+            continue
+        names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+        if not names & declared:
+            missing[module] = where
+    assert not missing, f"imported but not in backend_src/pyproject.toml dependencies: {missing}"
+
+
+def test_the_pins_satisfy_the_declared_ranges():
+    """requirements.txt (what make installs) lies inside the package's ranges: one set of versions."""
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            pins[re.split(r"\[", name)[0].lower().replace("_", "-")] = version.strip()
+    deps = tomllib.loads((ROOT / "backend_src" / "pyproject.toml").read_text())["project"]["dependencies"]
+    outside = {}
+    for d in deps:
+        req = Requirement(d)
+        name = req.name.lower().replace("_", "-")
+        if name in pins and not req.specifier.contains(pins[name], prereleases=True):
+            outside[name] = (pins[name], str(req.specifier))
+    assert not outside, f"requirements.txt pins outside pyproject's ranges: {outside}"
+    assert {"numpy", "transformers", "xgrammar", "llguidance", "jsonschema", "tokenizers"} <= set(pins)
