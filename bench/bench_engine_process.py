@@ -94,7 +94,7 @@ def main() -> None:
     inproc.shutdown(drain=False)
     recover = []
     probe = encode(PROMPTS[0])
-    for _ in range(args.kills):  # a second and third crash within engine_process.STABLE_S back off 1 s, 2 s
+    for _ in range(args.kills):  # a second and third crash within restarts.STABLE_S back off 1 s, 2 s
         time.sleep(1.0)
         t0 = time.perf_counter()
         os.kill(child.pid, signal.SIGKILL)

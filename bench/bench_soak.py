@@ -44,16 +44,13 @@ def metric(url: str, name: str) -> float:
 
 def stub_rss_mib(server_pid: int) -> float:
     """The engine model's stub and its engine process (engine_process.py): the memory that holds the model."""
+    from specguide.memory import rss_bytes
     from specguide.supervisor import descendants
-
-    def rss(pid: int) -> float:
-        return next(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if ln.startswith("VmRSS:")) / 1024
 
     for child in descendants(server_pid):
         if b"triton_python_backend_stub" in Path(f"/proc/{child}/cmdline").read_bytes():
             engine = [p for p in descendants(child) if b"engine_process" in Path(f"/proc/{p}/cmdline").read_bytes()]
-            return rss(child) + sum(rss(p) for p in engine)
+            return (rss_bytes(child) + sum(rss_bytes(p) for p in engine)) / 2**20
     raise RuntimeError("no Python backend stub found")
 
 

@@ -56,7 +56,7 @@ class Engine:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.resolved_device())
-        folder = resolve_model_dir(config.model_dir, config.gguf_file)
+        folder = self.model_dir = resolve_model_dir(config.model_dir, config.gguf_file)
         self.tokenizer = Tokenizer(folder)
         self.model = load_model(folder, DTYPES[config.dtype], str(self.device), config.weight_dtype)
         if config.max_seq_len > self.model.cfg.max_position_embeddings:  # RoPE past its trained range: noise

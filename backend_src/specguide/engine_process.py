@@ -8,10 +8,9 @@ engine process dies, or its loop thread does, the stub is still there to tell ev
 - at once (the pipe from the engine closes), every request in flight or queued ends with
   UNAVAILABLE naming the cause ("killed by SIGKILL ...");
 - while it is down, new requests get UNAVAILABLE at once (`submit` raises EngineDeadError);
-- a new engine process starts by itself: at once after the first crash, then after a delay
-  that doubles with each crash that follows within `STABLE_S` of the last start (up to
-  `MAX_BACKOFF_S`): repeated crashes back off instead of looping. Each restart is logged and
-  counted (`stats()["restarts"]`, the metric specguide_engine_restarts_total).
+- a new engine process starts by itself: at once after the first crash, then backing off when
+  crashes repeat (restarts.Backoff). Each restart is logged and counted (`stats()["restarts"]`,
+  the metric specguide_engine_restarts_total).
 
 Messages are length-prefixed pickles over the child's stdin / stdout (compile_worker's framing).
 Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", key) |
@@ -21,7 +20,6 @@ Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", ke
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -36,12 +34,11 @@ from typing import Callable, Optional
 from .config import EngineConfig
 from .ipc import child_env, die_with_parent, python_executable, read_msg, write_msg
 from .request import EngineDeadError, Request, RequestOutput
+from .restarts import Backoff, sleep_unless
 
 Callback = Callable[[RequestOutput], None]
 Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
 
-STABLE_S = 300.0  # an engine up this long has its crash counted as the first again
-MAX_BACKOFF_S = 60.0  # the longest wait before a restart
 STATS_S = 0.05  # how often the engine process sends its stats (and checks its loop thread)
 EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
 _CHILD_MAIN = "from specguide.engine_process import child_main; child_main()"
@@ -59,12 +56,6 @@ class EngineInfo:
     head: bool  # a trained draft head is in use
     probes: dict  # tokenizer.PROBES through the engine's tokenizer (the stub's light one must agree)
     warmup_s: float
-    load_s: float
-
-
-def backoff_s(crashes: int) -> float:
-    """Delay before restarting after `crashes` crashes in a row (1 = the first): 0, 1, 2, 4, ... MAX_BACKOFF_S."""
-    return 0.0 if crashes <= 1 else min(MAX_BACKOFF_S, 2.0 ** (crashes - 2))
 
 
 def describe_exit(returncode: Optional[int], dead_message: str = "") -> str:
@@ -137,14 +128,14 @@ class EngineProcess:
         self._down: Optional[str] = None  # why the engine is down (None while it serves)
         self._closing = False
         self.restarts = 0
-        self._crashes = 0  # in a row (crashes within STABLE_S of the last start)
-        self._started_at = time.monotonic()
+        self._backoff = Backoff()  # crashes in a row
+        self._restart_delay = 0.0
         self._wake = threading.Event()
         self._child = _Child(config)
         self._reader = self._start_reader(self._child)
         self._supervisor = threading.Thread(target=self._supervise, name="specguide-engine-supervisor", daemon=True)
         self._supervisor.start()
-        self._set_info(self._child.info)
+        self.info = self._child.info
         self.tokenizer = self._text_tokenizer(self.info)
 
     def _text_tokenizer(self, info: EngineInfo):
@@ -161,10 +152,28 @@ class EngineProcess:
             self._log("info", f"specguide: the stub loads transformers' tokenizer ({type(e).__name__}: {e})")
         return Tokenizer(info.model_dir)
 
-    def _set_info(self, info: EngineInfo) -> None:
-        self.info = info
-        self.config, self.drafter, self.warmup_s, self.pid = info.config, info.drafter, info.warmup_s, info.pid
-        self.head_drafter = info.head or None  # truthy when a trained draft head is in use
+    @property
+    def config(self) -> EngineConfig:
+        """The settings as the engine resolved them (slots sized, ...)."""
+        return self.info.config
+
+    @property
+    def drafter(self) -> str:
+        return self.info.drafter
+
+    @property
+    def head_drafter(self) -> bool:
+        """Whether a trained draft head is in use."""
+        return self.info.head
+
+    @property
+    def warmup_s(self) -> float:
+        return self.info.warmup_s
+
+    @property
+    def pid(self) -> int:
+        """The engine process's."""
+        return self.info.pid
 
     # ---- the engine's interface ------------------------------------------------------------
     def submit(self, request: Request, callback: Optional[Callback] = None) -> int:
@@ -195,7 +204,7 @@ class EngineProcess:
     def stats(self) -> dict[str, int]:
         """The engine's last reported slots / queue / steps, its liveness and the restart count."""
         with self._lock:
-            alive = self._down is None and not self._closing
+            alive = self.is_alive()
             stats = dict(self._stats) if alive else {"active_slots": 0, "queue_depth": 0}
         return {**stats, "alive": int(alive), "restarts": self.restarts}
 
@@ -261,8 +270,9 @@ class EngineProcess:
         with self._lock:
             callback = self._callbacks.pop(key, None) if out.finished else self._callbacks.get(key)
         if callback is not None:
+            out.seq_id = key  # the parent's key (this object was just unpickled: ours alone)
             try:
-                callback(dataclasses.replace(out, seq_id=key))
+                callback(out)
             except Exception as e:  # the reader thread must live on
                 self._log("error", f"specguide: a request's callback failed: {e!r}")
 
@@ -280,7 +290,7 @@ class EngineProcess:
         with self._lock:
             closing = self._closing
             if not closing:
-                self._crashes = self._crashes + 1 if time.monotonic() - self._started_at < STABLE_S else 1
+                self._restart_delay = self._backoff.failed()
                 self._down = f"{cause}; a new engine is starting"
             callbacks, self._callbacks = self._callbacks, {}
             pending, self._pending = self._pending, {}
@@ -298,7 +308,7 @@ class EngineProcess:
         child.kill()
         if not closing:
             self._log("error", f"specguide: {cause}; {len(callbacks)} request(s) failed with UNAVAILABLE; "
-                               f"restarting the engine (crash {self._crashes} in a row)")
+                               f"restarting the engine (crash {self._backoff.failures} in a row)")
             self._wake.set()
 
     # ---- supervisor thread: restarts -------------------------------------------------------
@@ -310,16 +320,18 @@ class EngineProcess:
                 return
             if self._down is None:
                 continue
-            delay = backoff_s(self._crashes)
+            delay = self._restart_delay
             if delay > 0:
-                self._log("warn", f"specguide: waiting {delay:g} s before restarting the engine (crash {self._crashes} in a row)")
-                if self._sleep(delay):
+                self._log("warn", f"specguide: waiting {delay:g} s before restarting the engine "
+                                  f"(crash {self._backoff.failures} in a row)")
+                if sleep_unless(delay, lambda: self._closing):
                     return
             t0 = time.monotonic()
+            self._backoff.started()
             try:
                 child = _Child(self._config)
             except Exception as e:
-                self._crashes += 1
+                self._restart_delay = self._backoff.failed()
                 with self._lock:
                     self._down = f"the engine failed to restart ({e}); retrying"
                 self._log("error", f"specguide: {self._down}")
@@ -329,22 +341,12 @@ class EngineProcess:
                 if self._closing:
                     child.kill()
                     return
-                self._child, self._down, self._started_at = child, None, time.monotonic()
+                self._child, self._down, self.info = child, None, child.info
                 self.restarts += 1
                 self._stats = {}
-            self._set_info(child.info)
             self._reader = self._start_reader(child)
             self._log("info", f"specguide: engine restarted in {time.monotonic() - t0:.1f} s "
                               f"(restart {self.restarts}, pid {child.info.pid})")
-
-    def _sleep(self, seconds: float) -> bool:
-        """Wait, unless shutdown comes first (then True)."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if self._closing:
-                return True
-            time.sleep(min(0.1, deadline - time.monotonic()))
-        return self._closing
 
 
 # ---------------------------------------------------------------------------------- the child
@@ -362,22 +364,19 @@ def child_main() -> None:
             write_msg(out, msg)
 
     config = read_msg(inp)
-    t0 = time.perf_counter()
     try:
         from .engine import Engine
-        from .models.loader import resolve_model_dir
 
         engine = Engine(config)
         engine.compiler.scheduler.start()  # compile worker processes warm before the first big guide
-        folder = resolve_model_dir(config.model_dir, config.gguf_file)
     except Exception as e:
         logging.exception("the engine failed to load")
         send(("failed", f"{type(e).__name__}: {e}"))
         os._exit(2)
     from .tokenizer import probe
 
-    send(("ready", EngineInfo(os.getpid(), engine.config, str(folder), engine.drafter, engine.head_drafter is not None,
-                              probe(engine.tokenizer), engine.warmup_s, time.perf_counter() - t0)))
+    send(("ready", EngineInfo(os.getpid(), engine.config, str(engine.model_dir), engine.drafter,
+                              engine.head_drafter is not None, probe(engine.tokenizer), engine.warmup_s)))
     seq_of: dict[int, int] = {}  # parent key -> engine seq_id, while the request runs
     seq_lock = threading.Lock()
 

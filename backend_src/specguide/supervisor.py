@@ -13,8 +13,8 @@ and ready. Only a new server helps, so this supervisor runs tritonserver as its 
 - then kills the server (SIGKILL: the dead stub's requests would hold a graceful shutdown
   until its exit timeout), which closes every client connection at once (the only way those
   clients hear of it; the other stubs exit within 0.3 s of their parent), removes the
-  shared-memory regions the server left, and starts it again: at once after the first failure, then after 1, 2, 4 ... MAX_BACKOFF_S s when failures
-  follow each other within STABLE_S; the same when tritonserver itself exits unasked;
+  shared-memory regions the server left, and starts it again, backing off when failures repeat
+  (restarts.Backoff); the same when tritonserver itself exits unasked;
 - logs each restart; the count reaches the new server as SPECGUIDE_SERVER_RESTARTS (the metric
   specguide_server_restarts_total);
 - passes SIGTERM / SIGINT on to the server and exits with its exit code.
@@ -33,9 +33,9 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from .restarts import Backoff, sleep_unless
+
 POLL_S = 0.5
-STABLE_S = 300.0
-MAX_BACKOFF_S = 60.0
 SHM = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region"
 RESTARTS_ENV = "SPECGUIDE_SERVER_RESTARTS"
@@ -43,11 +43,6 @@ RESTARTS_ENV = "SPECGUIDE_SERVER_RESTARTS"
 
 def log(text: str) -> None:
     print(f"specguide supervisor: {text}", file=sys.stderr, flush=True)
-
-
-def backoff_s(failures: int) -> float:
-    """Delay before starting the server again after `failures` failures in a row (1 = the first)."""
-    return 0.0 if failures <= 1 else min(MAX_BACKOFF_S, 2.0 ** (failures - 2))
 
 
 def descendants(pid: int) -> list[int]:
@@ -96,7 +91,7 @@ class Supervisor:
     def __init__(self, command: list[str], http: str):
         self.command, self.http = command, http
         self.restarts = 0
-        self.failures = 0
+        self.backoff = Backoff()
         self.stopping = False
         self.proc: Optional[subprocess.Popen] = None
 
@@ -104,7 +99,7 @@ class Supervisor:
         self.shm_before = _shm_regions()
         env = {**os.environ, RESTARTS_ENV: str(self.restarts)}
         self.proc = subprocess.Popen(self.command, env=env)
-        self.started_at = time.monotonic()
+        self.backoff.started()
 
     def dead_stub(self) -> Optional[str]:
         """A model that is READY without a live stub: its name; None while all is well."""
@@ -147,16 +142,12 @@ class Supervisor:
                 suspect = dead
 
     def _restart(self, why: str) -> None:
-        self.failures = self.failures + 1 if time.monotonic() - self.started_at < STABLE_S else 1
-        log(f"{why}: restarting tritonserver (restart {self.restarts + 1}, failure {self.failures} in a row)")
+        delay = self.backoff.failed()
+        log(f"{why}: restarting tritonserver (restart {self.restarts + 1}, failure {self.backoff.failures} in a row)")
         self.kill()
-        delay = backoff_s(self.failures)
         if delay:
             log(f"waiting {delay:g} s before starting it again")
-            deadline = time.monotonic() + delay
-            while time.monotonic() < deadline and not self.stopping:
-                time.sleep(0.1)
-        if self.stopping:
+        if sleep_unless(delay, lambda: self.stopping):
             return
         self.restarts += 1
         self.start()

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from specguide import engine_process, faults
+from specguide import faults, restarts
 from specguide.config import CPU_SLOTS, EngineConfig
-from specguide.engine_process import EngineProcess, backoff_s, describe_exit
+from specguide.engine_process import EngineProcess, describe_exit
+from specguide.restarts import backoff_s
 from specguide.request import EngineDeadError, InvalidRequestError, Request, RequestOutput, SamplingParams
 
 PROMPT = "<|im_start|>user\nTell me a long story about the sea.<|im_end|>\n<|im_start|>assistant\n"
@@ -143,14 +144,14 @@ def test_repeated_crashes_back_off():
 
 
 def test_crashes_in_a_row_count_up_and_a_stable_engine_counts_from_one(engine, monkeypatch):
-    assert engine._crashes >= 1  # the two crashes above came less than STABLE_S apart
-    monkeypatch.setattr(engine_process, "STABLE_S", 0.0)  # as if the engine had run for a long time
+    assert engine._backoff.failures >= 1  # the two crashes above came less than STABLE_S apart
+    monkeypatch.setattr(restarts, "STABLE_S", 0.0)  # as if the engine had run for a long time
     os.kill(engine.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while engine.is_alive():
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert engine._crashes == 1  # restarted at once, not after a back-off
+    assert engine._backoff.failures == 1  # restarted at once, not after a back-off
     wait_alive(engine)
 
 

@@ -17,6 +17,9 @@ from typing import Optional
 
 import pytest
 
+from specguide import supervisor
+from specguide.memory import rss_bytes
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "specguide"
 # upstream/ holds the peer backends' own client and CI files, run by test_conformance.py against
@@ -70,17 +73,13 @@ class Server:
 
     def stubs(self) -> dict[str, int]:
         """The pid of each Python backend stub (one per model), by model name."""
-        out = {}
-        for child in _descendants(self.proc.pid):  # the server, or the supervisor's server
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            if b"triton_python_backend_stub" in cmd[0]:
-                out[Path(cmd[1].decode()).parents[1].name] = child  # <repo>/<model>/1/model.py
-        return out
+        # the server's, or under `serve` the supervisor's server's
+        return {model: pids[0] for model, pids in supervisor.stubs(self.proc.pid).items()}
 
     def engine_pid(self) -> Optional[int]:
         """The engine process (engine_process.py), a child of the engine model's stub; None while there is none."""
         stub = self.stubs().get(MODEL)
-        for child in _children(stub) if stub else []:
+        for child in supervisor.descendants(stub) if stub else []:
             if b"engine_process" in Path(f"/proc/{child}/cmdline").read_bytes():
                 return child
         return None
@@ -91,7 +90,7 @@ class Server:
         out = {}
         engine = self.engine_pid()
         for model, pid in self.stubs().items():
-            out[model] = _rss(pid) + (_rss(engine) if model == MODEL and engine else 0)
+            out[model] = rss_bytes(pid) + (rss_bytes(engine) if model == MODEL and engine else 0)
         return out
 
     def stub_rss_bytes(self) -> int:
@@ -103,36 +102,6 @@ class Server:
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-
-def _children(pid: int) -> list[int]:
-    """Child processes of `pid`, whichever of its threads started them."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        out += kids
-        todo += kids
-    return out
-
-
-def _rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _ready(http: str) -> bool:

@@ -24,8 +24,10 @@ import tritonclient.grpc as grpcclient
 
 from client.common import GrpcStream, grpc_inputs, http_generate_stream
 from specguide import health_probe
+from specguide.memory import rss_bytes
+from specguide.supervisor import descendants
 
-from .conftest import MODEL, ROOT, Server, _children, _rss, _stop, launch, stop_and_check
+from .conftest import MODEL, ROOT, Server, _stop, launch, stop_and_check
 from .test_conformance import _grpc_inputs
 
 PROMPT = "<|im_start|>user\nTell me a long story about the sea.<|im_end|>\n<|im_start|>assistant\n"
@@ -140,12 +142,7 @@ def greedy(srv: Server) -> list[int]:
 
 def tree_rss(srv: Server) -> int:
     """Resident memory of the server and every process under it (stubs, engine, compile workers)."""
-    total, todo = 0, [srv.proc.pid]
-    while todo:
-        pid = todo.pop()
-        total += _rss(pid)
-        todo += _children(pid)
-    return total
+    return sum(rss_bytes(pid) for pid in [srv.proc.pid, *descendants(srv.proc.pid)])
 
 
 def shm_regions() -> set[str]:
@@ -181,8 +178,8 @@ def kill_engine_and_recover(srv: Server, with_clients: bool) -> dict[str, Any]:
 
 def test_every_client_hears_of_an_engine_kill_at_once_and_the_engine_comes_back(crash):
     assert not not_ready(crash)
-    stub = _rss(crash.stubs()[MODEL])  # the stub that outlives the engine holds no model, no torch
-    assert stub < 150 * 2**20 < 4 * stub < _rss(crash.engine_pid()), (stub, _rss(crash.engine_pid()))
+    stub = rss_bytes(crash.stubs()[MODEL])  # the stub that outlives the engine holds no model, no torch
+    assert stub < 150 * 2**20 < 4 * stub < rss_bytes(crash.engine_pid()), (stub, rss_bytes(crash.engine_pid()))
     before = greedy(crash)
     got = kill_engine_and_recover(crash, with_clients=True)
     for c in got["clients"]:
