@@ -5,7 +5,8 @@
 Each ISA path is built on this machine (SPECGUIDE_KERNEL_MARCH: `x86-64-v3` is the AVX2-only
 build, `x86-64` the portable one) with its tuned rows per pass, in a process of its own, and
 timed on the projections of one SmolLM2 layer (576 -> 1728 q|k|v + ... as packed by the engine:
-576x1536 gate|up halves, 1536x576 down) at rows B = 1, 4, 16, 256, float32 and q4_1 weights.
+576x1536 gate|up halves, 1536x576 down) at rows B = 1, 4, 16, 256, float32 weights and the block formats both ways: widened to fp32
+(q4_1, q8_0) and in integer dot products with int8 activations (q4_1_q8, q8_0_q8).
 torch `F.linear` (MKL, fp32) is the vendor baseline, timed in the same process as each build.
 Prints the best of 20 (B <= 16) or 5 (B = 256) calls, ms, and GFLOP/s.
 """
@@ -25,6 +26,9 @@ from machine import cpu_header  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ((576, 960), (576, 3072), (1536, 576))  # (I, O): q|k|v, gate|up, down of SmolLM2-135M
 ROWS = (1, 4, 16, 256)
+# fp32 weights; GGUF blocks widened to fp32 (the dequantized model's bits); the same blocks times
+# int8 activations in integer dot products (issue 36)
+FORMATS = ("float32", "q4_1", "q4_1_q8", "q8_0", "q8_0_q8")
 CHILD = """
 import json, sys, time, torch
 import torch.nn.functional as F
@@ -35,7 +39,7 @@ lib = kernels.library()
 out = {}
 for I, O in %r:
     W = torch.randn(O, I, generator=g) * 0.05
-    packs = {fmt: kernels.pack_weight(W, fmt) for fmt in ("float32", "q4_1")}
+    packs = {fmt: kernels.pack_weight(W, fmt) for fmt in %r}
     for B in %r:
         x = torch.randn(B, I, generator=g)
         runs = {"torch F.linear": lambda: F.linear(x, W)}
@@ -47,7 +51,7 @@ for I, O in %r:
                 t = time.perf_counter(); f(); best = min(best, time.perf_counter() - t)
             out[f"{name} B={B} {I}x{O}"] = best
 print(json.dumps(out))
-""" % (SHAPES, ROWS)
+""" % (SHAPES, FORMATS, ROWS)
 
 
 def main() -> None:
@@ -73,6 +77,13 @@ def main() -> None:
         cells = "".join(f"{r[name] * 1e3:9.3f} ms {2 * B * I * O / r[name] / 1e9:6.1f} GF"
                         for r in results.values())
         print(f"{name:44s}{cells}")
+    print("\nrows B cost relative to B=1 (per format and shape; issue 36's goal for q4_1 / q8_0: B=4 <= 1.5x, B=16 <= 3x)")
+    for march, r in results.items():
+        for I, O in SHAPES:
+            for fmt in ("C " + f for f in FORMATS):
+                one = r[f"{fmt} B=1 {I}x{O}"]
+                print(f"  {march:12s} {fmt:10s} {I}x{O}: " + "  ".join(
+                    f"B={B} {r[f'{fmt} B={B} {I}x{O}'] / one:5.2f}x" for B in ROWS[1:3]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -1,7 +1,8 @@
 """Speculative decoding: accepted length per step and tokens/s vs speculation off, in one run.
 
     python bench/bench_speculative.py [--schemas 8] [--max-tokens 96] [--ks 3,5]
-        [--drafters ngram,grammar,head,head_unmasked,hybrid] [--weight-dtypes float32,int8] [--llama-cpp]
+        [--drafters ngram,grammar,head,head_unmasked,hybrid] [--weight-dtypes float32,int8]
+        [--activation-dtypes auto,float32] [--llama-cpp]
 
 Workloads (greedy): guided JSON (held-out JSONSchemaBench dev schemas, never trained on: chat
 prompts that show the schema and ask for an object) and unguided chat. Batch 1 (one request
@@ -11,6 +12,7 @@ the hybrid (head + grammar-forced + trusted n-gram), early exit, draft model. Ev
 run's tokens are checked against the speculation-off run (identical: greedy is lossless).
 `--weight-dtypes`: the whole matrix once per CPU weight format (float32 exact; bfloat16 / int8
 weight-only quantization), each against its own speculation-off baseline.
+`--activation-dtypes`: and once per activation_dtype (block formats: int8 = integer dot products).
 `--draft-head-weight-dtypes`: the head / hybrid rows once per draft-head weight format (drafts only).
 `--llama-cpp`: llama-cpp-python on the same GGUF (Q4_1), JSON schemas through its grammar, batch 1.
 "tokens per step" = generated tokens after the first / decode steps, from the engine's counters.
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--adaptive-k", type=int, default=1)
     ap.add_argument("--cost-aware-k", type=int, default=0)
     ap.add_argument("--weight-dtypes", default="float32", help="comma list of weight_dtype values (float32 | auto | q4_1 | q8_0 | bfloat16 | int8)")
+    ap.add_argument("--activation-dtypes", default="auto", help="comma list of activation_dtype values (auto | int8 | float32)")
     ap.add_argument("--draft-head-weight-dtypes", default="int8",
                     help="comma list: the draft head's weights (head / hybrid drafters; '' = the target's)")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
@@ -106,13 +109,14 @@ def main() -> None:
              "head_unmasked": ("head", False), "hybrid": ("hybrid", True), "early_exit": ("early_exit", True),
              "early_exit_unmasked": ("early_exit", False), "draft_model": ("draft_model", True)}
     head_wds = args.draft_head_weight_dtypes.split(",")
-    engines = [(wd, hd) + names[d] for wd in args.weight_dtypes.split(",") for d in args.drafters.split(",")
+    engines = [(wd, ad, hd) + names[d] for wd in args.weight_dtypes.split(",")
+               for ad in args.activation_dtypes.split(",") for d in args.drafters.split(",")
                for hd in (head_wds if names[d][0] in ("head", "hybrid") else head_wds[:1])]
     baseline: dict = {}
-    for wd, hd, drafter, masked in engines:
+    for wd, ad, hd, drafter, masked in engines:
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, num_draft_tokens=Kmax, drafter=drafter,
                                   draft_layers=20, mask_drafts=masked, adaptive_k=bool(args.adaptive_k),
-                                  weight_dtype=wd, cost_aware_k=bool(args.cost_aware_k),
+                                  weight_dtype=wd, activation_dtype=ad, cost_aware_k=bool(args.cost_aware_k),
                                   draft_head_weight_dtype=hd, draft_head_path=args.draft_head))
         if eng.drafter != drafter:
             sys.exit(f"drafter {drafter!r} is not available (no trained head? run scripts/train_draft_head.py)")
@@ -137,11 +141,12 @@ def main() -> None:
                 for k in k_list:
                     r = dict(runs[k][0], tok_s=mean(x["tok_s"] for x in runs[k]),
                              decode_tok_s=mean(x["decode_tok_s"] for x in runs[k]))
-                    key = (wd, wname, batch)
+                    key = (f"{wd}/{ad}", wname, batch)
                     if k == 0:
                         baseline[key] = r
                     base = baseline[key]
-                    row = dict(weight_dtype=wd, cost_aware_k=bool(args.cost_aware_k), adaptive_k=bool(args.adaptive_k),
+                    row = dict(weight_dtype=wd, activation_dtype=ad, integer_dot=eng.model.integer_dot,
+                               cost_aware_k=bool(args.cost_aware_k), adaptive_k=bool(args.adaptive_k),
                                draft_head_weight_dtype=hd if drafter in ("head", "hybrid") and k else None,
                                workload=wname, batch=batch, drafter="off" if k == 0 else drafter,
                                masked_drafts=masked, K=k, tok_s=round(r["tok_s"], 1),

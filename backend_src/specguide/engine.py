@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import faults
+from . import faults, kernels
 from .config import CPU_SLOTS, EngineConfig
 from .cuda.hostfunc import HostFuncError
 from .guided.compiler import GrammarCompilerService
@@ -58,7 +58,11 @@ class Engine:
         self.device = torch.device(config.resolved_device())
         folder = self.model_dir = resolve_model_dir(config.model_dir, config.gguf_file)
         self.tokenizer = Tokenizer(folder)
-        self.model = load_model(folder, DTYPES[config.dtype], str(self.device), config.weight_dtype)
+        self.model = load_model(folder, DTYPES[config.dtype], str(self.device), config.weight_dtype,
+                                self.device.type == "cpu" and kernels.use_integer_dot(config.activation_dtype))
+        if self.model.integer_dot:
+            log.info("specguide: block-format weights x int8 activations (%s integer dot products)",
+                     kernels.integer_dot_path())
         if config.max_seq_len > self.model.cfg.max_position_embeddings:  # RoPE past its trained range: noise
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds {folder.name}'s max_position_embeddings "
                              f"{self.model.cfg.max_position_embeddings} (config.json): lower max_seq_len")

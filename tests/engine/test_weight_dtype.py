@@ -1,5 +1,7 @@
 """Weight-only quantization (`weight_dtype` bfloat16 / int8) on the real SmolLM2: the weights really
-shrink, the model stays close to fp32, and speculation stays lossless against the same weights."""
+shrink, the model stays close to fp32, and speculation stays lossless against the same weights. The
+served arithmetic (`weight_dtype` auto: the GGUF's Q4_1 / Q8_0 blocks; `activation_dtype` int8:
+integer dot products) stays close to fp32, batch-invariant and lossless under speculation."""
 from __future__ import annotations
 
 import pytest
@@ -98,7 +100,17 @@ def test_speculation_is_lossless_against_the_same_quantized_weights(quantized, w
 
 @pytest.fixture(scope="module")
 def shipped():
-    e = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, weight_dtype="auto"))
+    e = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, weight_dtype="auto",
+                            activation_dtype="float32"))
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def integer(random_head):
+    """The served arithmetic, forced (auto picks it only on a build with a vector integer path)."""
+    e = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, weight_dtype="auto",
+                            activation_dtype="int8", drafter="head", draft_head_path=str(random_head)))
     yield e
     e.shutdown()
 
@@ -123,6 +135,43 @@ def test_auto_greedy_output_equals_float32_with_and_without_speculation(engine, 
     ref, _ = outputs(engine, reqs(engine, 0))
     assert outputs(shipped, reqs(shipped, 0))[0] == ref
     assert outputs(shipped, reqs(shipped, 3))[0] == ref
+
+
+def test_integer_dot_holds_the_same_blocks_and_stays_close_to_fp32(engine, shipped, integer):
+    """activation_dtype int8: the same Q4_1 / Q8_0 blocks (bytes) in the integer-dot layout; the
+    logits are no longer fp32's bits but close (measured on TEXT: argmax agreement 0.98, KL 3e-3)."""
+    m = integer.model
+    assert m.integer_dot and m.head.weight_dtype == "q8_0_q8"
+    assert {lin.weight_dtype for lin in m.layers.modules() if isinstance(lin, InvariantLinear)} == {"q4_1_q8"}
+    assert packed_bytes(m) == packed_bytes(shipped.model)
+    ids = engine.tokenizer.encode(TEXT)
+    ref, got = teacher_forced_logits(engine, ids), teacher_forced_logits(integer, ids)
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    assert agree >= 0.95 and kl < 0.01, (agree, kl)
+    assert not torch.equal(ref, got)  # really the integer path
+
+
+def test_integer_dot_output_is_the_same_alone_batched_and_speculated(integer):
+    """Per-row activation scales and exact integer sums: a request's greedy tokens do not depend on
+    the batch, and speculation (4-row verification steps) gives speculation-off's output."""
+    reqs = lambda k: requests(integer, lambda i: k, max_tokens=40)  # noqa: E731
+    off, _ = outputs(integer, reqs(0))
+    got, finals = outputs(integer, reqs(3))
+    assert got == off
+    assert sum(f.total_draft_tokens for f in finals) > 0
+    for req, (reason, toks) in list(zip(reqs(0), off))[:2]:
+        assert run_alone(integer, req)[0] == toks
+
+
+def test_activation_dtype_auto_follows_the_builds_integer_path():
+    path = kernels.integer_dot_path()
+    assert path in kernels.INT_DOT_PATHS
+    assert kernels.use_integer_dot("auto") == (path != "scalar")
+    assert kernels.use_integer_dot("int8") and not kernels.use_integer_dot("float32")
+    with pytest.raises(ValueError, match="activation_dtype"):
+        EngineConfig(activation_dtype="int4")
 
 
 def test_unknown_weight_dtype_is_refused():

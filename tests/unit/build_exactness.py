@@ -6,10 +6,12 @@ The build (ISA and tuning) is chosen at the first kernel call of a process, so e
 checked by running this file under its SPECGUIDE_KERNEL_MARCH (tests/unit/test_kernel_builds.py
 runs every build this CPU can execute). Prints "ok" when every check holds, else raises:
 - GEMV: a row's bits do not depend on the other rows of the call, for every weight format; the
-  block formats (q4_1, q8_0) give the fp32 kernel's bits on their dequantized weights;
+  block formats (q4_1, q8_0) give the fp32 kernel's bits on their dequantized weights, and their
+  integer-dot variants (int8 activations: q4_1_q8, q8_0_q8) stay close to them;
 - attention: any chunk split of a prompt gives the same outputs and K/V (window, soft cap);
 - whole models (random weights, real layer shapes: SmolLM2's attention geometry in q4_1 as the
-  default model is served, and a Gemma 2 layer pair in fp32 / q8_0): a decode step's logits are
+  default model is served, and a Gemma 2 layer pair in fp32 / q8_0; each with its block formats widened and
+  in integer dot products): a decode step's logits are
   the same alone or in a batch, a 4-query verification step equals 4 single-token steps, and a
   prompt's logits and K/V do not depend on how it was split into prefill chunks.
 """
@@ -29,14 +31,15 @@ from specguide.models.loader import load_model
 def check_gemv(g: torch.Generator) -> None:
     for O, I in ((130, 576), (960, 576), (49, 96)):
         W, x, r = torch.randn(O, I, generator=g) * 0.05, torch.randn(20, I, generator=g), torch.randn(20, O, generator=g)
-        for fmt in ("float32", "q4_1", "q8_0", "int8", "bfloat16"):
+        for fmt in kernels.FORMATS:
             if fmt.startswith("q") and I % kernels.QBLK:
                 continue
             packed, aux = kernels.pack_weight(W, fmt)
             full = kernels.gemv(x, packed, aux, O, r)  # 20 rows: the widened-scratch path
             deq = kernels.dequantized(W, fmt)
-            assert torch.allclose(full, x @ deq.t() + r, atol=1e-4, rtol=1e-5), (fmt, O, I)
-            ref = kernels.pack_weight(deq, "float32")[0] if fmt.startswith("q") else None
+            tol = 0.02 * float((x @ deq.t()).abs().max()) if fmt in kernels.INT_DOT.values() else 1e-4  # int8 x
+            assert torch.allclose(full, x @ deq.t() + r, atol=tol, rtol=1e-5), (fmt, O, I)
+            ref = kernels.pack_weight(deq, "float32")[0] if fmt in kernels.INT_DOT else None
             for lo, hi in ((0, 1), (3, 4), (5, 9), (2, 17), (0, 20)):  # in-register (< 16 rows) and scratch
                 got = kernels.gemv(x[lo:hi], packed, aux, O, r[lo:hi])
                 assert torch.equal(got, full[lo:hi]), (fmt, O, I, lo, hi)
@@ -105,8 +108,8 @@ def make_models(folder: Path) -> dict[str, Path]:
 
 
 @torch.inference_mode()
-def check_model(folder: Path) -> None:
-    model = load_model(folder, torch.float32, weight_dtype="auto")
+def check_model(folder: Path, integer_dot: bool) -> None:
+    model = load_model(folder, torch.float32, weight_dtype="auto", integer_dot=integer_dot)
     assert model.chunk_invariant and model.fused is not None, folder
     cfg = model.cfg
     prompt = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -151,7 +154,8 @@ def main() -> None:
     check_attention(g)
     with tempfile.TemporaryDirectory() as tmp:
         for path in make_models(Path(tmp)).values():
-            check_model(path)
+            for integer_dot in (False, True):  # block formats widened to fp32 / times int8 activations
+                check_model(path, integer_dot)
     print("ok")
 
 

@@ -75,6 +75,56 @@ def test_block_formats_give_the_fp32_kernels_bits_on_their_dequantized_weight(fm
     assert torch.allclose(kernels.gemv(x, packed, aux, O), x @ deq.t(), atol=1e-4, rtol=1e-5)
 
 
+def int_dot_reference(x: torch.Tensor, W: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The integer-dot formats' arithmetic in float64: x quantized per row and block of 32 (dx =
+    max|x| / 127, xq = round(x / dx)), times the block format's dequantized weight."""
+    B, I = x.shape
+    xb = x.double().reshape(B, I // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    xq = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).clamp(-127, 127)
+    return (xq * amax / 127).reshape(B, I) @ kernels.dequantized(W, fmt).double().t()
+
+
+@pytest.mark.parametrize("fmt", ["q4_1_q8", "q8_0_q8"])
+@pytest.mark.parametrize("O, I", [(960, 576), (100, 1536), (49, 96)])
+def test_integer_dot_formats_compute_int8_activations_times_the_blocks_and_stay_batch_invariant(fmt, O, I):
+    """The block formats times int8 activations in integer dot products: the same bytes as the block
+    format, the reference arithmetic's result (to fp32 rounding), within ~1% of the fp32 product,
+    and a row's bits never depend on the other rows (the integer sums are exact)."""
+    g = torch.Generator().manual_seed(O + I)
+    W, x, r = torch.randn(O, I, generator=g) * 0.05, torch.randn(40, I, generator=g), torch.randn(40, O, generator=g)
+    packed, aux = kernels.pack_weight(W, fmt)
+    base, base_aux = kernels.pack_weight(W, fmt[:4])
+    assert packed.numel() == base.numel() and packed.dtype == base.dtype and aux.numel() == 2 * ((O + 63) // 64 * 64) * (I // 32)
+    full = kernels.gemv(x, packed, aux, O, r)
+    want = int_dot_reference(x, W, fmt) + r.double()
+    assert torch.allclose(full.double(), want, atol=2e-5, rtol=1e-5), (full.double() - want).abs().max()
+    exact = (x @ kernels.dequantized(W, fmt).t()).double()
+    assert (full.double() - r.double() - exact).abs().max() < 0.02 * exact.abs().max()
+    for lo, hi in [(0, 1), (3, 4), (5, 9), (2, 17), (0, 40)]:
+        assert torch.equal(kernels.gemv(x[lo:hi], packed, aux, O, r[lo:hi]), full[lo:hi]), (lo, hi)
+    plain = kernels.gemv(x, packed, aux, O)
+    assert torch.equal(kernels.gemv(x[:3], packed, aux, O), plain[:3])
+
+
+def test_integer_dot_keeps_a_nan_row_to_itself():
+    """A NaN or inf in a row's activations makes that row's outputs NaN (the engine's NaN check
+    sees them) and leaves the other rows' bits alone; a zero block quantizes to zeros."""
+    g = torch.Generator().manual_seed(9)
+    W, x = torch.randn(70, 128, generator=g), torch.randn(4, 128, generator=g)
+    x[3, 32:64] = 0.0
+    for fmt in ("q4_1_q8", "q8_0_q8"):
+        packed, aux = kernels.pack_weight(W, fmt)
+        clean = kernels.gemv(x, packed, aux, 70)
+        assert torch.isfinite(clean).all()
+        for bad in (float("nan"), float("inf")):
+            y = x.clone()
+            y[1, 40] = bad
+            got = kernels.gemv(y, packed, aux, 70)
+            assert torch.isnan(got[1]).all(), (fmt, bad)
+            assert torch.equal(got[[0, 2, 3]], clean[[0, 2, 3]]), (fmt, bad)
+
+
 def test_block_quantization_recovers_gguf_blocks_exactly_and_rounds_the_rest():
     g = torch.Generator().manual_seed(2)
     W = torch.randn(64, 128, generator=g) * torch.logspace(-3, 0, 64)[:, None]
@@ -221,7 +271,7 @@ def test_rows_per_pass_never_changes_a_bit(monkeypatch):
 
     g = torch.Generator().manual_seed(3)
     W, x = torch.randn(130, 96, generator=g), torch.randn(20, 96, generator=g)
-    packs = {fmt: kernels.pack_weight(W, fmt) for fmt in ("float32", "q4_1", "q8_0", "int8", "bfloat16")}
+    packs = {fmt: kernels.pack_weight(W, fmt) for fmt in kernels.FORMATS}
     ref = {(fmt, n): kernels.gemv(x[:n], *packs[fmt], 130) for fmt in packs for n in (1, 3, 20)}
     for rb in tune.CANDIDATES:
         monkeypatch.setattr(kernels, "_lib", kernels.variant(rb))
@@ -253,7 +303,7 @@ def test_prefetch_never_changes_a_bit():
     lib = kernels.library()
     g = torch.Generator().manual_seed(4)
     W, x = torch.randn(200, 128, generator=g), torch.randn(20, 128, generator=g)
-    packs = {fmt: kernels.pack_weight(W, fmt) for fmt in ("q4_1", "q8_0")}
+    packs = {fmt: kernels.pack_weight(W, fmt) for fmt in ("q4_1", "q8_0", "q4_1_q8", "q8_0_q8")}
     try:
         lib.set_prefetch(0)
         ref = {(fmt, n): kernels.gemv(x[:n], *packs[fmt], 200) for fmt in packs for n in (1, 3, 20)}

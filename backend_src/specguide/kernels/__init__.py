@@ -105,12 +105,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemv_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.gemv_bf16.restype = None
     lib.gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    for fn in (lib.gemv_q4_1, lib.gemv_q8_0):
+    for fn in (lib.gemv_q4_1, lib.gemv_q8_0, lib.gemv_q4_1_q8, lib.gemv_q8_0_q8):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.rope_attn_f32.restype = None
     lib.rope_attn_f32.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 6
                                   + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])
+    lib.int_dot_path.restype = ctypes.c_int
+    lib.int_dot_path.argtypes = []
     lib.set_prefetch.restype = None
     lib.set_prefetch.argtypes = [ctypes.c_int]
     lib.forward_f32.restype = None  # (layers, nl, stack, x, slots, positions, B, T, threads): kernels/stack.py
@@ -129,6 +131,24 @@ def library() -> Optional[ctypes.CDLL]:
                 _error = f"{type(exc).__name__}: {exc}"
                 log.warning("specguide: C kernels unavailable (%s); using torch ops", _error)
         return _lib
+
+
+INT_DOT_PATHS = ("scalar", "maddubs", "vnni")  # ops.c's int_dot_path()
+
+
+def integer_dot_path() -> Optional[str]:
+    """How this build sums the integer-dot formats: "vnni" (AVX-512 VNNI dpbusd), "maddubs" (AVX2 or
+    AVX-512BW), "scalar" (portable C); None without the kernels."""
+    lib = library()
+    return None if lib is None else INT_DOT_PATHS[lib.int_dot_path()]
+
+
+def use_integer_dot(activation_dtype: str) -> bool:
+    """EngineConfig.activation_dtype -> whether block-format weights take int8 activations: "auto"
+    does where the build has a vector integer path (measured ~2x faster: bench/bench_kernels.py)."""
+    if activation_dtype == "auto":
+        return integer_dot_path() in ("vnni", "maddubs")
+    return activation_dtype == "int8"
 
 
 def unavailable_reason() -> Optional[str]:
@@ -221,11 +241,45 @@ def _pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch
     return (t[..., :32] | (t[..., 32:] << 4)).contiguous(), torch.stack([_tiles(d), _tiles(m)], 2).half()
 
 
+# The block formats' integer-dot variants: the same weights times int8 activations (quantized per
+# row and block of 32 at each call, as llama.cpp's q8 activations), summed in integers (ops.c)
+INT_DOT = {"q4_1": "q4_1_q8", "q8_0": "q8_0_q8"}
+FORMATS = WEIGHT_FORMATS + tuple(INT_DOT.values())  # every format pack_weight makes
+
+
+def int_dot(fmt: str) -> str:
+    """`fmt`'s integer-dot variant (itself when it has none)."""
+    return INT_DOT.get(fmt, fmt)
+
+
+def _groups(t: torch.Tensor) -> torch.Tensor:
+    """Tiles [T, I, 64] -> [T, I/4, 64, 4]: an output's 4 consecutive inputs in one 32-bit lane."""
+    T, I, _ = t.shape
+    return t.reshape(T, I // 4, 4, TILE).transpose(2, 3).contiguous()
+
+
+def _pack_q4_1_q8(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _groups(_tiles(q))  # [T, I/4, 64, 4]: output j in the low nibbles, output j + 32 in the high ones
+    return (g[:, :, :32] | (g[:, :, 32:] << 4)).contiguous(), torch.stack([_tiles(d), _tiles(m)], 2).half()
+
+
+def _pack_q8_0_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    O, I = q.shape
+    qsum = q.to(torch.int16).reshape(O, I // QBLK, QBLK).sum(-1, dtype=torch.int16)  # |sum| <= 32 * 127
+    aux = torch.stack([_tiles(d).half().view(torch.int16), _tiles(qsum)], 2)  # [T, I/32, 2, 64]: d bits, sum q
+    return _groups(_tiles(q)), aux.contiguous()
+
+
 def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """W [O, I] fp32 -> (packed tiles in `weight_dtype`, aux): aux is None (float32, bfloat16), the
     per-row scale [O] (int8), d and m [O/64, I/32, 2, 64] (q4_1) or d [O/64, I/32, 64] (q8_0), fp16
-    as GGUF stores them (exact: they are fp16 values)."""
-    assert weight_dtype in WEIGHT_FORMATS, weight_dtype
+    as GGUF stores them (exact: they are fp16 values). The integer-dot variants (q4_1_q8, q8_0_q8)
+    hold the same blocks in 4-input groups (ops.c's layout)."""
+    assert weight_dtype in FORMATS, weight_dtype
+    if weight_dtype == "q4_1_q8":
+        return _pack_q4_1_q8(*quantize_q4_1(weight)[:3])
+    if weight_dtype == "q8_0_q8":
+        return _pack_q8_0_q8(*quantize_q8_0(weight)[:2])
     if weight_dtype in ("float32", "bfloat16"):
         return _tiles(weight.detach().to(getattr(torch, weight_dtype))), None
     if weight_dtype == "q4_1":
@@ -237,17 +291,18 @@ def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[to
     return _tiles(q), scale
 
 
-def pack_exact(weight: torch.Tensor) -> tuple[str, torch.Tensor, Optional[torch.Tensor]]:
+def pack_exact(weight: torch.Tensor, integer_dot: bool = False) -> tuple[str, torch.Tensor, Optional[torch.Tensor]]:
     """`weight_dtype` auto: (format, packed, aux) in the narrowest format that holds `weight`
-    exactly: q4_1, q8_0, bfloat16 or float32 (each block format quantized once, packed from that)."""
+    exactly: q4_1, q8_0, bfloat16 or float32 (each block format quantized once, packed from that);
+    with `integer_dot` a block format's integer-dot variant (int8 activations)."""
     w = weight.detach().float()
     if w.shape[1] % QBLK == 0:
         q, d, m, exact = quantize_q4_1(w)
         if exact:
-            return ("q4_1", *_pack_q4_1(q, d, m))
+            return ("q4_1_q8", *_pack_q4_1_q8(q, d, m)) if integer_dot else ("q4_1", *_pack_q4_1(q, d, m))
         q8, d8, exact = quantize_q8_0(w)
         if exact:
-            return "q8_0", _tiles(q8), _tiles(d8).half()
+            return ("q8_0_q8", *_pack_q8_0_q8(q8, d8)) if integer_dot else ("q8_0", _tiles(q8), _tiles(d8).half())
     fmt = "bfloat16" if torch.equal(w.to(torch.bfloat16).float(), w) else "float32"
     return (fmt, *pack_weight(w, fmt))
 
@@ -264,10 +319,10 @@ def dequantized(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:
     if weight_dtype == "int8":
         q, scale = quantize_int8(weight)
         return q.float() * scale[:, None]
-    if weight_dtype == "q4_1":
+    if weight_dtype in ("q4_1", "q4_1_q8"):
         q, d, m, _ = quantize_q4_1(weight)
         return (q.float().reshape(*d.shape, QBLK) * d[..., None] + m[..., None]).reshape(weight.shape)
-    if weight_dtype == "q8_0":
+    if weight_dtype in ("q8_0", "q8_0_q8"):
         q, d, _ = quantize_q8_0(weight)
         return (q.float().reshape(*d.shape, QBLK) * d[..., None]).reshape(weight.shape)
     return weight.float()
@@ -280,13 +335,18 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
     lib = library()
     assert lib is not None
     B, I = x.shape
-    assert x.dtype == torch.float32 and packed.shape[1] == I
+    assert x.dtype == torch.float32 and packed.shape[1] * (4 if packed.dim() == 4 else 1) == I
     x = x.contiguous()
     y = torch.empty(B, out_features, dtype=torch.float32)
     r = residual.contiguous() if residual is not None else None
     rp = r.data_ptr() if r is not None else None
     n = torch.get_num_threads()
-    if packed.dtype == torch.float32:
+    if packed.dim() == 4:  # the integer-dot variants: [T, I/4, 64 or 32, 4]
+        assert scale is not None and scale.shape == (packed.shape[0], I // QBLK, 2, TILE) and scale.is_contiguous()
+        assert packed.shape[1] * 4 == I and packed.shape[3] == 4
+        fn = lib.gemv_q4_1_q8 if packed.dtype == torch.uint8 else lib.gemv_q8_0_q8
+        fn(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
+    elif packed.dtype == torch.float32:
         lib.gemv_f32(x.data_ptr(), packed.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     elif packed.dtype == torch.uint8:  # q4_1
         assert scale is not None and scale.shape == (packed.shape[0], I // QBLK, 2, TILE) and scale.is_contiguous()

@@ -184,10 +184,15 @@ static inline __attribute__((always_inline)) void tile_all(
     }
 }
 
-typedef void (*tile_fn)(const float *, const void *, float *, const void *, const float *, float *, int, int, int, int);
+typedef struct qact qact_t; /* x quantized to int8 (the integer kinds, below) */
+typedef void (*tile_fn)(const float *, const qact_t *, const void *, float *, const void *, const float *, float *,
+                        int, int, int, int);
 #define TILE_FN(NAME, KIND) \
-    static void NAME(const float *x, const void *Wp, float *buf, const void *aux, const float *r, float *y, \
-                     int t, int B, int I, int O) { tile_all(KIND, x, Wp, buf, (const float *)aux, r, y, t, B, I, O); }
+    static void NAME(const float *x, const qact_t *qa, const void *Wp, float *buf, const void *aux, const float *r, \
+                     float *y, int t, int B, int I, int O) { \
+        (void)qa; \
+        tile_all(KIND, x, Wp, buf, (const float *)aux, r, y, t, B, I, O); \
+    }
 TILE_FN(tile_f32, W_F32)
 TILE_FN(tile_i8, W_I8)
 TILE_FN(tile_bf16, W_BF16)
@@ -322,29 +327,288 @@ static inline __attribute__((always_inline)) void tile_all_blk(
     }
 }
 
-static void tile_q4_1(const float *x, const void *Wp, float *buf, const void *dm, const float *r, float *y,
-                      int t, int B, int I, int O) { tile_all_blk(W_Q4_1, x, Wp, buf, dm, r, y, t, B, I, O); }
-static void tile_q8_0(const float *x, const void *Wp, float *buf, const void *dm, const float *r, float *y,
-                      int t, int B, int I, int O) { tile_all_blk(W_Q8_0, x, Wp, buf, dm, r, y, t, B, I, O); }
+static void tile_q4_1(const float *x, const qact_t *qa, const void *Wp, float *buf, const void *dm, const float *r,
+                      float *y, int t, int B, int I, int O) {
+    (void)qa;
+    tile_all_blk(W_Q4_1, x, Wp, buf, dm, r, y, t, B, I, O);
+}
+static void tile_q8_0(const float *x, const qact_t *qa, const void *Wp, float *buf, const void *dm, const float *r,
+                      float *y, int t, int B, int I, int O) {
+    (void)qa;
+    tile_all_blk(W_Q8_0, x, Wp, buf, dm, r, y, t, B, I, O);
+}
 
-static const tile_fn TILE_FNS[] = {tile_f32, tile_i8, tile_bf16, tile_q4_1, tile_q8_0}; /* by kind */
+/* ---- Integer dot products: block-quantized weights x int8 activations (llama.cpp's arithmetic) ----
+ * x is quantized once per call, per row and block of 32 inputs (quant_row): dx = max|x| / 127,
+ * xq = round(x / dx) in [-127, 127], sx = dx * sum xq. Per block and output o:
+ *   Q8_0: dot = (d[o] * dx) * sum xq q[o]                   (q in [-127, 127])
+ *   Q4_1: dot = (d[o] * dx) * sum xq q[o] + m[o] * sx        (q in [0, 15])
+ * The integer sums are exact whatever instruction makes them (VNNI dpbusd, maddubs, scalar) and a
+ * row's blocks fold into its fp32 sum in block order, so a row's result never depends on the other
+ * rows, the thread count or RB: invariant by construction, like the fp32 kernel.
+ * Layout: the 4 consecutive inputs of one output share 32 bits, one dot-product lane.
+ *   Q8_0: int8 [O/64, I/4, 64, 4];  Q4_1: [O/64, I/4, 32, 4] bytes, output j's 4 inputs in the low
+ *   nibbles of bytes (j, 0..3), output j + 32's in their high nibbles.
+ *   aux [O/64, I/32, 2, 64] 16-bit: Q4_1 d and m (fp16); Q8_0 d (fp16) and the block's sum of q
+ *   (int16: the VNNI path feeds x + 128 as its unsigned operand and takes 128 * sum q back). */
+enum { W_Q4_1_Q8 = 5, W_Q8_0_Q8 = 6 };
+#define IS_INT_KIND(k) ((k) == W_Q4_1_Q8 || (k) == W_Q8_0_Q8)
+#define GRP 4 /* inputs per 32-bit lane */
+
+struct qact {
+    int8_t *q;    /* [B, I] */
+    float *d, *s; /* [B, I/32]: dx and dx * sum xq */
+};
+
+static qact_t qact_alloc(int64_t n) { /* room for n activations */
+    qact_t a = {NULL, NULL, NULL};
+    if (n > 0) {
+        a.q = (int8_t *)malloc((size_t)n);
+        a.d = (float *)malloc(sizeof(float) * (size_t)(n / QBLK + 1) * 2);
+        a.s = a.d + n / QBLK + 1;
+    }
+    return a;
+}
+
+static void qact_free(qact_t *a) {
+    free(a->q);
+    free(a->d);
+}
+
+/* One row of I inputs. NOTE: a NaN or infinite input gives its block dx = NaN (and q = 0), so the
+   row's outputs are NaN, as the fp32 kernel's would be (the engine's NaN check sees them). */
+static void quant_row(const float *x, int I, int8_t *q, float *d, float *s) {
+    for (int blk = 0; blk < I / QBLK; blk++) {
+        const float *xb = x + (int64_t)blk * QBLK;
+        int8_t *qb = q + (int64_t)blk * QBLK;
+        float amax = 0.0f;
+        for (int i = 0; i < QBLK; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        int finite = 1;
+        for (int i = 0; i < QBLK; i++) finite &= isfinite(xb[i]) != 0;
+        if (!finite) {
+            memset(qb, 0, QBLK);
+            d[blk] = s[blk] = NAN;
+            continue;
+        }
+        const float dx = amax / 127.0f, id = dx > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QBLK; i++) {
+            int v = (int)nearbyintf(xb[i] * id);
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            qb[i] = (int8_t)v;
+            sum += v;
+        }
+        d[blk] = dx;
+        s[blk] = dx * (float)sum;
+    }
+}
+
+/* quant_row over the B rows of x [B, I] (a worksharing loop: its end is a barrier). */
+static void quant_rows_for(const float *x, int B, int I, qact_t *qa) {
+    #pragma omp for schedule(static)
+    for (int b = 0; b < B; b++)
+        quant_row(x + (int64_t)b * I, I, qa->q + (int64_t)b * I, qa->d + (int64_t)b * (I / QBLK),
+                  qa->s + (int64_t)b * (I / QBLK));
+}
+
+#if VW == 16 && defined(__AVX512VNNI__)
+#define IDOT_VNNI 1 /* one dpbusd per 4 inputs x 16 outputs */
+#elif (VW == 16 && defined(__AVX512BW__)) || (VW == 8 && defined(__AVX2__))
+#define IDOT_MADD 1 /* maddubs (u8 x s8 pairs to int16) then madd (pairs to int32) */
+#endif
+
+/* Which integer path this build has: 2 VNNI, 1 maddubs (AVX2 / AVX-512BW), 0 scalar. */
+int int_dot_path(void) {
+#if defined(IDOT_VNNI)
+    return 2;
+#elif defined(IDOT_MADD)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline __attribute__((always_inline)) vi32 ld32(const void *p) {
+    vi32 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The 4 bytes at p in every lane. */
+static inline __attribute__((always_inline)) vi32 bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return (vi32){0} + v;
+}
+
+/* acc[l] += sum over the 4 bytes of lane l of a * b, a unsigned or signed (scalar: the portable path). */
+static inline __attribute__((always_inline)) vi32 dot4_ref(vi32 acc, vi32 a, vi32 b, int a_signed) {
+    int8_t pa[VW * 4], pb[VW * 4];
+    memcpy(pa, &a, sizeof pa);
+    memcpy(pb, &b, sizeof pb);
+    for (int l = 0; l < VW; l++)
+        for (int j = 0; j < 4; j++)
+            acc[l] += (a_signed ? (int32_t)pa[4 * l + j] : (int32_t)(uint8_t)pa[4 * l + j]) * (int32_t)pb[4 * l + j];
+    return acc;
+}
+
+/* acc += u (unsigned bytes) . s (signed bytes) per lane; no intermediate saturation for |u s| pairs
+   below 2^15 (maddubs): Q4_1's u <= 15, Q8_0's |w| . |x| <= 127 * 127. */
+static inline __attribute__((always_inline)) vi32 dot_us(vi32 acc, vi32 u, vi32 s) {
+#if defined(IDOT_VNNI)
+    return (vi32)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+#elif defined(IDOT_MADD) && VW == 16
+    return acc + (vi32)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)u, (__m512i)s), _mm512_set1_epi16(1));
+#elif defined(IDOT_MADD)
+    return acc + (vi32)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)s), _mm256_set1_epi16(1));
+#else
+    return dot4_ref(acc, u, s, 0);
+#endif
+}
+
+/* acc += w . x, both signed bytes; aw = |w| (the maddubs path's unsigned operand). VNNI instead
+   takes (x + 128) . w: the fold subtracts 128 * sum w (Q8_OFFSET). */
+static inline __attribute__((always_inline)) vi32 dot_ss(vi32 acc, vi32 w, vi32 aw, vi32 x) {
+#if defined(IDOT_VNNI)
+    (void)aw;
+    return dot_us(acc, x ^ (int32_t)0x80808080, w);
+#elif defined(IDOT_MADD) && VW == 16
+    const __m512i sx = _mm512_mask_sub_epi8((__m512i)x, _mm512_movepi8_mask((__m512i)w), _mm512_setzero_si512(),
+                                            (__m512i)x); /* x where w >= 0, -x where w < 0 (w = 0: aw = 0) */
+    return dot_us(acc, aw, (vi32)sx);
+#elif defined(IDOT_MADD)
+    return dot_us(acc, aw, (vi32)_mm256_sign_epi8((__m256i)x, (__m256i)w));
+#else
+    (void)aw;
+    return dot4_ref(acc, w, x, 1);
+#endif
+}
+
+static inline __attribute__((always_inline)) vi32 abs8(vi32 w) {
+#if defined(IDOT_MADD) && VW == 16
+    return (vi32)_mm512_abs_epi8((__m512i)w);
+#elif defined(IDOT_MADD)
+    return (vi32)_mm256_abs_epi8((__m256i)w);
+#else
+    return w;
+#endif
+}
+
+typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
+
+/* Up to RB rows of the quantized x over one integer-kind tile (as tile_rows_blk, integer sums per
+   block folded into fp32 per row). */
+static inline __attribute__((always_inline)) void tile_rows_q(int kind, const qact_t *qa, int nb, const char *wt,
+                                                               const uint16_t *aux, const float *r, float *y,
+                                                               int t, int b, int I, int O) {
+    const int q4 = kind == W_Q4_1_Q8, nblk = I / QBLK;
+    const int64_t gbytes = q4 ? TILE * GRP / 2 : TILE * GRP; /* bytes per group of 4 inputs */
+    vf acc[RB][NV];
+    memset(acc, 0, sizeof acc);
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        prefetch_blk(q4 ? W_Q4_1 : W_Q8_0, wt, aux, blk);
+        vi32 isum[RB][NV];
+        memset(isum, 0, sizeof isum);
+        for (int g = 0; g < QBLK / GRP; g++) {
+            const char *wg = wt + (blk * (QBLK / GRP) + g) * gbytes;
+            vi32 w[NV], aw[NV];
+            if (q4) {
+                for (int c = 0; c < NV / 2; c++) {
+                    const vi32 raw = ld32(wg + (int64_t)c * VW * 4);
+                    w[c] = raw & 0x0F0F0F0F;
+                    w[c + NV / 2] = (vi32)((vu32)raw >> 4) & 0x0F0F0F0F;
+                }
+            } else {
+                for (int v = 0; v < NV; v++) {
+                    w[v] = ld32(wg + (int64_t)v * VW * 4);
+                    aw[v] = abs8(w[v]);
+                }
+            }
+            const int8_t *xg = qa->q + (int64_t)b * I + blk * QBLK + g * GRP;
+            for (int k = 0; k < RB; k++) {
+                if (k >= nb) break;
+                const vi32 xb = bcast4(xg + (int64_t)k * I);
+                for (int v = 0; v < NV; v++)
+                    isum[k][v] = q4 ? dot_us(isum[k][v], w[v], xb) : dot_ss(isum[k][v], w[v], aw[v], xb);
+            }
+        }
+        /* fold: acc += (d * dx) * isum (+ m * sx) */
+        const uint16_t *bd = aux + blk * 2 * TILE;
+        vf d[NV], m[NV];
+        vi32 corr[NV];
+        for (int v = 0; v < NV; v++) {
+            d[v] = load_h(bd + v * VW);
+            if (q4) {
+                m[v] = load_h(bd + TILE + v * VW);
+            } else {
+                vi16 ws;
+                memcpy(&ws, bd + TILE + v * VW, sizeof ws);
+#if defined(IDOT_VNNI)
+                corr[v] = __builtin_convertvector(ws, vi32) * 128;
+#else
+                (void)ws;
+                corr[v] = (vi32){0};
+#endif
+            }
+        }
+        for (int k = 0; k < nb; k++) {
+            const int64_t row = (int64_t)(b + k) * nblk + blk;
+            const vf dx = splat(qa->d[row]);
+            for (int v = 0; v < NV; v++) {
+                const vi32 s = q4 ? isum[k][v] : isum[k][v] - corr[v];
+                acc[k][v] = vfma(i32_to_f(s), d[v] * dx, acc[k][v]);
+                if (q4) acc[k][v] = vfma(m[v], splat(qa->s[row]), acc[k][v]);
+            }
+        }
+    }
+    store_rows(acc, nb, NULL, r, y, t, b, O);
+}
+
+static inline __attribute__((always_inline)) void tile_all_q(int kind, const qact_t *qa, const void *Wp,
+                                                              const uint16_t *aux, const float *r, float *y,
+                                                              int t, int B, int I, int O) {
+    const char *wt = (const char *)Wp + (int64_t)t * I * (kind == W_Q4_1_Q8 ? TILE / 2 : TILE);
+    const uint16_t *at = aux + (int64_t)t * (I / QBLK) * 2 * TILE;
+    for (int b = 0; b < B; b += RB) tile_rows_q(kind, qa, B - b < RB ? B - b : RB, wt, at, r, y, t, b, I, O);
+}
+
+static void tile_q4_1_q8(const float *x, const qact_t *qa, const void *Wp, float *buf, const void *aux,
+                         const float *r, float *y, int t, int B, int I, int O) {
+    (void)x, (void)buf;
+    tile_all_q(W_Q4_1_Q8, qa, Wp, aux, r, y, t, B, I, O);
+}
+static void tile_q8_0_q8(const float *x, const qact_t *qa, const void *Wp, float *buf, const void *aux,
+                         const float *r, float *y, int t, int B, int I, int O) {
+    (void)x, (void)buf;
+    tile_all_q(W_Q8_0_Q8, qa, Wp, aux, r, y, t, B, I, O);
+}
+
+static const tile_fn TILE_FNS[] = {tile_f32, tile_i8, tile_bf16, tile_q4_1, tile_q8_0, tile_q4_1_q8,
+                                   tile_q8_0_q8}; /* by kind */
 
 /* y = x W^T (+ r) as a worksharing loop: inside a parallel region the team shares the tiles
-   (then waits at the loop's end); outside one, the calling thread does them all. */
+   (then waits at the loop's end); outside one, the calling thread does them all. `qa`: room for
+   x's int8 quantization (integer kinds: quantized here, once per call). */
 static void gemv_for(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
-                     int B, int I, int O) {
+                     int B, int I, int O, qact_t *qa) {
     const int tiles = (O + TILE - 1) / TILE;
-    const int widen = kind != W_F32 && B >= SCRATCH_B;
+    if (IS_INT_KIND(kind)) quant_rows_for(x, B, I, qa); /* (the loop's end is a barrier) */
+    const int widen = kind != W_F32 && !IS_INT_KIND(kind) && B >= SCRATCH_B;
     float *buf = widen ? (float *)aligned_alloc(64, sizeof(float) * (size_t)I * TILE) : NULL;
     #pragma omp for schedule(dynamic, 2)
-    for (int t = 0; t < tiles; t++) TILE_FNS[kind](x, Wp, buf, aux, r, y, t, B, I, O);
+    for (int t = 0; t < tiles; t++) TILE_FNS[kind](x, qa, Wp, buf, aux, r, y, t, B, I, O);
     free(buf);
 }
 
 static void gemv_any(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
                      int B, int I, int O, int threads) {
+    qact_t qa = qact_alloc(IS_INT_KIND(kind) ? (int64_t)B * I : 0);
     #pragma omp parallel num_threads(threads)
-    gemv_for(kind, x, Wp, aux, r, y, B, I, O);
+    gemv_for(kind, x, Wp, aux, r, y, B, I, O, &qa);
+    qact_free(&qa);
 }
 
 void gemv_f32(const float *x, const float *Wp, const float *r, float *y, int B, int I, int O, int threads) {
@@ -372,6 +636,18 @@ void gemv_q4_1(const float *x, const uint8_t *Wp, const uint16_t *dm, const floa
 void gemv_q8_0(const float *x, const int8_t *Wp, const uint16_t *d, const float *r, float *y,
                int B, int I, int O, int threads) {
     gemv_any(W_Q8_0, x, Wp, d, r, y, B, I, O, threads);
+}
+
+/* Q4_1 weights x int8 activations: Wp [O/64, I/4, 32, 4] uint8, dm [O/64, I/32, 2, 64] fp16. */
+void gemv_q4_1_q8(const float *x, const uint8_t *Wp, const uint16_t *dm, const float *r, float *y,
+                  int B, int I, int O, int threads) {
+    gemv_any(W_Q4_1_Q8, x, Wp, dm, r, y, B, I, O, threads);
+}
+
+/* Q8_0 weights x int8 activations: Wp [O/64, I/4, 64, 4] int8, aux [O/64, I/32, 2, 64] (d fp16, sum q int16). */
+void gemv_q8_0_q8(const float *x, const int8_t *Wp, const uint16_t *aux, const float *r, float *y,
+                  int B, int I, int O, int threads) {
+    gemv_any(W_Q8_0_Q8, x, Wp, aux, r, y, B, I, O, threads);
 }
 
 /* Causal attention over the per-slot KV cache, for every query count: decode, verification and
@@ -669,13 +945,13 @@ static void bias_rows_for(float *y, const float *b, int64_t N, int D) { /* y[n] 
 
 /* The residual stream y += W x, or with a sandwich norm y += norm(W x) (tmp: scratch [N, O]). */
 static void proj_add_for(const layer_t *l, int p, const float *x, float *y, float *tmp, const float *out_norm,
-                         int64_t N, int I, int O, float eps) {
+                         int64_t N, int I, int O, float eps, qact_t *qa) {
     if (out_norm) {
-        gemv_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O);
+        gemv_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O, qa);
         rms_rows_for(tmp, out_norm, tmp, N, O, eps);
         add_rows_for(y, tmp, N, O);
     } else {
-        gemv_for(l->kind[p], x, l->w[p], l->aux[p], y, y, (int)N, I, O);
+        gemv_for(l->kind[p], x, l->w[p], l->aux[p], y, y, (int)N, I, O, qa);
     }
 }
 
@@ -689,12 +965,14 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
     float *work = (float *)malloc(sizeof(float) * (size_t)need);
     float *xn = work, *tmp = xn + N * D, *qkv = tmp + N * D, *qrot = qkv + N * H * c->hd, *att = qrot + N * Q;
     float *gu = att + N * Q, *h = gu + N * 2 * c->inter;
+    const int widest = D > Q ? (D > c->inter ? D : c->inter) : (Q > c->inter ? Q : c->inter);
+    qact_t qa = qact_alloc(N * widest); /* x quantized for the integer kinds (any projection's input) */
     #pragma omp parallel num_threads(threads)
     for (int li = 0; li < nl; li++) {
         const layer_t *l = &L[li];
         float *kc = c->kc + li * c->layer_stride, *vc = c->vc + li * c->layer_stride;
         rms_rows_for(x, l->in_norm, xn, N, D, c->eps);
-        gemv_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd);
+        gemv_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd, &qa);
         if (l->qkv_bias) bias_rows_for(qkv, l->qkv_bias, N, H * c->hd);
         if (l->q_norm) {  /* per head, before RoPE (Qwen3, Gemma 3) */
             #pragma omp for schedule(static)
@@ -709,11 +987,12 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
         rope_write_for(qkv, cs, sn, kc, vc, slot, pos, qrot, B, T, c->nh, c->kvh, c->S, c->hd);
         attn_for(qrot, kc, vc, slot, pos, att, B, T, c->nh, c->kvh, c->S, c->hd, c->scale,
                  l->local ? c->window : 0, c->softcap);
-        proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps);
+        proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);
-        gemv_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter);
+        gemv_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter, &qa);
         act_mul_for(gu, h, N, c->inter, c->act);
-        proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps);
+        proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa);
     }
     free(work);
+    qact_free(&qa);
 }

@@ -16,7 +16,7 @@ import torch
 from . import library
 
 _P = ctypes.c_void_p
-KINDS = {"float32": 0, "int8": 1, "bfloat16": 2, "q4_1": 3, "q8_0": 4}  # ops.c's W_* per weight format
+KINDS = {"float32": 0, "int8": 1, "bfloat16": 2, "q4_1": 3, "q8_0": 4, "q4_1_q8": 5, "q8_0_q8": 6}  # ops.c's W_*
 ACTS = {"silu": 0, "gelu_tanh": 1}
 
 

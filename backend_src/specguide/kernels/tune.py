@@ -32,9 +32,9 @@ CANDIDATES = (1, 2, 3, 4, 6, 8)
 DEFAULT = 4
 MARGIN = 0.05  # another RB replaces the default only when its summed relative time is this much lower
 # (weight format, rows B, inputs I, outputs O): decode and verification (B <= 16, the served
-# default's q4_1 and fp32 weights) and a prefill chunk (B >= 16 widens to the fp32 path)
-SHAPES = (("q4_1", 1, 576, 3072), ("float32", 1, 576, 3072), ("q4_1", 4, 1536, 576), ("float32", 4, 1536, 576),
-          ("q4_1", 16, 576, 1536), ("float32", 128, 576, 1536))
+# default's q4_1 weights in integer dot products, fp32 weights, q4_1 widened) and a prefill chunk
+SHAPES = (("q4_1_q8", 1, 576, 3072), ("float32", 1, 576, 3072), ("q4_1_q8", 4, 1536, 576),
+          ("float32", 4, 1536, 576), ("q4_1_q8", 16, 576, 1536), ("q4_1", 4, 1536, 576), ("float32", 128, 576, 1536))
 ROUNDS = 5
 CALLS = 10  # per timing: the decode shapes take ~20 us
 
@@ -47,6 +47,12 @@ def _timer(lib: ctypes.CDLL, fmt: str, B: int, I: int, O: int, g: torch.Generato
 
         def call() -> None:
             lib.gemv_q4_1(x.data_ptr(), packed.data_ptr(), dm.data_ptr(), None, y.data_ptr(), B, I, O, 1)
+    elif fmt == "q4_1_q8":  # [O/64, I/4, 32, 4] nibbles, the same d and m
+        packed = torch.randint(0, 256, (O // 64, I // 4, 32, 4), generator=g, dtype=torch.uint8)
+        dm = (torch.rand(O // 64, I // 32, 2, 64, generator=g) * 0.01).half()
+
+        def call() -> None:
+            lib.gemv_q4_1_q8(x.data_ptr(), packed.data_ptr(), dm.data_ptr(), None, y.data_ptr(), B, I, O, 1)
     else:  # packed fp32 [O/64, I, 64]
         w = torch.randn(O // 64, I, 64, generator=g)
 

@@ -53,16 +53,18 @@ class PackedLinear(nn.Module):
 
 
 class InvariantLinear(nn.Module):
-    """y = x W^T + b (+ residual), batch-invariant, with W packed for `kernels.gemv` in `weight_dtype`."""
+    """y = x W^T + b (+ residual), batch-invariant, with W packed for `kernels.gemv` in `weight_dtype`;
+    `integer_dot`: block formats (q4_1, q8_0) multiply int8 activations in integer dot products."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_dtype: str = "float32"):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_dtype: str = "float32",
+                 integer_dot: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if weight_dtype == "auto":  # exact: the format the checkpoint's values already fit
-            self.weight_dtype, self.packed, self.scale = kernels.pack_exact(weight)
+            self.weight_dtype, self.packed, self.scale = kernels.pack_exact(weight, integer_dot)
         else:
-            self.weight_dtype = weight_dtype
-            self.packed, self.scale = kernels.pack_weight(weight.detach(), weight_dtype)
+            self.weight_dtype = kernels.int_dot(weight_dtype) if integer_dot else weight_dtype
+            self.packed, self.scale = kernels.pack_weight(weight.detach(), self.weight_dtype)
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -82,9 +84,10 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
     return residual + layer(x)
 
 
-def _cpu_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], weight_dtype: str) -> Optional[nn.Module]:
+def _cpu_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], weight_dtype: str,
+                integer_dot: bool = False) -> Optional[nn.Module]:
     if invariant_available(weight):
-        return InvariantLinear(weight, bias, weight_dtype)
+        return InvariantLinear(weight, bias, weight_dtype, integer_dot)
     if weight_dtype not in ("float32", "auto"):
         raise ValueError(f"weight_dtype {weight_dtype!r} needs the CPU C kernels and dtype float32 "
                          f"(here: {weight.device.type}, {weight.dtype}, kernels: {kernels.unavailable_reason()})")
@@ -93,29 +96,30 @@ def _cpu_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], weight_dtype
     return None
 
 
-def prepare_linears(module: nn.Module, weight_dtype: str = "float32") -> int:
+def prepare_linears(module: nn.Module, weight_dtype: str = "float32", integer_dot: bool = False) -> int:
     """Replace every nn.Linear under `module` by the best CPU implementation; returns how many.
 
     `weight_dtype` "bfloat16" / "int8" / "q4_1" / "q8_0" stores the weights so (weight-only
-    quantization); "auto" picks per weight the narrowest format that holds it exactly."""
+    quantization); "auto" picks per weight the narrowest format that holds it exactly; `integer_dot`:
+    see InvariantLinear."""
     n = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            fast = _cpu_linear(child.weight, child.bias, weight_dtype)
+            fast = _cpu_linear(child.weight, child.bias, weight_dtype, integer_dot)
             if fast is not None:
                 setattr(module, name, fast)
                 n += 1
         else:
-            n += prepare_linears(child, weight_dtype)
+            n += prepare_linears(child, weight_dtype, integer_dot)
     return n
 
 
 HEAD_FORMAT = {"q4_1": "q8_0"}  # as GGUF Q4_1 files keep the embedding / output at 8 bits
 
 
-def make_head(weight: torch.Tensor, weight_dtype: str = "float32") -> nn.Module:
+def make_head(weight: torch.Tensor, weight_dtype: str = "float32", integer_dot: bool = False) -> nn.Module:
     """An LM head over `weight` [vocab, hidden] (the embedding's own tensor when tied)."""
-    fast = _cpu_linear(weight, None, HEAD_FORMAT.get(weight_dtype, weight_dtype))
+    fast = _cpu_linear(weight, None, HEAD_FORMAT.get(weight_dtype, weight_dtype), integer_dot)
     if fast is not None:
         return fast
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)

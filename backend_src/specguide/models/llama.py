@@ -307,16 +307,18 @@ class LlamaModel(nn.Module):
             x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
-    def finalize(self, weight_dtype: str = "float32") -> None:
+    def finalize(self, weight_dtype: str = "float32", integer_dot: bool = False) -> None:
         """After weights are loaded and placed: build the LM head and pack CPU linears, their
-        weights held in `weight_dtype` (bf16 / int8: weight-only quantization, CPU kernels only)."""
+        weights held in `weight_dtype` (bf16 / int8: weight-only quantization, CPU kernels only);
+        `integer_dot`: block-format weights times int8 activations (models/linear.py)."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         self.head_weight = w  # [vocab, hidden]: kept for draft heads that share (rows of) the LM head
         self.weight_dtype = weight_dtype
-        self.head = make_head(w, weight_dtype)
+        self.integer_dot = integer_dot
+        self.head = make_head(w, weight_dtype, integer_dot)
         self.lm_head = None
         if w.device.type == "cpu":
-            prepare_linears(self.layers, weight_dtype)
+            prepare_linears(self.layers, weight_dtype, integer_dot)
         self.invariant_attention = (w.device.type == "cpu" and w.dtype == torch.float32
                                     and self.cfg.head_dim % 16 == 0 and kernels.library() is not None)
         self.fused = fused_stack(self.layers, self.cfg) if self.invariant_attention else None

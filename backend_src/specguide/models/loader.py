@@ -34,9 +34,9 @@ def resolve_model_dir(model_dir: str = "", gguf_file: str = "") -> Path:
 
 
 def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               weight_dtype: str = "float32") -> LlamaModel:
+               weight_dtype: str = "float32", integer_dot: bool = False) -> LlamaModel:
     """Build a LlamaModel from an HF folder, fusing q|k|v and gate|up; linear weights held in
-    `weight_dtype` (see `LlamaModel.finalize`)."""
+    `weight_dtype`, block formats in integer dot products with `integer_dot` (see `LlamaModel.finalize`)."""
     from transformers import AutoConfig
 
     folder = Path(folder)
@@ -75,7 +75,7 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     if local is not None:
         model.inv_freq_local = local[0].float()
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    model.finalize(weight_dtype)
+    model.finalize(weight_dtype, integer_dot)
     model.eos_token_ids = eos_token_ids(folder, top, hf)
     return model
 

@@ -65,8 +65,8 @@ class TrainConfig:
 AUTO_EPOCHS = {"bfloat16": 8, "float32": 4}
 
 
-SERVED_FIELDS = ("model_dir", "gguf_file", "device", "dtype", "weight_dtype", "num_threads", "guided_backend",
-                 "reasoning_markers")  # what the corpus engine takes from the served configuration
+SERVED_FIELDS = ("model_dir", "gguf_file", "device", "dtype", "weight_dtype", "activation_dtype", "num_threads",
+                 "guided_backend", "reasoning_markers")  # what the corpus engine takes from the served configuration
 
 
 def corpus_engine_config(served: Optional[EngineConfig] = None) -> EngineConfig:
