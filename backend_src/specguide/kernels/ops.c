@@ -741,6 +741,39 @@ static float *scratch(size_t floats) {
     return scratch_buf;
 }
 
+#define FEW 4 /* a tile of at most FEW queries takes values_few */
+
+/* The outputs of a tile of ne <= FEW queries (a decode step's: 3 heads per KV head for SmolLM2),
+   with lanes over the output dims instead of the queries, two VW-wide chunks at a time: each value
+   chunk is loaded once for the ne queries, whose 2 ne FMA chains run side by side. The same sums
+   as the lanes-over-queries loop in attn_tile (one FMA chain over j ascending per (query, dim),
+   then * 1 / l), so the same bits, without leaving VW - ne lanes idle.
+   P [n][VW]: each query's probabilities in its lane; inv: 1 / l per lane. */
+static void values_few(const float *P, vf inv, const float *V, int64_t n, int hd, int ne, const int64_t *row,
+                       float *out) {
+    const int nv = hd / VW;
+    for (int c0 = 0; c0 < nv; c0 += 2) {
+        const int two = nv - c0 >= 2;
+        vf o[FEW][2];
+        memset(o, 0, sizeof o);
+        const float *vr = V + c0 * VW;
+        for (int64_t j = 0; j < n; j++, vr += hd) {
+            const vf v0 = load(vr), v1 = two ? load(vr + VW) : (vf){0};
+            for (int ll = 0; ll < FEW; ll++) {
+                if (ll >= ne) break;
+                const vf pj = splat(P[j * VW + ll]);
+                o[ll][0] = vfma(pj, v0, o[ll][0]);
+                if (two) o[ll][1] = vfma(pj, v1, o[ll][1]);
+            }
+        }
+        for (int ll = 0; ll < ne; ll++)
+            for (int c = 0; c <= two; c++) {
+                const vf y = o[ll][c] * inv[ll];
+                memcpy(out + row[ll] * hd + (c0 + c) * VW, &y, sizeof y);
+            }
+    }
+}
+
 /* One tile: queries e0 .. e0+ne-1 of row b, KV head g (query e: t = e / group, head g * group + e % group). */
 static void attn_tile(const float *q, const float *kc, const float *vc, const int64_t *slot, const int64_t *pos,
                       float *out, int b, int g, int e0, int ne, int T, int nh, int kvh, int S, int hd,
@@ -800,6 +833,10 @@ static void attn_tile(const float *q, const float *kc, const float *vc, const in
         memcpy(P + j * VW, &p, sizeof p);
     }
     const vf inv = 1.0f / l;
+    if (ne <= FEW) {
+        values_few(P, inv, V, n, hd, ne, row, out);
+        return;
+    }
     /* outputs, DB dims at a time: one FMA chain over the keys per (query, dim) */
     for (int d0 = 0; d0 < hd; d0 += DB) {
         vf acc[DB];
