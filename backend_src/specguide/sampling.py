@@ -79,13 +79,6 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.where(b.greedy, greedy_tokens, sampled)
 
 
-def probabilities(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """The distribution `sample` draws from, [B, V] (one-hot at the argmax for greedy rows)."""
-    probs = filter_logits(logits, b).softmax(dim=-1)
-    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(b.greedy[:, None], onehot, probs)
-
-
 def log_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Log-probabilities [B, V] reported for emitted tokens: sampled rows, the distribution `sample`
     draws from (temperature-scaled, top-k/top-p filtered and renormalized); greedy rows,

@@ -1,7 +1,7 @@
 """StepCore: the decode / speculative step, written once; run eagerly or captured as a CUDA graph.
 
 A step: [drafting] + one verification forward over [last, d_0..d_{T-2}] (T = 1: plain decode) +
-grammar masks + acceptance (greedy, or rejection sampling) + the next token. Drafting is "none",
+grammar masks + acceptance (drafts equal to the target's own tokens) + the next token. Drafting is "none",
 "host" (drafts known before the step: n-gram, grammar chains), "model" (T - 1 forwards of a device
 drafter inside the step - early exit, trained head, draft model - each masked by its grammar row;
 the hybrid's pick is a device-side select between the drafter's argmax and the proposals the
@@ -27,7 +27,7 @@ import torch
 from .guided.capturable import CapturableGuidedDecoder, GuidedStep
 from .kv_cache import KVCache
 from .models.llama import AttnContext, LlamaModel
-from .sampling import probabilities, sample
+from .sampling import sample
 from .scheduler import Sequence
 from .slot_sampling import SlotSampling
 from .speculative import acceptance
@@ -230,17 +230,13 @@ class StepCore:
         else:
             assert drafts is not None
             n = num if not key.guided else torch.minimum(num, g.limit_dev[:B].long())
-            if key.greedy:  # accept while d_i == argmax_i; then the argmax at the first mismatch
+            if key.greedy:  # the target's token at each position: its argmax
                 target = logits.argmax(dim=-1)  # [B, T]
-                ok = (drafts == target[:, : T - 1]) & (self.arange[: T - 1][None, :] < n[:, None])
-                accepted = ok.int().cumprod(dim=1).sum(dim=1)
-                nxt = target.gather(1, accepted[:, None])[:, 0]
-            else:
+            else:  # or the token a step without drafts samples there (seed and output index)
                 rows = slots.repeat_interleave(T)
                 cnt = (counter[:, None] + self.arange[:T]).reshape(-1)
-                p = probabilities(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.top_k_p))
-                u_acc, u_res = acceptance.uniforms(self.params.seed[slots], counter, T - 1, V)
-                accepted, nxt = acceptance.verify(p.view(B, T, V), drafts, n, u_acc, u_res)
+                target = sample(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.top_k_p)).view(B, T)
+            accepted, nxt = acceptance.accept(target, drafts, n)
         if ex is not None:  # emitted[b, j]: the token position j produced
             emitted = nxt[:, None] if drafts is None else \
                 torch.cat([drafts, nxt[:, None]], dim=1).scatter(1, accepted.long()[:, None], nxt[:, None])

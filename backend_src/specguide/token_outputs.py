@@ -64,8 +64,7 @@ class StepExtras:
 
     def after(self, logits: torch.Tensor, slots: torch.Tensor, emitted: torch.Tensor, nxt: torch.Tensor) -> None:
         """Log probabilities of the emitted tokens [B, T] from the processed logits [B, T, V] (the
-        distribution each token is drawn from; under rejection sampling the target's p at that
-        position); penalty counts of the drawn token."""
+        distribution each token is drawn from, drafts or not); penalty counts of the drawn token."""
         if self.lp_idx:
             sel = torch.tensor(self.lp_idx, device=logits.device)
             lg = logits[sel]

@@ -10,10 +10,12 @@ import pytest
 
 from specguide.config import EngineConfig
 from specguide.engine import Engine
+from specguide.request import Request, SamplingParams
 from specguide.guided.decoder import GuidedDecoder
 from specguide.training.train_head import TrainConfig, run
 
 from ..guided.helpers import load_guided_samples
+from .conftest import run_alone
 from .test_guided_engine import run_many
 from .test_speculative import requests
 
@@ -59,6 +61,11 @@ def test_cost_aware_k_is_lossless_and_measured(engine, random_head):
         assert {(1, 0), (1, 3)} <= set(measured), measured  # a lone slot explored drafting and plain
         assert all(t > 0 for t in measured.values())
         assert sum(f.total_draft_tokens for f in finals) > 0
+        # a seeded sampled request: the speculation-off tokens, whatever K the measurements picked
+        seeded = SamplingParams(max_tokens=64, temperature=1.3, seed=5, ignore_eos=True)
+        prompt = reqs(0)[1].prompt
+        want = run_alone(engine, Request(prompt=prompt, params=seeded, num_draft_tokens=0))[0]
+        assert [run_alone(eng, Request(prompt=prompt, params=seeded))[0] for _ in range(3)] == [want] * 3
     finally:
         eng.shutdown()
 

@@ -179,3 +179,18 @@ def test_sampled_speculation_is_reproducible_and_batch_independent(engine):
     assert a[0] == b[0] and a[2].total_draft_tokens > 0
     together = run_many(engine, [Request(prompt=prompt, params=p)] + requests(engine, k_of=lambda i: 3)[:4])
     assert together[0][0] == a[0]
+
+
+def test_a_seeded_sampled_request_gives_the_same_tokens_with_any_drafts(engine):
+    """Verification emits the target's own seeded sample at each position, so drafts change how
+    many tokens a step emits, never which: K=0, K=1 and K=3 give the same tokens for the same seed
+    (under rejection sampling an accepted draft replaced the seed's own sample: these runs differed,
+    and cost_aware_k, which picks K from wall time, made a seeded request differ run to run)."""
+    prompt = prompts(engine)[1][0]
+    accepted = 0
+    for seed in (11, 12, 13):
+        p = SamplingParams(max_tokens=64, temperature=1.3, seed=seed, ignore_eos=True)
+        runs = {k: run_alone(engine, Request(prompt=prompt, params=p, num_draft_tokens=k)) for k in (0, 1, 3)}
+        accepted += runs[1][2].total_accepted_draft_tokens + runs[3][2].total_accepted_draft_tokens
+        assert runs[0][0] == runs[1][0] == runs[3][0], seed
+    assert accepted > 0

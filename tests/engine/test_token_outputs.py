@@ -163,7 +163,7 @@ def test_logprobs_follow_penalties_and_min_tokens(eng, hf_model):
 @pytest.mark.parametrize("top_k", [0, 20])
 def test_sampled_logprobs_follow_the_sampling_distribution(eng, hf_model, k, top_k):
     """temperature 0.7 (and top_k 20): the emitted token's log prob under softmax(logits / 0.7),
-    renormalized over the kept set; under rejection sampling (K=4) the target's p."""
+    renormalized over the kept set; with drafts (K=4) the same (verification emits the target's own tokens)."""
     ids = eng.tokenizer.encode(PROMPTS[3])
     params = SamplingParams(max_tokens=24, temperature=0.7, top_k=top_k, seed=7, ignore_eos=True,
                             return_log_probs=True)

@@ -13,7 +13,7 @@ from specguide.engine import Engine
 from .helpers import save_random_head
 from .test_capturable import GUIDES, MIXED_K, _requests, _run
 
-SAMPLED = {1, 5}  # a guided and an unguided row sample (rejection sampling in the verification)
+SAMPLED = {1, 5}  # a guided and an unguided row sample (their seeded tokens verify the drafts)
 
 
 @pytest.fixture(scope="module")
