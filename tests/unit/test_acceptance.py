@@ -3,11 +3,15 @@ tokens whatever its drafts, the target distribution is kept, a draft d is accept
 probability p(d); greedy rows accept the argmax prefix."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from specguide.sampling import SamplingBatch, sample
+from specguide.sampling import sample
 from specguide.speculative.acceptance import accept
 from specguide.speculative.ngram import NgramDrafter
+
+from test_sampling import batch  # (tests/unit is on sys.path: pytest prepends a package-less test folder)
 
 CHI2_P001 = {5: 20.5, 4: 18.5, 3: 16.3}  # chi-square critical values at p = 0.001
 
@@ -19,10 +23,8 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum())
 
 
-def sampled(N: int, counter: torch.Tensor, seeds: torch.Tensor) -> SamplingBatch:
-    return SamplingBatch(temperature=torch.ones(N), top_k=torch.zeros(N, dtype=torch.int64), top_p=torch.ones(N),
-                         greedy=torch.zeros(N, dtype=torch.bool), seed=seeds, counter=counter,
-                         all_greedy=False, any_top_k_p=False)
+def sampled(N: int, counter: torch.Tensor, seeds: torch.Tensor):
+    return dataclasses.replace(batch(N, counter=counter), seed=seeds)
 
 
 def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, seeds: torch.Tensor, start: int = 0):

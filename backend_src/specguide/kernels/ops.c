@@ -401,12 +401,12 @@ static void quant_row(const float *x, int I, int8_t *q, float *d, float *s) {
         const float *xb = x + (int64_t)blk * QBLK;
         int8_t *qb = q + (int64_t)blk * QBLK;
         float amax = 0.0f;
+        int finite = 1;
         for (int i = 0; i < QBLK; i++) {
             const float a = fabsf(xb[i]);
             amax = a > amax ? a : amax;
+            finite &= isfinite(xb[i]) != 0;
         }
-        int finite = 1;
-        for (int i = 0; i < QBLK; i++) finite &= isfinite(xb[i]) != 0;
         if (!finite) {
             memset(qb, 0, QBLK);
             d[blk] = s[blk] = NAN;
@@ -489,7 +489,7 @@ static inline __attribute__((always_inline)) vi32 dot_us(vi32 acc, vi32 u, vi32 
 }
 
 /* acc += w . x, both signed bytes; aw = |w| (the maddubs path's unsigned operand). VNNI instead
-   takes (x + 128) . w: the fold subtracts 128 * sum w (Q8_OFFSET). */
+   takes (x + 128) . w: the fold in tile_rows_q subtracts 128 * sum w. */
 static inline __attribute__((always_inline)) vi32 dot_ss(vi32 acc, vi32 w, vi32 aw, vi32 x) {
 #if defined(IDOT_VNNI)
     (void)aw;
@@ -561,16 +561,14 @@ static inline __attribute__((always_inline)) void tile_rows_q(int kind, const qa
         vi32 corr[NV];
         for (int v = 0; v < NV; v++) {
             d[v] = load_h(bd + v * VW);
+            corr[v] = (vi32){0};
             if (q4) {
                 m[v] = load_h(bd + TILE + v * VW);
             } else {
-                vi16 ws;
-                memcpy(&ws, bd + TILE + v * VW, sizeof ws);
 #if defined(IDOT_VNNI)
+                vi16 ws; /* the block's sum of q */
+                memcpy(&ws, bd + TILE + v * VW, sizeof ws);
                 corr[v] = __builtin_convertvector(ws, vi32) * 128;
-#else
-                (void)ws;
-                corr[v] = (vi32){0};
 #endif
             }
         }

@@ -41,18 +41,15 @@ CALLS = 10  # per timing: the decode shapes take ~20 us
 
 def _timer(lib: ctypes.CDLL, fmt: str, B: int, I: int, O: int, g: torch.Generator) -> Callable[[], float]:
     x, y = torch.randn(B, I, generator=g), torch.empty(B, O)
-    if fmt == "q4_1":  # any values do for timing: nibbles [O/64, I, 32], fp16 d and m [O/64, I/32, 2, 64]
-        packed = torch.randint(0, 256, (O // 64, I, 32), generator=g, dtype=torch.uint8)
+    if fmt in ("q4_1", "q4_1_q8"):  # any values do for timing: nibbles [O/64, I, 32] (q4_1_q8: in 4-input
+        # groups, [O/64, I/4, 32, 4]), fp16 d and m [O/64, I/32, 2, 64]
+        shape = (O // 64, I, 32) if fmt == "q4_1" else (O // 64, I // 4, 32, 4)
+        packed = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
         dm = (torch.rand(O // 64, I // 32, 2, 64, generator=g) * 0.01).half()
+        fn = getattr(lib, f"gemv_{fmt}")
 
         def call() -> None:
-            lib.gemv_q4_1(x.data_ptr(), packed.data_ptr(), dm.data_ptr(), None, y.data_ptr(), B, I, O, 1)
-    elif fmt == "q4_1_q8":  # [O/64, I/4, 32, 4] nibbles, the same d and m
-        packed = torch.randint(0, 256, (O // 64, I // 4, 32, 4), generator=g, dtype=torch.uint8)
-        dm = (torch.rand(O // 64, I // 32, 2, 64, generator=g) * 0.01).half()
-
-        def call() -> None:
-            lib.gemv_q4_1_q8(x.data_ptr(), packed.data_ptr(), dm.data_ptr(), None, y.data_ptr(), B, I, O, 1)
+            fn(x.data_ptr(), packed.data_ptr(), dm.data_ptr(), None, y.data_ptr(), B, I, O, 1)
     else:  # packed fp32 [O/64, I, 64]
         w = torch.randn(O // 64, I, 64, generator=g)
 
