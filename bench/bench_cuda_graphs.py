@@ -2,7 +2,8 @@
 speculation on vs off, and the CPU time exposed per step.
 
     python bench/bench_cuda_graphs.py [--batches 1,4,16,32] [--max-tokens 128] [--drafter ngram]
-                                      [--dtype float32] [--json /tmp/bench_cuda_graphs.json]
+                                      [--dtype float32] [--model-dir DIR]
+                                      [--json /tmp/bench_cuda_graphs.json]
 
 Each configuration submits `batch` requests at once (greedy) after one untimed run of the same
 shape (graph capture, allocator warm-up). Guided requests carry a JSON schema and end with the
@@ -105,6 +106,10 @@ def main() -> None:
     ap.add_argument("--drafter", default="ngram", choices=["ngram", "early_exit", "hybrid", "head", "draft_model"])
     ap.add_argument("--draft-head", default="", help="draft head file for hybrid / head (default: the trained head)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model-dir", default="", help="model folder (default: the default model); "
+                                                    "scripts/make_random_model.py makes one in a larger shape")
+    ap.add_argument("--fixed-k", action="store_true", help="draft K tokens every step (adaptive_k off): "
+                    "step times of K=3 with a random model, whose drafts are rarely accepted")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     print(cpu_header(), flush=True)
@@ -120,7 +125,8 @@ def main() -> None:
         engine = Engine(EngineConfig(device="cuda", dtype=args.dtype, max_slots=max(batches), max_seq_len=1024,
                                      prefill_chunk=512, num_draft_tokens=3, drafter=args.drafter,
                                      spec_max_rows=0, cuda_graphs=graphs, max_queue=1024,
-                                     draft_head_path=args.draft_head))
+                                     draft_head_path=args.draft_head, model_dir=args.model_dir,
+                                     adaptive_k=not args.fixed_k))
         try:
             for batch in batches:
                 for guided in (False, True):
@@ -129,13 +135,13 @@ def main() -> None:
                         r["graphs"] = graphs
                         rows.append(r)
                         print(f"graphs={graphs!s:5} batch={batch:3} guided={guided!s:5} K={k} "
-                              f"{r['tok_s']:8.1f} tok/s  {r['step_ms']:6.2f} ms/step  "
+                              f"{r['tok_s']:8.1f} tok/s  {r['step_ms']:6.2f} ms/step  {r['tokens'] / max(r['steps'], 1):4.2f} tok/step  "
                               f"exposed CPU {r['exposed_cpu_ms_per_step']:6.2f} ms/step  "
                               f"callbacks {r['callback_ms_per_step']:5.2f} ms/step", flush=True)
         finally:
             engine.shutdown()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, drafter {args.drafter}, "
-          f"max_tokens {args.max_tokens}\n")
+          f"max_tokens {args.max_tokens}, model {args.model_dir or 'default'}\n")
     print("| batch | guided | K | graphs tok/s | eager tok/s | speed-up | graphs exposed CPU ms/step | "
           "eager ms/step | callbacks ms/step |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -122,11 +122,14 @@ def save_random_head(path: Path, cfg=None) -> Path:
     """An untrained draft head over a pruned vocabulary (every 3rd id: the d2t mask path), saved at
     `path`: hybrid / head drafting without a trained file. `cfg`: the target's ModelConfig
     (default: the default model's)."""
-    from specguide.models.loader import load_model, resolve_model_dir
+    from transformers import AutoConfig
+
+    from specguide.models.llama import ModelConfig
+    from specguide.models.loader import resolve_model_dir
     from specguide.speculative.draft_head import DraftHead
 
-    if cfg is None:
-        cfg = load_model(resolve_model_dir(), torch.float32, "cpu").cfg
+    if cfg is None:  # the config alone: no weights loaded, no CPU kernels built (GPU hosts)
+        cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model_dir()))
     torch.manual_seed(0)
     DraftHead(cfg, torch.arange(0, cfg.vocab_size, 3)).save(path, {"note": "random"})
     return path

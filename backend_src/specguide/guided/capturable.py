@@ -134,9 +134,15 @@ class CapturableGuidedDecoder:
         self.stream = hostfunc.INLINE if self.on_cuda and not captured else self.configured
 
     def begin(self, step: GuidedStep) -> None:
-        """Queue the step's snapshot (the next `launch_begin` fetches it)."""
+        """Queue the step's snapshot (the next `launch_begin` fetches it). Its commit is awaited
+        by the next `_wait_commit`: a replayed graph calls no `launch_commit`, so the wait is for
+        the step's end on the forward stream (the graph ends joined to its commit) unless an
+        eager step's `launch_commit` records an event (CPU: always)."""
         self._pending.put(step)
         self.step = step
+        if self.on_cuda:
+            self._commit_ev = None
+            self._commit_pending = True
 
     def launch_begin(self) -> None:
         """After the forward's work so far: fetch the next snapshot, fill, stage."""
@@ -161,12 +167,18 @@ class CapturableGuidedDecoder:
         """After sampling (tokens in out_host): feed each guided row's emitted tokens."""
         self.stream.wait_for_forward()
         self.stream.launch(self._timed(self._commit))
-        self._commit_ev = self.stream.record()
+        # NOTE: an event recorded while capturing belongs to the graph: the host must not wait on
+        # it (cudaErrorInvalidValue); a replay's commit is done when its forward stream is
+        self._commit_ev = None if self.capturing() else self.stream.record()
         self._commit_pending = True
+
+    def capturing(self) -> bool:
+        """Whether the launches now go into a CUDA graph being captured."""
+        return self.on_cuda and torch.cuda.is_current_stream_capturing()
 
     def join(self) -> None:
         """Forward stream waits for all grammar work so far (a captured step ends joined)."""
-        self._commit_ev.block_forward()
+        self.stream.record().block_forward()
 
     def apply_rows(self, logits: torch.Tensor, rows: torch.Tensor, d2t: Optional[torch.Tensor] = None) -> None:
         """Mask logits [R, V'] with device mask-row indices rows [R] after the mask event; no host
@@ -238,7 +250,11 @@ class CapturableGuidedDecoder:
 
     def _wait_commit(self) -> None:
         if self._commit_pending:
-            self._commit_ev.synchronize()
+            if self._commit_ev is not None:
+                self._commit_ev.synchronize()
+            else:  # a replayed step: its graph ends joined to its commit
+                torch.cuda.current_stream().synchronize()
+                self.stream.raise_pending()
             self._commit_pending = False
             self._confirm = self._committed
 
