@@ -108,6 +108,7 @@ class _Seq:
         self.group, self.index, self.parsed = group, index, parsed
         self.served = served  # the vLLM / TensorRT-LLM series of the model its request came through
         self.n = n  # sequences of its prompt (num_return_sequences), counted once a prompt
+        self.generated = 0  # tokens it has generated so far
         self.stream = io.SequenceStream(parsed, tokenizer)
         self.seq_id: Optional[int] = None
         self.t_arrival = t_arrival
@@ -304,6 +305,7 @@ class TritonPythonModel:
                 seq.prompt_counted = True
             m.generation_tokens.increment(len(out.token_ids))
             peer.tokens(len(out.token_ids), None if seq.t_last is None else t - seq.t_last)
+            seq.generated += len(out.token_ids)
             if not out.first_token:  # a decode step (the first token comes from the prefill)
                 m.tokens_per_step.observe(len(out.token_ids))
             if seq.t_last is None:
@@ -326,18 +328,19 @@ class TritonPythonModel:
             if not out.finished and seq.seq_id is not None:
                 self.engine.cancel(seq.seq_id)
             out = RequestOutput(seq_id=out.seq_id, finished=True, finish_reason="error", error=payload.error)
-        if payload is not None and seq.group.deliver(seq.index, payload):
-            self._cancel_siblings(seq)
-        if out.finished:
-            seq.done = True
+        if out.finished:  # recorded before the last response goes: a client that has it sees it counted
             m.latency.observe(t - seq.t_arrival)
-            peer.finished(out.num_input_tokens or len(seq.parsed.request.prompt_ids or ()), out.num_output_tokens,
+            peer.finished(out.num_input_tokens or len(seq.parsed.request.prompt_ids or ()), seq.generated,
                           t - seq.t_arrival)
             if seq.parsed.sequence_index == 0:
                 peer.row(seq.n)
             m.finished(out.finish_reason or "error")
             if out.finish_reason == "cancelled":
                 m.cancelled(out.stage or "")
+        if payload is not None and seq.group.deliver(seq.index, payload):
+            self._cancel_siblings(seq)
+        if out.finished:
+            seq.done = True
             with self._live_lock:
                 self._live.discard(seq)
         elif seq.parsed.stream:

@@ -170,6 +170,7 @@ class PeerMetrics:
         name, doc, category, values = TRTLLM_DISAGG
         family(name, doc, MF.COUNTER)
         self._disagg = [self._fam[name].Metric(labels={**common, category: v}) for v in values]
+        self._set: dict[tuple[str, str], float] = {}  # gauge values already sent to the server
         self._lock = threading.Lock()
         self._served: dict[tuple[str, str], Served] = {}
         self.default = self.served(engine_model, str(version))
@@ -190,6 +191,9 @@ class PeerMetrics:
             return s
 
     def engine_stats(self, stats: dict[str, int]) -> None:
+        """Set the gauges that changed (each set is a message to the server: ~20 a poll otherwise)."""
         for name, values in trtllm_values(stats).items():
             for label, value in values.items():
-                self._gauges[name][label].set(value)
+                if self._set.get((name, label)) != value:
+                    self._gauges[name][label].set(value)
+                    self._set[(name, label)] = value
