@@ -45,6 +45,20 @@ def _cause(exc: BaseException) -> BaseException:
     return exc.__cause__ if isinstance(exc, HostFuncError) and exc.__cause__ is not None else exc
 
 
+
+def _memory_bytes(device: torch.device) -> dict[str, int]:
+    """The engine process's memory, by where it lives: resident host memory, device memory its
+    tensors hold, pinned host memory (torch's caching allocators' own counters: no device sync)."""
+    gpu = pinned = 0
+    if device.type == "cuda":
+        gpu = int(torch.cuda.memory_allocated(device))
+        stats = getattr(torch.cuda, "host_memory_stats", None)
+        try:
+            pinned = int(stats().get("allocated_bytes.current", 0)) if stats is not None else 0
+        except RuntimeError:
+            pinned = 0
+    return {"cpu_mem_bytes": memory.rss_bytes(), "gpu_mem_bytes": gpu, "pinned_mem_bytes": pinned}
+
 class Engine:
     """In-flight batched generation. `submit` returns at once; events arrive on the callback
     from the loop thread: one per step with new text, and exactly one with `finished=True`."""
@@ -124,6 +138,11 @@ class Engine:
         self._drain = True
         self._dead: Optional[BaseException] = None
         self.num_steps = 0
+        # the latest iteration, for the TensorRT-LLM metric families: (prefill chunks, decoding
+        # sequences, prompt tokens in the chunks, wall clock in microseconds); plain ints, set by the
+        # loop thread and read by stats() from another thread, never a device value
+        self.last_step: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self.scheduler.tokens_per_block = self.runner.kv.tokens_per_block
         t0 = time.perf_counter()
         if config.warmup:  # before the loop starts, so initialize() (and readiness) waits for it
             self.runner.warmup()
@@ -207,10 +226,28 @@ class Engine:
             self._cv.notify()
 
     def stats(self) -> dict[str, int]:
-        """Active slots, queue depth, steps run and liveness (for metrics and readiness)."""
-        return {"active_slots": self.scheduler.num_active,
-                "queue_depth": self.scheduler.num_waiting + self._pending_submits,
-                "steps": self.num_steps, "alive": int(self.is_alive())}
+        """Active slots, queue depth, steps run and liveness (for metrics and readiness), and the
+        batch and KV-cache figures the TensorRT-LLM metric families report (triton/peer_metrics.py).
+
+        Called from another thread (the engine process's stats thread): it reads Python ints the
+        loop thread keeps (a snapshot of the running sequences, the latest step's counts) and the
+        allocators' own counters; nothing here waits on the device or on the loop."""
+        sched, kv = self.scheduler, self.runner.kv
+        running = list(sched.running.values())  # one C-level copy: the loop thread may change the dict
+        prefills, decodes, prompt_tokens, step_us = self.last_step
+        if not running:  # the latest step is over and nothing runs: no request is scheduled now
+            prefills = decodes = prompt_tokens = 0
+        return {"active_slots": len(running),
+                "queue_depth": sched.num_waiting + self._pending_submits,
+                "steps": self.num_steps, "alive": int(self.is_alive()),
+                "max_slots": sched.max_slots,
+                "context_requests": prefills, "generation_requests": decodes,
+                "context_tokens": prompt_tokens, "step_time_us": step_us,
+                "kv_tokens_per_block": kv.tokens_per_block,
+                "kv_blocks_max": sched.max_slots * kv.blocks(self.config.max_seq_len),
+                "kv_blocks_used": sum(kv.blocks(s.num_tokens) for s in running),
+                "kv_blocks_reused": sched.reused_blocks,
+                **_memory_bytes(self.device)}
 
     def is_alive(self) -> bool:
         """False once the loop thread has died (its process then ends: engine_process starts a new one)."""
@@ -311,6 +348,8 @@ class Engine:
         if plan.empty:
             return False
         self.num_steps += 1
+        self.last_step = (len(plan.prefills), len(plan.decodes),
+                          sum(c.end - c.start for c in plan.prefills), time.time_ns() // 1000)
         for copy in plan.copies:  # prefix rows from another slot, before any chunk overwrites a source
             for owner in self.slot_state:
                 owner.copy_prefix(copy)

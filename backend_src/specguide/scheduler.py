@@ -114,6 +114,7 @@ class StepPlan:
 class Scheduler:
     """Owns the waiting queue and the slot free list; decides each step's work."""
 
+    tokens_per_block = 32  # KV positions a reported block counts (the engine sets the cache's own)
     copy_min_tokens = 1  # copying a prefix from a busy slot beats computing it from 1 token up (bench_prefix_copy)
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
@@ -134,6 +135,7 @@ class Scheduler:
         self._tick = 0
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.reused_blocks = 0  # whole KV blocks of prompt prefixes reused at admission, all told (metrics)
 
     # ---- admission (the engine appends to `waiting`; it enforces max_queue) ------------------
     def schedule(self, ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
@@ -149,6 +151,7 @@ class Scheduler:
                 continue
             seq.slot, seq.num_reused, copy = self._pick_slot(seq)
             seq.num_cached = seq.num_reused
+            self.reused_blocks += seq.num_reused // self.tokens_per_block
             if copy is not None:
                 copies.append(copy)
             self.slot_tokens[seq.slot] = []

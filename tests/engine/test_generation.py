@@ -55,6 +55,34 @@ def test_staggered_batch_of_8_equals_alone(engine):
     assert engine.stats()["active_slots"] == 0
 
 
+def test_stats_report_the_batch_and_kv_figures_the_trtllm_metrics_show(engine):
+    seen = []
+    steps = engine.stats()["steps"]
+    req = Request(prompt=PROMPTS[0], params=greedy(40, ignore_eos=True), num_draft_tokens=0)
+    done = threading.Event()
+
+    def on_output(out):  # on the loop thread, right after the step that made this output
+        if not out.finished:
+            seen.append((out.first_token, out.num_input_tokens + out.num_output_tokens, engine.stats()))
+        else:
+            done.set()
+
+    engine.submit(req, on_output)
+    assert done.wait(120)
+    first, n_first, s_first = seen[0]
+    assert first and s_first["context_requests"] == 1 and s_first["generation_requests"] == 0
+    assert s_first["context_tokens"] == n_first - 1  # the whole prompt in one chunk (prefill_chunk 64)
+    _, n, s = seen[-1]
+    assert (s["active_slots"], s["context_requests"], s["generation_requests"], s["context_tokens"]) == (1, 0, 1, 0)
+    assert s["kv_tokens_per_block"] == 32 and s["max_slots"] == 8
+    assert s["kv_blocks_max"] == 8 * (512 // 32) and s["kv_blocks_used"] == -(-n // 32)
+    assert s["steps"] - steps == len(seen) and s["step_time_us"] > 1e15  # one token a step; µs since the epoch
+    assert s["cpu_mem_bytes"] > 100e6 and s["gpu_mem_bytes"] == 0 and s["pinned_mem_bytes"] == 0
+    idle = engine.stats()
+    assert (idle["active_slots"], idle["kv_blocks_used"], idle["context_requests"], idle["generation_requests"]) \
+        == (0, 0, 0, 0)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     def req(seed):
         return Request(prompt=PROMPTS[3], params=SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95,

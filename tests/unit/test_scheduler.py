@@ -89,6 +89,7 @@ def test_prefix_caching_reuses_whole_chunks_of_the_longest_cached_prefix():
     # slot 0 holds 40 shared tokens (32 reusable), slot 1 only 20 (16): slot 0, from position 32
     assert (c.slot, c.num_reused, c.num_cached) == (0, 32, 32)
     assert [(p.start, p.end) for p in plan.prefills] == [(32, 47)]  # chunks stay [k*16, (k+1)*16)
+    assert s.reused_blocks == 1  # 32 reused positions: one whole reported KV block (metrics)
     assert s.slot_tokens[0] == [] and s.slot_tokens[1] == b.prompt_ids[:48]  # whole chunks of the prompt
     s.check_integrity()
 

@@ -710,7 +710,8 @@ class FakeEngine:
         self.cancelled.add(seq_id)
 
     def stats(self):
-        return {"active_slots": 0, "queue_depth": 0, "alive": int(self.is_alive()), "restarts": 0}
+        return {"active_slots": 0, "queue_depth": 0, "alive": int(self.is_alive()), "restarts": 0,
+                "max_slots": self.config.max_slots, "steps": 7}
 
     def is_alive(self):
         return True
@@ -768,6 +769,43 @@ def test_adapter_streams_deltas_and_one_final(model):
     fam = FakeMetricFamily.families
     wait_for(lambda: fam["specguide_generation_tokens_total"].metrics[(("model", "specguide"), ("version", "1"))].value == 3)
     assert len(fam["specguide_time_to_first_token_seconds"].metrics[(("model", "specguide"), ("version", "1"))].observed) == 1
+
+
+def _peer(name, **labels):
+    """The one series of a vLLM / TensorRT-LLM family with these labels (adapter fixture's fakes)."""
+    got = [m for k, m in FakeMetricFamily.families[name].metrics.items() if set(labels.items()) <= set(k)]
+    assert len(got) == 1, (name, labels, list(FakeMetricFamily.families[name].metrics))
+    return got[0]
+
+
+def test_adapter_labels_the_peer_metrics_with_the_model_the_traffic_came_through(model):
+    direct = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[3]], np.int32),
+                                "stream": np.array([[True]]), "num_return_sequences": np.array([[2]], np.int32)})
+    proxied = FakeTritonRequest({"text_input": s("Hi")},
+                                json.dumps({io.INTERFACE_PARAMETER: "vllm", io.CLIENT_PARAMETERS: '{"max_tokens": 4}',
+                                            "specguide_served_model": "specguide_vllm",
+                                            "specguide_served_version": "1"}))
+    model.execute([direct, proxied])
+    wait_for(direct.sender.finished)
+    wait_for(proxied.sender.finished)
+    assert proxied.sender.sent[0][0].err is None
+    trt, vllm = {"model": "specguide", "version": "1"}, {"model": "specguide_vllm", "version": "1"}
+    wait_for(lambda: len(_peer("vllm:e2e_request_latency_seconds", **vllm).observed) == 1)
+    wait_for(lambda: len(_peer("vllm:e2e_request_latency_seconds", **trt).observed) == 2)
+    # two sequences of 3 tokens (one prompt, n=2) through specguide; one of 4 through specguide_vllm
+    assert _peer("vllm:generation_tokens_total", **trt).value == 6
+    assert _peer("vllm:generation_tokens_total", **vllm).value == 4
+    assert _peer("vllm:prompt_tokens_total", **trt).value == 4 and _peer("vllm:prompt_tokens_total", **vllm).value == 2
+    assert len(_peer("vllm:time_to_first_token_seconds", **trt).observed) == 2
+    assert len(_peer("vllm:time_per_output_token_seconds", **trt).observed) == 4  # one per step after the first
+    assert _peer("vllm:request_generation_tokens", **trt).observed == [3, 3]
+    assert _peer("vllm:request_params_n", **trt).observed == [2] and _peer("vllm:request_params_n", **vllm).observed == [1]
+    assert _peer("nv_llm_output_token_len", **vllm).observed == [4]
+    assert _peer("nv_llm_input_token_len", **trt).observed == [2, 2]
+    assert _peer("vllm:generation_tokens_total", model="specguide_unary").value == 0
+    # the engine's state: gauges labelled with the engine model, set from its stats
+    wait_for(lambda: _peer("nv_trt_llm_general_metrics", general_type="iteration_counter").value == 7)
+    assert _peer("nv_trt_llm_request_metrics", request_type="max", model="specguide").value == 2
 
 
 def test_adapter_non_streaming_sends_exactly_one_final_response(model):

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import Counter
 from typing import Any, Optional
 
 import numpy as np
@@ -26,9 +27,10 @@ from ..config import EngineConfig
 from ..memory import trim
 from ..request import EngineDeadError, InvalidRequestError, QueueFullError, RequestOutput
 from . import io
-from .interfaces import PROXY_ERROR
+from .interfaces import INTERFACES, PROXY_ERROR, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
 from .limits import BIG_REQUEST_BYTES, InputLimits, request_bytes
 from .metrics import Metrics
+from .peer_metrics import PeerMetrics, Served
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WAKE_S = 0.02  # the response thread wakes at least this often
@@ -101,8 +103,12 @@ class _Group:
 class _Seq:
     """One engine sequence: its response shaping, its timings."""
 
-    def __init__(self, group: _Group, index: int, parsed: io.ParsedRequest, t_arrival: float, tokenizer: Any):
+    def __init__(self, group: _Group, index: int, parsed: io.ParsedRequest, t_arrival: float, tokenizer: Any,
+                 served: Served, n: int = 1):
         self.group, self.index, self.parsed = group, index, parsed
+        self.served = served  # the vLLM / TensorRT-LLM series of the model its request came through
+        self.n = n  # sequences of its prompt (num_return_sequences), counted once a prompt
+        self.generated = 0  # tokens it has generated so far
         self.stream = io.SequenceStream(parsed, tokenizer)
         self.seq_id: Optional[int] = None
         self.t_arrival = t_arrival
@@ -158,7 +164,12 @@ class TritonPythonModel:
         self.tokenizer = self.engine.tokenizer
         self.guided_enabled = bool(self.engine.supports_guided_decoding)
         self.limits = InputLimits.from_config(self.config)  # input caps, checked before any work
-        self.metrics = Metrics(pb_utils, args.get("model_name", "specguide"), args.get("model_version", "1"))
+        self.model_name, self.model_version = args.get("model_name", "specguide"), str(args.get("model_version", "1"))
+        self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
+        # the vLLM and TensorRT-LLM backends' families, per served model (the proxies' names up front)
+        self._served_default = {i.kind: name for name, i in INTERFACES.items() if i.kind != "engine"}
+        self.peer_metrics = PeerMetrics(pb_utils, self.model_name, self.model_version, self.config.max_seq_len,
+                                        served=tuple((name, "1") for name in self._served_default.values()))
         self._outbox: "queue.Queue[Any]" = queue.Queue()
         self._live: set[_Seq] = set()
         self._live_lock = threading.Lock()
@@ -213,7 +224,9 @@ class TritonPythonModel:
                 trim(force=False)  # give a big request's freed heap back to the OS
         group = _Group(request, sender, len(parsed), request.request_id(), unary=interface == "unary",
                        via_proxy=interface != "trtllm")
-        seqs = [_Seq(group, i, p, t_arrival, self.tokenizer) for i, p in enumerate(parsed)]
+        served = self._served(parameters, interface)
+        per_row = Counter(p.batch_index for p in parsed)  # a prompt's num_return_sequences
+        seqs = [_Seq(group, i, p, t_arrival, self.tokenizer, served, per_row[p.batch_index]) for i, p in enumerate(parsed)]
         with self._live_lock:
             self._live.update(seqs)
         try:
@@ -228,6 +241,14 @@ class TritonPythonModel:
                 self.metrics.finished("rejected")
             with self._live_lock:
                 self._live.difference_update(seqs)
+
+    def _served(self, parameters: dict, interface: str) -> Served:
+        """The metric series of the model the request came through: a proxy names itself (BLS
+        parameters); a direct request came to this model."""
+        if interface == "trtllm":
+            return self.peer_metrics.served(self.model_name, self.model_version)
+        name = str(parameters.get(SERVED_MODEL_PARAMETER) or self._served_default.get(interface, self.model_name))
+        return self.peer_metrics.served(name, str(parameters.get(SERVED_VERSION_PARAMETER) or "1"))
 
     def _reject(self, sender: Any, exc: Exception, interface: str) -> None:
         _safe_send(sender, io.error_response(pb_utils, _message(exc, interface), _code(exc)), FINAL)
@@ -273,15 +294,18 @@ class TritonPythonModel:
             return
         if seq.seq_id is None:
             seq.seq_id = out.seq_id
-        m = self.metrics
+        m, peer = self.metrics, seq.served
         if out.token_ids:
             if not seq.prompt_counted:
+                peer.first_token(out.num_input_tokens, t - seq.t_arrival)
                 m.prompt_tokens.increment(out.num_input_tokens)
                 if self.config.prefix_caching:
                     m.prefix_query_tokens.increment(out.num_input_tokens)
                     m.prefix_hit_tokens.increment(out.num_cached_tokens)
                 seq.prompt_counted = True
             m.generation_tokens.increment(len(out.token_ids))
+            peer.tokens(len(out.token_ids), None if seq.t_last is None else t - seq.t_last)
+            seq.generated += len(out.token_ids)
             if not out.first_token:  # a decode step (the first token comes from the prefill)
                 m.tokens_per_step.observe(len(out.token_ids))
             if seq.t_last is None:
@@ -304,14 +328,19 @@ class TritonPythonModel:
             if not out.finished and seq.seq_id is not None:
                 self.engine.cancel(seq.seq_id)
             out = RequestOutput(seq_id=out.seq_id, finished=True, finish_reason="error", error=payload.error)
+        if out.finished:  # recorded before the last response goes: a client that has it sees it counted
+            m.latency.observe(t - seq.t_arrival)
+            peer.finished(out.num_input_tokens or len(seq.parsed.request.prompt_ids or ()), seq.generated,
+                          t - seq.t_arrival)
+            if seq.parsed.sequence_index == 0:
+                peer.row(seq.n)
+            m.finished(out.finish_reason or "error")
+            if out.finish_reason == "cancelled":
+                m.cancelled(out.stage or "")
         if payload is not None and seq.group.deliver(seq.index, payload):
             self._cancel_siblings(seq)
         if out.finished:
             seq.done = True
-            m.latency.observe(t - seq.t_arrival)
-            m.finished(out.finish_reason or "error")
-            if out.finish_reason == "cancelled":
-                m.cancelled(out.stage or "")
             with self._live_lock:
                 self._live.discard(seq)
         elif seq.parsed.stream:
@@ -360,6 +389,7 @@ class TritonPythonModel:
             self._check_cancel(seq)
         stats = self.engine.stats()
         self.metrics.engine_stats(stats)
+        self.peer_metrics.engine_stats(stats)
         restarts = int(stats.get("restarts", 0))
         if restarts > self._restarts:
             self.metrics.engine_restarts.increment(restarts - self._restarts)

@@ -204,6 +204,10 @@ INTERFACES: dict[str, Interface] = {
 # what each front end accepts: the `specguide` engine model gets requests of all three kinds
 # and tells them apart by the BLS parameter INTERFACE_PARAMETER.
 INTERFACE_PARAMETER = "specguide_interface"
+# and the proxy's own model name and version, which label the metrics of the traffic it forwards
+# (triton/peer_metrics.py: a dashboard of model="specguide_vllm" sees that model's requests)
+SERVED_MODEL_PARAMETER = "specguide_served_model"
+SERVED_VERSION_PARAMETER = "specguide_served_version"
 # NOTE: Triton 2.51's Python backend (python_backend < r25.04, InferResponse::SaveToSharedMemory)
 # loses the id of a decoupled BLS error response that follows another response: the proxy's
 # response iterator never sees it and its client waits forever. So the engine model sends the

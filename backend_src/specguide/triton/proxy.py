@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .interfaces import ENGINE_MODEL, INTERFACE_PARAMETER, INTERFACES, PROXY_ERROR
+from .interfaces import ENGINE_MODEL, INTERFACE_PARAMETER, INTERFACES, PROXY_ERROR, SERVED_MODEL_PARAMETER, \
+    SERVED_VERSION_PARAMETER
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 POLL_S = 0.05  # cancellation poll period
@@ -65,6 +66,8 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.kind = params["interface"]  # unary | vllm
         self.target = params.get("engine_model") or "specguide"
+        self.served = {SERVED_MODEL_PARAMETER: args.get("model_name", ""),  # labels its traffic's metrics
+                       SERVED_VERSION_PARAMETER: args.get("model_version", "1")}
         self.inputs = [i["name"] for i in config["input"]]
         self.passed_on = set(INTERFACES[ENGINE_MODEL].input_names)  # the rest (vLLM's image, ...) is refused
         self.add_batch_dim = int(config.get("max_batch_size", 0)) == 0  # the engine model batches
@@ -121,7 +124,7 @@ class TritonPythonModel:
             inputs=tensors,
             requested_output_names=requested + [PROXY_ERROR] if requested else [],
             request_id=live.bls_id,
-            parameters={INTERFACE_PARAMETER: self.kind, CLIENT_PARAMETERS: request.parameters() or "{}"},
+            parameters={INTERFACE_PARAMETER: self.kind, CLIENT_PARAMETERS: request.parameters() or "{}", **self.served},
         )
         last = None
         for response in bls.exec(decoupled=True):
