@@ -45,7 +45,6 @@ def _cause(exc: BaseException) -> BaseException:
     return exc.__cause__ if isinstance(exc, HostFuncError) and exc.__cause__ is not None else exc
 
 
-
 def _memory_bytes(device: torch.device) -> dict[str, int]:
     """The engine process's memory, by where it lives: resident host memory, device memory its
     tensors hold, pinned host memory (torch's caching allocators' own counters: no device sync)."""
@@ -58,6 +57,7 @@ def _memory_bytes(device: torch.device) -> dict[str, int]:
         except RuntimeError:
             pinned = 0
     return {"cpu_mem_bytes": memory.rss_bytes(), "gpu_mem_bytes": gpu, "pinned_mem_bytes": pinned}
+
 
 class Engine:
     """In-flight batched generation. `submit` returns at once; events arrive on the callback
