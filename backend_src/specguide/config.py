@@ -82,7 +82,11 @@ class EngineConfig:
     # per slot per step) | "early_exit" (the target's first draft_layers) | "draft_model" (a separate
     # small model sharing the tokenizer, from draft_model_dir)
     draft_head_path: str = ""  # trained draft head (.pt) for "head"/"hybrid"; "" = the model cache's
-    # (scripts/train_draft_head.py writes it; when missing, "head"/"hybrid" fall back to "grammar")
+    # (scripts/train_draft_head.py writes it; while missing, "head"/"hybrid" draft as "grammar" and the
+    # engine attaches the file between steps once it is written)
+    draft_head_training: str = "background"  # "background": a served engine whose head is missing has it
+    # trained by a process of its own at the least CPU share (head_training.py); "off": it waits for
+    # scripts/train_draft_head.py
     draft_head_weight_dtype: str = "int8"  # CPU (C kernels): how the draft head's linear weights are
     # held, as weight_dtype. Drafts never change the output, only acceptance: int8 drafts as well as
     # fp32 at less cost (bench/BENCHMARKS.md). "" = the target's weight_dtype (always so without the C kernels)
@@ -140,6 +144,8 @@ class EngineConfig:
             _check(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)!r}")
         _check(0 <= self.num_draft_tokens <= 15, f"num_draft_tokens must be in [0, 15], got {self.num_draft_tokens}")
         _check(self.drafter in DRAFTERS, f"unknown drafter {self.drafter!r} (one of {DRAFTERS})")
+        _check(self.draft_head_training in ("background", "off"),
+               f"draft_head_training must be 'background' or 'off', got {self.draft_head_training!r}")
         _check(self.guided_backend.strip().lower() in ("auto", "xgrammar", "llguidance", "guidance"),
                f"unknown guided_backend {self.guided_backend!r} (one of auto, xgrammar, llguidance)")
         _check(self.guided_undeclared_keys in ("forbid", "allow"),

@@ -32,6 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 Callback = Callable[[RequestOutput], None]
 IDLE_WAIT_S = 0.005
+HEAD_POLL_S = 2.0  # how often a missing draft head's file is looked for (one stat)
 
 
 def _detail(exc: BaseException) -> str:
@@ -138,11 +139,13 @@ class Engine:
         self._drain = True
         self._dead: Optional[BaseException] = None
         self.num_steps = 0
+        self._next_head_poll = 0.0
         # the latest iteration, for the TensorRT-LLM metric families: (prefill chunks, decoding
         # sequences, prompt tokens in the chunks, wall clock in microseconds); plain ints, set by the
         # loop thread and read by stats() from another thread, never a device value
         self.last_step: tuple[int, int, int, int] = (0, 0, 0, 0)
         self.scheduler.tokens_per_block = self.runner.kv.tokens_per_block
+        self.scheduler.reusable = self.proposer.reusable
         t0 = time.perf_counter()
         if config.warmup:  # before the loop starts, so initialize() (and readiness) waits for it
             self.runner.warmup()
@@ -240,6 +243,7 @@ class Engine:
         return {"active_slots": len(running),
                 "queue_depth": sched.num_waiting + self._pending_submits,
                 "steps": self.num_steps, "alive": int(self.is_alive()),
+                "draft_head": int(self.proposer.head is not None),
                 "max_slots": sched.max_slots,
                 "context_requests": prefills, "generation_requests": decodes,
                 "context_tokens": prompt_tokens, "step_time_us": step_us,
@@ -279,12 +283,14 @@ class Engine:
             while True:
                 with self._cv:
                     while not (self._inbox or self._stopping or self.scheduler.has_work()):
-                        self._cv.wait()
+                        if not self._cv.wait(HEAD_POLL_S if self.proposer.awaits_head else None):
+                            break  # idle, awaiting a draft head: look for its file
                     inbox, self._inbox = self._inbox, []
                     self._pending_submits -= sum(1 for kind, _ in inbox if kind == "submit")
                     stopping, drain = self._stopping, self._drain
                 self._apply(inbox)
                 self._expire()
+                self._poll_head()
                 if stopping and not drain:
                     for seq in list(self._seqs.values()):
                         self._finish(seq, "cancelled")
@@ -399,6 +405,21 @@ class Engine:
         out = self.runner.step(seqs, self.proposer.plan(seqs))
         self.proposer.record(seqs, out, time.perf_counter() - t0)
         return out
+
+    def _poll_head(self) -> None:
+        """Every HEAD_POLL_S while a configured draft head is missing: attach it once its file
+        is written (by the background training); graphs captured without its feature recording
+        are dropped (recaptured on use)."""
+        now = time.monotonic()
+        if not self.proposer.awaits_head or now < self._next_head_poll:
+            return
+        self._next_head_poll = now + HEAD_POLL_S
+        if self.proposer.attach_head():
+            self.runner.core.feature_sink = self.proposer.feature_sink
+            if self.runner.graphs is not None:
+                self.runner.graphs.close()
+            log.info("specguide: draft head %s attached while serving (%.2f s): drafter %r for requests "
+                     "admitted from now on", self.proposer.head_path, time.monotonic() - now, self.drafter)
 
     def _poll_compiles(self) -> None:
         """Move finished grammar compiles onto their sequences; a failed one fails its request."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .config import EngineConfig
+from .head_training import BackgroundTraining
 from .ipc import child_env, die_with_parent, python_executable, read_msg, write_msg
 from .request import EngineDeadError, Request, RequestOutput
 from .restarts import Backoff, sleep_unless
@@ -56,6 +57,7 @@ class EngineInfo:
     head: bool  # a trained draft head is in use
     probes: dict  # tokenizer.PROBES through the engine's tokenizer (the stub's light one must agree)
     warmup_s: float
+    awaited_head: str = ""  # the draft head file the engine attaches once written ("" = none awaited)
 
 
 def describe_exit(returncode: Optional[int], dead_message: str = "") -> str:
@@ -137,6 +139,8 @@ class EngineProcess:
         self._supervisor.start()
         self.info = self._child.info
         self.tokenizer = self._text_tokenizer(self.info)
+        # a missing draft head is trained beside the engine (its own process: it outlives engine restarts)
+        self.training = BackgroundTraining.start_if_needed(self.info.config, self.info.awaited_head, self._log)
 
     def _text_tokenizer(self, info: EngineInfo):
         """The tokenizers-only TokenizerFile when it gives the engine's ids, else the engine's own kind."""
@@ -228,6 +232,8 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             self._log("warn", "specguide: the engine process did not stop in time; killing it")
         child.kill()
+        if self.training is not None:
+            self.training.stop()
         self._reader.join(timeout=10.0)
         self._supervisor.join(timeout=10.0)
 
@@ -376,7 +382,8 @@ def child_main() -> None:
     from .tokenizer import probe
 
     send(("ready", EngineInfo(os.getpid(), engine.config, str(engine.model_dir), engine.drafter,
-                              engine.head_drafter is not None, probe(engine.tokenizer), engine.warmup_s)))
+                              engine.head_drafter is not None, probe(engine.tokenizer), engine.warmup_s,
+                              str(engine.proposer.head_path) if engine.proposer.awaits_head else "")))
     seq_of: dict[int, int] = {}  # parent key -> engine seq_id, while the request runs
     seq_lock = threading.Lock()
 

@@ -135,6 +135,9 @@ class Scheduler:
         self._tick = 0
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
+        # whether a slot's rows may be reused at all (the engine: a draft head attached while
+        # serving lacks the features of rows computed before it, so their slots are not)
+        self.reusable: Callable[[int], bool] = lambda slot: True
         self.reused_blocks = 0  # whole KV blocks of prompt prefixes reused at admission, all told (metrics)
 
     # ---- admission (the engine appends to `waiting`; it enforces max_queue) ------------------
@@ -204,6 +207,8 @@ class Scheduler:
     def _reusable(self, slot: int) -> list[int]:
         """Tokens whose KV the slot holds as a prefill from scratch computes it: a free slot's kept
         tokens; a busy slot's (`_kept`)."""
+        if not self.reusable(slot):
+            return []
         seq = self.running.get(slot)
         return self.slot_tokens[slot] if seq is None else self._kept(seq)
 

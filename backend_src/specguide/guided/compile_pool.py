@@ -83,7 +83,7 @@ class _Worker:
         env.setdefault("OMP_NUM_THREADS", "1")
         self.proc = subprocess.Popen([python_executable(), "-c", _WORKER_MAIN], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-                                     start_new_session=True)  # its own autogroup: compile_worker._demote
+                                     start_new_session=True)  # its own autogroup: ipc.demote
         write_msg(self.proc.stdin, init)
         if read_msg(self.proc.stdout) is None:
             self.kill()
@@ -106,7 +106,7 @@ class _Worker:
 
     def _deadline(self, timeout_s: float, started: float, cpu0: Optional[float]) -> float:
         """The timeout counts the worker's CPU seconds, not the wall clock: it runs at the lowest
-        priority (compile_worker._demote), so a busy machine slows its compile without making it a
+        priority (ipc.demote), so a busy machine slows its compile without making it a
         bomb. Capped at _WALL_FACTOR timeouts of wall time."""
         now = time.monotonic()
         cpu = cpu_seconds(self.proc.pid)

@@ -15,39 +15,16 @@ import os
 import sys
 import time
 
-from ..ipc import die_with_parent, read_msg, write_msg
+from ..ipc import demote, read_msg, write_msg
 
 PARENT_ENV = "SPECGUIDE_COMPILE_PARENT"
-
-
-def _demote() -> None:
-    """Give compile work the least CPU share the OS offers, and die with the serving process.
-
-    NOTE: with autogroup scheduling (most desktop and server kernels) CPU is shared between
-    sessions first: the serving process starts this worker in a session of its own
-    (`start_new_session`), and only the session's autogroup nice counts against other sessions.
-    At autogroup nice 0, or inside the server's session, two compile bombs beside a decoding
-    engine starved every other process on a 2-core machine for up to 2-5 s (bench/probe_stalls.py);
-    at autogroup nice 19 the largest stall was 0.3 s. Without autogroup the process nice applies.
-    """
-    for step in (lambda: os.nice(5), lambda: _write("/proc/self/autogroup", "19")):
-        try:
-            step()
-        except OSError:
-            pass
-    die_with_parent(PARENT_ENV)  # a session of its own escapes the server's process group kill
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def main() -> None:
     inp = sys.stdin.buffer
     out = os.fdopen(os.dup(1), "wb")  # replies; stray prints from libraries go to stderr instead
     os.dup2(2, 1)
-    _demote()
+    demote(PARENT_ENV)  # the least CPU share; dies with the serving process
     import xgrammar as xgr
 
     from ..memory import trim

@@ -39,10 +39,17 @@ class Proposer:
         self.head: Optional[HeadDrafter] = None
         self.draft_model: Optional[DraftModel] = None
         K = config.num_draft_tokens
+        self.head_path: Optional[Path] = None  # the trained head's file ("head" / "hybrid")
+        self._model, self._device = model, device
+        self._bad_head: Optional[float] = None  # mtime of a head file that failed to load
         if config.drafter in ("head", "hybrid") and K:
-            self.head = self._load_head(model, folder, device)
+            self.head_path = Path(config.draft_head_path) if config.draft_head_path else default_head_path(folder)
+            self.head = self._load_head()
             if self.head is None:
                 self.drafter = "grammar"
+        # per slot: the head has the target's features of the whole sequence (False for sequences
+        # that began before a head was attached while serving: they keep model-free drafts)
+        self.head_ready = [self.head is not None] * config.max_slots
         self.early_exit = EarlyExitDrafter(model, kv, config.draft_layers) if config.drafter == "early_exit" else None
         if config.drafter == "draft_model" and K:
             dm = load_model(resolve_model_dir(config.draft_model_dir), dtype, str(device), config.weight_dtype,
@@ -55,18 +62,50 @@ class Proposer:
         self.step_costs = (StepCosts() if config.cost_aware_k and K and device.type == "cpu"
                            else None)  # host clock: CPU only
 
-    def _load_head(self, model: LlamaModel, folder: Path, device: torch.device) -> Optional[HeadDrafter]:
-        cfg = self.config
-        path = Path(cfg.draft_head_path) if cfg.draft_head_path else default_head_path(folder)
-        if not path.exists():
+    def _load_head(self) -> Optional[HeadDrafter]:
+        cfg, path = self.config, self.head_path
+        if path is None or not path.exists():
             how = "make draft-head MODEL_REPOSITORY=<this model repository>" if cfg.model_dir else "make draft-head"
-            log.warning("drafter %r: no trained draft head at %s; using the 'grammar' drafter. Train it "
-                        "once with: %s (or python scripts/train_draft_head.py --help)", cfg.drafter, path, how)
+            log.warning("drafter %r: no trained draft head at %s; drafting grammar-forced tokens + n-gram "
+                        "until one is written there (the server trains it in the background; or: %s)",
+                        cfg.drafter, path, how)
             return None
-        head = DraftHead.load(path, model, cfg.draft_head_weight_dtype)
+        head = DraftHead.load(path, self._model, cfg.draft_head_weight_dtype)
         log.info("draft head %s (draft vocabulary %d, %s weights)", path, head.draft_vocab_size,
                  head.lm.weight_dtype if hasattr(head.lm, "weight_dtype") else "model dtype")
-        return HeadDrafter(head, cfg.max_slots, cfg.max_seq_len, cfg.num_draft_tokens, cfg.prefill_chunk, device)
+        return HeadDrafter(head, cfg.max_slots, cfg.max_seq_len, cfg.num_draft_tokens, cfg.prefill_chunk,
+                           self._device)
+
+    @property
+    def awaits_head(self) -> bool:
+        """A head is configured but not loaded yet (`attach_head` looks for its file)."""
+        return self.head is None and self.head_path is not None
+
+    def reusable(self, slot: int) -> bool:
+        """Whether the slot's KV rows may be reused by a new sequence: the head, if any, must hold
+        their features (the scheduler asks)."""
+        return self.head is None or self.head_ready[slot]
+
+    def attach_head(self) -> bool:
+        """Between steps: load the head if its file has appeared (saves are atomic renames). It
+        drafts for sequences admitted from now on; the ones already running keep model-free
+        drafts until they end (the head lacks their earlier features). True when attached."""
+        if not self.awaits_head or not self.head_path.exists():
+            return False
+        mtime = self.head_path.stat().st_mtime
+        if mtime == self._bad_head:
+            return False
+        try:
+            self.head = self._load_head()
+        except Exception:
+            log.exception("draft head %s could not be loaded; still drafting without it", self.head_path)
+            self._bad_head = mtime
+            return False
+        self.drafter = self.config.drafter
+        self.head_ready = [False] * self.config.max_slots
+        if self.step_costs is not None:  # model-drafted steps cost what host-drafted ones did not
+            self.step_costs = StepCosts()
+        return True
 
     # ---- per slot ---------------------------------------------------------------------------
     @property
@@ -77,6 +116,7 @@ class Proposer:
     def admit(self, slot: int, seq: Sequence) -> None:
         """A new sequence in the slot."""
         self.accept_rate[slot] = 1.0
+        self.head_ready[slot] = self.head is not None and (seq.num_reused == 0 or self.head_ready[slot])
         for d in (self.head, self.draft_model):
             if d is not None:
                 d.admit(slot, seq)
@@ -88,6 +128,7 @@ class Proposer:
         """A prefix copied between slots: the head's target features come with it, and the head's
         and the draft model's own rows where their forwards are chunk-invariant (else they refill
         from position 0 at admission: their catch-up chunks depend on the prompt's length)."""
+        self.head_ready[c.dst] = self.head_ready[c.src] and (c.start == 0 or self.head_ready[c.dst])
         for d in (self.head, self.draft_model):
             if d is not None:
                 d.copy_prefix(c.src, c.dst, c.start, c.end)
@@ -124,7 +165,7 @@ class Proposer:
         if not any(ks):
             return DraftPlan(ks, drafts=[[] for _ in seqs])
         masked = self.config.mask_drafts
-        if self.head is not None:
+        if self.head is not None and all(self.head_ready[s.slot] for s in seqs):
             picker = None
             if self.drafter == "hybrid":
                 forced = lambda slot, k: self.guided.inner.forced_tokens(slot, self.encode, k)  # noqa: E731
@@ -133,7 +174,7 @@ class Proposer:
             return DraftPlan(ks, drafter=self.head, picker=picker, masked=masked)
         if self.early_exit is not None or self.draft_model is not None:
             return DraftPlan(ks, drafter=self.early_exit or self.draft_model, masked=masked)
-        if self.drafter == "grammar":
+        if self.drafter == "grammar" or self.head is not None:  # no head yet, or one not ready for every row
             return DraftPlan(ks, drafts=[self.chain(s, k) for s, k in zip(seqs, ks)])
         return DraftPlan(ks, drafts=[self.ngram_drafts(s, k) for s, k in zip(seqs, ks)])
 

@@ -4,6 +4,8 @@
     specguide_cancellations_total{stage}           cancelled sequences by where they were (queued|compiling|prefill|decode)
     specguide_engine_alive                         gauge: 1 while the engine serves, 0 while it is down (restarting)
     specguide_engine_restarts_total                engine processes started again after the last one died
+    specguide_draft_head_loaded                    gauge: 1 once the trained draft head drafts ("head" / "hybrid"),
+                                                   0 while the engine drafts without it (it trains in the background)
     specguide_server_restarts_total                tritonserver restarts by specguide.supervisor (a stub died)
     specguide_prompt_tokens_total                  prompt tokens of admitted sequences
     specguide_generation_tokens_total              generated tokens
@@ -82,6 +84,8 @@ class Metrics:
         self.accepted_tokens = counter("specguide_accepted_draft_tokens_total", "Speculative draft tokens accepted")
         self.engine_alive = gauge("specguide_engine_alive", "1 while the engine serves; 0 while it is down (restarting)")
         self.engine_alive.set(1.0)
+        self.draft_head = gauge("specguide_draft_head_loaded",
+                                "1 once the trained draft head drafts; 0 while the engine drafts without it")
         self.engine_restarts = counter("specguide_engine_restarts_total",
                                        "Engine processes started again after the last one died")
         self.server_restarts = counter("specguide_server_restarts_total",
@@ -105,3 +109,4 @@ class Metrics:
         self.active_slots.set(float(stats.get("active_slots", 0)))
         self.queue_depth.set(float(stats.get("queue_depth", 0)))
         self.engine_alive.set(float(stats.get("alive", 1)))
+        self.draft_head.set(float(stats.get("draft_head", 0)))
