@@ -125,7 +125,9 @@ TRTLLM_INPUTS: tuple[Spec, ...] = (
     # vLLM-only: passed on by specguide_vllm, refused here otherwise
     _s("return_finish_reason", "BOOL", [1], "false", "vLLM: add `finish_reason`", vllm_only=True),
     _s("return_cumulative_logprob", "BOOL", [1], "false", "vLLM: add `cumulative_logprob`", vllm_only=True),
-    _s("return_logprobs", "BOOL", [1], "false", "vLLM: add `logprobs`", vllm_only=True),
+    _s("return_logprobs", "BOOL", [1], "false",
+       "add `logprobs` (vLLM's JSON: each token's log prob, rank and text, and the top `logprobs: N` of "
+       "`sampling_parameters`, default 0)"),
 )
 
 TRTLLM_OUTPUTS: tuple[Spec, ...] = (
@@ -159,8 +161,8 @@ TRTLLM_OUTPUTS: tuple[Spec, ...] = (
        "`specguide_unary`), which answer their client with that error (PROXY_ERROR)"),
     # vLLM-only outputs, sent only through specguide_vllm
     _s("cumulative_logprob", "FP32", [-1], "", "vLLM: sum of the log probs so far", vllm_only=True),
-    _s("logprobs", "STRING", [-1], "", "vLLM: JSON list of {token_id: {logprob, rank, decoded_token}}",
-       vllm_only=True),
+    _s("logprobs", "STRING", [-1], "", "JSON list of {token_id: {logprob, rank, decoded_token}} (with "
+       "`return_logprobs`)"),
 )
 
 # ------------------------------------------------------------------------------ vLLM backend

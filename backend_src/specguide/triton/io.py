@@ -312,11 +312,7 @@ def _response_shape(row: Row, ctx: _Context, vllm_params: Optional[dict]) -> Par
         p.return_finish_reason = bool(row.bool("return_finish_reason"))
         p.return_cumulative_logprob = bool(row.bool("return_cumulative_logprob"))
         p.return_logprobs = bool(row.bool("return_logprobs"))
-        n = (vllm_params or {}).get("logprobs")
-        if n is not None:
-            p.top_logprobs = as_int(n, "logprobs")
-            if not 0 <= p.top_logprobs <= VLLM_MAX_LOGPROBS:
-                raise InvalidRequestError(f"logprobs must be in [0, {VLLM_MAX_LOGPROBS}], got {p.top_logprobs}")
+        p.top_logprobs = _top_logprobs(vllm_params)
     else:
         if stream and ctx.interface == "unary":
             raise InvalidRequestError("stream=true needs a decoupled model: send streaming requests to `specguide`")
@@ -326,8 +322,22 @@ def _response_shape(row: Row, ctx: _Context, vllm_params: Optional[dict]) -> Par
         p.return_log_probs = bool(row.bool("return_log_probs"))
         p.return_context_logits = bool(row.bool("return_context_logits"))
         p.return_generation_logits = bool(row.bool("return_generation_logits"))
+        p.return_logprobs = bool(row.bool("return_logprobs"))  # vLLM's JSON: each token and the top N
+        if p.return_logprobs:
+            p.top_logprobs = _top_logprobs(vllm_params) or 0
         check_neutral("beam_width", row.int("beam_width"), 1)
     return p
+
+
+def _top_logprobs(vllm_params: Optional[dict]) -> Optional[int]:
+    """vLLM's `logprobs: N` of `sampling_parameters` (None when absent)."""
+    n = (vllm_params or {}).get("logprobs")
+    if n is None:
+        return None
+    n = as_int(n, "logprobs")
+    if not 0 <= n <= VLLM_MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be in [0, {VLLM_MAX_LOGPROBS}], got {n}")
+    return n
 
 
 def _apply_tensor_sampling(row: Row, sp: SamplingParams, explicit_sampling: bool, tokenizer: Any) -> None:
