@@ -50,6 +50,9 @@ class FakeResponse:
     def has_error(self):
         return self.err is not None
 
+    def error(self):
+        return self.err
+
 
 class FakeRequest:
     def __init__(self, inputs, parameters="{}"):
@@ -790,6 +793,23 @@ def test_adapter_bad_request_gets_an_error_and_touches_nothing(model):
     assert flags == 1 and resp.err.code() == FakeTritonError.INVALID_ARG and "max_tokens" in resp.err.message()
     assert len(model.engine.submitted) == 1
     assert [f for _, f in good.sender.sent] == [0, 1]
+
+
+def test_adapter_errors_travel_as_an_output_when_the_client_asks(model):
+    """`specguide_error_output` (the OpenAI server): every error is the output specguide_error [code, message]."""
+    model.guided_enabled = True
+    asked = json.dumps({"specguide_error_output": True})
+    early = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[0]], np.int32)}, asked)
+    late = FakeTritonRequest({"text_input": s("Hi"), "guided_decoding_guide_type": s("regex"),
+                              "guided_decoding_guide": s(BAD_REGEX), "stream": np.array([[True]])}, asked)
+    model.execute([early, late])
+    wait_for(early.sender.finished)
+    wait_for(late.sender.finished)
+    for req, text in ((early, "max_tokens"), (late, "(ab")):
+        (resp, flags), = req.sender.sent
+        assert flags == 1 and resp.err is None
+        code, message = resp.tensors["specguide_error"].reshape(-1)
+        assert code and text in message.decode()
 
 
 def test_adapter_guide_error_after_submit_is_invalid_arg_and_others_run(model):

@@ -211,6 +211,11 @@ INTERFACE_PARAMETER = "specguide_interface"
 # response iterator never sees it and its client waits forever. So the engine model sends the
 # proxies every error as this output instead, and the proxy turns it back into the error.
 PROXY_ERROR = "specguide_error"
+# A client of `specguide` may ask for its errors as that output too (request parameter, true): a gRPC
+# stream carries an error's message but not its code, and the OpenAI server answers by the code
+# (400 / 429 / 503 / 500). Triton's own `triton_grpc_error` header would keep it, but 2.51 logs a
+# spurious cancellation for each such stream and once crashed on one (SIGSEGV in infer_handler.h).
+ERROR_OUTPUT_PARAMETER = "specguide_error_output"
 TRTLLM_INPUT_NAMES = tuple(s.name for s in TRTLLM_INPUTS if not s.vllm_only)
 VLLM_INPUT_NAMES = tuple(s.name for s in VLLM_INPUTS)
 ALIASES: dict[str, str] = {s.name: s.alias_of for s in TRTLLM_INPUTS if s.alias_of}

@@ -26,7 +26,7 @@ from .. import faults
 from ..guided.limits import check_guide_text, check_json_text
 from ..guided.params import resolve_guided
 from ..request import InvalidRequestError, Request, SamplingParams
-from .interfaces import ALIASES, INTERFACE_PARAMETER, TRTLLM_INPUT_NAMES, TRTLLM_INPUTS, TRTLLM_OUTPUTS, \
+from .interfaces import ALIASES, ERROR_OUTPUT_PARAMETER, INTERFACE_PARAMETER, TRTLLM_INPUT_NAMES, TRTLLM_INPUTS, TRTLLM_OUTPUTS, \
     VLLM_INPUT_NAMES, Spec
 from .limits import InputLimits, check_inputs
 from .values import DEFAULT_JSON_DEPTH, Row, as_int, check_neutral, encode_words, parse_json_object
@@ -46,7 +46,13 @@ CLIENT_PARAMETERS = "specguide_client_parameters"  # a proxy's client's paramete
 # request parameters every interface accepts: internal ones, and the `Streaming` flag that
 # TensorRT-LLM's inflight_batcher_llm_client sends beside its tensors (ignored there as here)
 FAULTS = faults.injector()  # on only with SPECGUIDE_FAULT_INJECTION=1
-_KNOWN_PARAMETERS = frozenset({FAULT_PARAMETER, INTERFACE_PARAMETER, CLIENT_PARAMETERS, "Streaming"})
+_KNOWN_PARAMETERS = frozenset({FAULT_PARAMETER, INTERFACE_PARAMETER, CLIENT_PARAMETERS, ERROR_OUTPUT_PARAMETER,
+                               "Streaming"})
+
+
+def wants_error_output(parameters: dict[str, Any]) -> bool:
+    """The client asked for its errors as the output PROXY_ERROR ([code, message]); the proxies get them so anyway."""
+    return parameters.get(ERROR_OUTPUT_PARAMETER) is True
 
 
 @dataclass
