@@ -14,6 +14,8 @@ PYTEST_ARGS ?= -q -ra --timeout=900
 export TRITON_HTTP_PORT ?= 8000
 export TRITON_GRPC_PORT ?= 8001
 export TRITON_METRICS_PORT ?= 8002
+# the OpenAI-compatible server `make serve` starts beside tritonserver (specguide.openai_api)
+export OPENAI_PORT ?= 9000
 # The repository `make serve` serves; `make serve MODEL_REPOSITORY=DIR` serves your own copy (README,
 # "Serve your own model"), and `draft-head` trains the head of the model its config.pbtxt names.
 export MODEL_REPOSITORY ?= model_repository
@@ -59,7 +61,10 @@ else
 	$(PY) scripts/train_draft_head.py --if-missing --model-repository $(MODEL_REPOSITORY)
 endif
 
+# tritonserver (under the supervisor) and, beside it, the OpenAI-compatible server on 127.0.0.1:$(OPENAI_PORT),
+# which talks to it over gRPC; it stops with the recipe
 serve: setup draft-head
+	$(PY) -m specguide.openai_api --port $(OPENAI_PORT) & api=$$!; trap 'kill $$api 2>/dev/null' EXIT INT TERM; \
 	$(PY) scripts/tritonserver.py serve
 
 test: setup draft-head

@@ -6,6 +6,7 @@ its field.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -57,11 +58,7 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
     """The app; `client` defaults to a TritonClient on settings.triton_url, made at start-up."""
     ctx = handlers.Context(client=client, template=None, model_name=settings.served_model_name)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        if ctx.client is None:  # a grpc.aio channel belongs to the loop that makes it: uvicorn's
-            ctx.client = TritonClient(settings.triton_url, settings.triton_model)
-        params = await ctx.client.parameters()
+    def configure(params: dict[str, str]) -> None:
         limit = int(params.get("max_tokens_limit") or 0) or int(params.get("max_seq_len") or 0) or 2048
         ctx.limits, ctx.default_chat_max_tokens = Limits(limit), limit
         folder = settings.chat_template_dir or _default_template_dir(params)
@@ -69,7 +66,22 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
             ctx.template = ChatTemplate(folder)
         except (OSError, ValueError) as e:
             log.warning("no chat template (%s): /v1/chat/completions refuses requests", e)
+
+    async def configure_when_ready() -> None:
+        """Triton may still be starting (`make serve` starts both): read the model's settings once it answers."""
+        while not (params := await ctx.client.parameters()):
+            await asyncio.sleep(2.0)
+        configure(params)
+        log.info("configured from Triton at %s: max_tokens_limit %d", settings.triton_url, ctx.limits.max_tokens_limit)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if ctx.client is None:  # a grpc.aio channel belongs to the loop that makes it: uvicorn's
+            ctx.client = TritonClient(settings.triton_url, settings.triton_model)
+        configure({})  # defaults until Triton answers
+        task = asyncio.create_task(configure_when_ready())
         yield
+        task.cancel()
         await ctx.client.close()
 
     app = FastAPI(title="SpecGuide OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)

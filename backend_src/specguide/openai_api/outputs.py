@@ -18,9 +18,13 @@ def finish_reason(reason: Optional[str], tool_calls: bool = False) -> Optional[s
     return "tool_calls" if tool_calls and out == "stop" else out
 
 
+MIN_LOGPROB = -9999.0  # what OpenAI and vLLM send for an impossible token (JSON has no -inf)
+
+
 def _entries(doc: dict[str, dict], n: int) -> tuple[dict, list[dict]]:
-    """One token's vLLM entry -> (the sampled token's, the top n by rank)."""
-    items = list(doc.values())
+    """One token's vLLM entry -> (the sampled token's, the top n by rank), log probs made finite
+    (a token the grammar masks has log prob -inf)."""
+    items = [{**e, "logprob": max(float(e["logprob"]), MIN_LOGPROB)} for e in doc.values()]
     top = sorted((e for e in items if e["rank"] <= n), key=lambda e: e["rank"])[:n]
     return items[0], top
 
