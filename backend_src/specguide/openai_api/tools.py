@@ -102,6 +102,7 @@ class ToolCallParser:
         self.buf = ""
         self.in_call = False
         self.calls: list[ParsedCall] = []
+        self._after_call = False
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self.buf += text
@@ -111,10 +112,10 @@ class ToolCallParser:
                 i = self.buf.find(CALL_BEGIN)
                 if i < 0:
                     keep = _partial_suffix(self.buf, CALL_BEGIN)
-                    content.append(self.buf[:len(self.buf) - keep])
+                    content.append(self._content(self.buf[:len(self.buf) - keep]))
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
-                content.append(self.buf[:i])
+                content.append(self._content(self.buf[:i]))
                 self.buf, self.in_call = self.buf[i:], True
             j = self.buf.find(CALL_END)
             if j < 0:
@@ -126,16 +127,21 @@ class ToolCallParser:
                 content.append(block)  # not a well-formed call (only possible unguided): keep it as text
             else:
                 done.append(call)
+                self._after_call = True
         self.calls.extend(done)
-        text_out = "".join(content)
-        if self.calls and not text_out.strip():
-            text_out = ""  # separators between calls
-        return text_out, done
+        return "".join(content), done
+
+    def _content(self, text: str) -> str:
+        """Drops the whitespace that follows a call (the separators between calls)."""
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
 
     def finish(self) -> str:
         """The text still held back (an unfinished call stays text)."""
         rest, self.buf, self.in_call = self.buf, "", False
-        return "" if self.calls and not rest.strip() else rest
+        return self._content(rest)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
