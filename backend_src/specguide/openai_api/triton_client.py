@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 
 import grpc
 import numpy as np
-from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import serialize_byte_tensor
 
 from ..triton.interfaces import ERROR_OUTPUT_PARAMETER, PROXY_ERROR
@@ -41,11 +41,10 @@ class TritonRequest:
 
 @dataclass
 class Delta:
-    """One response of one sequence: new text (and ids), its log probs, its end."""
+    """One response of one sequence: new text, its log probs, its end."""
 
     index: int  # sequence_index (which of the n)
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None  # stop | length | timeout on the sequence's last response
     num_input_tokens: Optional[int] = None
     num_output_tokens: int = 0
@@ -60,6 +59,9 @@ def _tensor(name: str, value: Any, dtype: Any, datatype: str) -> tuple[Any, byte
     else:
         raw = arr.tobytes()
     return service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=list(arr.shape)), raw
+
+
+_WANTED = ("text_output", "finish_reason", "sequence_index", "num_input_tokens", "num_output_tokens", PROXY_ERROR)
 
 
 def build_request(req: TritonRequest, request_id: str, model: str = MODEL) -> Any:
@@ -79,6 +81,8 @@ def build_request(req: TritonRequest, request_id: str, model: str = MODEL) -> An
     if req.logprobs:
         inputs.append(("return_logprobs", True, np.bool_, "BOOL"))
     msg = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    for name in _WANTED + (("logprobs",) if req.logprobs else ()):  # less to send and parse per token
+        msg.outputs.append(service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=name))
     for name, value, dtype, datatype in inputs:
         tensor, raw = _tensor(name, value, dtype, datatype)
         msg.inputs.append(tensor)
@@ -86,10 +90,6 @@ def build_request(req: TritonRequest, request_id: str, model: str = MODEL) -> An
     msg.parameters["triton_enable_empty_final_response"].bool_param = True
     msg.parameters[ERROR_OUTPUT_PARAMETER].bool_param = True  # errors come as PROXY_ERROR [code, message]
     return msg
-
-
-def _scalar(result: InferResult, name: str, names: set[str]) -> Any:
-    return result.as_numpy(name).reshape(-1)[0] if name in names else None
 
 
 class TritonError(Exception):
@@ -100,27 +100,46 @@ class TritonError(Exception):
         self.code, self.message = code, message
 
 
+_DTYPES = {"INT32": np.int32, "UINT32": np.uint32, "INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_}
+
+
+def _strings(raw: bytes) -> list[bytes]:
+    """A BYTES tensor's raw contents: each element a 4-byte little-endian length, then its bytes."""
+    out, i = [], 0
+    while i < len(raw):
+        n = int.from_bytes(raw[i:i + 4], "little")
+        out.append(raw[i + 4:i + 4 + n])
+        i += 4 + n
+    return out
+
+
+def _outputs(response: Any) -> dict[str, Any]:
+    """The response's outputs by name: BYTES as lists of bytes, the rest as flat numpy arrays.
+    (Read from the raw contents directly: tritonclient's InferResult costs more per token.)"""
+    out = {}
+    for spec, raw in zip(response.outputs, response.raw_output_contents):
+        out[spec.name] = _strings(raw) if spec.datatype == "BYTES" else np.frombuffer(raw, dtype=_DTYPES[spec.datatype])
+    return out
+
+
 def parse_response(response: Any) -> Optional[Delta]:
     """A ModelInferResponse -> Delta (None for an empty final response); raises TritonError for an error."""
     if not response.outputs:
         return None
-    result = InferResult(response)
-    names = {o.name for o in response.outputs}
-    if PROXY_ERROR in names:
-        code, message = (v.decode("utf-8", "replace") for v in result.as_numpy(PROXY_ERROR).reshape(-1)[:2])
+    out = _outputs(response)
+    if PROXY_ERROR in out:
+        code, message = (v.decode("utf-8", "replace") for v in out[PROXY_ERROR][:2])
         raise TritonError(code, message)
-    text = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8", errors="replace")
-    reason = _scalar(result, "finish_reason", names)
-    reason = reason.decode() if isinstance(reason, bytes) else reason
-    d = Delta(index=int(_scalar(result, "sequence_index", names) or 0), text=text,
-              token_ids=[int(t) for t in result.as_numpy("output_ids").reshape(-1)] if "output_ids" in names else [],
+    reason = out["finish_reason"][0].decode() if out.get("finish_reason") else ""
+    d = Delta(index=int(out["sequence_index"][0]) if "sequence_index" in out else 0,
+              text=b"".join(out.get("text_output", [])).decode("utf-8", errors="replace"),
               finish_reason=reason or None)
-    n_in = _scalar(result, "num_input_tokens", names)
-    d.num_input_tokens = int(n_in) if n_in is not None else None
-    d.num_output_tokens = int(_scalar(result, "num_output_tokens", names) or 0)
-    lp = _scalar(result, "logprobs", names)
-    if lp is not None:
-        d.logprobs = json.loads(lp.decode() if isinstance(lp, bytes) else lp) or []
+    if "num_input_tokens" in out:
+        d.num_input_tokens = int(out["num_input_tokens"][0])
+    if "num_output_tokens" in out:
+        d.num_output_tokens = int(out["num_output_tokens"][0])
+    if out.get("logprobs"):
+        d.logprobs = json.loads(out["logprobs"][0]) or []
     return d
 
 
