@@ -153,3 +153,20 @@ def test_generic_tool_format_reaches_a_template_without_tools(tmp_path):
     assert text.startswith("[system]Be kind.\n\nYou may call") and '"name": "get_weather"' in text
     assert '[assistant]<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
     assert "[tool]<tool_response>\nsunny\n</tool_response>" in text and text.endswith("[assistant]")
+
+
+def test_reasoning_goes_in_reasoning_content_at_every_split():
+    from specguide.openai_api.reasoning import Markers, ReasoningSplitter, split_all
+
+    m = Markers.parse("<think>,</think>")
+    assert Markers.parse("") is None and m == Markers("<think>", "</think>")
+    text = "<think>Paris is in France.</think>\n\nParis."
+    for cut in range(len(text) + 1):
+        s = ReasoningSplitter(m, "prompt")
+        r1, c1 = s.feed(text[:cut])
+        r2, c2 = s.feed(text[cut:])
+        assert (r1 + r2 + s.finish(), c1 + c2) == ("Paris is in France.", "Paris.")
+    assert split_all(m, "...<think>\n", "thinking</think>answer") == ("thinking", "answer")
+    assert split_all(m, "<think>\n\n</think>\n\n", "just the answer") == (None, "just the answer")  # thinking off
+    assert split_all(m, "p", "never closed") == ("never closed", "")
+    assert split_all(None, "p", "<think>x</think>y") == (None, "<think>x</think>y")

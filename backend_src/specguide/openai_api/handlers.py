@@ -11,6 +11,7 @@ from . import guides, sampling
 from .chat import ChatTemplate, render_chat
 from .errors import bad_request, unsupported
 from .outputs import CompletionLogprobs, UsageCounter, chat_logprobs, finish_reason, merge
+from .reasoning import Markers, ReasoningSplitter, split_all
 from .schemas import ChatCompletionRequest, CompletionRequest, ToolChoiceMode
 from .tools import ToolCallParser, parse_all
 from .triton_client import Delta, TritonClient, TritonRequest
@@ -27,6 +28,7 @@ class Context:
     model_name: str
     limits: sampling.Limits = field(default_factory=sampling.Limits)
     default_chat_max_tokens: int = 2048  # OpenAI: up to the context; the model's max_tokens_limit
+    reasoning: Optional[Markers] = None  # the model's reasoning_markers: its thinking goes in reasoning_content
 
 
 Answer = Union[dict[str, Any], AsyncIterator[str]]
@@ -82,11 +84,12 @@ async def chat(ctx: Context, req: ChatCompletionRequest) -> Answer:
     it = await _primed(merge([ctx.client.generate(treq)]))
     head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
-        return _chat_stream(it, head, treq, top, tools_on, include_usage)
-    return await _chat_whole(it, head, treq, top, tools_on)
+        return _chat_stream(it, head, treq, top, tools_on, include_usage, ctx.reasoning)
+    return await _chat_whole(it, head, treq, top, tools_on, ctx.reasoning)
 
 
-async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool) -> dict[str, Any]:
+async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,
+                      markers: Optional[Markers]) -> dict[str, Any]:
     texts, docs, reasons = [""] * treq.n, [[] for _ in range(treq.n)], [None] * treq.n
     usage = UsageCounter()
     async for p, d in it:
@@ -96,8 +99,11 @@ async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], t
         reasons[d.index] = d.finish_reason or reasons[d.index]
     choices = []
     for i in range(treq.n):
-        content, calls = parse_all(texts[i]) if tools_on else (texts[i], [])
+        thought, text = split_all(markers, treq.prompt, texts[i])
+        content, calls = parse_all(text) if tools_on else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if markers is not None:
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         choices.append({"index": i, "message": message,
@@ -107,9 +113,10 @@ async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], t
 
 
 async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool, markers: Optional[Markers]) -> AsyncIterator[str]:
     usage = UsageCounter()
     parsers = [ToolCallParser() for _ in range(treq.n)]
+    thinkers = [ReasoningSplitter(markers, treq.prompt) if markers else None for _ in range(treq.n)]
     started = set()
     extra = {"usage": None} if include_usage else {}
 
@@ -124,16 +131,22 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
             started.add(i)
             yield chunk(i, {"role": "assistant", "content": ""})
         delta: dict[str, Any] = {}
+        text = d.text
+        if thinkers[i] is not None:
+            thought, text = thinkers[i].feed(text)
+            thought += thinkers[i].finish() if d.finish_reason else ""
+            if thought:
+                delta["reasoning_content"] = thought
         if tools_on:
             parser = parsers[i]
-            content, calls = parser.feed(d.text)
+            content, calls = parser.feed(text)
             if d.finish_reason:
                 content += parser.finish()
             if calls:
                 base = len(parser.calls) - len(calls)
                 delta["tool_calls"] = [c.to_openai(index=base + k) for k, c in enumerate(calls)]
         else:
-            content = d.text
+            content = text
         if content:
             delta["content"] = content
         lp = {"content": chat_logprobs(d.logprobs, top), "refusal": None} if top is not None and d.logprobs else None
