@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +22,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from .conftest import ROOT, _free_ports
+from .conftest import ROOT, _free_ports, launch, repository_with, stop_and_check
 
 MODEL = "specguide"
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -333,3 +334,44 @@ def test_client_disconnect_mid_stream_frees_the_slot(api, server):
     conn.close()
     assert server.wait_metric("specguide_cancellations_total", before + 1, timeout=60, stage="decode") == before + 1
     assert server.wait_metric("specguide_active_slots", 0.0, timeout=60) == 0.0
+
+
+def _stream_chunks(api: Api, n: int):
+    """A long streamed completion: the open connection once `n` chunks came (None if refused: status, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=300)
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        return None, (r.status, json.loads(r.read()))
+    got = b""
+    while got.count(b"data:") < n:
+        got += r.read1(4096)
+    return conn, None
+
+
+def test_full_queue_is_429_and_the_rest_carries_on(tmp_path):
+    """One slot, a queue of one: a third request is 429 rate_limit_error (retry later), not a fault."""
+    srv = launch(tmp_path / "server.log", repository_with(tmp_path, {"max_slots": "1", "max_queue": "1"}))
+    api = Api(srv.grpc, tmp_path / "api.log")
+    try:
+        running, err = _stream_chunks(api, 2)
+        assert err is None
+        queued: dict = {}
+        t = threading.Thread(target=lambda: queued.update(zip(("conn", "err"), _stream_chunks(api, 1))))
+        t.start()
+        assert srv.wait_metric("specguide_queue_depth", 1.0, timeout=60) == 1.0
+        with pytest.raises(openai.RateLimitError) as e:
+            api.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert e.value.body["type"] == "rate_limit_error" and "queue is full" in e.value.body["message"]
+        running.sock.close()  # frees the slot: the queued one runs
+        running.close()
+        t.join(timeout=120)
+        assert queued.get("err") is None and queued.get("conn") is not None
+        queued["conn"].sock.close()
+        queued["conn"].close()
+        assert srv.wait_metric("specguide_active_slots", 0.0, timeout=60) == 0.0
+    finally:
+        api.stop()
+        stop_and_check(srv)
