@@ -170,3 +170,19 @@ def test_reasoning_goes_in_reasoning_content_at_every_split():
     assert split_all(m, "<think>\n\n</think>\n\n", "just the answer") == (None, "just the answer")  # thinking off
     assert split_all(m, "p", "never closed") == ("never closed", "")
     assert split_all(None, "p", "<think>x</think>y") == (None, "<think>x</think>y")
+
+
+def test_an_error_mid_stream_is_one_sse_error_event():
+    import asyncio
+
+    from specguide.openai_api.handlers import _guarded
+
+    async def events():
+        yield "data: 1\n\n"
+        raise from_triton("INTERNAL", "the model produced non-finite logits")
+
+    async def collect():
+        return [e async for e in _guarded(events())]
+
+    got = asyncio.run(collect())
+    assert got[0] == "data: 1\n\n" and json.loads(got[1][len("data: "):])["error"]["type"] == "server_error"

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from . import guides, sampling
 from .chat import ChatTemplate, render_chat
-from .errors import bad_request, unsupported
+from .errors import ApiError, bad_request, unsupported
 from .outputs import CompletionLogprobs, UsageCounter, chat_logprobs, finish_reason, merge
 from .reasoning import Markers, ReasoningSplitter, split_all
 from .schemas import ChatCompletionRequest, CompletionRequest, ToolChoiceMode
@@ -56,6 +56,17 @@ async def _primed(it: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[tuple[i
     return rest()
 
 
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An error after the stream began (status 200 sent) is one SSE event with the OpenAI error body."""
+    try:
+        async for e in events:
+            yield e
+    except ApiError as e:
+        yield _sse(e.body())
+    finally:
+        await events.aclose()
+
+
 def _check_stream_options(req: Union[ChatCompletionRequest, CompletionRequest]) -> bool:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
@@ -84,7 +95,7 @@ async def chat(ctx: Context, req: ChatCompletionRequest) -> Answer:
     it = await _primed(merge([ctx.client.generate(treq)]))
     head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
-        return _chat_stream(it, head, treq, top, tools_on, include_usage, ctx.reasoning)
+        return _guarded(_chat_stream(it, head, treq, top, tools_on, include_usage, ctx.reasoning))
     return await _chat_whole(it, head, treq, top, tools_on, ctx.reasoning)
 
 
@@ -177,7 +188,7 @@ async def complete(ctx: Context, req: CompletionRequest) -> Answer:
     n = treqs[0].n
     echo = [p if req.echo else "" for p in prompts]
     if req.stream:
-        return _complete_stream(it, head, n, echo, req.logprobs, include_usage)
+        return _guarded(_complete_stream(it, head, n, echo, req.logprobs, include_usage))
     return await _complete_whole(it, head, n, echo, req.logprobs)
 
 
