@@ -25,7 +25,7 @@ RUN (command -v gcc || (apt-get update && apt-get install -y --no-install-recomm
 
 # The default model's draft head (the default hybrid drafter's), made once at build time by the
 # project's own script and recipe (~7 min on 2 CPU cores, less with more); `--build-arg
-# DRAFT_HEAD=skip` leaves it out (the hybrid then drafts without it, and says how to train it).
+# DRAFT_HEAD=skip` leaves it out (each container then trains it in the background while serving).
 ARG DRAFT_HEAD=train
 COPY scripts/train_draft_head.py ./scripts/
 RUN if [ "$DRAFT_HEAD" != skip ]; then python3 scripts/train_draft_head.py --if-missing; fi

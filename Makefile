@@ -14,6 +14,8 @@ PYTEST_ARGS ?= -q -ra --timeout=900
 export TRITON_HTTP_PORT ?= 8000
 export TRITON_GRPC_PORT ?= 8001
 export TRITON_METRICS_PORT ?= 8002
+# the OpenAI-compatible server `make serve` starts beside tritonserver (specguide.openai_api)
+export OPENAI_PORT ?= 9000
 # The repository `make serve` serves; `make serve MODEL_REPOSITORY=DIR` serves your own copy (README,
 # "Serve your own model"), and `draft-head` trains the head of the model its config.pbtxt names.
 export MODEL_REPOSITORY ?= model_repository
@@ -48,9 +50,9 @@ setup: $(STAMPS)/tritonserver model
 
 # The trained draft head of the "hybrid"/"head" drafters, for the model MODEL_REPOSITORY serves:
 # trained once into the model cache by the project's own script and recipe (deterministic from its
-# seed; ~7 min on 2 CPU cores for the default model). `make test` makes it too, so the suite runs
-# what `make serve` serves. DRAFT_HEAD=skip goes without it (the engine then drafts
-# with grammar-forced tokens + n-gram and logs how to train it).
+# seed; ~7 min on 2 CPU cores for the default model). `make test` makes it up front, so the suite
+# runs what `make serve` serves; `make serve` does not wait for it: the server trains a missing head
+# in the background (config.pbtxt's draft_head_training). DRAFT_HEAD=skip goes without it.
 DRAFT_HEAD ?= train
 draft-head: setup
 ifeq ($(DRAFT_HEAD),skip)
@@ -59,7 +61,10 @@ else
 	$(PY) scripts/train_draft_head.py --if-missing --model-repository $(MODEL_REPOSITORY)
 endif
 
-serve: setup draft-head
+# tritonserver (under the supervisor) and, beside it, the OpenAI-compatible server on 127.0.0.1:$(OPENAI_PORT),
+# which talks to it over gRPC; it stops with the recipe
+serve: setup
+	$(PY) -m specguide.openai_api --port $(OPENAI_PORT) & api=$$!; trap 'kill $$api 2>/dev/null' EXIT INT TERM; \
 	$(PY) scripts/tritonserver.py serve
 
 test: setup draft-head

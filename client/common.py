@@ -60,6 +60,7 @@ INPUT_TYPES: dict[str, tuple[Any, str]] = {
     "bad_words_list": (np.int32, "INT32"),
     "num_return_sequences": (np.int32, "INT32"),
     "return_log_probs": (np.bool_, "BOOL"),
+    "return_logprobs": (np.bool_, "BOOL"),
     "return_context_logits": (np.bool_, "BOOL"),
     "return_generation_logits": (np.bool_, "BOOL"),
     "stop": (np.bool_, "BOOL"),

@@ -72,6 +72,16 @@ def test_compose_builds_this_repository():
     assert "v2/health/ready" in " ".join(svc["healthcheck"]["test"])
 
 
+def test_compose_runs_the_openai_api_beside_triton():
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    svc = compose["services"]["openai"]
+    cmd = svc["entrypoint"]
+    assert cmd[0] == "specguide-openai" and cmd[cmd.index("--triton-url") + 1] == "specguide:8001"
+    assert "9000:9000" in svc["ports"] and svc["image"] == compose["services"]["specguide"]["image"]
+    pyproject = (ROOT / "backend_src" / "pyproject.toml").read_text()
+    assert 'specguide-openai = "specguide.openai_api.cli:main"' in pyproject
+
+
 def test_kubernetes_fleet_has_replicas_behind_a_service_with_readiness():
     docs = [d for d in yaml.safe_load_all((ROOT / "docker" / "kubernetes.yaml").read_text()) if d]
     kinds = {d["kind"]: d for d in docs}

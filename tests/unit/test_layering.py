@@ -25,6 +25,7 @@ LAYERS = {
     "engine": 8,
     "engine_process": 9, "training": 9,  # nothing in serving imports training
     "triton": 10,
+    "openai_api": 11,  # its own process (no model): the Triton interface's checks, over gRPC
 }
 
 

@@ -50,6 +50,9 @@ class FakeResponse:
     def has_error(self):
         return self.err is not None
 
+    def error(self):
+        return self.err
+
 
 class FakeRequest:
     def __init__(self, inputs, parameters="{}"):
@@ -292,7 +295,9 @@ BAD_INPUTS = [
     ({"text_input": s("a"), "max_tokens": np.array([[3]], np.int32), "request_output_len": np.array([[4]], np.int32)},
      "give either max_tokens or request_output_len"),
     ({"text_input": s("a"), "num_return_sequences": np.array([[0]], np.int32)}, "num_return_sequences"),
-    ({"text_input": s("a"), "return_logprobs": np.array([[True]])}, "input 'return_logprobs' is not part of"),
+    ({"text_input": s("a"), "return_cumulative_logprob": np.array([[True]])}, "input 'return_cumulative_logprob' is not part of"),
+    ({"text_input": s("a"), "return_logprobs": np.array([[True]]), "sampling_parameters": s('{"logprobs": 21}')},
+     "logprobs must be in [0, 20]"),
     ({"text_input": s("a"), "stop_words_list": np.array([[[5, 6], [3, -1]]], np.int32)}, "stop_words_list: offset 3"),
     ({"text_input": s("a"), "min_tokens": np.array([[100]], np.int32)}, "min_tokens"),
     ({"text_input": s("a"), "num_draft_tokens": np.array([[-1]], np.int32)}, "num_draft_tokens"),
@@ -828,6 +833,23 @@ def test_adapter_bad_request_gets_an_error_and_touches_nothing(model):
     assert [f for _, f in good.sender.sent] == [0, 1]
 
 
+def test_adapter_errors_travel_as_an_output_when_the_client_asks(model):
+    """`specguide_error_output` (the OpenAI server): every error is the output specguide_error [code, message]."""
+    model.guided_enabled = True
+    asked = json.dumps({"specguide_error_output": True})
+    early = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[0]], np.int32)}, asked)
+    late = FakeTritonRequest({"text_input": s("Hi"), "guided_decoding_guide_type": s("regex"),
+                              "guided_decoding_guide": s(BAD_REGEX), "stream": np.array([[True]])}, asked)
+    model.execute([early, late])
+    wait_for(early.sender.finished)
+    wait_for(late.sender.finished)
+    for req, text in ((early, "max_tokens"), (late, "(ab")):
+        (resp, flags), = req.sender.sent
+        assert flags == 1 and resp.err is None
+        code, message = resp.tensors["specguide_error"].reshape(-1)
+        assert code and text in message.decode()
+
+
 def test_adapter_guide_error_after_submit_is_invalid_arg_and_others_run(model):
     model.guided_enabled = True  # as with an engine that supports guided decoding
     bad = FakeTritonRequest({"text_input": s("Hi"), "guided_decoding_guide_type": s("regex"),
@@ -1013,6 +1035,25 @@ def test_vllm_outputs_are_1d_and_only_when_asked():
     assert e.error == "Error generating stream: boom"
     c = io.SequenceStream(p).on_output(out("", [], finished=True, reason="cancelled"))
     assert c.error == "Request was cancelled" and c.error_code == "CANCELLED"
+
+
+def test_trtllm_return_logprobs_sends_vllms_json_of_the_generated_tokens():
+    """`return_logprobs` on `specguide` (the OpenAI server's logprobs): the generated tokens' vLLM JSON, top N from
+    sampling_parameters' `logprobs` (default 0), never the echoed prompt."""
+    p = one({"text_input": s("Hi"), "return_logprobs": np.array([[True]]),
+             "sampling_parameters": s('{"logprobs": 1, "temperature": 0}')})
+    assert p.interface == "trtllm" and p.return_logprobs and p.request.params.top_logprobs == 1
+    o = out("ab", [97, 98], finished=True, reason="stop", n_out=2)
+    o.logprobs, o.top_logprobs = [-0.5, -0.25], [[(97, -0.5)], [(120, -0.1)]]
+    doc = json.loads(io.SequenceStream(p, TOK).on_output(o).outputs["logprobs"][0])
+    assert doc[0] == {"97": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}
+    assert doc[1]["98"]["rank"] == 2 and doc[1]["120"]["rank"] == 1
+    p = one({"text_input": s("Hi"), "return_logprobs": np.array([[True]]), "stream": np.array([[True]])})
+    assert p.request.params.return_log_probs and p.request.params.top_logprobs == 0
+    o = out("a", [97], n_out=1)
+    o.logprobs = [-0.5]
+    assert json.loads(io.SequenceStream(p, TOK).on_output(o).outputs["logprobs"][0]) == [
+        {"97": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}]
 
 
 def test_trtllm_word_lists_and_stop_words_are_token_sequences():

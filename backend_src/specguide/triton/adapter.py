@@ -91,13 +91,17 @@ class _Group:
             return True
 
     def _shaped(self, response: Any) -> Any:
-        """An error to a proxy travels as the output PROXY_ERROR (see interfaces.PROXY_ERROR)."""
-        if not self.via_proxy or response is None or not response.has_error():
-            return response
-        err = response.error()
-        code = getattr(err.code(), "name", "INTERNAL")
-        value = np.array([[code.encode(), err.message().encode()]], dtype=np.object_)
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PROXY_ERROR, value)])
+        return _shaped(response, self.via_proxy)
+
+
+def _shaped(response: Any, as_output: bool) -> Any:
+    """An error to a proxy (or a client that asked) travels as the output PROXY_ERROR (see interfaces.PROXY_ERROR)."""
+    if not as_output or response is None or not response.has_error():
+        return response
+    err = response.error()
+    code = getattr(err.code(), "name", "INTERNAL")
+    value = np.array([[code.encode(), err.message().encode()]], dtype=np.object_)
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PROXY_ERROR, value)])
 
 
 class _Seq:
@@ -193,8 +197,10 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         interface = "trtllm"
         tensors: dict = {}
+        error_output = False
         try:
             parameters = io.read_parameters(request, self.limits)
+            error_output = io.wants_error_output(parameters)
             interface = io.interface_of(parameters)
             tensors = io.read_tensors(pb_utils, request)
             if io.is_stop_request(tensors):
@@ -216,14 +222,14 @@ class TritonPythonModel:
                 limits=self.limits,
             )
         except Exception as exc:
-            self._reject(sender, exc, interface)
+            self._reject(sender, exc, interface, error_output)
             return
         finally:
             if tensors and request_bytes(tensors) > BIG_REQUEST_BYTES:
                 tensors = {}
                 trim(force=False)  # give a big request's freed heap back to the OS
         group = _Group(request, sender, len(parsed), request.request_id(), unary=interface == "unary",
-                       via_proxy=interface != "trtllm")
+                       via_proxy=interface != "trtllm" or error_output)
         served = self._served(parameters, interface)
         per_row = Counter(p.batch_index for p in parsed)  # a prompt's num_return_sequences
         seqs = [_Seq(group, i, p, t_arrival, self.tokenizer, served, per_row[p.batch_index]) for i, p in enumerate(parsed)]
@@ -250,8 +256,9 @@ class TritonPythonModel:
         name = str(parameters.get(SERVED_MODEL_PARAMETER) or self._served_default.get(interface, self.model_name))
         return self.peer_metrics.served(name, str(parameters.get(SERVED_VERSION_PARAMETER) or "1"))
 
-    def _reject(self, sender: Any, exc: Exception, interface: str) -> None:
-        _safe_send(sender, io.error_response(pb_utils, _message(exc, interface), _code(exc)), FINAL)
+    def _reject(self, sender: Any, exc: Exception, interface: str, error_output: bool = False) -> None:
+        response = io.error_response(pb_utils, _message(exc, interface), _code(exc))
+        _safe_send(sender, _shaped(response, error_output), FINAL)
         self.metrics.finished("rejected")
 
     def _stop(self, request_id: str) -> None:

@@ -125,7 +125,9 @@ TRTLLM_INPUTS: tuple[Spec, ...] = (
     # vLLM-only: passed on by specguide_vllm, refused here otherwise
     _s("return_finish_reason", "BOOL", [1], "false", "vLLM: add `finish_reason`", vllm_only=True),
     _s("return_cumulative_logprob", "BOOL", [1], "false", "vLLM: add `cumulative_logprob`", vllm_only=True),
-    _s("return_logprobs", "BOOL", [1], "false", "vLLM: add `logprobs`", vllm_only=True),
+    _s("return_logprobs", "BOOL", [1], "false",
+       "add `logprobs` (vLLM's JSON: each token's log prob, rank and text, and the top `logprobs: N` of "
+       "`sampling_parameters`, default 0)"),
 )
 
 TRTLLM_OUTPUTS: tuple[Spec, ...] = (
@@ -159,8 +161,8 @@ TRTLLM_OUTPUTS: tuple[Spec, ...] = (
        "`specguide_unary`), which answer their client with that error (PROXY_ERROR)"),
     # vLLM-only outputs, sent only through specguide_vllm
     _s("cumulative_logprob", "FP32", [-1], "", "vLLM: sum of the log probs so far", vllm_only=True),
-    _s("logprobs", "STRING", [-1], "", "vLLM: JSON list of {token_id: {logprob, rank, decoded_token}}",
-       vllm_only=True),
+    _s("logprobs", "STRING", [-1], "", "JSON list of {token_id: {logprob, rank, decoded_token}} (with "
+       "`return_logprobs`)"),
 )
 
 # ------------------------------------------------------------------------------ vLLM backend
@@ -213,6 +215,11 @@ SERVED_VERSION_PARAMETER = "specguide_served_version"
 # response iterator never sees it and its client waits forever. So the engine model sends the
 # proxies every error as this output instead, and the proxy turns it back into the error.
 PROXY_ERROR = "specguide_error"
+# A client of `specguide` may ask for its errors as that output too (request parameter, true): a gRPC
+# stream carries an error's message but not its code, and the OpenAI server answers by the code
+# (400 / 429 / 503 / 500). Triton's own `triton_grpc_error` header would keep it, but 2.51 logs a
+# spurious cancellation for each such stream and once crashed on one (SIGSEGV in infer_handler.h).
+ERROR_OUTPUT_PARAMETER = "specguide_error_output"
 TRTLLM_INPUT_NAMES = tuple(s.name for s in TRTLLM_INPUTS if not s.vllm_only)
 VLLM_INPUT_NAMES = tuple(s.name for s in VLLM_INPUTS)
 ALIASES: dict[str, str] = {s.name: s.alias_of for s in TRTLLM_INPUTS if s.alias_of}

@@ -26,8 +26,8 @@ from .. import faults
 from ..guided.limits import check_guide_text, check_json_text
 from ..guided.params import resolve_guided
 from ..request import InvalidRequestError, Request, SamplingParams
-from .interfaces import ALIASES, INTERFACE_PARAMETER, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER, \
-    TRTLLM_INPUT_NAMES, TRTLLM_INPUTS, TRTLLM_OUTPUTS, VLLM_INPUT_NAMES, Spec
+from .interfaces import ALIASES, ERROR_OUTPUT_PARAMETER, INTERFACE_PARAMETER, SERVED_MODEL_PARAMETER, \
+    SERVED_VERSION_PARAMETER, TRTLLM_INPUT_NAMES, TRTLLM_INPUTS, TRTLLM_OUTPUTS, VLLM_INPUT_NAMES, Spec
 from .limits import InputLimits, check_inputs
 from .values import DEFAULT_JSON_DEPTH, Row, as_int, check_neutral, encode_words, parse_json_object
 from .vllm_sampling import PENALTIES, VLLM_MAX_LOGPROBS, VLLM_SAMPLING_KEYS, sampling_from_vllm
@@ -46,8 +46,13 @@ CLIENT_PARAMETERS = "specguide_client_parameters"  # a proxy's client's paramete
 # request parameters every interface accepts: internal ones, and the `Streaming` flag that
 # TensorRT-LLM's inflight_batcher_llm_client sends beside its tensors (ignored there as here)
 FAULTS = faults.injector()  # on only with SPECGUIDE_FAULT_INJECTION=1
-_KNOWN_PARAMETERS = frozenset({FAULT_PARAMETER, INTERFACE_PARAMETER, CLIENT_PARAMETERS, SERVED_MODEL_PARAMETER,
-                               SERVED_VERSION_PARAMETER, "Streaming"})
+_KNOWN_PARAMETERS = frozenset({FAULT_PARAMETER, INTERFACE_PARAMETER, CLIENT_PARAMETERS, ERROR_OUTPUT_PARAMETER,
+                               SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER, "Streaming"})
+
+
+def wants_error_output(parameters: dict[str, Any]) -> bool:
+    """The client asked for its errors as the output PROXY_ERROR ([code, message]); the proxies get them so anyway."""
+    return parameters.get(ERROR_OUTPUT_PARAMETER) is True
 
 
 @dataclass
@@ -313,11 +318,7 @@ def _response_shape(row: Row, ctx: _Context, vllm_params: Optional[dict]) -> Par
         p.return_finish_reason = bool(row.bool("return_finish_reason"))
         p.return_cumulative_logprob = bool(row.bool("return_cumulative_logprob"))
         p.return_logprobs = bool(row.bool("return_logprobs"))
-        n = (vllm_params or {}).get("logprobs")
-        if n is not None:
-            p.top_logprobs = as_int(n, "logprobs")
-            if not 0 <= p.top_logprobs <= VLLM_MAX_LOGPROBS:
-                raise InvalidRequestError(f"logprobs must be in [0, {VLLM_MAX_LOGPROBS}], got {p.top_logprobs}")
+        p.top_logprobs = _top_logprobs(vllm_params)
     else:
         if stream and ctx.interface == "unary":
             raise InvalidRequestError("stream=true needs a decoupled model: send streaming requests to `specguide`")
@@ -327,8 +328,22 @@ def _response_shape(row: Row, ctx: _Context, vllm_params: Optional[dict]) -> Par
         p.return_log_probs = bool(row.bool("return_log_probs"))
         p.return_context_logits = bool(row.bool("return_context_logits"))
         p.return_generation_logits = bool(row.bool("return_generation_logits"))
+        p.return_logprobs = bool(row.bool("return_logprobs"))  # vLLM's JSON: each token and the top N
+        if p.return_logprobs:
+            p.top_logprobs = _top_logprobs(vllm_params) or 0
         check_neutral("beam_width", row.int("beam_width"), 1)
     return p
+
+
+def _top_logprobs(vllm_params: Optional[dict]) -> Optional[int]:
+    """vLLM's `logprobs: N` of `sampling_parameters` (None when absent)."""
+    n = (vllm_params or {}).get("logprobs")
+    if n is None:
+        return None
+    n = as_int(n, "logprobs")
+    if not 0 <= n <= VLLM_MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be in [0, {VLLM_MAX_LOGPROBS}], got {n}")
+    return n
 
 
 def _apply_tensor_sampling(row: Row, sp: SamplingParams, explicit_sampling: bool, tokenizer: Any) -> None:

@@ -92,6 +92,9 @@ class SequenceStream:
             outputs = self._vllm(out, text, gen_ids, n_out, lps, top)
         else:
             outputs = self._trtllm(out, text, ids, n_out, lps, gen)
+            if p.return_logprobs:  # the generated tokens only, as vLLM's output
+                outputs["logprobs"] = np.array([json.dumps(self._vllm_logprobs(gen_ids, lps, top)).encode()],
+                                               dtype=np.object_)
         return Payload(outputs=outputs, finished=out.finished)
 
     # ------------------------------------------------------------------ per interface

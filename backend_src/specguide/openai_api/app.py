@@ -1,0 +1,189 @@
+"""The FastAPI app: routes, API key, body caps, OpenAI-shaped errors.
+
+Bodies are read by us (capped in bytes, then in JSON nesting depth, before `json.loads`) and
+validated by the pydantic models of `schemas.py`, so that every refusal is OpenAI-shaped and names
+its field.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..guided.limits import json_depth
+from . import handlers
+from .chat import ChatTemplate
+from .errors import ApiError, ErrorType, bad_request, from_validation
+from .reasoning import Markers
+from .sampling import Limits
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .triton_client import MODEL, TritonClient
+
+log = logging.getLogger("specguide.openai_api")
+
+
+@dataclass
+class Settings:
+    """How the server runs (the command line's options)."""
+
+    triton_url: str = "127.0.0.1:8001"
+    triton_model: str = MODEL
+    served_model_name: str = MODEL
+    api_key: Optional[str] = None
+    chat_template_dir: Optional[Path] = None  # default: the model folder named in the model's config
+    max_body_bytes: int = 4 << 20
+    max_json_depth: int = 80  # the model caps a guide at 64 levels; the body wraps it in a few more
+
+
+def _default_template_dir(params: dict[str, str]) -> Path:
+    from ..paths import cache_dir
+
+    model_dir = params.get("model_dir", "")
+    if model_dir and Path(model_dir).is_dir():
+        return Path(model_dir)
+    return cache_dir() / "models" / "smollm2-135m-instruct"  # the default model's converted folder
+
+
+def create_app(settings: Settings, client: Optional[TritonClient] = None) -> FastAPI:
+    """The app; `client` defaults to a TritonClient on settings.triton_url, made at start-up."""
+    ctx = handlers.Context(client=client, template=None, model_name=settings.served_model_name)
+
+    def configure(params: dict[str, str]) -> None:
+        limit = int(params.get("max_tokens_limit") or 0) or int(params.get("max_seq_len") or 0) or 2048
+        ctx.limits, ctx.default_chat_max_tokens = Limits(limit), limit
+        ctx.reasoning = Markers.parse(params.get("reasoning_markers", ""))
+        folder = settings.chat_template_dir or _default_template_dir(params)
+        try:
+            ctx.template = ChatTemplate(folder)
+        except (OSError, ValueError) as e:
+            log.warning("no chat template (%s): /v1/chat/completions refuses requests", e)
+
+    async def configure_when_ready() -> None:
+        """Triton may still be starting (`make serve` starts both): read the model's settings once it answers."""
+        while not (params := await ctx.client.parameters()):
+            await asyncio.sleep(2.0)
+        configure(params)
+        log.info("configured from Triton at %s: max_tokens_limit %d", settings.triton_url, ctx.limits.max_tokens_limit)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if ctx.client is None:  # a grpc.aio channel belongs to the loop that makes it: uvicorn's
+            ctx.client = TritonClient(settings.triton_url, settings.triton_model)
+        configure({})  # defaults until Triton answers
+        task = asyncio.create_task(configure_when_ready())
+        yield
+        task.cancel()
+        await ctx.client.close()
+
+    app = FastAPI(title="SpecGuide OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        etype = ErrorType.NOT_FOUND if e.status_code == 404 else ErrorType.INVALID_REQUEST
+        return JSONResponse(ApiError(e.status_code, str(e.detail), etype).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return JSONResponse(ApiError(500, "internal error (the server log has the details)", ErrorType.SERVER).body(),
+                            status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if settings.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.api_key.encode())
+            if not ok:
+                e = ApiError(401, "Incorrect API key provided." if given else "Missing API key (Authorization: Bearer).",
+                             ErrorType.AUTHENTICATION, None, "invalid_api_key")
+                return JSONResponse(e.body(), status_code=401)
+        return await call_next(request)
+
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        body = await _read_body(request, settings.max_body_bytes)
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad_request("the body is not UTF-8") from None
+        if json_depth(text) > settings.max_json_depth:
+            raise bad_request(f"the JSON body nests deeper than {settings.max_json_depth} levels")
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise bad_request(f"the body is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise bad_request("the body must be a JSON object")
+        try:
+            req = model.model_validate(obj)
+        except ValidationError as e:
+            raise from_validation(e) from None
+        if req.model != settings.served_model_name:
+            raise ApiError(404, f"The model `{req.model}` does not exist.", ErrorType.NOT_FOUND, "model",
+                           "model_not_found")
+        return req
+
+    def answer(result: handlers.Answer) -> Any:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return answer(await handlers.chat(ctx, await parse(request, ChatCompletionRequest)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return answer(await handlers.complete(ctx, await parse(request, CompletionRequest)))
+
+    def model_card() -> dict[str, Any]:
+        return {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "specguide"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        if name != settings.served_model_name:
+            raise ApiError(404, f"The model `{name}` does not exist.", ErrorType.NOT_FOUND, "model", "model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if await ctx.client.ready():
+            return {"status": "ok"}
+        return JSONResponse(ApiError(503, f"model {settings.triton_model} is not ready in Triton at "
+                                     f"{settings.triton_url}", ErrorType.UNAVAILABLE).body(), status_code=503)
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) past `limit` bytes, by Content-Length or while it arrives."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body has {declared} bytes; the limit is {limit}", ErrorType.INVALID_REQUEST)
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise ApiError(413, f"the body exceeds {limit} bytes", ErrorType.INVALID_REQUEST)
+        chunks.append(chunk)
+    return b"".join(chunks)

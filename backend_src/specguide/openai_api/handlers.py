@@ -1,0 +1,238 @@
+"""The two generation endpoints: a checked request -> Triton requests -> an answer or an SSE stream."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Union
+
+from . import guides, sampling
+from .chat import ChatTemplate, render_chat
+from .errors import ApiError, bad_request, unsupported
+from .outputs import CompletionLogprobs, UsageCounter, chat_logprobs, finish_reason, merge
+from .reasoning import Markers, ReasoningSplitter, split_all
+from .schemas import ChatCompletionRequest, CompletionRequest, ToolChoiceMode
+from .tools import ToolCallParser, parse_all
+from .triton_client import Delta, TritonClient, TritonRequest
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Context:
+    """What the handlers share: the Triton client, the chat template, the served name, limits."""
+
+    client: Optional[TritonClient]
+    template: Optional[ChatTemplate]
+    model_name: str
+    limits: sampling.Limits = field(default_factory=sampling.Limits)
+    default_chat_max_tokens: int = 2048  # OpenAI: up to the context; the model's max_tokens_limit
+    reasoning: Optional[Markers] = None  # the model's reasoning_markers: its thinking goes in reasoning_content
+
+
+Answer = Union[dict[str, Any], AsyncIterator[str]]
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _primed(it: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """Waits for the first delta now, so that an error before it is an HTTP error status."""
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def rest() -> AsyncIterator[tuple[int, Delta]]:
+        try:
+            if first is not None:
+                yield first
+                async for x in it:
+                    yield x
+        finally:
+            await it.aclose()
+    return rest()
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An error after the stream began (status 200 sent) is one SSE event with the OpenAI error body."""
+    try:
+        async for e in events:
+            yield e
+    except ApiError as e:
+        yield _sse(e.body())
+    finally:
+        await events.aclose()
+
+
+def _check_stream_options(req: Union[ChatCompletionRequest, CompletionRequest]) -> bool:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    so = req.stream_options
+    if so is not None and so.continuous_usage_stats:
+        raise unsupported("stream_options.continuous_usage_stats", "usage is sent once, on the last chunk")
+    return bool(so and so.include_usage)
+
+
+# ------------------------------------------------------------------------------ chat
+
+
+async def chat(ctx: Context, req: ChatCompletionRequest) -> Answer:
+    if ctx.template is None:
+        raise unsupported("messages", "the model's chat template could not be found; use /v1/completions")
+    include_usage = _check_stream_options(req)
+    choice = guides.check_tool_choice(req)
+    tools_on = choice != ToolChoiceMode.NONE
+    guide = guides.resolve(req, choice)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    prompt = render_chat(ctx.template, req.messages, req.tools if tools_on else None)
+    treq = sampling.build(req, prompt, guide, req.max_completion_tokens or req.max_tokens, ctx.default_chat_max_tokens,
+                          top, ctx.limits)
+    it = await _primed(merge([ctx.client.generate(treq)]))
+    head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
+    if req.stream:
+        return _guarded(_chat_stream(it, head, treq, top, tools_on, include_usage, ctx.reasoning))
+    return await _chat_whole(it, head, treq, top, tools_on, ctx.reasoning)
+
+
+async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,
+                      markers: Optional[Markers]) -> dict[str, Any]:
+    texts, docs, reasons = [""] * treq.n, [[] for _ in range(treq.n)], [None] * treq.n
+    usage = UsageCounter()
+    async for p, d in it:
+        usage.add(p, d)
+        texts[d.index] += d.text
+        docs[d.index] += d.logprobs or []
+        reasons[d.index] = d.finish_reason or reasons[d.index]
+    choices = []
+    for i in range(treq.n):
+        thought, text = split_all(markers, treq.prompt, texts[i])
+        content, calls = parse_all(text) if tools_on else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if markers is not None:
+            message["reasoning_content"] = thought
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        choices.append({"index": i, "message": message,
+                        "logprobs": {"content": chat_logprobs(docs[i], top), "refusal": None} if top is not None else None,
+                        "finish_reason": finish_reason(reasons[i], bool(calls))})
+    return {**head, "object": "chat.completion", "choices": choices, "usage": usage.usage.to_openai()}
+
+
+async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,
+                       include_usage: bool, markers: Optional[Markers]) -> AsyncIterator[str]:
+    usage = UsageCounter()
+    parsers = [ToolCallParser() for _ in range(treq.n)]
+    thinkers = [ReasoningSplitter(markers, treq.prompt) if markers else None for _ in range(treq.n)]
+    started = set()
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(i: int, delta: dict, lp: Any = None, reason: Optional[str] = None) -> str:
+        return _sse({**head, "object": "chat.completion.chunk",
+                     "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}], **extra})
+
+    async for p, d in it:
+        usage.add(p, d)
+        i = d.index
+        if i not in started:
+            started.add(i)
+            yield chunk(i, {"role": "assistant", "content": ""})
+        delta: dict[str, Any] = {}
+        text = d.text
+        if thinkers[i] is not None:
+            thought, text = thinkers[i].feed(text)
+            thought += thinkers[i].finish() if d.finish_reason else ""
+            if thought:
+                delta["reasoning_content"] = thought
+        if tools_on:
+            parser = parsers[i]
+            content, calls = parser.feed(text)
+            if d.finish_reason:
+                content += parser.finish()
+            if calls:
+                base = len(parser.calls) - len(calls)
+                delta["tool_calls"] = [c.to_openai(index=base + k) for k, c in enumerate(calls)]
+        else:
+            content = text
+        if content:
+            delta["content"] = content
+        lp = {"content": chat_logprobs(d.logprobs, top), "refusal": None} if top is not None and d.logprobs else None
+        if delta or lp:
+            yield chunk(i, delta, lp)
+        if d.finish_reason:
+            yield chunk(i, {}, None, finish_reason(d.finish_reason, bool(parsers[i].calls)))
+    if include_usage:
+        yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage.usage.to_openai()})
+    yield "data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------------------ completions
+
+
+async def complete(ctx: Context, req: CompletionRequest) -> Answer:
+    include_usage = _check_stream_options(req)
+    prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+    if not prompts or any(not p for p in prompts):
+        raise bad_request("prompt must be a non-empty string or a list of them", "prompt")
+    if req.echo and req.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs needs the prompt's log probs, which are not computed")
+    guide = guides.resolve(req)
+    treqs = [sampling.build(req, p, guide, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs, ctx.limits)
+             for p in prompts]
+    it = await _primed(merge([ctx.client.generate(t) for t in treqs]))
+    head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
+    n = treqs[0].n
+    echo = [p if req.echo else "" for p in prompts]
+    if req.stream:
+        return _guarded(_complete_stream(it, head, n, echo, req.logprobs, include_usage))
+    return await _complete_whole(it, head, n, echo, req.logprobs)
+
+
+async def _complete_whole(it, head: dict, n: int, echo: list[str], top: Optional[int]) -> dict[str, Any]:
+    total = len(echo) * n
+    texts = [echo[k // n] for k in range(total)]
+    lps = [CompletionLogprobs(top) for _ in range(total)] if top is not None else None
+    reasons: list[Optional[str]] = [None] * total
+    usage = UsageCounter()
+    async for p, d in it:
+        usage.add(p, d)
+        k = p * n + d.index
+        texts[k] += d.text
+        if lps is not None:
+            lps[k].add(d.logprobs or [])
+        reasons[k] = d.finish_reason or reasons[k]
+    choices = [{"index": k, "text": texts[k], "logprobs": lps[k].to_openai() if lps else None,
+                "finish_reason": finish_reason(reasons[k])} for k in range(total)]
+    return {**head, "object": "text_completion", "choices": choices, "usage": usage.usage.to_openai()}
+
+
+async def _complete_stream(it, head: dict, n: int, echo: list[str], top: Optional[int],
+                           include_usage: bool) -> AsyncIterator[str]:
+    usage = UsageCounter()
+    lps: dict[int, CompletionLogprobs] = {}
+    started = set()
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(k: int, text: str, lp: Any = None, reason: Optional[str] = None) -> str:
+        return _sse({**head, "object": "text_completion",
+                     "choices": [{"index": k, "text": text, "logprobs": lp, "finish_reason": reason}], **extra})
+
+    async for p, d in it:
+        usage.add(p, d)
+        k = p * n + d.index
+        if k not in started:
+            started.add(k)
+            if echo[p]:
+                yield chunk(k, echo[p])
+        lp = lps.setdefault(k, CompletionLogprobs(top)).add(d.logprobs or []) if top is not None else None
+        if d.text or lp:
+            yield chunk(k, d.text, lp)
+        if d.finish_reason:
+            yield chunk(k, "", None, finish_reason(d.finish_reason))
+    if include_usage:
+        yield _sse({**head, "object": "text_completion", "choices": [], "usage": usage.usage.to_openai()})
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,196 @@
+"""Streaming chat through the OpenAI-compatible server vs the same requests over Triton gRPC directly.
+
+    python bench/bench_openai.py [--requests 16] [--rounds 2] [--max-tokens 64] [--concurrency 1 8] [--json out.json]
+
+Starts tritonserver (the `specguide` model alone) and `specguide.openai_api` beside it on free
+ports. Each request is the same chat prompt (the model's template applied once, here, for the
+direct path), greedy, `ignore_eos` so both paths generate exactly `--max-tokens` tokens. Per
+concurrency level, rounds alternate the two paths (drift hits both alike): the `openai` SDK with
+`stream=True`, and `tritonclient` gRPC streaming (`client.common.GrpcStream`) to `specguide`.
+TTFT = first content delta / first response; tokens/s = output tokens / wall time of a round.
+The OpenAI server's resident memory is read after the runs, and its CPU time per token (it shares
+the CPUs with the engine: on a small machine what it spends, the engine loses).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from machine import cpu_header, cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from client.common import GrpcStream, chat_prompt, load_chat_template  # noqa: E402
+from specguide.memory import rss_bytes  # noqa: E402
+
+QUESTIONS = ["Write a haiku about the sea.", "Explain photosynthesis briefly.", "List three primary colors.",
+             "What is a prime number?", "Describe a cat.", "Give me a recipe idea."]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(url: str, what: str, proc: subprocess.Popen, limit: float = 600) -> None:
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, f"{what} did not start"
+        time.sleep(0.5)
+
+
+class Stack:
+    """tritonserver + the OpenAI server, on free ports."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="specguide-bench-openai-"))
+        shutil.copytree(ROOT / "model_repository" / "specguide", self.dir / "specguide")
+        http, self.grpc, metrics, self.api = free_port(), free_port(), free_port(), free_port()
+        env = {**os.environ, "MODEL_REPOSITORY": str(self.dir), "TRITON_HTTP_PORT": str(http),
+               "TRITON_GRPC_PORT": str(self.grpc), "TRITON_METRICS_PORT": str(metrics)}
+        self.triton = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "run"],
+                                       stdout=open(self.dir / "triton.log", "wb"), stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+        wait(f"http://127.0.0.1:{http}/v2/health/ready", "tritonserver", self.triton)
+        self.openai = subprocess.Popen([sys.executable, "-m", "specguide.openai_api", "--triton-url",
+                                        f"127.0.0.1:{self.grpc}", "--port", str(self.api), "--log-level", "warning"],
+                                       stdout=open(self.dir / "openai.log", "wb"), stderr=subprocess.STDOUT)
+        wait(f"http://127.0.0.1:{self.api}/health", "the OpenAI server", self.openai, 60)
+
+    def stop(self) -> None:
+        self.openai.terminate()
+        self.openai.wait(timeout=30)
+        self.triton.send_signal(signal.SIGTERM)
+        try:
+            self.triton.wait(timeout=60)
+        finally:
+            try:
+                os.killpg(self.triton.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def via_openai(client, question: str, max_tokens: int) -> tuple[float, int, float]:
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    for chunk in client.chat.completions.create(
+            model="specguide", messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].delta.content and ttft is None:
+            ttft = time.perf_counter() - t0
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return ttft or 0.0, tokens, time.perf_counter() - t0
+
+
+def via_triton(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
+    stream = GrpcStream(url)
+    try:
+        t0 = time.perf_counter()
+        ttft, tokens = None, 0
+        params = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        for c in stream.generate({"text_input": prompt, "stream": True, "sampling_parameters": params,
+                                  "return_num_output_tokens": True}):
+            assert c.error is None, c.error
+            if c.text and ttft is None:
+                ttft = c.t - t0
+            tokens += c.num_output_tokens or 0
+        return ttft or 0.0, tokens, time.perf_counter() - t0
+    finally:
+        stream.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_round(fn, jobs: list, concurrency: int, api_pid: int) -> dict:
+    cpu0, t0 = cpu_seconds(api_pid), time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        res = list(pool.map(lambda j: fn(*j), jobs))
+    wall = time.perf_counter() - t0
+    return {"ttft": [r[0] for r in res], "tokens": sum(r[1] for r in res), "wall": wall,
+            "api_cpu": cpu_seconds(api_pid) - cpu0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=16, help="per path per round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    print(cpu_header(), flush=True)
+    import openai
+
+    template = load_chat_template()
+    stack = Stack()
+    rows = {}
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.api}/v1", api_key="unused", max_retries=0,
+                               timeout=600)
+        url = f"127.0.0.1:{stack.grpc}"
+        qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
+        via_openai(client, qs[0], 8)  # warm both paths
+        via_triton(url, chat_prompt(template, qs[0]), 8)
+        paths = {"openai": (via_openai, [(client, q, args.max_tokens) for q in qs]),
+                 "triton": (via_triton, [(url, chat_prompt(template, q), args.max_tokens) for q in qs])}
+        for c in args.concurrency:
+            agg = {p: {"ttft": [], "tokens": 0, "wall": 0.0, "api_cpu": 0.0} for p in paths}
+            for r in range(args.rounds):
+                for p in (("openai", "triton") if r % 2 == 0 else ("triton", "openai")):
+                    fn, jobs = paths[p]
+                    res = run_round(fn, jobs, c, stack.openai.pid)
+                    agg[p]["ttft"] += res["ttft"]
+                    agg[p]["tokens"] += res["tokens"]
+                    agg[p]["wall"] += res["wall"]
+                    agg[p]["api_cpu"] += res["api_cpu"]
+                    print(f"concurrency {c} round {r} {p}: {res['tokens'] / res['wall']:.1f} tok/s", flush=True)
+            for p, a in agg.items():
+                rows[f"{p}@{c}"] = {"ttft_p50_ms": 1000 * statistics.median(a["ttft"]),
+                                    "tokens_per_s": a["tokens"] / a["wall"], "tokens": a["tokens"],
+                                    "api_cpu_ms_per_token": 1000 * a["api_cpu"] / max(a["tokens"], 1)}
+        rss = rss_bytes(stack.openai.pid) / 2**20
+    finally:
+        stack.stop()
+    print(f"\n{args.rounds} rounds x {args.requests} streamed chat requests per path, {args.max_tokens} greedy tokens each")
+    print("| path | concurrency | TTFT p50 (ms) | tokens/s | vs Triton gRPC | OpenAI server CPU (ms/token) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for c in args.concurrency:
+        base = rows[f"triton@{c}"]
+        for p in ("triton", "openai"):
+            r = rows[f"{p}@{c}"]
+            print(f"| {p} | {c} | {r['ttft_p50_ms']:.0f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['tokens_per_s'] / base['tokens_per_s']:.3f} | {r['api_cpu_ms_per_token']:.2f} |")
+    print(f"\nOpenAI server RSS after the runs: {rss:.0f} MiB")
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_model(), "args": vars(args) | {"json": str(args.json)},
+                                         "rows": rows, "openai_rss_mib": rss}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""The OpenAI-compatible server (specguide.openai_api) against the real stack, with the official `openai` SDK.
+
+One OpenAI server process in front of the session's tritonserver (free ports, 127.0.0.1); a
+second one with an API key and a third pointed at a port where nothing listens, for the errors.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from .conftest import ROOT, _free_ports, launch, repository_with, stop_and_check
+
+MODEL = "specguide"
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class Api:
+    """One OpenAI server process."""
+
+    def __init__(self, triton_grpc: str, log: Path, *extra: str):
+        self.port = _free_ports(1)[0]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, "SPECGUIDE_API_KEY": ""}
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "specguide.openai_api", "--triton-url", triton_grpc,
+                                          "--port", str(self.port), *extra], stdout=f, stderr=subprocess.STDOUT,
+                                         env=env, cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while not self._up():
+            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+
+    def _up(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base + "/v1/models", timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True  # answering (e.g. 401)
+        except OSError:
+            return False
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=300)
+
+    def post(self, path: str, body: bytes, headers: Optional[dict] = None) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        data = r.read()
+        conn.close()
+        return r.status, json.loads(data)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def api(server, tmp_path_factory):
+    a = Api(server.grpc, tmp_path_factory.mktemp("openai") / "api.log")
+    deadline = time.monotonic() + 60  # the server reads the model's settings from Triton once it answers
+    while "configured from Triton" not in a.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    yield a
+    a.stop()
+    assert "Traceback" not in a.log.read_text(), a.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return api.client()
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, **{"messages": ASK, "max_tokens": 24, "temperature": 0, **kw})
+
+
+# ------------------------------------------------------------------------------ basics
+
+
+def test_models_and_health(api, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with urllib.request.urlopen(api.base + "/health") as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+
+
+def test_chat_whole_and_streamed_agree_with_usage(client):
+    whole = chat(client, messages=[{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": [{"type": "text", "text": "Name a color."}]}])
+    c = whole.choices[0]
+    assert c.message.role == "assistant" and c.message.content and c.finish_reason in ("stop", "length")
+    u = whole.usage
+    assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 24 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    chunks = list(chat(client, messages=[{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Name a color."}],
+                       stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == c.message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [c.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == u.model_dump()
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_completions_prompts_n_echo_and_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=["The capital of France is", "1, 2, 3,"], max_tokens=6,
+                                  n=2, temperature=0.8, seed=11, logprobs=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        lp = c.logprobs
+        assert "".join(lp.tokens) == c.text and len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
+        assert all(len(t) <= 3 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    e = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, echo=True)
+    assert e.choices[0].text.startswith("The capital of France is") and len(e.choices[0].text) > 24
+    s = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in s) == e.choices[0].text
+
+
+def test_n_and_seeds(client):
+    kw = dict(messages=[{"role": "user", "content": "Write a word."}], temperature=1.0, max_tokens=8)
+    a, b = chat(client, seed=5, n=2, **kw), chat(client, seed=5, n=2, **kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]  # reproducible
+
+
+def test_stop_strings_are_cut(client):
+    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+    word = base.strip().split(",")[1].strip()  # a number the model writes
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[word, "zzz"])
+    assert r.choices[0].finish_reason == "stop" and word not in r.choices[0].text
+    assert base.startswith(r.choices[0].text)
+
+
+def test_logprobs_identical_with_speculation_on_and_off(client):
+    kw = dict(messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=24, logprobs=True,
+              top_logprobs=2, response_format={"type": "json_object"})
+    on = chat(client, **kw).choices[0]
+    off = chat(client, extra_body={"num_draft_tokens": 0}, **kw).choices[0]
+    assert on.message.content == off.message.content
+    assert [t.model_dump() for t in on.logprobs.content] == [t.model_dump() for t in off.logprobs.content]
+    assert "".join(t.token for t in on.logprobs.content) == on.message.content
+    assert all(len(t.top_logprobs) == 2 for t in on.logprobs.content)
+
+
+# ------------------------------------------------------------------------------ structured outputs
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_parse_with_a_pydantic_model(client):
+    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Describe a person."}],
+                                      response_format=Person, max_tokens=48, temperature=0)
+    assert isinstance(r.choices[0].message.parsed, Person)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_json_schema_strict_and_not(client, strict):
+    r = chat(client, messages=[{"role": "user", "content": "Describe a person."}], max_tokens=48,
+             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": strict}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_json_object_and_vllm_extras(client):
+    r = chat(client, response_format={"type": "json_object"}, max_tokens=48)
+    json.loads(r.choices[0].message.content)
+    r = chat(client, extra_body={"guided_choice": ["sunny", "rainy"]})
+    assert r.choices[0].message.content in ("sunny", "rainy")
+    r = chat(client, extra_body={"guided_regex": "[0-9]{2} degrees"})
+    assert r.choices[0].message.content.endswith(" degrees") and r.choices[0].message.content[:2].isdigit()
+    r = chat(client, extra_body={"guided_json": PERSON}, max_tokens=48)
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = chat(client, extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = chat(client, extra_body={"structured_outputs": {"choice": ["a", "b"]}})
+    assert r.choices[0].message.content in ("a", "b")
+
+
+# ------------------------------------------------------------------------------ tools
+
+
+def _check_calls(message, names):
+    assert message.tool_calls
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id and call.function.name in names
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls(client, choice):
+    r = chat(client, tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False, max_tokens=64)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    _check_calls(c.message, ["get_time"] if isinstance(choice, dict) else ["get_weather", "get_time"])
+    assert len(c.message.tool_calls) == 1
+
+
+def test_tool_call_streamed_deltas_accumulate(client):
+    kw = dict(messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+              temperature=0)
+    whole = client.chat.completions.create(model=MODEL, **kw).choices[0].message.tool_calls[0]
+    with client.chat.completions.stream(model=MODEL, **kw) as s:
+        final = s.get_final_completion()
+    got = final.choices[0]
+    assert got.finish_reason == "tool_calls"
+    assert (got.message.tool_calls[0].function.name, got.message.tool_calls[0].function.arguments) == \
+        (whole.function.name, whole.function.arguments)
+
+
+def test_tool_choice_auto_and_none(client):
+    prompt = [{"role": "user", "content": "Call get_weather for Paris in C now."}]
+    r = chat(client, messages=prompt, tools=[WEATHER], tool_choice="auto", max_tokens=64).choices[0]
+    if r.message.tool_calls:  # the model chose to call: the arguments hold to the schema
+        _check_calls(r.message, ["get_weather"])
+        assert r.finish_reason == "tool_calls"
+    else:
+        assert r.message.content and "<tool_call>" not in r.message.content
+    r = chat(client, messages=prompt, tools=[WEATHER], tool_choice="none").choices[0]
+    assert not r.message.tool_calls and r.finish_reason in ("stop", "length")
+    # a conversation that carries a call and its result renders (the generic format in the prompt)
+    history = prompt + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C and sunny"}]
+    r = chat(client, messages=history, tools=[WEATHER], tool_choice="none").choices[0]
+    assert r.message.content
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": ASK, "tempratur": 1}, "tempratur"),
+    ({"messages": ASK, "temperature": 5}, "temperature"),
+    ({"messages": ASK, "max_tokens": 10**6}, "max_tokens"),
+    ({"messages": ASK, "n": 0}, "n"),
+    ({"messages": ASK, "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"messages": ASK, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+    ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"messages": ASK, "guided_regex": "(ab"}, "guided_regex"),
+    ({"messages": ASK, "guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": ASK, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"messages": ASK, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({}, "messages"),
+])
+def test_bad_requests_are_400_naming_the_field(api, body, param):
+    status, got = api.post("/v1/chat/completions", json.dumps({"model": MODEL, **body}).encode())
+    assert status == 400, got
+    assert got["error"]["type"] == "invalid_request_error" and got["error"]["param"] == param and got["error"]["message"]
+
+
+def test_sdk_errors_unknown_model_body_caps(api, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=ASK)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", suffix="y")
+    assert e.value.body["param"] == "suffix"
+    status, got = api.post("/v1/completions", b"[" * 200 + b"]" * 200)
+    assert status == 400 and "nests deeper" in got["error"]["message"]
+    status, got = api.post("/v1/completions", b" " * (5 << 20))
+    assert status == 413 and "limit" in got["error"]["message"]
+    status, got = api.post("/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in got["error"]["message"]
+
+
+def test_api_key_and_unavailable_triton(server, tmp_path):
+    keyed = Api(server.grpc, tmp_path / "keyed.log", "--api-key", "s3cret")
+    dead = Api(f"127.0.0.1:{_free_ports(1)[0]}", tmp_path / "dead.log")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            keyed.client("wrong").models.list()
+        with pytest.raises(urllib.error.HTTPError) as h:  # no key at all
+            urllib.request.urlopen(keyed.base + "/v1/models")
+        assert h.value.code == 401 and json.loads(h.value.read())["error"]["type"] == "authentication_error"
+        with urllib.request.urlopen(keyed.base + "/health") as r:  # health needs no key
+            assert r.status == 200
+        assert [m.id for m in keyed.client("s3cret").models.list().data] == [MODEL]
+        with pytest.raises(openai.InternalServerError) as e:
+            dead.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert e.value.status_code == 503
+        with pytest.raises(urllib.error.HTTPError) as h:
+            urllib.request.urlopen(dead.base + "/health")
+        assert h.value.code == 503
+    finally:
+        keyed.stop()
+        dead.stop()
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(api, server):
+    before = server.metric("specguide_cancellations_total", stage="decode")
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=300)
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    got = b""
+    while got.count(b"data:") < 3:  # generating
+        got += r.read1(4096)
+    assert server.wait_metric("specguide_active_slots", 1.0, timeout=60) == 1.0
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    assert server.wait_metric("specguide_cancellations_total", before + 1, timeout=60, stage="decode") == before + 1
+    assert server.wait_metric("specguide_active_slots", 0.0, timeout=60) == 0.0
+
+
+def _stream_chunks(api: Api, n: int):
+    """A long streamed completion: the open connection once `n` chunks came (None if refused: status, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=300)
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        return None, (r.status, json.loads(r.read()))
+    got = b""
+    while got.count(b"data:") < n:
+        got += r.read1(4096)
+    return conn, None
+
+
+def test_full_queue_is_429_and_the_rest_carries_on(tmp_path):
+    """One slot, a queue of one: a third request is 429 rate_limit_error (retry later), not a fault."""
+    srv = launch(tmp_path / "server.log", repository_with(tmp_path, {"max_slots": "1", "max_queue": "1"}))
+    api = Api(srv.grpc, tmp_path / "api.log")
+    try:
+        running, err = _stream_chunks(api, 2)
+        assert err is None
+        queued: dict = {}
+        t = threading.Thread(target=lambda: queued.update(zip(("conn", "err"), _stream_chunks(api, 1))))
+        t.start()
+        assert srv.wait_metric("specguide_queue_depth", 1.0, timeout=60) == 1.0
+        with pytest.raises(openai.RateLimitError) as e:
+            api.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert e.value.body["type"] == "rate_limit_error" and "queue is full" in e.value.body["message"]
+        running.sock.close()  # frees the slot: the queued one runs
+        running.close()
+        t.join(timeout=120)
+        assert queued.get("err") is None and queued.get("conn") is not None
+        queued["conn"].sock.close()
+        queued["conn"].close()
+        assert srv.wait_metric("specguide_active_slots", 0.0, timeout=60) == 0.0
+    finally:
+        api.stop()
+        stop_and_check(srv)

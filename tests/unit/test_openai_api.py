@@ -1,0 +1,188 @@
+"""specguide.openai_api without a server: tool-call parsing, guides, error mapping, prompts, requests."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from specguide.openai_api import guides, sampling
+from specguide.openai_api.chat import ChatTemplate, render_chat
+from specguide.openai_api.errors import ApiError, from_triton, from_validation
+from specguide.openai_api.outputs import CompletionLogprobs, chat_logprobs, finish_reason
+from specguide.openai_api.schemas import ChatCompletionRequest, CompletionRequest, Tool
+from specguide.openai_api.tools import CALL_BEGIN, ToolCallParser, call_text, parse_all, tool_guide
+from specguide.openai_api.triton_client import build_request
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "hi"}]
+
+
+def chat_req(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "specguide", "messages": ASK, **kw})
+
+
+# ------------------------------------------------------------------------------ tool calls
+
+
+def test_tool_call_parser_holds_back_a_split_trigger_and_finds_calls():
+    text = "Sure. " + call_text("get_weather", {"city": "Paris"}) + "\n" + call_text("get_weather", {"city": "Rome"})
+    for cut in range(1, len(text)):  # every split point of two deltas
+        p = ToolCallParser()
+        c1, k1 = p.feed(text[:cut])
+        c2, k2 = p.feed(text[cut:])
+        rest = p.finish()
+        assert c1 + c2 + rest == "Sure. " and CALL_BEGIN not in c1 + c2
+        assert [json.loads(c.arguments)["city"] for c in k1 + k2] == ["Paris", "Rome"]
+
+
+def test_parse_all_content_only_calls_only_and_unfinished():
+    assert parse_all("just text") == ("just text", [])
+    content, calls = parse_all(call_text("f", {}))
+    assert content is None and calls[0].name == "f" and calls[0].arguments == "{}" and calls[0].id.startswith("call_")
+    content, calls = parse_all("<tool_call>\n{\"name\": \"f\", \"argu")  # cut by max_tokens: stays text
+    assert calls == [] and content.startswith("<tool_call>")
+
+
+def test_tool_guides_compile_and_force_the_format():
+    xgr = pytest.importorskip("xgrammar")
+    tools = [Tool.model_validate(TOOL)]
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)])
+    compiler = xgr.GrammarCompiler(info)
+    call = call_text("get_weather", {"city": "Paris"})
+    for choice, text, ok in (("required", call, True), ("required", "Hello", False), ("auto", "Hi " + call, True),
+                             ("auto", "Hello", True)):
+        req = chat_req(tools=[TOOL], tool_choice=choice)
+        tag = tool_guide(tools, guides.check_tool_choice(req), parallel=True)
+        m = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag)))
+        assert m.accept_string(text) == ok, (choice, text)
+    assert tool_guide(tools, guides.check_tool_choice(chat_req(tools=[TOOL], tool_choice="none")), True) is None
+
+
+# ------------------------------------------------------------------------------ guides
+
+
+def test_one_guide_per_request_named_by_its_field():
+    assert guides.resolve(chat_req()) is None
+    g = guides.resolve(chat_req(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object"}, "strict": True}}))
+    assert g.param == "response_format" and g.structured_outputs == {"json": {"type": "object"}, "strict": True}
+    assert guides.resolve(chat_req(guided_regex="[a-z]+")).structured_outputs == {"regex": "[a-z]+"}
+    with pytest.raises(ApiError) as e:
+        guides.resolve(chat_req(guided_regex="a", guided_choice=["b"]))
+    assert e.value.status == 400 and e.value.param == "guided_choice"
+    with pytest.raises(ApiError) as e:
+        guides.resolve(chat_req(guided_json="{not json"))
+    assert e.value.param == "guided_json" and "not valid JSON" in e.value.message
+    with pytest.raises(ApiError) as e:
+        guides.check_tool_choice(chat_req(tool_choice="auto"))
+    assert e.value.param == "tool_choice"
+    tc = guides.check_tool_choice(chat_req(tools=[TOOL]))
+    assert guides.resolve(chat_req(tools=[TOOL]), tc).param == "tool_choice"
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_triton_errors_map_to_openai_statuses():
+    assert from_triton("INVALID_ARG", "bad", "response_format").status == 400
+    assert from_triton("INVALID_ARG", "bad", "response_format").param == "response_format"
+    assert from_triton("UNSUPPORTED", "no").status == 400
+    assert from_triton("UNAVAILABLE", "the waiting queue is full (256 requests)").status == 429
+    assert from_triton("UNAVAILABLE", "the engine is not running").status == 503
+    assert from_triton("", "Request for unknown model: 'specguide' is not found").status == 503
+    e = from_triton("INTERNAL", "boom", "response_format")
+    assert e.status == 500 and e.param is None and e.body()["error"]["type"] == "server_error"
+
+
+def test_validation_errors_name_the_field():
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, "bogus": 1})
+    assert from_validation(e.value).param == "bogus"
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "wizard", "content": "x"}]})
+    assert from_validation(e.value).param == "messages[0].role"
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+def test_sampling_fields_map_to_the_models_inputs():
+    req = chat_req(temperature=0.5, top_p=0.9, seed=-1, stop="END", n=2, presence_penalty=1.0, num_draft_tokens=0)
+    t = sampling.build(req, "prompt", None, 10, 100, 3, sampling.Limits(2048))
+    assert t.sampling == {"max_tokens": 10, "temperature": 0.5, "top_p": 0.9, "presence_penalty": 1.0,
+                          "seed": 2**64 - 1, "stop": ["END"], "logprobs": 3}
+    assert (t.n, t.num_draft_tokens, t.logprobs) == (2, 0, True)
+    msg = build_request(t, "r1")
+    assert {i.name for i in msg.inputs} >= {"text_input", "sampling_parameters", "num_return_sequences",
+                                            "num_draft_tokens", "return_logprobs"}
+    assert msg.parameters["specguide_error_output"].bool_param
+    with pytest.raises(ApiError) as e:
+        sampling.build(chat_req(max_completion_tokens=5000), "p", None, 5000, 100, None, sampling.Limits(2048))
+    assert e.value.param == "max_completion_tokens"
+    with pytest.raises(ApiError) as e:
+        sampling.build(CompletionRequest(model="m", prompt="x", best_of=3), "p", None, None, 16, None, sampling.Limits())
+    assert e.value.param == "best_of" and e.value.code == "unsupported_parameter"
+
+
+def test_logprobs_formats():
+    docs = [{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}, "6": {"logprob": float("-inf"), "rank": 2,
+                                                                             "decoded_token": "b"}}]
+    (entry,) = chat_logprobs(docs, 2)
+    assert entry["token"] == "a" and entry["bytes"] == [97] and entry["top_logprobs"][1]["logprob"] == -9999.0
+    acc = CompletionLogprobs(1)
+    part = acc.add(docs)
+    assert part == acc.to_openai() == {"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{"a": -0.1}],
+                                       "text_offset": [0]}
+    assert finish_reason("stop", tool_calls=True) == "tool_calls" and finish_reason("timeout") == "length"
+
+
+def test_generic_tool_format_reaches_a_template_without_tools(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<e>"}))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    t = ChatTemplate(tmp_path)
+    assert not t.supports_tools
+    req = chat_req(tools=[TOOL], messages=[
+        {"role": "developer", "content": "Be kind."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+    text = render_chat(t, req.messages, req.tools)
+    assert text.startswith("[system]Be kind.\n\nYou may call") and '"name": "get_weather"' in text
+    assert '[assistant]<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+    assert "[tool]<tool_response>\nsunny\n</tool_response>" in text and text.endswith("[assistant]")
+
+
+def test_reasoning_goes_in_reasoning_content_at_every_split():
+    from specguide.openai_api.reasoning import Markers, ReasoningSplitter, split_all
+
+    m = Markers.parse("<think>,</think>")
+    assert Markers.parse("") is None and m == Markers("<think>", "</think>")
+    text = "<think>Paris is in France.</think>\n\nParis."
+    for cut in range(len(text) + 1):
+        s = ReasoningSplitter(m, "prompt")
+        r1, c1 = s.feed(text[:cut])
+        r2, c2 = s.feed(text[cut:])
+        assert (r1 + r2 + s.finish(), c1 + c2) == ("Paris is in France.", "Paris.")
+    assert split_all(m, "...<think>\n", "thinking</think>answer") == ("thinking", "answer")
+    assert split_all(m, "<think>\n\n</think>\n\n", "just the answer") == (None, "just the answer")  # thinking off
+    assert split_all(m, "p", "never closed") == ("never closed", "")
+    assert split_all(None, "p", "<think>x</think>y") == (None, "<think>x</think>y")
+
+
+def test_an_error_mid_stream_is_one_sse_error_event():
+    import asyncio
+
+    from specguide.openai_api.handlers import _guarded
+
+    async def events():
+        yield "data: 1\n\n"
+        raise from_triton("INTERNAL", "the model produced non-finite logits")
+
+    async def collect():
+        return [e async for e in _guarded(events())]
+
+    got = asyncio.run(collect())
+    assert got[0] == "data: 1\n\n" and json.loads(got[1][len("data: "):])["error"]["type"] == "server_error"
