@@ -166,3 +166,26 @@ def test_shutdown_drains_then_stops_the_engine_process():
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     with pytest.raises(EngineDeadError):
         ep.submit(request(ep, 2), Collector())
+
+
+@pytest.mark.parametrize("training", ["background", "off"])
+def test_a_missing_draft_head_is_trained_beside_the_engine_and_stopped_with_it(tmp_path, training):
+    """The engine awaits the head file; with draft_head_training "background" the EngineProcess
+    starts its training (head_training.BackgroundTraining), which ends with shutdown."""
+    head = tmp_path / "head.pt"
+    ep = EngineProcess(EngineConfig(drafter="hybrid", draft_head_path=str(head), draft_head_training=training,
+                                    max_slots=1, warmup=False))
+    try:
+        assert ep.info.awaited_head == str(head) and ep.drafter == "grammar" and not ep.head_drafter
+        c = Collector()
+        ep.submit(request(ep, 8), c)  # served meanwhile
+        assert c.done.wait(120) and len(c.ids()) == 8
+        if training == "off":
+            assert ep.training is None
+            return
+        assert ep.training is not None and ep.training.running
+        pid = ep.training.proc.pid
+    finally:
+        ep.shutdown(drain=False, timeout=10)
+    assert ep.training.returncode is not None and not head.exists()
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

@@ -20,10 +20,14 @@ WORDS = r"[a-z]{3,6}( [a-z]{3,6}){2}"
 
 
 def test_make_passes_the_repository_to_the_head_and_the_server():
-    out = subprocess.run(["make", "-n", "serve", "MODEL_REPOSITORY=/srv/mine", "PY=python"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    assert "scripts/train_draft_head.py --if-missing --model-repository /srv/mine" in out, out
+    def dry(target: str) -> str:
+        return subprocess.run(["make", "-n", target, "MODEL_REPOSITORY=/srv/mine", "PY=python"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+    out = dry("serve")
     assert "scripts/tritonserver.py serve" in out  # which reads $MODEL_REPOSITORY, exported by the Makefile
+    assert "train_draft_head" not in out  # serving starts at once: the server trains a missing head itself
+    assert "scripts/train_draft_head.py --if-missing --model-repository /srv/mine" in dry("draft-head")
+    assert "scripts/train_draft_head.py --if-missing --model-repository /srv/mine" in dry("test")
     assert re.search(r"^export MODEL_REPOSITORY \?= model_repository$", (ROOT / "Makefile").read_text(), re.M)
 
 
