@@ -126,8 +126,10 @@ def main() -> None:
         else:  # a weight format with fp32 compute; w-bfloat16 = bf16 weights
             dtype, wd = "float32", fmt.removeprefix("w-")
         assert wd in WEIGHT_DTYPES, f"unknown run {spec!r}"
+        # CPU, n-gram drafts at a fixed K (no cost-aware budget): what the recorded results ran
         engine = Engine(EngineConfig(dtype=dtype, weight_dtype=wd, max_slots=max(8, args.concurrency),
-                                     max_seq_len=1024, num_draft_tokens=int(k)))
+                                     max_seq_len=1024, num_draft_tokens=int(k), device="cpu", drafter="ngram",
+                                     cost_aware_k=False))
         run_engine_sequential(engine, seq_prompts[:1], 8)  # warm-up
         e2e, dec, ttft, outs = run_engine_sequential(engine, seq_prompts, n)
         agg = run_engine_concurrent(engine, prompts, n)

@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
             print(f"draft head: none needed (drafter {served.drafter!r}, num_draft_tokens {served.num_draft_tokens})")
             return 0
     else:
-        served = EngineConfig(model_dir=args.model_dir, gguf_file=args.gguf_file, device="auto", weight_dtype="auto")
+        served = EngineConfig(model_dir=args.model_dir, gguf_file=args.gguf_file)  # the served defaults
     if args.weight_dtype:
         served = replace(served, weight_dtype=args.weight_dtype)
     return train(served, recipe(args), args.out or "", args.if_missing)

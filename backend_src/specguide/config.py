@@ -42,12 +42,14 @@ class ReasoningMarkers:
 
 @dataclass
 class EngineConfig:
-    """Every engine setting; the Triton adapter fills it from config.pbtxt parameters."""
+    """Every engine setting; the Triton adapter fills it from config.pbtxt parameters. The defaults are
+    what the shipped model_repository/specguide/config.pbtxt serves, field for field (a unit test fails
+    when they drift apart): an engine built with `EngineConfig()` runs what users run."""
 
     model_dir: str = ""  # HF folder (safetensors); "" = the embedded default model
     gguf_file: str = ""  # optional GGUF file inside model_dir (converted once, cached)
     dtype: str = "float32"
-    weight_dtype: str = "float32"  # how linear weights are held on CPU (C kernels, dtype float32; fp32
+    weight_dtype: str = "auto"  # how linear weights are held on CPU (C kernels, dtype float32; fp32
     # activations and accumulation, batch-invariant): "float32"; "bfloat16", "int8" (per-output-channel
     # scales), "q4_1" (GGUF Q4_1 blocks of 32; the LM head Q8_0), "q8_0": weight-only quantization;
     # "auto": each weight in the narrowest of q4_1 / q8_0 / bfloat16 / float32 that holds it exactly
@@ -57,7 +59,7 @@ class EngineConfig:
     # kernels, logits within ~0.5% of float32's; still batch-invariant); "float32": weights widened to
     # fp32, the float32 model's logits bit for bit; "auto": int8 where the kernel build has a vector
     # integer path (AVX2, AVX-512, VNNI), else float32
-    device: str = "cpu"  # "cpu", "cuda", "auto"
+    device: str = "auto"  # "cpu", "cuda", "auto" (CUDA when present, else CPU)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU (set here for
     # device "cpu", by the engine for "auto"), on CUDA as many
@@ -77,7 +79,7 @@ class EngineConfig:
     request_timeout_s: float = 0.0  # default per-request time limit (queue + generation); 0 = none
     drain_timeout_s: float = 25.0  # unload: in-flight requests get this long to finish, then are cancelled
     num_draft_tokens: int = 3  # K: draft tokens verified per step (0 = no speculation); per request <= K
-    drafter: str = "ngram"  # "ngram" (prompt lookup) | "grammar" (grammar-forced jump-forward tokens,
+    drafter: str = "hybrid"  # "ngram" (prompt lookup) | "grammar" (grammar-forced jump-forward tokens,
     # then n-gram) | "head" (trained draft head) | "hybrid" (head + grammar-forced + trusted n-gram,
     # per slot per step) | "early_exit" (the target's first draft_layers) | "draft_model" (a separate
     # small model sharing the tokenizer, from draft_model_dir)
@@ -91,9 +93,9 @@ class EngineConfig:
     # held, as weight_dtype. Drafts never change the output, only acceptance: int8 drafts as well as
     # fp32 at less cost (bench/BENCHMARKS.md). "" = the target's weight_dtype (always so without the C kernels)
     adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
-    cost_aware_k: bool = False  # CPU: a step drafts only while the measured cost of its extra rows is
+    cost_aware_k: bool = True  # CPU: a step drafts only while the measured cost of its extra rows is
     # repaid by the expected accepted tokens (speculation/step_cost.py); decisions follow wall time, so
-    # draft counts vary run to run (tokens never do). config.pbtxt turns it on.
+    # draft counts vary run to run (tokens never do): a test comparing draft counts turns it off.
     ngram_trust: int = 3  # hybrid: an n-gram chain replaces the head's drafts when its suffix match is this long
     draft_model_dir: str = ""  # HF folder of the draft model ("" = the default model)
     draft_layers: int = 16  # early-exit drafter depth

@@ -42,10 +42,22 @@ def random_head(tmp_path_factory, engine):
 
 @pytest.fixture(scope="session")
 def engine():
+    """The served engine: EngineConfig's defaults are config.pbtxt's (weights auto, int8 activations
+    where the CPU has an integer path, the hybrid drafter with the trained head, cost-aware K), sized down."""
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, prefill_chunk=64))
     yield eng
     eng.shutdown()
     assert not eng._thread.is_alive()
+
+
+@pytest.fixture(scope="session")
+def fp32_engine():
+    """The float32 model (weights and activations): what transformers' float32 logits are compared
+    with, and the reference of the other weight formats."""
+    eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, prefill_chunk=64, weight_dtype="float32",
+                              activation_dtype="float32"))
+    yield eng
+    eng.shutdown()
 
 
 def run_alone(engine: Engine, request):

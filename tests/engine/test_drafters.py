@@ -31,7 +31,7 @@ def test_greedy_with_each_drafter_equals_speculation_off(engine, random_head, dr
     reqs = lambda k: requests(engine, lambda i: k, max_tokens=40)  # noqa: E731
     off, _ = outputs(engine, reqs(0))
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter=drafter,
-                              draft_head_path=str(random_head)))
+                              draft_head_path=str(random_head), cost_aware_k=False))  # every step drafts
     try:
         assert eng.drafter == drafter
         got, finals = outputs(eng, reqs(3))

@@ -18,7 +18,8 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 
 @torch.inference_mode()
-def test_greedy_matches_transformers_generate(engine, hf_model):
+def test_greedy_matches_transformers_generate(fp32_engine, hf_model):
+    engine = fp32_engine  # transformers computes in float32: the float32 model's greedy tokens
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
@@ -230,7 +231,8 @@ def test_shutdown_drains_in_flight_requests():
     from specguide.config import EngineConfig
     from specguide.engine import Engine
 
-    eng = Engine(EngineConfig(max_slots=2, max_seq_len=128, warmup=False))
+    # a quick engine (float32 weights load in ~3 s; the served weights' exact block recovery takes ~10)
+    eng = Engine(EngineConfig(max_slots=2, max_seq_len=128, warmup=False, weight_dtype="float32"))
     finals = []
     for p in PROMPTS[:3]:
         eng.submit(Request(prompt=p, params=greedy(5, ignore_eos=True)), lambda o: o.finished and finals.append(o))

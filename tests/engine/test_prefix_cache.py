@@ -34,8 +34,9 @@ TEXTS = ["Alice is 30 and lives in Paris; she likes chess.", "Bob, 41, moved to 
 
 
 def _engine(head: str, caching: bool) -> Engine:
+    # cost_aware_k off: whether a step drafts follows no clock, so the draft counters compare across runs
     return Engine(EngineConfig(max_slots=3, max_seq_len=512, prefill_chunk=32, num_draft_tokens=3, drafter="hybrid",
-                               draft_head_path=head, spec_max_rows=0, prefix_caching=caching))
+                               draft_head_path=head, spec_max_rows=0, prefix_caching=caching, cost_aware_k=False))
 
 
 def _requests(engine: Engine, system: str = SYSTEM) -> list[Request]:
@@ -262,7 +263,7 @@ def test_a_next_turn_reuses_the_answer_and_stays_exact(engines, k):
 @pytest.fixture(scope="module")
 def draft_model_engines():
     cfg = dict(max_slots=3, max_seq_len=512, prefill_chunk=32, num_draft_tokens=3, drafter="draft_model",
-               spec_max_rows=0)
+               spec_max_rows=0, cost_aware_k=False)
     on, off = Engine(EngineConfig(**cfg, prefix_caching=True)), Engine(EngineConfig(**cfg, prefix_caching=False))
     yield on, off
     on.shutdown()

@@ -40,9 +40,18 @@ def requests(engine, k_of, max_tokens=48, **kw):
 
 
 @pytest.fixture(scope="module")
+def ngram_engine():
+    """Prompt-lookup drafts alone, in every step (no clock decides whether a step drafts)."""
+    eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, prefill_chunk=64, num_draft_tokens=3, drafter="ngram",
+                              cost_aware_k=False))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
 def early_exit_engine():
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter="early_exit",
-                              draft_layers=20))
+                              draft_layers=20, cost_aware_k=False))
     yield eng
     eng.shutdown()
 
@@ -50,14 +59,16 @@ def early_exit_engine():
 @pytest.fixture(scope="module")
 def draft_model_engine():
     # the default model drafting for itself: with batch-invariant kernels every greedy draft is accepted
-    eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter="draft_model"))
+    eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter="draft_model",
+                              cost_aware_k=False))
     yield eng
     eng.shutdown()
 
 
 @pytest.fixture
-def recorded_runs(engine):
-    """Record every verification step's emitted runs: [(tokens, accepted)]."""
+def recorded_runs(ngram_engine):
+    """Record every verification step's emitted runs of the n-gram engine: [(tokens, accepted)]."""
+    engine = ngram_engine
     runs = []
     original = engine.runner.step
 
@@ -90,10 +101,11 @@ def _staggered(engine, reqs):
     return results, finals
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "early_exit", "draft_model"])
+@pytest.mark.parametrize("drafter", ["hybrid", "ngram", "early_exit", "draft_model"])
 def test_greedy_with_speculation_equals_without(request, drafter):
-    eng = request.getfixturevalue({"ngram": "engine", "early_exit": "early_exit_engine",
-                                   "draft_model": "draft_model_engine"}[drafter])
+    eng = request.getfixturevalue({"hybrid": "engine", "ngram": "ngram_engine", "early_exit": "early_exit_engine",
+                                   "draft_model": "draft_model_engine"}[drafter])  # hybrid: the served engine
+    assert eng.drafter == drafter
     plain = [run_alone(eng, r)[0] for r in requests(eng, k_of=lambda i: 0)]
     spec, finals = _staggered(eng, requests(eng, k_of=lambda i: (3, 1, 2, 3, 0, 3, 2, 3)[i]))
     assert spec == plain
@@ -111,7 +123,9 @@ def test_greedy_with_speculation_equals_without(request, drafter):
     eng.scheduler.check_integrity()
 
 
-def test_stops_inside_an_accepted_run(engine, recorded_runs):
+def test_stops_inside_an_accepted_run(ngram_engine, recorded_runs):
+    # n-gram drafts in every step (no cost-aware budget): long accepted runs on "repeat three times"
+    engine = ngram_engine
     req = requests(engine, k_of=lambda i: 3, max_tokens=64)[1]  # "repeat three times": long accepted runs
     plain, _, _ = run_alone(engine, Request(prompt=req.prompt, num_draft_tokens=0, params=req.params))
     recorded_runs.clear()
@@ -148,9 +162,10 @@ def test_stops_inside_an_accepted_run(engine, recorded_runs):
         assert a[1] == b[1] == text[: text.find(word)] and a[2].finish_reason == "stop"
 
 
-def test_grammar_dead_end_in_drafts_is_not_an_error(engine):
+def test_grammar_dead_end_in_drafts_is_not_an_error(ngram_engine):
     """n-gram drafts copied from the prompt's schema text are not valid object members: drafting
     stops at the first token the grammar rejects, and the output equals plain decoding."""
+    engine = ngram_engine
     fed_log = []
     original = engine.guided.inner.fill_verify_rows
 
@@ -181,11 +196,14 @@ def test_sampled_speculation_is_reproducible_and_batch_independent(engine):
     assert together[0][0] == a[0]
 
 
-def test_a_seeded_sampled_request_gives_the_same_tokens_with_any_drafts(engine):
+def test_a_seeded_sampled_request_gives_the_same_tokens_with_any_drafts(ngram_engine):
     """Verification emits the target's own seeded sample at each position, so drafts change how
     many tokens a step emits, never which: K=0, K=1 and K=3 give the same tokens for the same seed
     (under rejection sampling an accepted draft replaced the seed's own sample: these runs differed,
-    and cost_aware_k, which picks K from wall time, made a seeded request differ run to run)."""
+    and cost_aware_k, which picks K from wall time, made a seeded request differ run to run; that case:
+    test_drafters.py's cost-aware test). N-gram drafts in every step, so that K 1 and 3 really verify
+    drafts (the served engine's cost-aware budget may decode a hot sample plainly throughout)."""
+    engine = ngram_engine
     prompt = prompts(engine)[1][0]
     accepted = 0
     for seed in (11, 12, 13):

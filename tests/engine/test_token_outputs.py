@@ -23,9 +23,12 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def eng():
-    # fixed K (no adaptive / cost-aware budget) so that speculation really runs at K=4
+    # fixed K (no adaptive / cost-aware budget) so that speculation really runs at K=4; n-gram drafts
+    # (long accepted runs on the "repeat" prompts); the float32 model, whose log probs and logits are
+    # compared with transformers' float32 ones
     e = Engine(EngineConfig(max_slots=8, max_seq_len=512, prefill_chunk=64, num_draft_tokens=K,
-                            adaptive_k=False, cost_aware_k=False))
+                            adaptive_k=False, cost_aware_k=False, drafter="ngram",
+                            weight_dtype="float32", activation_dtype="float32"))
     yield e
     e.shutdown()
 
@@ -103,7 +106,8 @@ def test_greedy_logprobs_equal_with_and_without_speculation(eng):
 def test_logprobs_with_the_capturable_guided_decoder(eng):
     """Grammar callbacks on a worker thread give the same log probs."""
     worker = Engine(EngineConfig(max_slots=4, max_seq_len=512, prefill_chunk=64, num_draft_tokens=K,
-                                 adaptive_k=False, cost_aware_k=False, guided_executor="worker"))
+                                 adaptive_k=False, cost_aware_k=False, drafter="ngram", guided_executor="worker",
+                                 weight_dtype="float32", activation_dtype="float32"))  # as `eng`
     try:
         reqs = spec_requests(eng, n=2, return_log_probs=True)
         ref = [joined(collect(eng, [with_k(r, 0)])[0]) for r in reqs]
@@ -115,7 +119,8 @@ def test_logprobs_with_the_capturable_guided_decoder(eng):
     assert sum(a[4].total_accepted_draft_tokens for a in got) > 0
 
 
-def test_greedy_logprobs_equal_log_softmax_of_reference(engine, hf_model):
+def test_greedy_logprobs_equal_log_softmax_of_reference(eng, hf_model):
+    engine = eng  # the float32 model
     for prompt in PROMPTS[:3]:
         ids = engine.tokenizer.encode(prompt)
         toks, lps, _, _, final = joined(collect(engine, [Request(

@@ -63,7 +63,7 @@ def test_teacher_forcing_leaves_the_engines_kept_prefixes_alone(engine):
 @pytest.fixture(scope="module")
 def quantized(random_head):
     engines = {wd: Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter="head",
-                                       draft_head_path=str(random_head),
+                                       draft_head_path=str(random_head), cost_aware_k=False,  # every step drafts
                                        weight_dtype=wd))
                for wd in ("bfloat16", "int8")}
     yield engines
@@ -72,8 +72,8 @@ def quantized(random_head):
 
 
 @pytest.mark.parametrize("wd, ratio", [("bfloat16", 0.5), ("int8", 0.25)])
-def test_weights_shrink_and_stay_close_to_fp32(engine, quantized, wd, ratio):
-    q = quantized[wd]
+def test_weights_shrink_and_stay_close_to_fp32(fp32_engine, quantized, wd, ratio):
+    engine, q = fp32_engine, quantized[wd]
     assert q.model.head.weight_dtype == wd and q.model.layers[0].gate_up.weight_dtype == wd
     full, small = packed_bytes(engine.model), packed_bytes(q.model)
     assert small <= ratio * full * 1.001, (small, full)
@@ -110,16 +110,17 @@ def shipped():
 def integer(random_head):
     """The served arithmetic, forced (auto picks it only on a build with a vector integer path)."""
     e = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, weight_dtype="auto",
-                            activation_dtype="int8", drafter="head", draft_head_path=str(random_head)))
+                            activation_dtype="int8", drafter="head", draft_head_path=str(random_head),
+                            cost_aware_k=False))  # every step drafts
     yield e
     e.shutdown()
 
 
-def test_auto_serves_the_gguf_at_its_shipped_precision_with_the_fp32_logits(engine, shipped):
+def test_auto_serves_the_gguf_at_its_shipped_precision_with_the_fp32_logits(fp32_engine, shipped):
     """weight_dtype auto on the default model (a dequantized Q4_1 GGUF): every layer's linears are
     held as Q4_1 blocks and the tied head as Q8_0, exactly; the logits are the float32 path's, bit
     for bit (the same fp32 sums in the same order), at under a fifth of the bytes."""
-    m = shipped.model
+    engine, m = fp32_engine, shipped.model
     assert m.head.weight_dtype == "q8_0"
     assert {lin.weight_dtype for lin in m.layers.modules() if isinstance(lin, InvariantLinear)} == {"q4_1"}
     def nbytes(model):  # noqa: E306
@@ -130,17 +131,18 @@ def test_auto_serves_the_gguf_at_its_shipped_precision_with_the_fp32_logits(engi
     assert torch.equal(teacher_forced_logits(shipped, ids), teacher_forced_logits(engine, ids))
 
 
-def test_auto_greedy_output_equals_float32_with_and_without_speculation(engine, shipped):
+def test_auto_greedy_output_equals_float32_with_and_without_speculation(fp32_engine, shipped):
+    engine = fp32_engine
     reqs = lambda e, k: requests(e, lambda i: k, max_tokens=40)  # noqa: E731
     ref, _ = outputs(engine, reqs(engine, 0))
     assert outputs(shipped, reqs(shipped, 0))[0] == ref
     assert outputs(shipped, reqs(shipped, 3))[0] == ref
 
 
-def test_integer_dot_holds_the_same_blocks_and_stays_close_to_fp32(engine, shipped, integer):
+def test_integer_dot_holds_the_same_blocks_and_stays_close_to_fp32(fp32_engine, shipped, integer):
     """activation_dtype int8: the same Q4_1 / Q8_0 blocks (bytes) in the integer-dot layout; the
     logits are no longer fp32's bits but close (measured on TEXT: argmax agreement 0.98, KL 3e-3)."""
-    m = integer.model
+    engine, m = fp32_engine, integer.model
     assert m.integer_dot and m.head.weight_dtype == "q8_0_q8"
     assert {lin.weight_dtype for lin in m.layers.modules() if isinstance(lin, InvariantLinear)} == {"q4_1_q8"}
     assert packed_bytes(m) == packed_bytes(shipped.model)
@@ -183,9 +185,10 @@ def test_unknown_weight_dtype_is_refused():
         EngineConfig(draft_head_weight_dtype="int4")
 
 
-def test_draft_head_weights_follow_their_own_setting(engine, random_head):
+def test_draft_head_weights_follow_their_own_setting(fp32_engine, random_head):
     """draft_head_weight_dtype: the head's linears and its LM-head slice are held as asked ("" = the
     target's float32) and compute close to the float32 head (drafts only: output never changes)."""
+    engine = fp32_engine  # the head's "" follows the target's float32 weights
     heads = {wd: DraftHead.load(random_head, engine.model, wd) for wd in ("", "bfloat16", "int8")}
     linears = lambda h: [h.lm, h.fc, h.layer.qkv, h.layer.o, h.layer.gate_up, h.layer.down]  # noqa: E731
     assert {m.weight_dtype for m in linears(heads[""])} == {"float32"}

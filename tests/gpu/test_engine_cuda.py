@@ -22,8 +22,11 @@ def _greedy(engine, prompt, n=32):
 
 
 def test_cuda_fp32_greedy_matches_cpu():
-    cpu = Engine(EngineConfig(device="cpu", max_slots=2, max_seq_len=256))
-    gpu = Engine(EngineConfig(device="cuda", max_slots=2, max_seq_len=256))
+    # fp32 on both: the CPU's float32 weights and activations (its default, as served, is auto / int8);
+    # n-gram drafts on both (the trained head of the default drafter may be missing on the GPU machine)
+    cpu = Engine(EngineConfig(device="cpu", max_slots=2, max_seq_len=256, weight_dtype="float32",
+                              activation_dtype="float32", drafter="ngram"))
+    gpu = Engine(EngineConfig(device="cuda", max_slots=2, max_seq_len=256, drafter="ngram"))
     try:
         for p in PROMPTS:
             a, b = _greedy(cpu, p), _greedy(gpu, p)

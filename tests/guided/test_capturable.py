@@ -195,9 +195,12 @@ def _run(engine, reqs):
 
 
 def _engine(**kw):
-    # spec_max_rows=0: K never depends on how many requests share a step (compile timing), so
-    # draft and acceptance counts are reproducible across engines, not only the tokens
-    return Engine(EngineConfig(max_slots=8, max_seq_len=512, prefill_chunk=64, warmup=False, spec_max_rows=0, **kw))
+    # spec_max_rows=0 and cost_aware_k off: K never depends on how many requests share a step (compile
+    # timing) or on measured step times, so draft and acceptance counts are reproducible across
+    # engines, not only the tokens; n-gram drafts unless a test names another drafter
+    cfg = dict(max_slots=8, max_seq_len=512, prefill_chunk=64, warmup=False, spec_max_rows=0, cost_aware_k=False,
+               drafter="ngram")
+    return Engine(EngineConfig(**{**cfg, **kw}))
 
 
 @pytest.fixture(scope="module")

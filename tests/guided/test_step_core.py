@@ -22,9 +22,10 @@ def random_head(tmp_path_factory):
 
 
 def _engine(drafter: str, head: str, executor: str) -> Engine:
+    # cost_aware_k off: drafts and acceptance compare across engines (no clock decides whether a step drafts)
     return Engine(EngineConfig(max_slots=8, max_seq_len=512, prefill_chunk=64, warmup=False, spec_max_rows=0,
                                num_draft_tokens=3, drafter=drafter, draft_head_path=head, draft_layers=20,
-                               guided_executor=executor))
+                               guided_executor=executor, cost_aware_k=False))
 
 
 @pytest.mark.parametrize("drafter", ["hybrid", "head", "grammar", "ngram", "early_exit", "draft_model"])

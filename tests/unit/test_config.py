@@ -52,6 +52,29 @@ def test_defaults_are_valid_and_derived_limits_are_filled():
     assert cfg.max_tokens_limit == cfg.max_seq_len and cfg.max_prompt_bytes == 16 * cfg.max_seq_len
 
 
+def test_the_defaults_are_what_the_shipped_config_pbtxt_serves():
+    """One set of defaults: `EngineConfig()` equals the engine settings of the shipped
+    model_repository/specguide/config.pbtxt (read as the Triton adapter receives them), so an engine
+    a test (or a user) builds with the defaults runs what `make serve` serves, and every setting is
+    declared there. No field is left out of the comparison: the deployment-specific ones (model_dir,
+    gguf_file, draft_head_path, draft_model_dir: which checkpoint and head a repository serves;
+    device, max_slots: the machine) are "" / auto / 0 in the shipped repository, which are the
+    defaults' meanings too (the embedded default model, the model cache's head, the machine's own
+    device and slot count). A change to either side must be made to both."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    from specguide.triton.interfaces import engine_parameters
+
+    params = engine_parameters(Path(__file__).resolve().parents[2] / "model_repository")
+    names = [f.name for f in fields(EngineConfig)]
+    assert sorted(set(names) - set(params)) == [], "settings config.pbtxt does not declare"
+    served, default = EngineConfig.from_parameters(params), EngineConfig()
+    drift = {n: (getattr(default, n), getattr(served, n)) for n in names if getattr(default, n) != getattr(served, n)}
+    assert drift == {}, f"EngineConfig() default vs config.pbtxt: {drift}"
+    assert default == served
+
+
 def test_reasoning_markers_parse():
     from specguide.config import ReasoningMarkers
 
@@ -72,8 +95,9 @@ def test_max_slots_0_is_8_on_cpu_and_sized_from_free_memory_on_cuda(caplog):
     from specguide.engine import size_slots
     from specguide.kv_cache import slot_bytes, slots_for_memory
 
-    assert EngineConfig().max_slots == 8 and EngineConfig(max_slots=0, device="cpu").max_slots == 8
-    assert EngineConfig(device="auto").max_slots == 0  # the engine decides (8 on CPU), without importing torch here
+    assert EngineConfig(device="cpu").max_slots == 8 and EngineConfig(max_slots=0, device="cpu").max_slots == 8
+    # device auto (the default, as served): the engine decides (8 on CPU), without importing torch here
+    assert EngineConfig().max_slots == EngineConfig(device="auto").max_slots == 0
     assert EngineConfig(max_slots=3).max_slots == 3
     assert slots_for_memory(10 << 30, 0.5, 1 << 30) == 5 and slots_for_memory(1 << 20, 0.9, 1 << 30) == 1
     assert slots_for_memory(1 << 50, 1.0, 1 << 20) == 256  # capped

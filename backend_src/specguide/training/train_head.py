@@ -74,9 +74,9 @@ def corpus_engine_config(served: Optional[EngineConfig] = None) -> EngineConfig:
     device, dtypes, guide backend, reasoning markers; default: the default model, CUDA when
     present), with 16 slots and K up to 2 at a full batch (2 CPU cores: 132 s for the default
     corpus, 157 s with 8 slots; the same tokens either way)."""
-    served = served or EngineConfig(device="auto", weight_dtype="auto")
+    served = served or EngineConfig()
     return EngineConfig(**{k: getattr(served, k) for k in SERVED_FIELDS}, max_slots=16, spec_max_rows=32,
-                        max_seq_len=1024, drafter="grammar")
+                        max_seq_len=1024, drafter="grammar", cost_aware_k=False)
 
 
 @dataclass
