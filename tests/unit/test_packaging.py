@@ -62,3 +62,19 @@ def test_the_pins_satisfy_the_declared_ranges():
             outside[name] = (pins[name], str(req.specifier))
     assert not outside, f"requirements.txt pins outside pyproject's ranges: {outside}"
     assert {"numpy", "transformers", "xgrammar", "llguidance", "jsonschema", "tokenizers"} <= set(pins)
+
+
+def test_test_only_pins_stay_out_of_the_runtime_set_and_the_image():
+    """requirements.txt is the runtime set (the Docker image installs it); test tools are pinned in
+    requirements-test.txt alone, which only make installs."""
+    def names(path: Path) -> set[str]:
+        return {re.split(r"[\[=<>]", line.split("#")[0].strip())[0].lower()
+                for line in path.read_text().splitlines() if line.split("#")[0].strip()}
+    runtime, test = names(ROOT / "requirements.txt"), names(ROOT / "requirements-test.txt")
+    assert {"pytest", "openai"} <= test and not runtime & test, runtime & test
+    deps = {re.split(r"[\[=<>~!; ]", d)[0].lower()
+            for d in tomllib.loads((ROOT / "backend_src" / "pyproject.toml").read_text())["project"]["dependencies"]}
+    assert not deps & test, deps & test
+    docker = (ROOT / "Dockerfile").read_text()
+    assert "requirements.txt" in docker and "requirements-test.txt" not in docker
+    assert "-r requirements-test.txt" in (ROOT / "Makefile").read_text()
