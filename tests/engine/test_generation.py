@@ -32,14 +32,19 @@ def test_greedy_matches_transformers_generate(fp32_engine, hf_model):
 
 def test_staggered_batch_of_8_equals_alone(engine):
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(8)]
-    reqs = [Request(prompt=p, params=greedy(24 + 3 * i, ignore_eos=True)) for i, p in enumerate(prompts)]
+    # one token a step (no drafts): request 0 decodes for 24 steps while the next ones arrive, each
+    # once the one before has its first token, so the batch fills whatever the machine's speed
+    reqs = [Request(prompt=p, params=greedy(24 + 3 * i, ignore_eos=True), num_draft_tokens=0)
+            for i, p in enumerate(prompts)]
     alone = [run_alone(engine, r)[0] for r in reqs]
     results: dict[int, list[int]] = {}
     done = threading.Event()
+    started = [threading.Event() for _ in reqs]
     max_active = [0]
 
     def cb_for(i):
         def cb(out):
+            started[i].set()
             results.setdefault(i, []).extend(out.token_ids)
             max_active[0] = max(max_active[0], engine.stats()["active_slots"])
             if out.finished and len([k for k in results if results[k]]) == 8 and out.finish_reason:
@@ -49,7 +54,7 @@ def test_staggered_batch_of_8_equals_alone(engine):
 
     for i, r in enumerate(reqs):
         engine.submit(r, cb_for(i))
-        time.sleep(0.15)  # arrive while others are decoding
+        assert started[i].wait(60)  # arrive while the others decode
     assert done.wait(120)
     assert [results[i] for i in range(8)] == alone
     assert max_active[0] >= 4  # they really ran together
@@ -59,7 +64,8 @@ def test_staggered_batch_of_8_equals_alone(engine):
 def test_stats_report_the_batch_and_kv_figures_the_trtllm_metrics_show(engine):
     seen = []
     steps = engine.stats()["steps"]
-    req = Request(prompt=PROMPTS[0], params=greedy(40, ignore_eos=True), num_draft_tokens=0)
+    # a prompt no earlier test sent: no prefix of it is reused, the whole prompt is one chunk
+    req = Request(prompt="Stats: " + PROMPTS[0], params=greedy(40, ignore_eos=True), num_draft_tokens=0)
     done = threading.Event()
 
     def on_output(out):  # on the loop thread, right after the step that made this output
