@@ -156,7 +156,8 @@ def test_generic_tool_format_reaches_a_template_without_tools(tmp_path):
 
 
 def test_reasoning_goes_in_reasoning_content_at_every_split():
-    from specguide.openai_api.reasoning import Markers, ReasoningSplitter, split_all
+    from specguide.config import ReasoningMarkers as Markers
+    from specguide.openai_api.reasoning import ReasoningSplitter, split_all
 
     m = Markers.parse("<think>,</think>")
     assert Markers.parse("") is None and m == Markers("<think>", "</think>")

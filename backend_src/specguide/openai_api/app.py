@@ -21,11 +21,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..config import ReasoningMarkers
 from ..guided.limits import json_depth
 from . import handlers
 from .chat import ChatTemplate
 from .errors import ApiError, ErrorType, bad_request, from_validation
-from .reasoning import Markers
 from .sampling import Limits
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .triton_client import MODEL, TritonClient
@@ -62,7 +62,7 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
     def configure(params: dict[str, str]) -> None:
         limit = int(params.get("max_tokens_limit") or 0) or int(params.get("max_seq_len") or 0) or 2048
         ctx.limits, ctx.default_chat_max_tokens = Limits(limit), limit
-        ctx.reasoning = Markers.parse(params.get("reasoning_markers", ""))
+        ctx.reasoning = ReasoningMarkers.parse(params.get("reasoning_markers", ""))
         folder = settings.chat_template_dir or _default_template_dir(params)
         try:
             ctx.template = ChatTemplate(folder)

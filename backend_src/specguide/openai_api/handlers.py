@@ -7,11 +7,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
+from ..config import ReasoningMarkers
 from . import guides, sampling
 from .chat import ChatTemplate, render_chat
 from .errors import ApiError, bad_request, unsupported
 from .outputs import CompletionLogprobs, UsageCounter, chat_logprobs, finish_reason, merge
-from .reasoning import Markers, ReasoningSplitter, split_all
+from .reasoning import ReasoningSplitter, split_all
 from .schemas import ChatCompletionRequest, CompletionRequest, ToolChoiceMode
 from .tools import ToolCallParser, parse_all
 from .triton_client import Delta, TritonClient, TritonRequest
@@ -28,7 +29,7 @@ class Context:
     model_name: str
     limits: sampling.Limits = field(default_factory=sampling.Limits)
     default_chat_max_tokens: int = 2048  # OpenAI: up to the context; the model's max_tokens_limit
-    reasoning: Optional[Markers] = None  # the model's reasoning_markers: its thinking goes in reasoning_content
+    reasoning: Optional[ReasoningMarkers] = None  # the model's reasoning_markers: its thinking goes in reasoning_content
 
 
 Answer = Union[dict[str, Any], AsyncIterator[str]]
@@ -100,7 +101,7 @@ async def chat(ctx: Context, req: ChatCompletionRequest) -> Answer:
 
 
 async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,
-                      markers: Optional[Markers]) -> dict[str, Any]:
+                      markers: Optional[ReasoningMarkers]) -> dict[str, Any]:
     texts, docs, reasons = [""] * treq.n, [[] for _ in range(treq.n)], [None] * treq.n
     usage = UsageCounter()
     async for p, d in it:
@@ -124,7 +125,7 @@ async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], t
 
 
 async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,
-                       include_usage: bool, markers: Optional[Markers]) -> AsyncIterator[str]:
+                       include_usage: bool, markers: Optional[ReasoningMarkers]) -> AsyncIterator[str]:
     usage = UsageCounter()
     parsers = [ToolCallParser() for _ in range(treq.n)]
     thinkers = [ReasoningSplitter(markers, treq.prompt) if markers else None for _ in range(treq.n)]

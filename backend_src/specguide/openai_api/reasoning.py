@@ -7,30 +7,16 @@ thinking off ends the prompt with `<think>\\n\\n</think>\\n\\n`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
+from ..config import ReasoningMarkers
 from .tools import _partial_suffix
-
-
-@dataclass(frozen=True)
-class Markers:
-    start: str
-    end: str
-
-    @classmethod
-    def parse(cls, text: str) -> Optional["Markers"]:
-        """'<start>,<end>' -> Markers; '' -> None (not a reasoning model)."""
-        if not text or "," not in text:
-            return None
-        start, end = (p.strip() for p in text.split(",", 1))
-        return cls(start, end) if start and end else None
 
 
 class ReasoningSplitter:
     """Splits streamed text into (reasoning, content) deltas; text that may begin the end marker is held back."""
 
-    def __init__(self, markers: Markers, prompt: str):
+    def __init__(self, markers: ReasoningMarkers, prompt: str):
         self.m = markers
         closed = prompt.rfind(markers.end) > prompt.rfind(markers.start) >= 0
         self.reasoning = not closed
@@ -67,7 +53,7 @@ class ReasoningSplitter:
         return rest if self.reasoning else ""
 
 
-def split_all(markers: Optional[Markers], prompt: str, text: str) -> tuple[Optional[str], str]:
+def split_all(markers: Optional[ReasoningMarkers], prompt: str, text: str) -> tuple[Optional[str], str]:
     """A whole output: (reasoning or None, content)."""
     if markers is None:
         return None, text
