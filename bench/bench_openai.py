@@ -16,18 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from machine import cpu_header, cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
+from bench_interfaces import Server, free_port  # noqa: E402  (bench/ is on sys.path when run as a script)
+from machine import cpu_header, cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,14 +34,6 @@ from specguide.memory import rss_bytes  # noqa: E402
 
 QUESTIONS = ["Write a haiku about the sea.", "Explain photosynthesis briefly.", "List three primary colors.",
              "What is a prime number?", "Describe a cat.", "Give me a recipe idea."]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait(url: str, what: str, proc: subprocess.Popen, limit: float = 600) -> None:
@@ -60,35 +50,20 @@ def wait(url: str, what: str, proc: subprocess.Popen, limit: float = 600) -> Non
 
 
 class Stack:
-    """tritonserver + the OpenAI server, on free ports."""
+    """tritonserver serving `specguide` (bench_interfaces.Server) + the OpenAI server, on free ports."""
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="specguide-bench-openai-"))
-        shutil.copytree(ROOT / "model_repository" / "specguide", self.dir / "specguide")
-        http, self.grpc, metrics, self.api = free_port(), free_port(), free_port(), free_port()
-        env = {**os.environ, "MODEL_REPOSITORY": str(self.dir), "TRITON_HTTP_PORT": str(http),
-               "TRITON_GRPC_PORT": str(self.grpc), "TRITON_METRICS_PORT": str(metrics)}
-        self.triton = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "run"],
-                                       stdout=open(self.dir / "triton.log", "wb"), stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
-        wait(f"http://127.0.0.1:{http}/v2/health/ready", "tritonserver", self.triton)
+        self.triton = Server(("specguide",))
+        self.grpc, self.api = self.triton.grpc, free_port()
         self.openai = subprocess.Popen([sys.executable, "-m", "specguide.openai_api", "--triton-url",
                                         f"127.0.0.1:{self.grpc}", "--port", str(self.api), "--log-level", "warning"],
-                                       stdout=open(self.dir / "openai.log", "wb"), stderr=subprocess.STDOUT)
+                                       stdout=open(self.triton.dir / "openai.log", "wb"), stderr=subprocess.STDOUT)
         wait(f"http://127.0.0.1:{self.api}/health", "the OpenAI server", self.openai, 60)
 
     def stop(self) -> None:
         self.openai.terminate()
         self.openai.wait(timeout=30)
-        self.triton.send_signal(signal.SIGTERM)
-        try:
-            self.triton.wait(timeout=60)
-        finally:
-            try:
-                os.killpg(self.triton.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            shutil.rmtree(self.dir, ignore_errors=True)
+        self.triton.stop()
 
 
 def via_openai(client, question: str, max_tokens: int) -> tuple[float, int, float]:

@@ -15,7 +15,7 @@ from .config import EngineConfig
 from .ipc import child_env, python_executable
 
 Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
-PARENT_ENV = "SPECGUIDE_TRAINING_PARENT"  # training.cli's: the process that must outlive it
+PARENT_ENV = "SPECGUIDE_TRAINING_PARENT"  # the server's pid, for the training's ipc.demote
 PREFIX = "draft head training: "
 
 

@@ -5,6 +5,7 @@ import queue
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
 
 from .conftest import MODEL
 
@@ -21,18 +22,23 @@ def B(v: bool):
     return np.array([[v]], dtype=np.bool_)
 
 
-def raw_stream(server, inputs: dict[str, np.ndarray], timeout: float = 120.0, cancel_after: int = 0):
-    """Send one request on a fresh gRPC stream; return [(result, error, final)] up to the final one."""
+def grpc_inputs(values: dict[str, np.ndarray]) -> list:
+    """gRPC input tensors from arrays (Triton's dtype names as tritonclient maps them)."""
+    out = []
+    for name, arr in values.items():
+        t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def raw_stream(server, inputs: dict[str, np.ndarray], timeout: float = 120.0, cancel_after: int = 0,
+               model: str = MODEL):
+    """Send one request to `model` on a fresh gRPC stream; return [(result, error, final)] up to the final one."""
     client = grpcclient.InferenceServerClient(server.grpc)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
-    tensors = []
-    for name, arr in inputs.items():
-        dt = {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL", np.float32: "FP32", np.uint64: "UINT64"}[arr.dtype.type]
-        t = grpcclient.InferInput(name, list(arr.shape), dt)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
-    client.async_stream_infer(MODEL, tensors, enable_empty_final_response=True)
+    client.async_stream_infer(model, grpc_inputs(inputs), enable_empty_final_response=True)
     got = []
     try:
         while True:

@@ -14,6 +14,7 @@ import tritonclient.grpc as grpcclient
 from specguide.triton import peer_metrics as pm
 
 from .conftest import MODEL
+from .helpers import grpc_inputs, raw_stream
 
 NAMES = ("specguide", "specguide_unary", "specguide_vllm")
 PROMPT = "Write one sentence about the sea."
@@ -49,27 +50,9 @@ def value(text: str, name: str, **labels: str) -> float:
 
 def stream(server, model: str, inputs: dict[str, np.ndarray]) -> list:
     """One request on a gRPC stream; every response (errors fail the test)."""
-    client = grpcclient.InferenceServerClient(server.grpc)
-    q: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    tensors = []
-    for name, arr in inputs.items():
-        dt = {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL"}[arr.dtype.type]
-        t = grpcclient.InferInput(name, list(arr.shape), dt)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
-    client.async_stream_infer(model, tensors, enable_empty_final_response=True)
-    got = []
-    try:
-        while True:
-            result, error = q.get(timeout=300)
-            assert error is None, error
-            got.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return got
-    finally:
-        client.stop_stream()
-        client.close()
+    got = raw_stream(server, inputs, timeout=300, model=model)
+    assert all(error is None for _, error, _ in got), got
+    return [result for result, _, _ in got]
 
 
 def http_generate(server, model: str, body: dict) -> dict:
@@ -210,13 +193,8 @@ def test_the_trtllm_gauges_show_a_running_request(server):
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     inputs = {"text_input": one(PROMPT.encode(), np.object_), "max_tokens": one(1500, np.int32),
               "min_tokens": one(1500, np.int32), "stream": one(True, np.bool_)}
-    tensors = []
-    for name, arr in inputs.items():
-        t = grpcclient.InferInput(name, list(arr.shape), {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL"}[arr.dtype.type])
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
     try:
-        client.async_stream_infer(MODEL, tensors, request_id="long-one")
+        client.async_stream_infer(MODEL, grpc_inputs(inputs), request_id="long-one")
         result, error = q.get(timeout=300)
         assert error is None
         assert server.wait_metric("nv_trt_llm_request_metrics", 1.0, timeout=60, request_type="active") == 1.0

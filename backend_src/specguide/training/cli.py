@@ -23,14 +23,12 @@ from typing import Iterator
 
 from ..config import EngineConfig
 from ..engine import Engine
+from ..head_training import PARENT_ENV
 from ..ipc import demote
 from ..models.loader import resolve_model_dir
 from ..speculative.draft_head import default_head_path
 from .precision import CHOICES
 from .train_head import TrainConfig, corpus_engine_config, run
-
-PARENT_ENV = "SPECGUIDE_TRAINING_PARENT"  # set by the server for a background run
-
 
 def parser(description: str = __doc__) -> argparse.ArgumentParser:
     """The recipe's settings (defaults: TrainConfig's), where to save, and how to run."""
