@@ -22,8 +22,9 @@ def B(v: bool):
     return np.array([[v]], dtype=np.bool_)
 
 
-def grpc_inputs(values: dict[str, np.ndarray]) -> list:
-    """gRPC input tensors from arrays (Triton's dtype names as tritonclient maps them)."""
+def tensor_inputs(values: dict[str, np.ndarray]) -> list:
+    """gRPC input tensors from arrays, shapes and dtypes as given (client.common.grpc_inputs converts
+    values to the declared types instead; tests of bad input need them raw)."""
     out = []
     for name, arr in values.items():
         t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
@@ -38,7 +39,7 @@ def raw_stream(server, inputs: dict[str, np.ndarray], timeout: float = 120.0, ca
     client = grpcclient.InferenceServerClient(server.grpc)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
-    client.async_stream_infer(model, grpc_inputs(inputs), enable_empty_final_response=True)
+    client.async_stream_infer(model, tensor_inputs(inputs), enable_empty_final_response=True)
     got = []
     try:
         while True:

@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from .helpers import B, I, S, grpc_inputs
+from .helpers import B, I, S, tensor_inputs
 
 UPSTREAM = Path(__file__).resolve().parent / "upstream"
 PROMPT = "The capital of France is"
@@ -44,7 +44,7 @@ def _stream(server, model: str, values: dict[str, np.ndarray], parameters=None, 
     client = grpcclient.InferenceServerClient(server.grpc)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
-    client.async_stream_infer(model, grpc_inputs(values), parameters=parameters, enable_empty_final_response=True)
+    client.async_stream_infer(model, tensor_inputs(values), parameters=parameters, enable_empty_final_response=True)
     got = []
     try:
         while True:
@@ -191,12 +191,12 @@ def test_unary_model_infer_over_grpc_and_http(server):
     """`client.infer()` (gRPC ModelInfer) and HTTP /infer: the first call most Triton users write."""
     text, ids = _greedy(server, PROMPT, 6)
     client = grpcclient.InferenceServerClient(server.grpc)
-    r = client.infer("specguide_unary", grpc_inputs({"text_input": S(PROMPT), "max_tokens": I(6),
+    r = client.infer("specguide_unary", tensor_inputs({"text_input": S(PROMPT), "max_tokens": I(6),
                                                       "exclude_input_in_output": B(True), "top_p": np.array([[0.0]], np.float32)}))
     assert r.as_numpy("text_output")[0].decode() == text
     assert r.as_numpy("output_ids").tolist() == [[ids]] and r.as_numpy("sequence_length").tolist() == [[6]]
     # two rows x two return sequences: one response, rows stacked on the first axis
-    r = client.infer("specguide_unary", grpc_inputs({
+    r = client.infer("specguide_unary", tensor_inputs({
         "text_input": np.array([[PROMPT.encode()], [b"Once upon a time,"]], dtype=np.object_),
         "max_tokens": np.array([[6], [6]], np.int32), "exclude_input_in_output": np.array([[True], [True]]),
         "num_return_sequences": np.array([[2], [2]], np.int32)}))
@@ -205,7 +205,7 @@ def test_unary_model_infer_over_grpc_and_http(server):
     assert r.as_numpy("sequence_index").reshape(-1).tolist() == [0, 1, 0, 1]
     assert r.as_numpy("text_output")[0].decode() == text == r.as_numpy("text_output")[1].decode()  # greedy
     with pytest.raises(Exception, match="stream=true needs a decoupled model"):
-        client.infer("specguide_unary", grpc_inputs({"text_input": S(PROMPT), "stream": B(True)}))
+        client.infer("specguide_unary", tensor_inputs({"text_input": S(PROMPT), "stream": B(True)}))
     client.close()
     http = httpclient.InferenceServerClient(server.http)
     x = httpclient.InferInput("text_input", [1, 1], "BYTES")
@@ -229,7 +229,7 @@ def test_concurrent_unary_requests_leave_the_server_up(server):
     def one(i: int) -> int:
         client = grpcclient.InferenceServerClient(server.grpc)
         try:
-            r = client.infer("specguide_unary", grpc_inputs({"text_input": S(f"{PROMPT} {i}"), "max_tokens": I(24),
+            r = client.infer("specguide_unary", tensor_inputs({"text_input": S(f"{PROMPT} {i}"), "max_tokens": I(24),
                                                               "return_num_output_tokens": B(True),
                                                               "sampling_parameters": S('{"ignore_eos": true}')}))
             return int(r.as_numpy("num_output_tokens").reshape(-1)[0])
@@ -302,7 +302,7 @@ def test_one_engine_serves_every_name(server):
     """One copy of the weights: the proxies hold no model; their requests run in `specguide`'s engine."""
     before = server.metric("specguide_requests_total", finish_reason="length")
     client = grpcclient.InferenceServerClient(server.grpc)
-    client.infer("specguide_unary", grpc_inputs({"text_input": S(PROMPT), "max_tokens": I(2)}))
+    client.infer("specguide_unary", tensor_inputs({"text_input": S(PROMPT), "max_tokens": I(2)}))
     client.close()
     _stream(server, "specguide_vllm", {"text_input": np.array([PROMPT.encode()], np.object_),
                                        "sampling_parameters": np.array([b'{"max_tokens": 2}'], np.object_)})

@@ -28,7 +28,7 @@ from specguide.memory import rss_bytes
 from specguide.supervisor import descendants
 
 from .conftest import MODEL, ROOT, Server, _stop, launch, stop_and_check
-from .test_conformance import _grpc_inputs
+from .helpers import tensor_inputs
 
 PROMPT = "<|im_start|>user\nTell me a long story about the sea.<|im_end|>\n<|im_start|>assistant\n"
 CAUSE = "killed by SIGKILL"
@@ -106,8 +106,8 @@ def vllm_stream(srv: Server) -> Callable[[Client], None]:
 
         client = grpcclient.InferenceServerClient(srv.grpc)
         client.start_stream(callback=on)
-        inputs = _grpc_inputs({"text_input": np.array([PROMPT.encode()], np.object_), "stream": np.array([True]),
-                               "sampling_parameters": np.array([json.dumps({"max_tokens": LONG}).encode()], np.object_)})
+        inputs = tensor_inputs({"text_input": np.array([PROMPT.encode()], np.object_), "stream": np.array([True]),
+                                "sampling_parameters": np.array([json.dumps({"max_tokens": LONG}).encode()], np.object_)})
         client.async_stream_infer("specguide_vllm", inputs, enable_empty_final_response=True)
         done.wait(120)
         client.stop_stream()

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from specguide.triton import peer_metrics as pm
 
 from .conftest import MODEL
-from .helpers import grpc_inputs, raw_stream
+from .helpers import raw_stream, tensor_inputs
 
 NAMES = ("specguide", "specguide_unary", "specguide_vllm")
 PROMPT = "Write one sentence about the sea."
@@ -194,7 +194,7 @@ def test_the_trtllm_gauges_show_a_running_request(server):
     inputs = {"text_input": one(PROMPT.encode(), np.object_), "max_tokens": one(1500, np.int32),
               "min_tokens": one(1500, np.int32), "stream": one(True, np.bool_)}
     try:
-        client.async_stream_infer(MODEL, grpc_inputs(inputs), request_id="long-one")
+        client.async_stream_infer(MODEL, tensor_inputs(inputs), request_id="long-one")
         result, error = q.get(timeout=300)
         assert error is None
         assert server.wait_metric("nv_trt_llm_request_metrics", 1.0, timeout=60, request_type="active") == 1.0
