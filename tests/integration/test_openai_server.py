@@ -234,6 +234,12 @@ def test_tool_call_streamed_deltas_accumulate(client):
     assert got.finish_reason == "tool_calls"
     assert (got.message.tool_calls[0].function.name, got.message.tool_calls[0].function.arguments) == \
         (whole.function.name, whole.function.arguments)
+    # the raw chunks: the id and name first, then the arguments as they are written (not one piece)
+    calls = [c for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw)
+             for choice in chunk.choices for c in choice.delta.tool_calls or []]
+    assert calls[0].id.startswith("call_")
+    assert calls[0].function.name == whole.function.name and all(c.id is None for c in calls[1:])
+    assert len(calls) > 2 and "".join(c.function.arguments or "" for c in calls) == whole.function.arguments
 
 
 def test_tool_choice_auto_and_none(client):

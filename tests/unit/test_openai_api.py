@@ -26,23 +26,58 @@ def chat_req(**kw) -> ChatCompletionRequest:
 # ------------------------------------------------------------------------------ tool calls
 
 
+def _stream(parser: ToolCallParser, parts: list[str]) -> tuple[str, dict[int, list]]:
+    """Feeds `parts`, then finishes: (content, the pieces of each call index)."""
+    content, calls = "", {}
+    for piece_list in [parser.feed(t) for t in parts] + [parser.finish()]:
+        content += piece_list[0]
+        for c in piece_list[1]:
+            calls.setdefault(c.index, []).append(c)
+    return content, calls
+
+
 def test_tool_call_parser_holds_back_a_split_trigger_and_finds_calls():
     text = "Sure. " + call_text("get_weather", {"city": "Paris"}) + "\n" + call_text("get_weather", {"city": "Rome"})
     for cut in range(1, len(text)):  # every split point of two deltas
         p = ToolCallParser()
-        c1, k1 = p.feed(text[:cut])
-        c2, k2 = p.feed(text[cut:])
-        rest = p.finish()
-        assert c1 + c2 + rest == "Sure. " and CALL_BEGIN not in c1 + c2
-        assert [json.loads(c.arguments)["city"] for c in k1 + k2] == ["Paris", "Rome"]
+        content, calls = _stream(p, [text[:cut], text[cut:]])
+        assert content == "Sure. " and CALL_BEGIN not in content
+        assert [json.loads("".join(c.arguments for c in pieces))["city"] for pieces in calls.values()] == ["Paris", "Rome"]
+        assert [c.arguments for c in p.calls] == ['{"city": "Paris"}', '{"city": "Rome"}']
+
+
+def test_tool_call_arguments_stream_as_they_are_written():
+    args = {"city": "Paris", "days": [1, 2], "opts": {"unit": "C"}}
+    text = "x " + call_text("get_weather", args) + "\n" + call_text("f", {})
+    p = ToolCallParser()
+    content, calls = _stream(p, list(text))  # one character a delta, like tokens
+    assert content == "x "
+    first, *rest = calls[0]
+    # the id and name go out once the head is complete, before the arguments are finished
+    assert first.call is not None and first.call.name == "get_weather" and all(c.call is None for c in rest)
+    assert len(rest) > 10 and json.loads("".join(c.arguments for c in calls[0])) == args
+    assert "".join(c.arguments for c in calls[1]) == "{}" and calls[1][0].call.name == "f"
+    assert [c.to_openai()["index"] for c in calls[1]] == [1] * len(calls[1])
+    assert set(calls[0][0].to_openai()) == {"index", "id", "type", "function"}
+    assert set(calls[0][1].to_openai()) == {"index", "function"}
+    assert [c.name for c in p.calls] == ["get_weather", "f"]
 
 
 def test_parse_all_content_only_calls_only_and_unfinished():
     assert parse_all("just text") == ("just text", [])
     content, calls = parse_all(call_text("f", {}))
     assert content is None and calls[0].name == "f" and calls[0].arguments == "{}" and calls[0].id.startswith("call_")
-    content, calls = parse_all("<tool_call>\n{\"name\": \"f\", \"argu")  # cut by max_tokens: stays text
+    content, calls = parse_all("<tool_call>\n{\"name\": \"f\", \"argu")  # cut inside the head: stays text
     assert calls == [] and content.startswith("<tool_call>")
+    # cut inside the arguments (max_tokens): the call keeps what was written, as a stream sent it
+    head = '<tool_call>\n{"name": "f", "arguments": '
+    for cut, args in ((head + '{"a": {"b": 1}}}\n</tool', '{"a": {"b": 1}}'), (head + '{"a": {"b": 1}', '{"a": {"b": 1}'),
+                      (head + '{"a": {"b": 1}}', '{"a": {"b": 1}}'), (head + '{"a": {"b"', '{"a": {"b"')):
+        content, calls = parse_all(cut)
+        assert content is None and calls[0].name == "f" and calls[0].arguments == args, cut
+    # another key order (only possible unguided): parsed whole, arguments as JSON
+    content, calls = parse_all('<tool_call>\n{"arguments": {"a":1}, "name": "g"}\n</tool_call>')
+    assert content is None and (calls[0].name, calls[0].arguments) == ("g", '{"a": 1}')
 
 
 def test_tool_guides_compile_and_force_the_format():

@@ -14,7 +14,7 @@ from .errors import ApiError, bad_request, unsupported
 from .outputs import CompletionLogprobs, UsageCounter, chat_logprobs, finish_reason, merge
 from .reasoning import ReasoningSplitter, split_all
 from .schemas import ChatCompletionRequest, CompletionRequest, ToolChoiceMode
-from .tools import ToolCallParser, parse_all
+from .tools import CallDelta, ToolCallParser, parse_all
 from .triton_client import Delta, TritonClient, TritonRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -151,12 +151,12 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
                 delta["reasoning_content"] = thought
         if tools_on:
             parser = parsers[i]
-            content, calls = parser.feed(text)
+            content, pieces = parser.feed(text)
             if d.finish_reason:
-                content += parser.finish()
-            if calls:
-                base = len(parser.calls) - len(calls)
-                delta["tool_calls"] = [c.to_openai(index=base + k) for k, c in enumerate(calls)]
+                rest, last = parser.finish()
+                content, pieces = content + rest, _joined(pieces + last)
+            if pieces:
+                delta["tool_calls"] = [c.to_openai() for c in pieces]
         else:
             content = text
         if content:
@@ -169,6 +169,17 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
     if include_usage:
         yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage.usage.to_openai()})
     yield "data: [DONE]\n\n"
+
+
+def _joined(pieces: list[CallDelta]) -> list[CallDelta]:
+    """One piece per call: consecutive pieces of the same call merged."""
+    out: list[CallDelta] = []
+    for c in pieces:
+        if out and out[-1].index == c.index:
+            out[-1].arguments += c.arguments
+        else:
+            out.append(c)
+    return out
 
 
 # ------------------------------------------------------------------------------ completions

@@ -71,7 +71,7 @@ class ParsedCall:
     """One tool call found in the output."""
 
     name: str
-    arguments: str  # a JSON string, as OpenAI sends it
+    arguments: str  # a JSON string, as OpenAI sends it (the model's own text when the call was well formed)
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
     def to_openai(self, index: Optional[int] = None) -> dict[str, Any]:
@@ -79,7 +79,25 @@ class ParsedCall:
         return d if index is None else {"index": index, **d}
 
 
+@dataclass
+class CallDelta:
+    """A piece of one streamed call: the first carries its id and name, every one argument text;
+    the SDK concatenates the argument pieces of an index."""
+
+    index: int
+    arguments: str
+    call: Optional[ParsedCall] = None  # set on the call's first piece
+
+    def to_openai(self) -> dict[str, Any]:
+        if self.call is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.call.id, "type": "function",
+                "function": {"name": self.call.name, "arguments": self.arguments}}
+
+
 _CALL = re.compile(re.escape(CALL_BEGIN) + r"\s*(\{.*?\})\s*" + re.escape(CALL_END), re.DOTALL)
+# a call's head, up to where its arguments begin (the format the tool guide enforces, any spacing)
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 
 
 def _parse_call(body: str) -> Optional[ParsedCall]:
@@ -92,21 +110,34 @@ def _parse_call(body: str) -> Optional[ParsedCall]:
     return ParsedCall(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False))
 
 
+@dataclass
+class _OpenCall:
+    """The call being streamed: its head is parsed, its arguments begin at `start` of the body."""
+
+    call: ParsedCall
+    index: int
+    start: int
+
+
 class ToolCallParser:
     """Splits streamed output text into content and tool calls as it arrives.
 
-    `feed(text)` returns (content delta, calls completed by it); text that may be the start of
-    `<tool_call>` is held back until it is known. `finish()` flushes what is left."""
+    `feed(text)` returns (content delta, call pieces): a call's id and name go out as soon as its
+    head is complete, then its arguments as they are written. Text that may be the start of
+    `<tool_call>`, or the call's closing `}` and `</tool_call>`, is held back until it is known.
+    `finish()` flushes what is left; a call cut short (max_tokens) keeps the arguments it has."""
 
     def __init__(self) -> None:
-        self.buf = ""
+        self.buf = ""  # while in a call: from its CALL_BEGIN on
         self.in_call = False
         self.calls: list[ParsedCall] = []
+        self.open: Optional[_OpenCall] = None
         self._after_call = False
 
-    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.buf += text
-        content, done = [], []
+        content: list[str] = []
+        pieces: list[CallDelta] = []
         while True:
             if not self.in_call:
                 i = self.buf.find(CALL_BEGIN)
@@ -117,19 +148,52 @@ class ToolCallParser:
                     break
                 content.append(self._content(self.buf[:i]))
                 self.buf, self.in_call = self.buf[i:], True
-            j = self.buf.find(CALL_END)
+            body = self.buf[len(CALL_BEGIN):]
+            j = body.find(CALL_END)
+            if self.open is None:
+                m = _HEAD.match(body)
+                if m and m.end() < len(body):  # the head and the arguments' first character
+                    self.open = _OpenCall(ParsedCall(json.loads(m.group(1)), ""), len(self.calls), m.end())
+                    pieces.append(CallDelta(self.open.index, "", self.open.call))
+                elif j >= 0:  # not the guided format (only possible unguided): parse it whole
+                    self._close_unstreamed(self.buf[:len(CALL_BEGIN) + j + len(CALL_END)], content, pieces)
+                    continue
+                else:
+                    break
             if j < 0:
+                self._send(pieces, _held_back(body, self.open.start))
                 break
-            block, self.buf, self.in_call = self.buf[:j + len(CALL_END)], self.buf[j + len(CALL_END):], False
-            m = _CALL.fullmatch(block.strip())
-            call = _parse_call(m.group(1)) if m else None
-            if call is None:
-                content.append(block)  # not a well-formed call (only possible unguided): keep it as text
-            else:
-                done.append(call)
-                self._after_call = True
-        self.calls.extend(done)
-        return "".join(content), done
+            args = body[self.open.start:j].rstrip()
+            self._send(pieces, args[:-1].rstrip() if args.endswith("}") else args)
+            self._close(len(CALL_BEGIN) + j + len(CALL_END))
+        return "".join(content), pieces
+
+    def _send(self, pieces: list[CallDelta], args: str) -> None:
+        """Sends what `args` (the arguments known so far) adds to what was sent."""
+        o = self.open
+        new = args[len(o.call.arguments):] if args.startswith(o.call.arguments) else ""
+        o.call.arguments += new
+        if not new:
+            return
+        if pieces and pieces[-1].index == o.index:
+            pieces[-1].arguments += new  # one piece per call per delta
+        else:
+            pieces.append(CallDelta(o.index, new))
+
+    def _close(self, end: int) -> None:
+        self.calls.append(self.open.call)
+        self.buf, self.in_call, self.open, self._after_call = self.buf[end:], False, None, True
+
+    def _close_unstreamed(self, block: str, content: list[str], pieces: list[CallDelta]) -> None:
+        m = _CALL.fullmatch(block.strip())
+        call = _parse_call(m.group(1)) if m else None
+        self.buf, self.in_call = self.buf[len(block):], False
+        if call is None:
+            content.append(block)  # not a well-formed call: it stays text
+            return
+        pieces.append(CallDelta(len(self.calls), call.arguments, call))
+        self.calls.append(call)
+        self._after_call = True
 
     def _content(self, text: str) -> str:
         """Drops the whitespace that follows a call (the separators between calls)."""
@@ -138,10 +202,33 @@ class ToolCallParser:
             self._after_call = not text
         return text
 
-    def finish(self) -> str:
-        """The text still held back (an unfinished call stays text)."""
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """The text still held back: an unfinished call whose head was sent keeps the arguments
+        written (the client has them already); one cut inside its head stays text."""
+        pieces: list[CallDelta] = []
+        if self.open is not None:
+            args = self.buf[len(CALL_BEGIN) + self.open.start:]
+            args = args[:len(args) - _partial_suffix(args, CALL_END)].rstrip()
+            self._send(pieces, args[:-1].rstrip() if args.endswith("}") and _is_json(args[:-1]) else args)
+            self._close(len(self.buf))
         rest, self.buf, self.in_call = self.buf, "", False
-        return self._content(rest)
+        return self._content(rest), pieces
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _held_back(body: str, start: int) -> str:
+    """The arguments that are surely arguments: without trailing whitespace, a last `}` that may
+    close the call object, and a partial `</tool_call>` after it."""
+    args = body[start:]
+    args = args[:len(args) - _partial_suffix(args, CALL_END)].rstrip()
+    return args[:-1] if args.endswith("}") else args
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -153,8 +240,8 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def parse_all(text: str) -> tuple[Optional[str], list[ParsedCall]]:
-    """A whole output: (content or None, calls)."""
+    """A whole output: (content or None, calls), the same calls a stream of it gives."""
     p = ToolCallParser()
     content, _ = p.feed(text)
-    content += p.finish()
+    content += p.finish()[0]
     return (content if content.strip() or not p.calls else None), p.calls
