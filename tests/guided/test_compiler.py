@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import torch
 
@@ -73,15 +72,15 @@ def test_cache_hit(service):  # xgrammar's own cache; llguidance guides in the s
     schema = json.dumps({"type": "object", "properties": {"cache_probe": {"type": "array", "items": {"type": "number"}},
                                                             "n": {"type": "string", "maxLength": 7}}})
     params = G("json_schema", schema)
-    t0 = time.perf_counter()
-    service.compile(params)
-    cold = time.perf_counter() - t0
+    before = service.cache_size_bytes()
+    cold = service.compile(params)
     size = service.cache_size_bytes()
-    t0 = time.perf_counter()
-    service.compile(params)
-    warm = time.perf_counter() - t0
+    warm = service.compile(params)
     assert service.cache_size_bytes() == size  # nothing new was cached
-    assert warm < cold / 3, (cold, warm)
+    if service.default_backend == "xgrammar":
+        assert size > before  # the miss cached the compiled grammar
+    else:
+        assert warm is cold and size == before  # the service's own LRU gave back the same guide
 
 
 def test_cache_limit_is_configurable(hf_tokenizer):

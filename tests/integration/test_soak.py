@@ -1,8 +1,9 @@
 """Soak at CI size: 300 requests at concurrency 16 through the real server (client.soak): 10% bad
 inputs, 10% cancelled streams, guided and not, streaming and not, gRPC and HTTP, mixed
 num_draft_tokens. Every good request completes with FINAL; every guided output that ended by its
-grammar validates; the slot and queue gauges return to 0; the backend's resident memory after the
-run stays within 5% of what it was after a warm-up. The longer run is bench/bench_soak.py."""
+grammar validates; the slot and queue gauges return to 0; the cancels reach the engine. The
+backend's resident memory over a longer run is measured by bench/bench_soak.py (a threshold on
+a shared CI machine would fail on noise, not on a leak)."""
 from __future__ import annotations
 
 from client import soak
@@ -19,11 +20,10 @@ def test_soak(server):
     warm = soak.run(soak.make_plans(48, seed=1), server.grpc, server.http, CONCURRENCY)
     assert not warm.failures, warm.summary()
     assert server.wait_metric("specguide_active_slots", 0.0, timeout=30) == 0.0
-    rss_warm = server.stub_rss_bytes()
     cancelled = cancellations(server)
     report = soak.run(soak.make_plans(REQUESTS, seed=0), server.grpc, server.http, CONCURRENCY)
     summary = report.summary()
-    print(summary, f"rss after warm-up {rss_warm / 2**20:.0f} MiB")
+    print(summary)
     assert not report.failures, summary
     kinds = summary["kinds"]
     assert sum(kinds.values()) == REQUESTS and kinds["bad"] >= 20 and kinds["cancel"] >= 20
@@ -31,6 +31,3 @@ def test_soak(server):
     assert server.wait_metric("specguide_active_slots", 0.0, timeout=30) == 0.0
     assert server.wait_metric("specguide_queue_depth", 0.0, timeout=30) == 0.0
     assert cancellations(server) - cancelled >= 20, "the cancels reached the engine"
-    rss = server.stub_rss_bytes()
-    print(f"rss after the run {rss / 2**20:.0f} MiB ({(rss / rss_warm - 1) * 100:+.1f}%)")
-    assert rss <= rss_warm * 1.05, f"resident memory grew from {rss_warm} to {rss} bytes"
