@@ -91,7 +91,7 @@ class EngineConfig:
     # scripts/train_draft_head.py
     draft_head_weight_dtype: str = "int8"  # CPU (C kernels): how the draft head's linear weights are
     # held, as weight_dtype. Drafts never change the output, only acceptance: int8 drafts as well as
-    # fp32 at less cost (bench/BENCHMARKS.md). "" = the target's weight_dtype (always so without the C kernels)
+    # fp32 at less cost (bench/HISTORY.md). "" = the target's weight_dtype (always so without the C kernels)
     adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
     cost_aware_k: bool = True  # CPU: a step drafts only while the measured cost of its extra rows is
     # repaid by the expected accepted tokens (speculation/step_cost.py); decisions follow wall time, so
