@@ -16,8 +16,8 @@ export TRITON_GRPC_PORT ?= 8001
 export TRITON_METRICS_PORT ?= 8002
 # the OpenAI-compatible server `make serve` starts beside tritonserver (specguide.openai_api)
 export OPENAI_PORT ?= 9000
-# The repository `make serve` serves; `make serve MODEL_REPOSITORY=DIR` serves your own copy (README,
-# "Serve your own model"), and `draft-head` trains the head of the model its config.pbtxt names.
+# The repository `make serve` serves; `make serve MODEL_REPOSITORY=DIR` serves your own copy
+# (docs/own-model.md), and `draft-head` trains the head of the model its config.pbtxt names.
 export MODEL_REPOSITORY ?= model_repository
 
 .PHONY: all setup serve test test-unit test-integration model draft-head clean

@@ -10,7 +10,7 @@ Starts `scripts/tritonserver.py run` on free ports with a copy of model_reposito
 2. baseline: the same trivial requests beside a long background stream (its largest gap);
 3. attack: a long background stream runs; 2 compile bombs (json_schema objects with `--bomb`
    optional integer properties, ~120 KB each, as in the issue) and a 5 MB text_input arrive over
-   gRPC (Triton 2.51's HTTP front end crashes on bodies past ~4 MB whatever the model: README);
+   gRPC (Triton 2.51's HTTP front end crashes on bodies past ~4 MB whatever the model: docs/operations.md);
    meanwhile the same trivial guided requests run again: TTFT p50, and the background stream's
    largest gap between responses while the attack lasts;
 4. the stub's RSS warm (before the attack) and 2 s after it.

@@ -91,7 +91,7 @@ class EngineConfig:
     # scripts/train_draft_head.py
     draft_head_weight_dtype: str = "int8"  # CPU (C kernels): how the draft head's linear weights are
     # held, as weight_dtype. Drafts never change the output, only acceptance: int8 drafts as well as
-    # fp32 at less cost (bench/BENCHMARKS.md). "" = the target's weight_dtype (always so without the C kernels)
+    # fp32 at less cost (bench/HISTORY.md). "" = the target's weight_dtype (always so without the C kernels)
     adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
     cost_aware_k: bool = True  # CPU: a step drafts only while the measured cost of its extra rows is
     # repaid by the expected accepted tokens (speculation/step_cost.py); decisions follow wall time, so
@@ -103,7 +103,7 @@ class EngineConfig:
     mask_drafts: bool = True  # apply grammar masks while drafting (off: only verification masks; ablation)
     spec_max_rows: int = 16  # rows one verification step may hold (batch x (K+1)): K shrinks as the
     # batch grows, since a CPU turns compute-bound past a few rows (0 = no limit; a GPU takes ~256)
-    guided_compile_workers: int = 2  # grammar compile thread pool
+    guided_compile_workers: int = 2  # grammar compile worker processes (guided/compile_pool.py)
     guided_backend: str = "auto"  # grammar backend of requests that name none: "auto" (JSON -> llguidance,
     # EBNF / structural tags / regex / choice -> xgrammar), "xgrammar", "llguidance" (alias "guidance")
     guided_undeclared_keys: str = "forbid"  # JSON Schema objects silent on additionalProperties: only their
@@ -175,7 +175,7 @@ class EngineConfig:
         for key in params:
             if key not in known and not key.isupper():
                 near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-                hint = f"; did you mean {near[0]!r}?" if near else " (the settings: README, Engine settings)"
+                hint = f"; did you mean {near[0]!r}?" if near else " (the settings: docs/configuration.md)"
                 raise ValueError(f"unknown engine setting {key!r} in config.pbtxt{hint}")
         kwargs: dict[str, Any] = {}
         for f in fields(cls):

@@ -1,4 +1,4 @@
-"""Serving your own model (README, "Serve your own model"): a copy of the model repository whose
+"""Serving your own model (docs/own-model.md): a copy of the model repository whose
 config.pbtxt names another checkpoint; `scripts/train_draft_head.py --model-repository DIR` (what
 `make serve MODEL_REPOSITORY=DIR` runs) trains that model's head where the server looks for it, and
 an engine built from the same config.pbtxt drafts with it, losslessly. Two checkpoints in folders of

@@ -173,7 +173,7 @@ UNFINISHABLE = json.dumps({"type": "array", "items": {"type": "string", "minLeng
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_grammar_that_cannot_finish_in_max_tokens_is_refused_or_ends_with_length(server, protocol):
-    """By default a JSON answer must close within max_tokens (README "JSON answers are complete
+    """By default a JSON answer must close within max_tokens (docs/guided.md "JSON (and regex) answers are complete
     within max_tokens"): a schema whose shortest document does not fit is refused up front, one
     clear INVALID_ARG naming both numbers. Opted out (structured_outputs.complete_within_budget
     false), it runs to max_tokens: "length"."""

@@ -237,7 +237,7 @@ def test_bad_guide_over_http_generate_is_400(server, guide_type, guide, message)
     body = json.dumps({"text_input": "hi", "max_tokens": 4, GT: guide_type, G: guide}).encode()
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"http://{server.http}/v2/models/{MODEL}/generate", data=body, timeout=60)
-    assert e.value.code == 400  # (Triton 2.51 answers every Python-model error with 400; see README)
+    assert e.value.code == 400  # (Triton 2.51 answers every Python-model error with 400; see docs/operations.md)
     assert message in json.loads(e.value.read())["error"]
 
 

@@ -139,7 +139,7 @@ def test_compile_bombs_neither_block_a_trivial_guide_nor_stall_a_stream(hostile)
 
 def test_a_5mb_prompt_is_refused_at_once_without_stalling_a_stream(hostile):
     """5 MB over gRPC; 3 MB over HTTP (Triton 2.51's HTTP front end itself crashes on bodies past
-    ~4 MB, whatever the model: triton-inference-server/server issue 5840; see README)."""
+    ~4 MB, whatever the model: triton-inference-server/server issue 5840; see docs/operations.md)."""
     background = long_stream(hostile, 400)  # streaming before the big prompts, long enough to outlast them
     t0 = time.perf_counter()
     big = Stream(hostile, {"text_input": "x" * 5_000_000, "max_tokens": 4}).wait()

@@ -1,4 +1,4 @@
-"""Serving your own model through a real tritonserver (README, "Serve your own model"): a copy of the
+"""Serving your own model through a real tritonserver (docs/own-model.md): a copy of the
 model repository whose config.pbtxt names another checkpoint (a small random Llama with the default
 model's tokenizer); the script trains its head from that config.pbtxt, and the server loads that
 model and drafts with that head: guided answers over HTTP, the same with speculation on and off."""

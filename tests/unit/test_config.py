@@ -112,8 +112,8 @@ def test_max_slots_0_is_8_on_cpu_and_sized_from_free_memory_on_cuda(caplog):
     assert size_slots(cfg, smol, torch.device("cpu"), free_bytes=1 << 20).max_slots == 1
 
 
-def test_the_readmes_own_model_example_is_valid_config_pbtxt_for_the_engine(tmp_path):
-    """README, "Serve your own model": its config.pbtxt lines, pasted into a copy of the shipped
+def test_the_own_model_docs_example_is_valid_config_pbtxt_for_the_engine(tmp_path):
+    """docs/own-model.md: its config.pbtxt lines, pasted into a copy of the shipped
     repository's engine settings, parse as Triton parses them and make a valid EngineConfig."""
     import re
     import shutil
@@ -122,8 +122,7 @@ def test_the_readmes_own_model_example_is_valid_config_pbtxt_for_the_engine(tmp_
     from specguide.triton.interfaces import ENGINE_MODEL, engine_parameters
 
     root = Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text()
-    section = readme[readme.index("## Serve your own model"):]
+    section = (root / "docs" / "own-model.md").read_text()
     example = re.search(r"```\n(parameters \{.*?)```", section, re.S).group(1)
     repo = tmp_path / "repo"
     shutil.copytree(root / "model_repository" / ENGINE_MODEL, repo / ENGINE_MODEL)

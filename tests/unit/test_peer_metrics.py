@@ -195,11 +195,11 @@ def test_engine_stats_sets_the_gauges(metrics):
     assert series("nv_trt_llm_disaggregated_serving_metrics", disaggregated_serving_type="request_count").value == 0
 
 
-def test_the_readme_names_every_family_and_label_value():
+def test_the_operations_doc_names_every_family_and_label_value():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Metrics of the vLLM and TensorRT-LLM backends")[1].split("\n## ")[0]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    section = doc.split("### Metrics of the vLLM and TensorRT-LLM backends")[1].split("\n## ")[0]
     for name in [*VLLM, *TRTLLM]:
         assert f"`{name}" in section, name
     for _, category, values in TRTLLM.values():

@@ -59,7 +59,7 @@ class TrainConfig:
     matmul_dtype: str = "auto"  # auto | float32 | bfloat16: autocast of the training matmuls (precision.py)
 
 
-# Epochs by matmul dtype (2-core AMD EPYC, 24 held-out schemas, hybrid tokens per step; BENCHMARKS):
+# Epochs by matmul dtype (2-core AMD EPYC, 24 held-out schemas, hybrid tokens per step; bench/HISTORY.md):
 # bf16 8 epochs 2.841 in 260 s of training (4: 2.796); fp32 4 epochs 2.818 in 215 s, where 8 would
 # take 435 s (2.895) and put `make serve` past 10 minutes on a CPU without bf16 dot products.
 AUTO_EPOCHS = {"bfloat16": 8, "float32": 4}
