@@ -104,17 +104,8 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
         return JSONResponse(ApiError(500, "internal error (the server log has the details)", ErrorType.SERVER).body(),
                             status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if settings.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.api_key.encode())
-            if not ok:
-                e = ApiError(401, "Incorrect API key provided." if given else "Missing API key (Authorization: Bearer).",
-                             ErrorType.AUTHENTICATION, None, "invalid_api_key")
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
+    if settings.api_key:
+        app.add_middleware(ApiKeyCheck, key=settings.api_key)
 
     async def parse(request: Request, model: type[BaseModel]) -> Any:
         body = await _read_body(request, settings.max_body_bytes)
@@ -173,6 +164,27 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
                                      f"{settings.triton_url}", ErrorType.UNAVAILABLE).body(), status_code=503)
 
     return app
+
+
+class ApiKeyCheck:
+    """`Authorization: Bearer KEY` on /v1/*, compared in constant time.
+
+    NOTE: a plain ASGI middleware: Starlette's `@app.middleware("http")` passes every streamed
+    chunk through a task and a memory channel of its own, a cost paid per token."""
+
+    def __init__(self, app: Any, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
+                e = ApiError(401, "Incorrect API key provided." if given else "Missing API key (Authorization: Bearer).",
+                             ErrorType.AUTHENTICATION, None, "invalid_api_key")
+                await JSONResponse(e.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
