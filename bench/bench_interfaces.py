@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import shutil
 import signal
@@ -30,19 +29,12 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
+from machine import cpu_header, cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("specguide", "specguide_unary", "specguide_vllm")
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "The three laws of robotics are",
            "My favourite season is", "def fibonacci(n):", "List three primary colors:"]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def free_port() -> int:

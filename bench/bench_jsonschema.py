@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -23,13 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown"
+from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def load_cases(folder: Path, per_split: int, seed: int) -> list[tuple[str, dict]]:
@@ -86,7 +79,7 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(str(folder))
     vocab = AutoConfig.from_pretrained(str(folder)).vocab_size
     print(f"# bench_jsonschema: {len(cases)} MaskBench schemas ({args.per_split} per split, seed {args.seed}); "
-          f"CPU: {cpu_model()}; {time.strftime('%Y-%m-%d')}")
+          f"{cpu_header()}; {time.strftime('%Y-%m-%d')}")
     print("| backend | passing (both spacings) | compile errors | valid rejected | invalid accepted | "
           "compile p50 / p99 ms | mask p50 / p99 us |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
