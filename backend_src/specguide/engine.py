@@ -20,7 +20,7 @@ from .intake import Intake
 from .kv_cache import slot_bytes, slots_for_memory
 from .models.loader import load_model, resolve_model_dir
 from .outputs import Finish, OutputProcessor
-from .request import EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput
+from .request import EngineDeadError, InvalidRequestError, QueueFullError, Request, RequestOutput, error_code
 from .runner import Runner
 from .scheduler import PrefillChunk, Scheduler, Sequence, Status, StepPlan
 from .speculative.head_drafter import HeadDrafter
@@ -63,8 +63,6 @@ def _memory_bytes(device: torch.device) -> dict[str, int]:
 class Engine:
     """In-flight batched generation. `submit` returns at once; events arrive on the callback
     from the loop thread: one per step with new text, and exactly one with `finished=True`."""
-
-    supports_guided_decoding = True
 
     def __init__(self, config: EngineConfig):
         # NOTE: the engine builds itself on its loop thread and runs every torch op and C kernel
@@ -314,12 +312,12 @@ class Engine:
         for seq in victims:
             assert isinstance(seq, Sequence)
             try:
-                self._finish(seq, "error", message, "UNAVAILABLE")
+                self._finish(seq, "error", message, EngineDeadError.code)
             except Exception:  # the state may be broken: tell the client directly
                 seq.status = Status.FINISHED
                 try:
                     seq.callback(RequestOutput(seq_id=seq.seq_id, finished=True, finish_reason="error",
-                                               error=message, error_code="UNAVAILABLE"))
+                                               error=message, error_code=EngineDeadError.code))
                 except Exception:
                     pass
         self._seqs.clear()
@@ -441,7 +439,7 @@ class Engine:
             return fn()
         except Exception as exc:
             if isinstance(_cause(exc), InvalidRequestError):  # its own guide hit a library limit: its message
-                self._finish(seq, "error", str(_cause(exc)), "INVALID_ARG")
+                self._finish(seq, "error", str(_cause(exc)), error_code(_cause(exc)))
                 return None
             log.exception("request %s failed", seq.seq_id)
             self._finish(seq, "error", f"this request failed in the engine ({_detail(exc)}; "
@@ -455,7 +453,7 @@ class Engine:
         broken = [s for s in seqs if not self._healthy(s)] or seqs
         for seq in broken:
             if isinstance(_cause(exc), InvalidRequestError):  # a guide past a grammar library's limits
-                self._finish(seq, "error", str(_cause(exc)), "INVALID_ARG")
+                self._finish(seq, "error", str(_cause(exc)), error_code(_cause(exc)))
             else:
                 self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
         for seq in seqs:

@@ -116,8 +116,6 @@ class EngineProcess:
 
     The first start happens in the constructor and raises if the engine cannot load."""
 
-    supports_guided_decoding = True
-
     def __init__(self, config: EngineConfig, log: Optional[Log] = None):
         self._log = log or (lambda level, text: logging.getLogger("specguide").log(
             {"info": logging.INFO, "warn": logging.WARNING}.get(level, logging.ERROR), text))
@@ -308,7 +306,7 @@ class EngineProcess:
         for key, callback in callbacks.items():
             try:
                 callback(RequestOutput(seq_id=key, finished=True, finish_reason="error", error=message,
-                                       error_code="UNAVAILABLE"))
+                                       error_code=EngineDeadError.code))
             except Exception as e:
                 self._log("error", f"specguide: failing a request of the dead engine: {e!r}")
         child.kill()

@@ -25,7 +25,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig
 from ..memory import trim
-from ..request import EngineDeadError, InvalidRequestError, QueueFullError, RequestOutput
+from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput
 from . import io
 from .interfaces import INTERFACES, PROXY_ERROR, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
 from .limits import BIG_REQUEST_BYTES, InputLimits, request_bytes
@@ -77,7 +77,7 @@ class _Group:
                 self.remaining -= 1
             final = seq_finished and self.remaining == 0
             self.closed = final
-            _safe_send(self.sender, self._shaped(response), FINAL if final else 0)
+            io.safe_send(pb_utils, self.sender, self._shaped(response), FINAL if final else 0)
             if final:
                 self.request = None
 
@@ -86,7 +86,7 @@ class _Group:
             if self.closed:
                 return False
             self.closed = True
-            _safe_send(self.sender, self._shaped(response), FINAL)
+            io.safe_send(pb_utils, self.sender, self._shaped(response), FINAL)
             self.request = None
             return True
 
@@ -99,8 +99,7 @@ def _shaped(response: Any, as_output: bool) -> Any:
     if not as_output or response is None or not response.has_error():
         return response
     err = response.error()
-    code = getattr(err.code(), "name", "INTERNAL")
-    value = np.array([[code.encode(), err.message().encode()]], dtype=np.object_)
+    value = np.array([[err.code().name.encode(), err.message().encode()]], dtype=np.object_)
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PROXY_ERROR, value)])
 
 
@@ -124,35 +123,20 @@ class _Seq:
         self.done = False
 
 
-_CLEAR = (InvalidRequestError, QueueFullError, EngineDeadError)  # their messages are written for clients
 UNEXPECTED = "could not read the request (an internal error; the server log has the details)"
 
 
 def _message(exc: BaseException, interface: str) -> str:
     """A client's message: ours as written; never a Python exception's own text (that is logged)."""
-    if not isinstance(exc, _CLEAR):
+    if not isinstance(exc, CLIENT_ERRORS):
         where = "".join(traceback.format_tb(exc.__traceback__))
         pb_utils.Logger.log_error(f"specguide: unexpected error reading a request: {type(exc).__name__}: {exc}\n{where}")
-    text = str(exc) if isinstance(exc, _CLEAR) else UNEXPECTED
+    text = str(exc) if isinstance(exc, CLIENT_ERRORS) else UNEXPECTED
     return (io.VLLM_ERROR_PREFIX if interface == "vllm" else "") + text
-
-
-def _code(exc: BaseException) -> str:
-    return io.error_code(exc) if isinstance(exc, _CLEAR) else "INTERNAL"
 
 
 def _log(level: str, text: str) -> None:
     {"info": pb_utils.Logger.log_info, "warn": pb_utils.Logger.log_warn}.get(level, pb_utils.Logger.log_error)(text)
-
-
-def _safe_send(sender: Any, response: Any, flags: int) -> None:
-    try:
-        if response is None:
-            sender.send(flags=flags)
-        else:
-            sender.send(response, flags=flags)
-    except Exception as e:  # the client is gone or the sender is closed; nothing else to do
-        pb_utils.Logger.log_warn(f"specguide: could not send a response: {e}")
 
 
 class TritonPythonModel:
@@ -166,7 +150,6 @@ class TritonPythonModel:
         self.engine = EngineProcess(EngineConfig.from_parameters(model_config.get("parameters", {})), log=_log)
         self.config = self.engine.config  # as the engine resolved it (slots sized to memory, ...)
         self.tokenizer = self.engine.tokenizer
-        self.guided_enabled = bool(self.engine.supports_guided_decoding)
         self.limits = InputLimits.from_config(self.config)  # input caps, checked before any work
         self.model_name, self.model_version = args.get("model_name", "specguide"), str(args.get("model_version", "1"))
         self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
@@ -205,7 +188,7 @@ class TritonPythonModel:
             tensors = io.read_tensors(pb_utils, request)
             if io.is_stop_request(tensors):
                 self._stop(request.request_id())
-                _safe_send(sender, None, FINAL)
+                io.safe_send(pb_utils, sender, None, FINAL)
                 return
             if self._closing:
                 raise EngineDeadError("the model is shutting down")
@@ -217,7 +200,6 @@ class TritonPythonModel:
                 default_max_tokens=self.config.default_max_tokens,
                 max_tokens_limit=self.config.max_tokens_limit,
                 tokenizer=self.tokenizer,
-                guided_enabled=self.guided_enabled,
                 request_id=request.request_id(),
                 limits=self.limits,
             )
@@ -243,7 +225,7 @@ class TritonPythonModel:
                 seq.done = True
                 if seq.seq_id is not None:
                     self.engine.cancel(seq.seq_id)  # its final event is swallowed: the group is closed
-            if group.fail(io.error_response(pb_utils, _message(exc, interface), _code(exc))):
+            if group.fail(io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))):
                 self.metrics.finished("rejected")
             with self._live_lock:
                 self._live.difference_update(seqs)
@@ -257,8 +239,8 @@ class TritonPythonModel:
         return self.peer_metrics.served(name, str(parameters.get(SERVED_VERSION_PARAMETER) or "1"))
 
     def _reject(self, sender: Any, exc: Exception, interface: str, error_output: bool = False) -> None:
-        response = io.error_response(pb_utils, _message(exc, interface), _code(exc))
-        _safe_send(sender, _shaped(response, error_output), FINAL)
+        response = io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))
+        io.safe_send(pb_utils, sender, _shaped(response, error_output), FINAL)
         self.metrics.finished("rejected")
 
     def _stop(self, request_id: str) -> None:
@@ -383,8 +365,9 @@ class TritonPythonModel:
     def is_ready(self) -> bool:
         """Whether new requests can be served: the engine runs and the model is not unloading.
 
-        Triton's Python backend asks a model's `is_ready()` for its readiness from r26.03 on; the
-        2.51 server of the `nvidia-pytriton` wheel does not, so there the engine's state shows as
+        Triton's Python backend asks a model's `is_ready()` for its readiness from r26.03 on
+        (python_backend PR #430: pb_stub.cc calls it when the model defines it); the 2.51 server
+        of the `nvidia-pytriton` wheel and the 24.10 image of our Dockerfile do not, so there the engine's state shows as
         `specguide_engine_alive` and a 1-token inference probe (docker/kubernetes.yaml) fails while
         the engine restarts."""
         return not self._closing and self.engine.is_alive()
@@ -410,7 +393,7 @@ class TritonPythonModel:
             live, self._live = list(self._live), set()
         for seq in live:
             seq.done = True
-            if seq.group.fail(io.error_response(pb_utils, message, "UNAVAILABLE")):
+            if seq.group.fail(io.error_response(pb_utils, message, EngineDeadError.code)):
                 self.metrics.finished("error")
 
     # ------------------------------------------------------------------ shutdown

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..request import EngineDeadError, InvalidRequestError, QueueFullError, RequestOutput
+from ..request import InvalidRequestError, RequestOutput, error_code  # noqa: F401  (error_code: io.error_code)
 
 VLLM_ERROR_PREFIX = "Error generating stream: "  # the vLLM backend's text for every request error
 _PERF_INT32 = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
@@ -23,6 +23,8 @@ _PERF_INT64 = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_n
 
 class UnsupportedError(InvalidRequestError):
     """A well-formed request asking for something this server does not do (UNSUPPORTED)."""
+
+    code = "UNSUPPORTED"
 
 
 @dataclass
@@ -212,17 +214,6 @@ def to_response(pb: Any, payload: Payload) -> Any:
     return pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in payload.outputs.items()])
 
 
-def error_code(exc: BaseException) -> str:
-    """The pb.TritonError code name for an exception raised while mapping or submitting."""
-    if isinstance(exc, UnsupportedError):
-        return "UNSUPPORTED"
-    if isinstance(exc, (InvalidRequestError, ValueError)):
-        return "INVALID_ARG"
-    if isinstance(exc, (QueueFullError, EngineDeadError)):
-        return "UNAVAILABLE"
-    return "INTERNAL"
-
-
 # codes an engine error event may carry (RequestOutput.error_code); anything else is INTERNAL
 _EVENT_ERROR_CODES = ("INVALID_ARG", "UNSUPPORTED", "UNAVAILABLE", "INTERNAL")
 
@@ -236,3 +227,14 @@ def event_error_code(out: RequestOutput) -> str:
 def error_response(pb: Any, message: str, code: str = "INTERNAL") -> Any:
     err_cls = pb.TritonError
     return pb.InferenceResponse(output_tensors=[], error=err_cls(message, getattr(err_cls, code, err_cls.INTERNAL)))
+
+
+def safe_send(pb: Any, sender: Any, response: Any, flags: int, who: str = "specguide") -> None:
+    """Send one response (None: only the flags); a client that is gone or a closed sender is logged."""
+    try:
+        if response is None:
+            sender.send(flags=flags)
+        else:
+            sender.send(response, flags=flags)
+    except Exception as e:  # nothing else to do
+        pb.Logger.log_warn(f"{who}: could not send a response: {e}")
