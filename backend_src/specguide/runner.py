@@ -24,14 +24,14 @@ Result = tuple[list[int], int, int]  # tokens to append, drafts verified, drafts
 
 
 def resolve_executor(config: EngineConfig, device: torch.device) -> str:
-    """Where grammar callbacks run: "inline" (CPU default; "plain" is its old name), "worker"
+    """Where grammar callbacks run: "inline" (CPU default), "worker"
     (a thread: the race test mode) or "cuda" (a CUDA stream, captured in the step graphs)."""
     kind = config.guided_executor
     if kind == "auto":
         return "cuda" if device.type == "cuda" else "inline"
     if kind == "cuda" and device.type != "cuda":
         raise ValueError("guided_executor 'cuda' needs a CUDA device")
-    return "inline" if kind == "plain" else kind
+    return kind
 
 
 class Runner:

@@ -212,6 +212,16 @@ class StepCore:
             g.launch_draft_end()
         return self.out[2: 1 + key.T, :B].t()
 
+    def _sampler(self, key: StepKey, slots: torch.Tensor, counter: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """logits [B, T, V] -> [B, T]: the token a step without drafts samples at each position
+        (the row's seed and the token's output index)."""
+        def at_positions(logits: torch.Tensor) -> torch.Tensor:
+            B, T, V = logits.shape
+            rows = slots.repeat_interleave(T)
+            cnt = (counter[:, None] + self.arange[:T]).reshape(-1)
+            return sample(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.top_k_p)).view(B, T)
+        return at_positions
+
     def tail(self, key: StepKey, logits: torch.Tensor, drafts: Optional[torch.Tensor]) -> None:
         """Masks, acceptance and the next token from the verification logits [B, T, V]; outputs to
         `out` / `out_host`; the grammar commit."""
@@ -230,13 +240,7 @@ class StepCore:
         else:
             assert drafts is not None
             n = num if not key.guided else torch.minimum(num, g.limit_dev[:B].long())
-            if key.greedy:  # the target's token at each position: its argmax
-                target = logits.argmax(dim=-1)  # [B, T]
-            else:  # or the token a step without drafts samples there (seed and output index)
-                rows = slots.repeat_interleave(T)
-                cnt = (counter[:, None] + self.arange[:T]).reshape(-1)
-                target = sample(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.top_k_p)).view(B, T)
-            accepted, nxt = acceptance.accept(target, drafts, n)
+            accepted, nxt = acceptance.verify(logits, drafts, n, None if key.greedy else self._sampler(key, slots, counter))
         if ex is not None:  # emitted[b, j]: the token position j produced
             emitted = nxt[:, None] if drafts is None else \
                 torch.cat([drafts, nxt[:, None]], dim=1).scatter(1, accepted.long()[:, None], nxt[:, None])
