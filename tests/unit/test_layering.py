@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "backend_src" / "specguide"
 
 LAYERS = {
     # plain data, settings and helpers that import nothing of ours
-    "request": 0, "config": 0, "paths": 0, "progress": 0, "memory": 0, "ipc": 0, "health_probe": 0, "restarts": 0, "supervisor": 1,
+    "request": 0, "config": 0, "step_layout": 0, "paths": 0, "progress": 0, "memory": 0, "ipc": 0, "health_probe": 0, "restarts": 0, "supervisor": 1,
     "head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
     # per-request state (Sequence) and small services every layer above reads
     "faults": 1, "scheduler": 1, "tokenizer": 1, "kv_cache": 1, "sampling": 1,
