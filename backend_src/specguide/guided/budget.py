@@ -961,8 +961,7 @@ class BudgetMatcher(Matcher):
         self._growths.clear()
 
     def violation(self) -> Optional[str]:
-        fn = getattr(self.inner, "violation", None)
-        return fn() if callable(fn) else None
+        return self.inner.violation()
 
     @classmethod
     def fill_many(cls, matchers: list["BudgetMatcher"], bitmask: torch.Tensor, rows: list[int],

@@ -128,6 +128,7 @@ class XgrammarBackend(GrammarBackend):
     """One xgrammar GrammarCompiler for one model's tokenizer."""
 
     name = "xgrammar"
+    caches_compiles = True  # xgrammar's GrammarCompiler keeps a byte-limited cache
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Optional[Sequence[int]] = None,
                  cache_limit_bytes: int = 512 << 20, compile_threads: Optional[int] = None,
