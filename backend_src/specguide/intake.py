@@ -10,7 +10,10 @@ from typing import Any, Callable, Iterable
 
 from .config import EngineConfig
 from .faults import Injector
-from .guided.budget import RegexScanner, Scanner, Schemas, within_budget
+from .guided.budget import within_budget
+from .guided.json_scanner import Scanner
+from .guided.regex_completion import RegexScanner
+from .guided.schema_completion import Schemas
 from .guided.reasoning import Reasoning
 from .request import InvalidRequestError, Request, RequestOutput, error_code
 from .scheduler import Sequence
