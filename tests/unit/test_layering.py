@@ -22,10 +22,11 @@ LAYERS = {
     "step": 5,
     "runner": 6,
     "intake": 7, "outputs": 7,
-    "engine": 8,
-    "engine_process": 9, "training": 9,  # nothing in serving imports training
-    "triton": 10,
-    "openai_api": 11,  # its own process (no model): the Triton interface's checks, over gRPC
+    "engine_core": 8,  # one iteration and what it owns
+    "engine": 9,  # its loop thread and thread-safe API
+    "engine_process": 10, "training": 10,  # nothing in serving imports training
+    "triton": 11,
+    "openai_api": 12,  # its own process (no model): the Triton interface's checks, over gRPC
 }
 
 
