@@ -64,16 +64,16 @@ class SequenceStream:
         p = self.parsed
         if out.finished and out.finish_reason in ("error", "cancelled"):
             return self._error(out)
-        lps = list(getattr(out, "logprobs", None) or [])
+        lps = list(out.logprobs or [])
         self.cum_logprob += float(sum(lps))
-        if getattr(out, "context_logits", None) is not None:
+        if out.context_logits is not None:
             self.context_logits = np.asarray(out.context_logits, dtype=np.float32)
         if not p.stream:
             self.text.append(out.text)
             self.ids.extend(out.token_ids)
             self.logprobs.extend(lps)
-            self.top.extend(getattr(out, "top_logprobs", None) or [])
-            if getattr(out, "generation_logits", None) is not None:
+            self.top.extend(out.top_logprobs or [])
+            if out.generation_logits is not None:
                 self.gen_logits.append(np.asarray(out.generation_logits, dtype=np.float32))
             if not out.finished:
                 return None
@@ -83,8 +83,8 @@ class SequenceStream:
             if not out.finished and not out.text and not out.token_ids:
                 return None
             text, ids, n_out = out.text, list(out.token_ids), len(out.token_ids)
-            top = list(getattr(out, "top_logprobs", None) or [])
-            gl = getattr(out, "generation_logits", None)
+            top = list(out.top_logprobs or [])
+            gl = out.generation_logits
             gen = [np.asarray(gl, dtype=np.float32)] if gl is not None else []
         gen_ids = list(ids)
         if self.echo_pending:  # only ever for a non-streamed response (parsing refuses or ignores the rest)
@@ -220,7 +220,7 @@ _EVENT_ERROR_CODES = ("INVALID_ARG", "UNSUPPORTED", "UNAVAILABLE", "INTERNAL")
 
 def event_error_code(out: RequestOutput) -> str:
     """The pb.TritonError code name for an engine error event (e.g. INVALID_ARG for a bad guide)."""
-    code = (getattr(out, "error_code", None) or "INTERNAL").upper()
+    code = (out.error_code or "INTERNAL").upper()
     return code if code in _EVENT_ERROR_CODES else "INTERNAL"
 
 
