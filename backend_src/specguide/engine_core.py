@@ -257,8 +257,7 @@ class EngineCore:
                 self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
         for seq in seqs:
             if seq.status is not Status.FINISHED and seq.grammar is not None:
-                self._guarded(seq, lambda: self.guided.rollback(
-                    seq.slot, self.guided.num_tokens(seq.slot) - len(seq.output_ids)))
+                self._guarded(seq, lambda: self.guided.restore(seq.slot, len(seq.output_ids)))
 
     def _healthy(self, seq: Sequence) -> bool:
         try:

@@ -227,15 +227,12 @@ class CapturableGuidedDecoder:
         self.synchronize()
         return self.inner.violation(slot)
 
-    def num_tokens(self, slot: int) -> int:
-        self.synchronize()
-        return self.inner.num_tokens(slot)
-
-    def rollback(self, slot: int, n: int) -> None:
-        """Undo the slot's last n fed tokens (recovery after a failed step)."""
+    def restore(self, slot: int, n_tokens: int) -> None:
+        """Recovery after a failed step: the slot's matcher back to the state after its first
+        `n_tokens` tokens (those the engine appended), whatever the step had fed since."""
         self.synchronize()
         self._confirm.pop(slot, None)
-        self.inner.rollback(slot, n)
+        self.inner.rollback(slot, self.inner.num_tokens(slot) - n_tokens)
 
     def synchronize(self) -> None:
         """Wait for every launched callback (tests, shutdown, reading matcher state)."""
@@ -303,9 +300,7 @@ class CapturableGuidedDecoder:
         """Masks of rows 0..k for drafts known to the host (out_host's drafts); limit = drafts fed."""
         drafts = {st.slots[b]: self._out.drafts[: st.ks[b], b].tolist() for b in rows}
         fed = self.inner.fill_verify_rows(drafts)
-        for b in rows:
-            self.inner.rollback(st.slots[b], fed[st.slots[b]])
-            st.limit[b] = fed[st.slots[b]]
+        self._take_back(st, rows, [fed[st.slots[b]] for b in rows])
 
     def _draft_advance(self, i: int) -> None:
         st, g = self._cur, self.inner
@@ -339,16 +334,22 @@ class CapturableGuidedDecoder:
                     for b in range(len(st.slots))]
 
     def _draft_end(self) -> None:
-        st, g = self._cur, self.inner
+        st = self._cur
         if st is None:
             return
         rows = [b for b in range(len(st.slots)) if st.guided[b]]
         if st.drafting is Drafting.UNMASKED:
             self._walk(st, rows)
             return
-        for b in rows:
-            g.rollback(st.slots[b], st.drafted[b])
-            st.limit[b] = st.drafted[b]
+        self._take_back(st, rows, [st.drafted[b] for b in rows])
+
+    def _take_back(self, st: GuidedStep, rows: list[int], fed: list[int]) -> None:
+        """The one rollback of a step: the fed[i] drafts the matcher of row rows[i] took while its
+        masks were filled are taken back (the commit feeds what verification accepts), and that
+        count is the row's limit (drafts past it are not verified)."""
+        for b, n in zip(rows, fed):
+            self.inner.rollback(st.slots[b], n)
+            st.limit[b] = n
 
     def _stage(self) -> None:
         """Launch: pinned staging of token_mask / limits / proposals, then (CUDA) the host->device
