@@ -12,8 +12,9 @@ engine process dies, or its loop thread does, the stub is still there to tell ev
   crashes repeat (restarts.Backoff). Each restart is logged and counted (`stats()["restarts"]`,
   the metric specguide_engine_restarts_total).
 
-The child's side is engine_child.py. Messages are length-prefixed pickles over the child's stdin /
-stdout (compile_worker's framing).
+The child's side is engine_process_child.py (its command line names it, so tools and tests find the
+engine process by "engine_process"). Messages are length-prefixed pickles over the child's stdin
+/ stdout (compile_worker's framing).
 Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", key) |
 ("shutdown", drain, timeout). Child -> parent: ("ready", EngineInfo) | ("failed", text), then
 ("out", key, RequestOutput) | ("refused", key, exception) | ("stats", dict) | ("dead", text).
@@ -41,7 +42,7 @@ Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
 
 STATS_S = 0.05  # how often the engine process sends its stats (and checks its loop thread)
 EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
-_CHILD_MAIN = "from specguide.engine_child import child_main; child_main()"
+_CHILD_MAIN = "from specguide.engine_process_child import child_main; child_main()"
 PARENT_ENV = "SPECGUIDE_ENGINE_PARENT"
 
 

@@ -25,7 +25,7 @@ LAYERS = {
     "engine_core": 8,  # one iteration and what it owns
     "engine": 9,  # its loop thread and thread-safe API
     "engine_process": 10, "training": 10,  # nothing in serving imports training
-    "engine_child": 11,  # the engine process's side: runs an Engine (engine_process.py starts it by name)
+    "engine_process_child": 11,  # the engine process's own side: runs an Engine (engine_process.py starts it by name)
     "triton": 11,
     "openai_api": 12,  # its own process (no model): the Triton interface's checks, over gRPC
 }
