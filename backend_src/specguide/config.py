@@ -12,7 +12,7 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0")  # how the C ke
 WEIGHT_DTYPES = WEIGHT_FORMATS + ("auto",)  # auto: each weight in the narrowest format that holds it exactly
 ACTIVATION_DTYPES = ("auto", "float32", "int8")  # what block-format weights (q4_1, q8_0) multiply
 DRAFTERS = ("ngram", "grammar", "head", "hybrid", "early_exit", "draft_model")
-GUIDED_EXECUTORS = ("auto", "plain", "inline", "worker", "cuda")
+GUIDED_EXECUTORS = ("auto", "inline", "worker", "cuda")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -120,8 +120,8 @@ class EngineConfig:
     max_sampling_parameters_bytes: int = 0  # sampling_parameters / request parameters JSON, and the
     # stop_words / bad_words tensors (each), larger are refused before parsing; 0 = guide limit + 64 KiB
     guided_mask_threads: int = 1  # threads for the batched mask fill (1 is fastest on 2 cores)
-    guided_executor: str = "auto"  # where the step's grammar callbacks run: "inline" (at once; "plain" is
-    # its old name), "worker" (a worker thread: the race test mode), "cuda" (host functions on a grammar
+    guided_executor: str = "auto"  # where the step's grammar callbacks run: "inline" (at once),
+    # "worker" (a worker thread: the race test mode), "cuda" (host functions on a grammar
     # stream, captured in the step graphs); "auto" = "cuda" on a CUDA device, else "inline"
     cuda_graphs: bool = True  # on CUDA: one CUDA graph per speculative step and batch bucket
     reasoning_markers: str = ""  # reasoning models: '<start>,<end>' (e.g. '<think>,</think>'); a guide then

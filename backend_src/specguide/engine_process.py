@@ -12,7 +12,9 @@ engine process dies, or its loop thread does, the stub is still there to tell ev
   crashes repeat (restarts.Backoff). Each restart is logged and counted (`stats()["restarts"]`,
   the metric specguide_engine_restarts_total).
 
-Messages are length-prefixed pickles over the child's stdin / stdout (compile_worker's framing).
+The child's side is engine_process_child.py (its command line names it, so tools and tests find the
+engine process by "engine_process"). Messages are length-prefixed pickles over the child's stdin
+/ stdout (compile_worker's framing).
 Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", key) |
 ("shutdown", drain, timeout). Child -> parent: ("ready", EngineInfo) | ("failed", text), then
 ("out", key, RequestOutput) | ("refused", key, exception) | ("stats", dict) | ("dead", text).
@@ -22,10 +24,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 from .config import EngineConfig
 from .head_training import BackgroundTraining
-from .ipc import child_env, die_with_parent, python_executable, read_msg, write_msg
+from .ipc import child_env, python_executable, read_msg, write_msg
 from .request import EngineDeadError, Request, RequestOutput
 from .restarts import Backoff, sleep_unless
 
@@ -42,7 +42,7 @@ Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
 
 STATS_S = 0.05  # how often the engine process sends its stats (and checks its loop thread)
 EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
-_CHILD_MAIN = "from specguide.engine_process import child_main; child_main()"
+_CHILD_MAIN = "from specguide.engine_process_child import child_main; child_main()"
 PARENT_ENV = "SPECGUIDE_ENGINE_PARENT"
 
 
@@ -115,8 +115,6 @@ class EngineProcess:
     process that is restarted when it dies. Callbacks run on this object's reader thread.
 
     The first start happens in the constructor and raises if the engine cannot load."""
-
-    supports_guided_decoding = True
 
     def __init__(self, config: EngineConfig, log: Optional[Log] = None):
         self._log = log or (lambda level, text: logging.getLogger("specguide").log(
@@ -308,7 +306,7 @@ class EngineProcess:
         for key, callback in callbacks.items():
             try:
                 callback(RequestOutput(seq_id=key, finished=True, finish_reason="error", error=message,
-                                       error_code="UNAVAILABLE"))
+                                       error_code=EngineDeadError.code))
             except Exception as e:
                 self._log("error", f"specguide: failing a request of the dead engine: {e!r}")
         child.kill()
@@ -353,83 +351,3 @@ class EngineProcess:
             self._reader = self._start_reader(child)
             self._log("info", f"specguide: engine restarted in {time.monotonic() - t0:.1f} s "
                               f"(restart {self.restarts}, pid {child.info.pid})")
-
-
-# ---------------------------------------------------------------------------------- the child
-def child_main() -> None:
-    """The engine process: load the engine, then serve the parent's messages until shutdown."""
-    inp = sys.stdin.buffer
-    out = os.fdopen(os.dup(1), "wb")  # messages; stray prints from libraries go to stderr instead
-    os.dup2(2, 1)
-    die_with_parent(PARENT_ENV)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="specguide engine: %(levelname)s %(message)s")
-    write_lock = threading.Lock()
-
-    def send(msg: object) -> None:
-        with write_lock:
-            write_msg(out, msg)
-
-    config = read_msg(inp)
-    try:
-        from .engine import Engine
-
-        engine = Engine(config)
-        engine.compiler.scheduler.start()  # compile worker processes warm before the first big guide
-    except Exception as e:
-        logging.exception("the engine failed to load")
-        send(("failed", f"{type(e).__name__}: {e}"))
-        os._exit(2)
-    from .tokenizer import probe
-
-    send(("ready", EngineInfo(os.getpid(), engine.config, str(engine.model_dir), engine.drafter,
-                              engine.head_drafter is not None, probe(engine.tokenizer), engine.warmup_s,
-                              str(engine.proposer.head_path) if engine.proposer.awaits_head else "")))
-    seq_of: dict[int, int] = {}  # parent key -> engine seq_id, while the request runs
-    seq_lock = threading.Lock()
-
-    def callback(key: int) -> Callback:
-        def on_output(o: RequestOutput) -> None:
-            if o.finished:
-                with seq_lock:
-                    seq_of.pop(key, None)
-            send(("out", key, o))
-        return on_output
-
-    def watch() -> None:  # stats for the metrics; the loop thread's death ends the process
-        while True:
-            time.sleep(STATS_S)
-            if not engine.is_alive():
-                engine._thread.join()  # its dying words (every request's error) are sent first
-                send(("dead", f"the engine loop failed ({type(engine._dead).__name__}; the server log has "
-                              f"the traceback)"))
-                out.flush()
-                os._exit(EXIT_LOOP_DIED)
-            try:
-                send(("stats", engine.stats()))
-            except Exception:
-                os._exit(0)  # the parent is gone
-
-    threading.Thread(target=watch, name="specguide-engine-watch", daemon=True).start()
-    while True:
-        msg = read_msg(inp)
-        if msg is None:  # the parent is gone
-            os._exit(0)
-        kind = msg[0]
-        if kind == "submit":
-            _, key, request = msg
-            try:
-                with seq_lock:  # NOTE: the engine calls callbacks outside its own lock: no deadlock
-                    seq_of[key] = engine.submit(request, callback(key))
-            except Exception as e:
-                send(("refused", key, e))
-            else:
-                send(("submitted", key))
-        elif kind == "cancel":
-            with seq_lock:
-                seq_id = seq_of.get(msg[1])
-            if seq_id is not None:
-                engine.cancel(seq_id)
-        elif kind == "shutdown":
-            engine.shutdown(drain=msg[1], timeout=msg[2])
-            out.flush()
-            os._exit(0)

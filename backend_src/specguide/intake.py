@@ -10,9 +10,12 @@ from typing import Any, Callable, Iterable
 
 from .config import EngineConfig
 from .faults import Injector
-from .guided.budget import RegexScanner, Scanner, Schemas, within_budget
+from .guided.budget import within_budget
+from .guided.json_scanner import Scanner
+from .guided.regex_completion import RegexScanner
+from .guided.schema_completion import Schemas
 from .guided.reasoning import Reasoning
-from .request import InvalidRequestError, Request, RequestOutput
+from .request import InvalidRequestError, Request, RequestOutput, error_code
 from .scheduler import Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -119,7 +122,7 @@ starts, then collects, their grammar compiles."""
                 else:
                     seq.grammar = self._within_budget(seq)
             except InvalidRequestError as exc:
-                failed.append((seq, str(exc), "INVALID_ARG"))
+                failed.append((seq, str(exc), error_code(exc)))
             except Exception as exc:
                 log.error("grammar compile of request %s failed: %r", seq.seq_id, exc)
                 failed.append((seq, f"the grammar compile failed ({type(exc).__name__}; "

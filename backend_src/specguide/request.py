@@ -15,15 +15,29 @@ REPETITION_PENALTY_RANGE = (1e-2, 1e2)  # logits / 0.01 stay finite in fp32; vLL
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; the adapter turns it into INVALID_ARG."""
+    """A request the engine refuses (INVALID_ARG)."""
+
+    code = "INVALID_ARG"  # the Triton error code name a client gets
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is full; the adapter turns it into UNAVAILABLE."""
+    """The waiting queue is full (UNAVAILABLE)."""
+
+    code = "UNAVAILABLE"
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; the adapter turns it into UNAVAILABLE."""
+    """The engine loop has stopped (UNAVAILABLE)."""
+
+    code = "UNAVAILABLE"
+
+
+CLIENT_ERRORS = (InvalidRequestError, QueueFullError, EngineDeadError)  # their messages are written for clients
+
+
+def error_code(exc: BaseException) -> str:
+    """The Triton error code name for an exception: its own for ours, INTERNAL for anything else."""
+    return exc.code if isinstance(exc, CLIENT_ERRORS) else "INTERNAL"
 
 
 @dataclass

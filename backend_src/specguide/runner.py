@@ -19,19 +19,20 @@ from .scheduler import PrefillChunk, PrefixCopy, Sequence
 from .slot_sampling import SlotSampling
 from .speculative.plan import DraftPlan
 from .step import StepCore
+from .step_layout import Drafting
 
 Result = tuple[list[int], int, int]  # tokens to append, drafts verified, drafts accepted
 
 
 def resolve_executor(config: EngineConfig, device: torch.device) -> str:
-    """Where grammar callbacks run: "inline" (CPU default; "plain" is its old name), "worker"
+    """Where grammar callbacks run: "inline" (CPU default), "worker"
     (a thread: the race test mode) or "cuda" (a CUDA stream, captured in the step graphs)."""
     kind = config.guided_executor
     if kind == "auto":
         return "cuda" if device.type == "cuda" else "inline"
     if kind == "cuda" and device.type != "cuda":
         raise ValueError("guided_executor 'cuda' needs a CUDA device")
-    return "inline" if kind == "plain" else kind
+    return kind
 
 
 class Runner:
@@ -101,7 +102,7 @@ class Runner:
             key = dataclasses.replace(key, batch=graphs.bucket(len(seqs)), length=graphs.length(seqs, key.T),
                                       captured=True)
             graphs.ensure(key, plan)  # captured before this step's snapshot is queued
-        if plan.drafter is not None and key.drafting != "none":
+        if plan.drafter is not None and key.drafting is not Drafting.NONE:
             plan.drafter.prepare(seqs, key)
         core.stage(seqs, plan, key)
         if key.captured and graphs is not None:
@@ -113,7 +114,7 @@ class Runner:
             core.body(key)
             core.finish(key)
         out = core.results(seqs, plan, key)
-        if plan.drafter is not None and key.drafting != "none":
+        if plan.drafter is not None and key.drafting is not Drafting.NONE:
             plan.drafter.done(seqs, [a for _, _, a in out], key.T - 1)
         return out
 

@@ -100,6 +100,21 @@ class PrefixCopy:
     end: int
 
 
+class SlotOwner:
+    """Something that keeps per-slot state beside the scheduler (the runner, the proposer, a
+    feature recorder): told when a sequence takes a slot, when it leaves it, and when a prefix is
+    copied between slots. Each is a no-op unless the owner keeps such state."""
+
+    def admit(self, slot: int, seq: Sequence) -> None:
+        pass
+
+    def free(self, slot: int) -> None:
+        pass
+
+    def copy_prefix(self, c: PrefixCopy) -> None:
+        pass
+
+
 @dataclass
 class StepPlan:
     prefills: list[PrefillChunk]

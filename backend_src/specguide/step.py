@@ -1,13 +1,15 @@
 """StepCore: the decode / speculative step, written once; run eagerly or captured as a CUDA graph.
 
 A step: [drafting] + one verification forward over [last, d_0..d_{T-2}] (T = 1: plain decode) +
-grammar masks + acceptance (drafts equal to the target's own tokens) + the next token. Drafting is "none",
-"host" (drafts known before the step: n-gram, grammar chains), "model" (T - 1 forwards of a device
-drafter inside the step - early exit, trained head, draft model - each masked by its grammar row;
-the hybrid's pick is a device-side select between the drafter's argmax and the proposals the
-grammar callbacks wrote after the previous draft) or "unmasked" (the mask_drafts=False ablation).
+grammar masks + acceptance (drafts equal to the target's own tokens) + the next token. Drafting
+(step_layout.Drafting) is NONE, HOST (drafts known before the step: n-gram, grammar chains), MODEL
+(T - 1 forwards of a device drafter inside the step - early exit, trained head, draft model - each
+masked by its grammar row; the hybrid's pick is a device-side select between the drafter's argmax
+and the proposals the grammar callbacks wrote after the previous draft) or UNMASKED (the
+mask_drafts=False ablation).
 
-Inputs and outputs live in static buffers indexed by batch row; every shape depends only on the
+Inputs and outputs live in static buffers indexed by batch row (step_layout.StepInputs /
+StepOutputs name their rows); every shape depends only on the
 `StepKey`, so cuda/graphs.py captures `body(key)` as it is. Captured keys pad the batch to a
 bucket: padding rows read slot 0 and write K/V only at positions >= max_seq_len (dead rows).
 Per-token extras (log probs, raw logits, penalties, bans) need host lists: such steps stay eager.
@@ -33,6 +35,7 @@ from .slot_sampling import SlotSampling
 from .speculative import acceptance
 from .speculative.hybrid import HEAD_UNSURE
 from .speculative.plan import DraftPlan, Drafter
+from .step_layout import Drafting, StepInputs, StepOutputs
 from .token_outputs import StepExtras
 
 BAD_TOKEN = -1  # the next token of a row whose logits hold NaN or +inf: the engine fails that request
@@ -48,7 +51,7 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
 class StepKey:
     batch: int  # rows (a bucket when captured)
     T: int  # positions per row: 1 = plain decode, else verification of T - 1 drafts
-    drafting: str  # "none" | "host" | "model" | "unmasked"
+    drafting: Drafting
     length: int  # keys attended (captured: a bucket covering every position; eager: longest row)
     greedy: bool  # every row greedy: argmax acceptance
     top_k_p: bool  # a sampled row uses top-k / top-p
@@ -76,11 +79,13 @@ class StepCore:
         S, K = self.kv.k.shape[1], self.guided.inner.max_draft_tokens
         dev, pin = self.kv.k.device, self.kv.k.device.type == "cuda"
         self.K, self.R = K, self.guided.rows_per_slot
-        self.inp_host = torch.zeros(5, S, dtype=torch.int64, pin_memory=pin)  # last, pos0, slot, counter, num
-        self.inp = torch.zeros(5, S, dtype=torch.int64, device=dev)
+        self.inp_host = StepInputs(torch.zeros(StepInputs.ROWS, S, dtype=torch.int64, pin_memory=pin))
+        self.inp = StepInputs(torch.zeros(StepInputs.ROWS, S, dtype=torch.int64, device=dev))
         self.drafts_in = torch.zeros(max(K, 1), S, dtype=torch.int64, device=dev)  # [K, B] host drafts
-        self.out = torch.zeros(2 + K, S, dtype=torch.int64, device=dev)  # accepted, next, draft 0..K-1
-        self.out_host = self.guided.out_host  # the grammar callbacks read the drafts and tokens here
+        self.out = StepOutputs(torch.zeros(StepOutputs.rows(K), S, dtype=torch.int64, device=dev))
+        self.out_host = StepOutputs(self.guided.out_host)  # the grammar callbacks read the drafts and tokens here
+        self._stage_in = StepInputs(self.inp_host.buf.numpy())  # host views of the pinned staging
+        self._stage_out = StepOutputs(self.out_host.buf.numpy())
         self.arange = torch.arange(K + 1, device=dev)
         self.slot_list: Optional[list[int]] = None  # eager: host slots (consecutive slots use views)
 
@@ -91,7 +96,7 @@ class StepCore:
         return StepKey(batch=len(seqs), T=plan.width + 1, drafting=plan.drafting,
                        length=max(s.num_tokens for s in seqs), greedy=greedy, top_k_p=top_k_p,
                        guided=any(self.guided.is_guided(s.slot) for s in seqs),
-                       pick=plan.picker is not None and plan.drafting == "model",
+                       pick=plan.picker is not None and plan.drafting is Drafting.MODEL,
                        extras=any(self._needs_extras(s) for s in seqs))
 
     def _needs_extras(self, s: Sequence) -> bool:
@@ -103,53 +108,53 @@ class StepCore:
     def stage(self, seqs: list[Sequence], plan: DraftPlan, key: StepKey) -> None:
         """Write the step's inputs (pinned staging, then the static buffers) and queue its grammar
         snapshot; padding rows (b >= len(seqs)) get dead positions of slot 0."""
-        h, oh = self.inp_host.numpy(), self.out_host.numpy()
-        h[:] = 0
-        h[1, :] = self.max_seq_len
-        oh[2:] = 0
+        h, oh = self._stage_in, self._stage_out
+        h.buf[:] = 0
+        h.pos0[:] = self.max_seq_len
+        oh.drafts[:] = 0
         for b, s in enumerate(seqs):
-            h[:4, b] = (s.last_token, s.num_tokens - 1, s.slot, len(s.output_ids))
-            if key.drafting == "host":
-                h[4, b] = len(plan.drafts[b])
-                oh[2: 2 + len(plan.drafts[b]), b] = plan.drafts[b]
-            elif key.drafting != "none":
-                h[4, b] = plan.ks[b]
+            h.last[b], h.pos0[b], h.slot[b], h.counter[b] = s.last_token, s.num_tokens - 1, s.slot, len(s.output_ids)
+            if key.drafting is Drafting.HOST:
+                h.num[b] = len(plan.drafts[b])
+                oh.drafts[: len(plan.drafts[b]), b] = plan.drafts[b]
+            elif key.drafting is not Drafting.NONE:
+                h.num[b] = plan.ks[b]
         nb = key.captured
-        self.inp.copy_(self.inp_host, non_blocking=nb)
-        if key.drafting == "host":
-            self.drafts_in[: self.K].copy_(self.out_host[2:], non_blocking=nb)
-        self.drafter = plan.drafter if key.drafting in ("model", "unmasked") else None
+        self.inp.buf.copy_(self.inp_host.buf, non_blocking=nb)
+        if key.drafting is Drafting.HOST:
+            self.drafts_in[: self.K].copy_(self.out_host.drafts, non_blocking=nb)
+        self.drafter = plan.drafter if key.drafting.in_step else None
         self.slot_list = None if key.captured else [s.slot for s in seqs]
         self.extras = (StepExtras(seqs, self.params, self.guided.is_guided, self.poison) if key.extras else None)
         if key.guided or key.pick:
             self.guided.select_stream(key.captured)
         if seqs and (key.guided or key.pick):
             slots = [s.slot for s in seqs]
-            ks = [len(d) for d in plan.drafts] if key.drafting == "host" else list(plan.ks)
+            ks = [len(d) for d in plan.drafts] if key.drafting is Drafting.HOST else list(plan.ks)
             self.guided.begin(GuidedStep(slots=slots, guided=[self.guided.is_guided(s) for s in slots],
                                          drafting=key.drafting, ks=ks, picker=plan.picker if key.pick else None))
 
     def finish(self, key: StepKey) -> None:
         """Host waits for the step (GIL released) and for its grammar commit."""
-        if self.out.device.type == "cuda":
+        if self.out.buf.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         if key.guided or key.pick:
             self.guided.step_done()
 
     def results(self, seqs: list[Sequence], plan: DraftPlan, key: StepKey) -> list[tuple[list[int], int, int]]:
         """Per row: (tokens to append: accepted drafts + the next token, drafts verified, drafts accepted)."""
-        out = self.out_host.numpy()[:, : len(seqs)].tolist()
+        out = StepOutputs(self._stage_out.buf[:, : len(seqs)].tolist())
         lim = self.guided.limits() if key.guided else []
         res = []
         for b, s in enumerate(seqs):
-            a, nxt = out[0][b], out[1][b]
-            if key.drafting == "none":
+            a, nxt = out.accepted[b], out.next[b]
+            if key.drafting is Drafting.NONE:
                 n = 0
             else:  # drafts verified: the host's, or the row's budget of in-step drafts
-                n = len(plan.drafts[b]) if key.drafting == "host" else plan.ks[b]
+                n = len(plan.drafts[b]) if key.drafting is Drafting.HOST else plan.ks[b]
             if lim and self.guided.is_guided(s.slot):
                 n = min(n, lim[b])
-            d = [out[2 + i][b] for i in range(n)]
+            d = [out.drafts[i][b] for i in range(n)]
             res.append((d[:a] + [nxt], n, a))
         if self.extras is not None:
             self.extras.deliver([a + 1 for _, _, a in res])
@@ -164,14 +169,14 @@ class StepCore:
     def body(self, key: StepKey) -> None:
         """The step on the static buffers; every shape depends only on `key`."""
         B, T = key.batch, key.T
-        last, pos0, slots = self.inp[0, :B], self.inp[1, :B], self.inp[2, :B]
+        last, pos0, slots = self.inp.last[:B], self.inp.pos0[:B], self.inp.slot[:B]
         self.open(key)
         drafts = None
-        if key.drafting in ("model", "unmasked"):
+        if key.drafting.in_step:
             drafts = self._draft_loop(key, last, pos0, slots)
-        elif key.drafting == "host":
+        elif key.drafting is Drafting.HOST:
             drafts = self.drafts_in[: T - 1, :B].t()
-            self.out[2: 1 + T, :B].copy_(self.drafts_in[: T - 1, :B])
+            self.out.drafts[: T - 1, :B].copy_(self.drafts_in[: T - 1, :B])
         ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], dim=1)  # [B, T]
         positions = pos0[:, None] + self.arange[:T]
         hidden = self.model(ids, self.ctx(key, slots, positions, T - 1), self.kv)
@@ -188,7 +193,7 @@ class StepCore:
         """T - 1 greedy drafts [B, T-1]; each masked by its grammar row, fed to the matcher in a callback."""
         B, g, d = key.batch, self.guided, self.drafter
         assert d is not None
-        masked = key.guided and key.drafting == "model"
+        masked = key.guided and key.drafting is Drafting.MODEL
         cur = last[:, None]
         for i in range(key.T - 1):
             logits = d.draft(i, cur, pos0, slots, lambda p, e: self.ctx(key, slots, p, e))  # [B, Vd]
@@ -201,23 +206,33 @@ class StepCore:
                 fixed, fallback = g.proposals(B)
                 unsure = logits.softmax(dim=-1).amax(dim=-1) < HEAD_UNSURE
                 tok = torch.where(fixed >= 0, fixed, torch.where(unsure & (fallback >= 0), fallback, tok))
-            self.out[2 + i, :B].copy_(tok)
+            self.out.drafts[i, :B].copy_(tok)
             if masked or key.pick:
-                self.out_host[2 + i].copy_(self.out[2 + i], non_blocking=key.captured)
+                self.out_host.drafts[i].copy_(self.out.drafts[i], non_blocking=key.captured)
                 g.launch_draft_advance(i)
             cur = tok[:, None]
         if key.guided:
             if not masked:  # the ablation: the callback walks the finished drafts
-                self.out_host[2:].copy_(self.out[2:], non_blocking=key.captured)
+                self.out_host.drafts.copy_(self.out.drafts, non_blocking=key.captured)
             g.launch_draft_end()
-        return self.out[2: 1 + key.T, :B].t()
+        return self.out.drafts[: key.T - 1, :B].t()
+
+    def _sampler(self, key: StepKey, slots: torch.Tensor, counter: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """logits [B, T, V] -> [B, T]: the token a step without drafts samples at each position
+        (the row's seed and the token's output index)."""
+        def at_positions(logits: torch.Tensor) -> torch.Tensor:
+            B, T, V = logits.shape
+            rows = slots.repeat_interleave(T)
+            cnt = (counter[:, None] + self.arange[:T]).reshape(-1)
+            return sample(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.top_k_p)).view(B, T)
+        return at_positions
 
     def tail(self, key: StepKey, logits: torch.Tensor, drafts: Optional[torch.Tensor]) -> None:
         """Masks, acceptance and the next token from the verification logits [B, T, V]; outputs to
         `out` / `out_host`; the grammar commit."""
         B, T, V = logits.shape
         g, ex = self.guided, self.extras if key.extras else None
-        slots, counter, num = self.inp[2, :B], self.inp[3, :B], self.inp[4, :B]
+        slots, counter, num = self.inp.slot[:B], self.inp.counter[:B], self.inp.num[:B]
         if ex is not None:
             ex.before(logits)
         if key.guided:
@@ -230,21 +245,15 @@ class StepCore:
         else:
             assert drafts is not None
             n = num if not key.guided else torch.minimum(num, g.limit_dev[:B].long())
-            if key.greedy:  # the target's token at each position: its argmax
-                target = logits.argmax(dim=-1)  # [B, T]
-            else:  # or the token a step without drafts samples there (seed and output index)
-                rows = slots.repeat_interleave(T)
-                cnt = (counter[:, None] + self.arange[:T]).reshape(-1)
-                target = sample(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.top_k_p)).view(B, T)
-            accepted, nxt = acceptance.accept(target, drafts, n)
+            accepted, nxt = acceptance.verify(logits, drafts, n, None if key.greedy else self._sampler(key, slots, counter))
         if ex is not None:  # emitted[b, j]: the token position j produced
             emitted = nxt[:, None] if drafts is None else \
                 torch.cat([drafts, nxt[:, None]], dim=1).scatter(1, accepted.long()[:, None], nxt[:, None])
             ex.after(logits, slots, emitted, nxt)
         nxt = torch.where(nonfinite_rows(logits).any(dim=1), BAD_TOKEN, nxt)
-        self.out[0, :B].copy_(accepted)
-        self.out[1, :B].copy_(nxt)
-        self.out_host.copy_(self.out, non_blocking=key.captured)
+        self.out.accepted[:B].copy_(accepted)
+        self.out.next[:B].copy_(nxt)
+        self.out_host.buf.copy_(self.out.buf, non_blocking=key.captured)
         if key.guided or key.pick:
             g.launch_commit()  # feeds drafts[:accepted] + next (from out_host) to the matchers
             g.join()  # the forward stream waits for the grammar stream: no unjoined capture work

@@ -67,10 +67,10 @@ def windows(reasoning_engine):
     def step(seqs, plan):
         before = [list(s.output_ids[-4:]) for s in seqs]
         out = original(seqs, plan)
-        drafts = eng.runner.core.out_host.numpy()
+        drafts = eng.runner.core.out_host.drafts.numpy()
         for b, (_, n, a) in enumerate(out):
             host = list(plan.drafts[b]) if plan.drafting == "host" else None
-            seen.append((before[b], drafts[2: 2 + n, b].tolist(), a, host))
+            seen.append((before[b], drafts[:n, b].tolist(), a, host))
         return out
 
     eng.runner.step, eng.step = step, checked_step

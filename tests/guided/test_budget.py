@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from specguide.guided.budget import (SLACK, BudgetMatcher, Scanner, Schemas, State, Unknown, shortest_match,
-                                     within_budget)
+from specguide.guided.budget import SLACK, BudgetMatcher, within_budget
+from specguide.guided.json_scanner import Scanner, State
+from specguide.guided.regex_completion import Unknown, shortest_match
+from specguide.guided.schema_completion import Schemas
 from specguide.request import GuidedDecodingParams as G
 from specguide.request import InvalidRequestError
 
@@ -163,7 +165,7 @@ def test_shortest_values_follow_the_keywords():
 def test_a_regex_answer_closes_within_max_tokens_too(xgr_service, hf_tokenizer, backend):
     """A regex guide (the whole answer matches): a rambler inside `[a-z ]+` still ends with a match
     and the stop token by the budget; the shortest end of a half-written match is the NFA's."""
-    from specguide.guided.budget import RegexScanner
+    from specguide.guided.regex_completion import RegexScanner
 
     pattern = r"Name: [A-Za-z ]+\. Phone: [0-9]{3}-[0-9]{4}\."
     pick, stop = rambler(hf_tokenizer), xgr_service.stop_token_ids[0]

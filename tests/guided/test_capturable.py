@@ -205,7 +205,7 @@ def _engine(**kw):
 
 @pytest.fixture(scope="module")
 def plain_engine():
-    eng = _engine(guided_executor="plain")
+    eng = _engine(guided_executor="inline")
     yield eng
     eng.shutdown()
 
@@ -294,7 +294,7 @@ def test_step_graph_body_dry_run_gives_the_plain_tokens(plain_engine, worker_eng
 
 def test_worker_executor_with_masked_early_exit_drafts(reference):
     kw = dict(drafter="early_exit", draft_layers=20)
-    plain, worker = _engine(guided_executor="plain", **kw), _engine(guided_executor="worker", **kw)
+    plain, worker = _engine(guided_executor="inline", **kw), _engine(guided_executor="worker", **kw)
     try:
         worker.guided.configured.delay_s = 2e-4
         a = _run(plain, _requests(plain, k_of=lambda i: MIXED_K[i], max_tokens=16))

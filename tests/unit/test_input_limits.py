@@ -106,11 +106,10 @@ def test_deeply_nested_sampling_parameters_name_the_depth_not_recursion():
 def test_a_schema_nested_600_deep_names_the_depth():
     text = '{"type": "object", "properties": {"a": ' * 600 + '{"type": "integer"}' + "}}" * 600
     msg = error({"text_input": s("a"), "guided_decoding_guide_type": s("json_schema"),
-                 "guided_decoding_guide": s(text)}, guided_enabled=True)
+                 "guided_decoding_guide": s(text)})
     assert "is nested 1201 levels deep; the limit is 64" in msg and "guided_max_nesting_depth" in msg
     # the same schema through vLLM's structured_outputs: refused by the sampling_parameters depth
-    msg = error({"text_input": s("a"), "sampling_parameters": s('{"structured_outputs": {"json": ' + text + "}}")},
-                guided_enabled=True)
+    msg = error({"text_input": s("a"), "sampling_parameters": s('{"structured_outputs": {"json": ' + text + "}}")})
     assert "nested" in msg and "recursion" not in msg
 
 

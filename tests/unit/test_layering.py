@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "backend_src" / "specguide"
 
 LAYERS = {
     # plain data, settings and helpers that import nothing of ours
-    "request": 0, "config": 0, "paths": 0, "progress": 0, "memory": 0, "ipc": 0, "health_probe": 0, "restarts": 0, "supervisor": 1,
+    "request": 0, "config": 0, "step_layout": 0, "paths": 0, "progress": 0, "memory": 0, "ipc": 0, "health_probe": 0, "restarts": 0, "supervisor": 1,
     "head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
     # per-request state (Sequence) and small services every layer above reads
     "faults": 1, "scheduler": 1, "tokenizer": 1, "kv_cache": 1, "sampling": 1,
@@ -22,10 +22,12 @@ LAYERS = {
     "step": 5,
     "runner": 6,
     "intake": 7, "outputs": 7,
-    "engine": 8,
-    "engine_process": 9, "training": 9,  # nothing in serving imports training
-    "triton": 10,
-    "openai_api": 11,  # its own process (no model): the Triton interface's checks, over gRPC
+    "engine_core": 8,  # one iteration and what it owns
+    "engine": 9,  # its loop thread and thread-safe API
+    "engine_process": 10, "training": 10,  # nothing in serving imports training
+    "engine_process_child": 11,  # the engine process's own side: runs an Engine (engine_process.py starts it by name)
+    "triton": 11,
+    "openai_api": 12,  # its own process (no model): the Triton interface's checks, over gRPC
 }
 
 

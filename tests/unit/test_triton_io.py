@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from enum import IntEnum
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,9 +31,10 @@ class FakeTensor:
 
 
 class FakeTritonError:
-    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+    Code = IntEnum("Code", "UNKNOWN INTERNAL NOT_FOUND INVALID_ARG UNAVAILABLE UNSUPPORTED ALREADY_EXISTS CANCELLED", start=0)
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = Code  # .name, as Triton's
 
-    def __init__(self, message, code=1):
+    def __init__(self, message, code=Code.INTERNAL):
         self._message, self._code = message, code
 
     def message(self):
@@ -321,27 +323,13 @@ def test_bad_inputs_raise_clear_invalid_request_errors(inputs, message):
     assert io.error_code(e.value) in ("INVALID_ARG", "UNSUPPORTED")
 
 
-@pytest.mark.parametrize("inputs", [
-    {"guided_decoding_guide_type": s("json_schema"), "guided_decoding_guide": s('{"type": "object"}')},
-    {"guided_decoding_guide_type": s("json")},
-    {"sampling_parameters": s(json.dumps({"structured_outputs": json.dumps({"choice": ["yes", "no"]})}))},
-    {"sampling_parameters": s(json.dumps({"guided_decoding": {"regex": "[0-9]+", "json": None, "choice": None}}))},
-])
-def test_guided_inputs_are_unsupported_when_the_engine_has_no_guided_decoding(inputs):
-    with pytest.raises(io.UnsupportedError, match="guided decoding is not enabled yet") as e:
-        parse({"text_input": s("a"), **inputs})
-    assert io.error_code(e.value) == "UNSUPPORTED"
-
-
-def test_guided_inputs_map_to_params_when_enabled():
+def test_guided_inputs_map_to_params():
     g = one({"text_input": s("a"), "guided_decoding_guide_type": s("json_schema"),
-             "guided_decoding_guide": s('{"type": "object"}')}, guided_enabled=True).request.guided
+             "guided_decoding_guide": s('{"type": "object"}')}).request.guided
     assert (g.guide_type, g.guide) == ("json_schema", '{"type": "object"}')
-    g = one({"text_input": s("a"), "guided_decoding_guide_type": s(" Regex "), "guided_decoding_guide": s("[a-z]+")},
-            guided_enabled=True).request.guided
+    g = one({"text_input": s("a"), "guided_decoding_guide_type": s(" Regex "), "guided_decoding_guide": s("[a-z]+")}).request.guided
     assert (g.guide_type, g.guide) == ("regex", "[a-z]+")  # guided.params normalizes the type
-    g = one({"text_input": s("a"), "guided_decoding_guide_type": s("json"), "guided_decoding_guide": s("")},
-            guided_enabled=True).request.guided
+    g = one({"text_input": s("a"), "guided_decoding_guide_type": s("json"), "guided_decoding_guide": s("")}).request.guided
     assert (g.guide_type, g.guide) == ("json", "")
     for key in ("structured_outputs", "guided_decoding"):
         for so, expected in [
@@ -354,8 +342,7 @@ def test_guided_inputs_map_to_params_when_enabled():
             ({"regex": "[0-9]{3}", "backend": "xgrammar", "json": None}, ("regex", "[0-9]{3}")),  # options ignored
         ]:
             for value in (so, json.dumps(so)):  # an object or its JSON string
-                g = one({"text_input": s("a"), "sampling_parameters": vllm(**{key: value})},
-                        guided_enabled=True).request.guided
+                g = one({"text_input": s("a"), "sampling_parameters": vllm(**{key: value})}).request.guided
                 assert (g.guide_type, g.guide) == expected, (key, value)
 
 
@@ -375,7 +362,7 @@ def test_guided_mapping_is_guided_params():
             inputs.update(guided_decoding_guide_type=s(gtype), guided_decoding_guide=s(guide))
         if sp:
             inputs["sampling_parameters"] = vllm(**sp)
-        assert one(inputs, guided_enabled=True).request.guided == gp.resolve_guided(gtype, guide, sp)
+        assert one(inputs).request.guided == gp.resolve_guided(gtype, guide, sp)
 
 
 GUIDE_T, GUIDE = "guided_decoding_guide_type", "guided_decoding_guide"
@@ -403,18 +390,16 @@ BAD_GUIDES = [
 ]
 
 
-@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
 @pytest.mark.parametrize("inputs,message", BAD_GUIDES, ids=[m for _, m in BAD_GUIDES])
-def test_bad_guides_are_invalid_arg_with_guided_params_messages(inputs, message, enabled):
+def test_bad_guides_are_invalid_arg_with_guided_params_messages(inputs, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)) as e:
-        parse({"text_input": s("a"), **inputs}, guided_enabled=enabled)
+        parse({"text_input": s("a"), **inputs})
     assert io.error_code(e.value) == "INVALID_ARG"
 
 
 def test_vllm_sampling_still_maps_with_a_guide():
     p = one({"text_input": s("a"), "sampling_parameters": vllm(max_tokens="9", temperature=0,
-                                                                 structured_outputs={"choice": ["yes", "no"]})},
-            guided_enabled=True)
+                                                                 structured_outputs={"choice": ["yes", "no"]})})
     assert p.request.params.max_tokens == 9 and p.request.params.greedy
     assert p.request.guided.guide_type == "choice"
 
@@ -676,7 +661,7 @@ class FakeEngine:
     def __init__(self, config, log=None):
         import threading
 
-        self.config, self.tokenizer, self.supports_guided_decoding = config, TOK, False
+        self.config, self.tokenizer = config, TOK
         self.submitted, self.cancelled, self.shutdown_args = [], set(), None
         self.fail_with = None
         self._next = 0
@@ -835,7 +820,6 @@ def test_adapter_bad_request_gets_an_error_and_touches_nothing(model):
 
 def test_adapter_errors_travel_as_an_output_when_the_client_asks(model):
     """`specguide_error_output` (the OpenAI server): every error is the output specguide_error [code, message]."""
-    model.guided_enabled = True
     asked = json.dumps({"specguide_error_output": True})
     early = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[0]], np.int32)}, asked)
     late = FakeTritonRequest({"text_input": s("Hi"), "guided_decoding_guide_type": s("regex"),
@@ -851,7 +835,6 @@ def test_adapter_errors_travel_as_an_output_when_the_client_asks(model):
 
 
 def test_adapter_guide_error_after_submit_is_invalid_arg_and_others_run(model):
-    model.guided_enabled = True  # as with an engine that supports guided decoding
     bad = FakeTritonRequest({"text_input": s("Hi"), "guided_decoding_guide_type": s("regex"),
                              "guided_decoding_guide": s(BAD_REGEX), "stream": np.array([[True]])})
     good = FakeTritonRequest({"text_input": s("Hi"), "guided_decoding_guide_type": s("regex"),

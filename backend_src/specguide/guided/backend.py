@@ -3,13 +3,15 @@ decoder ask of a grammar library (the shape of vLLM v1's StructuredOutputBackend
 
 A backend compiles a guide into a `CompiledGuide`; a guide makes `Matcher`s, one per sequence.
 Bitmask rows are int32 words [ceil(V/32)], bit j of word w = token 32*w + j allowed (xgrammar's
-layout, which llguidance shares), so one buffer serves both backends.
+layout, which llguidance shares), so one buffer serves both backends: `allocate_token_bitmask`
+makes it. A matcher class fills many rows in one batched call (`Matcher.fill_many`); wrappers
+(value checks, token budgets, reasoning) hand their inner matchers to `fill_by_class`.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -19,6 +21,17 @@ from .params import BACKEND_NAMES, BACKENDS, canonical_backend  # noqa: F401  (n
 MAX_JSON_WHITESPACE = 8  # longest whitespace run a JSON guide allows between tokens (no loops)
 
 Encode = Callable[[str], list[int]]
+BITMASK_DTYPE = torch.int32
+
+
+def bitmask_shape(rows: int, vocab_size: int) -> tuple[int, int]:
+    """[rows, ceil(V/32)]: one int32 word per 32 token ids."""
+    return rows, (vocab_size + 31) // 32
+
+
+def allocate_token_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """A CPU bitmask of `rows` rows, every token allowed."""
+    return torch.full(bitmask_shape(rows, vocab_size), -1, dtype=BITMASK_DTYPE, pin_memory=pin_memory)
 
 
 class Matcher(ABC):
@@ -46,6 +59,14 @@ class Matcher(ABC):
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the next-token mask into bitmask[row] (CPU int32 [rows, ceil(V/32)])."""
 
+    @classmethod
+    def fill_many(cls, matchers: Sequence["Matcher"], bitmask: torch.Tensor, rows: Sequence[int],
+                  num_threads: int | str = "auto") -> None:
+        """bitmask[rows[i]] from matchers[i], all of this class: one batched call where the library
+        has one (the backends override this); one by one otherwise."""
+        for m, r in zip(matchers, rows):
+            m.fill(bitmask, r)
+
     @abstractmethod
     def forced_tokens(self, encode: Encode, k: int) -> list[int]:
         """Up to k tokens the grammar forces next (jump-forward), each accepted in order from the
@@ -63,6 +84,10 @@ class Matcher(ABC):
     def reset(self) -> None:
         """Back to the start state."""
 
+    def violation(self) -> Optional[str]:
+        """Why the value so far cannot end here (a value-checked guide, value_check.py); None otherwise."""
+        return None
+
 
 def fill_by_class(matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequence[int],
                   num_threads: int | str = "auto") -> None:
@@ -74,7 +99,7 @@ def fill_by_class(matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequ
         ms.append(m)
         idx.append(r)
     for cls, (ms, idx) in groups.items():
-        cls.fill_many(ms, bitmask, idx, num_threads)  # type: ignore[attr-defined]
+        cls.fill_many(ms, bitmask, idx, num_threads)
 
 
 @dataclass
@@ -96,9 +121,15 @@ class CompiledGuide:
 
 
 class GrammarBackend(ABC):
-    """Compiles guides for one tokenizer and fills many masks at once."""
+    """Compiles guides for one tokenizer (its matchers fill many masks at once)."""
 
     name: str
+    vocab_size: int
+    caches_compiles: bool = False  # the library keeps its own cache of compiled guides
+
+    def allocate_token_bitmask(self, rows: int) -> torch.Tensor:
+        """A bitmask buffer for `rows` rows of this backend's vocabulary (the shared layout)."""
+        return allocate_token_bitmask(rows, self.vocab_size)
 
     @abstractmethod
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 
 from ..cuda import hostfunc
+from ..step_layout import Drafting, StepOutputs
 from .backend import CompiledGuide
 from .decoder import _BITS, GuidedDecoder, mask_logits
 
@@ -40,13 +41,13 @@ NONE = -1  # an empty proposal
 
 @dataclass
 class GuidedStep:
-    """Host snapshot of one step. `drafting`: "none" (row 0 only), "host" (walk the `ks[b]` drafts
-    staged in out_host rows 2..), "model" (drafts made in the step, masked one by one),
-    "unmasked" (drafts made in the step without masks, walked after the last one)."""
+    """Host snapshot of one step. `drafting`: NONE (row 0 only), HOST (walk the `ks[b]` drafts
+    staged in out_host's drafts rows), MODEL (drafts made in the step, masked one by one),
+    UNMASKED (drafts made in the step without masks, walked after the last one)."""
 
     slots: list[int]  # [B] slot of each batch row
     guided: list[bool]  # [B] the row's slot has a matcher
-    drafting: str = "none"
+    drafting: Drafting = Drafting.NONE
     ks: list[int] = field(default_factory=list)  # [B] drafts per row (host count or model budget)
     picker: Any = None  # hybrid: speculative.hybrid.HybridPicks (propose / picked)
     limit: list[int] = field(default_factory=list)  # [B] drafts the grammar accepts (NO_LIMIT: all)
@@ -54,12 +55,16 @@ class GuidedStep:
     drafted: list[int] = field(default_factory=list)  # [B] drafts fed to the matcher so far
     props: list[tuple[int, int]] = field(default_factory=list)  # [B] (fixed, fallback) for the next draft
 
+    def __post_init__(self) -> None:
+        self.drafting = Drafting(self.drafting)
+
 
 class CapturableGuidedDecoder:
     """Wraps a GuidedDecoder (`inner`, the matchers and bitmask); its work runs on `stream`.
 
-    `out_host` [2 + K, max_slots] int64 (pinned on CUDA): row 0 accepted drafts, row 1 the next
-    token, row 2 + i draft i, per batch row; the step copies its tokens there, callbacks read them."""
+    `out_host` [2 + K, max_slots] int64 (pinned on CUDA), rows as step_layout.StepOutputs names
+    them (accepted drafts, the next token, draft i), per batch row; the step copies its tokens
+    there, callbacks read them."""
 
     def __init__(self, inner: GuidedDecoder, stream: hostfunc.HostStream, device: torch.device):
         self.inner = inner
@@ -72,7 +77,8 @@ class CapturableGuidedDecoder:
         self.token_mask_host = torch.zeros(inner.num_rows, dtype=torch.int32, pin_memory=pin)  # [rows]
         self.limit_host = torch.full((S,), NO_LIMIT, dtype=torch.int32, pin_memory=pin)  # [B]
         self.prop_host = torch.full((2, S), NONE, dtype=torch.int64, pin_memory=pin)  # [2, B] fixed, fallback
-        self.out_host = torch.zeros(2 + K, S, dtype=torch.int64, pin_memory=pin)
+        self.out_host = torch.zeros(StepOutputs.rows(K), S, dtype=torch.int64, pin_memory=pin)
+        self._out = StepOutputs(self.out_host.numpy())  # the callbacks' view (numpy: no torch dispatch)
         if self.on_cuda:
             self.bitmask_dev = torch.zeros_like(inner.bitmask, device=self.device)  # [rows, ceil(V/32)]
             self.token_mask_dev = torch.zeros(inner.num_rows, dtype=torch.int32, device=self.device)
@@ -152,7 +158,7 @@ class CapturableGuidedDecoder:
         self._stage()
 
     def launch_draft_advance(self, i: int) -> None:
-        """After draft i was picked (and copied to out_host row 2 + i): feed it, fill row i + 1."""
+        """After draft i was picked (and copied to out_host's drafts row i): feed it, fill row i + 1."""
         self.stream.wait_for_forward()
         self.stream.launch(self._timed(self._draft_advance), i)
         self._stage()
@@ -221,15 +227,12 @@ class CapturableGuidedDecoder:
         self.synchronize()
         return self.inner.violation(slot)
 
-    def num_tokens(self, slot: int) -> int:
-        self.synchronize()
-        return self.inner.num_tokens(slot)
-
-    def rollback(self, slot: int, n: int) -> None:
-        """Undo the slot's last n fed tokens (recovery after a failed step)."""
+    def restore(self, slot: int, n_tokens: int) -> None:
+        """Recovery after a failed step: the slot's matcher back to the state after its first
+        `n_tokens` tokens (those the engine appended), whatever the step had fed since."""
         self.synchronize()
         self._confirm.pop(slot, None)
-        self.inner.rollback(slot, n)
+        self.inner.rollback(slot, self.inner.num_tokens(slot) - n_tokens)
 
     def synchronize(self) -> None:
         """Wait for every launched callback (tests, shutdown, reading matcher state)."""
@@ -284,30 +287,27 @@ class CapturableGuidedDecoder:
         rows = [b for b in range(B) if st.guided[b]]
         for b in rows:
             g.clear_slot(st.slots[b])
-        if st.drafting == "host":
+        if st.drafting is Drafting.HOST:
             self._walk(st, rows)
-        elif st.drafting != "unmasked":
+        elif st.drafting is not Drafting.UNMASKED:
             g.fill([(st.slots[b], 0) for b in rows])
-        st.live = [st.guided[b] and st.drafting == "model" and st.ks[b] > 0 and not g.is_terminated(st.slots[b])
+        st.live = [st.guided[b] and st.drafting is Drafting.MODEL and st.ks[b] > 0 and not g.is_terminated(st.slots[b])
                    for b in range(B)]
         st.drafted = [0] * B
         self._propose(st, 0)
 
     def _walk(self, st: GuidedStep, rows: list[int]) -> None:
-        """Masks of rows 0..k for drafts known to the host (out_host rows 2..); limit = drafts fed."""
-        out = self.out_host.numpy()
-        drafts = {st.slots[b]: out[2: 2 + st.ks[b], b].tolist() for b in rows}
+        """Masks of rows 0..k for drafts known to the host (out_host's drafts); limit = drafts fed."""
+        drafts = {st.slots[b]: self._out.drafts[: st.ks[b], b].tolist() for b in rows}
         fed = self.inner.fill_verify_rows(drafts)
-        for b in rows:
-            self.inner.rollback(st.slots[b], fed[st.slots[b]])
-            st.limit[b] = fed[st.slots[b]]
+        self._take_back(st, rows, [fed[st.slots[b]] for b in rows])
 
     def _draft_advance(self, i: int) -> None:
         st, g = self._cur, self.inner
         if st is None:
             return
         B = len(st.slots)
-        toks = self.out_host.numpy()[2 + i, :B].tolist()  # numpy: no torch dispatch in a callback
+        toks = self._out.drafts[i, :B].tolist()
         fill = []
         for b in range(B):
             if st.picker is not None:
@@ -334,16 +334,22 @@ class CapturableGuidedDecoder:
                     for b in range(len(st.slots))]
 
     def _draft_end(self) -> None:
-        st, g = self._cur, self.inner
+        st = self._cur
         if st is None:
             return
         rows = [b for b in range(len(st.slots)) if st.guided[b]]
-        if st.drafting == "unmasked":
+        if st.drafting is Drafting.UNMASKED:
             self._walk(st, rows)
             return
-        for b in rows:
-            g.rollback(st.slots[b], st.drafted[b])
-            st.limit[b] = st.drafted[b]
+        self._take_back(st, rows, [st.drafted[b] for b in rows])
+
+    def _take_back(self, st: GuidedStep, rows: list[int], fed: list[int]) -> None:
+        """The one rollback of a step: the fed[i] drafts the matcher of row rows[i] took while its
+        masks were filled are taken back (the commit feeds what verification accepts), and that
+        count is the row's limit (drafts past it are not verified)."""
+        for b, n in zip(rows, fed):
+            self.inner.rollback(st.slots[b], n)
+            st.limit[b] = n
 
     def _stage(self) -> None:
         """Launch: pinned staging of token_mask / limits / proposals, then (CUDA) the host->device
@@ -373,10 +379,10 @@ class CapturableGuidedDecoder:
         self._cur = None
         committed: dict[int, deque[int]] = {}
         if st is not None:
-            out = self.out_host.numpy()[:, : len(st.slots)].tolist()
+            out = StepOutputs(self._out.buf[:, : len(st.slots)].tolist())
             for b, s in enumerate(st.slots):
                 if st.guided[b]:
-                    a = out[0][b]
-                    tokens = [out[2 + i][b] for i in range(a)] + [out[1][b]]
+                    a = out.accepted[b]
+                    tokens = [out.drafts[i][b] for i in range(a)] + [out.next[b]]
                     committed[s] = deque(int(t) for t in tokens[: g.advance_many(s, tokens)])
         self._committed = committed

@@ -18,7 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional, Sequence
 
 from ..request import GuidedDecodingParams, InvalidRequestError, UndeclaredKeys
-from .backend import BACKENDS, CompiledGuide, canonical_backend
+from .backend import BACKENDS, CompiledGuide, GrammarBackend, canonical_backend
 from .compile_pool import CompileScheduler, timeout_message  # noqa: F401 (re-exported)
 from .limits import GuideLimits, check_guide
 from .llguidance_backend import LlguidanceBackend
@@ -130,6 +130,9 @@ class GrammarCompilerService:
         self.xgrammar = XgrammarBackend(hf_tokenizer, vocab_size, stop_token_ids, cache_limit_bytes)
         self.stop_token_ids: list[int] = list(self.xgrammar.stop_token_ids)
         self.llguidance = LlguidanceBackend(hf_tokenizer, vocab_size, self.stop_token_ids)
+        # the registry a compile looks its backend up in, by name (params.BACKENDS)
+        self.backends: dict[str, GrammarBackend] = {b.name: b for b in (self.xgrammar, self.llguidance)}
+        assert sorted(self.backends) == sorted(BACKENDS), (sorted(self.backends), BACKENDS)
         self.default_backend = canonical_backend(default_backend, "guided_backend") or "auto"
         # JSON Schema objects silent on additionalProperties, for requests that say nothing
         self.undeclared_keys = UndeclaredKeys(undeclared_keys or "forbid")
@@ -181,17 +184,16 @@ class GrammarCompilerService:
         return params
 
     def _compile(self, params: GuidedDecodingParams) -> CompiledGuide:
-        name = self.backend_for(params)
-        assert name in BACKENDS, name
-        if name == "xgrammar":  # xgrammar caches by itself
-            return self.xgrammar.compile(params)
-        key = params.cache_key(name)
+        backend = self.backends[self.backend_for(params)]
+        if backend.caches_compiles:
+            return backend.compile(params)
+        key = params.cache_key(backend.name)  # the others' compiled guides are kept here, LRU
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        guide = self.llguidance.compile(params)
+        guide = backend.compile(params)
         with self._lock:
             self._cache[key] = guide
             while len(self._cache) > LLG_CACHE_ENTRIES:

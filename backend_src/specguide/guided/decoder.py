@@ -13,9 +13,8 @@ from typing import Callable, Literal, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
-from .backend import CompiledGuide, Matcher, fill_by_class
+from .backend import CompiledGuide, Matcher, allocate_token_bitmask, fill_by_class
 
 Row = tuple[int, int]  # (slot, draft position)
 _BITS = (1 << torch.arange(32, dtype=torch.int64)).to(torch.int32)  # [32] bit j of an int32 word
@@ -34,8 +33,7 @@ class GuidedDecoder:
         self.vocab_size = vocab_size  # the model's logits width == TokenizerInfo.vocab_size
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        shape = xgr.get_bitmask_shape(self.num_rows, vocab_size)  # [max_slots*(K+1), ceil(V/32)]
-        self.bitmask = torch.full(shape, -1, dtype=xgr.bitmask_dtype, pin_memory=pin_memory)
+        self.bitmask = allocate_token_bitmask(self.num_rows, vocab_size, pin_memory)  # [max_slots*(K+1), ceil(V/32)]
         self.token_mask = np.zeros(self.num_rows, dtype=bool)  # [rows]: row holds a mask to apply
         self.matchers: list[Optional[Matcher]] = [None] * max_slots
         self.grammars: list[Optional[CompiledGuide]] = [None] * max_slots
@@ -116,8 +114,7 @@ class GuidedDecoder:
     def violation(self, slot: int) -> Optional[str]:
         """Why a value-checked (best effort) slot's value cannot end here; None otherwise."""
         m = self.matchers[slot]
-        fn = getattr(m, "violation", None)
-        return fn() if callable(fn) else None
+        return m.violation() if m is not None else None
 
     def num_tokens(self, slot: int) -> int:
         return len(self.history[slot])
@@ -203,7 +200,7 @@ class GuidedDecoder:
             return f"completed: slot {m.is_completed()}, fresh {fresh.is_completed()}"
         if m.is_terminated():
             return None
-        masks = xgr.allocate_token_bitmask(2, self.vocab_size)
+        masks = allocate_token_bitmask(2, self.vocab_size)
         m.fill(masks, 0)
         fresh.fill(masks, 1)
         if not torch.equal(masks[0], masks[1]):

@@ -23,7 +23,8 @@ from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import looks_like_lark, normalize_structural_tag
 from .schema import any_key_order, find_keywords, json_schema_of, walk
-from .value_check import TokenTable, ValueChecker, ValueCheckedMatcher, checked_validator
+from .value_check import ValueChecker, ValueCheckedMatcher, checked_validator
+from .value_scan import TokenTable
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_JSON_WHITESPACE  # one bounded run
 KNOWN_KEYWORDS = ("uniqueItems", "oneOf", "dependencies", "dependentRequired", "dependentSchemas", "format",

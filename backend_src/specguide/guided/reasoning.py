@@ -117,8 +117,7 @@ class ReasoningMatcher(Matcher):
         return self.ended and self.inner.is_completed()
 
     def violation(self) -> Optional[str]:
-        fn = getattr(self.inner, "violation", None)  # a best-effort guide's value check
-        return fn() if self.ended and callable(fn) else None
+        return self.inner.violation() if self.ended else None
 
     def reset(self) -> None:
         self.inner.reset()

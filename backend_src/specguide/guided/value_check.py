@@ -1,7 +1,7 @@
 """Value-close checks: what a JSON grammar leaves unchecked (`uniqueItems`, non-exclusive `oneOf`,
 `dependencies`, formats, ...) is checked with `jsonschema` when the value closes.
 
-A scanner follows the JSON structure of the accepted bytes. When a token closes a string value,
+A scanner (value_scan.py) follows the JSON structure of the accepted bytes. When a token closes a string value,
 an array or an object whose subschemas hold an unchecked keyword, the value is validated against
 the subschemas that apply to its path unconditionally (`$ref`, `allOf`, `properties`,
 `patternProperties`, `additionalProperties`, `items`, `prefixItems`; anyOf/oneOf/if branches are
@@ -24,24 +24,13 @@ import torch
 from ..request import InvalidRequestError
 from .backend import Encode, Matcher, fill_by_class
 from .schema import walk
+from .value_scan import OPEN_ARRAY, START, State, TokenTable, child_path, scan
 
 _NEWER = ("prefixItems", "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "$defs")
 # keywords whose subschemas apply conditionally: a flag under them is checked where they sit
 _BRANCHES = ("anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "dependencies", "contains",
              "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _MAPS = ("dependentSchemas", "dependencies")
-_Q, _BS, _LB, _RB, _LC, _RC, _COMMA = b'"\\[]{},'
-
-# scanner state: (stack, in_string, escaped, string_start, string_is_key); a frame is
-# (open byte, start offset, path, array index, current key, next string is a key)
-Frame = tuple[int, int, tuple, int, Any, bool]
-State = tuple[tuple[Frame, ...], bool, bool, int, bool]
-START: State = ((), False, False, 0, False)
-# (item, path, start, end): bytes [start, end) close the value at `path`; item: they end an item of the
-# array at `path` ([start, end) + "]" is that array so far: uniqueItems is checked per item)
-Event = tuple[bool, tuple, int, int]
-
-
 def make_validator(schema: Any) -> Any:
     """A jsonschema validator with format checks: the schema's `$schema` draft, else 2020-12 when it
     uses a 2019+ keyword, else draft 7 (MaskBench-style schemas use `dependencies`, tuple `items`).
@@ -96,57 +85,6 @@ def checked_validator(schema: Any, params: Any, grammar_formats: frozenset[str],
     return validator, blind
 
 
-def _child(stack: tuple[Frame, ...]) -> tuple:
-    """The path of the value that starts next (inside the innermost open container)."""
-    if not stack:
-        return ()
-    kind, _, path, idx, key, _ = stack[-1]
-    return path + ((idx,) if kind == _LB else (key,))
-
-
-def scan(state: State, data: bytes, pos: int, span: Any) -> tuple[State, list[Event]]:
-    """Follow `data` (starting at byte offset `pos`) from `state`; the values it closes.
-    `span(start, end)` returns the bytes [start, end) of the text (to read object keys)."""
-    stack, in_str, esc, s0, is_key = state
-    events: list[Event] = []
-    for i, c in enumerate(data):
-        p = pos + i
-        if in_str:
-            if esc:
-                esc = False
-            elif c == _BS:
-                esc = True
-            elif c == _Q:
-                in_str = False
-                if is_key:
-                    try:
-                        key = json.loads(span(s0, p + 1))
-                    except ValueError:
-                        key = None
-                    kind, start, path, idx, _, _ = stack[-1]
-                    stack = stack[:-1] + ((kind, start, path, idx, key, False),)
-                else:
-                    events.append((False, _child(stack), s0, p + 1))
-                    if stack and stack[-1][0] == _LB:
-                        events.append((True, stack[-1][2], stack[-1][1], p + 1))
-        elif c == _Q:
-            in_str, s0 = True, p
-            is_key = bool(stack) and stack[-1][0] == _LC and stack[-1][5]
-        elif c == _LB or c == _LC:
-            stack = stack + ((c, p, _child(stack), 0, None, c == _LC),)
-        elif (c == _RB or c == _RC) and stack:
-            events.append((False, stack[-1][2], stack[-1][1], p + 1))
-            stack = stack[:-1]
-            if stack and stack[-1][0] == _LB:
-                events.append((True, stack[-1][2], stack[-1][1], p + 1))
-        elif c == _COMMA and stack:
-            kind, start, path, idx, key, _ = stack[-1]
-            if kind == _LB:  # a number or literal item ends here
-                events.append((True, path, start, p))
-            stack = stack[:-1] + ((kind, start, path, idx + 1, key, kind == _LC),)
-    return (stack, in_str, esc, s0, is_key), events
-
-
 class _DuplicateKey(Exception):
     pass
 
@@ -157,20 +95,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
         seen: set[str] = set()
         raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
     return out
-
-
-class TokenTable:
-    """Per tokenizer: each token's bytes and the tokens that can close a string or a container."""
-
-    def __init__(self, token_bytes: list[bytes]):
-        self.bytes = token_bytes
-        ids = [i for i, b in enumerate(token_bytes) if b'"' in b or b"]" in b or b"}" in b]
-        self.item_closers = np.array([i for i, b in enumerate(token_bytes) if any(c in b for c in b'"]},')],
-                                     dtype=np.int64)
-        # numpy, not torch: masks are filled inside CUDA host callbacks too (no dispatcher there)
-        self.closers = np.array(ids, dtype=np.int64)
-        self.n_close = np.array([token_bytes[i].count(b"]") + token_bytes[i].count(b"}") for i in ids])
-        self.quoted = np.array([b'"' in token_bytes[i] for i in ids], dtype=bool)
 
 
 class ValueChecker:
@@ -412,11 +336,11 @@ class ValueCheckedMatcher(Matcher):
         here; None when no open value needs a check."""
         stack, in_str, _, _, is_key = self.states[-1][0]
         tab, c = self.c.table, self.c
-        if in_str and not is_key and (c.needs(_child(stack)) or (stack and stack[-1][0] == _LB and c.unique(stack[-1][2]))):
+        if in_str and not is_key and (c.needs(child_path(stack)) or (stack and stack[-1][0] == OPEN_ARRAY and c.unique(stack[-1][2]))):
             return tab.closers[tab.quoted]
         closes = None  # fewest `]` / `}` before a checked value closes or an item of a unique array ends
         for j in range(len(stack) - 1, -1, -1):
-            if c.unique(stack[j][2]) and stack[j][0] == _LB:
+            if c.unique(stack[j][2]) and stack[j][0] == OPEN_ARRAY:
                 closes = len(stack) - 1 - j
             elif c.needs(stack[j][2]):
                 closes = len(stack) - j

@@ -22,7 +22,8 @@ from ..request import GuidedDecodingParams, InvalidRequestError
 from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
 from .params import choice_to_ebnf, looks_like_lark, normalize_structural_tag
 from .schema import json_schema_of, xgrammar_unenforced
-from .value_check import TokenTable, ValueChecker, ValueCheckedMatcher, checked_validator
+from .value_check import ValueChecker, ValueCheckedMatcher, checked_validator
+from .value_scan import TokenTable
 
 # "[02:15:01] /project/cpp/grammar_parser.cc:820: " and "Check failed: (...) is false: "
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
@@ -128,6 +129,7 @@ class XgrammarBackend(GrammarBackend):
     """One xgrammar GrammarCompiler for one model's tokenizer."""
 
     name = "xgrammar"
+    caches_compiles = True  # xgrammar's GrammarCompiler keeps a byte-limited cache
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Optional[Sequence[int]] = None,
                  cache_limit_bytes: int = 512 << 20, compile_threads: Optional[int] = None,

@@ -13,6 +13,8 @@ token depend on the draft (through its acceptance draw and residual), so a seede
 output would change with K."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 
@@ -28,3 +30,12 @@ def accept(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor)
     ok = (drafts == target[:, :K]) & (torch.arange(K, device=target.device)[None, :] < num_drafts[:, None])
     accepted = ok.int().cumprod(dim=1).sum(dim=1)
     return accepted, target.gather(1, accepted.long()[:, None])[:, 0]
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+           sample: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification of logits [B, K+1, V] (masked): the target's token at each position is
+    its argmax (a greedy batch: `sample` None) or `sample(logits)` [B, K+1], the token a step
+    without drafts samples there; then `accept`."""
+    target = logits.argmax(dim=-1) if sample is None else sample(logits)
+    return accept(target, drafts, num_drafts)

@@ -26,8 +26,7 @@ class HybridPicks:
         if not self.chain[b]:
             k = self.ks[b] - i
             forced = self.forced(slot, k) if slot is not None else []
-            cont, size = self.ngram.match(self.hist[b] + forced, k - len(forced))
-            self.chain[b] = forced + (cont if size >= self.trust else [])
+            self.chain[b], cont = self.ngram.chain(self.hist[b], forced, k, self.trust)
             if not self.chain[b]:
                 return NONE, cont[0] if cont else NONE
         return self.chain[b][0], NONE

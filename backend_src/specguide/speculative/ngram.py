@@ -27,3 +27,10 @@ class NgramDrafter:
                 if tokens[start: start + size] == suffix:
                     return tokens[start + size: start + size + k], size
         return [], 0
+
+    def chain(self, tokens: list[int], forced: list[int], k: int, trust: int = 1) -> tuple[list[int], list[int]]:
+        """Model-free drafts after `tokens`: the grammar-forced tokens `forced`, then the continuation
+        of tokens + forced when its recurring suffix has at least `trust` tokens. Returns (those up
+        to k drafts, the continuation whatever its suffix's length)."""
+        cont, size = self.match(tokens + forced, k - len(forced))
+        return forced + (cont if size >= trust else []), cont

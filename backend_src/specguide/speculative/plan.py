@@ -8,6 +8,7 @@ import torch
 
 from ..models.llama import AttnContext
 from ..scheduler import Sequence
+from ..step_layout import Drafting
 
 Ctx = Callable[[torch.Tensor, int], AttnContext]  # (positions [B, T], extra keys) -> attention context
 
@@ -38,15 +39,17 @@ class DraftPlan:
     masked: bool = True  # grammar masks while drafting (off: the ablation)
 
     @property
-    def drafting(self) -> str:
+    def drafting(self) -> Drafting:
         if self.drafts is not None:
-            return "host" if any(self.drafts) else "none"
+            return Drafting.HOST if any(self.drafts) else Drafting.NONE
         if self.drafter is None or not any(self.ks):
-            return "none"
-        return "model" if self.masked else "unmasked"
+            return Drafting.NONE
+        return Drafting.MODEL if self.masked else Drafting.UNMASKED
 
     @property
     def width(self) -> int:
         """Drafts per row in the step (T - 1)."""
         d = self.drafting
-        return 0 if d == "none" else max(len(x) for x in self.drafts) if d == "host" else max(self.ks)
+        if d is Drafting.NONE:
+            return 0
+        return max(len(x) for x in self.drafts) if d is Drafting.HOST else max(self.ks)

@@ -13,7 +13,7 @@ from ..config import EngineConfig
 from ..kv_cache import KVCache
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_model_dir
-from ..scheduler import PrefixCopy, Sequence
+from ..scheduler import PrefixCopy, Sequence, SlotOwner
 from .draft_head import DraftHead, default_head_path
 from .draft_model import DraftModel
 from .early_exit import EarlyExitDrafter
@@ -24,11 +24,10 @@ from .plan import DraftPlan
 from .step_cost import StepCosts
 
 log = logging.getLogger("specguide")
-HEAD_UNSURE = 0.3  # hybrid: below this top probability of the head, an n-gram continuation wins
 ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds fall below is not proposed
 
 
-class Proposer:
+class Proposer(SlotOwner):
     """Drafts for a batch of decoding sequences, from the configured drafter."""
 
     def __init__(self, config: EngineConfig, model: LlamaModel, kv: KVCache, guided, folder: Path,
@@ -121,9 +120,6 @@ class Proposer:
             if d is not None:
                 d.admit(slot, seq)
 
-    def free(self, slot: int) -> None:
-        pass
-
     def copy_prefix(self, c: PrefixCopy) -> None:
         """A prefix copied between slots: the head's target features come with it, and the head's
         and the draft model's own rows where their forwards are chunk-invariant (else they refill
@@ -192,4 +188,4 @@ class Proposer:
     def chain(self, seq: Sequence, k: int) -> list[int]:
         """Model-free drafts: the grammar-forced tokens (guided slots), then the n-gram continuation."""
         forced = self.guided.forced_tokens(seq.slot, self.encode, k) if self.guided.is_guided(seq.slot) else []
-        return forced + self.ngram.propose(seq.prompt_ids + seq.output_ids + forced, k - len(forced))
+        return self.ngram.chain(seq.prompt_ids + seq.output_ids, forced, k)[0]

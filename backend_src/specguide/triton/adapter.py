@@ -7,7 +7,7 @@ Threads:
 - The response thread builds and sends responses, records metrics, and every few
   milliseconds checks cancellation (`response_sender.is_cancelled()`), engine health and the
   slot / queue gauges. A cancelled request is cancelled in the engine at once, so its slot is
-  free at the next step.
+  free at the next step. Each request's and sequence's response state: triton/groups.py.
 """
 from __future__ import annotations
 
@@ -18,16 +18,16 @@ import threading
 import time
 import traceback
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig
 from ..memory import trim
-from ..request import EngineDeadError, InvalidRequestError, QueueFullError, RequestOutput
+from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput
 from . import io
-from .interfaces import INTERFACES, PROXY_ERROR, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
+from .groups import Group, Seq, shaped
+from .interfaces import INTERFACES, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
 from .limits import BIG_REQUEST_BYTES, InputLimits, request_bytes
 from .metrics import Metrics
 from .peer_metrics import PeerMetrics, Served
@@ -38,121 +38,20 @@ POLL_S = 0.05  # cancellation / engine health / gauge poll period
 _STOP = object()
 
 
-class _Group:
-    """One Triton request: its sender and the sequences (rows x return sequences) still running.
-    Sends FINAL once. A unary request (`specguide_unary`) gets one response with every sequence."""
-
-    def __init__(self, request: Any, sender: Any, n: int, request_id: str = "", unary: bool = False,
-                 via_proxy: bool = False):
-        self.request = request  # held until the group is done
-        self.sender, self.remaining, self.closed = sender, n, False
-        self.request_id, self.unary, self.via_proxy = request_id, unary, via_proxy
-        self.parts: list[Optional[io.Payload]] = [None] * n  # unary: each sequence's final payload
-        self.cancel_seen = False
-        self.lock = threading.Lock()
-
-    def deliver(self, index: int, payload: io.Payload) -> bool:
-        """Send (or, unary, collect) one sequence's payload; True when that ended the request with an error."""
-        if not self.unary:
-            self.send(io.to_response(pb_utils, payload), payload.finished)
-            return False
-        if payload.error is not None:
-            return self.fail(io.to_response(pb_utils, payload))
-        if not payload.finished:
-            return False
-        with self.lock:
-            self.parts[index] = payload
-            done = all(p is not None for p in self.parts)
-        if done:
-            self.send(io.to_response(pb_utils, io.merge_payloads(self.parts)), True, all_done=True)
-        return False
-
-    def send(self, response: Any, seq_finished: bool, all_done: bool = False) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            if all_done:
-                self.remaining = 0
-            elif seq_finished:
-                self.remaining -= 1
-            final = seq_finished and self.remaining == 0
-            self.closed = final
-            _safe_send(self.sender, self._shaped(response), FINAL if final else 0)
-            if final:
-                self.request = None
-
-    def fail(self, response: Any) -> bool:
-        with self.lock:
-            if self.closed:
-                return False
-            self.closed = True
-            _safe_send(self.sender, self._shaped(response), FINAL)
-            self.request = None
-            return True
-
-    def _shaped(self, response: Any) -> Any:
-        return _shaped(response, self.via_proxy)
-
-
-def _shaped(response: Any, as_output: bool) -> Any:
-    """An error to a proxy (or a client that asked) travels as the output PROXY_ERROR (see interfaces.PROXY_ERROR)."""
-    if not as_output or response is None or not response.has_error():
-        return response
-    err = response.error()
-    code = getattr(err.code(), "name", "INTERNAL")
-    value = np.array([[code.encode(), err.message().encode()]], dtype=np.object_)
-    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(PROXY_ERROR, value)])
-
-
-class _Seq:
-    """One engine sequence: its response shaping, its timings."""
-
-    def __init__(self, group: _Group, index: int, parsed: io.ParsedRequest, t_arrival: float, tokenizer: Any,
-                 served: Served, n: int = 1):
-        self.group, self.index, self.parsed = group, index, parsed
-        self.served = served  # the vLLM / TensorRT-LLM series of the model its request came through
-        self.n = n  # sequences of its prompt (num_return_sequences), counted once a prompt
-        self.generated = 0  # tokens it has generated so far
-        self.stream = io.SequenceStream(parsed, tokenizer)
-        self.seq_id: Optional[int] = None
-        self.t_arrival = t_arrival
-        self.t_last: Optional[float] = None
-        self.prompt_counted = False
-        self.drafted = 0  # draft counters already added to the metrics
-        self.accepted = 0
-        self.cancel_sent = False
-        self.done = False
-
-
-_CLEAR = (InvalidRequestError, QueueFullError, EngineDeadError)  # their messages are written for clients
 UNEXPECTED = "could not read the request (an internal error; the server log has the details)"
 
 
 def _message(exc: BaseException, interface: str) -> str:
     """A client's message: ours as written; never a Python exception's own text (that is logged)."""
-    if not isinstance(exc, _CLEAR):
+    if not isinstance(exc, CLIENT_ERRORS):
         where = "".join(traceback.format_tb(exc.__traceback__))
         pb_utils.Logger.log_error(f"specguide: unexpected error reading a request: {type(exc).__name__}: {exc}\n{where}")
-    text = str(exc) if isinstance(exc, _CLEAR) else UNEXPECTED
+    text = str(exc) if isinstance(exc, CLIENT_ERRORS) else UNEXPECTED
     return (io.VLLM_ERROR_PREFIX if interface == "vllm" else "") + text
-
-
-def _code(exc: BaseException) -> str:
-    return io.error_code(exc) if isinstance(exc, _CLEAR) else "INTERNAL"
 
 
 def _log(level: str, text: str) -> None:
     {"info": pb_utils.Logger.log_info, "warn": pb_utils.Logger.log_warn}.get(level, pb_utils.Logger.log_error)(text)
-
-
-def _safe_send(sender: Any, response: Any, flags: int) -> None:
-    try:
-        if response is None:
-            sender.send(flags=flags)
-        else:
-            sender.send(response, flags=flags)
-    except Exception as e:  # the client is gone or the sender is closed; nothing else to do
-        pb_utils.Logger.log_warn(f"specguide: could not send a response: {e}")
 
 
 class TritonPythonModel:
@@ -166,7 +65,6 @@ class TritonPythonModel:
         self.engine = EngineProcess(EngineConfig.from_parameters(model_config.get("parameters", {})), log=_log)
         self.config = self.engine.config  # as the engine resolved it (slots sized to memory, ...)
         self.tokenizer = self.engine.tokenizer
-        self.guided_enabled = bool(self.engine.supports_guided_decoding)
         self.limits = InputLimits.from_config(self.config)  # input caps, checked before any work
         self.model_name, self.model_version = args.get("model_name", "specguide"), str(args.get("model_version", "1"))
         self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
@@ -175,7 +73,7 @@ class TritonPythonModel:
         self.peer_metrics = PeerMetrics(pb_utils, self.model_name, self.model_version, self.config.max_seq_len,
                                         served=tuple((name, "1") for name in self._served_default.values()))
         self._outbox: "queue.Queue[Any]" = queue.Queue()
-        self._live: set[_Seq] = set()
+        self._live: set[Seq] = set()
         self._live_lock = threading.Lock()
         self._closing = False
         self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
@@ -205,7 +103,7 @@ class TritonPythonModel:
             tensors = io.read_tensors(pb_utils, request)
             if io.is_stop_request(tensors):
                 self._stop(request.request_id())
-                _safe_send(sender, None, FINAL)
+                io.safe_send(pb_utils, sender, None, FINAL)
                 return
             if self._closing:
                 raise EngineDeadError("the model is shutting down")
@@ -217,7 +115,6 @@ class TritonPythonModel:
                 default_max_tokens=self.config.default_max_tokens,
                 max_tokens_limit=self.config.max_tokens_limit,
                 tokenizer=self.tokenizer,
-                guided_enabled=self.guided_enabled,
                 request_id=request.request_id(),
                 limits=self.limits,
             )
@@ -228,11 +125,11 @@ class TritonPythonModel:
             if tensors and request_bytes(tensors) > BIG_REQUEST_BYTES:
                 tensors = {}
                 trim(force=False)  # give a big request's freed heap back to the OS
-        group = _Group(request, sender, len(parsed), request.request_id(), unary=interface == "unary",
+        group = Group(pb_utils, request, sender, len(parsed), request.request_id(), unary=interface == "unary",
                        via_proxy=interface != "trtllm" or error_output)
         served = self._served(parameters, interface)
         per_row = Counter(p.batch_index for p in parsed)  # a prompt's num_return_sequences
-        seqs = [_Seq(group, i, p, t_arrival, self.tokenizer, served, per_row[p.batch_index]) for i, p in enumerate(parsed)]
+        seqs = [Seq(group, i, p, t_arrival, self.tokenizer, served, per_row[p.batch_index]) for i, p in enumerate(parsed)]
         with self._live_lock:
             self._live.update(seqs)
         try:
@@ -243,7 +140,7 @@ class TritonPythonModel:
                 seq.done = True
                 if seq.seq_id is not None:
                     self.engine.cancel(seq.seq_id)  # its final event is swallowed: the group is closed
-            if group.fail(io.error_response(pb_utils, _message(exc, interface), _code(exc))):
+            if group.fail(io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))):
                 self.metrics.finished("rejected")
             with self._live_lock:
                 self._live.difference_update(seqs)
@@ -257,8 +154,8 @@ class TritonPythonModel:
         return self.peer_metrics.served(name, str(parameters.get(SERVED_VERSION_PARAMETER) or "1"))
 
     def _reject(self, sender: Any, exc: Exception, interface: str, error_output: bool = False) -> None:
-        response = io.error_response(pb_utils, _message(exc, interface), _code(exc))
-        _safe_send(sender, _shaped(response, error_output), FINAL)
+        response = io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))
+        io.safe_send(pb_utils, sender, shaped(pb_utils, response, error_output), FINAL)
         self.metrics.finished("rejected")
 
     def _stop(self, request_id: str) -> None:
@@ -272,7 +169,7 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ engine loop thread
 
-    def _on_output(self, seq: _Seq, out: RequestOutput) -> None:
+    def _on_output(self, seq: Seq, out: RequestOutput) -> None:
         self._outbox.put((seq, out, time.perf_counter()))
 
     # ------------------------------------------------------------------ response thread
@@ -296,7 +193,7 @@ class TritonPythonModel:
             except Exception as e:  # never let the response thread die
                 pb_utils.Logger.log_error(f"specguide: response thread: {e!r}")
 
-    def _deliver(self, seq: _Seq, out: RequestOutput, t: float) -> None:
+    def _deliver(self, seq: Seq, out: RequestOutput, t: float) -> None:
         if seq.done:
             return
         if seq.seq_id is None:
@@ -353,7 +250,7 @@ class TritonPythonModel:
         elif seq.parsed.stream:
             self._check_cancel(seq)
 
-    def _cancel_siblings(self, seq: _Seq) -> None:
+    def _cancel_siblings(self, seq: Seq) -> None:
         """A unary request failed in one sequence: its answer is sent, the other sequences stop."""
         with self._live_lock:
             others = [s for s in self._live if s.group is seq.group and s is not seq]
@@ -364,7 +261,7 @@ class TritonPythonModel:
             with self._live_lock:
                 self._live.discard(s)
 
-    def _check_cancel(self, seq: _Seq) -> None:
+    def _check_cancel(self, seq: Seq) -> None:
         if seq.cancel_sent or seq.seq_id is None:
             return
         g = seq.group
@@ -383,8 +280,9 @@ class TritonPythonModel:
     def is_ready(self) -> bool:
         """Whether new requests can be served: the engine runs and the model is not unloading.
 
-        Triton's Python backend asks a model's `is_ready()` for its readiness from r26.03 on; the
-        2.51 server of the `nvidia-pytriton` wheel does not, so there the engine's state shows as
+        Triton's Python backend asks a model's `is_ready()` for its readiness from r26.03 on
+        (python_backend PR #430: pb_stub.cc calls it when the model defines it); the 2.51 server
+        of the `nvidia-pytriton` wheel and the 24.10 image of our Dockerfile do not, so there the engine's state shows as
         `specguide_engine_alive` and a 1-token inference probe (docker/kubernetes.yaml) fails while
         the engine restarts."""
         return not self._closing and self.engine.is_alive()
@@ -410,7 +308,7 @@ class TritonPythonModel:
             live, self._live = list(self._live), set()
         for seq in live:
             seq.done = True
-            if seq.group.fail(io.error_response(pb_utils, message, "UNAVAILABLE")):
+            if seq.group.fail(io.error_response(pb_utils, message, EngineDeadError.code)):
                 self.metrics.finished("error")
 
     # ------------------------------------------------------------------ shutdown

@@ -33,14 +33,13 @@ from .values import DEFAULT_JSON_DEPTH, Row, as_int, check_neutral, encode_words
 from .vllm_sampling import PENALTIES, VLLM_MAX_LOGPROBS, VLLM_SAMPLING_KEYS, sampling_from_vllm
 from .responses import (  # noqa: F401  (re-exported: the adapter and the tests use io.*)
     VLLM_ERROR_PREFIX, Payload, SequenceStream, UnsupportedError, error_code, error_response, event_error_code, merge_payloads,
-    to_response,
+    safe_send, to_response,
 )
 
 
 INPUTS: tuple[Spec, ...] = TRTLLM_INPUTS  # the `specguide` model's inputs (the union of the interfaces)
 OUTPUTS: tuple[Spec, ...] = TRTLLM_OUTPUTS
 INPUT_NAMES = tuple(s.name for s in INPUTS)
-GUIDED_DISABLED_MESSAGE = "guided decoding is not enabled yet"
 FAULT_PARAMETER = "specguide_fault"  # request parameter naming an injected fault (specguide.faults)
 CLIENT_PARAMETERS = "specguide_client_parameters"  # a proxy's client's parameters, as a JSON string
 # request parameters every interface accepts: internal ones, and the `Streaming` flag that
@@ -141,7 +140,6 @@ def parse_request(
     default_max_tokens: int = 64,
     max_tokens_limit: int = 2048,
     tokenizer: Any = None,
-    guided_enabled: bool = False,
     request_id: str = "",
     limits: Optional[InputLimits] = None,
 ) -> list[ParsedRequest]:
@@ -160,7 +158,7 @@ def parse_request(
     if client:
         parameters.update(parse_json_object(client, "request parameters", limits.max_json_depth))
     tensors = _check_names(tensors, parameters, interface)
-    ctx = _Context(interface, default_max_tokens, max_tokens_limit, tokenizer, guided_enabled, request_id, limits)
+    ctx = _Context(interface, default_max_tokens, max_tokens_limit, tokenizer, request_id, limits)
     rows = []
     for b in range(_batch_size(tensors)):
         rows.extend(_parse_row(Row(tensors, parameters, b), ctx))
@@ -173,7 +171,6 @@ class _Context:
     default_max_tokens: int
     max_tokens_limit: int
     tokenizer: Any
-    guided_enabled: bool
     request_id: str
     limits: InputLimits = field(default_factory=InputLimits)
 
@@ -243,8 +240,6 @@ def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
     gtype, guide = row.str("guided_decoding_guide_type"), row.str("guided_decoding_guide")
     check_guide_text(gtype, guide, ctx.limits.guide)  # bytes and nesting, before anything parses it
     base.guided = resolve_guided(gtype, guide, vllm_params)
-    if base.guided is not None and not ctx.guided_enabled:
-        raise UnsupportedError(GUIDED_DISABLED_MESSAGE)
 
     k = row.int("num_draft_tokens")
     if k is not None and k < 0:

@@ -24,6 +24,7 @@ import triton_python_backend_utils as pb_utils
 
 from .interfaces import ENGINE_MODEL, INTERFACE_PARAMETER, INTERFACES, PROXY_ERROR, SERVED_MODEL_PARAMETER, \
     SERVED_VERSION_PARAMETER
+from .responses import safe_send
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 POLL_S = 0.05  # cancellation poll period
@@ -48,7 +49,7 @@ class _Live:
             if self.closed:
                 return
             self.closed = bool(flags & FINAL)
-            _send(self.sender, response, flags)
+            safe_send(pb_utils, self.sender, response, flags, who="specguide proxy")
 
     def is_cancelled(self) -> bool:
         with self.lock:
@@ -203,12 +204,3 @@ def _proxy_error(outputs: list) -> Any:
 def _error(message: str) -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
 
-
-def _send(sender: Any, response: Any, flags: int) -> None:
-    try:
-        if response is None:
-            sender.send(flags=flags)
-        else:
-            sender.send(response, flags=flags)
-    except Exception as e:  # the client is gone or the sender is closed
-        pb_utils.Logger.log_warn(f"specguide proxy: could not send a response: {e}")

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..request import EngineDeadError, InvalidRequestError, QueueFullError, RequestOutput
+from ..request import InvalidRequestError, RequestOutput, error_code  # noqa: F401  (error_code: io.error_code)
 
 VLLM_ERROR_PREFIX = "Error generating stream: "  # the vLLM backend's text for every request error
 _PERF_INT32 = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
@@ -23,6 +23,8 @@ _PERF_INT64 = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_n
 
 class UnsupportedError(InvalidRequestError):
     """A well-formed request asking for something this server does not do (UNSUPPORTED)."""
+
+    code = "UNSUPPORTED"
 
 
 @dataclass
@@ -62,16 +64,16 @@ class SequenceStream:
         p = self.parsed
         if out.finished and out.finish_reason in ("error", "cancelled"):
             return self._error(out)
-        lps = list(getattr(out, "logprobs", None) or [])
+        lps = list(out.logprobs or [])
         self.cum_logprob += float(sum(lps))
-        if getattr(out, "context_logits", None) is not None:
+        if out.context_logits is not None:
             self.context_logits = np.asarray(out.context_logits, dtype=np.float32)
         if not p.stream:
             self.text.append(out.text)
             self.ids.extend(out.token_ids)
             self.logprobs.extend(lps)
-            self.top.extend(getattr(out, "top_logprobs", None) or [])
-            if getattr(out, "generation_logits", None) is not None:
+            self.top.extend(out.top_logprobs or [])
+            if out.generation_logits is not None:
                 self.gen_logits.append(np.asarray(out.generation_logits, dtype=np.float32))
             if not out.finished:
                 return None
@@ -81,8 +83,8 @@ class SequenceStream:
             if not out.finished and not out.text and not out.token_ids:
                 return None
             text, ids, n_out = out.text, list(out.token_ids), len(out.token_ids)
-            top = list(getattr(out, "top_logprobs", None) or [])
-            gl = getattr(out, "generation_logits", None)
+            top = list(out.top_logprobs or [])
+            gl = out.generation_logits
             gen = [np.asarray(gl, dtype=np.float32)] if gl is not None else []
         gen_ids = list(ids)
         if self.echo_pending:  # only ever for a non-streamed response (parsing refuses or ignores the rest)
@@ -212,27 +214,27 @@ def to_response(pb: Any, payload: Payload) -> Any:
     return pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in payload.outputs.items()])
 
 
-def error_code(exc: BaseException) -> str:
-    """The pb.TritonError code name for an exception raised while mapping or submitting."""
-    if isinstance(exc, UnsupportedError):
-        return "UNSUPPORTED"
-    if isinstance(exc, (InvalidRequestError, ValueError)):
-        return "INVALID_ARG"
-    if isinstance(exc, (QueueFullError, EngineDeadError)):
-        return "UNAVAILABLE"
-    return "INTERNAL"
-
-
 # codes an engine error event may carry (RequestOutput.error_code); anything else is INTERNAL
 _EVENT_ERROR_CODES = ("INVALID_ARG", "UNSUPPORTED", "UNAVAILABLE", "INTERNAL")
 
 
 def event_error_code(out: RequestOutput) -> str:
     """The pb.TritonError code name for an engine error event (e.g. INVALID_ARG for a bad guide)."""
-    code = (getattr(out, "error_code", None) or "INTERNAL").upper()
+    code = (out.error_code or "INTERNAL").upper()
     return code if code in _EVENT_ERROR_CODES else "INTERNAL"
 
 
 def error_response(pb: Any, message: str, code: str = "INTERNAL") -> Any:
     err_cls = pb.TritonError
     return pb.InferenceResponse(output_tensors=[], error=err_cls(message, getattr(err_cls, code, err_cls.INTERNAL)))
+
+
+def safe_send(pb: Any, sender: Any, response: Any, flags: int, who: str = "specguide") -> None:
+    """Send one response (None: only the flags); a client that is gone or a closed sender is logged."""
+    try:
+        if response is None:
+            sender.send(flags=flags)
+        else:
+            sender.send(response, flags=flags)
+    except Exception as e:  # nothing else to do
+        pb.Logger.log_warn(f"{who}: could not send a response: {e}")

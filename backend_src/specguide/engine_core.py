@@ -1,0 +1,313 @@
+"""EngineCore: one engine iteration on the loop thread (schedule, prefill chunks, one batched
+speculative decode step, outputs), and everything it owns: the model, the runner and its step,
+the proposer, the scheduler, the grammar compiler, intake and the output processor. No threads
+here: `engine.Engine` runs it on its loop thread behind a thread-safe submit / cancel / shutdown.
+A failure inside the iteration fails the request it belongs to (`_guarded`, `_recover`)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from . import faults, kernels, memory
+from .config import CPU_SLOTS, EngineConfig
+from .cuda.hostfunc import HostFuncError
+from .guided.compiler import GrammarCompilerService
+from .guided.limits import GuideLimits
+from .intake import Intake
+from .kv_cache import slot_bytes, slots_for_memory
+from .models.loader import load_model, resolve_model_dir
+from .outputs import Finish, OutputProcessor
+from .request import InvalidRequestError, Request, RequestOutput, error_code
+from .runner import Runner
+from .scheduler import PrefillChunk, PrefixCopy, Scheduler, Sequence, Status, StepPlan
+from .speculative.head_drafter import HeadDrafter
+from .speculative.proposer import Proposer
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("specguide")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Callback = Callable[[RequestOutput], None]
+
+
+def _detail(exc: BaseException) -> str:
+    """What a client may read of an exception: our injected faults' words, else only its type."""
+    exc = _cause(exc)
+    return str(exc) if isinstance(exc, faults.InjectedFault) else type(exc).__name__
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception a grammar callback raised (host streams wrap it in HostFuncError)."""
+    return exc.__cause__ if isinstance(exc, HostFuncError) and exc.__cause__ is not None else exc
+
+
+class EngineCore:
+    """The engine's state and one iteration (`step`); called on one thread only (Engine's loop)."""
+
+    def _build(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.resolved_device())
+        folder = self.model_dir = resolve_model_dir(config.model_dir, config.gguf_file)
+        self.tokenizer = Tokenizer(folder)
+        self.model = load_model(folder, DTYPES[config.dtype], str(self.device), config.weight_dtype,
+                                self.device.type == "cpu" and kernels.use_integer_dot(config.activation_dtype))
+        if self.model.integer_dot:
+            log.info("specguide: block-format weights x int8 activations (%s integer dot products)",
+                     kernels.integer_dot_path())
+        if config.max_seq_len > self.model.cfg.max_position_embeddings:  # RoPE past its trained range: noise
+            raise ValueError(f"max_seq_len {config.max_seq_len} exceeds {folder.name}'s max_position_embeddings "
+                             f"{self.model.cfg.max_position_embeddings} (config.json): lower max_seq_len")
+        if config.max_slots == 0:  # CUDA: as many slots as the free memory holds; CPU: CPU_SLOTS
+            config = self.config = (size_slots(config, self.model.cfg, self.device) if self.device.type == "cuda"
+                                    else dataclasses.replace(config, max_slots=CPU_SLOTS))
+        model_eos = getattr(self.model, "eos_token_ids", frozenset())
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(model_eos))
+        vocab = self.model.cfg.vocab_size
+        self.compiler = GrammarCompilerService(
+            self.tokenizer.hf, vocab, stop_token_ids=sorted(self.eos_token_ids),
+            cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
+            timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend,
+            limits=GuideLimits.from_config(config), undeclared_keys=config.guided_undeclared_keys)
+        self.faults = faults.injector()
+        self.runner = Runner(self.model, config, self.device, poison=self.faults.poison)
+        self.guided = self.runner.guided
+        self.proposer = Proposer(config, self.model, self.runner.kv, self.guided, folder, self.tokenizer.encode,
+                                 DTYPES[config.dtype], self.device)
+        self.runner.core.feature_sink = self.proposer.feature_sink
+        self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free / copy_prefix
+        self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
+                                   config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant)
+        self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
+                                       self.runner.kv)
+        self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler,
+                             self.faults)
+        self._seqs: dict[int, Sequence] = {}  # loop thread only
+        self.num_steps = 0
+        # the latest iteration, for the TensorRT-LLM metric families: (prefill chunks, decoding
+        # sequences, prompt tokens in the chunks, wall clock in microseconds); plain ints, set by the
+        # loop thread and read by stats() from another thread, never a device value
+        self.last_step: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self.scheduler.tokens_per_block = self.runner.kv.tokens_per_block
+        self.scheduler.reusable = self.proposer.reusable
+        t0 = time.perf_counter()
+        if config.warmup:  # before the loop starts, so initialize() (and readiness) waits for it
+            self.runner.warmup()
+        self.warmup_s = time.perf_counter() - t0
+        # the load's temporaries (fp32 weights before packing) were freed in this thread's malloc
+        # arena, which glibc keeps mapped: 1.97-2.03 GiB of RSS after start-up, 1.92 trimmed
+        memory.trim()
+
+    @property
+    def drafter(self) -> str:
+        """The drafter in use ("hybrid"/"head" fall back to "grammar" without a trained head)."""
+        return self.proposer.drafter
+
+    @property
+    def head_drafter(self) -> Optional[HeadDrafter]:
+        """The trained draft head in use, if any."""
+        return self.proposer.head
+
+    @property
+    def step_graphs(self):
+        return self.runner.graphs
+
+    @step_graphs.setter
+    def step_graphs(self, graphs) -> None:
+        self.runner.graphs = graphs
+
+    @contextmanager
+    def feature_recording(self, owner: Any) -> Iterator[None]:
+        """While idle: `owner` (admit / free / copy_prefix, and `record`) joins the per-slot owners
+        and gets (slots, positions, hidden) after every target forward, next to the draft head's
+        sink, until the block ends (training keeps f_p this way). Steps run eagerly meanwhile: a
+        CUDA graph captured before would not call it."""
+        assert not self.scheduler.running and not self.scheduler.waiting, "feature_recording needs an idle engine"
+        self.scheduler.forget_prefixes()  # rows computed before the owner joined are not in its buffers
+        sink, graphs = self.runner.core.feature_sink, self.runner.graphs
+
+        def both(slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+            if sink is not None:
+                sink(slots, positions, hidden)
+            owner.record(slots, positions, hidden)
+
+        self.slot_state += (owner,)
+        self.runner.core.feature_sink, self.runner.graphs = both, None
+        try:
+            yield
+        finally:
+            self.runner.core.feature_sink, self.runner.graphs = sink, graphs
+            self.slot_state = tuple(o for o in self.slot_state if o is not owner)
+
+    def _make_sequence(self, request: Request, callback: Callback) -> Sequence:
+        """Validate the request and build its sequence (Intake); raises InvalidRequestError."""
+        return self.intake.sequence(request, callback)
+
+    # ---- one iteration (loop thread) ------------------------------------------------------
+    def step(self) -> bool:
+        """One engine iteration: schedule, run (prefill chunks, one batched decode), process outputs.
+        Returns False when there was nothing to run (e.g. waiting on grammar compiles)."""
+        self._poll_compiles()
+        plan: StepPlan = self.scheduler.schedule(ready=lambda seq: seq.compile is None)
+        if plan.empty:
+            return False
+        self._count(plan)
+        self._copy_prefixes(plan.copies)
+        touched = [seq for seq in map(self._prefill_chunk, plan.prefills) if seq is not None]
+        touched += self._decode_batch(plan.decodes)
+        for seq in touched:
+            if seq.status is not Status.FINISHED:
+                self._emit(seq)
+        return True
+
+    def _count(self, plan: StepPlan) -> None:
+        """The iteration's figures for stats() (read from another thread: plain ints)."""
+        self.num_steps += 1
+        self.last_step = (len(plan.prefills), len(plan.decodes),
+                          sum(c.end - c.start for c in plan.prefills), time.time_ns() // 1000)
+
+    def _copy_prefixes(self, copies: list[PrefixCopy]) -> None:
+        """Prefix rows from another slot, before any chunk overwrites a source."""
+        for copy in copies:
+            for owner in self.slot_state:
+                owner.copy_prefix(copy)
+
+    def _prefill_chunk(self, chunk: PrefillChunk) -> Optional[Sequence]:
+        """Run one prompt chunk; the last one's token starts the request's output (returned)."""
+        seq = chunk.seq
+        tok = self._guarded(seq, lambda: self._prefill(chunk))
+        if seq.status is Status.FINISHED:
+            return None
+        seq.num_cached = chunk.end
+        if tok is None:
+            return None
+        seq.status = Status.DECODE
+        self._guarded(seq, lambda: self._append(seq, [tok]))
+        return seq
+
+    def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One batched decode step and its bookkeeping; returns the sequences it appended to."""
+        if not seqs:
+            return []
+        try:
+            results = self._decode(seqs)
+        except Exception as exc:
+            log.exception("decode step failed")
+            self._recover(seqs, exc)
+            return []  # the survivors retry at the next step
+        touched = []
+        for seq, (toks, drafted, accepted) in zip(seqs, results):
+            seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
+            seq.num_draft += drafted
+            seq.num_accepted += accepted
+            self._guarded(seq, lambda: self._append(seq, toks))
+            touched.append(seq)
+        return touched
+
+    def _decode(self, seqs: list[Sequence]) -> list[tuple[list[int], int, int]]:
+        """One decode step for every decoding sequence: speculative where drafts exist.
+        Returns (tokens to append, drafts verified, drafts accepted) per sequence."""
+        t0 = time.perf_counter()
+        out = self.runner.step(seqs, self.proposer.plan(seqs))
+        self.proposer.record(seqs, out, time.perf_counter() - t0)
+        return out
+
+    def _poll_compiles(self) -> None:
+        """Move finished grammar compiles onto their sequences; a failed one fails its request."""
+        for seq, message, code in self.intake.poll_compiles(self.scheduler.waiting):
+            self._finish(seq, "error", message, code)
+
+    def _prefill(self, chunk: PrefillChunk) -> Optional[int]:
+        """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""
+        seq = chunk.seq
+        if chunk.start == seq.num_reused:  # the first chunk (after a reused prefix)
+            for owner in self.slot_state:
+                owner.admit(seq.slot, seq)
+        self.faults.before_prefill(seq)
+        return self.runner.prefill(chunk)
+
+    def _guarded(self, seq: Sequence, fn: Callable[[], Optional[int]]) -> Optional[int]:
+        """Run one request's part of the step; an exception fails that request only."""
+        try:
+            return fn()
+        except Exception as exc:
+            if isinstance(_cause(exc), InvalidRequestError):  # its own guide hit a library limit: its message
+                self._finish(seq, "error", str(_cause(exc)), error_code(_cause(exc)))
+                return None
+            log.exception("request %s failed", seq.seq_id)
+            self._finish(seq, "error", f"this request failed in the engine ({_detail(exc)}; "
+                                       f"the server log has the details)")
+            return None
+
+    def _recover(self, seqs: list[Sequence], exc: Exception) -> None:
+        """A batched decode raised: fail the requests whose state is broken (a matcher that raises),
+        put the others' grammar state back to their accepted tokens; they retry at the next step.
+        When no culprit is found the whole batch fails (the fault cannot be pinned on one request)."""
+        broken = [s for s in seqs if not self._healthy(s)] or seqs
+        for seq in broken:
+            if isinstance(_cause(exc), InvalidRequestError):  # a guide past a grammar library's limits
+                self._finish(seq, "error", str(_cause(exc)), error_code(_cause(exc)))
+            else:
+                self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
+        for seq in seqs:
+            if seq.status is not Status.FINISHED and seq.grammar is not None:
+                self._guarded(seq, lambda: self.guided.restore(seq.slot, len(seq.output_ids)))
+
+    def _healthy(self, seq: Sequence) -> bool:
+        try:
+            if seq.grammar is not None:
+                self.guided.is_terminated(seq.slot)
+            return True
+        except Exception:
+            return False
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append a step's tokens (OutputProcessor); finish the request when they end it."""
+        end: Optional[Finish] = self.outputs.append(seq, tokens)
+        if end is not None:
+            self._finish(seq, *end)
+        else:
+            self.faults.after_append(seq, self.guided)
+
+    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None,
+                error_code: Optional[str] = None) -> None:
+        """End a request: release its compile, grammar state and slot; send its final event."""
+        if seq.status is Status.FINISHED:
+            return
+        self.outputs.close(seq, reason, error_code)
+        if seq.compile is not None:
+            seq.compile.cancel()
+            seq.compile = None
+        if seq.slot is not None:
+            for owner in self.slot_state:
+                owner.free(seq.slot)
+        self.scheduler.finish(seq, reason, error)
+        self._seqs.pop(seq.seq_id, None)
+        self.outputs.emit(seq, finished=True)
+
+    def _emit(self, seq: Sequence) -> None:
+        """Send a running request's new output; a callback that raises cancels its request."""
+        if not self.outputs.emit(seq, finished=False):
+            seq.cancelled = True
+            self._finish(seq, "cancelled")
+
+
+def size_slots(config: EngineConfig, cfg: Any, device: torch.device, free_bytes: Optional[int] = None) -> EngineConfig:
+    """`config` with max_slots from `kv_cache_memory_fraction` of the device's free memory (read
+    after the weights are loaded, or `free_bytes`), logged."""
+    if free_bytes is None:
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    positions = config.max_seq_len + config.num_draft_tokens + 1
+    per_slot = slot_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, positions,
+                          torch.finfo(DTYPES[config.dtype]).bits // 8)
+    n = slots_for_memory(free_bytes, config.kv_cache_memory_fraction, per_slot)
+    log.info("max_slots %d: %d slots x %d positions = %.2f GiB of %.2f GiB free (kv_cache_memory_fraction %.2f)",
+             n, n, positions, n * per_slot / 2**30, free_bytes / 2**30, config.kv_cache_memory_fraction)
+    return dataclasses.replace(config, max_slots=n)

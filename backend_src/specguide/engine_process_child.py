@@ -1,0 +1,93 @@
+"""The engine process's own side (`child_main`): load the Engine, report it (EngineInfo), then
+serve the parent's messages (engine_process.py: the protocol and the parent's side) until shutdown;
+its stats go up every STATS_S, and its loop thread's death ends the process (EXIT_LOOP_DIED)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+from .engine_process import EXIT_LOOP_DIED, PARENT_ENV, STATS_S, Callback, EngineInfo
+from .ipc import die_with_parent, read_msg, write_msg
+from .request import RequestOutput
+
+
+def child_main() -> None:
+    """The engine process: load the engine, then serve the parent's messages until shutdown."""
+    inp = sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb")  # messages; stray prints from libraries go to stderr instead
+    os.dup2(2, 1)
+    die_with_parent(PARENT_ENV)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="specguide engine: %(levelname)s %(message)s")
+    write_lock = threading.Lock()
+
+    def send(msg: object) -> None:
+        with write_lock:
+            write_msg(out, msg)
+
+    config = read_msg(inp)
+    try:
+        from .engine import Engine
+
+        engine = Engine(config)
+        engine.compiler.scheduler.start()  # compile worker processes warm before the first big guide
+    except Exception as e:
+        logging.exception("the engine failed to load")
+        send(("failed", f"{type(e).__name__}: {e}"))
+        os._exit(2)
+    from .tokenizer import probe
+
+    send(("ready", EngineInfo(os.getpid(), engine.config, str(engine.model_dir), engine.drafter,
+                              engine.head_drafter is not None, probe(engine.tokenizer), engine.warmup_s,
+                              str(engine.proposer.head_path) if engine.proposer.awaits_head else "")))
+    seq_of: dict[int, int] = {}  # parent key -> engine seq_id, while the request runs
+    seq_lock = threading.Lock()
+
+    def callback(key: int) -> Callback:
+        def on_output(o: RequestOutput) -> None:
+            if o.finished:
+                with seq_lock:
+                    seq_of.pop(key, None)
+            send(("out", key, o))
+        return on_output
+
+    def watch() -> None:  # stats for the metrics; the loop thread's death ends the process
+        while True:
+            time.sleep(STATS_S)
+            if not engine.is_alive():
+                engine._thread.join()  # its dying words (every request's error) are sent first
+                send(("dead", f"the engine loop failed ({type(engine._dead).__name__}; the server log has "
+                              f"the traceback)"))
+                out.flush()
+                os._exit(EXIT_LOOP_DIED)
+            try:
+                send(("stats", engine.stats()))
+            except Exception:
+                os._exit(0)  # the parent is gone
+
+    threading.Thread(target=watch, name="specguide-engine-watch", daemon=True).start()
+    while True:
+        msg = read_msg(inp)
+        if msg is None:  # the parent is gone
+            os._exit(0)
+        kind = msg[0]
+        if kind == "submit":
+            _, key, request = msg
+            try:
+                with seq_lock:  # NOTE: the engine calls callbacks outside its own lock: no deadlock
+                    seq_of[key] = engine.submit(request, callback(key))
+            except Exception as e:
+                send(("refused", key, e))
+            else:
+                send(("submitted", key))
+        elif kind == "cancel":
+            with seq_lock:
+                seq_id = seq_of.get(msg[1])
+            if seq_id is not None:
+                engine.cancel(seq_id)
+        elif kind == "shutdown":
+            engine.shutdown(drain=msg[1], timeout=msg[2])
+            out.flush()
+            os._exit(0)

@@ -1,0 +1,369 @@
+"""Where in a JSON document the accepted bytes are (`Scanner`: State -> State against a schema),
+and the shortest text that completes a valid document from there (`Scanner.completion`) and the
+most one free token can add to it (`Scanner.growth`): the token budget's view (budget.py)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .regex_completion import Unknown, shortest_match
+from .schema_completion import Schemas, json_text, merge_schemas, shortest_string
+
+_WS = b" \t\n\r"
+_JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """An open object or array, or the scalar being written (`kind` "scalar": its schema). `phase`:
+    what comes next ('key?' after '{', 'key' after ',', ':' after a key, 'value' after ':' or
+    '[' / ',' in an array, 'more' after a value)."""
+
+    kind: str  # "object" | "array" | "scalar"
+    schema: Any
+    phase: str
+    keys: tuple[str, ...] = ()  # object: keys so far (the last is the current one)
+    items: int = 0  # array: values so far
+
+
+@dataclass(frozen=True)
+class State:
+    """Open containers (outermost first), then the scalar being written: `lex` None between values,
+    else ("string" | "key" | "number" | "literal", bytes so far (strings: after the quote))."""
+
+    stack: tuple[Frame, ...] = ()
+    lex: Optional[tuple[str, bytes]] = None
+    done: bool = False  # the top-level value is complete
+
+
+class Scanner:
+    """Follows JSON bytes against a schema: State -> State, raising Unknown where it cannot."""
+
+    def __init__(self, schemas: Schemas):
+        self.s = schemas
+
+    def child(self, frame: Optional[Frame]) -> Any:
+        """The schema of the value that comes next in `frame` (the root's at the top)."""
+        if frame is None:
+            return self.s.root
+        node = self.s.resolve(frame.schema)
+        if not isinstance(node, dict):
+            return {}
+        if frame.kind == "array":
+            prefix = node.get("prefixItems")
+            if isinstance(prefix, list) and frame.items < len(prefix):
+                return prefix[frame.items]
+            return node.get("items", {}) if isinstance(node.get("items"), (dict, bool)) else {}
+        key = frame.keys[-1]
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if key in props:
+            return props[key]
+        for pat, sub in (node.get("patternProperties") or {}).items():
+            if re.search(pat, key):
+                return sub
+        extra = node.get("additionalProperties", {})
+        return extra if isinstance(extra, (dict, bool)) else {}
+
+    def value_schema(self, node: Any, first: int) -> Any:
+        """The branch of `node` a value starting with byte `first` takes (anyOf / oneOf by JSON type)."""
+        node = self.s.resolve(node)
+        if not isinstance(node, dict):
+            return node
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                base = {k: v for k, v in node.items() if k != key}
+                fits = [b for b in (self.s.resolve(x) for x in node[key]) if _starts(b, first)]
+                if len(fits) != 1:
+                    if len(fits) > 1 and first not in b"{[":
+                        return {}  # several scalar branches: a scalar closes the same way in each
+                    raise Unknown(f"{key}: {len(fits)} branches start with {chr(first)!r}")
+                return merge_schemas(base, fits[0])
+        return node
+
+    def start(self) -> State:
+        return State()
+
+    def feed(self, state: State, data: bytes) -> State:
+        for c in data:
+            state = self._byte(state, c)
+        return state
+
+    def _byte(self, st: State, c: int) -> State:
+        lex, stack = st.lex, st.stack
+        top = stack[-1] if stack else None
+        if lex is not None:
+            kind, buf = lex
+            if kind in ("string", "key"):
+                if _string_closed(buf, c):
+                    if kind == "key":
+                        key = json.loads(b'"' + buf + b'"')
+                        return State(stack[:-1] + (dataclasses.replace(top, keys=top.keys + (key,), phase=":"),))
+                    return self._after_value(State(stack))
+                return State(stack, (kind, buf + bytes([c])))
+            if kind == "number" and (48 <= c <= 57 or c in b"+-.eE"):
+                return State(stack, (kind, buf + bytes([c])))
+            if kind == "literal" and 97 <= c <= 122:
+                return State(stack, (kind, buf + bytes([c])))
+            st = self._after_value(State(stack))  # the number / literal ended at this byte
+            return self._byte(st, c)
+        if c in _WS:
+            return st
+        if st.done:
+            raise Unknown("bytes after the document")
+        if top is not None and top.kind == "object" and top.phase in ("key?", "key"):
+            if c == ord('"'):
+                return State(stack, ("key", b""))
+            if c == ord("}") and top.phase == "key?":
+                return self._after_value(State(stack[:-1]))
+            raise Unknown(f"byte {chr(c)!r} where a key goes")
+        if top is not None and top.phase == ":":
+            if c != ord(":"):
+                raise Unknown("no colon after a key")
+            return State(stack[:-1] + (dataclasses.replace(top, phase="value"),))
+        if top is not None and top.phase == "more":
+            if c == ord(","):
+                nxt = "key" if top.kind == "object" else "value"
+                return State(stack[:-1] + (dataclasses.replace(top, phase=nxt),))
+            if c == ord("}" if top.kind == "object" else "]"):
+                return self._after_value(State(stack[:-1]))
+            raise Unknown(f"byte {chr(c)!r} after a value")
+        if top is not None and top.kind == "array" and c == ord("]") and top.items == 0:
+            return self._after_value(State(stack[:-1]))
+        # a value starts here
+        schema = self.value_schema(self.child(top), c)
+        if top is not None and top.kind == "array":  # its schema decided: count it now
+            stack = stack[:-1] + (dataclasses.replace(top, phase="value"),)
+        if c == ord("{"):
+            return State(stack + (Frame("object", schema, "key?"),))
+        if c == ord("["):
+            return State(stack + (Frame("array", schema, "value"),))
+        if c == ord('"'):
+            return State(stack + (Frame("scalar", schema, ""),), ("string", b""))
+        if c == ord("-") or 48 <= c <= 57:
+            return State(stack + (Frame("scalar", schema, ""),), ("number", bytes([c])))
+        if c in b"tfn":
+            return State(stack + (Frame("scalar", schema, ""),), ("literal", bytes([c])))
+        raise Unknown(f"byte {chr(c)!r} cannot start a value")
+
+    def _after_value(self, st: State) -> State:
+        """A value just ended: drop its scalar frame, advance the container."""
+        stack = st.stack
+        if stack and stack[-1].kind == "scalar":
+            stack = stack[:-1]
+        if not stack:
+            return State((), None, True)
+        top = stack[-1]
+        items = top.items + 1 if top.kind == "array" else top.items
+        return State(stack[:-1] + (dataclasses.replace(top, phase="more", items=items),))
+
+    # -- the shortest completion -------------------------------------------------------------
+
+    def completion(self, st: State) -> str:
+        """The shortest text that ends a valid document from `st`."""
+        if st.done:
+            return ""
+        out, stack = [], list(st.stack)
+        if not stack and st.lex is None:
+            return self.s.shortest(self.s.root)
+        if st.lex is not None:
+            kind, buf = st.lex
+            if kind == "key":
+                top = stack.pop()
+                key, key_text, value = self._finish_key(top, buf)
+                out.append(key_text + ":" + value)
+                stack.append(dataclasses.replace(top, keys=top.keys + (key,), phase="more"))
+            else:
+                scalar = stack.pop()
+                out.append(_finish_scalar(kind, buf, self.s.resolve(scalar.schema)))
+                _value_done(stack)
+        while stack:
+            out.append(self._close(stack.pop()))
+            _value_done(stack)
+        return "".join(out)
+
+    def _finish_key(self, top: Frame, buf: bytes) -> tuple[str, str, str]:
+        """(the key, the rest of its text, its value's shortest text) for a key being written:
+        keys come in the schema's order, so one of the properties after the last declared key,
+        up to the first missing required one."""
+        node = self.s.resolve(top.schema)
+        node = node if isinstance(node, dict) else {}
+        props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
+        if _escape_end(buf):
+            raise Unknown("a half-written escape in a key")
+        done, prefix, required = set(top.keys), _decoded_prefix(buf), set(node.get("required", []))
+        later: list[str] = []
+        for k in list(props)[self._next_index(top, props):]:
+            if k not in done:
+                later.append(k)
+                if k in required:
+                    break
+        options = [k for k in later if k.startswith(prefix)]
+        if not options:
+            if node.get("additionalProperties") is False or node.get("patternProperties"):
+                raise Unknown("a key that matches no declared key")
+            extra = node.get("additionalProperties", {})
+            return prefix, '"', self.s.shortest(extra if isinstance(extra, dict) else {})
+        if later[-1] in required and later[-1] in options:  # any other key only adds to the keys still due
+            key = later[-1]
+        else:
+            key = min(options, key=lambda k: len(k) + len(self.s.shortest(props[k])))
+        return key, json_text(key)[1:][len(json_text(prefix)[1:-1]):], self.s.shortest(props[key])
+
+    def _next_index(self, top: Frame, props: dict) -> int:
+        """Keys come in the schema's order: the first property index after the last declared key."""
+        names = list(props)
+        last = -1
+        for k in top.keys:
+            if k in props:
+                last = max(last, names.index(k))
+        return last + 1
+
+    def growth(self, st: State) -> int:
+        """The most bytes one more element adds to the completion, over the open containers (one
+        token may close inner ones and start an element of an outer one: `},{"`): an array's item,
+        an object's optional key (any of them: an upper bound; a free object's: a 20-byte key)."""
+        return max((self.s.extra(top.schema, top.kind) for top in st.stack if top.kind != "scalar"), default=0)
+
+    def _close(self, top: Frame) -> str:
+        node = self.s.resolve(top.schema)
+        node = node if isinstance(node, dict) else {}
+        if top.kind == "array":
+            text = ""
+            if top.phase == "value":  # after '[' or ',': an item must come unless '[' closes at once
+                if top.items > 0 or int(node.get("minItems", 0) or 0) > 0:
+                    text += self.s.shortest(self.child(top))
+                    top = dataclasses.replace(top, items=top.items + 1, phase="more")
+            for _ in range(top.items, int(node.get("minItems", 0) or 0)):
+                text += "," + self.s.shortest(self.child(top))
+                top = dataclasses.replace(top, items=top.items + 1)
+            return text + "]"
+        props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
+        text = ""
+        if top.phase == ":":
+            top = dataclasses.replace(top, phase="value")
+            text += ":"
+        if top.phase == "value":
+            text += self.s.shortest(self.child(top))
+            top = dataclasses.replace(top, phase="more")
+        done = set(top.keys)
+        missing = [k for k in list(props)[self._next_index(top, props):]
+                   if k in set(node.get("required", [])) and k not in done]
+        missing += [k for k in node.get("required", []) if k not in props and k not in done]
+        pairs = [json_text(k) + ":" + self.s.shortest(props.get(k, node.get("additionalProperties", {})
+                                                               if isinstance(node.get("additionalProperties"), dict)
+                                                               else {})) for k in missing]
+        if top.phase == "key":  # after ',': a key must come
+            if not pairs:
+                later = [k for k in list(props)[self._next_index(top, props):] if k not in done]
+                if not later:
+                    raise Unknown("a comma with no key left to write")
+                k = min(later, key=lambda k: len(k) + len(self.s.shortest(props[k])))
+                pairs = [json_text(k) + ":" + self.s.shortest(props[k])]
+            return text + ",".join(pairs) + "}"
+        if top.phase == "key?":
+            return text + ",".join(pairs) + "}"
+        return text + "".join("," + p for p in pairs) + "}"
+
+
+def _in_bounds(v: float, node: dict) -> bool:
+    def num(k: str) -> Optional[float]:
+        x = node.get(k)
+        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+    lo, hi, xlo, xhi = num("minimum"), num("maximum"), num("exclusiveMinimum"), num("exclusiveMaximum")
+    return ((lo is None or v >= lo) and (hi is None or v <= hi) and (xlo is None or v > xlo)
+            and (xhi is None or v < xhi))
+
+
+def _value_done(stack: list[Frame]) -> None:
+    """The value inside stack[-1] (if any) is complete."""
+    if stack:
+        top = stack[-1]
+        stack[-1] = dataclasses.replace(top, phase="more", items=top.items + (top.kind == "array"))
+
+
+def _starts(node: Any, first: int) -> bool:
+    """Whether a value valid for `node` may start with byte `first`."""
+    if not isinstance(node, dict):
+        return node is not False
+    if "const" in node or "enum" in node:
+        values = [node["const"]] if "const" in node else node["enum"]
+        return any(json_text(v).encode()[:1] == bytes([first]) for v in values)
+    types = node.get("type")
+    if types is None:
+        return True
+    want = {ord("{"): "object", ord("["): "array", ord('"'): "string", ord("t"): "boolean", ord("f"): "boolean",
+            ord("n"): "null"}.get(first, "number")
+    names = types if isinstance(types, list) else [types]
+    return want in names or (want == "number" and "integer" in names)
+
+
+def _string_closed(buf: bytes, c: int) -> bool:
+    """Whether byte `c` (a quote) closes a string whose content so far is `buf`."""
+    if c != ord('"'):
+        return False
+    backslashes = len(buf) - len(buf.rstrip(b"\\"))
+    return backslashes % 2 == 0
+
+
+def _escape_end(buf: bytes) -> str:
+    """What completes a half-written escape at the end of a string's bytes ('' when none)."""
+    body = buf.rstrip(b"\\")
+    if (len(buf) - len(body)) % 2:
+        return "\\"  # a lone backslash: make it an escaped backslash
+    m = re.search(rb"(\\+)u([0-9a-fA-F]{0,3})$", buf)
+    if m and len(m.group(1)) % 2:
+        return "0" * (4 - len(m.group(2)))
+    return ""
+
+
+def _decoded_prefix(buf: bytes) -> str:
+    """The characters of a partial JSON string (a half-written escape dropped)."""
+    for cut in range(len(buf), max(-1, len(buf) - 7), -1):
+        try:
+            return json.loads(b'"' + buf[:cut] + b'"')
+        except ValueError:
+            continue
+    raise Unknown("undecodable string prefix")
+
+
+def _finish_scalar(kind: str, buf: bytes, node: Any) -> str:
+    node = node if isinstance(node, dict) else {}
+    if kind == "literal":
+        for word in ("true", "false", "null"):
+            if word.encode().startswith(buf):
+                return word[len(buf):]
+        raise Unknown("not a literal")
+    if kind == "number":  # the fewest digits that make it a number within the schema's bounds
+        text = buf.decode()
+        for tail in ("", "0", "00", "000", "0000", "00000", "000000"):
+            if not _JSON_NUMBER.fullmatch(text + tail):
+                continue
+            v = float(text + tail)
+            if _in_bounds(v, node) and (node.get("type") != "integer" or v.is_integer()):
+                return tail
+        raise Unknown(f"no short end for the number {text!r}")
+    # a string value: enum / const / pattern / format need a matching end
+    escape = _escape_end(buf)
+    if escape:
+        buf += escape.encode()
+    prefix = _decoded_prefix(buf)
+    values = [node["const"]] if "const" in node else node.get("enum") if isinstance(node.get("enum"), list) else None
+    if values is not None:
+        fits = [v for v in values if isinstance(v, str) and v.startswith(prefix)]
+        if not fits:
+            raise Unknown("no enum value with this prefix")
+        return json_text(min(fits, key=len))[1:][len(json_text(prefix)[1:-1]):]
+    if isinstance(node.get("format"), str):
+        if prefix:
+            raise Unknown("a string with a format half written")
+        return json_text(shortest_string(node))[1:]
+    if isinstance(node.get("pattern"), str):
+        end = shortest_match(node["pattern"], prefix)
+        if len(prefix + end) < int(node.get("minLength", 0) or 0):
+            raise Unknown("pattern and minLength")
+        return escape + json_text(end)[1:]
+    missing = max(0, int(node.get("minLength", 0) or 0) - len(prefix))
+    return escape + "a" * missing + '"'
