@@ -9,6 +9,7 @@ the field in backend_src/specguide/config.py (so the table says what the code sa
 tests/unit/test_config_doc.py fails when the committed table drifts from the code."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import io
@@ -95,10 +96,13 @@ def render(doc: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 when the committed table is stale; write nothing")
+    args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "backend_src"))
     doc = DOC.read_text()
     want = render(doc)
-    if "--check" in argv:
+    if args.check:
         if doc != want:
             print(f"stale: {DOC} (run `.venv/bin/python scripts/config_table.py`)")
             return 1
