@@ -434,4 +434,9 @@ class TritonPythonModel:
         self._outbox.put(_STOP)  # after every final event the engine delivered
         self._thread.join(timeout=10.0)
         self._fail_all("the model was unloaded")
+        # NOTE: the Python backend deletes a metric (family) in the server when its Python object dies,
+        # and the stub's own teardown comes after the server stopped listening to it: without this,
+        # an unloaded model's series stayed exported with their last values, and every load added
+        # another set of metric objects to tritonserver (test_model_control_server)
+        self.metrics = self.peer_metrics = None
         gc.collect()
