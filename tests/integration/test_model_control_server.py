@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -308,20 +309,21 @@ def test_unload_ends_the_background_head_training(explicit, tmp_path):
         time.sleep(0.1)
     loaded = tree(srv)
     client.unload_model(MODEL)
-    wait_gone(srv, MODEL)
-    assert not still_running(loaded.processes), still_running(loaded.processes)
-    assert not still_running(training) and not missing.exists()
+    wait_gone(srv, MODEL, loaded)  # every process of the load ended: the training's too
+    assert training.keys() <= loaded.processes.keys() and not missing.exists()
 
 
 def training_processes(srv: Server) -> dict[int, bytes]:
     return {pid: cmd for pid, cmd in tree(srv).processes.items() if b"specguide.training.cli" in cmd}
 
 
-def wait_gone(srv: Server, model: str) -> None:
-    """Until `model` is unloaded and no engine process is left."""
+def wait_gone(srv: Server, model: str, loaded: Optional[Tree] = None) -> None:
+    """Until `model` is unloaded and no engine process is left, nor any process of `loaded`."""
     client = httpclient.InferenceServerClient(srv.http)
     deadline = time.monotonic() + WAIT_S
     while {m["name"]: m.get("state") for m in client.get_model_repository_index()}.get(model) != "UNAVAILABLE" \
-            or any(b"engine_process" in c for c in tree(srv).processes.values()):
-        assert time.monotonic() < deadline, f"{model} not unloaded:\n{srv.log_tail()}"
+            or any(b"engine_process" in c for c in tree(srv).processes.values()) \
+            or (loaded is not None and still_running(loaded.processes)):
+        left = still_running(loaded.processes) if loaded is not None else {}
+        assert time.monotonic() < deadline, f"{model} not unloaded; processes left: {left}\n{srv.log_tail()}"
         time.sleep(0.1)
