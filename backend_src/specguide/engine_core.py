@@ -54,6 +54,10 @@ class EngineCore:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda" and self.device.index is not None:
+            # "cuda:N" (a KIND_GPU instance's GPU): the current device of this thread, which builds and
+            # steps the engine, so that streams and graphs made without a device land on it too
+            torch.cuda.set_device(self.device)
         folder = self.model_dir = resolve_model_dir(config.model_dir, config.gguf_file)
         self.tokenizer = Tokenizer(folder)
         self.model = load_model(folder, DTYPES[config.dtype], str(self.device), config.weight_dtype,

@@ -9,7 +9,8 @@ that model fails with "Stub process ... is not healthy" while the server reports
 and ready. Only a new server helps, so this supervisor runs tritonserver as its child and:
 
 - every POLL_S checks that each model the server says is READY (repository index) has a live
-  stub process; one missing twice in a row is a dead stub;
+  stub process for each of its instances (config.pbtxt `instance_group`); one missing twice in a
+  row is a dead stub;
 - then kills the server (SIGKILL: the dead stub's requests would hold a graceful shutdown
   until its exit timeout), which closes every client connection at once (the only way those
   clients hear of it; the other stubs exit within 0.3 s of their parent), removes the
@@ -74,6 +75,26 @@ def stubs(server_pid: int) -> dict[str, list[int]]:
     return out
 
 
+def instance_count(model_config: dict) -> int:
+    """How many instances (one stub each) Triton makes of a model from its config's `instance_group`:
+    `count` per group, per listed GPU for KIND_GPU; 1 without a group."""
+    total = 0
+    for group in model_config.get("instance_group") or []:
+        count = int(group.get("count", 1) or 1)
+        gpus = group.get("gpus") or []
+        total += count * (len(gpus) if str(group.get("kind", "")).endswith("GPU") and gpus else 1)
+    return max(total, 1)
+
+
+def model_instances(http: str, model: str) -> int:
+    """The instance count of a loaded model (its config from the server); 1 when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{http}/v2/models/{model}/config", timeout=5) as r:
+            return instance_count(json.loads(r.read()))
+    except (urllib.error.URLError, OSError, ValueError):
+        return 1
+
+
 def ready_models(http: str) -> Optional[list[str]]:
     """Models the server reports READY; None when it does not answer (starting, stopping)."""
     req = urllib.request.Request(f"http://{http}/v2/repository/index", data=b"{}", method="POST")
@@ -94,6 +115,7 @@ class Supervisor:
         self.backoff = Backoff()
         self.stopping = False
         self.proc: Optional[subprocess.Popen] = None
+        self._instances: dict[str, int] = {}  # READY model -> its instance count (read once it is ready)
 
     def start(self) -> None:
         self.shm_before = _shm_regions()
@@ -106,8 +128,15 @@ class Supervisor:
         ready = ready_models(self.http)
         if not ready:
             return None
+        # a model that left READY may come back with another config (explicit model control)
+        self._instances = {m: n for m, n in self._instances.items() if m in ready}
         live = stubs(self.proc.pid)
-        return next((m for m in ready if m not in live), None)
+        for m in ready:
+            if m not in self._instances:
+                self._instances[m] = model_instances(self.http, m)
+            if len(live.get(m, ())) < self._instances[m]:
+                return m
+        return None
 
     def kill(self) -> None:
         """Kill the server; remove the shared-memory regions its stubs leave behind."""

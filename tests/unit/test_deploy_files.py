@@ -6,6 +6,7 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,3 +119,94 @@ def test_the_installed_package_carries_the_training_data(tmp_path):
     shipped = {p.relative_to(ROOT / "backend_src").as_posix() for p in data.rglob("*") if p.is_file()}
     assert len(shipped) > 200 and shipped <= names, sorted(shipped - names)[:5]
     assert "specguide/kernels/ops.c" in names
+
+
+def kubernetes_documents() -> list[dict]:
+    return [d for d in yaml.safe_load_all((ROOT / "docker" / "kubernetes.yaml").read_text()) if d]
+
+
+# the oldest Kubernetes the manifest is written for (autoscaling/v2, startupProbe) and the newest
+# whose schemas the pinned kubernetes-validate bundles (requirements-test.txt): nothing is fetched
+KUBERNETES_VERSIONS = ("1.25", "latest")
+
+
+def test_every_kubernetes_document_validates_against_the_kubernetes_schemas():
+    import kubernetes_validate
+
+    docs = kubernetes_documents()
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "HorizontalPodAutoscaler"}
+    for version in KUBERNETES_VERSIONS:
+        version = kubernetes_validate.latest_version() if version == "latest" else version
+        for doc in docs:
+            # strict: a misspelt or misplaced field is an error, not silently dropped by the API server
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_schema_check_catches_a_misspelt_field():
+    import kubernetes_validate
+
+    dep = next(d for d in kubernetes_documents() if d["kind"] == "Deployment")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_kubernetes_probes_and_resources():
+    dep = next(d for d in kubernetes_documents() if d["kind"] == "Deployment")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    # readiness: Triton's health endpoint first (health_probe.server_ready), then an inference
+    assert container["startupProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert container["readinessProbe"]["exec"]["command"][:3] == ["python3", "-m", "specguide.health_probe"]
+    assert "--liveness" in container["livenessProbe"]["exec"]["command"]
+    resources = container["resources"]
+    assert resources["requests"]["cpu"] and resources["requests"]["memory"] and resources["limits"]["memory"]
+
+
+def test_the_autoscaler_scales_the_deployment_on_the_engine_queue():
+    docs = {d["kind"]: d for d in kubernetes_documents()}
+    hpa, dep = docs["HorizontalPodAutoscaler"], docs["Deployment"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", dep["metadata"]["name"])
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    name = metric["pods"]["metric"]["name"]
+    # a family the engine model exports (triton/metrics.py), labelled with the model it serves
+    assert name == "specguide_queue_depth" and f'gauge("{name}"' in (ROOT / "backend_src" / "specguide" / "triton" /
+                                                                     "metrics.py").read_text()
+    assert metric["pods"]["metric"]["selector"]["matchLabels"] == {"model": "specguide"}
+    assert metric["pods"]["target"]["type"] == "AverageValue"
+
+
+def test_the_readiness_probe_fails_while_triton_is_not_ready():
+    """health_probe asks Triton's /v2/health/ready first: a 503 there fails readiness without an inference."""
+    import http.server
+    import threading
+
+    from specguide import health_probe
+
+    asked: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            asked.append(self.path)
+            self.send_response(503 if self.path == "/v2/health/ready" else 404)
+            self.end_headers()
+
+        def do_POST(self):  # noqa: N802
+            asked.append(self.path)
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"127.0.0.1:{srv.server_address[1]}"
+        assert health_probe.main(["--url", url, "--timeout", "5"]) == 1
+        assert asked == ["/v2/health/ready"]  # no inference was tried
+        assert health_probe.server_ready(url, 5) == "/v2/health/ready: HTTP 503"
+    finally:
+        srv.shutdown()

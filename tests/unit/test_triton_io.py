@@ -734,7 +734,8 @@ def model(monkeypatch):
     m = adapter.TritonPythonModel()
     m.initialize({"model_config": json.dumps({"model_transaction_policy": {"decoupled": True},
                                               "parameters": {"max_slots": {"string_value": "2"}, "warmup": {"string_value": "false"}}}),
-                  "model_name": "specguide", "model_version": "1"})
+                  "model_name": "specguide", "model_version": "1", "model_instance_name": "specguide_0_0",
+                  "model_instance_kind": "MODEL", "model_instance_device_id": "0"})
     yield m
     m.finalize()
     sys.modules.pop("specguide.triton.adapter", None)
@@ -757,8 +758,9 @@ def test_adapter_streams_deltas_and_one_final(model):
     assert [r.tensors["text_output"][0] for r, _ in req.sender.sent] == [b"t1", b"t2", b"t3"]
     assert model.engine.config.max_slots == 2  # config.pbtxt parameters reach the engine
     fam = FakeMetricFamily.families
-    wait_for(lambda: fam["specguide_generation_tokens_total"].metrics[(("model", "specguide"), ("version", "1"))].value == 3)
-    assert len(fam["specguide_time_to_first_token_seconds"].metrics[(("model", "specguide"), ("version", "1"))].observed) == 1
+    labels = (("model", "specguide"), ("model_instance", "specguide_0_0"), ("version", "1"))  # sorted
+    wait_for(lambda: fam["specguide_generation_tokens_total"].metrics[labels].value == 3)
+    assert len(fam["specguide_time_to_first_token_seconds"].metrics[labels].observed) == 1
 
 
 def _peer(name, **labels):
@@ -847,7 +849,7 @@ def test_adapter_guide_error_after_submit_is_invalid_arg_and_others_run(model):
     (resp, flags), = good.sender.sent
     assert flags == 1 and resp.err is None and resp.tensors["finish_reason"][0, 0] == b"length"
     fam = FakeMetricFamily.families["specguide_requests_total"].metrics
-    wait_for(lambda: fam[(("finish_reason", "error"), ("model", "specguide"), ("version", "1"))].value == 1)
+    wait_for(lambda: fam[(("finish_reason", "error"), ("model", "specguide"), ("model_instance", "specguide_0_0"), ("version", "1"))].value == 1)
 
 
 def test_adapter_engine_refusal_becomes_unavailable(model):
@@ -921,7 +923,7 @@ def test_adapter_dead_engine_refuses_at_once_with_unavailable_and_is_not_ready(m
     (resp, flags), = req.sender.sent
     assert flags == 1 and resp.err.code() == FakeTritonError.UNAVAILABLE and "engine stopped" in resp.err.message()
     assert model.engine.submitted == []
-    alive = FakeMetricFamily.families["specguide_engine_alive"].metrics[(("model", "specguide"), ("version", "1"))]
+    alive = FakeMetricFamily.families["specguide_engine_alive"].metrics[(("model", "specguide"), ("model_instance", "specguide_0_0"), ("version", "1"))]
     wait_for(lambda: alive.value == 0.0)
 
 
@@ -934,7 +936,7 @@ def test_adapter_engine_death_event_is_unavailable_and_cancels_count_by_stage(mo
     seq = next(iter(model._live))
     model._deliver(seq, RequestOutput(seq_id=seq.seq_id, finished=True, finish_reason="cancelled", stage="decode"), 0.0)
     stages = FakeMetricFamily.families["specguide_cancellations_total"].metrics
-    assert stages[(("model", "specguide"), ("stage", "decode"), ("version", "1"))].value == 1
+    assert stages[(("model", "specguide"), ("model_instance", "specguide_0_0"), ("stage", "decode"), ("version", "1"))].value == 1
     assert req.sender.sent[-1][1] == 1 and req.sender.sent[-1][0].err.code() == FakeTritonError.CANCELLED
 
 

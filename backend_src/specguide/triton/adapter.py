@@ -11,6 +11,7 @@ Threads:
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import queue
@@ -25,8 +26,10 @@ import triton_python_backend_utils as pb_utils
 from ..config import EngineConfig
 from ..memory import trim
 from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput
+from ..supervisor import instance_count
 from . import io
 from .groups import Group, Seq, shaped
+from .instance import Instance
 from .interfaces import INTERFACES, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
 from .limits import BIG_REQUEST_BYTES, InputLimits, request_bytes
 from .metrics import Metrics
@@ -62,16 +65,22 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("specguide needs `model_transaction_policy { decoupled: true }`")
         from ..engine_process import EngineProcess  # the engine runs (and is restarted) in a process of its own
 
-        self.engine = EngineProcess(EngineConfig.from_parameters(model_config.get("parameters", {})), log=_log)
+        self.model_name, self.model_version = args.get("model_name", "specguide"), str(args.get("model_version", "1"))
+        # each instance (instance_group) is a stub with an engine of its own, on the instance's device
+        self.instance = Instance.from_args(args, self.model_name)
+        config = EngineConfig.from_parameters(model_config.get("parameters", {}))
+        config = dataclasses.replace(config, device=self.instance.engine_device(config.device))
+        self.engine = EngineProcess(config, log=_log)
         self.config = self.engine.config  # as the engine resolved it (slots sized to memory, ...)
         self.tokenizer = self.engine.tokenizer
         self.limits = InputLimits.from_config(self.config)  # input caps, checked before any work
-        self.model_name, self.model_version = args.get("model_name", "specguide"), str(args.get("model_version", "1"))
-        self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
+        self.metrics = Metrics(pb_utils, self.model_name, self.model_version, self.instance.label)
         # the vLLM and TensorRT-LLM backends' families, per served model (the proxies' names up front)
         self._served_default = {i.kind: name for name, i in INTERFACES.items() if i.kind != "engine"}
+        several = instance_count(model_config) > 1  # then the engine-state gauges are per instance
         self.peer_metrics = PeerMetrics(pb_utils, self.model_name, self.model_version, self.config.max_seq_len,
-                                        served=tuple((name, "1") for name in self._served_default.values()))
+                                        served=tuple((name, "1") for name in self._served_default.values()),
+                                        instance=self.instance.label if several else "")
         self._outbox: "queue.Queue[Any]" = queue.Queue()
         self._live: set[Seq] = set()
         self._live_lock = threading.Lock()
@@ -81,7 +90,8 @@ class TritonPythonModel:
         self._restarts = 0  # engine restarts already counted in the metrics
         head = " with the trained draft head" if self.engine.head_drafter else ""
         pb_utils.Logger.log_info(f"specguide: engine ready, drafter {self.engine.drafter}{head}, "
-                                 f"warmed up in {self.engine.warmup_s:.2f} s (engine process {self.engine.pid}; {self.config})")
+                                 f"warmed up in {self.engine.warmup_s:.2f} s (instance {self.instance.label}, "
+                                 f"engine process {self.engine.pid}; {self.config})")
 
     # ------------------------------------------------------------------ execute thread
 
@@ -322,4 +332,9 @@ class TritonPythonModel:
         self._outbox.put(_STOP)  # after every final event the engine delivered
         self._thread.join(timeout=10.0)
         self._fail_all("the model was unloaded")
+        # NOTE: the Python backend deletes a metric (family) in the server when its Python object dies,
+        # and the stub's own teardown comes after the server stopped listening to it: without this,
+        # an unloaded model's series stayed exported with their last values, and every load added
+        # another set of metric objects to tritonserver (test_model_control_server)
+        self.metrics = self.peer_metrics = None
         gc.collect()

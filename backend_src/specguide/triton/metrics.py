@@ -21,7 +21,12 @@
     specguide_tokens_per_step                      histogram: tokens a sequence gains per decode step
                                                    (accepted drafts + 1; 1 without speculation)
 
-Every metric carries the labels `model` and `version`. `pb` is triton_python_backend_utils.
+Every metric carries the labels `model`, `version` and `model_instance`: the Triton instance
+whose engine it describes (`instance.Instance.label`, e.g. `specguide_0_1`), so several instances of
+the model in one server (config.pbtxt `instance_group` count > 1, one engine each) keep their
+gauges apart and show which engine served. Sum over `model_instance` for the model.
+`specguide_server_restarts_total` is the server's count, the same in every instance (take the max).
+`pb` is triton_python_backend_utils.
 """
 from __future__ import annotations
 
@@ -39,8 +44,8 @@ STEP_BUCKETS = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0]
 
 
 class Metrics:
-    def __init__(self, pb: Any, model: str, version: str):
-        labels = {"model": model, "version": str(version)}
+    def __init__(self, pb: Any, model: str, version: str, instance: str = ""):
+        labels = {"model": model, "version": str(version), "model_instance": instance or f"{model}_0_0"}
         MF = pb.MetricFamily
 
         def family(name, doc, kind):

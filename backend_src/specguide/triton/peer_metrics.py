@@ -20,7 +20,11 @@ served model the traffic came through (`specguide`, `specguide_unary`, `specguid
 dashboard on `model="specguide_vllm"` sees that model's traffic. The engine's state families
 (`nv_trt_llm_*`) describe the one engine every name shares and are labelled with the model that
 hosts it (`specguide`), as TensorRT-LLM labels them with `tensorrt_llm`, not with the `ensemble`
-its clients call. `pb` is triton_python_backend_utils (a fake one in the unit tests).
+its clients call. With several instances of the engine model in one server (`instance_group`
+count > 1: one engine each), the state families also carry `model_instance` (the instance whose
+engine they describe), else the engines would overwrite each other's gauges; the per-request
+families stay shared by the instances (Triton adds up the increments of series with equal labels).
+`pb` is triton_python_backend_utils (a fake one in the unit tests).
 """
 from __future__ import annotations
 
@@ -142,7 +146,9 @@ class Served:
 
 class PeerMetrics:
     def __init__(self, pb: Any, engine_model: str, version: str, max_model_len: int,
-                 served: tuple[tuple[str, str], ...] = ()):
+                 served: tuple[tuple[str, str], ...] = (), instance: str = ""):
+        """`instance`: the `model_instance` label of the engine-state families ("" = none: one engine
+        in the server, labelled exactly as TensorRT-LLM labels its own)."""
         MF = pb.MetricFamily
         self._max_model_len = max_model_len
         self._fam: dict[str, Any] = {}  # families live as long as their metrics
@@ -162,7 +168,7 @@ class PeerMetrics:
         family("vllm:request_params_best_of", "Histogram of the best_of request parameter.", MF.HISTOGRAM)
         family("nv_llm_input_token_len", "TRT LLM response metrics", MF.HISTOGRAM)
         family("nv_llm_output_token_len", "TRT LLM response metrics", MF.HISTOGRAM)
-        common = {"model": engine_model, "version": str(version)}
+        common = {"model": engine_model, "version": str(version), **({"model_instance": instance} if instance else {})}
         self._gauges: dict[str, dict[str, Any]] = {}
         for name, (doc, category, values) in TRTLLM_GAUGES.items():
             family(name, doc, MF.GAUGE)
