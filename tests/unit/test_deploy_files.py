@@ -97,8 +97,27 @@ def test_kubernetes_fleet_has_replicas_behind_a_service_with_readiness():
 
     assert callable(importlib.import_module(ready[2]).main)
     assert svc["spec"]["selector"] == dep["spec"]["template"]["metadata"]["labels"]
-    ports = {p["name"] for p in container["ports"]}
+    ports = {p["name"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
+
+
+def test_kubernetes_pods_run_the_openai_api_beside_triton():
+    docs = {d["kind"]: d for d in kubernetes_documents()}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    api = next(c for c in pod["containers"] if c["name"] == "openai")
+    triton = next(c for c in pod["containers"] if c["name"] == "tritonserver")
+    assert api["image"] == triton["image"]
+    cmd = api["command"]
+    # the console entry point the package installs, on all interfaces, to the Triton in the same pod
+    assert cmd[0] == "specguide-openai" and 'specguide-openai = "specguide.openai_api.cli:main"' in \
+        (ROOT / "backend_src" / "pyproject.toml").read_text()
+    from specguide.openai_api.cli import parse_args
+
+    args = parse_args(cmd[1:])
+    grpc_port = next(p["containerPort"] for p in triton["ports"] if p["name"] == "grpc")
+    assert args.host == "0.0.0.0" and args.triton_url == f"127.0.0.1:{grpc_port}"
+    assert api["ports"][0]["containerPort"] == args.port and api["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert {"port": args.port, "targetPort": "openai", "name": "openai"} in docs["Service"]["spec"]["ports"]
 
 
 def test_the_installed_package_carries_the_training_data(tmp_path):
