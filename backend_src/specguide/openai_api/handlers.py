@@ -14,7 +14,7 @@ from .errors import ApiError, bad_request, unsupported
 from .outputs import CompletionLogprobs, UsageCounter, chat_logprobs, finish_reason, merge
 from .reasoning import ReasoningSplitter, split_all
 from .schemas import ChatCompletionRequest, CompletionRequest, ToolChoiceMode
-from .tools import CallDelta, ToolCallParser, parse_all
+from .tools import ToolCallParser, parse_all
 from .triton_client import Delta, TritonClient, TritonRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -153,8 +153,8 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
             parser = parsers[i]
             content, pieces = parser.feed(text)
             if d.finish_reason:
-                rest, last = parser.finish()
-                content, pieces = content + rest, _joined(pieces + last)
+                rest, pieces = parser.finish(pieces)
+                content += rest
             if pieces:
                 delta["tool_calls"] = [c.to_openai() for c in pieces]
         else:
@@ -169,17 +169,6 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
     if include_usage:
         yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage.usage.to_openai()})
     yield "data: [DONE]\n\n"
-
-
-def _joined(pieces: list[CallDelta]) -> list[CallDelta]:
-    """One piece per call: consecutive pieces of the same call merged."""
-    out: list[CallDelta] = []
-    for c in pieces:
-        if out and out[-1].index == c.index:
-            out[-1].arguments += c.arguments
-        else:
-            out.append(c)
-    return out
 
 
 # ------------------------------------------------------------------------------ completions

@@ -74,9 +74,8 @@ class ParsedCall:
     arguments: str  # a JSON string, as OpenAI sends it (the model's own text when the call was well formed)
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
-    def to_openai(self, index: Optional[int] = None) -> dict[str, Any]:
-        d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return d if index is None else {"index": index, **d}
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass
@@ -112,10 +111,10 @@ def _parse_call(body: str) -> Optional[ParsedCall]:
 
 @dataclass
 class _OpenCall:
-    """The call being streamed: its head is parsed, its arguments begin at `start` of the body."""
+    """The call being streamed (index: len(calls) until it closes): its head is parsed, its
+    arguments begin at `start` of the body."""
 
     call: ParsedCall
-    index: int
     start: int
 
 
@@ -153,32 +152,31 @@ class ToolCallParser:
             if self.open is None:
                 m = _HEAD.match(body)
                 if m and m.end() < len(body):  # the head and the arguments' first character
-                    self.open = _OpenCall(ParsedCall(json.loads(m.group(1)), ""), len(self.calls), m.end())
-                    pieces.append(CallDelta(self.open.index, "", self.open.call))
+                    self.open = _OpenCall(ParsedCall(json.loads(m.group(1)), ""), m.end())
+                    pieces.append(CallDelta(len(self.calls), "", self.open.call))
                 elif j >= 0:  # not the guided format (only possible unguided): parse it whole
                     self._close_unstreamed(self.buf[:len(CALL_BEGIN) + j + len(CALL_END)], content, pieces)
                     continue
                 else:
                     break
             if j < 0:
-                self._send(pieces, _held_back(body, self.open.start))
+                self._send(pieces, _arguments(body[self.open.start:]))
                 break
-            args = body[self.open.start:j].rstrip()
-            self._send(pieces, args[:-1].rstrip() if args.endswith("}") else args)
+            self._send(pieces, _arguments(body[self.open.start:j]))
             self._close(len(CALL_BEGIN) + j + len(CALL_END))
         return "".join(content), pieces
 
     def _send(self, pieces: list[CallDelta], args: str) -> None:
         """Sends what `args` (the arguments known so far) adds to what was sent."""
-        o = self.open
-        new = args[len(o.call.arguments):] if args.startswith(o.call.arguments) else ""
-        o.call.arguments += new
+        call, index = self.open.call, len(self.calls)
+        new = args[len(call.arguments):] if args.startswith(call.arguments) else ""
+        call.arguments += new
         if not new:
             return
-        if pieces and pieces[-1].index == o.index:
+        if pieces and pieces[-1].index == index:
             pieces[-1].arguments += new  # one piece per call per delta
         else:
-            pieces.append(CallDelta(o.index, new))
+            pieces.append(CallDelta(index, new))
 
     def _close(self, end: int) -> None:
         self.calls.append(self.open.call)
@@ -202,14 +200,13 @@ class ToolCallParser:
             self._after_call = not text
         return text
 
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        """The text still held back: an unfinished call whose head was sent keeps the arguments
-        written (the client has them already); one cut inside its head stays text."""
-        pieces: list[CallDelta] = []
+    def finish(self, pieces: Optional[list[CallDelta]] = None) -> tuple[str, list[CallDelta]]:
+        """The text still held back, and `pieces` (the last feed's) with the last of the calls:
+        an unfinished call whose head was sent keeps the arguments written (the client has them
+        already); one cut inside its head stays text."""
+        pieces = [] if pieces is None else pieces
         if self.open is not None:
-            args = self.buf[len(CALL_BEGIN) + self.open.start:]
-            args = args[:len(args) - _partial_suffix(args, CALL_END)].rstrip()
-            self._send(pieces, args[:-1].rstrip() if args.endswith("}") and _is_json(args[:-1]) else args)
+            self._send(pieces, _arguments(self.buf[len(CALL_BEGIN) + self.open.start:], final=True))
             self._close(len(self.buf))
         rest, self.buf, self.in_call = self.buf, "", False
         return self._content(rest), pieces
@@ -223,12 +220,15 @@ def _is_json(text: str) -> bool:
         return False
 
 
-def _held_back(body: str, start: int) -> str:
-    """The arguments that are surely arguments: without trailing whitespace, a last `}` that may
-    close the call object, and a partial `</tool_call>` after it."""
-    args = body[start:]
-    args = args[:len(args) - _partial_suffix(args, CALL_END)].rstrip()
-    return args[:-1] if args.endswith("}") else args
+def _arguments(text: str, final: bool = False) -> str:
+    """The arguments in `text` (what follows a call's head): without a partial `</tool_call>`, the
+    whitespace before it, and a last `}` that closes the call object. While the call may go on,
+    such a `}` is held back; at the output's end (`final`) it is dropped only when the arguments
+    before it are whole JSON (else it is the arguments' own)."""
+    text = text[:len(text) - _partial_suffix(text, CALL_END)].rstrip()
+    if text.endswith("}") and (not final or _is_json(text[:-1])):
+        return text[:-1].rstrip()
+    return text
 
 
 def _partial_suffix(text: str, marker: str) -> int:
