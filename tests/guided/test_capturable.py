@@ -20,6 +20,7 @@ from specguide.engine import Engine
 from specguide.guided import GuidedDecoder
 from specguide.guided.capturable import NO_LIMIT, CapturableGuidedDecoder, GuidedStep
 from specguide.request import Request, SamplingParams
+from specguide.step_layout import Drafting
 
 from .conftest import VOCAB
 from .helpers import load_guided_samples
@@ -131,7 +132,7 @@ def test_capturable_decoder_matches_the_plain_decoder(service, hf_tokenizer):
             out = cap.out_host.numpy()
             out[:] = 0
             out[2: 2 + len(drafts), 1] = drafts
-            cap.begin(GuidedStep(slots=[0, 1], guided=[False, True], drafting="host", ks=[0, len(drafts)]))
+            cap.begin(GuidedStep(slots=[0, 1], guided=[False, True], drafting=Drafting.HOST, ks=[0, len(drafts)]))
             cap.launch_begin()
             for i in range(fed[1] + 1):
                 a, b = logits.clone(), logits.clone()

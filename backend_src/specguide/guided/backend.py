@@ -124,12 +124,7 @@ class GrammarBackend(ABC):
     """Compiles guides for one tokenizer (its matchers fill many masks at once)."""
 
     name: str
-    vocab_size: int
     caches_compiles: bool = False  # the library keeps its own cache of compiled guides
-
-    def allocate_token_bitmask(self, rows: int) -> torch.Tensor:
-        """A bitmask buffer for `rows` rows of this backend's vocabulary (the shared layout)."""
-        return allocate_token_bitmask(rows, self.vocab_size)
 
     @abstractmethod
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:

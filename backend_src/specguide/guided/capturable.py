@@ -55,9 +55,6 @@ class GuidedStep:
     drafted: list[int] = field(default_factory=list)  # [B] drafts fed to the matcher so far
     props: list[tuple[int, int]] = field(default_factory=list)  # [B] (fixed, fallback) for the next draft
 
-    def __post_init__(self) -> None:
-        self.drafting = Drafting(self.drafting)
-
 
 class CapturableGuidedDecoder:
     """Wraps a GuidedDecoder (`inner`, the matchers and bitmask); its work runs on `stream`.
