@@ -8,10 +8,9 @@ a request parameter), so a bad request, a full queue and a fault can be told apa
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 import grpc
@@ -143,6 +142,13 @@ def parse_response(response: Any) -> Optional[Delta]:
     return d
 
 
+async def _close_writing(call: Any) -> None:
+    try:
+        await call.done_writing()
+    except grpc.aio.AioRpcError:  # the call is already over
+        pass
+
+
 class TritonClient:
     """A gRPC channel to one tritonserver; `generate` streams one request's responses."""
 
@@ -175,16 +181,12 @@ class TritonClient:
         """Send `req` on a fresh stream; yield its Deltas until the final response.
 
         Raises ApiError for an error response. Closing the iterator early cancels the request."""
-        done = asyncio.Event()
-        msg = build_request(req, f"oai-{next(_IDS)}", self.model)
-
-        async def requests():
-            yield msg
-            await done.wait()  # keep our side open until the answer is complete
-
-        call = self._stub.ModelStreamInfer(requests())
+        # NOTE: written with call.write, not a request iterator (grpc.aio runs one in a task of its
+        # own); our side stays open until the answer is complete, then done_writing ends the call
+        call = self._stub.ModelStreamInfer()
         ended = False  # Triton has sent its last word: the call must not be cancelled then
         try:
+            await call.write(build_request(req, f"oai-{next(_IDS)}", self.model))
             async for response in call:
                 if response.error_message:
                     ended = True
@@ -206,8 +208,9 @@ class TritonClient:
             ended = True
             raise from_triton(e.code().name, e.details() or str(e.code()), req.guide_param) from None
         finally:
-            done.set()  # our side closes: Triton ends the call
-            if not ended:
+            if ended:
+                await _close_writing(call)  # our side closes: Triton ends the call
+            else:
                 # we left early (the HTTP client went away): Triton cancels the request. Only then:
                 # Triton 2.51 can crash on a cancellation that reaches a call it has completed
                 call.cancel()
