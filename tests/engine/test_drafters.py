@@ -95,6 +95,7 @@ def test_forced_tokens_are_always_accepted_by_the_matcher(engine, backend):
         except Exception:
             continue  # unsupported samples are covered by the compile tests
         dec.add(0, compiled)
+        fed: list[int] = []  # the tokens the slot's matcher holds
         for _ in range(40):
             if dec.is_terminated(0):
                 break
@@ -108,17 +109,19 @@ def test_forced_tokens_are_always_accepted_by_the_matcher(engine, backend):
                 assert raw.rstrip().startswith(text) and text == text.rstrip(), (raw, text)
                 trailing += raw != raw.rstrip()
             fresh = compiled.matcher()
-            assert all(fresh.accept(t) for t in dec.history[0] + forced)
+            assert dec.num_tokens(0) == len(fed) and all(fresh.accept(t) for t in fed + forced)
             checked += 1
             proposed += len(forced)
             if forced:
                 assert dec.advance_many(0, forced) == len(forced)
+                fed += forced
             else:  # take an allowed token: the first one that is not a stop token
                 dec.fill([(0, 0)])
                 allowed = [t for t in dec.allowed_tokens(0).tolist() if t not in engine.eos_token_ids][:1]
                 if not allowed:
                     break
                 assert dec.advance(0, allowed[0])
+                fed.append(allowed[0])
         dec.remove(0)
     assert checked > 100 and proposed > 50 and (trailing > 5 or backend == "llguidance"), (checked, proposed, trailing)
 

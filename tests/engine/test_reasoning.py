@@ -60,8 +60,8 @@ def windows(reasoning_engine):
         worked = engine_step()
         for slot, seq in list(eng.scheduler.running.items()):
             if seq.grammar is not None and eng.guided.is_guided(slot):
-                assert eng.guided.history[slot] == seq.output_ids
-                assert eng.guided.check_fresh(slot) is None, eng.guided.check_fresh(slot)
+                err = eng.guided.check_fresh(slot, seq.output_ids)
+                assert err is None, err
         return worked
 
     def step(seqs, plan):

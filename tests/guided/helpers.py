@@ -88,7 +88,7 @@ def greedy_decode(dec: GuidedDecoder, slot: int, bonus: torch.Tensor, seed: int,
         assert dec.advance(slot, tok), f"masked argmax {tok} rejected at step {step}"
         out.append(tok)
         if check_every and step % check_every == 0:
-            assert dec.check_fresh(slot) is None, dec.check_fresh(slot)
+            assert dec.check_fresh(slot, out) is None, dec.check_fresh(slot, out)
     return out
 
 

@@ -62,21 +62,24 @@ def test_advance_and_rollback_keep_state_equal_to_a_fresh_matcher(schema_grammar
     dec = GuidedDecoder(2, K, VOCAB)
     dec.add(0, schema_grammar)
     rng = random.Random(1)
+    held: list[int] = []  # the tokens the matcher holds
     for step in range(120):
         if dec.is_terminated(0) or (dec.num_tokens(0) and rng.random() < 0.3):
             n = rng.randint(1, min(K + 1, dec.num_tokens(0)))
             dec.rollback(0, n)
+            del held[len(held) - n:]
         else:
             dec.fill([(0, 0)])
             allowed = dec.allowed_tokens(0)
             weights = bonus[allowed].exp().numpy()
             tok = int(rng.choices(allowed.tolist(), weights=weights)[0])
             assert dec.advance(0, tok)
+            held.append(tok)
             if not dec.is_terminated(0):
                 dec.fill([(0, 0)])
                 bad = int(rng.choice(np.setdiff1d(np.arange(VOCAB), dec.allowed_tokens(0)).tolist()))
                 assert not dec.advance(0, bad)  # a rejected token leaves the state as it was
-        assert dec.check_fresh(0) is None, (step, dec.check_fresh(0))
+        assert dec.check_fresh(0, held) is None, (step, dec.check_fresh(0, held))
 
 
 def test_unconstrained_rows_are_untouched(schema_grammar):
@@ -208,7 +211,7 @@ def test_speculative_with_masked_drafts_equals_plain_greedy(samples, bonus, serv
             if not dec.is_terminated(1):
                 assert dec.advance(1, targets[a])
                 out.append(targets[a])
-            assert dec.check_fresh(1) is None, dec.check_fresh(1)
+            assert dec.check_fresh(1, out) is None, dec.check_fresh(1, out)
         assert out == ref, sample.name
         dec.remove(1)
     assert 0 < total_accepted < total_drafts  # both paths exercised
@@ -259,7 +262,7 @@ def test_fill_verify_rows_batch_equals_plain_greedy(samples, bonus, hf_tokenizer
             if not dec.is_terminated(s):
                 assert dec.advance(s, targets[j][a])
                 outs[s].append(targets[j][a])
-            assert dec.check_fresh(s) is None, dec.check_fresh(s)
+            assert dec.check_fresh(s, outs[s]) is None, dec.check_fresh(s, outs[s])
     for s, (sample, grammar) in enumerate(picked):
         assert outs[s] == refs[s], sample.name
         assert grammar_accepts(grammar, outs[s])

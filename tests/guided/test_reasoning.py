@@ -118,13 +118,14 @@ def test_fill_many_mixes_reasoning_and_guided_rows(hf_tokenizer, reasoning, guid
     """The decoder's batched fill (one call per matcher type) equals each matcher's own fill."""
     wrapped = reasoning.wrap(guide, enc(hf_tokenizer, THINK))
     dec = GuidedDecoder(3, 0, VOCAB)
-    for s, text in enumerate(["thinking", "done</think>", 'done</think>{"a": ']):
+    fed = [enc(hf_tokenizer, text) for text in ["thinking", "done</think>", 'done</think>{"a": ']]
+    for s, ids in enumerate(fed):
         dec.add(s, wrapped)
-        assert dec.advance_many(s, enc(hf_tokenizer, text)) == len(enc(hf_tokenizer, text))
+        assert dec.advance_many(s, ids) == len(ids)
     dec.fill([(0, 0), (1, 0), (2, 0)])
     for s in range(3):
         assert torch.equal(dec.bitmask[s], mask(dec.matchers[s])), s
-        assert dec.check_fresh(s) is None
+        assert dec.check_fresh(s, fed[s]) is None
     assert torch.equal(dec.bitmask[1], mask(guide.matcher()))
 
 
@@ -142,7 +143,8 @@ def test_verification_rows_across_the_boundary(hf_tokenizer, reasoning, guide):
         assert torch.equal(dec.bitmask[marker_end], mask(guide.matcher()))  # the first guided position
         assert allowed(dec.bitmask[0], drafts[0]) and not allowed(dec.bitmask[0], hf_tokenizer.eos_token_id)
         dec.rollback(0, len(drafts) - accepted)
-        assert dec.matchers[0].ended == (accepted >= marker_end) and dec.check_fresh(0) is None
+        held = enc(hf_tokenizer, "So a=") + drafts[:accepted]
+        assert dec.matchers[0].ended == (accepted >= marker_end) and dec.check_fresh(0, held) is None
         dec.remove(0)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import queue
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -87,8 +86,8 @@ class CapturableGuidedDecoder:
             self.limit_dev, self.prop_dev, self._bits = self.limit_host, self.prop_host, _BITS
         self._pending: "queue.SimpleQueue[GuidedStep]" = queue.SimpleQueue()
         self._cur: Optional[GuidedStep] = None  # callback-owned: the step being worked on
-        self._committed: dict[int, deque[int]] = {}  # callback-written: slot -> tokens fed
-        self._confirm: dict[int, deque[int]] = {}  # host-owned after the commit event
+        self._committed: dict[int, int] = {}  # callback-written: slot -> tokens the last commit fed
+        self._confirm: dict[int, int] = {}  # host-owned after the commit event: of those, not yet confirmed
         self._guided_slots: set[int] = set()  # host view of which slots have matchers
         self._mask_ev = stream.record()
         self._commit_ev = self._mask_ev
@@ -207,18 +206,18 @@ class CapturableGuidedDecoder:
 
     # ---- host API: the engine's append loop and recovery ----------------------------------
     def advance(self, slot: int, token: int) -> bool:
-        """Confirm that `commit` fed `token` next to the slot's matcher (False: it was rejected)."""
+        """Confirm that `commit` fed the slot's next emitted token, `token` (False: the grammar
+        rejected it). Commit read the tokens from the same out_host rows the engine appends."""
         self._wait_commit()
-        dq = self._confirm.get(slot)
-        if dq and dq[0] == int(token):
-            dq.popleft()
-            return True
-        return False
+        left = self._confirm.get(slot, 0)
+        if left:
+            self._confirm[slot] = left - 1
+        return left > 0
 
     def is_terminated(self, slot: int) -> bool:
         """Terminated after the tokens confirmed so far (commit stops feeding at termination)."""
         self._wait_commit()
-        return not self._confirm.get(slot) and self.inner.is_terminated(slot)
+        return not self._confirm.get(slot, 0) and self.inner.is_terminated(slot)
 
     def violation(self, slot: int) -> Optional[str]:
         self.synchronize()
@@ -236,14 +235,14 @@ class CapturableGuidedDecoder:
         self.stream.synchronize()
         self._wait_commit()
 
-    @property
-    def history(self) -> list[list[int]]:
+    def num_tokens(self, slot: int) -> int:
+        """Tokens the slot's matcher holds once every launched callback has run."""
         self.synchronize()
-        return self.inner.history
+        return self.inner.num_tokens(slot)
 
-    def check_fresh(self, slot: int) -> Optional[str]:
+    def check_fresh(self, slot: int, tokens: list[int]) -> Optional[str]:
         self.synchronize()
-        return self.inner.check_fresh(slot)
+        return self.inner.check_fresh(slot, tokens)
 
     def close(self) -> None:
         self.configured.close()
@@ -374,12 +373,11 @@ class CapturableGuidedDecoder:
     def _commit(self) -> None:
         st, g = self._cur, self.inner
         self._cur = None
-        committed: dict[int, deque[int]] = {}
+        committed: dict[int, int] = {}
         if st is not None:
             out = StepOutputs(self._out.buf[:, : len(st.slots)].tolist())
             for b, s in enumerate(st.slots):
                 if st.guided[b]:
                     a = out.accepted[b]
-                    tokens = [out.drafts[i][b] for i in range(a)] + [out.next[b]]
-                    committed[s] = deque(int(t) for t in tokens[: g.advance_many(s, tokens)])
+                    committed[s] = g.advance_many(s, [out.drafts[i][b] for i in range(a)] + [out.next[b]])
         self._committed = committed

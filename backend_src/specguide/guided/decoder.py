@@ -37,7 +37,8 @@ class GuidedDecoder:
         self.token_mask = np.zeros(self.num_rows, dtype=bool)  # [rows]: row holds a mask to apply
         self.matchers: list[Optional[Matcher]] = [None] * max_slots
         self.grammars: list[Optional[CompiledGuide]] = [None] * max_slots
-        self.history: list[list[int]] = [[] for _ in range(max_slots)]  # tokens each matcher holds
+        # tokens each matcher holds; the tokens themselves are the request's (Sequence.output_ids)
+        self.fed = [0] * max_slots
         self.num_threads = num_threads
 
     # -- slots ---------------------------------------------------------------------------------
@@ -52,14 +53,14 @@ class GuidedDecoder:
         assert compiled.vocab_size == self.vocab_size, "grammar compiled for another vocab size"
         self.matchers[slot] = compiled.matcher()
         self.grammars[slot] = compiled
-        self.history[slot] = []
+        self.fed[slot] = 0
         self.clear_slot(slot)
 
     def remove(self, slot: int) -> None:
         """Free the slot's matcher (finish, cancel, error). A slot without one is a no-op."""
         self.matchers[slot] = None
         self.grammars[slot] = None
-        self.history[slot] = []
+        self.fed[slot] = 0
         self.clear_slot(slot)
 
     def is_guided(self, slot: int) -> bool:
@@ -74,8 +75,7 @@ class GuidedDecoder:
     def advance(self, slot: int, token: int) -> bool:
         """Feed one token; False (state unchanged) when the grammar rejects it or has terminated."""
         ok = self._matcher(slot).accept(int(token))
-        if ok:
-            self.history[slot].append(int(token))
+        self.fed[slot] += ok
         return ok
 
     def advance_many(self, slot: int, tokens: Sequence[int]) -> int:
@@ -84,18 +84,17 @@ class GuidedDecoder:
         for t in tokens:
             if not m.accept(int(t)):
                 break
-            self.history[slot].append(int(t))
             n += 1
+        self.fed[slot] += n
         return n
 
     def rollback(self, slot: int, n: int) -> None:
         """Undo the last `n` accepted tokens (e.g. drafts rejected by verification)."""
         if n <= 0:
             return
-        h = self.history[slot]
-        assert n <= len(h), f"slot {slot}: rollback of {n} tokens but only {len(h)} accepted"
+        assert n <= self.fed[slot], f"slot {slot}: rollback of {n} tokens but only {self.fed[slot]} accepted"
         self._matcher(slot).rollback(n)
-        del h[len(h) - n:]
+        self.fed[slot] -= n
 
     def is_terminated(self, slot: int) -> bool:
         """The grammar ended and its stop token was accepted."""
@@ -117,7 +116,8 @@ class GuidedDecoder:
         return m.violation() if m is not None else None
 
     def num_tokens(self, slot: int) -> int:
-        return len(self.history[slot])
+        """Tokens the slot's matcher holds (fed and not rolled back)."""
+        return self.fed[slot]
 
     # -- masks ---------------------------------------------------------------------------------
 
@@ -158,7 +158,7 @@ class GuidedDecoder:
             nxt = []
             for s in active:
                 if self._matcher(s).accept(int(drafts[s][i])):
-                    self.history[s].append(int(drafts[s][i]))
+                    self.fed[s] += 1
                     fed[s] += 1
                     if not self.is_terminated(s):
                         nxt.append(s)
@@ -184,16 +184,18 @@ class GuidedDecoder:
 
     # -- invariant 3 ---------------------------------------------------------------------------
 
-    def check_fresh(self, slot: int) -> Optional[str]:
-        """None when the slot's matcher equals a fresh matcher fed the slot's accepted tokens
-        (same termination, same completion, same next-token mask); else what differs."""
+    def check_fresh(self, slot: int, tokens: Sequence[int]) -> Optional[str]:
+        """None when the slot's matcher equals a fresh matcher fed `tokens`, the slot's accepted
+        tokens (same count, termination, completion and next-token mask); else what differs."""
         m, g = self.matchers[slot], self.grammars[slot]
         if m is None:
             return None
+        if len(tokens) != self.fed[slot]:
+            return f"the matcher holds {self.fed[slot]} tokens, the request {len(tokens)}"
         fresh = g.matcher()
-        for i, t in enumerate(self.history[slot]):
-            if not fresh.accept(t):
-                return f"a fresh matcher rejects token {i} ({t}) of the slot's history"
+        for i, t in enumerate(tokens):
+            if not fresh.accept(int(t)):
+                return f"a fresh matcher rejects token {i} ({t}) of the request's tokens"
         if fresh.is_terminated() != m.is_terminated():
             return f"terminated: slot {m.is_terminated()}, fresh {fresh.is_terminated()}"
         if fresh.is_completed() != m.is_completed():
