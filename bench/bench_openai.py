@@ -7,6 +7,9 @@ ports. Each request is the same chat prompt (the model's template applied once, 
 direct path), greedy, `ignore_eos` so both paths generate exactly `--max-tokens` tokens. Per
 concurrency level, rounds alternate the two paths (drift hits both alike): the `openai` SDK with
 `stream=True`, and `tritonclient` gRPC streaming (`client.common.GrpcStream`) to `specguide`.
+A third path sends the OpenAI requests with a plain HTTP client (`http.client`, one `json.loads`
+per event): the SDK's own per-chunk work (httpx, pydantic objects) runs on the same cores as the
+engine here, so the two OpenAI rows split the server's cost from the client's.
 TTFT = first content delta / first response; tokens/s = output tokens / wall time of a round.
 The OpenAI server's resident memory is read after the runs, and its CPU time per token (it shares
 the CPUs with the engine: on a small machine what it spends, the engine loses).
@@ -14,6 +17,7 @@ the CPUs with the engine: on a small machine what it spends, the engine loses).
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import statistics
@@ -32,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 from client.common import GrpcStream, chat_prompt, load_chat_template  # noqa: E402
 from specguide.memory import rss_bytes  # noqa: E402
 
+LABELS = {"triton": "Triton gRPC (tritonclient)", "openai": "OpenAI server (openai SDK)",
+          "http": "OpenAI server (plain HTTP client)"}
 QUESTIONS = ["Write a haiku about the sea.", "Explain photosynthesis briefly.", "List three primary colors.",
              "What is a prime number?", "Describe a cat.", "Give me a recipe idea."]
 
@@ -77,6 +83,30 @@ def via_openai(client, question: str, max_tokens: int) -> tuple[float, int, floa
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
     return ttft or 0.0, tokens, time.perf_counter() - t0
+
+
+def via_http(port: int, question: str, max_tokens: int) -> tuple[float, int, float]:
+    body = json.dumps({"model": "specguide", "messages": [{"role": "user", "content": question}],
+                       "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}, "ignore_eos": True})
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        ttft, tokens = None, 0
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+        return ttft or 0.0, tokens, time.perf_counter() - t0
+    finally:
+        conn.close()
 
 
 def via_triton(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
@@ -130,14 +160,16 @@ def main() -> None:
                                timeout=600)
         url = f"127.0.0.1:{stack.grpc}"
         qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
-        via_openai(client, qs[0], 8)  # warm both paths
+        via_openai(client, qs[0], 8)  # warm the paths
+        via_http(stack.api, qs[0], 8)
         via_triton(url, chat_prompt(template, qs[0]), 8)
         paths = {"openai": (via_openai, [(client, q, args.max_tokens) for q in qs]),
+                 "http": (via_http, [(stack.api, q, args.max_tokens) for q in qs]),
                  "triton": (via_triton, [(url, chat_prompt(template, q), args.max_tokens) for q in qs])}
         for c in args.concurrency:
             agg = {p: {"ttft": [], "tokens": 0, "wall": 0.0, "api_cpu": 0.0} for p in paths}
             for r in range(args.rounds):
-                for p in (("openai", "triton") if r % 2 == 0 else ("triton", "openai")):
+                for p in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
                     fn, jobs = paths[p]
                     res = run_round(fn, jobs, c, stack.openai.pid)
                     agg[p]["ttft"] += res["ttft"]
@@ -157,9 +189,9 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for c in args.concurrency:
         base = rows[f"triton@{c}"]
-        for p in ("triton", "openai"):
+        for p in ("triton", "openai", "http"):
             r = rows[f"{p}@{c}"]
-            print(f"| {p} | {c} | {r['ttft_p50_ms']:.0f} | {r['tokens_per_s']:.1f} | "
+            print(f"| {LABELS[p]} | {c} | {r['ttft_p50_ms']:.0f} | {r['tokens_per_s']:.1f} | "
                   f"{r['tokens_per_s'] / base['tokens_per_s']:.3f} | {r['api_cpu_ms_per_token']:.2f} |")
     print(f"\nOpenAI server RSS after the runs: {rss:.0f} MiB")
     if args.json:
