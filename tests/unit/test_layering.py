@@ -1,7 +1,9 @@
 """Imports inside backend_src/specguide go one way, down the layers below, and never in a cycle.
 
 Units are the top-level modules and subpackages. A unit may import only units of a strictly lower
-layer (and its own modules); modules may not import each other in a cycle."""
+layer (and its own modules); modules may not import each other in a cycle. Imports under
+`if TYPE_CHECKING:` never run, so they do not count (a low layer's dataclass may name a type of a
+higher one for its readers and type checkers)."""
 from __future__ import annotations
 
 import ast
@@ -40,16 +42,28 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`) blocks."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def _edges() -> dict[tuple[str, str], str]:
-    """(importer, imported) -> 'file:line' of the first such import (lazy ones included)."""
+    """(importer, imported) -> 'file:line' of the first such import (lazy ones included, type-only
+    ones left out)."""
     mods = _modules()
     edges: dict[tuple[str, str], str] = {}
     for mod, f in mods.items():
         package = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
         if mod == "":
             package = []
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
-            if not isinstance(node, ast.ImportFrom):
+        tree = ast.parse(f.read_text(), str(f))
+        type_only = _type_only(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or id(node) in type_only:
                 continue
             if node.level == 0:
                 if not (node.module or "").startswith("specguide"):
