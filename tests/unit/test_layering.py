@@ -17,6 +17,7 @@ LAYERS = {
     "request": 0, "config": 0, "step_layout": 0, "paths": 0, "progress": 0, "memory": 0, "ipc": 0, "health_probe": 0, "restarts": 0, "supervisor": 1,
     "head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
     # per-request state (Sequence) and small services every layer above reads
+    "sequence_state": 0,  # the non-scheduler parts of a Sequence: plain data (its imports are type-only)
     "faults": 1, "scheduler": 1, "tokenizer": 1, "kv_cache": 1, "sampling": 1,
     "kernels": 2, "slot_sampling": 2, "cuda": 2,  # cuda: host functions, and graphs of any step body
     "models": 3, "token_outputs": 3,
