@@ -158,7 +158,7 @@ class EngineCore:
         """One engine iteration: schedule, run (prefill chunks, one batched decode), process outputs.
         Returns False when there was nothing to run (e.g. waiting on grammar compiles)."""
         self._poll_compiles()
-        plan: StepPlan = self.scheduler.schedule(ready=lambda seq: seq.compile is None)
+        plan: StepPlan = self.scheduler.schedule(ready=lambda seq: seq.guide.compile is None)
         if plan.empty:
             return False
         self._count(plan)
@@ -208,8 +208,8 @@ class EngineCore:
         touched = []
         for seq, (toks, drafted, accepted) in zip(seqs, results):
             seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
-            seq.num_draft += drafted
-            seq.num_accepted += accepted
+            seq.stats.num_draft += drafted
+            seq.stats.num_accepted += accepted
             self._guarded(seq, lambda: self._append(seq, toks))
             touched.append(seq)
         return touched
@@ -260,12 +260,12 @@ class EngineCore:
             else:
                 self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
         for seq in seqs:
-            if seq.status is not Status.FINISHED and seq.grammar is not None:
+            if seq.status is not Status.FINISHED and seq.guide.grammar is not None:
                 self._guarded(seq, lambda: self.guided.restore(seq.slot, len(seq.output_ids)))
 
     def _healthy(self, seq: Sequence) -> bool:
         try:
-            if seq.grammar is not None:
+            if seq.guide.grammar is not None:
                 self.guided.is_terminated(seq.slot)
             return True
         except Exception:
@@ -286,9 +286,7 @@ class EngineCore:
         if seq.status is Status.FINISHED:
             return
         self.outputs.close(seq, reason, error_code)
-        if seq.compile is not None:
-            seq.compile.cancel()
-            seq.compile = None
+        self.intake.release(seq)
         if seq.slot is not None:
             for owner in self.slot_state:
                 owner.free(seq.slot)

@@ -108,7 +108,7 @@ class Injector:
     def holds_compile(self, seq: Any) -> bool:
         """`compile_delay`: True while the request's compiled grammar must not be used yet."""
         f = _kind(seq, "compile_delay")
-        return f is not None and time.monotonic() < seq.arrival + f.seconds
+        return f is not None and time.monotonic() < seq.stats.arrival + f.seconds
 
     def before_prefill(self, seq: Any) -> None:
         """`prefill_delay`: sleep before each prefill chunk."""
@@ -118,7 +118,7 @@ class Injector:
 
     def after_append(self, seq: Any, guided: Any) -> None:
         """`matcher_error`: the request's grammar matcher raises from now on (guided requests)."""
-        if _kind(seq, "matcher_error") and seq.grammar is not None:
+        if _kind(seq, "matcher_error") and seq.guide.grammar is not None:
             getattr(guided, "synchronize", lambda: None)()  # no callback of the step still running
             getattr(guided, "inner", guided).matchers[seq.slot] = FaultyMatcher()
 

@@ -1,5 +1,5 @@
 """Request intake: check a `Request` against the engine's limits, build its `Sequence`, and hand it its
-compiled grammar once ready."""
+compiled grammar once ready (the one writer of `seq.guide`, sequence_state.GuideState)."""
 from __future__ import annotations
 
 import itertools
@@ -17,6 +17,7 @@ from .guided.schema_completion import Schemas
 from .guided.reasoning import Reasoning
 from .request import InvalidRequestError, Request, RequestOutput, error_code
 from .scheduler import Sequence
+from .sequence_state import GuideState, OutputState
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("specguide")
@@ -81,21 +82,20 @@ starts, then collects, their grammar compiles."""
         seq = Sequence(
             seq_id=next(self._ids), prompt_ids=ids, params=p,
             seed=p.seed if p.seed is not None else random.getrandbits(64), callback=callback,
-            stop_ids=frozenset(stop_ids), guided=request.guided,
-            num_draft_tokens=cfg.num_draft_tokens if k is None else k, request_id=request.request_id,
-            fault=self.faults.parse(request.fault))
+            stop_ids=frozenset(stop_ids), num_draft_tokens=cfg.num_draft_tokens if k is None else k,
+            request_id=request.request_id, fault=self.faults.parse(request.fault),
+            out=OutputState(detok=IncrementalDetokenizer(self.tokenizer)), guide=GuideState(params=request.guided))
         if timeout > 0:
-            seq.deadline = seq.arrival + timeout
-        seq.detok = IncrementalDetokenizer(self.tokenizer)
+            seq.deadline = seq.stats.arrival + timeout
         if request.guided is not None:  # a malformed guide raises here; compile errors come later
-            seq.compile = self.compiler.submit(request.guided)
+            seq.guide.compile = self.compiler.submit(request.guided)
         return seq
 
     def _within_budget(self, seq: Sequence) -> Any:
         """A JSON or regex guide whose answer must close before max_tokens (guided/budget.py);
         InvalidRequestError when no valid answer fits. Not with ignore_eos or min_tokens (the stop token may not come
         when the budget needs it), nor for reasoning models (the guide's start is not known)."""
-        guide, g, p = seq.grammar, seq.guided, seq.params
+        guide, g, p = seq.guide.grammar, seq.guide.params, seq.params
         if not g.complete_within_budget or g.guide_type not in ("json", "json_schema", "regex") or p.min_tokens:
             return guide
         stops = [t for t in self.compiler.stop_token_ids if t in seq.stop_ids]
@@ -110,17 +110,17 @@ starts, then collects, their grammar compiles."""
         """Move finished grammar compiles onto their sequences; returns (sequence, error message,
         error code) for each compile that failed (the engine fails those requests)."""
         failed = []
-        for seq in [q for q in waiting if q.compile is not None]:
-            handle = seq.compile
+        for seq in [q for q in waiting if q.guide.compile is not None]:
+            state, handle = seq.guide, seq.guide.compile
             if not (handle.ready() or handle.timed_out()) or self.faults.holds_compile(seq):
                 continue
             try:
-                seq.grammar = handle.result(timeout=0)
-                seq.compile = None
+                state.grammar = handle.result(timeout=0)
+                state.compile = None
                 if self.reasoning is not None:
-                    seq.grammar = self.reasoning.wrap(seq.grammar, seq.prompt_ids)
+                    state.grammar = self.reasoning.wrap(state.grammar, seq.prompt_ids)
                 else:
-                    seq.grammar = self._within_budget(seq)
+                    state.grammar = self._within_budget(seq)
             except InvalidRequestError as exc:
                 failed.append((seq, str(exc), error_code(exc)))
             except Exception as exc:
@@ -128,3 +128,9 @@ starts, then collects, their grammar compiles."""
                 failed.append((seq, f"the grammar compile failed ({type(exc).__name__}; "
                                     f"the server log has the details)", "INTERNAL"))
         return failed
+
+    def release(self, seq: Sequence) -> None:
+        """A finishing request's compile, if it still runs, is cancelled."""
+        if seq.guide.compile is not None:
+            seq.guide.compile.cancel()
+            seq.guide.compile = None

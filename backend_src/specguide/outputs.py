@@ -25,7 +25,8 @@ class Finish(NamedTuple):
 
 class OutputProcessor:
     """The one owner of what a request has produced and been told: output tokens and their
-    per-token values, text held back for stop strings, and the events sent to its callback."""
+    per-token values, text held back for stop strings, and the events sent to its callback
+    (`seq.output_ids` and `seq.out`, sequence_state.OutputState)."""
 
     def __init__(self, guided: Any, check_stop_token: Callable[[Sequence], Optional[str]],
                  vocab_size: int, kv: Any):
@@ -37,15 +38,16 @@ class OutputProcessor:
     def append(self, seq: Sequence, tokens: list[int]) -> Optional[Finish]:
         """Append accepted tokens up to the first finish condition; detokenize; check stop strings.
         Returns how the request ends, or None when it goes on."""
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-            seq.first_token_time_ns = time.time_ns()
-        seq.last_token_time_ns = time.time_ns()
-        lps, tops, rows = seq.step_logprobs, seq.step_top_logprobs, seq.step_logits  # aligned with tokens
-        seq.step_logprobs = seq.step_top_logprobs = seq.step_logits = None
+        out, stats = seq.out, seq.stats
+        if stats.first_token_time is None:
+            stats.first_token_time = time.monotonic()
+            stats.first_token_time_ns = time.time_ns()
+        stats.last_token_time_ns = time.time_ns()
+        lps, tops, rows = out.step_logprobs, out.step_top_logprobs, out.step_logits  # aligned with tokens
+        out.step_logprobs = out.step_top_logprobs = out.step_logits = None
         reason = None
         new: list[int] = []
-        guided = seq.grammar is not None
+        guided = seq.guide.grammar is not None
         if any(t < 0 for t in tokens):  # the runner's mark for non-finite logits in this row
             return Finish("error", "the model produced non-finite logits (NaN/inf) for this request")
         failed = None
@@ -57,11 +59,11 @@ class OutputProcessor:
                                 "INTERNAL")
                 break
             if lps is not None:
-                seq.logprobs.append(lps[len(new)])
+                out.logprobs.append(lps[len(new)])
             if tops is not None:
-                seq.top_logprobs.append(tops[len(new)])
+                out.top_logprobs.append(tops[len(new)])
             if rows is not None:
-                seq.logits_unsent.append(rows[len(new)])
+                out.logits_unsent.append(rows[len(new)])
             seq.output_ids.append(t)
             new.append(t)
             reason = self.check_stop_token(seq)
@@ -72,7 +74,7 @@ class OutputProcessor:
                 reason = "stop"  # TRT-LLM stop words: the tokens stay in the output
             if reason:
                 break
-        seq.pending_text += seq.detok.add(new)  # NOTE: also before an error: the tokens before it are output
+        out.pending_text += out.detok.add(new)  # NOTE: also before an error: the tokens before it are output
         if failed is not None:
             self._cut_stop_string(seq, final=True)
             return failed
@@ -90,44 +92,45 @@ class OutputProcessor:
     def _cut_stop_string(self, seq: Sequence, final: bool) -> bool:
         """Move pending text to emitted text, holding back a possible stop-string prefix.
         Returns True when a stop string was found (the text is cut right before it)."""
+        out = seq.out
         if final:
-            seq.pending_text += seq.detok.finish()
+            out.pending_text += out.detok.finish()
         stops = seq.params.stop
         if stops:
-            hits = [i for i in (seq.pending_text.find(s) for s in stops) if i >= 0]
+            hits = [i for i in (out.pending_text.find(s) for s in stops) if i >= 0]
             if hits:
-                seq.delta += seq.pending_text[: min(hits)]
-                seq.text += seq.pending_text[: min(hits)]
-                seq.pending_text = ""
+                out.delta += out.pending_text[: min(hits)]
+                out.text += out.pending_text[: min(hits)]
+                out.pending_text = ""
                 return True
             keep = 0 if final else max(len(s) for s in stops) - 1
-            cut = max(len(seq.pending_text) - keep, 0)
+            cut = max(len(out.pending_text) - keep, 0)
         else:
-            cut = len(seq.pending_text)
-        seq.delta += seq.pending_text[:cut]
-        seq.text += seq.pending_text[:cut]
-        seq.pending_text = seq.pending_text[cut:]
+            cut = len(out.pending_text)
+        out.delta += out.pending_text[:cut]
+        out.text += out.pending_text[:cut]
+        out.pending_text = out.pending_text[cut:]
         return False
 
     def close(self, seq: Sequence, reason: str, error_code: Optional[str]) -> None:
         """The output side of finishing, before the scheduler frees the slot: where the request was,
         its error code, and its held-back text (dropped on cancel/error, flushed on timeout)."""
-        seq.stage = "compiling" if seq.compile is not None else STAGES[seq.status]
+        seq.out.stage = "compiling" if seq.guide.compile is not None else STAGES[seq.status]
         if reason in ("cancelled", "error"):
-            seq.pending_text = ""
+            seq.out.pending_text = ""
         elif reason == "timeout":  # keep what was generated; flush the held-back text
             self._cut_stop_string(seq, final=True)
-        seq.error_code = error_code or ("INTERNAL" if reason == "error" else None)
+        seq.out.error_code = error_code or ("INTERNAL" if reason == "error" else None)
 
     def emit(self, seq: Sequence, finished: bool) -> bool:
         """Send the request's new text and tokens (and, when `finished`, its final event) to its
         callback. Returns False when the callback raised (the caller cancels the request)."""
-        delta, seq.delta = seq.delta, ""
-        new_ids = seq.output_ids[seq.ids_sent:]
+        delta, seq.out.delta = seq.out.delta, ""
+        new_ids = seq.output_ids[seq.out.ids_sent:]
         if not finished and not delta and not new_ids:
             return True
         out = self._event(seq, delta, new_ids, finished)
-        seq.ids_sent = len(seq.output_ids)
+        seq.out.ids_sent = len(seq.output_ids)
         try:
             seq.callback(out)
             return True
@@ -136,32 +139,33 @@ class OutputProcessor:
             return False
 
     def _event(self, seq: Sequence, delta: str, new_ids: list[int], finished: bool) -> RequestOutput:
-        p, sent = seq.params, seq.ids_sent
+        p, o, st = seq.params, seq.out, seq.stats
+        sent = o.ids_sent
         context = None
-        if seq.context_logits and sum(len(c) for c in seq.context_logits) == len(seq.prompt_ids):
-            context = torch.cat(seq.context_logits).numpy()  # once, with the first event after prefill
-            seq.context_logits = []
+        if o.context_logits and sum(len(c) for c in o.context_logits) == len(seq.prompt_ids):
+            context = torch.cat(o.context_logits).numpy()  # once, with the first event after prefill
+            o.context_logits = []
         gen_logits = None
         if p.return_generation_logits:
-            rows, seq.logits_unsent = seq.logits_unsent, []
+            rows, o.logits_unsent = o.logits_unsent, []
             gen_logits = (torch.stack(rows) if rows else torch.empty(0, self.vocab_size)).numpy()
-        blocks = self.kv.blocks(seq.num_tokens) if seq.first_scheduled_time_ns else 0
+        blocks = self.kv.blocks(seq.num_tokens) if st.first_scheduled_time_ns else 0
         reused = seq.num_reused // self.kv.tokens_per_block  # whole blocks of a reused prompt prefix
         return RequestOutput(
             seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
-            error_code=seq.error_code if finished else None, stage=seq.stage if finished else None,
-            guide_notes=guide_notes(seq.grammar, seq.output_ids) if finished else (),
-            total_draft_tokens=seq.num_draft, total_accepted_draft_tokens=seq.num_accepted,
+            error_code=o.error_code if finished else None, stage=o.stage if finished else None,
+            guide_notes=guide_notes(seq.guide.grammar, seq.output_ids) if finished else (),
+            total_draft_tokens=st.num_draft, total_accepted_draft_tokens=st.num_accepted,
             num_input_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
             num_cached_tokens=seq.num_reused,
-            first_token=seq.ids_sent == 0 and bool(new_ids),
-            logprobs=seq.logprobs[sent:] if p.wants_logprobs else None,
-            top_logprobs=seq.top_logprobs[sent:] if p.top_logprobs else None,
-            cum_logprob=sum(seq.logprobs) if p.wants_logprobs else None,
+            first_token=sent == 0 and bool(new_ids),
+            logprobs=o.logprobs[sent:] if p.wants_logprobs else None,
+            top_logprobs=o.top_logprobs[sent:] if p.top_logprobs else None,
+            cum_logprob=sum(o.logprobs) if p.wants_logprobs else None,
             generation_logits=gen_logits, context_logits=context,
-            arrival_time_ns=seq.arrival_time_ns, first_scheduled_time_ns=seq.first_scheduled_time_ns,
-            first_token_time_ns=seq.first_token_time_ns, last_token_time_ns=seq.last_token_time_ns,
+            arrival_time_ns=st.arrival_time_ns, first_scheduled_time_ns=st.first_scheduled_time_ns,
+            first_token_time_ns=st.first_token_time_ns, last_token_time_ns=st.last_token_time_ns,
             kv_cache_alloc_new_blocks=blocks - reused, kv_cache_reused_blocks=reused,
             kv_cache_alloc_total_blocks=blocks, kv_cache_hit_rate=reused / blocks if blocks else 0.0)
 

@@ -54,7 +54,7 @@ class Runner:
     def admit(self, slot: int, seq: Sequence) -> None:
         """A newly admitted sequence's sampling parameters and grammar matcher."""
         self.params.admit(slot, seq)
-        self.guided.admit(slot, seq.grammar)
+        self.guided.admit(slot, seq.guide.grammar)
 
     def free(self, slot: int) -> None:
         self.params.free(slot)
@@ -82,7 +82,7 @@ class Runner:
             core.feature_sink(slots, positions, hidden)
         if seq.params.return_context_logits:  # raw logits of every prompt position, for this request only
             full = self.model.logits(hidden[0])  # [n, V]
-            seq.context_logits.append(full.to("cpu", torch.float32, copy=True))
+            seq.out.context_logits.append(full.to("cpu", torch.float32, copy=True))
             logits = full[-1:]
         elif key is not None:
             logits = self.model.logits(hidden[:, -1])  # [1, V]

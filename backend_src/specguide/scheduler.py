@@ -7,9 +7,13 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from .request import GuidedDecodingParams, RequestOutput, SamplingParams
+from .request import RequestOutput, SamplingParams
+from .sequence_state import GuideState, OutputState, SeqStats
+
+if TYPE_CHECKING:
+    from .faults import Fault
 
 
 class Status(enum.Enum):
@@ -19,9 +23,14 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
-    """Per-request state. `num_cached` tokens of prompt+output are in the slot's KV cache."""
+    """Per-request state. `num_cached` tokens of prompt+output are in the slot's KV cache.
+
+    The fields here are the scheduler's (slot, status, cached tokens, finish) and the request's own,
+    set once by `Intake`; `output_ids` is appended to by `OutputProcessor.append` and read by every
+    per-slot owner. What other owners write is in one part each (`sequence_state.py`): `out`
+    (`OutputProcessor`), `guide` (`Intake`), `stats` (timestamps and draft counters)."""
 
     seq_id: int
     prompt_ids: list[int]
@@ -29,7 +38,6 @@ class Sequence:
     seed: int
     callback: Callable[[RequestOutput], None]
     stop_ids: frozenset[int]  # tokens that end the sequence (EOS, end_id, stop_token_ids)
-    guided: Optional[GuidedDecodingParams] = None
     num_draft_tokens: int = 0
     request_id: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -40,35 +48,11 @@ class Sequence:
     cancelled: bool = False
     finish_reason: Optional[str] = None
     error: Optional[str] = None
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_time: Optional[float] = None
-    detok: object = None  # IncrementalDetokenizer, set by the engine
-    text: str = ""  # text emitted so far (after stop-string handling)
-    pending_text: str = ""  # decoded but held back: could be the start of a stop string
-    delta: str = ""  # emitted text not yet reported to the callback
-    ids_sent: int = 0  # output tokens already reported
-    compile: object = None  # CompileHandle while the grammar compiles (guided requests)
-    grammar: object = None  # guided.backend.CompiledGuide once ready
-    error_code: Optional[str] = None
-    num_draft: int = 0  # speculative decoding: draft tokens proposed / accepted so far
-    num_accepted: int = 0
     deadline: Optional[float] = None  # time.monotonic() past which the request finishes with "timeout"
-    fault: object = None  # faults.Fault (tests only)
-    stage: Optional[str] = None  # where it was when it finished: queued|compiling|prefill|decode
-    # wall-clock timestamps (time.time_ns(); 0 = not yet) for perf metrics
-    arrival_time_ns: int = field(default_factory=time.time_ns)
-    first_scheduled_time_ns: int = 0
-    first_token_time_ns: int = 0
-    last_token_time_ns: int = 0
-    # per-token outputs for requests that ask: the runner leaves this step's values in step_*
-    # (aligned with the tokens it returned); the engine keeps those of the tokens it appends
-    step_logprobs: Optional[list[float]] = None
-    step_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
-    step_logits: object = None  # torch.Tensor [tokens, vocab] raw logits
-    logprobs: list[float] = field(default_factory=list)  # per output token
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    logits_unsent: list = field(default_factory=list)  # raw logits rows of output tokens not yet reported
-    context_logits: list = field(default_factory=list)  # prefill chunks' raw logits, until reported
+    fault: Optional[Fault] = None  # tests only
+    out: OutputState = field(default_factory=OutputState)
+    guide: GuideState = field(default_factory=GuideState)
+    stats: SeqStats = field(default_factory=SeqStats)
 
     @property
     def num_tokens(self) -> int:
@@ -174,7 +158,7 @@ class Scheduler:
                 copies.append(copy)
             self.slot_tokens[seq.slot] = []
             seq.status = Status.PREFILL
-            seq.first_scheduled_time_ns = time.time_ns()
+            seq.stats.first_scheduled_time_ns = time.time_ns()
             self.running[seq.slot] = seq
         self.waiting.extendleft(reversed(blocked))
         # NOTE: a request's chunks are [r + k*chunk, r + (k+1)*chunk) after r reused tokens (r a

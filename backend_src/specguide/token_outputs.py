@@ -81,7 +81,7 @@ class StepExtras:
 
     def deliver(self, counts: list[int]) -> None:
         """Leave the per-token outputs of each asking sequence's first counts[b] emitted tokens in
-        its step_* fields (the engine keeps those of the tokens it appends)."""
+        its `out.step_*` fields (the engine keeps those of the tokens it appends)."""
         seqs = self.seqs
         if self.lp is not None:
             tok, top = self.lp
@@ -89,8 +89,8 @@ class StepExtras:
             vals, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
             for i, b in enumerate(self.lp_idx):
                 seq, n, N = seqs[b], counts[b], seqs[b].params.top_logprobs
-                seq.step_logprobs = tok[i][:n]
-                seq.step_top_logprobs = [list(zip(ids[i][j][:N], vals[i][j][:N])) for j in range(n)] if N else None
+                seq.out.step_logprobs = tok[i][:n]
+                seq.out.step_top_logprobs = [list(zip(ids[i][j][:N], vals[i][j][:N])) for j in range(n)] if N else None
         if self.raw is not None:
             for i, b in enumerate(self.raw_idx):
-                seqs[b].step_logits = self.raw[i, :counts[b]].to("cpu", torch.float32)
+                seqs[b].out.step_logits = self.raw[i, :counts[b]].to("cpu", torch.float32)

@@ -36,7 +36,7 @@ def fresh_state_checker(engine):
     def step():
         worked = original()
         for slot, seq in list(engine.scheduler.running.items()):
-            if seq.grammar is not None and engine.guided.is_guided(slot):
+            if seq.guide.grammar is not None and engine.guided.is_guided(slot):
                 err = engine.guided.check_fresh(slot, seq.output_ids)
                 checked[0] += 1
                 if err:

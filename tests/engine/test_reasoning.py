@@ -59,7 +59,7 @@ def windows(reasoning_engine):
     def checked_step():
         worked = engine_step()
         for slot, seq in list(eng.scheduler.running.items()):
-            if seq.grammar is not None and eng.guided.is_guided(slot):
+            if seq.guide.grammar is not None and eng.guided.is_guided(slot):
                 err = eng.guided.check_fresh(slot, seq.output_ids)
                 assert err is None, err
         return worked

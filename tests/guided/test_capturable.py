@@ -236,7 +236,7 @@ def test_worker_executor_gives_the_plain_tokens_without_speculation(worker_engin
     def step():  # invariant 3 after every step, read once the callbacks are done
         worked = original()
         for slot, seq in list(worker_engine.scheduler.running.items()):
-            if seq.grammar is not None and worker_engine.guided.is_guided(slot):
+            if seq.guide.grammar is not None and worker_engine.guided.is_guided(slot):
                 err = worker_engine.guided.check_fresh(slot, seq.output_ids)
                 if err:
                     problems.append(err)

@@ -13,7 +13,8 @@ from specguide.request import InvalidRequestError
 
 def seq(kind=None, seconds=0.0, **kw):
     fault = faults.Fault(kind, seconds) if kind else None
-    return SimpleNamespace(fault=fault, output_ids=[1], arrival=time.monotonic(), grammar=object(), slot=0, **kw)
+    return SimpleNamespace(fault=fault, output_ids=[1], stats=SimpleNamespace(arrival=time.monotonic()),
+                           guide=SimpleNamespace(grammar=object()), slot=0, **kw)
 
 
 def test_the_default_injector_does_nothing(monkeypatch):
@@ -59,5 +60,6 @@ def test_matcher_fault_reaches_the_decoder_inside_a_wrapper(monkeypatch):
     assert isinstance(plain.matchers[0], faults.FaultyMatcher)
     assert isinstance(wrapped.inner.matchers[0], faults.FaultyMatcher)
     unguided = SimpleNamespace(matchers=[None])
-    inj.after_append(SimpleNamespace(fault=faults.Fault("matcher_error"), grammar=None, slot=0), unguided)
+    inj.after_append(SimpleNamespace(fault=faults.Fault("matcher_error"), guide=SimpleNamespace(grammar=None), slot=0),
+                     unguided)
     assert unguided.matchers[0] is None

@@ -1,7 +1,9 @@
 """Imports inside backend_src/specguide go one way, down the layers below, and never in a cycle.
 
 Units are the top-level modules and subpackages. A unit may import only units of a strictly lower
-layer (and its own modules); modules may not import each other in a cycle."""
+layer (and its own modules); modules may not import each other in a cycle. Imports under
+`if TYPE_CHECKING:` never run, so they do not count (a low layer's dataclass may name a type of a
+higher one for its readers and type checkers)."""
 from __future__ import annotations
 
 import ast
@@ -15,6 +17,7 @@ LAYERS = {
     "request": 0, "config": 0, "step_layout": 0, "paths": 0, "progress": 0, "memory": 0, "ipc": 0, "health_probe": 0, "restarts": 0, "supervisor": 1,
     "head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
     # per-request state (Sequence) and small services every layer above reads
+    "sequence_state": 0,  # the non-scheduler parts of a Sequence: plain data (its imports are type-only)
     "faults": 1, "scheduler": 1, "tokenizer": 1, "kv_cache": 1, "sampling": 1,
     "kernels": 2, "slot_sampling": 2, "cuda": 2,  # cuda: host functions, and graphs of any step body
     "models": 3, "token_outputs": 3,
@@ -40,16 +43,28 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`) blocks."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def _edges() -> dict[tuple[str, str], str]:
-    """(importer, imported) -> 'file:line' of the first such import (lazy ones included)."""
+    """(importer, imported) -> 'file:line' of the first such import (lazy ones included, type-only
+    ones left out)."""
     mods = _modules()
     edges: dict[tuple[str, str], str] = {}
     for mod, f in mods.items():
         package = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
         if mod == "":
             package = []
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
-            if not isinstance(node, ast.ImportFrom):
+        tree = ast.parse(f.read_text(), str(f))
+        type_only = _type_only(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or id(node) in type_only:
                 continue
             if node.level == 0:
                 if not (node.module or "").startswith("specguide"):
