@@ -158,6 +158,30 @@ def test_capturable_decoder_matches_the_plain_decoder(service, hf_tokenizer):
         cap.close()
 
 
+
+def test_the_host_confirms_each_commit_once(service, hf_tokenizer):
+    """The stepper hands each commit's counts to the host facade once: waiting for a step whose
+    commit never ran (a step that failed first; on CUDA `begin` marks the commit pending) hands
+    over nothing, so tokens the host already confirmed are not confirmed again."""
+    tok = hf_tokenizer.encode('{"name"', add_special_tokens=False)[0]
+    cap = CapturableGuidedDecoder(GuidedDecoder(4, 3, VOCAB), InlineStream(), torch.device("cpu"))
+    step = cap.stepper
+    try:
+        cap.admit(1, _capital_grammar(service))
+        out = step.out_host.numpy()
+        out[:] = 0
+        out[1, 0] = tok  # batch row 0 (slot 1): no draft accepted, the next token
+        step.begin(GuidedStep(slots=[1], guided=[True]))
+        step.launch_begin()
+        step.launch_commit()
+        step.step_done()
+        assert cap.advance(1, tok) and not cap.advance(1, tok)
+        step.begin(GuidedStep(slots=[1], guided=[True]))  # the next step fails before its commit
+        step._commit_pending, step._commit_ev = True, step.stream.record()  # as `begin` marks it on CUDA
+        assert not cap.advance(1, tok) and cap.num_tokens(1) == 1
+    finally:
+        cap.close()
+
 # ---- the engine: worker / inline executors == plain decoder, token for token -------------------
 
 # name[@backend] ('' = auto: JSON on llguidance, the rest on xgrammar): both backends in one batch

@@ -44,6 +44,7 @@ class GuidedStepper:
         self._commit_ev = self._mask_ev
         self._commit_pending = False
         self._handoff: Optional[dict[int, int]] = None  # the waited commit's counts, not yet taken by the host
+        self._handed: Optional[dict[int, int]] = None  # the worker's counts last handed over
         self.step: Optional[GuidedStep] = None  # the last step begun (its callbacks write its limits)
 
     @property
@@ -154,7 +155,9 @@ class GuidedStepper:
                 torch.cuda.current_stream().synchronize()
                 self.stream.raise_pending()
             self._commit_pending = False
-            self._handoff = self.worker.committed
+            committed = self.worker.committed
+            if committed is not self._handed:  # a commit ran since (a step that failed before it: none did)
+                self._handoff = self._handed = committed
 
     def take_committed(self, wait: bool = True) -> Optional[dict[int, int]]:
         """Slot -> tokens the last commit fed, once per commit (None: nothing new). `wait`: wait
