@@ -108,14 +108,14 @@ def build_prompts(engine: Engine, picked: list[dict]) -> list[list[int]]:
 
 class StepTimers:
     """Per-call wall time of the grammar's mask fill (GuidedDecoder.fill), mask apply
-    (CapturableGuidedDecoder.apply_rows), advance, and of Runner.step ("decode")."""
+    (GuidedStepper.apply_rows), advance, and of Runner.step ("decode")."""
 
     def __init__(self, engine: Engine):
         self.on = False
         self.calls: dict[str, list[tuple[int, float]]] = defaultdict(list)  # name -> [(rows, seconds)]
         g, r = engine.guided, engine.runner
         self._wrap(g.inner, "fill", lambda a: len(a[0]))
-        self._wrap(g, "apply_rows", lambda a: int(a[1].numel()), "apply")
+        self._wrap(g.stepper, "apply_rows", lambda a: int(a[1].numel()), "apply")
         self._wrap(g, "advance", lambda a: 1)
         self._wrap(r, "step", lambda a: len(a[0]), "decode")
 

@@ -26,7 +26,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .guided.capturable import CapturableGuidedDecoder, GuidedStep
+from .guided.capturable import CapturableGuidedDecoder
+from .guided.grammar_worker import GuidedStep
+from .guided.stepper import GuidedStepper
 from .kv_cache import KVCache
 from .models.llama import AttnContext, LlamaModel
 from .sampling import sample
@@ -68,7 +70,7 @@ class StepCore:
     model: LlamaModel
     kv: KVCache
     params: SlotSampling
-    guided: CapturableGuidedDecoder
+    guided: CapturableGuidedDecoder  # which slots are guided; its stepper runs the step's grammar work
     max_seq_len: int
     feature_sink: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = None
     poison: Optional[Callable[[torch.Tensor, list[Sequence]], None]] = None  # injected faults (tests)
@@ -77,13 +79,14 @@ class StepCore:
 
     def __post_init__(self) -> None:
         S, K = self.kv.k.shape[1], self.guided.inner.max_draft_tokens
+        self.grammar: GuidedStepper = self.guided.stepper  # the step protocol: launches, masks, commit
         dev, pin = self.kv.k.device, self.kv.k.device.type == "cuda"
         self.K, self.R = K, self.guided.rows_per_slot
         self.inp_host = StepInputs(torch.zeros(StepInputs.ROWS, S, dtype=torch.int64, pin_memory=pin))
         self.inp = StepInputs(torch.zeros(StepInputs.ROWS, S, dtype=torch.int64, device=dev))
         self.drafts_in = torch.zeros(max(K, 1), S, dtype=torch.int64, device=dev)  # [K, B] host drafts
         self.out = StepOutputs(torch.zeros(StepOutputs.rows(K), S, dtype=torch.int64, device=dev))
-        self.out_host = StepOutputs(self.guided.out_host)  # the grammar callbacks read the drafts and tokens here
+        self.out_host = StepOutputs(self.grammar.out_host)  # the grammar callbacks read the drafts and tokens here
         self._stage_in = StepInputs(self.inp_host.buf.numpy())  # host views of the pinned staging
         self._stage_out = StepOutputs(self.out_host.buf.numpy())
         self.arange = torch.arange(K + 1, device=dev)
@@ -127,24 +130,24 @@ class StepCore:
         self.slot_list = None if key.captured else [s.slot for s in seqs]
         self.extras = (StepExtras(seqs, self.params, self.guided.is_guided, self.poison) if key.extras else None)
         if key.guided or key.pick:
-            self.guided.select_stream(key.captured)
+            self.grammar.select_stream(key.captured)
         if seqs and (key.guided or key.pick):
             slots = [s.slot for s in seqs]
             ks = [len(d) for d in plan.drafts] if key.drafting is Drafting.HOST else list(plan.ks)
-            self.guided.begin(GuidedStep(slots=slots, guided=[self.guided.is_guided(s) for s in slots],
-                                         drafting=key.drafting, ks=ks, picker=plan.picker if key.pick else None))
+            self.grammar.begin(GuidedStep(slots=slots, guided=[self.guided.is_guided(s) for s in slots],
+                                          drafting=key.drafting, ks=ks, picker=plan.picker if key.pick else None))
 
     def finish(self, key: StepKey) -> None:
         """Host waits for the step (GIL released) and for its grammar commit."""
         if self.out.buf.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         if key.guided or key.pick:
-            self.guided.step_done()
+            self.grammar.step_done()
 
     def results(self, seqs: list[Sequence], plan: DraftPlan, key: StepKey) -> list[tuple[list[int], int, int]]:
         """Per row: (tokens to append: accepted drafts + the next token, drafts verified, drafts accepted)."""
         out = StepOutputs(self._stage_out.buf[:, : len(seqs)].tolist())
-        lim = self.guided.limits() if key.guided else []
+        lim = self.grammar.limits() if key.guided else []
         res = []
         for b, s in enumerate(seqs):
             a, nxt = out.accepted[b], out.next[b]
@@ -187,11 +190,11 @@ class StepCore:
     def open(self, key: StepKey) -> None:
         """Grammar stream: fetch the snapshot, fill the first masks (overlapping the forwards)."""
         if key.guided or key.pick:
-            self.guided.launch_begin()
+            self.grammar.launch_begin()
 
     def _draft_loop(self, key: StepKey, last: torch.Tensor, pos0: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """T - 1 greedy drafts [B, T-1]; each masked by its grammar row, fed to the matcher in a callback."""
-        B, g, d = key.batch, self.guided, self.drafter
+        B, g, d = key.batch, self.grammar, self.drafter
         assert d is not None
         masked = key.guided and key.drafting is Drafting.MODEL
         cur = last[:, None]
@@ -231,7 +234,7 @@ class StepCore:
         """Masks, acceptance and the next token from the verification logits [B, T, V]; outputs to
         `out` / `out_host`; the grammar commit."""
         B, T, V = logits.shape
-        g, ex = self.guided, self.extras if key.extras else None
+        g, ex = self.grammar, self.extras if key.extras else None
         slots, counter, num = self.inp.slot[:B], self.inp.counter[:B], self.inp.num[:B]
         if ex is not None:
             ex.before(logits)

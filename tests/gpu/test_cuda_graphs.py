@@ -142,7 +142,8 @@ def test_ten_thousand_replays_with_grammar_callbacks_do_not_hang():
     """A captured step with every grammar callback (fetch, fill, mask copy, apply, commit) replayed
     10,000 times, one snapshot each, while another Python thread competes for the GIL."""
     from specguide.guided import GrammarCompilerService, GuidedDecoder
-    from specguide.guided.capturable import CapturableGuidedDecoder, GuidedStep
+    from specguide.guided.capturable import CapturableGuidedDecoder
+    from specguide.guided.grammar_worker import GuidedStep
     from specguide.models.loader import resolve_model_dir
     from transformers import AutoTokenizer
 
@@ -154,20 +155,21 @@ def test_ten_thousand_replays_with_grammar_callbacks_do_not_hang():
     dev = torch.device("cuda")
     dec = CapturableGuidedDecoder(GuidedDecoder(4, 0, V), hostfunc.CudaHostStream(), dev)
     dec.admit(1, compiled)
-    dec.select_stream(captured=True)
+    step = dec.stepper  # the step protocol; `dec` is the host's per-slot facade
+    step.select_stream(captured=True)
     B = 2
     logits0 = torch.randn(B, V, device=dev)
     out = torch.zeros(2, dec.max_slots, dtype=torch.int64, device=dev)
     rows = torch.tensor([0, 1], device=dev)  # mask rows of slots 0 and 1 (K = 0)
 
     def body():
-        dec.launch_begin()
+        step.launch_begin()
         logits = logits0.clone()
-        dec.apply_rows(logits, rows)
+        step.apply_rows(logits, rows)
         out[1, :B].copy_(logits.argmax(dim=-1))
-        dec.out_host.copy_(out, non_blocking=True)
-        dec.launch_commit()
-        dec.join()
+        step.out_host.copy_(out, non_blocking=True)
+        step.launch_commit()
+        step.join()
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -185,11 +187,11 @@ def test_ten_thousand_replays_with_grammar_callbacks_do_not_hang():
     confirmed = 0
     try:
         for _ in range(10_000):
-            dec.begin(GuidedStep(slots=[0, 1], guided=[False, True]))
+            step.begin(GuidedStep(slots=[0, 1], guided=[False, True]))
             graph.replay()
             torch.cuda.current_stream().synchronize()
-            dec.step_done()
-            t = int(dec.out_host[1, 1])
+            step.step_done()
+            t = int(step.out_host[1, 1])
             if not dec.is_terminated(1):
                 confirmed += dec.advance(1, t)
     finally:

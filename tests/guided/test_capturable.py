@@ -1,7 +1,7 @@
 """Capturable guided decoding on CPU: hostfunc streams and registry, the CapturableGuidedDecoder
-against the plain GuidedDecoder (same masks, limits and matcher states), and the real SmolLM2
-engine with the worker-thread (and inline) executor giving exactly the plain decoder's tokens on
-a mixed batch of guided (JSON schema, regex, EBNF) and unguided requests, with and without
+and its GuidedStepper against the plain GuidedDecoder (same masks, limits and matcher states),
+and the real SmolLM2 engine with the worker-thread (and inline) executor giving exactly the plain
+decoder's tokens on a mixed batch of guided (JSON schema, regex, EBNF) and unguided requests, with and without
 speculation (n-gram and early-exit drafters)."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from specguide.cuda.graphs import StepGraphs
 from specguide.cuda.hostfunc import HostFuncError, InlineStream, WorkerStream
 from specguide.engine import Engine
 from specguide.guided import GuidedDecoder
-from specguide.guided.capturable import NO_LIMIT, CapturableGuidedDecoder, GuidedStep
+from specguide.guided.capturable import CapturableGuidedDecoder
+from specguide.guided.grammar_worker import NO_LIMIT, GuidedStep
 from specguide.request import Request, SamplingParams
 from specguide.step_layout import Drafting
 
@@ -118,7 +119,7 @@ def test_capturable_decoder_matches_the_plain_decoder(service, hf_tokenizer):
     ids = hf_tokenizer.encode(text, add_special_tokens=False)
     plain = GuidedDecoder(4, 3, VOCAB)
     cap = CapturableGuidedDecoder(GuidedDecoder(4, 3, VOCAB), WorkerStream(delay_s=0.002), torch.device("cpu"))
-    R = cap.rows_per_slot
+    R, step = cap.rows_per_slot, cap.stepper  # the host facade and the step protocol it runs on
     try:
         plain.add(1, compiled)
         cap.admit(1, compiled)
@@ -129,23 +130,23 @@ def test_capturable_decoder_matches_the_plain_decoder(service, hf_tokenizer):
             drafts = (ids[pos: pos + 2] + [7]) if pos % 2 else ids[pos: pos + 3]  # a wrong draft sometimes
             fed = plain.fill_verify_rows({1: drafts})
             plain.rollback(1, fed[1])
-            out = cap.out_host.numpy()
+            out = step.out_host.numpy()
             out[:] = 0
             out[2: 2 + len(drafts), 1] = drafts
-            cap.begin(GuidedStep(slots=[0, 1], guided=[False, True], drafting=Drafting.HOST, ks=[0, len(drafts)]))
-            cap.launch_begin()
+            step.begin(GuidedStep(slots=[0, 1], guided=[False, True], drafting=Drafting.HOST, ks=[0, len(drafts)]))
+            step.launch_begin()
             for i in range(fed[1] + 1):
                 a, b = logits.clone(), logits.clone()
                 plain.apply(a[1:], [(1, i)])
-                cap.apply_rows(b, torch.tensor([0 * R + i, 1 * R + i]))
+                step.apply_rows(b, torch.tensor([0 * R + i, 1 * R + i]))
                 assert torch.equal(a[1], b[1]) and torch.equal(b[0], logits[0])
-            assert int(cap.limit_dev[1]) == fed[1] and int(cap.limit_dev[0]) == NO_LIMIT
+            assert int(step.limit_dev[1]) == fed[1] and int(step.limit_dev[0]) == NO_LIMIT
             a = min(fed[1], 1, len(ids) - pos - 1)  # accept up to one draft, then the next token
             emit = ids[pos: pos + a + 1]
             out[0, 1], out[1, 1] = a, emit[-1]
-            cap.launch_commit()
-            cap.step_done()
-            assert cap.limits() == [NO_LIMIT, fed[1]]
+            step.launch_commit()
+            step.step_done()
+            assert step.limits() == [NO_LIMIT, fed[1]]
             for t in emit:
                 assert plain.advance(1, t) and cap.advance(1, t)
                 assert plain.is_terminated(1) == cap.is_terminated(1)
@@ -156,6 +157,30 @@ def test_capturable_decoder_matches_the_plain_decoder(service, hf_tokenizer):
     finally:
         cap.close()
 
+
+
+def test_the_host_confirms_each_commit_once(service, hf_tokenizer):
+    """The stepper hands each commit's counts to the host facade once: waiting for a step whose
+    commit never ran (a step that failed first; on CUDA `begin` marks the commit pending) hands
+    over nothing, so tokens the host already confirmed are not confirmed again."""
+    tok = hf_tokenizer.encode('{"name"', add_special_tokens=False)[0]
+    cap = CapturableGuidedDecoder(GuidedDecoder(4, 3, VOCAB), InlineStream(), torch.device("cpu"))
+    step = cap.stepper
+    try:
+        cap.admit(1, _capital_grammar(service))
+        out = step.out_host.numpy()
+        out[:] = 0
+        out[1, 0] = tok  # batch row 0 (slot 1): no draft accepted, the next token
+        step.begin(GuidedStep(slots=[1], guided=[True]))
+        step.launch_begin()
+        step.launch_commit()
+        step.step_done()
+        assert cap.advance(1, tok) and not cap.advance(1, tok)
+        step.begin(GuidedStep(slots=[1], guided=[True]))  # the next step fails before its commit
+        step._commit_pending, step._commit_ev = True, step.stream.record()  # as `begin` marks it on CUDA
+        assert not cap.advance(1, tok) and cap.num_tokens(1) == 1
+    finally:
+        cap.close()
 
 # ---- the engine: worker / inline executors == plain decoder, token for token -------------------
 
@@ -214,10 +239,10 @@ def plain_engine():
 @pytest.fixture(scope="module")
 def worker_engine():
     eng = _engine(guided_executor="worker")
-    eng.guided.configured.delay_s = 2e-4  # widen any window in which the host reads too early
+    eng.guided.stepper.configured.delay_s = 2e-4  # widen any window in which the host reads too early
     yield eng
     eng.shutdown()
-    assert not eng.guided.configured.thread.is_alive()
+    assert not eng.guided.stepper.configured.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -259,11 +284,11 @@ def test_worker_and_inline_executors_give_the_plain_tokens_with_ngram_speculatio
     assert worker == plain  # same drafts proposed and accepted, not just the same tokens
     assert sum(w[2] for w in worker) > 0 and sum(w[3] for w in worker) > 0
     worker_engine.guided.synchronize()  # then the same engine with callbacks run inline
-    worker_stream, worker_engine.guided.configured = worker_engine.guided.configured, InlineStream()
+    worker_stream, worker_engine.guided.stepper.configured = worker_engine.guided.stepper.configured, InlineStream()
     try:  # shorter: tokens are a prefix of the plain run's
         got = _run(worker_engine, _requests(worker_engine, k_of=lambda i: MIXED_K[i], max_tokens=12))
     finally:
-        worker_engine.guided.configured = worker_stream
+        worker_engine.guided.stepper.configured = worker_stream
     assert _prefix_of(got, plain) and sum(g[3] for g in got) > 0
     for eng in (plain_engine, worker_engine):
         eng.scheduler.check_integrity()
@@ -295,7 +320,7 @@ def test_worker_executor_with_masked_early_exit_drafts(reference):
     kw = dict(drafter="early_exit", draft_layers=20)
     plain, worker = _engine(guided_executor="inline", **kw), _engine(guided_executor="worker", **kw)
     try:
-        worker.guided.configured.delay_s = 2e-4
+        worker.guided.stepper.configured.delay_s = 2e-4
         a = _run(plain, _requests(plain, k_of=lambda i: MIXED_K[i], max_tokens=16))
         b = _run(worker, _requests(worker, k_of=lambda i: MIXED_K[i], max_tokens=16))
         graphs = _dry_run_graphs(worker)  # K draft forwards + verification as one step body

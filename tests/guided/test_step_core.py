@@ -32,7 +32,7 @@ def _engine(drafter: str, head: str, executor: str) -> Engine:
 def test_graph_body_with_worker_callbacks_equals_the_plain_engine(drafter, random_head):
     plain, worker = _engine(drafter, random_head, "inline"), _engine(drafter, random_head, "worker")
     try:
-        worker.guided.configured.delay_s = 2e-4  # widen any window in which the host reads too early
+        worker.guided.stepper.configured.delay_s = 2e-4  # widen any window in which the host reads too early
         graphs = worker.step_graphs = StepGraphs(worker.runner.core)  # CPU: replay runs the body eagerly
         assert plain.drafter == worker.drafter == drafter
         reqs = lambda e: _requests(e, k_of=lambda i: MIXED_K[i], max_tokens=20, sampled=SAMPLED)  # noqa: E731

@@ -168,7 +168,7 @@ class GuidedDecoder:
 
     def apply(self, logits: torch.Tensor, rows: Sequence[Row], d2t: Optional[torch.Tensor] = None) -> None:
         """Mask `logits` [B, V'] in place with mask rows `rows[b]` (host API: tests and tools; the
-        step uses CapturableGuidedDecoder.apply_rows). Unconstrained rows are not touched."""
+        step uses GuidedStepper.apply_rows). Unconstrained rows are not touched."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         idx = [self.row(s, p) for s, p in rows]
         constrained = torch.from_numpy(self.token_mask[idx]).to(logits.device)
