@@ -61,7 +61,7 @@ class EngineConfig:
     # integer path (AVX2, AVX-512, VNNI), else float32
     packed_weights_cache: bool = True  # CPU (C kernels): keep each checkpoint's packed weights (tiles, and
     # for auto / the block formats the quantized blocks) in the model cache ($SPECGUIDE_CACHE_DIR/packed,
-    # one file per checkpoint and format, memory-mapped): a load after the first skips the packing
+    # one file per checkpoint and format): a load after the first reads them instead of packing
     # (~6 s of the default model's ~11.6 s start on 2 cores); false: pack at every load
     device: str = "auto"  # "cpu", "cuda", "auto" (CUDA when present, else CPU)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default

@@ -3,8 +3,13 @@
 Packing (`kernels.pack_weight` / `pack_exact`: 64-wide tiles; for "auto" and the block formats the
 Q4_1 / Q8_0 quantization too) was most of an engine start: ~6 s of ~11.6 s for the default model
 in its served format, ~1 s of ~6.7 s in float32 (2 CPU cores). A cached load reads the packed
-tensors back memory-mapped (`torch.load(mmap=True)`: no copy, pages shared by every process that
-maps the file) and never touches the checkpoint's linear weights (safetensors maps them lazily).
+tensors back (`torch.load(weights_only=True)`, one sequential read: 0.04-0.1 s for the default
+model as served, ~0.5 s in float32) and never touches the checkpoint's linear weights
+(safetensors maps them lazily). NOTE: read, not memory-mapped: on these VMs every page fault is
+costly (mapping then copying the float32 file took ~1.5 s against ~0.5 s read, and the first
+forward over a mapped file paid its faults), and a mapped file's clean pages are dropped by the
+kernel (here DAMON's pageout after ~60 s idle): the next request of an idle server then read
+them back (0.74 s for one decode step, against 8 ms from the process's own memory).
 
 Files: `cache_dir()/packed/<folder name>-<path hash>-<weight_dtype>[-int8act].<key>.pt`, one per
 checkpoint folder and format: writing one removes the other keys of its slot (a checkpoint or code
@@ -94,12 +99,12 @@ class PackedCache:
         self.path = self.dir / f"{self.slot}.{self.key[:16]}.pt"
 
     def load(self, shapes: dict[str, tuple[int, int]]) -> Optional[dict[str, dict]]:
-        """{name: {"format", "packed", "aux"}} for the linears `shapes` names, memory-mapped; None when
+        """{name: {"format", "packed", "aux"}} for the linears `shapes` names; None when
         there is no entry or it is unreadable or does not fit (then packing writes it again)."""
         if not self.path.exists():
             return None
         try:
-            blob = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+            blob = torch.load(self.path, map_location="cpu", weights_only=True)
             if blob.get("version") != VERSION or blob.get("key") != self.key:
                 raise ValueError("another version or key")
             linears = blob["linears"]
@@ -167,7 +172,7 @@ class PackedCache:
             except OSError:
                 pass
         for p in stale:
-            p.unlink(missing_ok=True)  # NOTE: a process that mapped it keeps its pages (unlinked inode)
+            p.unlink(missing_ok=True)  # a process reading it keeps reading the unlinked inode
 
 
 def _own(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
