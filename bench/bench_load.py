@@ -4,8 +4,9 @@
 
 --packed cold: this model's packed-weights cache entry is removed first (the build packs and writes
 it); warm: an entry is made first if missing (in a subprocess), then the build reads it; off:
-packed_weights_cache false (packs, writes nothing). The phases are wall time (time.perf_counter)
-around the functions the build calls, nested ones indented; the packing functions are summed over
+packed_weights_cache false (packs, writes nothing). The phases are wall time (time.perf_counter) and
+the process's CPU time (all its threads: steadier than wall time on a shared machine) around the
+functions the build calls, nested ones indented; the packing functions are summed over
 all their callers (the LM head, the layers, the draft head). Run each configuration in its own
 process: the first build of a process also pays the imports of transformers (under "tokenizer").
 """
@@ -33,6 +34,7 @@ from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as
 
 IMPORT_S = time.perf_counter() - t_start
 TIMES: dict[str, float] = collections.defaultdict(float)
+CPU: dict[str, float] = collections.defaultdict(float)  # process CPU time (all threads): less noisy on a shared machine
 CALLS: collections.Counter = collections.Counter()
 PHASES = [  # (owner, attribute, label): the order they are printed in
     (engine_core, "Tokenizer", "tokenizer (and transformers' imports)"),
@@ -57,11 +59,12 @@ def timed(owner, name: str, label: str) -> None:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         try:
             return fn(*args, **kwargs)
         finally:
             TIMES[label] += time.perf_counter() - t
+            CPU[label] += time.process_time() - c
             CALLS[label] += 1
 
     setattr(owner, name, wrapper)
@@ -86,18 +89,20 @@ def main() -> None:
                         args.activation_dtype, "--packed", "cold"], check=True, capture_output=True)
     for owner, name, label in PHASES:
         timed(owner, name, label)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     engine = Engine(config)
-    total = time.perf_counter() - t
+    total, cpu = time.perf_counter() - t, time.process_time() - c
     print(cpu_header())
     print(f"weight_dtype {args.weight_dtype}, activation_dtype {args.activation_dtype} (integer dot: "
           f"{engine.model.integer_dot}), packed cache {args.packed}, {torch.get_num_threads()} threads")
+    print(f"{'':44s} {'wall':>8s} {'share':>6s} {'CPU':>8s}")
     print(f"{'imports before Engine() (torch, specguide)':44s} {IMPORT_S:6.2f} s")
-    print(f"{'Engine() in all':44s} {total:6.2f} s  100.0%")
+    print(f"{'Engine() in all':44s} {total:6.2f} s {100:5.1f}% {cpu:6.2f} s")
     for _, _, label in PHASES:
         if CALLS[label]:
-            print(f"{label:44s} {TIMES[label]:6.2f} s  {100 * TIMES[label] / total:5.1f}%  ({CALLS[label]} calls)")
-    print(f"{'warmup (one forward)':44s} {engine.warmup_s:6.2f} s  {100 * engine.warmup_s / total:5.1f}%")
+            print(f"{label:44s} {TIMES[label]:6.2f} s {100 * TIMES[label] / total:5.1f}% {CPU[label]:6.2f} s"
+                  f"  ({CALLS[label]} calls)")
+    print(f"{'warmup (one forward)':44s} {engine.warmup_s:6.2f} s {100 * engine.warmup_s / total:5.1f}%")
     print(f"packed cache entry: {entry.path} ({entry.path.stat().st_size / 2**20:.0f} MiB)"
           if entry.path.exists() else "packed cache entry: none")
     engine.shutdown()
