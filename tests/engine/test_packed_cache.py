@@ -158,21 +158,30 @@ def test_a_truncated_or_foreign_file_is_packed_again(checkpoint, cache, packs, c
 
 
 def test_one_entry_per_checkpoint_and_format(checkpoint, tmp_path, cache, packs):
-    """A changed checkpoint (its key) replaces its entry; a checkpoint folder that is gone loses
-    its entries at the next write; so does a crashed writer's temporary file."""
+    """A changed checkpoint (its key) replaces its entry, and the folder's entries no load would read
+    go with it; a checkpoint folder that is gone loses its entries at the next write; so does a
+    crashed writer's temporary file."""
     folder = tmp_path / "copy"
     shutil.copytree(checkpoint, folder)
     load_model(folder, torch.float32, "cpu", "int8", cache=True)
     load_model(folder, torch.float32, "cpu", "float32", cache=True)
     (first,) = cache.glob("*-int8.*.pt")
     assert len(list(cache.glob("*.pt"))) == 2 and len(list(cache.glob("*.source"))) == 1
+    packs.clear()
+    load_model(folder, torch.float32, "cpu", "int8", True, cache=True)  # int8 activations: the same int8 bytes
+    assert not packs and len(list(cache.glob("*.pt"))) == 2
+    (stem,) = (p.stem for p in cache.glob("*.source"))
+    orphans = [cache / f"{stem}-q4_1.0123456789abcdef.pt", cache / f"{stem}-int8-int8act.0123456789abcdef.pt"]
+    for p in orphans:  # an old key of a format not loaded since; a slot name no load makes any more
+        p.write_bytes(b"old")
     weights = folder / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     packs.clear()
     load_model(folder, torch.float32, "cpu", "int8", cache=True)
     assert packs["pack_weight"] > 0  # another key: packed again
     (second,) = cache.glob("*-int8.*.pt")
-    assert second != first and not first.exists() and len(list(cache.glob("*.pt"))) == 2
+    assert second != first and [p.name for p in cache.glob("*.pt")] == [second.name]  # float32's key changed too
+    assert not any(p.exists() for p in orphans)
     crashed = cache / "x.pt.1234.tmp"
     crashed.write_bytes(b"half")
     os.utime(crashed, (0, 0))

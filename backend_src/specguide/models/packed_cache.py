@@ -12,8 +12,9 @@ kernel (here DAMON's pageout after ~60 s idle): the next request of an idle serv
 them back (0.74 s for one decode step, against 8 ms from the process's own memory).
 
 Files: `cache_dir()/packed/<folder name>-<path hash>-<weight_dtype>[-int8act].<key>.pt`, one per
-checkpoint folder and format: writing one removes the other keys of its slot (a checkpoint or code
-change) and every entry whose folder (recorded in `<folder name>-<path hash>.source`) is gone. The
+checkpoint folder and format: writing one removes the folder's entries that no load would read now
+(older keys: a checkpoint or code change) and every entry whose folder (recorded in
+`<folder name>-<path hash>.source`) is gone. The
 key holds what changes the packed bytes: each weight file's path, size and mtime, config.json,
 weight_dtype, integer_dot (EngineConfig.activation_dtype resolved against the build's integer
 path: it picks the integer-dot layouts), this format's VERSION, the packing code (the source of
@@ -25,6 +26,7 @@ Writes go to a temporary file renamed into place, so concurrent servers never re
 an unreadable or inconsistent file (shapes, dtypes, names) is logged and packed again."""
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import logging
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..config import WEIGHT_DTYPES
 from ..paths import cache_dir
 from .linear import InvariantLinear
 
@@ -82,11 +85,18 @@ def _hash(*parts: bytes) -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def _code() -> str:
+    """The packing code's digest (read once per process)."""
+    return _hash(*(p.read_bytes() for p in SOURCES), f"{VERSION}:{torch.__version__}".encode())
+
+
 class PackedCache:
     """The cache entry of one checkpoint folder (its weight `files`) in one format."""
 
     def __init__(self, folder: Path, files: list[Path], weight_dtype: str, integer_dot: bool):
-        self.folder = Path(folder).resolve()
+        integer_dot = integer_dot and weight_dtype in ("auto", *kernels.INT_DOT)  # other formats: the same bytes
+        self.folder, self.files = Path(folder).resolve(), list(files)
         self.dir = cache_dir() / "packed"
         self.stem = f"{self.folder.name}-{_hash(str(self.folder).encode())[:8]}"
         self.slot = f"{self.stem}-{weight_dtype}{'-int8act' if integer_dot else ''}"
@@ -94,8 +104,7 @@ class PackedCache:
         config = self.folder / "config.json"
         self.key = _hash(*(f"{p}:{s.st_size}:{s.st_mtime_ns}".encode() for p, s in stats),
                          config.read_bytes() if config.exists() else b"",
-                         f"{weight_dtype}:{integer_dot}:{VERSION}:{torch.__version__}".encode(),
-                         *(p.read_bytes() for p in SOURCES))
+                         f"{weight_dtype}:{integer_dot}".encode(), _code().encode())
         self.path = self.dir / f"{self.slot}.{self.key[:16]}.pt"
 
     def load(self, shapes: dict[str, tuple[int, int]]) -> Optional[dict[str, dict]]:
@@ -152,11 +161,23 @@ class PackedCache:
         fd, tmp = tempfile.mkstemp(prefix=source.name + ".", suffix=".tmp", dir=self.dir)
         with os.fdopen(fd, "w") as f:
             f.write(str(self.folder))
+        os.chmod(tmp, 0o644)
         os.replace(tmp, source)
 
+    def _current(self, path: Path) -> bool:
+        """Whether `path` (an entry of this folder) is what a load in its format would read now."""
+        fmt, _, act = path.name[len(self.stem) + 1:].split(".")[0].partition("-")
+        if fmt not in WEIGHT_DTYPES or act not in ("", "int8act"):
+            return False
+        return PackedCache(self.folder, self.files, fmt, act == "int8act").path == path
+
     def _evict(self) -> None:
-        """One entry per slot; none for a folder that is gone; no crashed writer's temporary file."""
-        stale = [p for p in self.dir.glob(f"{glob.escape(self.slot)}.*.pt") if p != self.path]
+        """Only current entries of this folder (one per format: a changed checkpoint or packing code
+        leaves none of its old keys); none of a folder that is gone; no crashed writer's temp file."""
+        try:
+            stale = [p for p in self.dir.glob(f"{glob.escape(self.stem)}-*.pt") if not self._current(p)]
+        except OSError:  # the checkpoint changed under us: the next write sorts it out
+            stale = []
         for source in self.dir.glob("*.source"):
             try:
                 gone = not Path(source.read_text()).exists()
