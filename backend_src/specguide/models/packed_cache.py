@@ -112,6 +112,7 @@ class PackedCache:
         there is no entry or it is unreadable or does not fit (then packing writes it again)."""
         if not self.path.exists():
             return None
+        t0 = time.perf_counter()
         try:
             blob = torch.load(self.path, map_location="cpu", weights_only=True)
             if blob.get("version") != VERSION or blob.get("key") != self.key:
@@ -125,6 +126,8 @@ class PackedCache:
             log.warning("specguide: packed weights %s unreadable (%s: %s); packing again",
                         self.path, type(exc).__name__, exc)
             return None
+        log.info("specguide: packed weights read from %s (%.0f MiB, %.2f s)", self.path,
+                 self.path.stat().st_size / 2**20, time.perf_counter() - t0)
         return linears
 
     def save(self, model: nn.Module) -> None:
@@ -137,7 +140,7 @@ class PackedCache:
         blob = {"version": VERSION, "key": self.key,
                 "linears": {name: {"format": m.weight_dtype, "packed": _own(m.packed), "aux": _own(m.scale)}
                             for name, m in linears.items()}}
-        tmp = None
+        tmp, t0 = None, time.perf_counter()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.dir)
@@ -146,6 +149,8 @@ class PackedCache:
             os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users' servers out
             os.replace(tmp, self.path)
             tmp = None
+            log.info("specguide: packed weights written to %s (%.0f MiB, %.2f s)", self.path,
+                     self.path.stat().st_size / 2**20, time.perf_counter() - t0)
             self._record_source()
             self._evict()
         except OSError as exc:
