@@ -4,9 +4,11 @@ wrote it; a broken or foreign file is packed again; one file per checkpoint and 
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,6 +192,17 @@ def test_one_entry_per_checkpoint_and_format(checkpoint, tmp_path, cache, packs)
     entry = packed_cache.PackedCache(checkpoint, [checkpoint / "model.safetensors"], "int8", False)
     assert [p.name for p in cache.glob("*.pt")] == [entry.path.name]
     assert [p.name for p in cache.glob("*.source")] == [f"{entry.stem}.source"] and not crashed.exists()
+
+
+def test_the_checkpoint_file_is_not_left_mapped(checkpoint, cache):
+    """Cold or warm, the model holds copies of what it keeps of the checkpoint: safetensors' mapping
+    of the file ends with the load (it kept every page the packing read resident: the engine's
+    memory was ~500 MiB larger after packing the default model in float32 than after a cached load)."""
+    for _ in range(2):
+        model = load_model(checkpoint, torch.float32, "cpu", "int8", cache=True)
+        gc.collect()
+        assert str(checkpoint / "model.safetensors") not in Path("/proc/self/maps").read_text()
+        assert model.embed.weight.untyped_storage().nbytes() == model.embed.weight.nbytes
 
 
 def test_no_cache_asked_nothing_written(checkpoint, cache, packs):
