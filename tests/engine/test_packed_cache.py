@@ -159,31 +159,43 @@ def test_a_truncated_or_foreign_file_is_packed_again(checkpoint, cache, packs, c
     assert_same_packing(cold, again)
 
 
-def test_one_entry_per_checkpoint_and_format(checkpoint, tmp_path, cache, packs):
-    """A changed checkpoint (its key) replaces its entry, and the folder's entries no load would read
-    go with it; a checkpoint folder that is gone loses its entries at the next write; so does a
-    crashed writer's temporary file."""
+def test_at_most_two_keys_per_checkpoint_and_format(checkpoint, tmp_path, cache, packs):
+    """A changed checkpoint (a new key) keeps the previous key's file, not the one before (the
+    two most recently used stay: two checkouts with different packing code share a cache); names no
+    load makes go; a checkpoint folder that is gone loses its entries at the next write, and so does
+    a crashed writer's temporary file."""
     folder = tmp_path / "copy"
     shutil.copytree(checkpoint, folder)
+    weights = folder / "model.safetensors"
+
+    def int8_entries() -> list[str]:
+        return sorted(p.name for p in cache.glob("*-int8.*.pt"))
+
+    def touch(path, seconds: int) -> None:
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + seconds * 10**9))
+
     load_model(folder, torch.float32, "cpu", "int8", cache=True)
     load_model(folder, torch.float32, "cpu", "float32", cache=True)
-    (first,) = cache.glob("*-int8.*.pt")
+    (first,) = int8_entries()
     assert len(list(cache.glob("*.pt"))) == 2 and len(list(cache.glob("*.source"))) == 1
     packs.clear()
     load_model(folder, torch.float32, "cpu", "int8", True, cache=True)  # int8 activations: the same int8 bytes
     assert not packs and len(list(cache.glob("*.pt"))) == 2
     (stem,) = (p.stem for p in cache.glob("*.source"))
-    orphans = [cache / f"{stem}-q4_1.0123456789abcdef.pt", cache / f"{stem}-int8-int8act.0123456789abcdef.pt"]
-    for p in orphans:  # an old key of a format not loaded since; a slot name no load makes any more
+    orphans = [cache / f"{stem}-int4.0123456789abcdef.pt", cache / f"{stem}-int8-int8act.0123456789abcdef.pt"]
+    for p in orphans:  # names no load makes (no such format; int8 activations do not change int8)
         p.write_bytes(b"old")
-    weights = folder / "model.safetensors"
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    touch(weights, 1)
     packs.clear()
     load_model(folder, torch.float32, "cpu", "int8", cache=True)
     assert packs["pack_weight"] > 0  # another key: packed again
-    (second,) = cache.glob("*-int8.*.pt")
-    assert second != first and [p.name for p in cache.glob("*.pt")] == [second.name]  # float32's key changed too
-    assert not any(p.exists() for p in orphans)
+    (second,) = set(int8_entries()) - {first}
+    assert int8_entries() == sorted([first, second]) and not any(p.exists() for p in orphans)
+    touch(cache / first, -100)  # the older one (mtimes are the use order: a read touches its file)
+    touch(weights, 1)
+    load_model(folder, torch.float32, "cpu", "int8", cache=True)
+    assert first not in int8_entries() and second in int8_entries() and len(int8_entries()) == 2
+    assert len(list(cache.glob("*-float32.*.pt"))) == 1  # another format: its own keys
     crashed = cache / "x.pt.1234.tmp"
     crashed.write_bytes(b"half")
     os.utime(crashed, (0, 0))

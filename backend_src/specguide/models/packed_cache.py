@@ -11,10 +11,12 @@ forward over a mapped file paid its faults), and a mapped file's clean pages are
 kernel (here DAMON's pageout after ~60 s idle): the next request of an idle server then read
 them back (0.74 s for one decode step, against 8 ms from the process's own memory).
 
-Files: `cache_dir()/packed/<folder name>-<path hash>-<weight_dtype>[-int8act].<key>.pt`, one per
-checkpoint folder and format: writing one removes the folder's entries that no load would read now
-(older keys: a checkpoint or code change) and every entry whose folder (recorded in
-`<folder name>-<path hash>.source`) is gone. The
+Files: `cache_dir()/packed/<folder name>-<path hash>-<weight_dtype>[-int8act].<key>.pt`, at most
+KEEP keys per checkpoint folder and format, the most recently used (a read touches its file's mtime):
+a changed checkpoint or packing code leaves one older key behind, so two checkouts whose packing code
+differs can share one cache without each evicting the other's file at every load. A write removes
+the older keys past KEEP and every entry whose folder (recorded in `<folder name>-<path hash>.source`)
+is gone. The
 key holds what changes the packed bytes: each weight file's path, size and mtime, config.json,
 weight_dtype, integer_dot (EngineConfig.activation_dtype resolved against the build's integer
 path: it picks the integer-dot layouts), this format's VERSION, the packing code (the source of
@@ -49,6 +51,8 @@ VERSION = 1  # of what a file holds (bump when the layout of the blob changes)
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE.parent / "kernels" / "__init__.py", HERE / "linear.py", HERE / "loader.py", Path(__file__).resolve())
 STALE_TMP_S = 3600.0  # a temporary file this old is a crashed writer's: removed by the next save
+KEEP = 2  # keys kept per checkpoint folder and format (the most recently used)
+KEY_SUFFIX = len(".0123456789abcdef.pt")
 
 Layout = tuple[tuple[int, ...], torch.dtype]
 
@@ -128,11 +132,15 @@ class PackedCache:
             return None
         log.info("specguide: packed weights read from %s (%.0f MiB, %.2f s)", self.path,
                  self.path.stat().st_size / 2**20, time.perf_counter() - t0)
+        try:
+            os.utime(self.path)  # used: the last to go (_evict)
+        except OSError:
+            pass
         return linears
 
     def save(self, model: nn.Module) -> None:
         """Write the packed linears of a finalized `model` (temporary file, then renamed into place),
-        then evict the slot's other keys and the entries of folders that are gone. Never raises: a
+        then evict the folder's keys past KEEP and the entries of folders that are gone. Never raises: a
         read-only or full cache costs the next load its packing, nothing else."""
         linears = {name: m for name, m in model.named_modules() if isinstance(m, InvariantLinear)}
         if set(linears) != set(linear_shapes(model)):
@@ -169,20 +177,23 @@ class PackedCache:
         os.chmod(tmp, 0o644)
         os.replace(tmp, source)
 
-    def _current(self, path: Path) -> bool:
-        """Whether `path` (an entry of this folder) is what a load in its format would read now."""
-        fmt, _, act = path.name[len(self.stem) + 1:].split(".")[0].partition("-")
-        if fmt not in WEIGHT_DTYPES or act not in ("", "int8act"):
-            return False
-        return PackedCache(self.folder, self.files, fmt, act == "int8act").path == path
-
     def _evict(self) -> None:
-        """Only current entries of this folder (one per format: a changed checkpoint or packing code
-        leaves none of its old keys); none of a folder that is gone; no crashed writer's temp file."""
-        try:
-            stale = [p for p in self.dir.glob(f"{glob.escape(self.stem)}-*.pt") if not self._current(p)]
-        except OSError:  # the checkpoint changed under us: the next write sorts it out
-            stale = []
+        """At most KEEP keys per format of this folder, the most recently used (names no load makes
+        go too); none of a folder that is gone; no crashed writer's temporary file."""
+        slots: dict[str, list[tuple[float, Path]]] = {}
+        stale: list[Path] = []
+        for p in self.dir.glob(f"{glob.escape(self.stem)}-*.pt"):
+            fmt, _, act = p.name[len(self.stem) + 1: -KEY_SUFFIX].partition("-")
+            try:
+                if fmt in WEIGHT_DTYPES and (act == "" or (act == "int8act" and fmt in ("auto", *kernels.INT_DOT))):
+                    slots.setdefault(p.name[:-KEY_SUFFIX], []).append((p.stat().st_mtime, p))
+                else:
+                    stale.append(p)
+            except OSError:  # removed meanwhile
+                pass
+        for entries in slots.values():
+            entries.sort(key=lambda e: (e[1] == self.path, e[0]), reverse=True)  # ours first, then newest
+            stale += [p for _, p in entries[KEEP:]]
         for source in self.dir.glob("*.source"):
             try:
                 gone = not Path(source.read_text()).exists()
