@@ -59,6 +59,10 @@ class EngineConfig:
     # kernels, logits within ~0.5% of float32's; still batch-invariant); "float32": weights widened to
     # fp32, the float32 model's logits bit for bit; "auto": int8 where the kernel build has a vector
     # integer path (AVX2, AVX-512, VNNI), else float32
+    packed_weights_cache: bool = True  # CPU (C kernels): keep each checkpoint's packed weights (tiles, and
+    # for auto / the block formats the quantized blocks) in the model cache ($SPECGUIDE_CACHE_DIR/packed,
+    # one file per checkpoint and format): a load after the first reads them instead of packing
+    # (~6 s of the default model's ~11.6 s start on 2 cores); false: pack at every load
     device: str = "auto"  # "cpu", "cuda", "auto" (CUDA when present, else CPU)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU (set here for

@@ -61,7 +61,8 @@ class EngineCore:
         folder = self.model_dir = resolve_model_dir(config.model_dir, config.gguf_file)
         self.tokenizer = Tokenizer(folder)
         self.model = load_model(folder, DTYPES[config.dtype], str(self.device), config.weight_dtype,
-                                self.device.type == "cpu" and kernels.use_integer_dot(config.activation_dtype))
+                                self.device.type == "cpu" and kernels.use_integer_dot(config.activation_dtype),
+                                config.packed_weights_cache)
         if self.model.integer_dot:
             log.info("specguide: block-format weights x int8 activations (%s integer dot products)",
                      kernels.integer_dot_path())

@@ -67,6 +67,17 @@ class InvariantLinear(nn.Module):
             self.packed, self.scale = kernels.pack_weight(weight.detach(), self.weight_dtype)
         self.bias = None if bias is None else bias.detach()
 
+    @classmethod
+    def from_packed(cls, weight_dtype: str, packed: torch.Tensor, scale: Optional[torch.Tensor],
+                    bias: Optional[torch.Tensor], out_features: int, in_features: int) -> "InvariantLinear":
+        """The layer over weights packed already (`weight_dtype` the format they are in: packed_cache.py)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = out_features, in_features
+        self.weight_dtype, self.packed, self.scale = weight_dtype, packed, scale
+        self.bias = None if bias is None else bias.detach()
+        return self
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)

@@ -310,12 +310,14 @@ class LlamaModel(nn.Module):
     def finalize(self, weight_dtype: str = "float32", integer_dot: bool = False) -> None:
         """After weights are loaded and placed: build the LM head and pack CPU linears, their
         weights held in `weight_dtype` (bf16 / int8: weight-only quantization, CPU kernels only);
-        `integer_dot`: block-format weights times int8 activations (models/linear.py)."""
+        `integer_dot`: block-format weights times int8 activations (models/linear.py). Linears packed
+        already (read from the packed-weights cache: packed_cache.install) stay as they are."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         self.head_weight = w  # [vocab, hidden]: kept for draft heads that share (rows of) the LM head
         self.weight_dtype = weight_dtype
         self.integer_dot = integer_dot
-        self.head = make_head(w, weight_dtype, integer_dot)
+        if not isinstance(getattr(self, "head", None), InvariantLinear):
+            self.head = make_head(w, weight_dtype, integer_dot)
         self.lm_head = None
         if w.device.type == "cpu":
             prepare_linears(self.layers, weight_dtype, integer_dot)

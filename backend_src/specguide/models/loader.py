@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from .. import kernels
 from ..paths import cache_dir
 from ..progress import Progress
-from . import gemma
+from . import gemma, packed_cache
 from .default_model import convert_gguf, prepare_default_model
 from .llama import LlamaModel, ModelConfig
 
@@ -34,9 +36,11 @@ def resolve_model_dir(model_dir: str = "", gguf_file: str = "") -> Path:
 
 
 def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               weight_dtype: str = "float32", integer_dot: bool = False) -> LlamaModel:
+               weight_dtype: str = "float32", integer_dot: bool = False, cache: bool = False) -> LlamaModel:
     """Build a LlamaModel from an HF folder, fusing q|k|v and gate|up; linear weights held in
-    `weight_dtype`, block formats in integer dot products with `integer_dot` (see `LlamaModel.finalize`)."""
+    `weight_dtype`, block formats in integer dot products with `integer_dot` (see `LlamaModel.finalize`).
+    `cache`: the C kernels' packed weights are read from the packed-weights cache, or packed and
+    written there (packed_cache.py; CPU, float32, C kernels built: elsewhere nothing is packed so)."""
     from transformers import AutoConfig
 
     folder = Path(folder)
@@ -70,14 +74,41 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     with torch.device("meta"):
         model = LlamaModel(cfg, torch.zeros(cfg.head_dim // 2), scaling,
                            None if local is None else (torch.zeros(cfg.head_dim // 2), local[1]))
-    model.load_state_dict(_remap(state, cfg, hf.model_type in gemma.GEMMA), strict=True, assign=True)
+    store = (packed_cache.PackedCache(folder, files, weight_dtype, integer_dot)
+             if cache and device == "cpu" and dtype == torch.float32 and kernels.library() is not None else None)
+    packed = None if store is None else store.load(packed_cache.linear_shapes(model))
+    # NOTE: safetensors maps the files lazily: with the packed weights cached, the linears' are never read
+    tensors = _remap(state, cfg, hf.model_type in gemma.GEMMA, linears=packed is None)
+    keys = model.load_state_dict(tensors, strict=packed is None, assign=True)
+    if packed is not None:
+        packed_cache.install(model, packed, keys.missing_keys + keys.unexpected_keys)
     model.inv_freq = inv_freq.float()
     if local is not None:
         model.inv_freq_local = local[0].float()
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    _own_memory(model, tensors)
     model.finalize(weight_dtype, integer_dot)
+    if store is not None and packed is None:
+        store.save(model)
     model.eos_token_ids = eos_token_ids(folder, top, hf)
     return model
+
+
+PACKED = re.compile(r"layers\.\d+\.(qkv|o|gate_up|down)\.weight")  # replaced by their packed form in finalize
+
+
+def _own_memory(model: LlamaModel, loaded: dict[str, torch.Tensor]) -> None:
+    """Copy the tensors `.to()` left as loaded (CPU, the checkpoint's dtype), but the layers' linear
+    weights (packed, then dropped): they still map the checkpoint file (safetensors' mmap), which
+    then stayed mapped with every page the load read, the linears' too: ~500 MiB more resident
+    (file) memory after a load that packs the default model in float32 than after one that reads
+    the packed-weights cache. With its own copies the engine holds the same memory either way and
+    the file is unmapped when the load returns (a page the kernel dropped from a mapping is read
+    back from disk at its next use, e.g. on the first request after an idle spell)."""
+    mapped = {t.data_ptr() for t in loaded.values() if t.device.type == "cpu"}
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        if p is not None and p.device.type == "cpu" and p.data_ptr() in mapped and not PACKED.fullmatch(name):
+            p.data = p.data.clone()
 
 
 def cpu_bf16_matmuls() -> bool:
@@ -130,7 +161,10 @@ def _rope(hf, head_dim: int, layer_type: str | None) -> tuple[torch.Tensor, floa
     return ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", **({"layer_type": layer_type} if layer_type else {}))
 
 
-def _remap(state: dict[str, torch.Tensor], cfg: ModelConfig, norm_plus_one: bool = False) -> dict[str, torch.Tensor]:
+def _remap(state: dict[str, torch.Tensor], cfg: ModelConfig, norm_plus_one: bool = False,
+           linears: bool = True) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under LlamaModel's names (q|k|v and gate|up fused); `linears` False
+    leaves the layers' linear weights out (read from the packed-weights cache instead)."""
     m = gemma.weight_prefix(state)
     head = "language_model.lm_head.weight" if m.startswith("language_model.") else "lm_head.weight"
     out: dict[str, torch.Tensor] = {"embed.weight": state[m + "embed_tokens.weight"], "norm": state[m + "norm.weight"]}
@@ -146,15 +180,17 @@ def _remap(state: dict[str, torch.Tensor], cfg: ModelConfig, norm_plus_one: bool
             out[f"layers.{i}.mlp_out_norm"] = state[p + "post_feedforward_layernorm.weight"]
         else:
             out[f"layers.{i}.post_norm"] = state[p + "post_attention_layernorm.weight"]
-        if a + "qkv_proj.weight" in state:  # Phi-3: fused in the checkpoint already
-            out[f"layers.{i}.qkv.weight"] = state[a + "qkv_proj.weight"]
-        else:
-            out[f"layers.{i}.qkv.weight"] = torch.cat([state[a + f"{n}_proj.weight"] for n in "qkv"])
         if cfg.qkv_bias:
             out[f"layers.{i}.qkv.bias"] = torch.cat([state[a + f"{n}_proj.bias"] for n in "qkv"])
         if cfg.qk_norm:
             out[f"layers.{i}.q_norm"] = state[a + "q_norm.weight"]
             out[f"layers.{i}.k_norm"] = state[a + "k_norm.weight"]
+        if not linears:
+            continue
+        if a + "qkv_proj.weight" in state:  # Phi-3: fused in the checkpoint already
+            out[f"layers.{i}.qkv.weight"] = state[a + "qkv_proj.weight"]
+        else:
+            out[f"layers.{i}.qkv.weight"] = torch.cat([state[a + f"{n}_proj.weight"] for n in "qkv"])
         out[f"layers.{i}.o.weight"] = state[a + "o_proj.weight"]
         if p + "mlp.gate_up_proj.weight" in state:  # Phi-3: gate|up fused, gate first
             out[f"layers.{i}.gate_up.weight"] = state[p + "mlp.gate_up_proj.weight"]

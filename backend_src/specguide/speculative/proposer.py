@@ -52,7 +52,7 @@ class Proposer(SlotOwner):
         self.early_exit = EarlyExitDrafter(model, kv, config.draft_layers) if config.drafter == "early_exit" else None
         if config.drafter == "draft_model" and K:
             dm = load_model(resolve_model_dir(config.draft_model_dir), dtype, str(device), config.weight_dtype,
-                            getattr(model, "integer_dot", False))
+                            getattr(model, "integer_dot", False), config.packed_weights_cache)
             if dm.cfg.vocab_size != model.cfg.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the "
                                  f"target's ({model.cfg.vocab_size}); it must share the tokenizer")
