@@ -36,7 +36,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import IO, Callable, Optional
 
 import torch
 from torch import nn
@@ -99,7 +99,7 @@ class PackedCache:
     """The cache entry of one checkpoint folder (its weight `files`) in one format."""
 
     def __init__(self, folder: Path, files: list[Path], weight_dtype: str, integer_dot: bool):
-        integer_dot = integer_dot and weight_dtype in ("auto", *kernels.INT_DOT)  # other formats: the same bytes
+        integer_dot = integer_dot and _int8_layouts(weight_dtype)  # other formats: the same bytes
         self.folder, self.files = Path(folder).resolve(), list(files)
         self.dir = cache_dir() / "packed"
         self.stem = f"{self.folder.name}-{_hash(str(self.folder).encode())[:8]}"
@@ -148,34 +148,22 @@ class PackedCache:
         blob = {"version": VERSION, "key": self.key,
                 "linears": {name: {"format": m.weight_dtype, "packed": _own(m.packed), "aux": _own(m.scale)}
                             for name, m in linears.items()}}
-        tmp, t0 = None, time.perf_counter()
+        t0 = time.perf_counter()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.dir)
-            with os.fdopen(fd, "wb") as f:
-                torch.save(blob, f)
-            os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users' servers out
-            os.replace(tmp, self.path)
-            tmp = None
+            _write_atomic(self.path, lambda f: torch.save(blob, f))
             log.info("specguide: packed weights written to %s (%.0f MiB, %.2f s)", self.path,
                      self.path.stat().st_size / 2**20, time.perf_counter() - t0)
             self._record_source()
             self._evict()
         except OSError as exc:
             log.warning("specguide: packed weights not cached (%s: %s)", type(exc).__name__, exc)
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
 
     def _record_source(self) -> None:
         source = self.dir / f"{self.stem}.source"
         if source.exists() and source.read_text() == str(self.folder):
             return
-        fd, tmp = tempfile.mkstemp(prefix=source.name + ".", suffix=".tmp", dir=self.dir)
-        with os.fdopen(fd, "w") as f:
-            f.write(str(self.folder))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, source)
+        _write_atomic(source, lambda f: f.write(str(self.folder).encode()))
 
     def _evict(self) -> None:
         """At most KEEP keys per format of this folder, the most recently used (names no load makes
@@ -185,7 +173,7 @@ class PackedCache:
         for p in self.dir.glob(f"{glob.escape(self.stem)}-*.pt"):
             fmt, _, act = p.name[len(self.stem) + 1: -KEY_SUFFIX].partition("-")
             try:
-                if fmt in WEIGHT_DTYPES and (act == "" or (act == "int8act" and fmt in ("auto", *kernels.INT_DOT))):
+                if fmt in WEIGHT_DTYPES and (act == "" or (act == "int8act" and _int8_layouts(fmt))):
                     slots.setdefault(p.name[:-KEY_SUFFIX], []).append((p.stat().st_mtime, p))
                 else:
                     stale.append(p)
@@ -210,6 +198,26 @@ class PackedCache:
                 pass
         for p in stale:
             p.unlink(missing_ok=True)  # a process reading it keeps reading the unlinked inode
+
+
+def _int8_layouts(weight_dtype: str) -> bool:
+    """Whether int8 activations change this format's packed layout (its file name says `-int8act`)."""
+    return weight_dtype in ("auto", *kernels.INT_DOT)
+
+
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """`write(f)` into a temporary file beside `path`, then renamed onto it: a reader sees the old
+    file or the whole new one. Readable by all (mkstemp's 0600 would keep other users' servers out);
+    a failed write leaves no temporary file."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _own(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
