@@ -7,7 +7,8 @@ checked by running this file under its SPECGUIDE_KERNEL_MARCH (tests/unit/test_k
 runs every build this CPU can execute). Prints "ok" when every check holds, else raises:
 - GEMV: a row's bits do not depend on the other rows of the call, for every weight format; the
   block formats (q4_1, q8_0) give the fp32 kernel's bits on their dequantized weights, and their
-  integer-dot variants (int8 activations: q4_1_q8, q8_0_q8) stay close to them;
+  integer-dot variants (int8 activations: q4_1_q8, q8_0_q8) stay close to them, and give the
+  reference arithmetic's result with their integer sums at the largest;
 - attention: any chunk split of a prompt gives the same outputs and K/V (window, soft cap);
 - whole models (random weights, real layer shapes: SmolLM2's attention geometry in q4_1 as the
   default model is served, and a Gemma 2 layer pair in fp32 / q8_0; each with its block formats widened and
@@ -45,6 +46,29 @@ def check_gemv(g: torch.Generator) -> None:
                 assert torch.equal(got, full[lo:hi]), (fmt, O, I, lo, hi)
                 if ref is not None:
                     assert torch.equal(got, kernels.gemv(x[lo:hi], ref, None, O, r[lo:hi])), (fmt, O, I, lo, hi)
+
+
+def check_int_dot_extremes(g: torch.Generator) -> None:
+    """The integer sums at their largest (every |xq| = 127, Q4_1 nibbles 0 and 15, Q8_0 +-127): the
+    reference arithmetic's result to fp32 rounding. The maddubs path sums Q4_1 blocks in int16
+    (at most 8 x 2 x 15 x 127 = 30480 a lane): an overflow there would show here."""
+    O, I = 130, 576
+    sign = torch.where(torch.rand(O, I, generator=g) < 0.5, -1.0, 1.0)
+    W = sign * torch.where(torch.rand(O, I, generator=g) < 0.9, 1.0, 0.999)
+    W[:, ::32] = -sign[:, ::32]  # each block spans [-1, 1]: Q4_1 q in {0, 15}, Q8_0 q = +-127
+    W[::2] = W[::2].abs()  # and rows of one sign: all-15 nibbles
+    x = torch.where(torch.rand(6, I, generator=g) < 0.5, -2.0, 2.0)
+    x[::2] = 2.0  # xq = +-127 everywhere, rows of one sign too
+    for fmt in kernels.INT_DOT.values():
+        packed, aux = kernels.pack_weight(W, fmt)
+        B, blocks = x.shape[0], x.double().reshape(x.shape[0], I // 32, 32)
+        amax = blocks.abs().amax(-1, keepdim=True)
+        xq = torch.round(blocks * 127 / amax).clamp(-127, 127)
+        want = (xq * amax / 127).reshape(B, I) @ kernels.dequantized(W, fmt).double().t()
+        got = kernels.gemv(x, packed, aux, O).double()
+        assert torch.allclose(got, want, atol=1e-3, rtol=1e-5), (fmt, (got - want).abs().max())
+        for lo, hi in ((0, 1), (1, 2), (0, 6)):
+            assert torch.equal(kernels.gemv(x[lo:hi], packed, aux, O).double(), got[lo:hi]), (fmt, lo, hi)
 
 
 def check_attention(g: torch.Generator) -> None:
@@ -151,6 +175,7 @@ def main() -> None:
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(3)
     check_gemv(g)
+    check_int_dot_extremes(g)
     check_attention(g)
     with tempfile.TemporaryDirectory() as tmp:
         for path in make_models(Path(tmp)).values():

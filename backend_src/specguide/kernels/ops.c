@@ -517,72 +517,144 @@ static inline __attribute__((always_inline)) vi32 abs8(vi32 w) {
 }
 
 typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
+typedef int16_t vp16 __attribute__((vector_size(VW * 4))); /* a full register of int16 pairs */
 
-/* Up to RB rows of the quantized x over one integer-kind tile (as tile_rows_blk, integer sums per
-   block folded into fp32 per row). */
-static inline __attribute__((always_inline)) void tile_rows_q(int kind, const qact_t *qa, int nb, const char *wt,
+/* NOTE: registers. A pass keeps, per row, QNS fp32 accumulators and QNS integer block sums live;
+ * a pass over the whole 64-output tile (RB 4 x NV vectors x 2) spilled to the stack on every ISA
+ * (593 stack references in the AVX2 build's Q4_1 kernel). So the integer kernels run QNS vectors
+ * of the tile and QRB rows per pass: the tile's weights (18-48 KB) come from L1/L2 after the first
+ * pass. Which vectors and rows share a pass never changes a sum. */
+#if VW == 8
+#ifndef QNS
+#define QNS 2 /* vectors per pass: a Q4_1 load's low and high nibbles (vectors c and c + NV/2) */
+#endif
+#else
+#undef QNS
+#define QNS NV /* AVX-512 (32 registers) and the portable path: the whole tile (faster there) */
+#endif
+#ifndef QRB
+#define QRB 4 /* rows per pass (AVX2: 4 x 2 x 2 accumulators spill some, and still beat 2 or 3 rows) */
+#endif
+
+/* The int32 sums of one block, from the int16 sums of its maddubs pairs (Q4_1 on the maddubs path:
+   |pair| <= 2 * 15 * 127, so 8 groups sum to at most 30480: no int16 overflow, exact). */
+static inline __attribute__((always_inline)) vi32 widen16(vp16 s) {
+#if defined(IDOT_MADD) && VW == 16
+    return (vi32)_mm512_madd_epi16((__m512i)s, _mm512_set1_epi16(1));
+#elif defined(IDOT_MADD)
+    return (vi32)_mm256_madd_epi16((__m256i)s, _mm256_set1_epi16(1));
+#else
+    (void)s;
+    return (vi32){0};
+#endif
+}
+
+static inline __attribute__((always_inline)) vp16 maddubs16(vi32 u, vi32 s) {
+#if defined(IDOT_MADD) && VW == 16
+    return (vp16)_mm512_maddubs_epi16((__m512i)u, (__m512i)s);
+#elif defined(IDOT_MADD)
+    return (vp16)_mm256_maddubs_epi16((__m256i)u, (__m256i)s);
+#else
+    (void)u, (void)s;
+    return (vp16){0};
+#endif
+}
+
+#if defined(IDOT_MADD)
+#define Q4_SUM16 1 /* Q4_1 block sums in int16 (one madd per block instead of one per 4 inputs) */
+#else
+#define Q4_SUM16 0
+#endif
+
+/* y[row, o] (+ r) for one vector v of tile t (element by element in a partial last tile). */
+static inline __attribute__((always_inline)) void store_vec(vf a, const float *r, float *y, int64_t row, int t,
+                                                            int v, int O) {
+    const int64_t base = row * O + t * TILE + v * VW;
+    if ((t + 1) * TILE <= O) {
+        if (r) a += load(r + base);
+        memcpy(y + base, &a, sizeof a);
+        return;
+    }
+    for (int j = 0; j < VW; j++) {
+        if (t * TILE + v * VW + j >= O) break;
+        y[base + j] = r ? a[j] + r[base + j] : a[j];
+    }
+}
+
+/* Up to QRB rows of the quantized x over QNS vectors of one integer-kind tile, pass p (vectors p
+   and p + NV/2 when QNS is 2, else p): integer sums per block folded into fp32 per row, in block
+   order. */
+static inline __attribute__((always_inline)) void tile_pass_q(int kind, const qact_t *qa, int nb, const char *wt,
                                                                const uint16_t *aux, const float *r, float *y,
-                                                               int t, int b, int I, int O) {
+                                                               int t, int b, int I, int O, int p, const int ns,
+                                                               const int rb) {
     const int q4 = kind == W_Q4_1_Q8, nblk = I / QBLK;
     const int64_t gbytes = q4 ? TILE * GRP / 2 : TILE * GRP; /* bytes per group of 4 inputs */
-    vf acc[RB][NV];
-    zero_acc(acc);
+    int vv[NV]; /* the tile vectors of this pass: ns / 2 loads' low and high nibbles (Q4_1) */
+    for (int s = 0; s < ns; s++) vv[s] = ns == 1 ? p : p * (ns / 2) + s % (ns / 2) + (s / (ns / 2)) * (NV / 2);
+    vf acc[QRB][NV];
+    for (int k = 0; k < rb; k++)
+        for (int s = 0; s < ns; s++) acc[k][s] = (vf){0};
     for (int64_t blk = 0; blk < nblk; blk++) {
-        prefetch_blk(q4 ? W_Q4_1 : W_Q8_0, wt, aux, blk);
-        vi32 isum[RB][NV];
-        for (int k = 0; k < RB; k++)
-            for (int v = 0; v < NV; v++) isum[k][v] = (vi32){0};
+        if (p == 0) prefetch_blk(q4 ? W_Q4_1 : W_Q8_0, wt, aux, blk);
+        vi32 isum[QRB][NV];
+        vp16 hsum[QRB][NV];
+        for (int k = 0; k < rb; k++)
+            for (int s = 0; s < ns; s++) isum[k][s] = (vi32){0}, hsum[k][s] = (vp16){0};
         for (int g = 0; g < QBLK / GRP; g++) {
             const char *wg = wt + (blk * (QBLK / GRP) + g) * gbytes;
             vi32 w[NV], aw[NV];
-            if (q4) {
-                for (int c = 0; c < NV / 2; c++) {
-                    const vi32 raw = ld32(wg + (int64_t)c * VW * 4);
-                    w[c] = raw & 0x0F0F0F0F;
-                    w[c + NV / 2] = (vi32)((vu32)raw >> 4) & 0x0F0F0F0F;
-                }
-            } else {
-                for (int v = 0; v < NV; v++) {
-                    w[v] = ld32(wg + (int64_t)v * VW * 4);
-                    aw[v] = abs8(w[v]);
+            for (int s = 0; s < ns; s++) {
+                if (q4) {
+                    const vi32 raw = ld32(wg + (int64_t)(vv[s] % (NV / 2)) * VW * 4);
+                    w[s] = (vv[s] < NV / 2 ? raw : (vi32)((vu32)raw >> 4)) & 0x0F0F0F0F;
+                } else {
+                    w[s] = ld32(wg + (int64_t)vv[s] * VW * 4);
+                    aw[s] = abs8(w[s]);
                 }
             }
             const int8_t *xg = qa->q + (int64_t)b * I + blk * QBLK + g * GRP;
-            for (int k = 0; k < RB; k++) {
+            for (int k = 0; k < rb; k++) {
                 if (k >= nb) break;
                 const vi32 xb = bcast4(xg + (int64_t)k * I);
-                for (int v = 0; v < NV; v++)
-                    isum[k][v] = q4 ? dot_us(isum[k][v], w[v], xb) : dot_ss(isum[k][v], w[v], aw[v], xb);
+                for (int s = 0; s < ns; s++) {
+                    if (q4 && Q4_SUM16) hsum[k][s] += maddubs16(w[s], xb);
+                    else isum[k][s] = q4 ? dot_us(isum[k][s], w[s], xb) : dot_ss(isum[k][s], w[s], aw[s], xb);
+                }
             }
         }
         /* fold: acc += (d * dx) * isum (+ m * sx) */
         const uint16_t *bd = aux + blk * 2 * TILE;
         vf d[NV], m[NV];
         vi32 corr[NV];
-        for (int v = 0; v < NV; v++) {
-            d[v] = load_h(bd + v * VW);
-            corr[v] = (vi32){0};
+        for (int s = 0; s < ns; s++) {
+            d[s] = load_h(bd + vv[s] * VW);
+            corr[s] = (vi32){0};
             if (q4) {
-                m[v] = load_h(bd + TILE + v * VW);
+                m[s] = load_h(bd + TILE + vv[s] * VW);
             } else {
 #if defined(IDOT_VNNI)
                 vi16 ws; /* the block's sum of q */
-                memcpy(&ws, bd + TILE + v * VW, sizeof ws);
-                corr[v] = __builtin_convertvector(ws, vi32) * 128;
+                memcpy(&ws, bd + TILE + vv[s] * VW, sizeof ws);
+                corr[s] = __builtin_convertvector(ws, vi32) * 128;
 #endif
             }
         }
-        for (int k = 0; k < nb; k++) {
+        for (int k = 0; k < rb; k++) {
+            if (k >= nb) break;
             const int64_t row = (int64_t)(b + k) * nblk + blk;
             const vf dx = splat(qa->d[row]);
-            for (int v = 0; v < NV; v++) {
-                const vi32 s = q4 ? isum[k][v] : isum[k][v] - corr[v];
-                acc[k][v] = vfma(i32_to_f(s), d[v] * dx, acc[k][v]);
-                if (q4) acc[k][v] = vfma(m[v], splat(qa->s[row]), acc[k][v]);
+            for (int s = 0; s < ns; s++) {
+                const vi32 sum = q4 ? (Q4_SUM16 ? widen16(hsum[k][s]) : isum[k][s]) : isum[k][s] - corr[s];
+                acc[k][s] = vfma(i32_to_f(sum), d[s] * dx, acc[k][s]);
+                if (q4) acc[k][s] = vfma(m[s], splat(qa->s[row]), acc[k][s]);
             }
         }
     }
-    store_rows(acc, nb, NULL, r, y, t, b, O);
+    for (int k = 0; k < rb; k++) {
+        if (k >= nb) break;
+        for (int s = 0; s < ns; s++) store_vec(acc[k][s], r, y, b + k, t, vv[s], O);
+    }
 }
 
 static inline __attribute__((always_inline)) void tile_all_q(int kind, const qact_t *qa, const void *Wp,
@@ -590,7 +662,13 @@ static inline __attribute__((always_inline)) void tile_all_q(int kind, const qac
                                                               int t, int B, int I, int O) {
     const char *wt = (const char *)Wp + (int64_t)t * I * (kind == W_Q4_1_Q8 ? TILE / 2 : TILE);
     const uint16_t *at = aux + (int64_t)t * (I / QBLK) * 2 * TILE;
-    for (int b = 0; b < B; b += RB) tile_rows_q(kind, qa, B - b < RB ? B - b : RB, wt, at, r, y, t, b, I, O);
+    if (B == 1) {  /* a decode step's GEMV: the whole tile in one pass */
+        tile_pass_q(kind, qa, 1, wt, at, r, y, t, 0, I, O, 0, NV, 1);
+        return;
+    }
+    for (int b = 0; b < B; b += QRB)
+        for (int p = 0; p < NV / QNS; p++)
+            tile_pass_q(kind, qa, B - b < QRB ? B - b : QRB, wt, at, r, y, t, b, I, O, p, QNS, QRB);
 }
 
 static void tile_q4_1_q8(const float *x, const qact_t *qa, const void *Wp, float *buf, const void *aux,
