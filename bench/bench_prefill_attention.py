@@ -54,7 +54,9 @@ def main() -> None:
     model = load_model(resolve_model_dir(), torch.float32, "cpu", args.weight_dtype)
     assert model.invariant_attention, "the C kernels are unavailable"
     cfg = model.cfg
-    kv = KVCache(cfg.num_layers, 8, cfg.num_kv_heads, 2048, cfg.head_dim, torch.float32)
+    # the SDPA path needs torch's cache layout, the kernel its own
+    caches = {kernel: KVCache(cfg.num_layers, 8, cfg.num_kv_heads, 2048, cfg.head_dim, torch.float32,
+                              kernel_layout=kernel) for kernel in (False, True)}
     g = torch.Generator().manual_seed(0)
     rows = []
     print(f"weights {args.weight_dtype}, {torch.get_num_threads()} threads; seconds: median (best) of {args.repeats}")
@@ -68,7 +70,7 @@ def main() -> None:
             for _ in range(args.repeats + 1):  # the first round warms up
                 for kernel in (False, True):
                     model.invariant_prefill = kernel
-                    t, logits[kernel] = prefill(model, kv, ids, chunk)
+                    t, logits[kernel] = prefill(model, caches[kernel], ids, chunk)
                     times[kernel].append(t)
             model.invariant_prefill = True
             sdpa, kern = (times[k][1:] for k in (False, True))

@@ -13,6 +13,7 @@ run's tokens are checked against the speculation-off run (identical: greedy is l
 `--weight-dtypes`: the whole matrix once per CPU weight format (float32 exact; bfloat16 / int8
 weight-only quantization), each against its own speculation-off baseline.
 `--activation-dtypes`: and once per activation_dtype (block formats: int8 = integer dot products).
+`--kv-cache-dtypes`: and once per kv_cache_dtype (float16: the CPU KV cache in fp16).
 `--draft-head-weight-dtypes`: the head / hybrid rows once per draft-head weight format (drafts only).
 `--llama-cpp`: llama-cpp-python on the same GGUF (Q4_1), JSON schemas through its grammar, batch 1.
 "tokens per step" = generated tokens after the first / decode steps, from the engine's counters.
@@ -94,6 +95,7 @@ def main() -> None:
     ap.add_argument("--cost-aware-k", type=int, default=0)
     ap.add_argument("--weight-dtypes", default="float32", help="comma list of weight_dtype values (float32 | auto | q4_1 | q8_0 | bfloat16 | int8)")
     ap.add_argument("--activation-dtypes", default="auto", help="comma list of activation_dtype values (auto | int8 | float32)")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of kv_cache_dtype values (auto | float32 | float16)")
     ap.add_argument("--draft-head-weight-dtypes", default="int8",
                     help="comma list: the draft head's weights (head / hybrid drafters; '' = the target's)")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
@@ -109,14 +111,16 @@ def main() -> None:
              "head_unmasked": ("head", False), "hybrid": ("hybrid", True), "early_exit": ("early_exit", True),
              "early_exit_unmasked": ("early_exit", False), "draft_model": ("draft_model", True)}
     head_wds = args.draft_head_weight_dtypes.split(",")
-    engines = [(wd, ad, hd) + names[d] for wd in args.weight_dtypes.split(",")
-               for ad in args.activation_dtypes.split(",") for d in args.drafters.split(",")
+    engines = [(wd, ad, kd, hd) + names[d] for wd in args.weight_dtypes.split(",")
+               for ad in args.activation_dtypes.split(",") for kd in args.kv_cache_dtypes.split(",")
+               for d in args.drafters.split(",")
                for hd in (head_wds if names[d][0] in ("head", "hybrid") else head_wds[:1])]
     baseline: dict = {}
-    for wd, ad, hd, drafter, masked in engines:
+    for wd, ad, kd, hd, drafter, masked in engines:
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, num_draft_tokens=Kmax, drafter=drafter,
                                   draft_layers=20, mask_drafts=masked, adaptive_k=bool(args.adaptive_k),
-                                  weight_dtype=wd, activation_dtype=ad, cost_aware_k=bool(args.cost_aware_k),
+                                  weight_dtype=wd, activation_dtype=ad, kv_cache_dtype=kd,
+                                  cost_aware_k=bool(args.cost_aware_k),
                                   draft_head_weight_dtype=hd, draft_head_path=args.draft_head))
         if eng.drafter != drafter:
             sys.exit(f"drafter {drafter!r} is not available (no trained head? run scripts/train_draft_head.py)")
@@ -141,11 +145,12 @@ def main() -> None:
                 for k in k_list:
                     r = dict(runs[k][0], tok_s=mean(x["tok_s"] for x in runs[k]),
                              decode_tok_s=mean(x["decode_tok_s"] for x in runs[k]))
-                    key = (f"{wd}/{ad}", wname, batch)
+                    key = (f"{wd}/{ad}/{kd}", wname, batch)
                     if k == 0:
                         baseline[key] = r
                     base = baseline[key]
                     row = dict(weight_dtype=wd, activation_dtype=ad, integer_dot=eng.model.integer_dot,
+                               kv_cache_dtype=kd, kv_half=eng.runner.kv.half,
                                cost_aware_k=bool(args.cost_aware_k), adaptive_k=bool(args.adaptive_k),
                                draft_head_weight_dtype=hd if drafter in ("head", "hybrid") and k else None,
                                workload=wname, batch=batch, drafter="off" if k == 0 else drafter,

@@ -40,8 +40,7 @@ def answers(engine: Engine, work: list[tuple[str, GuidedDecodingParams | None]],
 def scratch_kv(engine: Engine) -> KVCache:
     """A one-slot KV cache shaped like the engine's: direct forwards must not write the engine's own
     (a free slot keeps its prompt's rows for prefix caching; the answers below would reuse them)."""
-    m, kv = engine.model, engine.runner.kv
-    return KVCache(m.cfg.num_layers, 1, m.cfg.num_kv_heads, kv.max_seq_len, m.cfg.head_dim, kv.k.dtype, kv.k.device)
+    return engine.runner.kv.like(1)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0")  # how the C kernels hold a weight
 WEIGHT_DTYPES = WEIGHT_FORMATS + ("auto",)  # auto: each weight in the narrowest format that holds it exactly
 ACTIVATION_DTYPES = ("auto", "float32", "int8")  # what block-format weights (q4_1, q8_0) multiply
+KV_CACHE_DTYPES = ("auto", "float32", "float16")  # what the CPU KV cache stores
 DRAFTERS = ("ngram", "grammar", "head", "hybrid", "early_exit", "draft_model")
 GUIDED_EXECUTORS = ("auto", "inline", "worker", "cuda")
 
@@ -59,6 +60,11 @@ class EngineConfig:
     # kernels, logits within ~0.5% of float32's; still batch-invariant); "float32": weights widened to
     # fp32, the float32 model's logits bit for bit; "auto": int8 where the kernel build has a vector
     # integer path (AVX2, AVX-512, VNNI), else float32
+    kv_cache_dtype: str = "auto"  # CPU (C kernels), what the KV cache stores: "float16" halves the bytes a
+    # decode step reads (attention at 8 streams and a few hundred positions reads more K/V than
+    # weights; K/V rounded to fp16 once when written, every step reads the same values: still
+    # batch-invariant); "float32": the float32 model's logits bit for bit; "auto": float16 with int8
+    # activations (activation_dtype), else float32
     packed_weights_cache: bool = True  # CPU (C kernels): keep each checkpoint's packed weights (tiles, and
     # for auto / the block formats the quantized blocks) in the model cache ($SPECGUIDE_CACHE_DIR/packed,
     # one file per checkpoint and format): a load after the first reads them instead of packing
@@ -136,6 +142,8 @@ class EngineConfig:
         _check(self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
         _check(self.activation_dtype in ACTIVATION_DTYPES,
                f"activation_dtype must be one of {ACTIVATION_DTYPES}, got {self.activation_dtype!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.draft_head_weight_dtype in ("",) + WEIGHT_DTYPES,
                f"draft_head_weight_dtype must be '' or one of {WEIGHT_DTYPES}, got {self.draft_head_weight_dtype!r}")
         _check(self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:"),

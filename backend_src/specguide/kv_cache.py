@@ -1,11 +1,27 @@
 """Static per-slot KV cache, allocated once."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
+
+from specguide import kernels
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .models.llama import LlamaModel
 
 
 class KVCache:
-    """K and V of shape [layers, max_slots, kv_heads, max_seq_len + spare, head_dim].
+    """K and V of every layer, slot, KV head and position, allocated once.
+
+    Two layouts: torch's, K and V [layers, max_slots, kv_heads, S, head_dim]; and the C attention
+    kernel's (`kernel_layout`: CPU, fp32, kernels.serves_attention), where K holds its positions in
+    blocks of 16, dims outermost, [layers, max_slots, kv_heads, S / 16, head_dim, 16] (a decode
+    query reads 16 keys' dim i as one vector), V as torch's, and both may be fp16 (`half`: half
+    the bytes a decode step reads; every query reads the same stored values whatever the step, so
+    the batch and chunk invariance hold as with fp32). S = max_seq_len + spare (rounded up to 16).
+    `rows` reads either layout back as fp32 [layers, kv_heads, n, head_dim].
 
     `spare` positions past max_seq_len absorb the padded draft positions of a verification step.
 
@@ -17,17 +33,51 @@ class KVCache:
     tokens_per_block = 32
 
     def __init__(self, num_layers: int, max_slots: int, num_kv_heads: int, max_seq_len: int,
-                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu", spare: int = 0):
-        shape = (num_layers, max_slots, num_kv_heads, max_seq_len + spare, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_slots = max_slots
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu", spare: int = 0,
+                 half: bool = False, kernel_layout: Optional[bool] = None):
+        if kernel_layout is None:
+            kernel_layout = kernels.serves_attention(device, dtype, head_dim)
+        if half and not kernel_layout:
+            raise ValueError("an fp16 KV cache needs the C attention kernel (CPU, dtype float32)")
+        self.kernel_layout, self.half = kernel_layout, half
+        S = max_seq_len + spare
+        store = torch.float16 if half else dtype
+        if kernel_layout:
+            B = kernels.KEY_BLOCK
+            S = -(-S // B) * B
+            self.k = torch.zeros((num_layers, max_slots, num_kv_heads, S // B, head_dim, B), dtype=store, device=device)
+        else:
+            self.k = torch.zeros((num_layers, max_slots, num_kv_heads, S, head_dim), dtype=store, device=device)
+        self.v = torch.zeros((num_layers, max_slots, num_kv_heads, S, head_dim), dtype=store, device=device)
+        self.max_slots, self.dtype = max_slots, dtype  # dtype: the model's (what `rows` compare against)
         self.max_seq_len = max_seq_len + spare  # positions the cache holds
+
+    def like(self, max_slots: int, positions: Optional[int] = None) -> KVCache:
+        """An empty cache of this one's layout, storage and device (`positions`: default this one's)."""
+        L, _, kvh = self.v.shape[:3]
+        return KVCache(L, max_slots, kvh, positions or self.max_seq_len, self.v.shape[-1], self.dtype,
+                       self.v.device, half=self.half, kernel_layout=self.kernel_layout)
 
     def copy_rows(self, src: int, dst: int, start: int, end: int) -> None:
         """Positions [start, end) of every layer from slot src into slot dst."""
-        self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
         self.v[:, dst, :, start:end] = self.v[:, src, :, start:end]
+        if not self.kernel_layout:
+            self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
+            return
+        B = kernels.KEY_BLOCK
+        first, last = -(-start // B), end // B  # whole blocks first .. last - 1
+        if first < last:
+            self.k[:, dst, :, first:last] = self.k[:, src, :, first:last]
+        for b in {start // B, (end - 1) // B}:  # the blocks the range starts and ends in, in part
+            lo, hi = max(start - b * B, 0), min(end - b * B, B)
+            if lo < hi and not first <= b < last:
+                self.k[:, dst, :, b, :, lo:hi] = self.k[:, src, :, b, :, lo:hi]
+
+    def rows(self, slot: int, start: int = 0, end: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, end) of `slot`, every layer: fp32 copies [layers, kv_heads, n, head_dim]."""
+        k = kernels.key_rows(self.k[:, slot]) if self.kernel_layout else self.k[:, slot]
+        return (k[:, :, start:end].to(torch.float32, copy=True),
+                self.v[:, slot, :, start:end].to(torch.float32, copy=True))
 
     def blocks(self, positions: int) -> int:
         """Blocks covering `positions` token positions."""
@@ -36,6 +86,15 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+def kv_half(config: EngineConfig, model: LlamaModel) -> bool:
+    """EngineConfig.kv_cache_dtype -> whether `model`'s KV cache holds fp16 ("auto": with int8 activations)."""
+    if config.kv_cache_dtype == "float16" and not model.invariant_attention:
+        raise ValueError("kv_cache_dtype float16 needs the CPU attention kernel (device cpu, dtype float32, "
+                         "the C kernels built); use float32 or auto")
+    return config.kv_cache_dtype == "float16" or (config.kv_cache_dtype == "auto" and model.integer_dot
+                                                  and model.invariant_attention)
 
 
 MAX_AUTO_SLOTS = 256  # what sizing from free memory may give (the interfaces batch up to 64 a request)

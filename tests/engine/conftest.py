@@ -8,7 +8,6 @@ import torch
 
 from specguide.config import EngineConfig
 from specguide.engine import Engine
-from specguide.kv_cache import KVCache
 from specguide.models.loader import resolve_model_dir
 
 from ..guided.helpers import save_random_head
@@ -101,14 +100,13 @@ def stale_kept_prefixes(engine: Engine) -> list[int]:
         tokens = engine.scheduler.slot_tokens[slot]
         if not tokens:
             continue
-        own = KVCache(m.cfg.num_layers, 1, m.cfg.num_kv_heads, kv.max_seq_len, m.cfg.head_dim, kv.k.dtype, kv.k.device)
+        own = kv.like(1)
         starts = [0, *range(7, len(tokens), chunk)] if m.chunk_invariant else range(0, len(tokens), chunk)
         for a, b in zip(starts, [*starts[1:], len(tokens)]):
             ctx = m.make_context(torch.tensor([0]), torch.arange(a, b)[None], [0], b)
             m(torch.tensor([tokens[a:b]]), ctx, own)
         n = len(tokens)
-        if not (torch.equal(kv.k[:, slot, :, :n], own.k[:, 0, :, :n])
-                and torch.equal(kv.v[:, slot, :, :n], own.v[:, 0, :, :n])):
+        if not all(torch.equal(a, b) for a, b in zip(kv.rows(slot, 0, n), own.rows(0, 0, n))):
             bad.append(slot)
     return bad
 
@@ -125,22 +123,19 @@ def stale_draft_rows(engine: Engine) -> list[int]:
         n, ok = len(tokens), True
         rows = min(head.valid[slot], n - 1) if head is not None else 0
         if rows > 0:  # row p: (f_p, x_{p+1})
-            kv = KVCache(m.cfg.num_layers, 1, m.cfg.num_kv_heads, n, m.cfg.head_dim, torch.float32)
+            kv = engine.runner.kv.like(1, n)  # the target's features as the engine computes them
             feats = m(torch.tensor([tokens]), m.make_context(torch.tensor([0]), torch.arange(n)[None], [0], n), kv)
-            _, _, kvh, S, hd = head.kv.k.shape
-            own = KVCache(1, 1, kvh, S, hd, head.kv.k.dtype)
+            own = head.kv.like(1)
             ctx = m.make_context(torch.tensor([0]), torch.arange(rows)[None], [0], rows)
             head.head(feats[:, :rows], torch.tensor([tokens[1: rows + 1]]), ctx, own)
             ok = (torch.equal(head.feats[slot, :rows], feats[0, :rows])
-                  and torch.equal(head.kv.k[0, slot, :, :rows], own.k[0, 0, :, :rows])
-                  and torch.equal(head.kv.v[0, slot, :, :rows], own.v[0, 0, :, :rows]))
+                  and all(torch.equal(a, b) for a, b in zip(head.kv.rows(slot, 0, rows), own.rows(0, 0, rows))))
         rows = min(dm.cached[slot], n) if dm is not None else 0
         if rows > 0:
             d = dm.model
-            own = KVCache(d.cfg.num_layers, 1, d.cfg.num_kv_heads, rows, d.cfg.head_dim, dm.kv.k.dtype)
+            own = dm.kv.like(1, rows)
             d(torch.tensor([tokens[:rows]]), d.make_context(torch.tensor([0]), torch.arange(rows)[None], [0], rows), own)
-            ok = ok and (torch.equal(dm.kv.k[:, slot, :, :rows], own.k[:, 0])
-                         and torch.equal(dm.kv.v[:, slot, :, :rows], own.v[:, 0]))
+            ok = ok and all(torch.equal(a, b) for a, b in zip(dm.kv.rows(slot, 0, rows), own.rows(0, 0, rows)))
         if not ok:
             bad.append(slot)
     return bad

@@ -140,11 +140,11 @@ def test_gemma_decode_steps_match_transformers_and_are_invariant(kind, tmp_path)
     ref = ref_model(ids).logits[0]
     kv = KVCache(2, 4, 2, 64, ours.cfg.head_dim, torch.float32)
 
-    def run(slots: list[int], start: int, T: int) -> torch.Tensor:
+    def run(slots: list[int], start: int, T: int, cache: KVCache = kv) -> torch.Tensor:
         pos = torch.arange(start, start + T).expand(len(slots), T)
         ctx = ours.make_context(torch.tensor(slots), pos, slots, start + T)
         assert (ctx.mask is None) == ours.invariant_attention  # every query count: the chunk-invariant kernel
-        return ours.logits(ours(ids[:, start:start + T].expand(len(slots), T), ctx, kv))
+        return ours.logits(ours(ids[:, start:start + T].expand(len(slots), T), ctx, cache))
 
     for s in range(4):
         run([s], 0, 20)  # prefill
@@ -156,8 +156,11 @@ def test_gemma_decode_steps_match_transformers_and_are_invariant(kind, tmp_path)
         assert torch.equal(four[0], steps[:4]) and torch.equal(four[1], four[2])
         assert torch.equal(run([1], 20, 1)[0, 0], steps[0])
         assert torch.equal(run([3], 20, 20)[0], steps)  # a 20-query prefill chunk: the decode steps' bits
-        ours.invariant_attention = False  # the torch path (no C compiler, CUDA) masks alike
-        assert (run([0, 3], 20, 4) - ref[20:24]).abs().max().item() < 1e-4
+        ours.invariant_attention = False  # the torch path (no C compiler, CUDA) masks alike, on the
+        torch_kv = KVCache(2, 4, 2, 64, ours.cfg.head_dim, torch.float32, kernel_layout=False)  # same K/V
+        torch_kv.k.copy_(kernels.key_rows(kv.k)[:, :, :, : torch_kv.k.shape[3]])
+        torch_kv.v.copy_(kv.v[:, :, :, : torch_kv.v.shape[3]])
+        assert (run([0, 3], 20, 4, torch_kv) - ref[20:24]).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "phi3", "gemma2", "gemma3"])

@@ -82,7 +82,7 @@ def test_a_prompt_prefilled_in_any_chunk_split_gives_the_same_kv_and_logits(engi
         for a, b in zip(bounds, bounds[1:]):
             ctx = m.make_context(torch.tensor([1]), torch.arange(a, b)[None], [1], b)
             logits.append(m.logits(m(torch.tensor([ids[a:b]]), ctx, kv))[0])
-        return kv.k[:, 1, :, :N], kv.v[:, 1, :, :N], torch.cat(logits)
+        return *kv.rows(1, 0, N), torch.cat(logits)
 
     want = run([0, N])
     for bounds in ([0, 64, 128, N], [0, 1, 17, 18, 100, N], list(range(N + 1))):
@@ -121,11 +121,10 @@ def _own_rows(engine, drafter) -> list[tuple[torch.Tensor, ...]]:
             s = slots[-1]
             if hasattr(drafter, "feats"):
                 n = drafter.valid[s]
-                rows.append((drafter.kv.k[0, s, :, :n].clone(), drafter.kv.v[0, s, :, :n].clone(),
-                             drafter.feats[s, : n + 1].clone()))
+                rows.append((*drafter.kv.rows(s, 0, n), drafter.feats[s, : n + 1].clone()))
             else:
                 n = drafter.cached[s]
-                rows.append((drafter.kv.k[:, s, :, :n].clone(), drafter.kv.v[:, s, :, :n].clone()))
+                rows.append(drafter.kv.rows(s, 0, n))
     finally:
         del drafter.admit
     return rows

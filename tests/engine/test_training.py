@@ -18,10 +18,9 @@ from .conftest import run_alone
 
 
 @torch.inference_mode()
-def teacher_forced(model, tokens: list[int]) -> torch.Tensor:
-    """f_p of every position of `tokens` in one pass (one slot, one chunk)."""
-    cfg = model.cfg
-    kv = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, len(tokens), cfg.head_dim, model.embed.weight.dtype)
+def teacher_forced(model, tokens: list[int], like: KVCache) -> torch.Tensor:
+    """f_p of every position of `tokens` in one pass (one slot, one chunk), on a cache like `like`."""
+    kv = like.like(1, len(tokens))
     slots = torch.zeros(1, dtype=torch.int64)
     ctx = model.make_context(slots, torch.arange(len(tokens))[None, :], [0], len(tokens))
     return model(torch.tensor([tokens]), ctx, kv)[0].float()
@@ -58,7 +57,7 @@ def test_the_corpus_comes_with_the_features_a_teacher_forced_pass_computes(engin
     assert engine.runner.core.feature_sink is None or engine.head_drafter is not None  # detached again
     for s in samples:
         assert s.feats.shape == (len(s.tokens) - 1, engine.model.cfg.hidden_size)
-        ref = teacher_forced(engine.model, s.tokens)[:-1]
+        ref = teacher_forced(engine.model, s.tokens, engine.runner.kv)[:-1]
         err = (s.feats - ref).abs().max() / ref.abs().max()
         assert err < 1e-4, (err, len(s.tokens), s.prompt_len)
 

@@ -10,7 +10,6 @@ import torch
 from specguide import kernels
 from specguide.config import EngineConfig
 from specguide.engine import Engine
-from specguide.kv_cache import KVCache
 from specguide.models.linear import InvariantLinear
 from specguide.request import Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead
@@ -35,7 +34,7 @@ def teacher_forced_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     of its own: the engine's cache is the engine's (a free slot keeps its prompt's rows for prefix
     caching; writing slot 0 behind the scheduler's back changed later outputs that reused it)."""
     m, kv = engine.model, engine.runner.kv
-    own = KVCache(m.cfg.num_layers, 1, m.cfg.num_kv_heads, kv.max_seq_len, m.cfg.head_dim, kv.k.dtype, kv.k.device)
+    own = kv.like(1)
     positions = torch.arange(len(ids))[None]
     ctx = m.make_context(torch.tensor([0]), positions, [0], len(ids))
     with torch.no_grad():

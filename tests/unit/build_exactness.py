@@ -9,15 +9,17 @@ runs every build this CPU can execute). Prints "ok" when every check holds, else
   block formats (q4_1, q8_0) give the fp32 kernel's bits on their dequantized weights, and their
   integer-dot variants (int8 activations: q4_1_q8, q8_0_q8) stay close to them, and give the
   reference arithmetic's result with their integer sums at the largest;
-- attention: any chunk split of a prompt gives the same outputs and K/V (window, soft cap);
+- attention: any chunk split of a prompt gives the same outputs and K/V (window, soft cap), with
+  an fp32 and an fp16 KV cache;
 - whole models (random weights, real layer shapes: SmolLM2's attention geometry in q4_1 as the
   default model is served, and a Gemma 2 layer pair in fp32 / q8_0; each with its block formats widened and
-  in integer dot products): a decode step's logits are
+  in integer dot products, the latter with the fp16 KV cache it is served with): a decode step's logits are
   the same alone or in a batch, a 4-query verification step equals 4 single-token steps, and a
   prompt's logits and K/V do not depend on how it was split into prefill chunks.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import tempfile
 from pathlib import Path
@@ -72,14 +74,15 @@ def check_int_dot_extremes(g: torch.Generator) -> None:
 
 
 def check_attention(g: torch.Generator) -> None:
-    for nh, kvh, hd, window, cap in ((9, 3, 64, 0, 0.0), (4, 2, 48, 7, 2.0), (8, 1, 32, 0, 0.0)):
+    for (nh, kvh, hd, window, cap), dtype in itertools.product(
+            ((9, 3, 64, 0, 0.0), (4, 2, 48, 7, 2.0), (8, 1, 32, 0, 0.0)), (torch.float32, torch.float16)):
         N, S = 45, 64
         qkv = torch.randn(2, N, nh + 2 * kvh, hd, generator=g)
         cos, sin = torch.randn(S, hd, generator=g), torch.randn(S, hd, generator=g)
         pos = torch.stack([torch.arange(N), torch.arange(N) + 5])
 
         def run(bounds, rows=(0, 1)):
-            kc, vc = torch.zeros(3, kvh, S, hd), torch.zeros(3, kvh, S, hd)
+            kc, vc = torch.zeros(3, kvh, S // 16, hd, 16, dtype=dtype), torch.zeros(3, kvh, S, hd, dtype=dtype)
             r = list(rows)
             outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin, kc, vc, torch.tensor([2, 0])[r], pos[r, a:b],
                                                nh, 0.2, window, cap) for a, b in zip(bounds, bounds[1:])]
@@ -89,7 +92,7 @@ def check_attention(g: torch.Generator) -> None:
         for bounds, rows in (([0, 1, 18, 19, N], (0, 1)), (list(range(N + 1)), (0, 1)), ([0, 4, 8, N], (1,))):
             got = run(bounds, rows)
             want = whole[0][list(rows)]
-            assert torch.equal(got[0], want), (nh, kvh, hd, bounds[:5], rows)
+            assert torch.equal(got[0], want), (nh, kvh, hd, dtype, bounds[:5], rows)
             assert all(torch.equal(a[[2, 0][r]], b[[2, 0][r]]) for r in rows for a, b in zip(got[1:], whole[1:]))
 
 
@@ -145,8 +148,8 @@ def check_model(folder: Path, integer_dot: bool) -> None:
         ctx = model.make_context(torch.tensor(slots), pos, slots, start + T)
         return model.logits(model(torch.tensor(ids), ctx, kv))
 
-    def cache():
-        return KVCache(cfg.num_layers, 6, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32)
+    def cache():  # as served: fp16 K/V with int8 activations
+        return KVCache(cfg.num_layers, 6, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, half=integer_dot)
 
     # prefill in one chunk vs uneven chunks (1, 16, 23 tokens; one at a time): the same logits and K/V
     kv = cache()

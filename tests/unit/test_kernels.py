@@ -154,7 +154,7 @@ def test_attention_is_invariant_over_batch_and_queries():
     B, T, nh, kvh, S, hd = 3, 4, 9, 3, 64, 64
     qkv = torch.randn(B, T, nh + 2 * kvh, hd, generator=g)
     cos, sin_signed = _rope_tables(S, hd, g)
-    kc, vc = torch.randn(5, kvh, S, hd, generator=g), torch.randn(5, kvh, S, hd, generator=g)
+    kc, vc = kernels.block_keys(torch.randn(5, kvh, S, hd, generator=g)), torch.randn(5, kvh, S, hd, generator=g)
     slots = torch.tensor([4, 0, 2])
     pos = torch.tensor([[10, 11, 12, 13], [0, 1, 2, 3], [40, 41, 42, 43]])
     out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, slots, pos, nh)
@@ -178,7 +178,10 @@ def test_fused_rope_attention_matches_the_torch_path_and_writes_the_cache():
     slots, pos = torch.tensor([3, 1]), torch.tensor([[5, 6, 7], [0, 1, 2]])
     kc, vc = torch.randn(4, kvh, S, hd, generator=g), torch.randn(4, kvh, S, hd, generator=g)
     kc2, vc2 = kc.clone(), vc.clone()
-    out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, slots, pos, nh)
+    blocked = kernels.block_keys(kc)  # the kernel's layout: 16 positions a block, dims outermost
+    assert torch.equal(kernels.key_rows(blocked), kc) and blocked[1, 0, 1, 3, 5] == kc[1, 0, 21, 3]
+    out = kernels.rope_attention_f32(qkv, cos, sin_signed, blocked, vc, slots, pos, nh)
+    kc = kernels.key_rows(blocked)
     # torch reference: rope, write, SDPA
     qk = apply_rope(qkv[:, :, : nh + kvh], cos[pos].unsqueeze(2), sin_signed[pos].unsqueeze(2))
     kc2[slots[:, None], :, pos] = qk[:, :, nh:]
@@ -198,11 +201,11 @@ def test_sliding_window_and_soft_capped_attention_match_torch_and_stay_invariant
     B, T, nh, kvh, S, hd, W, cap, scale = 2, 3, 4, 2, 32, 32, 4, 2.0, 0.3
     qkv = torch.randn(B, T, nh + 2 * kvh, hd, generator=g)
     cos, sin_signed = _rope_tables(S, hd, g)
-    kc, vc = torch.randn(4, kvh, S, hd, generator=g), torch.randn(4, kvh, S, hd, generator=g)
+    kc, vc = kernels.block_keys(torch.randn(4, kvh, S, hd, generator=g)), torch.randn(4, kvh, S, hd, generator=g)
     slots, pos = torch.tensor([3, 1]), torch.tensor([[10, 11, 12], [0, 1, 2]])
     out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, slots, pos, nh, scale, W, cap)
     q = apply_rope(qkv[:, :, :nh], cos[pos].unsqueeze(2), sin_signed[pos].unsqueeze(2)).transpose(1, 2)
-    k, v = (c[slots][:, :, :13].repeat_interleave(nh // kvh, 1) for c in (kc, vc))  # [B, nh, 13, hd]
+    k, v = (c[slots][:, :, :13].repeat_interleave(nh // kvh, 1) for c in (kernels.key_rows(kc), vc))  # [B, nh, 13, hd]
     s = torch.tanh((q @ k.transpose(-1, -2)) * scale / cap) * cap
     kpos, qpos = torch.arange(13)[None, None, :], pos[:, :, None]
     s = s.masked_fill(~((kpos <= qpos) & (kpos > qpos - W)).unsqueeze(1), float("-inf"))
@@ -227,30 +230,35 @@ def _attention_reference(q, k, v, qpos, scale, window=0, cap=0.0):
     return (s.softmax(-1) @ v).transpose(1, 2).float()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("nh, kvh, hd, window, cap", [(9, 3, 64, 0, 0.0), (8, 1, 32, 0, 0.0), (4, 2, 48, 50, 1.5),
                                                       (6, 6, 16, 0, 30.0)])
-def test_attention_gives_the_same_bits_for_any_chunk_split(nh, kvh, hd, window, cap):
+def test_attention_gives_the_same_bits_for_any_chunk_split(nh, kvh, hd, window, cap, dtype):
     """A 300-position prompt in one chunk, in uneven chunks (1, 15, 16, 17 and 100 queries) and one
     query at a time (decode steps): the same K/V cache and outputs, bit for bit, in a batch of two
     slots or alone; close to a float64 reference (GQA groups that do not fill a vector, a
-    sliding window, soft-capped scores)."""
+    sliding window, soft-capped scores). The same with an fp16 cache: its K/V are the fp32 ones
+    rounded to nearest, and the outputs the reference's on those values."""
     g = torch.Generator().manual_seed(nh * hd + kvh)
     N, S, scale = 300, 320, hd ** -0.5 * 0.9
     qkv = torch.randn(2, N, nh + 2 * kvh, hd, generator=g)
     cos, sin_signed = _rope_tables(S, hd, g)
     slots, pos = torch.tensor([2, 0]), torch.stack([torch.arange(N), torch.arange(N) + 7])
 
-    def run(bounds, rows=(0, 1)):
-        kc, vc = torch.zeros(3, kvh, S, hd), torch.zeros(3, kvh, S, hd)
+    def run(bounds, rows=(0, 1), dtype=dtype):
+        kc, vc = torch.zeros(3, kvh, S // 16, hd, 16, dtype=dtype), torch.zeros(3, kvh, S, hd, dtype=dtype)
         r = list(rows)
         outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin_signed, kc, vc, slots[r], pos[r, a:b], nh, scale,
                                            window, cap) for a, b in zip(bounds, bounds[1:])]
-        return torch.cat(outs, 1), kc, vc
+        return torch.cat(outs, 1), kernels.key_rows(kc), vc
 
     whole, kc, vc = run([0, N])
     ref = _attention_reference(_queries(qkv, cos, sin_signed, pos, nh), kc[slots][:, :, : N + 7],
                                vc[slots][:, :, : N + 7], pos, scale, window, cap)
     assert torch.allclose(whole, ref, atol=2e-6, rtol=1e-5)
+    if dtype == torch.float16:  # the fp32 cache's values, rounded once
+        _, kc32, vc32 = run([0, N], dtype=torch.float32)
+        assert torch.equal(kc, kc32.half()) and torch.equal(vc, vc32.half())
     for bounds in ([0, 1, 16, 32, 49, 149, N], [0, 100, 117, 118, N], list(range(N + 1))):
         got, kc2, vc2 = run(bounds)
         assert torch.equal(got, whole) and torch.equal(kc2, kc) and torch.equal(vc2, vc), bounds[:4]

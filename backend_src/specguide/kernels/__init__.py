@@ -109,7 +109,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.rope_attn_f32.restype = None
-    lib.rope_attn_f32.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 6
+    lib.rope_attn_f32.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
                                   + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     lib.int_dot_path.restype = ctypes.c_int
     lib.int_dot_path.argtypes = []
@@ -154,6 +154,28 @@ def use_integer_dot(activation_dtype: str) -> bool:
 def unavailable_reason() -> Optional[str]:
     library()
     return _error
+
+
+KEY_BLOCK = 16  # ops.c KB: the kernels' key cache holds positions in blocks of 16, dims outermost
+
+
+def serves_attention(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C attention kernel serves a model (and so its KV caches take the kernel layout:
+    `block_keys`): CPU, fp32 activations, head_dim % 16 == 0, the kernels built."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0
+            and library() is not None)
+
+
+def block_keys(k: torch.Tensor) -> torch.Tensor:
+    """Keys [..., S, hd] (S % 16 == 0) in the kernel layout [..., S / 16, hd, 16] (a copy)."""
+    *lead, S, hd = k.shape
+    return k.reshape(*lead, S // KEY_BLOCK, KEY_BLOCK, hd).transpose(-1, -2).contiguous()
+
+
+def key_rows(k: torch.Tensor) -> torch.Tensor:
+    """The kernel layout [..., S / 16, hd, 16] back to keys [..., S, hd] (a copy)."""
+    *lead, nb, hd, kb = k.shape
+    return k.transpose(-1, -2).reshape(*lead, nb * kb, hd)
 
 
 TILE = 64
@@ -370,15 +392,19 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
                        num_heads: int, scale: float | None = None, window: int = 0,
                        softcap: float = 0.0) -> torch.Tensor:
     """qkv [B, T, nh + 2 kvh, hd] -> RoPE, K/V written to the slot cache at `positions`, causal
-    attention -> [B, T, nh, hd]. Tables cos / sin_signed [P, hd]. Batch- and T-invariant.
+    attention -> [B, T, nh, hd]. Tables cos / sin_signed [P, hd]. Batch- and T-invariant. The cache:
+    k_cache [slots, kvh, S / 16, hd, 16] (`block_keys`), v_cache [slots, kvh, S, hd], both fp32 or
+    both fp16 (stored rounded to nearest, saturated at +-65504).
 
     `scale` (default hd ** -0.5) multiplies q.k; `window` > 0 attends to the last `window` keys
     only (sliding-window layers); `softcap` > 0 caps scores to softcap * tanh(s / softcap)."""
     lib = library()
     assert lib is not None
     B, T, H, hd = qkv.shape
-    _, kvh, S, hd2 = k_cache.shape
+    _, kvh, S, hd2 = v_cache.shape
     nh = num_heads
+    assert k_cache.shape == (v_cache.shape[0], kvh, S // KEY_BLOCK, hd, KEY_BLOCK) and S % KEY_BLOCK == 0
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16)
     assert H == nh + 2 * kvh and hd == hd2 and hd % 16 == 0 and qkv.dtype == torch.float32
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
     assert cos.dtype == sin_signed.dtype == torch.float32
@@ -388,7 +414,8 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
     qrot = torch.empty(B, T, nh, hd, dtype=torch.float32)
     out = torch.empty_like(qrot)
     lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                      slots.data_ptr(), positions.data_ptr(), qrot.data_ptr(), out.data_ptr(),
+                      int(k_cache.dtype == torch.float16), slots.data_ptr(), positions.data_ptr(), qrot.data_ptr(),
+                      out.data_ptr(),
                       B, T, nh, kvh, S, hd, hd ** -0.5 if scale is None else scale, window, softcap,
                       torch.get_num_threads())
     return out

@@ -749,8 +749,9 @@ void gemv_q8_0_q8(const float *x, const int8_t *Wp, const uint16_t *aux, const f
 /* Causal attention over the per-slot KV cache, for every query count: decode, verification and
  * prefill chunks alike.
  *   q    [B, T, nh, hd]      queries after RoPE
- *   kc   [slots, kvh, S, hd] this layer's key cache (already holding the queries' own keys)
- *   vc   [slots, kvh, S, hd]
+ *   kc   [slots, kvh, S/KB, hd, KB] this layer's key cache, in blocks of KB positions (key_at;
+ *        already holding the queries' own keys)
+ *   vc   [slots, kvh, S, hd]     both fp32, or both fp16 (kv16)
  *   slot [B], pos [B, T]     cache row and absolute position of each query
  *   out  [B, T, nh, hd]
  * Query (b, t, h) attends to keys 0..pos[b, t] of its slot (only the last `window` of them when
@@ -768,6 +769,8 @@ void gemv_q8_0_q8(const float *x, const int8_t *Wp, const uint16_t *aux, const f
  * range are real, finite cache rows: the tile's own keys or earlier ones). So the result of a query
  * is the same bits in a decode step, a verification step or any prefill chunk: a prompt's K/V and
  * outputs do not depend on how it was split into chunks (prefix caching reuses any prefix).
+ * A decode tile (ne <= FEW queries) computes the same chains with other lanes: its scores with
+ * lanes over keys (scores_few), its outputs with lanes over dims (values_few).
  * Speed: scores are vectors of VW queries (no horizontal sum per score), each key row is loaded
  * once per tile (a broadcast operand) for VW queries, exp is a polynomial in vector registers. */
 
@@ -813,15 +816,87 @@ static inline __attribute__((always_inline)) vf vtanh(vf x) {
     return (vf)((vi32)((1.0f - e) / (1.0f + e)) | sign);
 }
 
-/* Scores of NK keys (rows K[0..NK)) for the tile's queries Qt [hd][VW], into s[0..NK). */
-static inline __attribute__((always_inline)) void qk_keys(const float *Qt, const float *K, int nk, int hd, vf *s) {
+/* The key cache holds each (slot, KV head)'s keys in blocks of KB positions, dims outermost:
+   [S/KB][hd][KB] (S % KB == 0), so KB keys' dim i are one vector (lanes over keys: decode). */
+#define KB 16
+
+/* Offset of key j's dim 0 in its (slot, KV head) block of the key cache; dim i is at + i * KB. */
+static inline __attribute__((always_inline)) int64_t key_at(int64_t j, int hd) {
+    return (j / KB) * hd * KB + j % KB;
+}
+
+/* The slot cache holds fp32, or fp16 (kv16: half the bytes a decode step reads; the values each
+   query reads are the same whatever the step, so the invariance holds as with fp32). */
+static inline __attribute__((always_inline)) vf load_kv(const void *c, int64_t idx, int kv16) {
+    return kv16 ? load_h((const uint16_t *)c + idx) : load((const float *)c + idx);
+}
+
+/* x into element idx of a cache: fp16 rounds to nearest even and saturates at +-65504 (NaN stays NaN). */
+static inline __attribute__((always_inline)) void store_kv(void *c, int64_t idx, float x, int kv16) {
+    if (!kv16) {
+        ((float *)c)[idx] = x;
+        return;
+    }
+    x = x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x;
+    const _Float16 h = (_Float16)x;
+    memcpy((uint16_t *)c + idx, &h, sizeof h);
+}
+
+/* Scores of NK keys for the tile's queries Qt [hd][VW], into s[0..NK): NK = KJ keys of one block
+   (kb: the first one's dim 0; KB % KJ == 0) or one key. */
+static inline __attribute__((always_inline)) void qk_keys(const float *Qt, const float *kb, int nk, int hd, vf *s) {
     vf acc[KJ];
     for (int k = 0; k < nk; k++) acc[k] = (vf){0};
     for (int i = 0; i < hd; i++) {
         const vf qi = load(Qt + (int64_t)i * VW);
-        for (int k = 0; k < nk; k++) acc[k] = vfma(qi, splat(K[(int64_t)k * hd + i]), acc[k]);
+        for (int k = 0; k < nk; k++) acc[k] = vfma(qi, splat(kb[(int64_t)i * KB + k]), acc[k]);
     }
     for (int k = 0; k < nk; k++) s[k] = acc[k];
+}
+
+/* The masked scores of a few queries (ne <= FEW: a decode step's), lanes over keys: each block of
+   KB keys is a vector per dim, so a score costs hd / VW FMAs per key instead of hd (a query
+   lane-wise tile leaves VW - ne lanes idle). The same FMA chain per (query, key) as qk_keys, so
+   the same bits. Written to P [n][VW] (key jmin + j, query lane l) as attn_tile's loop does.
+   SCV vectors of keys per pass and query: SCV x ne independent FMA chains in flight. */
+#define FEW 4 /* a tile of at most FEW queries takes scores_few and values_few */
+#define SCV (VW == 16 ? 4 : KB / VW)
+static void scores_few(const float *q, const int64_t *row, int ne, const void *K, int kv16, int64_t jmin, int64_t n,
+                       int hd, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, float *P) {
+    const vf ninf = splat(-INFINITY);
+    for (int64_t j = 0; j < n; j++) memcpy(P + j * VW, &ninf, sizeof ninf); /* idle lanes: -inf */
+    vi32 iota;
+    for (int l = 0; l < VW; l++) iota[l] = l;
+    const float *qe[FEW];
+    for (int e = 0; e < ne; e++) qe[e] = q + row[e] * hd;
+    for (int64_t k0 = jmin / KB * KB; k0 <= jmin + n - 1; k0 += SCV * VW) {
+        vf acc[FEW][SCV];
+        int64_t kv[SCV]; /* vector c: keys k0 + c VW .. (a block or a part of one); past the last
+                            key, the last key's vector again (never stored; never read outside
+                            the cache) */
+        const int64_t last = (jmin + n - 1) / VW * VW;
+        for (int c = 0; c < SCV; c++) kv[c] = key_at(k0 + c * VW < last ? k0 + c * VW : last, hd);
+        for (int e = 0; e < FEW; e++)
+            for (int c = 0; c < SCV; c++) acc[e][c] = (vf){0};
+        for (int i = 0; i < hd; i++)
+            for (int e = 0; e < FEW; e++) {
+                if (e >= ne) break;
+                const vf qi = splat(qe[e][i]);
+                for (int c = 0; c < SCV; c++)
+                    acc[e][c] = vfma(qi, load_kv(K, kv[c] + (int64_t)i * KB, kv16), acc[e][c]);
+            }
+        for (int e = 0; e < ne; e++)
+            for (int c = 0; c < SCV; c++) {
+                vf x = acc[e][c] * scale;
+                if (softcap > 0.0f) x = vtanh(x / softcap) * softcap;
+                const vi32 key = iota + (int32_t)(k0 + c * VW);
+                x = vsel((key >= lfirst[e]) & (key <= lpos[e]), x, ninf);
+                for (int l = 0; l < VW; l++) {
+                    const int64_t j = k0 + c * VW + l - jmin;
+                    if (j >= 0 && j < n) P[j * VW + e] = x[l];
+                }
+            }
+    }
 }
 
 /* Per-thread scratch that grows as needed (OpenMP threads persist between calls). */
@@ -837,7 +912,6 @@ static float *scratch(size_t floats) {
     return scratch_buf;
 }
 
-#define FEW 4 /* a tile of at most FEW queries takes values_few */
 
 /* The outputs of a tile of ne <= FEW queries (a decode step's: 3 heads per KV head for SmolLM2),
    with lanes over the output dims instead of the queries, two VW-wide chunks at a time: each value
@@ -845,16 +919,16 @@ static float *scratch(size_t floats) {
    as the lanes-over-queries loop in attn_tile (one FMA chain over j ascending per (query, dim),
    then * 1 / l), so the same bits, without leaving VW - ne lanes idle.
    P [n][VW]: each query's probabilities in its lane; inv: 1 / l per lane. */
-static void values_few(const float *P, vf inv, const float *V, int64_t n, int hd, int ne, const int64_t *row,
-                       float *out) {
+static void values_few(const float *P, vf inv, const void *V, int kv16, int64_t n, int hd, int ne,
+                       const int64_t *row, float *out) {
     const int nv = hd / VW;
     for (int c0 = 0; c0 < nv; c0 += 2) {
         const int two = nv - c0 >= 2;
         vf o[FEW][2];
         for (int ll = 0; ll < FEW; ll++) o[ll][0] = o[ll][1] = (vf){0};
-        const float *vr = V + c0 * VW;
+        int64_t vr = (int64_t)c0 * VW;
         for (int64_t j = 0; j < n; j++, vr += hd) {
-            const vf v0 = load(vr), v1 = two ? load(vr + VW) : (vf){0};
+            const vf v0 = load_kv(V, vr, kv16), v1 = two ? load_kv(V, vr + VW, kv16) : (vf){0};
             for (int ll = 0; ll < FEW; ll++) {
                 if (ll >= ne) break;
                 const vf pj = splat(P[j * VW + ll]);
@@ -871,9 +945,9 @@ static void values_few(const float *P, vf inv, const float *V, int64_t n, int hd
 }
 
 /* One tile: queries e0 .. e0+ne-1 of row b, KV head g (query e: t = e / group, head g * group + e % group). */
-static void attn_tile(const float *q, const float *kc, const float *vc, const int64_t *slot, const int64_t *pos,
-                      float *out, int b, int g, int e0, int ne, int T, int nh, int kvh, int S, int hd,
-                      float scale, int window, float softcap) {
+static void attn_tile(const float *q, const void *kc, const void *vc, int kv16, const int64_t *slot,
+                      const int64_t *pos, float *out, int b, int g, int e0, int ne, int T, int nh, int kvh, int S,
+                      int hd, float scale, int window, float softcap) {
     const int group = nh / kvh;
     int32_t lpos[VW], lfirst[VW];
     int64_t row[VW]; /* (b, t, h) index of each lane's query */
@@ -893,33 +967,59 @@ static void attn_tile(const float *q, const float *kc, const float *vc, const in
             row[l] = -1;
         }
     }
-    const int64_t n = jmax - jmin + 1;
-    float *Qt = scratch((size_t)hd * VW + (size_t)n * VW);
+    const int64_t n = jmax - jmin + 1, kb0 = jmin / KB * KB, nkb = (jmax / KB + 1) * KB - kb0;
+    const int widen = kv16 && ne > FEW; /* the lane-wise tile reads fp32 keys and values (below) */
+    float *Qt = scratch((size_t)hd * VW + (size_t)n * VW + (widen ? (size_t)(nkb + n) * hd : 0));
     float *P = Qt + (size_t)hd * VW; /* [n][VW]: scores, then probabilities */
-    for (int i = 0; i < hd; i++)
-        for (int l = 0; l < VW; l++) Qt[i * VW + l] = row[l] >= 0 ? q[row[l] * hd + i] : 0.0f;
+    if (ne > FEW)  /* the lane-wise tile's queries, transposed (scores_few reads q itself) */
+        for (int i = 0; i < hd; i++)
+            for (int l = 0; l < VW; l++) Qt[i * VW + l] = row[l] >= 0 ? q[row[l] * hd + i] : 0.0f;
     vi32 vpos, vfirst;
     memcpy(&vpos, lpos, sizeof vpos);
     memcpy(&vfirst, lfirst, sizeof vfirst);
     const int64_t base = ((slot[b] * kvh) + g) * (int64_t)S * hd;
-    const float *K = kc + base + jmin * hd, *V = vc + base + jmin * hd;
     /* scores, masked to -inf outside each lane's keys; the running max */
     vf m = splat(-INFINITY);
-    vf s[KJ];
-    for (int64_t j = 0; j < n;) {
-        const int nk = n - j >= KJ ? KJ : 1;
-        if (nk == KJ) qk_keys(Qt, K + j * hd, KJ, hd, s);
-        else qk_keys(Qt, K + j * hd, 1, hd, s);
-        for (int k = 0; k < nk; k++) {
-            vf x = s[k] * scale;
-            if (softcap > 0.0f) x = vtanh(x / softcap) * softcap;
-            const int32_t key = (int32_t)(jmin + j + k);
-            const vi32 in = (vfirst <= key) & (vpos >= key);
-            x = vsel(in, x, splat(-INFINITY));
-            m = vmax(m, x);
-            memcpy(P + (j + k) * VW, &x, sizeof x);
+    const float *vl = NULL; /* the lane-wise tile's fp32 values (rows jmin ..) */
+    if (ne <= FEW) {
+        scores_few(q, row, ne, kv16 ? (const void *)((const uint16_t *)kc + base) : (const float *)kc + base, kv16,
+                   jmin, n, hd, scale, softcap, lfirst, lpos, P);
+        for (int64_t j = 0; j < n; j++) m = vmax(m, load(P + j * VW));
+    } else {
+        /* fp16: the tile's key blocks and value rows widened once (exact) for its VW queries */
+        const float *K = (const float *)kc + base, *V = (const float *)vc + base + jmin * hd;
+        int64_t k0 = 0; /* key j of the tile is key j - k0 of K */
+        if (widen) {
+            float *Kw = P + (size_t)n * VW, *Vw = Kw + (size_t)nkb * hd;
+            const uint16_t *kh = (const uint16_t *)kc + base + kb0 * hd, *vh = (const uint16_t *)vc + base + jmin * hd;
+            for (int64_t e = 0; e < nkb * hd; e += VW) {
+                const vf x = load_h(kh + e);
+                memcpy(Kw + e, &x, sizeof x);
+            }
+            for (int64_t e = 0; e < n * hd; e += VW) {
+                const vf x = load_h(vh + e);
+                memcpy(Vw + e, &x, sizeof x);
+            }
+            K = Kw, V = Vw, k0 = kb0;
         }
-        j += nk;
+        vf s[KJ];
+        for (int64_t j = 0; j < n;) {
+            const int64_t kj = jmin - k0 + j; /* this key in K */
+            const int nk = kj % KJ == 0 && n - j >= KJ ? KJ : 1;  /* KJ keys of a block, else one */
+            if (nk == KJ) qk_keys(Qt, K + key_at(kj, hd), KJ, hd, s);
+            else qk_keys(Qt, K + key_at(kj, hd), 1, hd, s);
+            for (int k = 0; k < nk; k++) {
+                vf x = s[k] * scale;
+                if (softcap > 0.0f) x = vtanh(x / softcap) * softcap;
+                const int32_t key = (int32_t)(jmin + j + k);
+                const vi32 in = (vfirst <= key) & (vpos >= key);
+                x = vsel(in, x, splat(-INFINITY));
+                m = vmax(m, x);
+                memcpy(P + (j + k) * VW, &x, sizeof x);
+            }
+            j += nk;
+        }
+        vl = V;
     }
     /* probabilities and their sum, in key order */
     vf l = (vf){0};
@@ -930,9 +1030,11 @@ static void attn_tile(const float *q, const float *kc, const float *vc, const in
     }
     const vf inv = 1.0f / l;
     if (ne <= FEW) {
-        values_few(P, inv, V, n, hd, ne, row, out);
+        values_few(P, inv, kv16 ? (const void *)((const uint16_t *)vc + base + jmin * hd)
+                                : (const float *)vc + base + jmin * hd, kv16, n, hd, ne, row, out);
         return;
     }
+    const float *V = vl;
     /* outputs, DB dims at a time: one FMA chain over the keys per (query, dim) */
     for (int d0 = 0; d0 < hd; d0 += DB) {
         vf acc[DB];
@@ -953,9 +1055,9 @@ static void attn_tile(const float *q, const float *kc, const float *vc, const in
 }
 
 /* Attention of every query as a worksharing loop (see gemv_for). */
-static void attn_for(const float *q, const float *kc, const float *vc, const int64_t *slot, const int64_t *pos,
-                     float *out, int B, int T, int nh, int kvh, int S, int hd, float scale, int window,
-                     float softcap) {
+static void attn_for(const float *q, const void *kc, const void *vc, int kv16, const int64_t *slot,
+                     const int64_t *pos, float *out, int B, int T, int nh, int kvh, int S, int hd, float scale,
+                     int window, float softcap) {
     const int per = T * (nh / kvh), tiles = (per + VW - 1) / VW;
     /* the last tiles (the most keys) first, so the dynamic schedule ends balanced */
     #pragma omp for collapse(3) schedule(dynamic, 1)
@@ -963,13 +1065,14 @@ static void attn_for(const float *q, const float *kc, const float *vc, const int
         for (int g = 0; g < kvh; g++)
             for (int k = tiles - 1; k >= 0; k--) {
                 const int e0 = k * VW, ne = per - e0 < VW ? per - e0 : VW;
-                attn_tile(q, kc, vc, slot, pos, out, b, g, e0, ne, T, nh, kvh, S, hd, scale, window, softcap);
+                attn_tile(q, kc, vc, kv16, slot, pos, out, b, g, e0, ne, T, nh, kvh, S, hd, scale, window,
+                          softcap);
             }
 }
 
 /* RoPE on q (into qrot) and k, K and V written into the slot cache at their positions: a
    worksharing loop (see gemv_for). */
-static void rope_write_for(const float *qkv, const float *cos_t, const float *sin_t, float *kc, float *vc,
+static void rope_write_for(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kv16,
                            const int64_t *slot, const int64_t *pos, float *qrot, int B, int T, int nh, int kvh,
                            int S, int hd) {
     const int H = nh + 2 * kvh, half = hd / 2;
@@ -979,15 +1082,18 @@ static void rope_write_for(const float *qkv, const float *cos_t, const float *si
             const int64_t bt = (int64_t)b * T + t, p = pos[bt];
             const float *c = cos_t + p * hd, *s = sin_t + p * hd;
             const float *row = qkv + bt * H * hd;
-            for (int h = 0; h < nh + kvh; h++) {
+            for (int h = 0; h < nh; h++) {
                 const float *x = row + (int64_t)h * hd;
-                float *dst = h < nh ? qrot + (bt * nh + h) * hd
-                                    : kc + ((slot[b] * kvh + (h - nh)) * (int64_t)S + p) * hd;
+                float *dst = qrot + (bt * nh + h) * hd;
                 for (int i = 0; i < hd; i++) dst[i] = x[i] * c[i] + x[(i + half) % hd] * s[i];
             }
-            for (int g = 0; g < kvh; g++)
-                memcpy(vc + ((slot[b] * kvh + g) * (int64_t)S + p) * hd, row + (int64_t)(nh + kvh + g) * hd,
-                       sizeof(float) * hd);
+            for (int g = 0; g < kvh; g++) { /* keys to their block of the cache (dims KB apart), values to their row */
+                const float *x = row + (int64_t)(nh + g) * hd, *v = row + (int64_t)(nh + kvh + g) * hd;
+                const int64_t kat = (slot[b] * kvh + g) * (int64_t)S * hd + key_at(p, hd);
+                const int64_t vat = ((slot[b] * kvh + g) * (int64_t)S + p) * hd;
+                for (int i = 0; i < hd; i++) store_kv(kc, kat + (int64_t)i * KB, x[i] * c[i] + x[(i + half) % hd] * s[i], kv16);
+                for (int i = 0; i < hd; i++) store_kv(vc, vat + i, v[i], kv16);
+            }
         }
 }
 
@@ -997,15 +1103,15 @@ static void rope_write_for(const float *qkv, const float *cos_t, const float *si
  *   cos, sin [P, hd]             RoPE tables; sin carries the rotate_half sign (-sin | +sin)
  *   qrot [B, T, nh, hd]          scratch for the rotated queries
  * RoPE: x * cos + roll(x, hd / 2) * sin, as the torch path computes it. */
-void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, float *kc, float *vc,
+void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kv16,
                    const int64_t *slot, const int64_t *pos, float *qrot, float *out,
                    int B, int T, int nh, int kvh, int S, int hd, float scale, int window, float softcap,
                    int threads) {
     #pragma omp parallel num_threads(threads)
     {
         /* every key written before any query reads the cache: the loop's end is a barrier */
-        rope_write_for(qkv, cos_t, sin_t, kc, vc, slot, pos, qrot, B, T, nh, kvh, S, hd);
-        attn_for(qrot, kc, vc, slot, pos, out, B, T, nh, kvh, S, hd, scale, window, softcap);
+        rope_write_for(qkv, cos_t, sin_t, kc, vc, kv16, slot, pos, qrot, B, T, nh, kvh, S, hd);
+        attn_for(qrot, kc, vc, kv16, slot, pos, out, B, T, nh, kvh, S, hd, scale, window, softcap);
     }
 }
 
@@ -1030,8 +1136,9 @@ typedef struct {
     int hidden, inter, nh, kvh, hd, S, window, act; /* act: 0 silu, 1 gelu (tanh) */
     float eps, scale, softcap;
     const float *cos, *sin, *cos_local, *sin_local; /* RoPE tables [P, hd] */
-    float *kc, *vc;        /* this stack's caches [layers, slots, kvh, S, hd] */
-    int64_t layer_stride;  /* floats from one layer's cache to the next */
+    void *kc, *vc;         /* this stack's caches [layers, slots, kvh, S, hd] (keys in blocks: key_at) */
+    int64_t layer_stride;  /* elements from one layer's cache to the next */
+    int kv16;              /* the caches hold fp16 (else fp32) */
 } stack_t;
 
 /* y = x * rsqrt(mean(x^2) + eps) * w over one row of D (y may be x). */
@@ -1103,7 +1210,8 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
     #pragma omp parallel num_threads(threads)
     for (int li = 0; li < nl; li++) {
         const layer_t *l = &L[li];
-        float *kc = c->kc + li * c->layer_stride, *vc = c->vc + li * c->layer_stride;
+        const int64_t at = li * c->layer_stride * (c->kv16 ? 2 : 4); /* bytes */
+        void *kc = (char *)c->kc + at, *vc = (char *)c->vc + at;
         rms_rows_for(x, l->in_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd, &qa);
         if (l->qkv_bias) bias_rows_for(qkv, l->qkv_bias, N, H * c->hd);
@@ -1117,8 +1225,8 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
             }
         }
         const float *cs = l->local ? c->cos_local : c->cos, *sn = l->local ? c->sin_local : c->sin;
-        rope_write_for(qkv, cs, sn, kc, vc, slot, pos, qrot, B, T, c->nh, c->kvh, c->S, c->hd);
-        attn_for(qrot, kc, vc, slot, pos, att, B, T, c->nh, c->kvh, c->S, c->hd, c->scale,
+        rope_write_for(qkv, cs, sn, kc, vc, c->kv16, slot, pos, qrot, B, T, c->nh, c->kvh, c->S, c->hd);
+        attn_for(qrot, kc, vc, c->kv16, slot, pos, att, B, T, c->nh, c->kvh, c->S, c->hd, c->scale,
                  l->local ? c->window : 0, c->softcap);
         proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);

@@ -35,7 +35,7 @@ class StackStruct(ctypes.Structure):
                 ("hd", ctypes.c_int), ("S", ctypes.c_int), ("window", ctypes.c_int), ("act", ctypes.c_int),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
                 ("cos", _P), ("sin", _P), ("cos_local", _P), ("sin_local", _P), ("kc", _P), ("vc", _P),
-                ("layer_stride", ctypes.c_int64)]
+                ("layer_stride", ctypes.c_int64), ("kv16", ctypes.c_int)]
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -113,20 +113,22 @@ class FusedStack:
 
     def _stack(self, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor) -> StackStruct:
         """The per-forward struct (a few us to build: not worth caching)."""
-        assert kc.is_contiguous() and vc.is_contiguous() and kc.shape == vc.shape and kc.dim() == 5
+        # kc [layers, slots, kvh, S / 16, hd, 16] (kernels.block_keys), vc [layers, slots, kvh, S, hd]
+        assert kc.is_contiguous() and vc.is_contiguous() and kc.dim() == 6 and vc.dim() == 5
+        assert kc.numel() == vc.numel() and kc.dtype == vc.dtype and kc.dtype in (torch.float32, torch.float16)
         assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tables)
         sh = self.shape
-        s = StackStruct(hidden=sh.hidden, inter=sh.inter, nh=sh.nh, kvh=sh.kvh, hd=sh.hd, S=kc.shape[3],
+        s = StackStruct(hidden=sh.hidden, inter=sh.inter, nh=sh.nh, kvh=sh.kvh, hd=sh.hd, S=vc.shape[3],
                         window=sh.window, act=ACTS[sh.act], eps=sh.eps, scale=sh.scale, softcap=sh.softcap,
-                        layer_stride=kc.stride(0))
+                        layer_stride=kc.stride(0), kv16=int(kc.dtype == torch.float16))
         s.cos, s.sin, s.cos_local, s.sin_local = (t.data_ptr() for t in tables)
         s.kc, s.vc = kc.data_ptr(), vc.data_ptr()
         return s
 
     def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor,
                  slots: torch.Tensor, positions: torch.Tensor, num_layers: int = 0) -> torch.Tensor:
-        """x [B, T, hidden] through the first `num_layers` (0: all) layers, caches kc / vc
-        [layers, slots, kvh, S, hd] written at (slots [B], positions [B, T]); tables: (cos, sin,
+        """x [B, T, hidden] through the first `num_layers` (0: all) layers, caches kc / vc (KVCache's
+        kernel layout) written at (slots [B], positions [B, T]); tables: (cos, sin,
         cos_local, sin_local) [P, hd] -> [B, T, hidden] (a new tensor)."""
         lib = library()
         assert lib is not None

@@ -14,7 +14,7 @@ however the prompt was split into chunks or batched, so prefix caching can reuse
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,10 @@ from torch import nn
 
 from .. import kernels
 from ..kernels import stack
-from ..kv_cache import KVCache
 from .linear import InvariantLinear, linear_add, make_head, prepare_linears
+
+if TYPE_CHECKING:
+    from ..kv_cache import KVCache
 
 
 INVARIANT_MAX_QUERIES = 16  # without `invariant_prefill`: only decode and verification steps (T <= K+1) use the kernel
@@ -126,6 +128,9 @@ class DecoderLayer(nn.Module):
             attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, ctx.slots, ctx.positions, nh,
                                               cfg.scale, self.window, cfg.attn_softcap)
         else:
+            if k_cache.dim() != 4:
+                raise ValueError("the torch attention path needs a KV cache in torch's layout "
+                                 "(KVCache(..., kernel_layout=False))")
             qk = apply_rope(qkv[:, :, : nh + kvh], cos, sin)  # [B, T, nh+kvh, hd]
             q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + kvh:]
             ctx.write(k_cache, k)
@@ -321,8 +326,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None
         if w.device.type == "cpu":
             prepare_linears(self.layers, weight_dtype, integer_dot)
-        self.invariant_attention = (w.device.type == "cpu" and w.dtype == torch.float32
-                                    and self.cfg.head_dim % 16 == 0 and kernels.library() is not None)
+        self.invariant_attention = kernels.serves_attention(w.device, w.dtype, self.cfg.head_dim)
         self.fused = fused_stack(self.layers, self.cfg) if self.invariant_attention else None
         # as transformers: the scale in the model dtype (sqrt(hidden) is rounded in bf16)
         self.embed_scale = float(torch.tensor(self.cfg.embed_scale).to(w.dtype))

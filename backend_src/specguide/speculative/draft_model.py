@@ -22,13 +22,13 @@ class DraftModel:
     otherwise it refills from position 0."""
 
     def __init__(self, model: LlamaModel, max_slots: int, max_seq_len: int, K: int, chunk: int,
-                 device: torch.device):
+                 device: torch.device, half: bool = False):
         cfg = model.cfg
         self.model = model
         self.device = device
         self.chunk = chunk
         self.kv = KVCache(cfg.num_layers, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
-                          model.embed.weight.dtype, device, spare=K)
+                          model.embed.weight.dtype, device, spare=K, half=half)
         self.cached = [0] * max_slots
         self.reuse = model.chunk_invariant
 

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import EngineConfig
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, kv_half
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_model_dir
 from ..scheduler import PrefixCopy, Sequence, SlotOwner
@@ -56,7 +56,8 @@ class Proposer(SlotOwner):
             if dm.cfg.vocab_size != model.cfg.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the "
                                  f"target's ({model.cfg.vocab_size}); it must share the tokenizer")
-            self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device)
+            self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device,
+                                          kv_half(config, dm))
         self.accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
         self.step_costs = (StepCosts() if config.cost_aware_k and K and device.type == "cpu"
                            else None)  # host clock: CPU only
