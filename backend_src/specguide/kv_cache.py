@@ -49,7 +49,7 @@ class KVCache:
         else:
             self.k = torch.zeros((num_layers, max_slots, num_kv_heads, S, head_dim), dtype=store, device=device)
         self.v = torch.zeros((num_layers, max_slots, num_kv_heads, S, head_dim), dtype=store, device=device)
-        self.max_slots, self.dtype = max_slots, dtype  # dtype: the model's (what `rows` compare against)
+        self.max_slots, self.dtype = max_slots, dtype  # dtype: the model's (`like` passes it on)
         self.max_seq_len = max_seq_len + spare  # positions the cache holds
 
     def like(self, max_slots: int, positions: Optional[int] = None) -> KVCache:
