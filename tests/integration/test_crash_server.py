@@ -259,7 +259,12 @@ def test_a_dead_engine_stub_restarts_the_server_under_the_supervisor(tmp_path):
         assert not (regions & shm_regions()), "the killed server's shared-memory regions were left behind"
         assert MODEL not in set(srv.stubs()) - set(stubs) and srv.stubs()[MODEL] != stubs[MODEL]
         log = srv.log.read_text(errors="replace")
-        assert f"the Python backend stub of model '{MODEL}' died" in log
+        # the supervisor restarted it for the dead stub, or because Triton 2.51's Python backend
+        # aborted tritonserver itself on the dead stub's shared-memory lock (boost lock_exception,
+        # SIGABRT: seen once in a clean-clone CI run; docs/known-issues.md): either way, once
+        assert (f"the Python backend stub of model '{MODEL}' died" in log
+                or ("lock_exception" in log and "tritonserver exited with code -6" in log)), srv.log_tail()
+        assert log.count("restarting tritonserver") == 1
         print(f"server back in {time.monotonic() - t_kill:.1f} s")
     finally:
         _stop(srv.proc)
