@@ -143,30 +143,31 @@ static inline __attribute__((always_inline)) void zero_acc(vf acc[RB][NV]) {
         for (int v = 0; v < NV; v++) acc[k][v] = (vf){0};
 }
 
-/* y[b + k, tile t] = acc[k] (* scale) (+ r): whole vectors in a full tile, element by element in
+/* y[row, tile t's vector v] = a (* scale) (+ r): one vector in a full tile, element by element in
    the last, partial one (the same operations either way). */
+static inline __attribute__((always_inline)) void store_vec(vf a, const float *scale, const float *r, float *y,
+                                                            int64_t row, int t, int v, int O) {
+    const int64_t base = row * O + t * TILE + v * VW;
+    const int o0 = t * TILE + v * VW;
+    if ((t + 1) * TILE <= O) {
+        if (scale) a *= load(scale + o0);
+        if (r) a += load(r + base);
+        memcpy(y + base, &a, sizeof a);
+        return;
+    }
+    for (int j = 0; j < VW; j++) {
+        if (o0 + j >= O) break;
+        float x = a[j];
+        if (scale) x *= scale[o0 + j];
+        y[base + j] = r ? x + r[base + j] : x;
+    }
+}
+
+/* y[b + k, tile t] = acc[k] (* scale) (+ r) for the nb rows of a pass. */
 static inline __attribute__((always_inline)) void store_rows(vf acc[RB][NV], int nb, const float *scale,
                                                              const float *r, float *y, int t, int b, int O) {
-    const int full = (t + 1) * TILE <= O;
-    for (int k = 0; k < nb; k++) {
-        const int64_t base = (int64_t)(b + k) * O + t * TILE;
-        if (full) {
-            for (int v = 0; v < NV; v++) {
-                vf x = acc[k][v];
-                if (scale) x *= load(scale + t * TILE + v * VW);
-                if (r) x += load(r + base + v * VW);
-                memcpy(y + base + v * VW, &x, sizeof x);
-            }
-            continue;
-        }
-        for (int j = 0; j < TILE; j++) {
-            int o = t * TILE + j;
-            if (o >= O) break;
-            float v = acc[k][j / VW][j % VW];
-            if (scale) v *= scale[o];
-            y[base + j] = r ? v + r[base + j] : v;
-        }
-    }
+    for (int k = 0; k < nb; k++)
+        for (int v = 0; v < NV; v++) store_vec(acc[k][v], scale, r, y, b + k, t, v, O);
 }
 
 /* One pass of up to RB rows over one weight tile `wt` (of type `kind`), written to y. */
@@ -474,15 +475,41 @@ static inline __attribute__((always_inline)) vi32 dot4_ref(vi32 acc, vi32 a, vi3
     return acc;
 }
 
+typedef int16_t vp16 __attribute__((vector_size(VW * 4))); /* a full register of int16 pairs */
+
+/* The maddubs path (AVX2, AVX-512BW; the portable build never calls these): maddubs16 gives per
+   lane two int16 sums of u8 x s8 pairs, widen16 adds each lane's two into its int32. Q4_1 sums a
+   whole block's maddubs in int16 before widening (|pair| <= 2 * 15 * 127, so 8 groups sum to at
+   most 30480: no overflow, exact); everything else widens each one (dot_us). */
+static inline __attribute__((always_inline)) vi32 widen16(vp16 s) {
+#if defined(IDOT_MADD) && VW == 16
+    return (vi32)_mm512_madd_epi16((__m512i)s, _mm512_set1_epi16(1));
+#elif defined(IDOT_MADD)
+    return (vi32)_mm256_madd_epi16((__m256i)s, _mm256_set1_epi16(1));
+#else
+    (void)s;
+    return (vi32){0};
+#endif
+}
+
+static inline __attribute__((always_inline)) vp16 maddubs16(vi32 u, vi32 s) {
+#if defined(IDOT_MADD) && VW == 16
+    return (vp16)_mm512_maddubs_epi16((__m512i)u, (__m512i)s);
+#elif defined(IDOT_MADD)
+    return (vp16)_mm256_maddubs_epi16((__m256i)u, (__m256i)s);
+#else
+    (void)u, (void)s;
+    return (vp16){0};
+#endif
+}
+
 /* acc += u (unsigned bytes) . s (signed bytes) per lane; no intermediate saturation for |u s| pairs
    below 2^15 (maddubs): Q4_1's u <= 15, Q8_0's |w| . |x| <= 127 * 127. */
 static inline __attribute__((always_inline)) vi32 dot_us(vi32 acc, vi32 u, vi32 s) {
 #if defined(IDOT_VNNI)
     return (vi32)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
-#elif defined(IDOT_MADD) && VW == 16
-    return acc + (vi32)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)u, (__m512i)s), _mm512_set1_epi16(1));
 #elif defined(IDOT_MADD)
-    return acc + (vi32)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)s), _mm256_set1_epi16(1));
+    return acc + widen16(maddubs16(u, s));
 #else
     return dot4_ref(acc, u, s, 0);
 #endif
@@ -517,7 +544,6 @@ static inline __attribute__((always_inline)) vi32 abs8(vi32 w) {
 }
 
 typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
-typedef int16_t vp16 __attribute__((vector_size(VW * 4))); /* a full register of int16 pairs */
 
 /* NOTE: registers. A pass keeps, per row, QNS fp32 accumulators and QNS integer block sums live;
  * a pass over the whole 64-output tile (RB 4 x NV vectors x 2) spilled to the stack on every ISA
@@ -536,50 +562,11 @@ typedef int16_t vp16 __attribute__((vector_size(VW * 4))); /* a full register of
 #define QRB 4 /* rows per pass (AVX2: 4 x 2 x 2 accumulators spill some, and still beat 2 or 3 rows) */
 #endif
 
-/* The int32 sums of one block, from the int16 sums of its maddubs pairs (Q4_1 on the maddubs path:
-   |pair| <= 2 * 15 * 127, so 8 groups sum to at most 30480: no int16 overflow, exact). */
-static inline __attribute__((always_inline)) vi32 widen16(vp16 s) {
-#if defined(IDOT_MADD) && VW == 16
-    return (vi32)_mm512_madd_epi16((__m512i)s, _mm512_set1_epi16(1));
-#elif defined(IDOT_MADD)
-    return (vi32)_mm256_madd_epi16((__m256i)s, _mm256_set1_epi16(1));
-#else
-    (void)s;
-    return (vi32){0};
-#endif
-}
-
-static inline __attribute__((always_inline)) vp16 maddubs16(vi32 u, vi32 s) {
-#if defined(IDOT_MADD) && VW == 16
-    return (vp16)_mm512_maddubs_epi16((__m512i)u, (__m512i)s);
-#elif defined(IDOT_MADD)
-    return (vp16)_mm256_maddubs_epi16((__m256i)u, (__m256i)s);
-#else
-    (void)u, (void)s;
-    return (vp16){0};
-#endif
-}
-
 #if defined(IDOT_MADD)
 #define Q4_SUM16 1 /* Q4_1 block sums in int16 (one madd per block instead of one per 4 inputs) */
 #else
 #define Q4_SUM16 0
 #endif
-
-/* y[row, o] (+ r) for one vector v of tile t (element by element in a partial last tile). */
-static inline __attribute__((always_inline)) void store_vec(vf a, const float *r, float *y, int64_t row, int t,
-                                                            int v, int O) {
-    const int64_t base = row * O + t * TILE + v * VW;
-    if ((t + 1) * TILE <= O) {
-        if (r) a += load(r + base);
-        memcpy(y + base, &a, sizeof a);
-        return;
-    }
-    for (int j = 0; j < VW; j++) {
-        if (t * TILE + v * VW + j >= O) break;
-        y[base + j] = r ? a[j] + r[base + j] : a[j];
-    }
-}
 
 /* Up to QRB rows of the quantized x over QNS vectors of one integer-kind tile, pass p (vectors p
    and p + NV/2 when QNS is 2, else p): integer sums per block folded into fp32 per row, in block
@@ -653,7 +640,7 @@ static inline __attribute__((always_inline)) void tile_pass_q(int kind, const qa
     }
     for (int k = 0; k < rb; k++) {
         if (k >= nb) break;
-        for (int s = 0; s < ns; s++) store_vec(acc[k][s], r, y, b + k, t, vv[s], O);
+        for (int s = 0; s < ns; s++) store_vec(acc[k][s], NULL, r, y, b + k, t, vv[s], O);
     }
 }
 
