@@ -967,14 +967,15 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kv16, 
     const int64_t base = ((slot[b] * kvh) + g) * (int64_t)S * hd;
     /* scores, masked to -inf outside each lane's keys; the running max */
     vf m = splat(-INFINITY);
-    const float *vl = NULL; /* the lane-wise tile's fp32 values (rows jmin ..) */
+    const float *V = NULL; /* the lane-wise tile's fp32 values (rows jmin ..) */
     if (ne <= FEW) {
         scores_few(q, row, ne, kv16 ? (const void *)((const uint16_t *)kc + base) : (const float *)kc + base, kv16,
                    jmin, n, hd, scale, softcap, lfirst, lpos, P);
         for (int64_t j = 0; j < n; j++) m = vmax(m, load(P + j * VW));
     } else {
         /* fp16: the tile's key blocks and value rows widened once (exact) for its VW queries */
-        const float *K = (const float *)kc + base, *V = (const float *)vc + base + jmin * hd;
+        const float *K = (const float *)kc + base;
+        V = (const float *)vc + base + jmin * hd;
         int64_t k0 = 0; /* key j of the tile is key j - k0 of K */
         if (widen) {
             float *Kw = P + (size_t)n * VW, *Vw = Kw + (size_t)nkb * hd;
@@ -1006,7 +1007,6 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kv16, 
             }
             j += nk;
         }
-        vl = V;
     }
     /* probabilities and their sum, in key order */
     vf l = (vf){0};
@@ -1021,7 +1021,6 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kv16, 
                                 : (const float *)vc + base + jmin * hd, kv16, n, hd, ne, row, out);
         return;
     }
-    const float *V = vl;
     /* outputs, DB dims at a time: one FMA chain over the keys per (query, dim) */
     for (int d0 = 0; d0 < hd; d0 += DB) {
         vf acc[DB];
