@@ -203,7 +203,9 @@ def test_every_client_hears_of_an_engine_kill_at_once_and_the_engine_comes_back(
     before = greedy(crash)
     got = kill_engine_and_recover(crash, with_clients=True)
     for c in got["clients"]:
-        assert c.error is not None and CAUSE in c.error, f"{c.name}: {c.error!r}"
+        # the server log's tail goes with a failure: a vLLM-proxy stream once ended without the
+        # error (docs/known-issues.md), and the log was gone before anyone looked
+        assert c.error is not None and CAUSE in c.error, f"{c.name}: {c.error!r} after {c.tokens} responses\n{crash.log_tail(80)}"
         assert c.t_end - got["t_kill"] < DEADLINE_S, f"{c.name} heard after {c.t_end - got['t_kill']:.2f} s"
     assert got["down"] == list(health_probe.SERVED)  # readiness (a real inference) false while it restarts
     assert got["probes_while_down"] == (1, 0)  # the readiness probe fails; the liveness probe does not

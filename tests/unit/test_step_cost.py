@@ -30,13 +30,23 @@ def test_cheap_rows_and_good_drafts_keep_speculating():
     assert [i + 1 for i, s in enumerate(got) if not s and i >= 2] == [32, 64, 96]  # only probes decode plainly
 
 
-def test_costly_rows_and_poor_drafts_stop_speculating_but_keep_probing():
+def test_costly_rows_and_poor_drafts_stop_speculating_and_probe_ever_more_rarely():
     # 8 slots at 23% acceptance, K=1: 1.23 tokens each for a step 1.4x as long
-    got = decide(StepCosts(probe_spec_every=16, probe_off_every=32), [1] * 8, [0.23] * 8, t_off=0.030, t_spec=0.042, steps=64)
+    got = decide(StepCosts(probe_spec_every=16, probe_spec_max=128, probe_off_every=32), [1] * 8, [0.23] * 8,
+                 t_off=0.030, t_spec=0.042, steps=500)
     assert got[:2] == [True, False]
-    later = got[2:]
-    assert sum(later) == 4  # only the probes (steps 16, 32, 48, 64) speculate
-    assert [i + 1 for i, s in enumerate(got) if s and i >= 2] == [16, 32, 48, 64]
+    # only probes speculate: after 16 steps, then at intervals doubling up to 128
+    assert [i + 1 for i, s in enumerate(got) if s and i >= 2] == [16, 48, 112, 240, 368, 496]
+
+
+def test_a_probe_that_pays_starts_the_probe_intervals_again():
+    costs = StepCosts(probe_spec_every=16, probe_spec_max=128, probe_off_every=1000)
+    poor = decide(costs, [1] * 4, [0.2] * 4, t_off=0.02, t_spec=0.03, steps=100)
+    assert [i + 1 for i, s in enumerate(poor) if s and i >= 2] == [16, 48]
+    good = decide(costs, [1] * 4, [0.9] * 4, t_off=0.02, t_spec=0.03, steps=12)  # drafts got good: pays
+    assert all(good)
+    again = decide(costs, [1] * 4, [0.2] * 4, t_off=0.02, t_spec=0.03, steps=60)  # poor again, from step 113
+    assert [113 + i for i, s in enumerate(again) if s] == [128, 160]  # 16 steps on, then 32 (not 128)
 
 
 def test_decision_follows_changing_costs_and_batch_sizes_separately():

@@ -1,6 +1,8 @@
 """A separate small draft model sharing the target's tokenizer, with its own per-slot KV cache."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..kv_cache import KVCache
@@ -30,6 +32,7 @@ class DraftModel:
         self.kv = KVCache(cfg.num_layers, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
                           model.embed.weight.dtype, device, spare=K, half=half)
         self.cached = [0] * max_slots
+        self.catchup_s = 0.0  # host time in catch_up since take_catchup_s
         self.reuse = model.chunk_invariant
 
     d2t = None
@@ -49,7 +52,14 @@ class DraftModel:
         self.cached[dst] = max(have, get)
 
     def prepare(self, seqs: list[Sequence], key) -> None:
+        t0 = time.perf_counter()
         self.catch_up(seqs)
+        self.catchup_s += time.perf_counter() - t0
+
+    def take_catchup_s(self) -> float:
+        """Host seconds spent in catch_up since the last call (cost_aware_k leaves them out of a step's cost)."""
+        spent, self.catchup_s = self.catchup_s, 0.0
+        return spent
 
     @torch.inference_mode()
     def catch_up(self, seqs: list[Sequence]) -> None:

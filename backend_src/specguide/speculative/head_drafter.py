@@ -2,6 +2,8 @@
 KV cache, catch-up of verified positions, then K chained draft steps."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -43,6 +45,7 @@ class HeadDrafter:
         self.pos, self.tok, self.last = (t.to(device) for t in (self.pos_host, self.tok_host, self.last_host))
         self.T = 1
         self.g: torch.Tensor = torch.zeros(0)
+        self.catchup_s = 0.0  # host time in catch-up forwards since take_catchup_s (not the step's own cost)
 
     def record(self, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Target features: hidden [B, T, H] at positions [B, T] of slots [B]."""
@@ -69,6 +72,7 @@ class HeadDrafter:
         rows up to p = N-2 (at most K+1; captured steps pad every row to K+1)."""
         rows: list[list[int]] = []
         history: list[list[int]] = []
+        t0 = time.perf_counter()
         for s in seqs:
             # a step that failed after this point last time (and is retried) re-feeds its rows
             self.cached[s.slot] = max(0, min(self.valid[s.slot], s.num_tokens - 2))
@@ -80,6 +84,7 @@ class HeadDrafter:
                 self._run([s.slot], [list(range(a, a + n))], [toks[a + 1: a + 1 + n]])
                 self.cached[s.slot] = self.valid[s.slot] = a + n
             rows.append(list(range(self.cached[s.slot], s.num_tokens - 1)))
+        self.catchup_s += time.perf_counter() - t0
         T = self.K + 1 if key.captured else max(len(r) for r in rows)
         P, X, L = self.pos_host.numpy(), self.tok_host.numpy(), self.last_host.numpy()
         P[:] = self.max_seq_len + np.arange(self.K + 1)[None, :]  # padding rows: dead positions
@@ -107,6 +112,12 @@ class HeadDrafter:
             pos = pos0[:, None] - 1 + i
             self.g = self.head(self.g[:, None], cur, ctx(pos, i), self.kv)[:, 0]
         return self.head.logits(self.g)
+
+    def take_catchup_s(self) -> float:
+        """Host seconds spent catching up rows since the last call (a prompt's, or those of the
+        plain steps since the sequence last drafted): cost_aware_k leaves them out of a step's cost."""
+        spent, self.catchup_s = self.catchup_s, 0.0
+        return spent
 
     def done(self, seqs: list[Sequence], accepted: list[int], width: int) -> None:
         """The step ran: its staged rows (up to N-2) are in the head's cache."""

@@ -24,6 +24,8 @@ from .plan import DraftPlan
 from .step_cost import StepCosts
 
 log = logging.getLogger("specguide")
+PRIOR_DECAY = 0.9  # weight of the old acceptance prior per verification
+PRIOR_RELAX = 0.1  # per plain step, how far a slot's acceptance estimate moves back toward its kind's prior
 ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds fall below is not proposed
 
 
@@ -59,6 +61,12 @@ class Proposer(SlotOwner):
             self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device,
                                           kv_half(config, dm))
         self.accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
+        # a new sequence starts from the acceptance its kind (guided or not) has had lately: chat
+        # drafts are rarely accepted (15-26% with the default model), JSON ones mostly (60-75%), so
+        # an optimistic 1.0 for every new chat request bought verifications that did not pay
+        self.accept_prior = {False: 1.0, True: 1.0}  # unguided, guided
+        self.slot_guided = [False] * config.max_slots
+        self.step_forced: dict[int, int] = {}  # slot -> grammar-forced drafts in this step's plan
         self.step_costs = (StepCosts() if config.cost_aware_k and K and device.type == "cpu"
                            else None)  # host clock: CPU only
 
@@ -115,7 +123,8 @@ class Proposer(SlotOwner):
 
     def admit(self, slot: int, seq: Sequence) -> None:
         """A new sequence in the slot."""
-        self.accept_rate[slot] = 1.0
+        self.slot_guided[slot] = seq.guide.params is not None
+        self.accept_rate[slot] = self.accept_prior[self.slot_guided[slot]]
         self.head_ready[slot] = self.head is not None and (seq.num_reused == 0 or self.head_ready[slot])
         for d in (self.head, self.draft_model):
             if d is not None:
@@ -130,13 +139,19 @@ class Proposer(SlotOwner):
             if d is not None:
                 d.copy_prefix(c.src, c.dst, c.start, c.end)
 
-    def observe(self, slot: int, drafted: int, accepted: int) -> None:
-        """One verification's outcome for the slot (adaptive K)."""
-        if drafted:
-            self.accept_rate[slot] = 0.7 * self.accept_rate[slot] + 0.3 * accepted / drafted
+    def observe(self, slot: int, drafted: int, accepted: int, forced: int = 0) -> None:
+        """One verification's outcome for the slot (adaptive K); its first `forced` drafts were the
+        grammar's (not what the estimate is of)."""
+        free = drafted - forced
+        if free > 0:
+            rate = max(0, accepted - forced) / free
+            self.accept_rate[slot] = 0.7 * self.accept_rate[slot] + 0.3 * rate
+            kind = self.slot_guided[slot]
+            self.accept_prior[kind] = PRIOR_DECAY * self.accept_prior[kind] + (1 - PRIOR_DECAY) * rate
 
-    def budget(self, seq: Sequence) -> int:
-        """Drafts worth proposing for this sequence now (0 = plain decoding)."""
+    def budget(self, seq: Sequence, forced: int = 0) -> int:
+        """Drafts worth proposing for this sequence now (0 = plain decoding); at least the `forced`
+        tokens the grammar forces next, which adaptive K does not shorten."""
         p = seq.params
         if (seq.num_draft_tokens == 0 or p.penalized or p.bad_words_ids
                 or len(seq.output_ids) < p.min_tokens):  # per-position bans: no speculation
@@ -145,20 +160,36 @@ class Proposer(SlotOwner):
                 self.config.max_seq_len - seq.num_tokens - 1)
         if self.config.adaptive_k and k > 1:  # keep draft i while rate^i (its odds) is worth a row
             rate = self.accept_rate[seq.slot]
-            k = min(k, next((i for i in range(1, k + 1) if rate ** (i + 1) < ADAPTIVE_MIN_ODDS), k))
+            k = min(k, max(forced, next((i for i in range(1, k + 1) if rate ** (i + 1) < ADAPTIVE_MIN_ODDS), k)))
         return max(0, k)
+
+    def forced(self, seq: Sequence) -> int:
+        """How many of the slot's next tokens its grammar forces (jump-forward), drafted first by
+        the grammar and hybrid drafters and by any masked drafter: accepted all but always, they
+        count in full in the step's expected tokens (cost_aware_k) and in its K. 0 unguided."""
+        if (not seq.num_draft_tokens or not self.guided.is_guided(seq.slot)
+                or not (self.drafter in ("grammar", "hybrid") or self.config.mask_drafts)):
+            return 0
+        return len(self.guided.forced_tokens(seq.slot, self.encode, seq.num_draft_tokens))
 
     # ---- drafts -----------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> DraftPlan:
         """Budgets for this step (adaptive K, at most spec_max_rows verification rows, and only
         when the measured step cost is repaid), then the drafts or the in-step drafter."""
-        ks = [self.budget(s) for s in seqs]
+        forced = [self.forced(s) for s in seqs]
+        ks = [self.budget(s, f) for s, f in zip(seqs, forced)]
         if self.config.spec_max_rows:  # at most spec_max_rows rows in the verification forward
             cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
             ks = [min(k, cap) for k in ks]
+        self.step_forced = {s.slot: min(f, k) for s, f, k in zip(seqs, forced, ks)}
         costs = self.step_costs
-        if costs is not None and not costs.speculate(ks, [self.accept_rate[s.slot] for s in seqs]):
+        if costs is not None and not costs.speculate(ks, [self.accept_rate[s.slot] for s in seqs],
+                                                     [min(f, k) for f, k in zip(forced, ks)]):
             ks = [0] * len(seqs)  # drafts would cost more than they return now
+            for s in seqs:  # unobserved, a slot's estimate drifts back to its kind's (else one poor
+                # verification kept it low, and the slot plain, until the next probe)
+                prior = self.accept_prior[self.slot_guided[s.slot]]
+                self.accept_rate[s.slot] += PRIOR_RELAX * (prior - self.accept_rate[s.slot])
         if not any(ks):
             return DraftPlan(ks, drafts=[[] for _ in seqs])
         masked = self.config.mask_drafts
@@ -178,9 +209,13 @@ class Proposer(SlotOwner):
     def record(self, seqs: list[Sequence], results: list[tuple[list[int], int, int]], seconds: float) -> None:
         """A step's outcome: acceptance per slot (adaptive K) and its cost."""
         for s, (_, drafted, accepted) in zip(seqs, results):
-            self.observe(s.slot, drafted, accepted)
+            self.observe(s.slot, drafted, accepted, self.step_forced.get(s.slot, 0) if drafted else 0)
+        # a drafter's catch-up (a new prompt's rows, or those of the plain steps since the sequence
+        # last drafted) is paid once per token whenever drafting resumes, not by this step: left out,
+        # or a step after plain ones looked up to twice its cost and drafting stopped where it pays
+        caught_up = sum(d.take_catchup_s() for d in (self.head, self.draft_model) if d is not None)
         if self.step_costs is not None:
-            self.step_costs.record(len(seqs), max(d for _, d, _ in results), seconds)
+            self.step_costs.record(len(seqs), max(d for _, d, _ in results), max(0.0, seconds - caught_up))
 
     def ngram_drafts(self, seq: Sequence, k: int) -> list[int]:
         """Prompt-lookup drafts over the sequence's prompt and output."""
