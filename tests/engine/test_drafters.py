@@ -169,6 +169,23 @@ def test_a_new_sequence_starts_from_the_acceptance_its_kind_has_had(engine):
         p.slot_guided[:], p.accept_rate[:] = saved[1], saved[2]
 
 
+def test_grammar_forced_drafts_set_a_floor_under_k_and_stay_out_of_the_acceptance_estimate(engine):
+    p = engine.proposer
+    saved = dict(p.accept_prior), list(p.accept_rate)
+    s = engine._make_sequence(requests(engine, lambda i: 3)[1], lambda o: None)  # unguided
+    s.slot = 0
+    try:
+        p.accept_rate[0] = 0.2
+        assert p.budget(s) == 1 and p.budget(s, forced=3) == 3  # forced tokens are not cut by adaptive K
+        p.observe(0, drafted=3, accepted=2, forced=2)  # the free draft was rejected
+        assert p.accept_rate[0] == pytest.approx(0.7 * 0.2)
+        p.observe(0, drafted=2, accepted=2, forced=2)  # forced drafts alone: nothing learned
+        assert p.accept_rate[0] == pytest.approx(0.7 * 0.2)
+    finally:
+        p.accept_prior.clear(), p.accept_prior.update(saved[0])
+        p.accept_rate[:] = saved[1]
+
+
 def test_tiny_trained_head_beats_chance_and_runs_in_the_step(engine, tmp_path):
     """A one-epoch self-distillation on a few prompts: the head agrees with the target far more
     often than chance and than an untrained head, loads from disk and drafts inside the step

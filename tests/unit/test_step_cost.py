@@ -22,6 +22,17 @@ def test_expected_tokens_is_the_geometric_sum():
     assert StepCosts.expected_tokens(2, 0.5) == pytest.approx(1.75)
 
 
+def test_grammar_forced_drafts_count_as_accepted():
+    assert StepCosts.expected_tokens(3, 0.5, forced=2) == pytest.approx(1 + 2 + 0.5)
+    assert StepCosts.expected_tokens(2, 0.0, forced=5) == 3.0  # at most k of them
+    # poor free drafts (10%) but the grammar forces all 3: a step 1.6x as long yields 4 tokens
+    costs = StepCosts()
+    costs.record(1, 3, 0.016)
+    costs.record(1, 0, 0.010)
+    assert costs.speculate([3], [0.1], [3])
+    assert not costs.speculate([3], [0.1], [0])
+
+
 def test_cheap_rows_and_good_drafts_keep_speculating():
     # 8 slots at 75% acceptance, K=1: 1.75 tokens each for a step 1.3x as long as a plain one
     got = decide(StepCosts(probe_spec_every=16, probe_off_every=32), [1] * 8, [0.75] * 8,
