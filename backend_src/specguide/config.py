@@ -102,11 +102,11 @@ class EngineConfig:
     draft_head_weight_dtype: str = "int8"  # CPU (C kernels): how the draft head's linear weights are
     # held, as weight_dtype. Drafts never change the output, only acceptance: int8 drafts as well as
     # fp32 at less cost (bench/HISTORY.md). "" = the target's weight_dtype (always so without the C kernels)
-    adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens); a new
-    # sequence starts from the acceptance recent sequences of its kind (guided or not) had
+    adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
     cost_aware_k: bool = True  # CPU: a step drafts only while the measured cost of its extra rows is
     # repaid by the expected accepted tokens (speculative/step_cost.py; while it is not, a probe step
-    # drafts after 16 steps, then at doubling intervals up to 128); decisions follow wall time, so
+    # drafts after 16 steps, then at doubling intervals up to 128; a new sequence's acceptance
+    # estimate starts from its kind's, guided or not, recent one); decisions follow wall time, so
     # draft counts vary run to run (tokens never do): a test comparing draft counts turns it off.
     ngram_trust: int = 3  # hybrid: an n-gram chain replaces the head's drafts when its suffix match is this long
     draft_model_dir: str = ""  # HF folder of the draft model ("" = the default model)
