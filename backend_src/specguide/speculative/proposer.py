@@ -168,8 +168,10 @@ class Proposer(SlotOwner):
     def forced(self, seq: Sequence) -> int:
         """How many of the slot's next tokens its grammar forces (jump-forward), drafted first by
         the grammar and hybrid drafters and by any masked drafter: accepted all but always, they
-        count in full in the step's expected tokens (cost_aware_k) and in its K. 0 unguided."""
-        if (not seq.num_draft_tokens or not self.guided.is_guided(seq.slot)
+        count in full in the step's expected tokens and in its K. 0 unguided, and without
+        cost_aware_k (CPU): on a GPU this host work (and its wait for the grammar stream) would
+        come before every step."""
+        if (self.step_costs is None or not seq.num_draft_tokens or not self.guided.is_guided(seq.slot)
                 or not (self.drafter in ("grammar", "hybrid") or self.config.mask_drafts)):
             return 0
         return len(self.guided.forced_tokens(seq.slot, self.encode, seq.num_draft_tokens))
