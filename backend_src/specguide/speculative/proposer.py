@@ -185,10 +185,10 @@ class Proposer(SlotOwner):
         if self.config.spec_max_rows:  # at most spec_max_rows rows in the verification forward
             cap = max(0, self.config.spec_max_rows // len(seqs) - 1)
             ks = [min(k, cap) for k in ks]
-        self.step_forced = {s.slot: min(f, k) for s, f, k in zip(seqs, forced, ks)}
+        forced = [min(f, k) for f, k in zip(forced, ks)]
+        self.step_forced = {s.slot: f for s, f in zip(seqs, forced)}
         costs = self.step_costs
-        if costs is not None and not costs.speculate(ks, [self.accept_rate[s.slot] for s in seqs],
-                                                     [min(f, k) for f, k in zip(forced, ks)]):
+        if costs is not None and not costs.speculate(ks, [self.accept_rate[s.slot] for s in seqs], forced):
             ks = [0] * len(seqs)  # drafts would cost more than they return now
             for s in seqs:  # unobserved, a slot's estimate drifts back to its kind's (else one poor
                 # verification kept it low, and the slot plain, until the next probe)
@@ -213,7 +213,7 @@ class Proposer(SlotOwner):
     def record(self, seqs: list[Sequence], results: list[tuple[list[int], int, int]], seconds: float) -> None:
         """A step's outcome: acceptance per slot (adaptive K) and its cost."""
         for s, (_, drafted, accepted) in zip(seqs, results):
-            self.observe(s.slot, drafted, accepted, self.step_forced.get(s.slot, 0) if drafted else 0)
+            self.observe(s.slot, drafted, accepted, self.step_forced.get(s.slot, 0))
         # a drafter's catch-up (a new prompt's rows, or those of the plain steps since the sequence
         # last drafted) is paid once per token whenever drafting resumes, not by this step: left out,
         # or a step after plain ones looked up to twice its cost and drafting stopped where it pays
