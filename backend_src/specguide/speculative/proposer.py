@@ -61,11 +61,10 @@ class Proposer(SlotOwner):
             self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device,
                                           kv_half(config, dm))
         self.accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
-        # cost_aware_k: a new sequence starts from the acceptance its kind (guided or not) has had
-        # lately: chat drafts are rarely accepted (15-26% with the default model), JSON ones mostly
-        # (60-75%), so an optimistic 1.0 for every new chat request bought verifications that did
-        # not pay. Without it every sequence starts at 1.0, so a request's draft counts do not
-        # depend on what the engine served before
+        # the recent acceptance of each kind (guided or not): a slot that does not verify drifts back
+        # to it (cost_aware_k). A new sequence still starts at 1.0: starting it from its kind's (chat
+        # drafts are rarely accepted) kept a repetitive prompt, whose n-gram drafts are, from ever
+        # drafting (test_speculation_metrics, in a clean-clone CI run)
         self.accept_prior = {False: 1.0, True: 1.0}  # unguided, guided
         self.slot_guided = [False] * config.max_slots
         self.step_forced: dict[int, int] = {}  # slot -> grammar-forced drafts in this step's plan
@@ -126,7 +125,7 @@ class Proposer(SlotOwner):
     def admit(self, slot: int, seq: Sequence) -> None:
         """A new sequence in the slot."""
         self.slot_guided[slot] = seq.guide.params is not None
-        self.accept_rate[slot] = self.accept_prior[self.slot_guided[slot]] if self.step_costs is not None else 1.0
+        self.accept_rate[slot] = 1.0
         self.head_ready[slot] = self.head is not None and (seq.num_reused == 0 or self.head_ready[slot])
         for d in (self.head, self.draft_model):
             if d is not None:
