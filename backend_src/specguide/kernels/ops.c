@@ -545,11 +545,12 @@ static inline __attribute__((always_inline)) vi32 abs8(vi32 w) {
 
 typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
 
-/* NOTE: registers. A pass keeps, per row, QNS fp32 accumulators and QNS integer block sums live;
- * a pass over the whole 64-output tile (RB 4 x NV vectors x 2) spilled to the stack on every ISA
- * (593 stack references in the AVX2 build's Q4_1 kernel). So the integer kernels run QNS vectors
- * of the tile and QRB rows per pass: the tile's weights (18-48 KB) come from L1/L2 after the first
- * pass. Which vectors and rows share a pass never changes a sum. */
+/* NOTE: registers. A pass keeps, per row, QNS integer block sums live (the fp32 sums are read and
+ * written once per block: memory, or registers where the compiler can keep them); a pass over the
+ * whole 64-output tile (RB 4 x NV vectors x 2) spilled to the stack on every ISA (593 stack
+ * references in the AVX2 build's Q4_1 kernel). So the integer kernels run QNS vectors of the tile
+ * and QRB rows per pass over one block: the block's weights (1-2 KB) come from L1 after the
+ * first pass. Which vectors and rows share a pass never changes a sum. */
 #if VW == 8
 #ifndef QNS
 #define QNS 2 /* vectors per pass: a Q4_1 load's low and high nibbles (vectors c and c + NV/2) */
@@ -561,6 +562,7 @@ typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
 #ifndef QRB
 #define QRB 4 /* rows per pass (AVX2: 4 x 2 x 2 accumulators spill some, and still beat 2 or 3 rows) */
 #endif
+#define QRG 16 /* rows whose fp32 sums [QRG][NV] a multi-row call keeps while it walks a tile's blocks */
 
 #if defined(IDOT_MADD)
 #define Q4_SUM16 1 /* Q4_1 block sums in int16 (one madd per block instead of one per 4 inputs) */
@@ -568,94 +570,125 @@ typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
 #define Q4_SUM16 0
 #endif
 
-/* Up to QRB rows of the quantized x over QNS vectors of one integer-kind tile, pass p (vectors p
-   and p + NV/2 when QNS is 2, else p): integer sums per block folded into fp32 per row, in block
-   order. */
-static inline __attribute__((always_inline)) void tile_pass_q(int kind, const qact_t *qa, int nb, const char *wt,
-                                                               const uint16_t *aux, const float *r, float *y,
-                                                               int t, int b, int I, int O, int p, const int ns,
-                                                               const int rb) {
+/* Block `blk` of one integer-kind tile for up to QRB rows (b ..) of the quantized x over QNS of
+   its vectors (pass p: vectors p and p + NV/2 when QNS is 2, else p; all of them when ns is NV):
+   the integer sums of the block, folded into the rows' fp32 sums acc[k][vector]:
+     acc += (d * dx) * isum (+ m * sx)
+   A row's sums fold block by block in block order, whatever the pass and the row group. */
+static inline __attribute__((always_inline)) void block_q(int kind, const qact_t *qa, int nb, const char *wt,
+                                                           const uint16_t *aux, vf acc[][NV], int64_t blk, int b,
+                                                           int I, int p, const int ns, const int rb) {
     const int q4 = kind == W_Q4_1_Q8, nblk = I / QBLK;
     const int64_t gbytes = q4 ? TILE * GRP / 2 : TILE * GRP; /* bytes per group of 4 inputs */
     int vv[NV]; /* the tile vectors of this pass: ns / 2 loads' low and high nibbles (Q4_1) */
     for (int s = 0; s < ns; s++) vv[s] = ns == 1 ? p : p * (ns / 2) + s % (ns / 2) + (s / (ns / 2)) * (NV / 2);
-    vf acc[QRB][NV];
+    vi32 isum[QRB][NV];
+    vp16 hsum[QRB][NV];
     for (int k = 0; k < rb; k++)
-        for (int s = 0; s < ns; s++) acc[k][s] = (vf){0};
-    for (int64_t blk = 0; blk < nblk; blk++) {
-        if (p == 0) prefetch_blk(q4 ? W_Q4_1 : W_Q8_0, wt, aux, blk);
-        vi32 isum[QRB][NV];
-        vp16 hsum[QRB][NV];
-        for (int k = 0; k < rb; k++)
-            for (int s = 0; s < ns; s++) isum[k][s] = (vi32){0}, hsum[k][s] = (vp16){0};
-        for (int g = 0; g < QBLK / GRP; g++) {
-            const char *wg = wt + (blk * (QBLK / GRP) + g) * gbytes;
-            vi32 w[NV], aw[NV];
-            for (int s = 0; s < ns; s++) {
-                if (q4) {
-                    const vi32 raw = ld32(wg + (int64_t)(vv[s] % (NV / 2)) * VW * 4);
-                    w[s] = (vv[s] < NV / 2 ? raw : (vi32)((vu32)raw >> 4)) & 0x0F0F0F0F;
-                } else {
-                    w[s] = ld32(wg + (int64_t)vv[s] * VW * 4);
-                    aw[s] = abs8(w[s]);
-                }
-            }
-            const int8_t *xg = qa->q + (int64_t)b * I + blk * QBLK + g * GRP;
-            for (int k = 0; k < rb; k++) {
-                if (k >= nb) break;
-                const vi32 xb = bcast4(xg + (int64_t)k * I);
-                for (int s = 0; s < ns; s++) {
-                    if (q4 && Q4_SUM16) hsum[k][s] += maddubs16(w[s], xb);
-                    else isum[k][s] = q4 ? dot_us(isum[k][s], w[s], xb) : dot_ss(isum[k][s], w[s], aw[s], xb);
-                }
-            }
-        }
-        /* fold: acc += (d * dx) * isum (+ m * sx) */
-        const uint16_t *bd = aux + blk * 2 * TILE;
-        vf d[NV], m[NV];
-        vi32 corr[NV];
+        for (int s = 0; s < ns; s++) isum[k][s] = (vi32){0}, hsum[k][s] = (vp16){0};
+    for (int g = 0; g < QBLK / GRP; g++) {
+        const char *wg = wt + (blk * (QBLK / GRP) + g) * gbytes;
+        vi32 w[NV], aw[NV];
         for (int s = 0; s < ns; s++) {
-            d[s] = load_h(bd + vv[s] * VW);
-            corr[s] = (vi32){0};
             if (q4) {
-                m[s] = load_h(bd + TILE + vv[s] * VW);
+                const vi32 raw = ld32(wg + (int64_t)(vv[s] % (NV / 2)) * VW * 4);
+                w[s] = (vv[s] < NV / 2 ? raw : (vi32)((vu32)raw >> 4)) & 0x0F0F0F0F;
             } else {
-#if defined(IDOT_VNNI)
-                vi16 ws; /* the block's sum of q */
-                memcpy(&ws, bd + TILE + vv[s] * VW, sizeof ws);
-                corr[s] = __builtin_convertvector(ws, vi32) * 128;
-#endif
+                w[s] = ld32(wg + (int64_t)vv[s] * VW * 4);
+                aw[s] = abs8(w[s]);
             }
         }
+        const int8_t *xg = qa->q + (int64_t)b * I + blk * QBLK + g * GRP;
         for (int k = 0; k < rb; k++) {
             if (k >= nb) break;
-            const int64_t row = (int64_t)(b + k) * nblk + blk;
-            const vf dx = splat(qa->d[row]);
+            const vi32 xb = bcast4(xg + (int64_t)k * I);
             for (int s = 0; s < ns; s++) {
-                const vi32 sum = q4 ? (Q4_SUM16 ? widen16(hsum[k][s]) : isum[k][s]) : isum[k][s] - corr[s];
-                acc[k][s] = vfma(i32_to_f(sum), d[s] * dx, acc[k][s]);
-                if (q4) acc[k][s] = vfma(m[s], splat(qa->s[row]), acc[k][s]);
+                if (q4 && Q4_SUM16) hsum[k][s] += maddubs16(w[s], xb);
+                else isum[k][s] = q4 ? dot_us(isum[k][s], w[s], xb) : dot_ss(isum[k][s], w[s], aw[s], xb);
             }
+        }
+    }
+    const uint16_t *bd = aux + blk * 2 * TILE;
+    vf d[NV], m[NV];
+    vi32 corr[NV];
+    for (int s = 0; s < ns; s++) {
+        d[s] = load_h(bd + vv[s] * VW);
+        corr[s] = (vi32){0};
+        if (q4) {
+            m[s] = load_h(bd + TILE + vv[s] * VW);
+        } else {
+#if defined(IDOT_VNNI)
+            vi16 ws; /* the block's sum of q */
+            memcpy(&ws, bd + TILE + vv[s] * VW, sizeof ws);
+            corr[s] = __builtin_convertvector(ws, vi32) * 128;
+#endif
         }
     }
     for (int k = 0; k < rb; k++) {
         if (k >= nb) break;
-        for (int s = 0; s < ns; s++) store_vec(acc[k][s], NULL, r, y, b + k, t, vv[s], O);
+        const int64_t row = (int64_t)(b + k) * nblk + blk;
+        const vf dx = splat(qa->d[row]);
+        for (int s = 0; s < ns; s++) {
+            const vi32 sum = q4 ? (Q4_SUM16 ? widen16(hsum[k][s]) : isum[k][s]) : isum[k][s] - corr[s];
+            vf a = vfma(i32_to_f(sum), d[s] * dx, acc[k][vv[s]]);
+            if (q4) a = vfma(m[s], splat(qa->s[row]), a);
+            acc[k][vv[s]] = a;
+        }
     }
 }
 
+/* All rows of x over integer-kind tile t. One row (a decode step's GEMV): the whole tile per block,
+   its sums in registers. More rows: up to QRG at a time walk the tile's blocks once, each block's
+   passes (QRB rows x QNS vectors) in turn, so the weights stream from memory once per QRG rows
+   while the passes compute: a walk per pass instead (each pass over the whole tile) left memory
+   idle during the later ones (AVX2 build: B = 4 cost 2.0x B = 1 streamed, the sum of its compute
+   and its memory time). */
 static inline __attribute__((always_inline)) void tile_all_q(int kind, const qact_t *qa, const void *Wp,
                                                               const uint16_t *aux, const float *r, float *y,
                                                               int t, int B, int I, int O) {
     const char *wt = (const char *)Wp + (int64_t)t * I * (kind == W_Q4_1_Q8 ? TILE / 2 : TILE);
     const uint16_t *at = aux + (int64_t)t * (I / QBLK) * 2 * TILE;
-    if (B == 1) {  /* a decode step's GEMV: the whole tile in one pass */
-        tile_pass_q(kind, qa, 1, wt, at, r, y, t, 0, I, O, 0, NV, 1);
+    const int pk = kind == W_Q4_1_Q8 ? W_Q4_1 : W_Q8_0; /* the same block layout for prefetching */
+    if (B == 1) {
+        vf acc[1][NV];
+        for (int s = 0; s < NV; s++) acc[0][s] = (vf){0};
+        for (int64_t blk = 0; blk < I / QBLK; blk++) {
+            prefetch_blk(pk, wt, at, blk);
+            block_q(kind, qa, 1, wt, at, acc, blk, 0, I, 0, NV, 1);
+        }
+        for (int s = 0; s < NV; s++) store_vec(acc[0][s], NULL, r, y, 0, t, s, O);
         return;
     }
-    for (int b = 0; b < B; b += QRB)
-        for (int p = 0; p < NV / QNS; p++)
-            tile_pass_q(kind, qa, B - b < QRB ? B - b : QRB, wt, at, r, y, t, b, I, O, p, QNS, QRB);
+#if QNS < NV
+    vf acc[QRG][NV];
+    for (int b0 = 0; b0 < B; b0 += QRG) {
+        const int nr = B - b0 < QRG ? B - b0 : QRG;
+        for (int k = 0; k < nr; k++)
+            for (int s = 0; s < NV; s++) acc[k][s] = (vf){0};
+        for (int64_t blk = 0; blk < I / QBLK; blk++) {
+            prefetch_blk(pk, wt, at, blk);
+            for (int b = 0; b < nr; b += QRB)
+                for (int p = 0; p < NV / QNS; p++)
+                    block_q(kind, qa, nr - b < QRB ? nr - b : QRB, wt, at, acc + b, blk, b0 + b, I, p, QNS, QRB);
+        }
+        for (int k = 0; k < nr; k++)
+            for (int s = 0; s < NV; s++) store_vec(acc[k][s], NULL, r, y, b0 + k, t, s, O);
+    }
+#else /* one pass covers the tile: QRB rows at a time, their sums in registers (the tile's 18-36
+         KB of weights come from L1/L2 for the later row groups) */
+    for (int b = 0; b < B; b += QRB) {
+        const int nb = B - b < QRB ? B - b : QRB;
+        vf acc[QRB][NV];
+        for (int k = 0; k < QRB; k++)
+            for (int s = 0; s < NV; s++) acc[k][s] = (vf){0};
+        for (int64_t blk = 0; blk < I / QBLK; blk++) {
+            prefetch_blk(pk, wt, at, blk);
+            block_q(kind, qa, nb, wt, at, acc, blk, b, I, 0, NV, QRB);
+        }
+        for (int k = 0; k < nb; k++)
+            for (int s = 0; s < NV; s++) store_vec(acc[k][s], NULL, r, y, b + k, t, s, O);
+    }
+#endif
 }
 
 static void tile_q4_1_q8(const float *x, const qact_t *qa, const void *Wp, float *buf, const void *aux,

@@ -1,0 +1,111 @@
+"""Two versions of the C kernels side by side: the integer-dot GEMM of a git revision vs this tree.
+
+    python bench/bench_kernel_ab.py [--against HEAD] [--marches native,x86-64-v3] [--rounds 7]
+
+Builds `kernels/ops.c` of `--against` and of the working tree with the flags the engine uses
+(one -march each), loads both into one process and times the served integer formats (q4_1_q8,
+q8_0_q8) on the default model's shapes at B = 1, 4, 8, 16 rows, streamed from memory as in a
+forward (copies of the packed weights, 128 MiB in all, called in turn), the two builds alternated
+`--rounds` times: the best round of each. Checks that both give the same bits (a kernel change
+that moves work around must not change a sum). Prints ms and each build's B rows relative to
+B = 1 (issue 36's goal: B = 4 <= 1.5x, B = 16 <= 3x).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "backend_src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import cpu_header  # noqa: E402
+from specguide import kernels  # noqa: E402
+
+SHAPES = ((576, 960), (576, 3072), (1536, 576))  # (I, O): q|k|v, gate|up, down of SmolLM2-135M
+ROWS = (1, 4, 8, 16)
+FORMATS = ("q4_1_q8", "q8_0_q8")
+SRC = "backend_src/specguide/kernels/ops.c"
+
+
+def build(source: str, march: str, out: Path) -> ctypes.CDLL:
+    src = out.with_suffix(".c")
+    src.write_text(source)
+    subprocess.run(["gcc", *kernels.FLAGS, f"-march={march}", "-DRB=4", "-shared", "-fPIC", str(src), "-o",
+                    str(out), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    for f in (lib.gemv_q4_1_q8, lib.gemv_q8_0_q8):
+        f.restype, f.argtypes = None, [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    lib.set_prefetch.argtypes = [ctypes.c_int]
+    lib.set_prefetch(2)
+    return lib
+
+
+def compare(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    best: dict = {}
+    for I, O in SHAPES:
+        W = torch.randn(O, I, generator=g) * 0.05
+        for fmt in FORMATS:
+            p = kernels.pack_weight(W, fmt)
+            nbytes = sum(t.numel() * t.element_size() for t in p)
+            copies = [tuple(t.clone() for t in p) for _ in range(-(-(128 << 20) // nbytes))]
+            for B in ROWS:
+                x = torch.randn(B, I, generator=g)
+                ys = {n: torch.empty(B, -(-O // 64) * 64) for n in libs}
+                times: dict[str, list[float]] = {n: [] for n in libs}
+                for _ in range(rounds):
+                    for n, lib in libs.items():
+                        fn = lib.gemv_q4_1_q8 if fmt == "q4_1_q8" else lib.gemv_q8_0_q8
+                        y = ys[n]
+                        t0 = time.perf_counter()
+                        for c in copies:
+                            fn(x.data_ptr(), c[0].data_ptr(), c[1].data_ptr(), None, y.data_ptr(), B, I, O, threads)
+                        times[n].append((time.perf_counter() - t0) / len(copies))
+                first = next(iter(ys.values()))[:, :O]
+                same = all(torch.equal(y[:, :O], first) for y in ys.values())
+                best[(fmt, I, O, B)] = ({n: min(t) for n, t in times.items()}, same)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", default="HEAD", help="git revision whose ops.c is the baseline")
+    ap.add_argument("--marches", default="native,x86-64-v3")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    print(cpu_header(), f"{args.threads} threads", flush=True)
+    torch.set_num_threads(args.threads)
+    old = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:{SRC}"], check=True,
+                         capture_output=True, text=True).stdout
+    new = (ROOT / SRC).read_text()
+    names = (args.against, "tree")
+    with tempfile.TemporaryDirectory() as tmp:
+        for march in args.marches.split(","):
+            libs = {n: build(s, march, Path(tmp) / f"{i}-{march}.so") for i, (n, s) in enumerate(zip(names, (old, new)))}
+            res = compare(libs, args.rounds, args.threads)
+            print(f"\n-march={march}: streamed ms (best of {args.rounds}), rows B relative to B=1")
+            print(f"| format | shape | B | {names[0]} ms | tree ms | tree / {names[0]} | same bits |")
+            print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+            for (fmt, I, O, B), (t, same) in res.items():
+                print(f"| {fmt} | {I}x{O} | {B} | {t[names[0]] * 1e3:.4f} | {t['tree'] * 1e3:.4f} | "
+                      f"{t['tree'] / t[names[0]]:.2f} | {'yes' if same else 'NO'} |")
+            print(f"\n| format | shape | {names[0]}: B=4 / B=8 / B=16 vs B=1 | tree: B=4 / B=8 / B=16 vs B=1 |")
+            print("| --- | --- | --- | --- |")
+            for fmt in FORMATS:
+                for I, O in SHAPES:
+                    cells = [" / ".join(f"{res[(fmt, I, O, B)][0][n] / res[(fmt, I, O, 1)][0][n]:.2f}x"
+                                        for B in ROWS[1:]) for n in names]
+                    print(f"| {fmt} | {I}x{O} | {cells[0]} | {cells[1]} |")
+
+
+if __name__ == "__main__":
+    main()
