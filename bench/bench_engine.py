@@ -129,7 +129,7 @@ def main() -> None:
         # CPU, n-gram drafts at a fixed K (no cost-aware budget): what the recorded results ran
         engine = Engine(EngineConfig(dtype=dtype, weight_dtype=wd, max_slots=max(8, args.concurrency),
                                      max_seq_len=1024, num_draft_tokens=int(k), device="cpu", drafter="ngram",
-                                     cost_aware_k=False))
+                                     cost_aware_k=False, prefix_caching=False))  # the runs repeat prompts
         run_engine_sequential(engine, seq_prompts[:1], 8)  # warm-up
         e2e, dec, ttft, outs = run_engine_sequential(engine, seq_prompts, n)
         agg = run_engine_concurrent(engine, prompts, n)

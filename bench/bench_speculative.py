@@ -17,6 +17,7 @@ weight-only quantization), each against its own speculation-off baseline.
 `--draft-head-weight-dtypes`: the head / hybrid rows once per draft-head weight format (drafts only).
 `--llama-cpp`: llama-cpp-python on the same GGUF (Q4_1), JSON schemas through its grammar, batch 1.
 "tokens per step" = generated tokens after the first / decode steps, from the engine's counters.
+Prefix caching is off: every run prefills its prompts (the runs repeat them; distinct requests would).
 `--repeats N`: each workload's off and K runs alternate N times; tok/s are means (others: first run).
 """
 from __future__ import annotations
@@ -117,7 +118,10 @@ def main() -> None:
                for hd in (head_wds if names[d][0] in ("head", "hybrid") else head_wds[:1])]
     baseline: dict = {}
     for wd, ad, kd, hd, drafter, masked in engines:
+        # NOTE: prefix caching off: every run sends the same prompts, and a run after the first would
+        # find them in the slots (K=0 always ran first, so K=3 skipped its prompts' prefill)
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, num_draft_tokens=Kmax, drafter=drafter,
+                                  prefix_caching=False,
                                   draft_layers=20, mask_drafts=masked, adaptive_k=bool(args.adaptive_k),
                                   weight_dtype=wd, activation_dtype=ad, kv_cache_dtype=kd,
                                   cost_aware_k=bool(args.cost_aware_k),
