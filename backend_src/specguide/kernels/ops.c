@@ -560,7 +560,7 @@ typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
 #define QNS NV /* AVX-512 (32 registers) and the portable path: the whole tile (faster there) */
 #endif
 #ifndef QRB
-#define QRB 4 /* rows per pass (AVX2: 4 x 2 x 2 accumulators spill some, and still beat 2 or 3 rows) */
+#define QRB 4 /* rows per pass (AVX2: 4 beat 2, 3, 6 and 8) */
 #endif
 #define QRG 16 /* rows whose fp32 sums [QRG][NV] a multi-row call keeps while it walks a tile's blocks */
 
@@ -638,11 +638,13 @@ static inline __attribute__((always_inline)) void block_q(int kind, const qact_t
 }
 
 /* All rows of x over integer-kind tile t. One row (a decode step's GEMV): the whole tile per block,
-   its sums in registers. More rows: up to QRG at a time walk the tile's blocks once, each block's
-   passes (QRB rows x QNS vectors) in turn, so the weights stream from memory once per QRG rows
-   while the passes compute: a walk per pass instead (each pass over the whole tile) left memory
-   idle during the later ones (AVX2 build: B = 4 cost 2.0x B = 1 streamed, the sum of its compute
-   and its memory time). */
+   its sums in registers. More rows, several passes per block (AVX2): up to QRG rows at a time walk
+   the tile's blocks once, each block's passes (QRB rows x QNS vectors) in turn, so the weights
+   stream from memory once per QRG rows while the passes compute; a walk per pass instead (each
+   pass over the whole tile) left memory idle during the later ones (B = 4 cost 2.0x B = 1
+   streamed, the sum of its compute and its memory time). One pass per block (AVX-512, portable):
+   QRB rows at a time walk the tile, their sums in registers (the same walk per row group was no
+   faster there). */
 static inline __attribute__((always_inline)) void tile_all_q(int kind, const qact_t *qa, const void *Wp,
                                                               const uint16_t *aux, const float *r, float *y,
                                                               int t, int B, int I, int O) {
