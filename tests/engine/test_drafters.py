@@ -11,6 +11,7 @@ import pytest
 from specguide.config import EngineConfig
 from specguide.engine import Engine
 from specguide.request import Request, SamplingParams
+from specguide.speculative.step_cost import StepCosts
 from specguide.guided.decoder import GuidedDecoder
 from specguide.training.train_head import TrainConfig, run
 
@@ -140,10 +141,10 @@ def test_adaptive_k_shrinks_with_low_acceptance(engine):
     eng.proposer.accept_rate[0] = 1.0
 
 
-def test_each_kind_keeps_its_recent_acceptance_and_a_new_sequence_still_starts_optimistic(engine):
+def test_each_kind_keeps_its_recent_acceptance_and_a_new_sequence_starts_from_its_kinds(engine):
     """Chat drafts are mostly rejected, JSON ones mostly accepted: each kind's recent acceptance is
-    kept apart (a slot that stops verifying drifts back to it); a new sequence starts at 1.0
-    whatever its kind had, so a repetitive prompt's n-gram drafts still get tried."""
+    kept apart, and a new sequence starts from its kind's (a chat request does not verify, nor have
+    the draft head catch its prompt up, at its first steps)."""
     p = engine.proposer
     saved = dict(p.accept_prior), list(p.slot_guided), list(p.accept_rate)
     guided, chat = requests(engine, lambda i: 3)[:2]  # prompts() alternates guided, unguided
@@ -152,15 +153,69 @@ def test_each_kind_keeps_its_recent_acceptance_and_a_new_sequence_still_starts_o
     try:
         p.accept_prior.update({False: 1.0, True: 1.0})
         p.admit(0, chat_seq)
+        assert p.accept_rate[0] == 1.0
         for _ in range(20):
             p.observe(0, 3, 0)  # its drafts rejected
         assert p.accept_prior[False] < 0.15 and p.accept_prior[True] == 1.0
         chat_seq.slot = 1
         p.admit(1, chat_seq)
-        assert p.accept_rate[1] == 1.0 and p.budget(chat_seq) == 3
+        assert p.accept_rate[1] == p.accept_prior[False] and p.budget(chat_seq) == 1
     finally:
         p.accept_prior.clear(), p.accept_prior.update(saved[0])
         p.slot_guided[:], p.accept_rate[:] = saved[1], saved[2]
+
+
+def test_a_recurring_ngram_counts_as_sure_drafts(engine):
+    """sure_ngram: what followed the latest earlier occurrence of the last 4 tokens (what the n-gram
+    drafters propose), indexed as the sequence grows, across the prompt / output boundary."""
+    p = engine.proposer
+    saved = dict(p.accept_prior), list(p.accept_rate)
+    s = engine._make_sequence(Request(prompt="x", num_draft_tokens=3), lambda o: None)
+    try:
+        s.prompt_ids = [5, 6, 7, 8, 9, 1, 2, 3]
+        s.slot = 0
+        p.admit(0, s)
+        assert p.sure_ngram(s, 3) == 0  # 2 3 ... : the last 4 tokens have not occurred before
+        s.output_ids += [5, 6, 7]
+        assert p.sure_ngram(s, 3) == 0
+        s.output_ids += [8]  # 5 6 7 8 occurred at 0..3: 9 1 2 follow
+        assert p.sure_ngram(s, 3) == 3 and p.sure_ngram(s, 2) == 2
+        assert p.sure_ngram(s, 3) == p.ngram.chain(s.prompt_ids + s.output_ids, [], 3, 3)[0].__len__()
+        s.output_ids += [4]  # 6 7 8 4: new
+        assert p.sure_ngram(s, 3) == 0
+        s.output_ids += [5, 6, 7, 8]  # latest earlier occurrence: the output's 5 6 7 8, then 4 5 6
+        assert p.sure_ngram(s, 3) == 3
+        s.output_ids += [4, 5, 6]  # 8 4 5 6 occurred at 11..14: 7 8 4 follow
+        assert p.sure_ngram(s, 3) == 3
+        # an unguided slot's sure drafts are what forced() gives cost_aware_k (the served engine's)
+        assert p.step_costs is not None and p.forced(s) == p.sure_ngram(s, 3)
+        p.admit(0, s)  # a new sequence in the slot: a new index, the same answer
+        assert p.sure_ngram(s, 3) == 3
+    finally:
+        p.accept_prior.clear(), p.accept_prior.update(saved[0])
+        p.accept_rate[:] = saved[1]
+
+
+def test_a_repetitive_prompt_drafts_when_chat_drafts_are_rarely_accepted(engine):
+    """With the unguided acceptance estimate low (chat), a new sequence starts there and drafts
+    nothing it is unsure of, but a repetitive prompt's recurring n-grams still get verified at once
+    and accepted (the n-gram continuation is what the model says)."""
+    p = engine.proposer
+    saved = dict(p.accept_prior), p.step_costs
+    try:
+        p.accept_prior[False] = 0.05
+        # measured: a verification costs 3.6x a plain step (only 4 sure tokens repay it), no probes
+        p.step_costs = StepCosts(seconds={(1, 0): 0.005, (1, 1): 0.018, (1, 2): 0.018, (1, 3): 0.018},
+                                 next_probe={1: (10**9, 128)})
+        prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"
+        toks, _, final = run_alone(engine, Request(prompt=prompt, num_draft_tokens=3,
+                                                   params=SamplingParams(max_tokens=24, temperature=0.0)))
+        assert final.total_accepted_draft_tokens > 0, final
+        steps = final.num_output_tokens - 1 - final.total_accepted_draft_tokens
+        assert steps < len(toks) - 1
+    finally:
+        p.accept_prior.clear(), p.accept_prior.update(saved[0])
+        p.step_costs = saved[1]
 
 
 def test_grammar_forced_drafts_set_a_floor_under_k_and_stay_out_of_the_acceptance_estimate(engine):

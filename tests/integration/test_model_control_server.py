@@ -10,7 +10,7 @@ every cycle each name serves one request, and then:
 - after the unload, none of the processes the load started is left (stubs, engine process, compile
   workers, a head training), none of the shared-memory regions named on the stubs' command lines
   is left in /dev/shm, none of the engine model's metric series is still exported, and
-  tritonserver has no more threads than after the first unload.
+  tritonserver has at most one thread more than after the first unload.
 
 One cycle unloads with requests in flight (a stream through `specguide_vllm`, one to `specguide`):
 each finishes or ends with an error that says the model was unloaded. A request to an unloaded
@@ -286,7 +286,9 @@ def test_load_unload_cycles_leave_nothing_behind(explicit):
     # makes 30 metric families and deletes them in finalize grew it from 42.0 to 43.4 MiB in 12 cycles
     # (41.7 to 42.5 without the families), so 5% of it is no test of this model; the numbers are in
     # the report
-    assert max(threads_after) <= threads_after[0], report
+    # NOTE: a thread left per cycle would add CYCLES - 1; tritonserver once started one more thread of
+    # its own late in a clean-clone CI run (28 -> 29 after the 18th unload, flat before and after)
+    assert max(threads_after) <= threads_after[0] + 1, report
 
 
 def test_unload_ends_the_background_head_training(explicit, tmp_path):

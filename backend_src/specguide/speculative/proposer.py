@@ -27,6 +27,7 @@ log = logging.getLogger("specguide")
 PRIOR_DECAY = 0.9  # weight of the old acceptance prior per verification
 PRIOR_RELAX = 0.1  # per plain step, how far a slot's acceptance estimate moves back toward its kind's prior
 ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds fall below is not proposed
+SURE_NGRAM = 4  # cost_aware_k: what follows an earlier occurrence of the last 4 tokens counts as sure drafts
 
 
 class Proposer(SlotOwner):
@@ -61,13 +62,15 @@ class Proposer(SlotOwner):
             self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device,
                                           kv_half(config, dm))
         self.accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
-        # the recent acceptance of each kind (guided or not): a slot that does not verify drifts back
-        # to it (cost_aware_k). A new sequence still starts at 1.0: starting it from its kind's (chat
-        # drafts are rarely accepted) kept a repetitive prompt, whose n-gram drafts are, from ever
-        # drafting (test_speculation_metrics, in a clean-clone CI run)
+        # the recent acceptance of each kind (guided or not): a new sequence starts from it and a slot
+        # that does not verify drifts back to it (cost_aware_k). Chat drafts are rarely accepted, so a
+        # chat request no longer verifies (and has the head catch its prompt up) at its first steps;
+        # a repetitive one still drafts at once: its recurring n-grams count as sure (`sure_ngram`)
         self.accept_prior = {False: 1.0, True: 1.0}  # unguided, guided
+        self.ngrams: list[dict[tuple[int, ...], int]] = [{} for _ in range(config.max_slots)]  # sure_ngram's index
+        self.ngrams_upto = [0] * config.max_slots  # the n-grams ending before this position are indexed
         self.slot_guided = [False] * config.max_slots
-        self.step_forced: dict[int, int] = {}  # slot -> grammar-forced drafts in this step's plan
+        self.step_forced: dict[int, int] = {}  # slot -> sure drafts (forced, recurring n-gram) in this step's plan
         self.step_costs = (StepCosts() if config.cost_aware_k and K and device.type == "cpu"
                            else None)  # host clock: CPU only
 
@@ -125,7 +128,8 @@ class Proposer(SlotOwner):
     def admit(self, slot: int, seq: Sequence) -> None:
         """A new sequence in the slot."""
         self.slot_guided[slot] = seq.guide.params is not None
-        self.accept_rate[slot] = 1.0
+        self.accept_rate[slot] = self.accept_prior[self.slot_guided[slot]]
+        self.ngrams[slot], self.ngrams_upto[slot] = {}, 0
         self.head_ready[slot] = self.head is not None and (seq.num_reused == 0 or self.head_ready[slot])
         for d in (self.head, self.draft_model):
             if d is not None:
@@ -141,8 +145,8 @@ class Proposer(SlotOwner):
                 d.copy_prefix(c.src, c.dst, c.start, c.end)
 
     def observe(self, slot: int, drafted: int, accepted: int, forced: int = 0) -> None:
-        """One verification's outcome for the slot (adaptive K); its first `forced` drafts were the
-        grammar's (not what the estimate is of)."""
+        """One verification's outcome for the slot (adaptive K); its first `forced` drafts were sure
+        ones (`forced`: not what the estimate is of)."""
         free = drafted - forced
         if free > 0:
             rate = max(0, accepted - forced) / free
@@ -165,15 +169,35 @@ class Proposer(SlotOwner):
         return max(0, k)
 
     def forced(self, seq: Sequence) -> int:
-        """How many of the slot's next tokens its grammar forces (jump-forward), drafted first by
-        the grammar and hybrid drafters and by any masked drafter: accepted all but always, they
-        count in full in the step's expected tokens and in its K. 0 unguided, and without
-        cost_aware_k (CPU): on a GPU this host work (and its wait for the grammar stream) would
-        come before every step."""
-        if (self.step_costs is None or not seq.num_draft_tokens or not self.guided.is_guided(seq.slot)
-                or not (self.drafter in ("grammar", "hybrid") or self.config.mask_drafts)):
+        """How many of the slot's next drafts are all but sure: on a guided slot the tokens its grammar
+        forces (jump-forward; drafted first by the grammar and hybrid drafters and by any masked
+        drafter), on an unguided one a recurring n-gram's continuation (`sure_ngram`; drafted first
+        by the n-gram, grammar and hybrid drafters). They count in full in the step's expected
+        tokens and in its K. 0 without cost_aware_k (CPU): on a GPU this host work (and its wait
+        for the grammar stream) would come before every step."""
+        if self.step_costs is None or not seq.num_draft_tokens:
             return 0
-        return len(self.guided.forced_tokens(seq.slot, self.encode, seq.num_draft_tokens))
+        if self.guided.is_guided(seq.slot):
+            if not (self.drafter in ("grammar", "hybrid") or self.config.mask_drafts):
+                return 0
+            return len(self.guided.forced_tokens(seq.slot, self.encode, seq.num_draft_tokens))
+        return self.sure_ngram(seq, seq.num_draft_tokens) if self.drafter in ("ngram", "grammar", "hybrid") else 0
+
+    def sure_ngram(self, seq: Sequence, k: int) -> int:
+        """Up to k: the tokens that followed the latest earlier occurrence of the sequence's last
+        SURE_NGRAM tokens (what the n-gram drafter proposes then), 0 when they have not occurred.
+        The slot's n-grams are indexed as the sequence grows (a dict lookup per step)."""
+        n, g, slot = seq.num_tokens, SURE_NGRAM, seq.slot
+        if n <= g:
+            return 0
+        index, lo = self.ngrams[slot], max(self.ngrams_upto[slot], g - 1)
+        if lo < n - 1:  # index the n-grams ending at lo .. n-2 (the one ending at n-1 is the suffix)
+            w = _tokens(seq, lo - g + 1, n - 1)
+            for e in range(lo, n - 1):
+                index[tuple(w[e - lo: e - lo + g])] = e
+            self.ngrams_upto[slot] = n - 1
+        end = index.get(tuple(_tokens(seq, n - g, n)))
+        return 0 if end is None else min(k, n - 1 - end)
 
     # ---- drafts -----------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> DraftPlan:
@@ -228,3 +252,13 @@ class Proposer(SlotOwner):
         """Model-free drafts: the grammar-forced tokens (guided slots), then the n-gram continuation."""
         forced = self.guided.forced_tokens(seq.slot, self.encode, k) if self.guided.is_guided(seq.slot) else []
         return self.ngram.chain(seq.prompt_ids + seq.output_ids, forced, k)[0]
+
+
+def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of the sequence's prompt + output, without joining the two lists."""
+    P = len(seq.prompt_ids)
+    if end <= P:
+        return seq.prompt_ids[start:end]
+    if start >= P:
+        return seq.output_ids[start - P: end - P]
+    return seq.prompt_ids[start:] + seq.output_ids[: end - P]
