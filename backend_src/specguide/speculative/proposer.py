@@ -62,8 +62,8 @@ class Proposer(SlotOwner):
             self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device,
                                           kv_half(config, dm))
         self.accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
-        # the recent acceptance of each kind (guided or not): a new sequence starts from it and a slot
-        # that does not verify drifts back to it (cost_aware_k). Chat drafts are rarely accepted, so a
+        # the recent acceptance of each kind (guided or not): with cost_aware_k a new sequence starts
+        # from it and a slot that does not verify drifts back to it. Chat drafts are rarely accepted, so a
         # chat request no longer verifies (and has the head catch its prompt up) at its first steps;
         # a repetitive one still drafts at once: its recurring n-grams count as sure (`sure_ngram`)
         self.accept_prior = {False: 1.0, True: 1.0}  # unguided, guided
@@ -128,7 +128,9 @@ class Proposer(SlotOwner):
     def admit(self, slot: int, seq: Sequence) -> None:
         """A new sequence in the slot."""
         self.slot_guided[slot] = seq.guide.params is not None
-        self.accept_rate[slot] = self.accept_prior[self.slot_guided[slot]]
+        # cost_aware_k: from its kind's recent acceptance; else 1.0 (a request's drafts never depend
+        # on the requests before it)
+        self.accept_rate[slot] = self.accept_prior[self.slot_guided[slot]] if self.step_costs is not None else 1.0
         self.ngrams[slot], self.ngrams_upto[slot] = {}, 0
         self.head_ready[slot] = self.head is not None and (seq.num_reused == 0 or self.head_ready[slot])
         for d in (self.head, self.draft_model):
