@@ -637,60 +637,45 @@ static inline __attribute__((always_inline)) void block_q(int kind, const qact_t
     }
 }
 
+/* Rows b0 .. b0+nr-1 (nr <= QRG) of the quantized x over integer-kind tile t: the tile's blocks
+   walked once, each block's passes (rb rows x ns vectors) in turn, the rows' fp32 sums kept
+   across the walk. */
+static inline __attribute__((always_inline)) void walk_q(int kind, const qact_t *qa, const char *wt,
+                                                          const uint16_t *at, const float *r, float *y, int t,
+                                                          int b0, int nr, int I, int O, const int ns,
+                                                          const int rb) {
+    const int pk = kind == W_Q4_1_Q8 ? W_Q4_1 : W_Q8_0; /* the same block layout for prefetching */
+    vf acc[QRG][NV];
+    for (int k = 0; k < nr; k++)
+        for (int s = 0; s < NV; s++) acc[k][s] = (vf){0};
+    for (int64_t blk = 0; blk < I / QBLK; blk++) {
+        prefetch_blk(pk, wt, at, blk);
+        for (int b = 0; b < nr; b += rb)
+            for (int p = 0; p < NV / ns; p++)
+                block_q(kind, qa, nr - b < rb ? nr - b : rb, wt, at, acc + b, blk, b0 + b, I, p, ns, rb);
+    }
+    for (int k = 0; k < nr; k++)
+        for (int s = 0; s < NV; s++) store_vec(acc[k][s], NULL, r, y, b0 + k, t, s, O);
+}
+
 /* All rows of x over integer-kind tile t. One row (a decode step's GEMV): the whole tile per block,
    its sums in registers. More rows, several passes per block (AVX2): up to QRG rows at a time walk
-   the tile's blocks once, each block's passes (QRB rows x QNS vectors) in turn, so the weights
-   stream from memory once per QRG rows while the passes compute; a walk per pass instead (each
-   pass over the whole tile) left memory idle during the later ones (B = 4 cost 2.0x B = 1
-   streamed, the sum of its compute and its memory time). One pass per block (AVX-512, portable):
-   QRB rows at a time walk the tile, their sums in registers (the same walk per row group was no
-   faster there). */
+   the tile's blocks once, so the weights stream from memory once per QRG rows while the passes
+   compute; a walk per pass instead (each pass over the whole tile) left memory idle during the
+   later ones (B = 4 cost 2.0x B = 1 streamed, the sum of its compute and its memory time). One
+   pass per block (AVX-512, portable): QRB rows at a time walk the tile, their sums in registers
+   (walking it once for QRG rows was no faster there). */
 static inline __attribute__((always_inline)) void tile_all_q(int kind, const qact_t *qa, const void *Wp,
                                                               const uint16_t *aux, const float *r, float *y,
                                                               int t, int B, int I, int O) {
     const char *wt = (const char *)Wp + (int64_t)t * I * (kind == W_Q4_1_Q8 ? TILE / 2 : TILE);
     const uint16_t *at = aux + (int64_t)t * (I / QBLK) * 2 * TILE;
-    const int pk = kind == W_Q4_1_Q8 ? W_Q4_1 : W_Q8_0; /* the same block layout for prefetching */
-    if (B == 1) {
-        vf acc[1][NV];
-        for (int s = 0; s < NV; s++) acc[0][s] = (vf){0};
-        for (int64_t blk = 0; blk < I / QBLK; blk++) {
-            prefetch_blk(pk, wt, at, blk);
-            block_q(kind, qa, 1, wt, at, acc, blk, 0, I, 0, NV, 1);
-        }
-        for (int s = 0; s < NV; s++) store_vec(acc[0][s], NULL, r, y, 0, t, s, O);
-        return;
-    }
-#if QNS < NV
-    vf acc[QRG][NV];
-    for (int b0 = 0; b0 < B; b0 += QRG) {
-        const int nr = B - b0 < QRG ? B - b0 : QRG;
-        for (int k = 0; k < nr; k++)
-            for (int s = 0; s < NV; s++) acc[k][s] = (vf){0};
-        for (int64_t blk = 0; blk < I / QBLK; blk++) {
-            prefetch_blk(pk, wt, at, blk);
-            for (int b = 0; b < nr; b += QRB)
-                for (int p = 0; p < NV / QNS; p++)
-                    block_q(kind, qa, nr - b < QRB ? nr - b : QRB, wt, at, acc + b, blk, b0 + b, I, p, QNS, QRB);
-        }
-        for (int k = 0; k < nr; k++)
-            for (int s = 0; s < NV; s++) store_vec(acc[k][s], NULL, r, y, b0 + k, t, s, O);
-    }
-#else /* one pass covers the tile: QRB rows at a time, their sums in registers (the tile's 18-36
-         KB of weights come from L1/L2 for the later row groups) */
-    for (int b = 0; b < B; b += QRB) {
-        const int nb = B - b < QRB ? B - b : QRB;
-        vf acc[QRB][NV];
-        for (int k = 0; k < QRB; k++)
-            for (int s = 0; s < NV; s++) acc[k][s] = (vf){0};
-        for (int64_t blk = 0; blk < I / QBLK; blk++) {
-            prefetch_blk(pk, wt, at, blk);
-            block_q(kind, qa, nb, wt, at, acc, blk, b, I, 0, NV, QRB);
-        }
-        for (int k = 0; k < nb; k++)
-            for (int s = 0; s < NV; s++) store_vec(acc[k][s], NULL, r, y, b + k, t, s, O);
-    }
-#endif
+    if (B == 1)
+        walk_q(kind, qa, wt, at, r, y, t, 0, 1, I, O, NV, 1);
+    else if (QNS < NV)
+        for (int b0 = 0; b0 < B; b0 += QRG) walk_q(kind, qa, wt, at, r, y, t, b0, B - b0 < QRG ? B - b0 : QRG, I, O, QNS, QRB);
+    else
+        for (int b0 = 0; b0 < B; b0 += QRB) walk_q(kind, qa, wt, at, r, y, t, b0, B - b0 < QRB ? B - b0 : QRB, I, O, NV, QRB);
 }
 
 static void tile_q4_1_q8(const float *x, const qact_t *qa, const void *Wp, float *buf, const void *aux,
