@@ -2,7 +2,11 @@
 occurrence of the sequence's current suffix."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..scheduler import Sequence
 
 
 @dataclass
@@ -34,3 +38,39 @@ class NgramDrafter:
         to k drafts, the continuation whatever its suffix's length)."""
         cont, size = self.match(tokens + forced, k - len(forced))
         return forced + (cont if size >= trust else []), cont
+
+
+@dataclass
+class SuffixIndex:
+    """One sequence's n-grams of length `n`, indexed as it grows: `continuation(seq, k)` answers what
+    `NgramDrafter.match` would for a suffix of length n (how many tokens followed its latest earlier
+    occurrence, up to k) with a dict lookup per step instead of a scan of the history."""
+
+    n: int
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest occurrence
+    upto: int = 0  # the n-grams ending before this position are indexed
+
+    def continuation(self, seq: "Sequence", k: int) -> int:
+        """Up to k: the tokens that followed the latest earlier occurrence of the sequence's last n
+        tokens, 0 when they have not occurred before."""
+        total, g = seq.num_tokens, self.n
+        if total <= g:
+            return 0
+        lo = max(self.upto, g - 1)
+        if lo < total - 1:  # index the n-grams ending at lo .. total-2 (the one ending at total-1 is the suffix)
+            w = _tokens(seq, lo - g + 1, total - 1)
+            for e in range(lo, total - 1):
+                self.ends[tuple(w[e - lo: e - lo + g])] = e
+            self.upto = total - 1
+        end = self.ends.get(tuple(_tokens(seq, total - g, total)))
+        return 0 if end is None else min(k, total - 1 - end)
+
+
+def _tokens(seq: "Sequence", start: int, end: int) -> list[int]:
+    """Tokens [start, end) of the sequence's prompt + output, without joining the two lists."""
+    P = len(seq.prompt_ids)
+    if end <= P:
+        return seq.prompt_ids[start:end]
+    if start >= P:
+        return seq.output_ids[start - P: end - P]
+    return seq.prompt_ids[start:] + seq.output_ids[: end - P]

@@ -19,7 +19,7 @@ from .draft_model import DraftModel
 from .early_exit import EarlyExitDrafter
 from .head_drafter import HeadDrafter
 from .hybrid import HybridPicks
-from .ngram import NgramDrafter
+from .ngram import NgramDrafter, SuffixIndex
 from .plan import DraftPlan
 from .step_cost import StepCosts
 
@@ -67,8 +67,7 @@ class Proposer(SlotOwner):
         # chat request no longer verifies (and has the head catch its prompt up) at its first steps;
         # a repetitive one still drafts at once: its recurring n-grams count as sure (`sure_ngram`)
         self.accept_prior = {False: 1.0, True: 1.0}  # unguided, guided
-        self.ngrams: list[dict[tuple[int, ...], int]] = [{} for _ in range(config.max_slots)]  # sure_ngram's index
-        self.ngrams_upto = [0] * config.max_slots  # the n-grams ending before this position are indexed
+        self.suffixes = [SuffixIndex(SURE_NGRAM) for _ in range(config.max_slots)]  # sure_ngram's, per slot
         self.slot_guided = [False] * config.max_slots
         self.step_forced: dict[int, int] = {}  # slot -> sure drafts (forced, recurring n-gram) in this step's plan
         self.step_costs = (StepCosts() if config.cost_aware_k and K and device.type == "cpu"
@@ -131,7 +130,7 @@ class Proposer(SlotOwner):
         # cost_aware_k: from its kind's recent acceptance; else 1.0 (a request's drafts never depend
         # on the requests before it)
         self.accept_rate[slot] = self.accept_prior[self.slot_guided[slot]] if self.step_costs is not None else 1.0
-        self.ngrams[slot], self.ngrams_upto[slot] = {}, 0
+        self.suffixes[slot] = SuffixIndex(SURE_NGRAM)
         self.head_ready[slot] = self.head is not None and (seq.num_reused == 0 or self.head_ready[slot])
         for d in (self.head, self.draft_model):
             if d is not None:
@@ -187,19 +186,8 @@ class Proposer(SlotOwner):
 
     def sure_ngram(self, seq: Sequence, k: int) -> int:
         """Up to k: the tokens that followed the latest earlier occurrence of the sequence's last
-        SURE_NGRAM tokens (what the n-gram drafter proposes then), 0 when they have not occurred.
-        The slot's n-grams are indexed as the sequence grows (a dict lookup per step)."""
-        n, g, slot = seq.num_tokens, SURE_NGRAM, seq.slot
-        if n <= g:
-            return 0
-        index, lo = self.ngrams[slot], max(self.ngrams_upto[slot], g - 1)
-        if lo < n - 1:  # index the n-grams ending at lo .. n-2 (the one ending at n-1 is the suffix)
-            w = _tokens(seq, lo - g + 1, n - 1)
-            for e in range(lo, n - 1):
-                index[tuple(w[e - lo: e - lo + g])] = e
-            self.ngrams_upto[slot] = n - 1
-        end = index.get(tuple(_tokens(seq, n - g, n)))
-        return 0 if end is None else min(k, n - 1 - end)
+        SURE_NGRAM tokens (what the n-gram drafter proposes then), 0 when they have not occurred."""
+        return self.suffixes[seq.slot].continuation(seq, k)
 
     # ---- drafts -----------------------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> DraftPlan:
@@ -254,13 +242,3 @@ class Proposer(SlotOwner):
         """Model-free drafts: the grammar-forced tokens (guided slots), then the n-gram continuation."""
         forced = self.guided.forced_tokens(seq.slot, self.encode, k) if self.guided.is_guided(seq.slot) else []
         return self.ngram.chain(seq.prompt_ids + seq.output_ids, forced, k)[0]
-
-
-def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
-    """Tokens [start, end) of the sequence's prompt + output, without joining the two lists."""
-    P = len(seq.prompt_ids)
-    if end <= P:
-        return seq.prompt_ids[start:end]
-    if start >= P:
-        return seq.output_ids[start - P: end - P]
-    return seq.prompt_ids[start:] + seq.output_ids[: end - P]
