@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend_src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_kernels import SHAPES  # noqa: E402  (the default model's projections)
 from machine import cpu_header  # noqa: E402
 from specguide import kernels  # noqa: E402
 
-SHAPES = ((576, 960), (576, 3072), (1536, 576))  # (I, O): q|k|v, gate|up, down of SmolLM2-135M
 ROWS = (1, 4, 8, 16)
 FORMATS = ("q4_1_q8", "q8_0_q8")
 SRC = "backend_src/specguide/kernels/ops.c"
