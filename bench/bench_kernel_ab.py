@@ -1,6 +1,6 @@
-"""Two versions of the C kernels side by side: the integer-dot GEMM of a git revision vs this tree.
+"""Two versions of the C kernels side by side: a git revision's vs this tree's.
 
-    python bench/bench_kernel_ab.py [--against HEAD] [--marches native,x86-64-v3] [--rounds 7]
+    python bench/bench_kernel_ab.py [--what gemm|attention] [--against HEAD] [--marches native,x86-64-v3] [--rounds 7]
 
 Builds `kernels/ops.c` of `--against` and of the working tree with the flags the engine uses
 (one -march each), loads both into one process and times the served integer formats (q4_1_q8,
@@ -9,6 +9,12 @@ forward (copies of the packed weights, 128 MiB in all, called in turn), the two 
 `--rounds` times: the best round of each. Checks that both give the same bits (a kernel change
 that moves work around must not change a sum). Prints ms and each build's B rows relative to
 B = 1 (issue 36's goal: B = 4 <= 1.5x, B = 16 <= 3x).
+
+`--what attention`: the fused RoPE + attention call (`rope_attn_f32`) on the default model's
+attention geometry (9 query heads, 3 KV heads, 64 dims) in the steps the engine runs: decode
+(T = 1), verification (T = 4: K = 3), a prefill chunk (T = 64), at 300 and 1000 cached positions,
+with the fp16 KV cache served by default and fp32; 30 layers' caches called in turn (streamed, as
+in a forward). Same bits checked, outputs and the cache written.
 """
 from __future__ import annotations
 
@@ -40,10 +46,7 @@ def build(source: str, march: str, out: Path) -> ctypes.CDLL:
     src.write_text(source)
     subprocess.run(["gcc", *kernels.FLAGS, f"-march={march}", "-DRB=4", "-shared", "-fPIC", str(src), "-o",
                     str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    for f in (lib.gemv_q4_1_q8, lib.gemv_q8_0_q8):
-        f.restype, f.argtypes = None, [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
-    lib.set_prefetch.argtypes = [ctypes.c_int]
+    lib = kernels._declare(ctypes.CDLL(str(out)))
     lib.set_prefetch(2)
     return lib
 
@@ -75,8 +78,55 @@ def compare(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -> dict:
     return best
 
 
+ATTENTION = ((8, 1, 300), (8, 1, 1000), (1, 1, 300), (8, 4, 300), (8, 4, 1000), (1, 4, 300), (1, 64, 300))
+NH, KVH, HD, LAYERS = 9, 3, 64, 30
+
+
+def compare_attention(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    best: dict = {}
+    for dtype in (torch.float16, torch.float32):
+        for B, T, p0 in ATTENTION:
+            S = (p0 + T + 15) // 16 * 16
+            qkv = torch.randn(B, T, NH + 2 * KVH, HD, generator=g)
+            cos, sin = torch.randn(S, HD, generator=g), torch.randn(S, HD, generator=g)
+            caches = {n: [(torch.randn(B, KVH, S // 16, HD, 16, generator=g).to(dtype),
+                           torch.randn(B, KVH, S, HD, generator=g).to(dtype)) for _ in range(LAYERS)] for n in libs}
+            first = next(iter(caches))
+            for n in libs:  # the same caches for both builds
+                caches[n] = [(k.clone(), v.clone()) for k, v in caches[first]] if n != first else caches[n]
+            slots = torch.arange(B, dtype=torch.int64)
+            pos = (p0 + torch.arange(T, dtype=torch.int64)).expand(B, T).contiguous()
+            outs = {n: torch.empty(B, T, NH, HD) for n in libs}
+            qrot = torch.empty(B, T, NH, HD)
+            times: dict[str, list[float]] = {n: [] for n in libs}
+            for _ in range(rounds):
+                for n, lib in libs.items():
+                    t0 = time.perf_counter()
+                    for kc, vc in caches[n]:
+                        lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                                          int(dtype == torch.float16), slots.data_ptr(), pos.data_ptr(),
+                                          qrot.data_ptr(), outs[n].data_ptr(), B, T, NH, KVH, S, HD, HD ** -0.5, 0,
+                                          0.0, threads)
+                    times[n].append((time.perf_counter() - t0) / LAYERS)
+            same = all(torch.equal(o, outs[first]) for o in outs.values()) and all(
+                torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for n in libs for a, b in zip(caches[n], caches[first]))
+            best[(str(dtype).removeprefix("torch."), B, T, p0)] = ({n: min(t) for n, t in times.items()}, same)
+    return best
+
+
+def print_attention(res: dict, names: tuple[str, str], march: str, rounds: int) -> None:
+    print(f"\n-march={march}: rope_attn_f32, us per layer (best of {rounds}; {LAYERS} layers' caches in turn)")
+    print(f"| KV cache | B | T | positions | {names[0]} us | tree us | tree / {names[0]} | same bits |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for (dt, B, T, p0), (t, same) in res.items():
+        print(f"| {dt} | {B} | {T} | {p0} | {t[names[0]] * 1e6:.1f} | {t['tree'] * 1e6:.1f} | "
+              f"{t['tree'] / t[names[0]]:.2f} | {'yes' if same else 'NO'} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--what", choices=("gemm", "attention"), default="gemm")
     ap.add_argument("--against", default="HEAD", help="git revision whose ops.c is the baseline")
     ap.add_argument("--marches", default="native,x86-64-v3")
     ap.add_argument("--rounds", type=int, default=7)
@@ -91,6 +141,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for march in args.marches.split(","):
             libs = {n: build(s, march, Path(tmp) / f"{i}-{march}.so") for i, (n, s) in enumerate(zip(names, (old, new)))}
+            if args.what == "attention":
+                print_attention(compare_attention(libs, args.rounds, args.threads), names, march, args.rounds)
+                continue
             res = compare(libs, args.rounds, args.threads)
             print(f"\n-march={march}: streamed ms (best of {args.rounds}), rows B relative to B=1")
             print(f"| format | shape | B | {names[0]} ms | tree ms | tree / {names[0]} | same bits |")

@@ -765,29 +765,20 @@ void gemv_q8_0_q8(const float *x, const int8_t *Wp, const uint16_t *aux, const f
  * window > 0: sliding-window layers), KV head h / (nh / kvh). Scores are q.k * scale, soft-capped
  * to softcap * tanh(s / softcap) when softcap > 0 (Gemma 2). hd % 16 == 0.
  *
- * NOTE: invariance. One vector lane holds one query: a tile is up to VW queries (t, h) of one row
- * b and one KV head, in (t, h) order, and every operation is lane-wise. For each query, in its own
- * lane and whatever else shares the tile (other positions, heads, T, B, the chunk split):
+ * NOTE: invariance. A tile is up to TQ queries (t, h) of one row b and one KV head, in (t, h) order.
+ * For each query, whatever else shares the tile (other positions, heads, T, B, the chunk split):
  *   s_j = (sum over i ascending of q_i * k_ji, one FMA chain) * scale [then soft-capped]
- *   m = max_j s_j;  p_j = vexp(s_j - m);  l = sum over j ascending of p_j
+ *   m = max_j s_j;  p_j = vexp(s_j - m);  l = sum over j ascending of p_j (one chain)
  *   o_i = (sum over j ascending of p_j * v_ji, one FMA chain) * (1 / l)
  * over its keys j = first..pos. A tile runs over the union of its queries' keys; a key outside a
- * lane's range gets s = -inf there, so p = 0 and the sums add exact zeros (keys within the tile's
+ * query's range gets s = -inf there, so p = 0 and the sums add exact zeros (keys within the tile's
  * range are real, finite cache rows: the tile's own keys or earlier ones). So the result of a query
  * is the same bits in a decode step, a verification step or any prefill chunk: a prompt's K/V and
  * outputs do not depend on how it was split into chunks (prefix caching reuses any prefix).
- * A decode tile (ne <= FEW queries) computes the same chains with other lanes: its scores with
- * lanes over keys (scores_few), its outputs with lanes over dims (values_few).
- * Speed: scores are vectors of VW queries (no horizontal sum per score), each key row is loaded
- * once per tile (a broadcast operand) for VW queries, exp is a polynomial in vector registers. */
-
-#if VW == 16
-#define KJ 16 /* keys per score block (independent FMA chains in flight) */
-#define DB 16 /* output dims per value pass */
-#else
-#define KJ 8
-#define DB 8
-#endif
+ * Speed: scores and probabilities with lanes over keys (each block of KB keys is a vector per dim:
+ * a score costs hd / VW FMAs per key and query, however few queries a tile has: a decode step has
+ * one per head), outputs with lanes over dims; each key and value row is read from memory once per
+ * tile; exp is a polynomial in vector registers. */
 
 /* m ? a : b, lane-wise (m: all ones or zero per lane) */
 static inline __attribute__((always_inline)) vf vsel(vi32 m, vf a, vf b) {
@@ -849,62 +840,12 @@ static inline __attribute__((always_inline)) void store_kv(void *c, int64_t idx,
     memcpy((uint16_t *)c + idx, &h, sizeof h);
 }
 
-/* Scores of NK keys for the tile's queries Qt [hd][VW], into s[0..NK): NK = KJ keys of one block
-   (kb: the first one's dim 0; KB % KJ == 0) or one key. */
-static inline __attribute__((always_inline)) void qk_keys(const float *Qt, const float *kb, int nk, int hd, vf *s) {
-    vf acc[KJ];
-    for (int k = 0; k < nk; k++) acc[k] = (vf){0};
-    for (int i = 0; i < hd; i++) {
-        const vf qi = load(Qt + (int64_t)i * VW);
-        for (int k = 0; k < nk; k++) acc[k] = vfma(qi, splat(kb[(int64_t)i * KB + k]), acc[k]);
-    }
-    for (int k = 0; k < nk; k++) s[k] = acc[k];
-}
-
-/* The masked scores of a few queries (ne <= FEW: a decode step's), lanes over keys: each block of
-   KB keys is a vector per dim, so a score costs hd / VW FMAs per key instead of hd (a query
-   lane-wise tile leaves VW - ne lanes idle). The same FMA chain per (query, key) as qk_keys, so
-   the same bits. Written to P [n][VW] (key jmin + j, query lane l) as attn_tile's loop does.
-   SCV vectors of keys per pass and query: SCV x ne independent FMA chains in flight. */
-#define FEW 4 /* a tile of at most FEW queries takes scores_few and values_few */
-#define SCV (VW == 16 ? 4 : KB / VW)
-static void scores_few(const float *q, const int64_t *row, int ne, const void *K, int kv16, int64_t jmin, int64_t n,
-                       int hd, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, float *P) {
-    const vf ninf = splat(-INFINITY);
-    for (int64_t j = 0; j < n; j++) memcpy(P + j * VW, &ninf, sizeof ninf); /* idle lanes: -inf */
-    vi32 iota;
-    for (int l = 0; l < VW; l++) iota[l] = l;
-    const float *qe[FEW];
-    for (int e = 0; e < ne; e++) qe[e] = q + row[e] * hd;
-    for (int64_t k0 = jmin / KB * KB; k0 <= jmin + n - 1; k0 += SCV * VW) {
-        vf acc[FEW][SCV];
-        int64_t kv[SCV]; /* vector c: keys k0 + c VW .. (a block or a part of one); past the last
-                            key, the last key's vector again (never stored; never read outside
-                            the cache) */
-        const int64_t last = (jmin + n - 1) / VW * VW;
-        for (int c = 0; c < SCV; c++) kv[c] = key_at(k0 + c * VW < last ? k0 + c * VW : last, hd);
-        for (int e = 0; e < FEW; e++)
-            for (int c = 0; c < SCV; c++) acc[e][c] = (vf){0};
-        for (int i = 0; i < hd; i++)
-            for (int e = 0; e < FEW; e++) {
-                if (e >= ne) break;
-                const vf qi = splat(qe[e][i]);
-                for (int c = 0; c < SCV; c++)
-                    acc[e][c] = vfma(qi, load_kv(K, kv[c] + (int64_t)i * KB, kv16), acc[e][c]);
-            }
-        for (int e = 0; e < ne; e++)
-            for (int c = 0; c < SCV; c++) {
-                vf x = acc[e][c] * scale;
-                if (softcap > 0.0f) x = vtanh(x / softcap) * softcap;
-                const vi32 key = iota + (int32_t)(k0 + c * VW);
-                x = vsel((key >= lfirst[e]) & (key <= lpos[e]), x, ninf);
-                for (int l = 0; l < VW; l++) {
-                    const int64_t j = k0 + c * VW + l - jmin;
-                    if (j >= 0 && j < n) P[j * VW + e] = x[l];
-                }
-            }
-    }
-}
+/* A tile's passes over its keys (attn_tile, below). */
+#define TQ 16                   /* queries per tile (of one row b and KV head) */
+#define QS (VW == 16 ? 6 : 4)   /* queries per scores pass (at most) */
+#define SCV (VW == 16 ? 4 : 2)  /* key vectors per scores pass: QS x SCV FMA chains in flight */
+#define QV (VW == 16 ? 12 : 4)  /* queries per values pass (at most) */
+#define PFV 16                  /* value rows prefetched ahead */
 
 /* Per-thread scratch that grows as needed (OpenMP threads persist between calls). */
 static __thread float *scratch_buf;
@@ -919,158 +860,182 @@ static float *scratch(size_t floats) {
     return scratch_buf;
 }
 
+/* Calls F(n) for n = qn, a constant in each case (1 <= qn <= 12): the passes below are compiled
+   once per query count, so their accumulators stay in registers. */
+#define BY_COUNT(qn, F)                                                                            \
+    switch (qn) {                                                                                  \
+    case 1: F(1); break; case 2: F(2); break; case 3: F(3); break; case 4: F(4); break;            \
+    case 5: F(5); break; case 6: F(6); break; case 7: F(7); break; case 8: F(8); break;            \
+    case 9: F(9); break; case 10: F(10); break; case 11: F(11); break; default: F(12); break;     \
+    }
 
-/* The outputs of a tile of ne <= FEW queries (a decode step's: 3 heads per KV head for SmolLM2),
-   with lanes over the output dims instead of the queries, two VW-wide chunks at a time: each value
-   chunk is loaded once for the ne queries, whose 2 ne FMA chains run side by side. The same sums
-   as the lanes-over-queries loop in attn_tile (one FMA chain over j ascending per (query, dim),
-   then * 1 / l), so the same bits, without leaving VW - ne lanes idle.
-   P [n][VW]: each query's probabilities in its lane; inv: 1 / l per lane. */
-static void values_few(const float *P, vf inv, const void *V, int kv16, int64_t n, int hd, int ne,
-                       const int64_t *row, float *out) {
-    const int nv = hd / VW;
-    for (int c0 = 0; c0 < nv; c0 += 2) {
-        const int two = nv - c0 >= 2;
-        vf o[FEW][2];
-        for (int ll = 0; ll < FEW; ll++) o[ll][0] = o[ll][1] = (vf){0};
-        int64_t vr = (int64_t)c0 * VW;
-        for (int64_t j = 0; j < n; j++, vr += hd) {
-            const vf v0 = load_kv(V, vr, kv16), v1 = two ? load_kv(V, vr + VW, kv16) : (vf){0};
-            for (int ll = 0; ll < FEW; ll++) {
-                if (ll >= ne) break;
-                const vf pj = splat(P[j * VW + ll]);
-                o[ll][0] = vfma(pj, v0, o[ll][0]);
-                if (two) o[ll][1] = vfma(pj, v1, o[ll][1]);
+/* One scores pass: qn queries (qe) over keys k0s .. last + VW - 1, SCV vectors at a time; their
+   masked scores to S [qn][nk] and their maxes to m [qn]. Past the last vector, a pass repeats the
+   last one (computed, never stored). */
+static inline __attribute__((always_inline)) void scores_pass(
+        const int qn, const float *const *qe, const void *K, int kv16, int64_t k0s, int64_t last, int64_t nk,
+        int hd, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, float *S, float *m) {
+    const vf ninf = splat(-INFINITY);
+    const int es = kv16 ? 2 : 4; /* bytes per cached element */
+    vi32 iota;
+    for (int l = 0; l < VW; l++) iota[l] = l;
+    vf mx[12];
+    for (int e = 0; e < qn; e++) mx[e] = ninf;
+    for (int64_t k0 = k0s; k0 <= last; k0 += SCV * VW) {
+        int64_t kv[SCV];
+        for (int c = 0; c < SCV; c++) kv[c] = key_at(k0 + c * VW < last ? k0 + c * VW : last, hd);
+        /* NOTE: the next pass's keys (contiguous blocks) requested now: short streams the hardware
+           prefetchers do not ramp up on (a hint: it changes no result) */
+        if (k0 + SCV * VW <= last)
+            for (int64_t o = 0; o < (int64_t)SCV * VW * hd * es; o += 64)
+                __builtin_prefetch((const char *)K + (kv[0] + (int64_t)SCV * VW * hd) * es + o, 0, 3);
+        vf acc[12][SCV];
+        for (int e = 0; e < qn; e++)
+            for (int c = 0; c < SCV; c++) acc[e][c] = (vf){0};
+        for (int i = 0; i < hd; i++) {
+            vf k[SCV];
+            for (int c = 0; c < SCV; c++) k[c] = load_kv(K, kv[c] + (int64_t)i * KB, kv16);
+            for (int e = 0; e < qn; e++) {
+                const vf qi = splat(qe[e][i]);
+                for (int c = 0; c < SCV; c++) acc[e][c] = vfma(qi, k[c], acc[e][c]);
             }
         }
-        for (int ll = 0; ll < ne; ll++)
-            for (int c = 0; c <= two; c++) {
-                const vf y = o[ll][c] * inv[ll];
-                memcpy(out + row[ll] * hd + (c0 + c) * VW, &y, sizeof y);
+        for (int e = 0; e < qn; e++)
+            for (int c = 0; c < SCV && k0 + c * VW <= last; c++) {
+                vf x = acc[e][c] * scale;
+                if (softcap > 0.0f) x = vtanh(x / softcap) * softcap;
+                const vi32 key = iota + (int32_t)(k0 + c * VW);
+                x = vsel((key >= lfirst[e]) & (key <= lpos[e]), x, ninf);
+                mx[e] = vmax(mx[e], x);
+                memcpy(S + (int64_t)e * nk + (k0 - k0s) + c * VW, &x, sizeof x);
             }
+    }
+    for (int e = 0; e < qn; e++) {
+        float mm = -INFINITY;
+        for (int l = 0; l < VW; l++) mm = mx[e][l] > mm ? mx[e][l] : mm;
+        m[e] = mm;
     }
 }
 
-/* One tile: queries e0 .. e0+ne-1 of row b, KV head g (query e: t = e / group, head g * group + e % group). */
+/* Masked scores S [ne][nk] of keys k0s .. k0s + nk - 1 (whole vectors; nk % VW == 0) and each
+   query's max m [ne], QS queries per pass. */
+static void scores_keys(const float *q, const int64_t *row, int ne, const void *K, int kv16, int64_t k0s,
+                        int64_t nk, int hd, float scale, float softcap, const int32_t *lfirst,
+                        const int32_t *lpos, float *S, float *m) {
+    for (int e0 = 0; e0 < ne; e0 += QS) {
+        const int qn = ne - e0 < QS ? ne - e0 : QS;
+        const float *qe[QS];
+        for (int e = 0; e < qn; e++) qe[e] = q + row[e0 + e] * hd;
+#define SCORES(n) scores_pass(n, qe, K, kv16, k0s, k0s + nk - VW, nk, hd, scale, softcap, lfirst + e0, lpos + e0, \
+                              S + (int64_t)e0 * nk, m + e0)
+        BY_COUNT(qn, SCORES)
+#undef SCORES
+    }
+}
+
+/* One values pass: qn queries' outputs, dims c0 * VW .. (ch vectors); P [qn][n] (row stride ps)
+   their probabilities of keys jmin .., inv [qn] 1 / their sums. */
+static inline __attribute__((always_inline)) void values_pass(
+        const int qn, const int ch, const float *P, int64_t ps, const float *inv, const void *V, int kv16,
+        int64_t n, int hd, int c0, int prefetch, const int64_t *row, float *out) {
+    const int es = kv16 ? 2 : 4;
+    vf o[12][4];
+    for (int e = 0; e < qn; e++)
+        for (int c = 0; c < ch; c++) o[e][c] = (vf){0};
+    int64_t vr = (int64_t)c0 * VW;
+    for (int64_t j = 0; j < n; j++, vr += hd) {
+        if (prefetch)  /* NOTE: rows PFV ahead requested on a tile's first pass (a hint) */
+            for (int b = 0; b < hd * es; b += 64) __builtin_prefetch((const char *)V + (vr + PFV * hd) * es + b, 0, 3);
+        vf v[4];
+        for (int c = 0; c < ch; c++) v[c] = load_kv(V, vr + c * VW, kv16);
+        for (int e = 0; e < qn; e++) {
+            const vf pj = splat(P[e * ps + j]);
+            for (int c = 0; c < ch; c++) o[e][c] = vfma(pj, v[c], o[e][c]);
+        }
+    }
+    for (int e = 0; e < qn; e++)
+        for (int c = 0; c < ch; c++) {
+            const vf y = o[e][c] * inv[e];
+            memcpy(out + row[e] * hd + (c0 + c) * VW, &y, sizeof y);
+        }
+}
+
+static inline __attribute__((always_inline)) void values_any(
+        const int qn, int ch, const float *P, int64_t ps, const float *inv, const void *V, int kv16, int64_t n, int hd,
+        int c0, int prefetch, const int64_t *row, float *out) {
+    if (ch == 4) values_pass(qn, 4, P, ps, inv, V, kv16, n, hd, c0, prefetch, row, out);
+    else if (ch == 2) values_pass(qn, 2, P, ps, inv, V, kv16, n, hd, c0, prefetch, row, out);
+    else values_pass(qn, 1, P, ps, inv, V, kv16, n, hd, c0, prefetch, row, out);
+}
+
+/* Outputs of the tile's queries with lanes over dims: up to QV queries per pass, 4 output vectors
+   a pass for up to QV / 2 queries (a whole row of a 64-dim head with AVX-512), else 2 (or 1). */
+static void values_dims(const float *P, int64_t ps, const float *inv, const void *V, int kv16, int64_t n, int hd,
+                        int ne, const int64_t *row, float *out) {
+    const int nv = hd / VW;
+    for (int e0 = 0; e0 < ne; e0 += QV) {
+        const int qn = ne - e0 < QV ? ne - e0 : QV, ch = qn <= QV / 2 && nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;
+        for (int c0 = 0; c0 < nv; c0 += ch) {
+#define VALUES(k) values_any(k, ch, P + (int64_t)e0 * ps, ps, inv + e0, V, kv16, n, hd, c0, e0 == 0 && c0 == 0, \
+                             row + e0, out)
+            BY_COUNT(qn, VALUES)
+#undef VALUES
+        }
+    }
+}
+
+/* One tile: queries e0 .. e0+ne-1 (ne <= TQ) of row b, KV head g (query e: t = e / group, head
+   g * group + e % group): scores, probabilities, outputs. */
 static void attn_tile(const float *q, const void *kc, const void *vc, int kv16, const int64_t *slot,
                       const int64_t *pos, float *out, int b, int g, int e0, int ne, int T, int nh, int kvh, int S,
                       int hd, float scale, int window, float softcap) {
     const int group = nh / kvh;
-    int32_t lpos[VW], lfirst[VW];
-    int64_t row[VW]; /* (b, t, h) index of each lane's query */
+    int32_t lpos[TQ], lfirst[TQ];
+    int64_t row[TQ]; /* (b, t, h) index of each query */
     int64_t jmin = INT64_MAX, jmax = -1;
-    for (int l = 0; l < VW; l++) {
-        if (l < ne) {
-            const int e = e0 + l, t = e / group, h = g * group + e % group;
-            const int64_t p = pos[(int64_t)b * T + t], f = window > 0 && p + 1 > window ? p + 1 - window : 0;
-            lpos[l] = (int32_t)p;
-            lfirst[l] = (int32_t)f;
-            row[l] = ((int64_t)b * T + t) * nh + h;
-            if (f < jmin) jmin = f;
-            if (p > jmax) jmax = p;
-        } else {  /* an empty lane: every key masked */
-            lpos[l] = -1;
-            lfirst[l] = INT32_MAX;
-            row[l] = -1;
-        }
+    for (int l = 0; l < ne; l++) {
+        const int e = e0 + l, t = e / group, h = g * group + e % group;
+        const int64_t p = pos[(int64_t)b * T + t], f = window > 0 && p + 1 > window ? p + 1 - window : 0;
+        lpos[l] = (int32_t)p;
+        lfirst[l] = (int32_t)f;
+        row[l] = ((int64_t)b * T + t) * nh + h;
+        if (f < jmin) jmin = f;
+        if (p > jmax) jmax = p;
     }
-    const int64_t n = jmax - jmin + 1, kb0 = jmin / KB * KB, nkb = (jmax / KB + 1) * KB - kb0;
-    const int widen = kv16 && ne > FEW; /* the lane-wise tile reads fp32 keys and values (below) */
-    float *Qt = scratch((size_t)hd * VW + (size_t)n * VW + (widen ? (size_t)(nkb + n) * hd : 0));
-    float *P = Qt + (size_t)hd * VW; /* [n][VW]: scores, then probabilities */
-    if (ne > FEW)  /* the lane-wise tile's queries, transposed (scores_few reads q itself) */
-        for (int i = 0; i < hd; i++)
-            for (int l = 0; l < VW; l++) Qt[i * VW + l] = row[l] >= 0 ? q[row[l] * hd + i] : 0.0f;
-    vi32 vpos, vfirst;
-    memcpy(&vpos, lpos, sizeof vpos);
-    memcpy(&vfirst, lfirst, sizeof vfirst);
     const int64_t base = ((slot[b] * kvh) + g) * (int64_t)S * hd;
-    /* scores, masked to -inf outside each lane's keys; the running max */
-    vf m = splat(-INFINITY);
-    const float *V = NULL; /* the lane-wise tile's fp32 values (rows jmin ..) */
-    if (ne <= FEW) {
-        scores_few(q, row, ne, kv16 ? (const void *)((const uint16_t *)kc + base) : (const float *)kc + base, kv16,
-                   jmin, n, hd, scale, softcap, lfirst, lpos, P);
-        for (int64_t j = 0; j < n; j++) m = vmax(m, load(P + j * VW));
-    } else {
-        /* fp16: the tile's key blocks and value rows widened once (exact) for its VW queries */
-        const float *K = (const float *)kc + base;
-        V = (const float *)vc + base + jmin * hd;
-        int64_t k0 = 0; /* key j of the tile is key j - k0 of K */
-        if (widen) {
-            float *Kw = P + (size_t)n * VW, *Vw = Kw + (size_t)nkb * hd;
-            const uint16_t *kh = (const uint16_t *)kc + base + kb0 * hd, *vh = (const uint16_t *)vc + base + jmin * hd;
-            for (int64_t e = 0; e < nkb * hd; e += VW) {
-                const vf x = load_h(kh + e);
-                memcpy(Kw + e, &x, sizeof x);
-            }
-            for (int64_t e = 0; e < n * hd; e += VW) {
-                const vf x = load_h(vh + e);
-                memcpy(Vw + e, &x, sizeof x);
-            }
-            K = Kw, V = Vw, k0 = kb0;
+    /* keys k0s .. k0s + nk - 1: the tile's range in whole vectors */
+    const int64_t k0s = jmin / VW * VW, nk = jmax / VW * VW + VW - k0s, n = jmax - jmin + 1, off = jmin - k0s;
+    float *P = scratch((size_t)ne * nk); /* [ne][nk]: scores, then probabilities */
+    float m[TQ], l[TQ], inv[TQ];
+    scores_keys(q, row, ne, kv16 ? (const void *)((const uint16_t *)kc + base) : (const void *)((const float *)kc + base),
+                kv16, k0s, nk, hd, scale, softcap, lfirst, lpos, P, m);
+    for (int e = 0; e < ne; e++) {
+        const vf me = splat(m[e]);
+        for (int64_t v = 0; v < nk; v += VW) {
+            const vf p = vexp(load(P + e * nk + v) - me);
+            memcpy(P + e * nk + v, &p, sizeof p);
         }
-        vf s[KJ];
-        for (int64_t j = 0; j < n;) {
-            const int64_t kj = jmin - k0 + j; /* this key in K */
-            const int nk = kj % KJ == 0 && n - j >= KJ ? KJ : 1;  /* KJ keys of a block, else one */
-            if (nk == KJ) qk_keys(Qt, K + key_at(kj, hd), KJ, hd, s);
-            else qk_keys(Qt, K + key_at(kj, hd), 1, hd, s);
-            for (int k = 0; k < nk; k++) {
-                vf x = s[k] * scale;
-                if (softcap > 0.0f) x = vtanh(x / softcap) * softcap;
-                const int32_t key = (int32_t)(jmin + j + k);
-                const vi32 in = (vfirst <= key) & (vpos >= key);
-                x = vsel(in, x, splat(-INFINITY));
-                m = vmax(m, x);
-                memcpy(P + (j + k) * VW, &x, sizeof x);
-            }
-            j += nk;
-        }
+        l[e] = 0.0f;
     }
-    /* probabilities and their sum, in key order */
-    vf l = (vf){0};
-    for (int64_t j = 0; j < n; j++) {
-        const vf p = vexp(load(P + j * VW) - m);
-        l += p;
-        memcpy(P + j * VW, &p, sizeof p);
-    }
-    const vf inv = 1.0f / l;
-    if (ne <= FEW) {
-        values_few(P, inv, kv16 ? (const void *)((const uint16_t *)vc + base + jmin * hd)
-                                : (const float *)vc + base + jmin * hd, kv16, n, hd, ne, row, out);
-        return;
-    }
-    /* outputs, DB dims at a time: one FMA chain over the keys per (query, dim) */
-    for (int d0 = 0; d0 < hd; d0 += DB) {
-        vf acc[DB];
-        for (int d = 0; d < DB; d++) acc[d] = (vf){0};
-        for (int64_t j = 0; j < n; j++) {
-            const vf p = load(P + j * VW);
-            const float *vr = V + j * hd + d0;
-            for (int d = 0; d < DB; d++) acc[d] = vfma(p, splat(vr[d]), acc[d]);
-        }
-        float o[DB][VW];
-        for (int d = 0; d < DB; d++) {
-            const vf x = acc[d] * inv;
-            memcpy(o[d], &x, sizeof x);
-        }
-        for (int ll = 0; ll < ne; ll++)
-            for (int d = 0; d < DB; d++) out[row[ll] * hd + d0 + d] = o[d][ll];
-    }
+    for (int64_t j = off; j < off + n; j++)  /* the queries' sums side by side, each in key order */
+        for (int e = 0; e < ne; e++) l[e] += P[e * nk + j];
+    for (int e = 0; e < ne; e++) inv[e] = 1.0f / l[e];
+    values_dims(P + off, nk, inv, kv16 ? (const void *)((const uint16_t *)vc + base + jmin * hd)
+                                       : (const void *)((const float *)vc + base + jmin * hd),
+                kv16, n, hd, ne, row, out);
 }
 
 /* Attention of every query as a worksharing loop (see gemv_for). */
 static void attn_for(const float *q, const void *kc, const void *vc, int kv16, const int64_t *slot,
                      const int64_t *pos, float *out, int B, int T, int nh, int kvh, int S, int hd, float scale,
                      int window, float softcap) {
-    const int per = T * (nh / kvh), tiles = (per + VW - 1) / VW;
+    const int per = T * (nh / kvh), tiles = (per + TQ - 1) / TQ;
     /* the last tiles (the most keys) first, so the dynamic schedule ends balanced */
     #pragma omp for collapse(3) schedule(dynamic, 1)
     for (int b = 0; b < B; b++)
         for (int g = 0; g < kvh; g++)
             for (int k = tiles - 1; k >= 0; k--) {
-                const int e0 = k * VW, ne = per - e0 < VW ? per - e0 : VW;
+                const int e0 = k * TQ, ne = per - e0 < TQ ? per - e0 : TQ;
                 attn_tile(q, kc, vc, kv16, slot, pos, out, b, g, e0, ne, T, nh, kvh, S, hd, scale, window,
                           softcap);
             }
