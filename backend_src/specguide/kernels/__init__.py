@@ -157,13 +157,14 @@ def unavailable_reason() -> Optional[str]:
 
 
 KEY_BLOCK = 16  # ops.c KB: the kernels' key cache holds positions in blocks of 16, dims outermost
+MAX_HEAD_DIM = 512  # ops.c rope_write_for: one rotated key on the stack
 
 
 def serves_attention(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the C attention kernel serves a model (and so its KV caches take the kernel layout:
-    `block_keys`): CPU, fp32 activations, head_dim % 16 == 0, the kernels built."""
+    `block_keys`): CPU, fp32 activations, head_dim % 16 == 0 and <= 512, the kernels built."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0
-            and library() is not None)
+            and head_dim <= MAX_HEAD_DIM and library() is not None)
 
 
 def block_keys(k: torch.Tensor) -> torch.Tensor:
@@ -405,7 +406,7 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
     nh = num_heads
     assert k_cache.shape == (v_cache.shape[0], kvh, S // KEY_BLOCK, hd, KEY_BLOCK) and S % KEY_BLOCK == 0
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16)
-    assert H == nh + 2 * kvh and hd == hd2 and hd % 16 == 0 and qkv.dtype == torch.float32
+    assert H == nh + 2 * kvh and hd == hd2 and hd % 16 == 0 and hd <= MAX_HEAD_DIM and qkv.dtype == torch.float32
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
     assert cos.dtype == sin_signed.dtype == torch.float32
     qkv = qkv.contiguous()

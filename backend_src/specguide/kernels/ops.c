@@ -1041,29 +1041,57 @@ static void attn_for(const float *q, const void *kc, const void *vc, int kv16, c
             }
 }
 
+/* VW floats to fp16 at p, as store_kv stores each (nearest even, saturated, NaN stays NaN). */
+static inline __attribute__((always_inline)) void store_h(uint16_t *p, vf x) {
+    x = vsel(x > splat(65504.0f), splat(65504.0f), vsel(x < splat(-65504.0f), splat(-65504.0f), x));
+#if defined(__AVX512F__)
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__AVX2__) && defined(__F16C__)
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    for (int l = 0; l < VW; l++) store_kv(p, l, x[l], 1);
+#endif
+}
+
+/* dst = x * c + roll(x, hd / 2) * s over one head (the same products and sum per dim, in vectors
+   when half a head is whole vectors). */
+static inline __attribute__((always_inline)) void rope_head(const float *x, const float *c, const float *s,
+                                                             float *dst, int hd) {
+    const int half = hd / 2;
+    if (half % VW == 0) {
+        for (int i = 0; i < hd; i += VW) {
+            const vf y = load(x + i) * load(c + i) + load(x + (i + half) % hd) * load(s + i);
+            memcpy(dst + i, &y, sizeof y);
+        }
+    } else {
+        for (int i = 0; i < hd; i++) dst[i] = x[i] * c[i] + x[(i + half) % hd] * s[i];
+    }
+}
+
 /* RoPE on q (into qrot) and k, K and V written into the slot cache at their positions: a
    worksharing loop (see gemv_for). */
 static void rope_write_for(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kv16,
                            const int64_t *slot, const int64_t *pos, float *qrot, int B, int T, int nh, int kvh,
                            int S, int hd) {
-    const int H = nh + 2 * kvh, half = hd / 2;
+    const int H = nh + 2 * kvh;
     #pragma omp for collapse(2) schedule(dynamic, 2)
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             const int64_t bt = (int64_t)b * T + t, p = pos[bt];
             const float *c = cos_t + p * hd, *s = sin_t + p * hd;
             const float *row = qkv + bt * H * hd;
-            for (int h = 0; h < nh; h++) {
-                const float *x = row + (int64_t)h * hd;
-                float *dst = qrot + (bt * nh + h) * hd;
-                for (int i = 0; i < hd; i++) dst[i] = x[i] * c[i] + x[(i + half) % hd] * s[i];
-            }
+            for (int h = 0; h < nh; h++) rope_head(row + (int64_t)h * hd, c, s, qrot + (bt * nh + h) * hd, hd);
+            float kr[512]; /* one rotated key (hd <= 512) */
             for (int g = 0; g < kvh; g++) { /* keys to their block of the cache (dims KB apart), values to their row */
-                const float *x = row + (int64_t)(nh + g) * hd, *v = row + (int64_t)(nh + kvh + g) * hd;
+                const float *v = row + (int64_t)(nh + kvh + g) * hd;
                 const int64_t kat = (slot[b] * kvh + g) * (int64_t)S * hd + key_at(p, hd);
                 const int64_t vat = ((slot[b] * kvh + g) * (int64_t)S + p) * hd;
-                for (int i = 0; i < hd; i++) store_kv(kc, kat + (int64_t)i * KB, x[i] * c[i] + x[(i + half) % hd] * s[i], kv16);
-                for (int i = 0; i < hd; i++) store_kv(vc, vat + i, v[i], kv16);
+                rope_head(row + (int64_t)(nh + g) * hd, c, s, kr, hd);
+                for (int i = 0; i < hd; i++) store_kv(kc, kat + (int64_t)i * KB, kr[i], kv16);
+                if (kv16 && hd % VW == 0)
+                    for (int i = 0; i < hd; i += VW) store_h((uint16_t *)vc + vat + i, load(v + i));
+                else
+                    for (int i = 0; i < hd; i++) store_kv(vc, vat + i, v[i], kv16);
             }
         }
 }
