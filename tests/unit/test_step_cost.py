@@ -71,3 +71,14 @@ def test_decision_follows_changing_costs_and_batch_sizes_separately():
         costs.record(1, 3, 0.06)
     assert not costs.speculate([3], [0.5])
     assert not costs.speculate([0], [0.9])  # no budget: never drafts
+
+
+def test_one_slow_first_verification_does_not_keep_drafting_off():
+    # the first speculative step after start-up pays one-time costs (35 ms); the steps after it
+    # take 11 ms against 5.5 ms plain, and 3 drafts at 90% repay that (3.4 tokens for 2x)
+    costs = StepCosts(probe_spec_every=16, probe_spec_max=128, probe_off_every=1000)
+    assert costs.speculate([3], [0.9])
+    costs.record(1, 3, 0.035)
+    got = decide(costs, [3], [0.9], t_off=0.0055, t_spec=0.011, steps=60)
+    assert not got[0]  # one plain step, measured
+    assert all(got[20:])  # from the first probe on, drafting again (was: off until several probes)

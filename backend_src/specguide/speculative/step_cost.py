@@ -1,7 +1,8 @@
 """Cost-aware speculation: draft only when the measured cost of a speculative step is repaid.
 
 Per batch size b the engine measures the wall time of decode steps (CPU: a host clock, no device
-sync) as two moving averages: plain steps t_off(b) and speculative steps t_spec(b, K). A step
+sync) as two moving averages (a faster step resets one): plain steps t_off(b) and speculative
+steps t_spec(b, K). A step
 with per-slot budgets k_i, of which f_i are tokens the slot's grammar forces (taken as accepted),
 and per-slot acceptance rates r_i of the other drafts is expected to yield
     E = sum_i (1 + f_i + r_i + r_i^2 + ... + r_i^(k_i - f_i))     tokens (accepted drafts + the bonus token)
@@ -35,7 +36,11 @@ class StepCosts:
     def record(self, batch: int, k: int, seconds: float) -> None:
         key = (batch, k)
         old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        # NOTE: a sample below the average replaces it; one above moves it by 1 - decay. Noise on a
+        # shared CPU only adds time, and a shape's first step pays one-time costs (the first
+        # verification after start-up: 35 ms for an 11 ms step): averaged in, one such sample kept
+        # drafting off through several probes (hundreds of steps) where it paid 1.2-1.3x
+        self.seconds[key] = seconds if old is None or seconds < old else self.decay * old + (1 - self.decay) * seconds
 
     @staticmethod
     def expected_tokens(k: int, rate: float, forced: int = 0) -> float:
