@@ -884,15 +884,24 @@ static inline __attribute__((always_inline)) void scores_pass(
     for (int64_t k0 = k0s; k0 <= last; k0 += SCV * VW) {
         int64_t kv[SCV];
         for (int c = 0; c < SCV; c++) kv[c] = key_at(k0 + c * VW < last ? k0 + c * VW : last, hd);
-        /* NOTE: the next pass's keys (contiguous blocks) requested now: short streams the hardware
-           prefetchers do not ramp up on (a hint: it changes no result) */
-        if (k0 + SCV * VW <= last)
-            for (int64_t o = 0; o < (int64_t)SCV * VW * hd * es; o += 64)
-                __builtin_prefetch((const char *)K + (kv[0] + (int64_t)SCV * VW * hd) * es + o, 0, 3);
+        /* NOTE: the next pass's keys (contiguous blocks: short streams the hardware prefetchers do
+           not ramp up on) requested ahead (a hint: it changes no result). AVX-512: a few lines a
+           dim as the dims go (a burst of 128 stalled the loop); AVX2: all at once (spread, they
+           cost more than they gained there) */
+        const char *next = k0 + SCV * VW <= last ? (const char *)K + (kv[0] + (int64_t)SCV * VW * hd) * es : NULL;
+        const int lines = SCV * VW * hd * es / 64;
+#if VW != 16
+        if (next)
+            for (int l = 0; l < lines; l++) __builtin_prefetch(next + l * 64, 0, 3);
+#endif
         vf acc[12][SCV];
         for (int e = 0; e < qn; e++)
             for (int c = 0; c < SCV; c++) acc[e][c] = (vf){0};
         for (int i = 0; i < hd; i++) {
+#if VW == 16
+            if (next)
+                for (int l = i * lines / hd; l < (i + 1) * lines / hd; l++) __builtin_prefetch(next + l * 64, 0, 3);
+#endif
             vf k[SCV];
             for (int c = 0; c < SCV; c++) k[c] = load_kv(K, kv[c] + (int64_t)i * KB, kv16);
             for (int e = 0; e < qn; e++) {
