@@ -969,6 +969,7 @@ static inline __attribute__((always_inline)) void values_pass(
         }
 }
 
+/* values_pass with ch (4, 2 or 1) a constant in each call. */
 static inline __attribute__((always_inline)) void values_any(
         const int qn, int ch, const float *P, int64_t ps, const float *inv, const void *V, int kv16, int64_t n, int hd,
         int c0, int prefetch, const int64_t *row, float *out) {
