@@ -90,11 +90,10 @@ def compare_attention(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -
             S = (p0 + T + 15) // 16 * 16
             qkv = torch.randn(B, T, NH + 2 * KVH, HD, generator=g)
             cos, sin = torch.randn(S, HD, generator=g), torch.randn(S, HD, generator=g)
-            caches = {n: [(torch.randn(B, KVH, S // 16, HD, 16, generator=g).to(dtype),
-                           torch.randn(B, KVH, S, HD, generator=g).to(dtype)) for _ in range(LAYERS)] for n in libs}
+            base = [(torch.randn(B, KVH, S // 16, HD, 16, generator=g).to(dtype),
+                     torch.randn(B, KVH, S, HD, generator=g).to(dtype)) for _ in range(LAYERS)]
+            caches = {n: [(k.clone(), v.clone()) for k, v in base] for n in libs}  # the same caches for both builds
             first = next(iter(caches))
-            for n in libs:  # the same caches for both builds
-                caches[n] = [(k.clone(), v.clone()) for k, v in caches[first]] if n != first else caches[n]
             slots = torch.arange(B, dtype=torch.int64)
             pos = (p0 + torch.arange(T, dtype=torch.int64)).expand(B, T).contiguous()
             outs = {n: torch.empty(B, T, NH, HD) for n in libs}
