@@ -157,7 +157,7 @@ def unavailable_reason() -> Optional[str]:
 
 
 KEY_BLOCK = 16  # ops.c KB: the kernels' key cache holds positions in blocks of 16, dims outermost
-MAX_HEAD_DIM = 512  # ops.c rope_write_for: one rotated key on the stack
+MAX_HEAD_DIM = 512  # ops.c MAX_HD: rope_write_for holds one rotated key on the stack
 
 
 def serves_attention(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:

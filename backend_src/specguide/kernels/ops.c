@@ -874,7 +874,8 @@ static float *scratch(size_t floats) {
    last one (computed, never stored). */
 static inline __attribute__((always_inline)) void scores_pass(
         const int qn, const float *const *qe, const void *K, int kv16, int64_t k0s, int64_t last, int64_t nk,
-        int hd, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, float *S, float *m) {
+        int hd, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, int prefetch, float *S,
+        float *m) {
     const vf ninf = splat(-INFINITY);
     const int es = kv16 ? 2 : 4; /* bytes per cached element */
     vi32 iota;
@@ -888,7 +889,8 @@ static inline __attribute__((always_inline)) void scores_pass(
            not ramp up on) requested ahead (a hint: it changes no result). AVX-512: a few lines a
            dim as the dims go (a burst of 128 stalled the loop); AVX2: all at once (spread, they
            cost more than they gained there) */
-        const char *next = k0 + SCV * VW <= last ? (const char *)K + (kv[0] + (int64_t)SCV * VW * hd) * es : NULL;
+        const char *next = prefetch && k0 + SCV * VW <= last ? (const char *)K + (kv[0] + (int64_t)SCV * VW * hd) * es
+                                                             : NULL;
         const int lines = SCV * VW * hd * es / 64;
 #if VW != 16
         if (next)
@@ -927,7 +929,7 @@ static inline __attribute__((always_inline)) void scores_pass(
 }
 
 /* Masked scores S [ne][nk] of keys k0s .. k0s + nk - 1 (whole vectors; nk % VW == 0) and each
-   query's max m [ne], QS queries per pass. */
+   query's max m [ne], QS queries per pass (the first prefetches; the keys are in cache after it). */
 static void scores_keys(const float *q, const int64_t *row, int ne, const void *K, int kv16, int64_t k0s,
                         int64_t nk, int hd, float scale, float softcap, const int32_t *lfirst,
                         const int32_t *lpos, float *S, float *m) {
@@ -936,7 +938,7 @@ static void scores_keys(const float *q, const int64_t *row, int ne, const void *
         const float *qe[QS];
         for (int e = 0; e < qn; e++) qe[e] = q + row[e0 + e] * hd;
 #define SCORES(n) scores_pass(n, qe, K, kv16, k0s, k0s + nk - VW, nk, hd, scale, softcap, lfirst + e0, lpos + e0, \
-                              S + (int64_t)e0 * nk, m + e0)
+                              e0 == 0, S + (int64_t)e0 * nk, m + e0)
         BY_COUNT(qn, SCORES)
 #undef SCORES
     }
@@ -1051,6 +1053,8 @@ static void attn_for(const float *q, const void *kc, const void *vc, int kv16, c
             }
 }
 
+#define MAX_HD 512 /* the longest head rope_write_for takes (kernels.MAX_HEAD_DIM) */
+
 /* VW floats to fp16 at p, as store_kv stores each (nearest even, saturated, NaN stays NaN). */
 static inline __attribute__((always_inline)) void store_h(uint16_t *p, vf x) {
     x = vsel(x > splat(65504.0f), splat(65504.0f), vsel(x < splat(-65504.0f), splat(-65504.0f), x));
@@ -1091,7 +1095,7 @@ static void rope_write_for(const float *qkv, const float *cos_t, const float *si
             const float *c = cos_t + p * hd, *s = sin_t + p * hd;
             const float *row = qkv + bt * H * hd;
             for (int h = 0; h < nh; h++) rope_head(row + (int64_t)h * hd, c, s, qrot + (bt * nh + h) * hd, hd);
-            float kr[512]; /* one rotated key (hd <= 512) */
+            float kr[MAX_HD]; /* one rotated key */
             for (int g = 0; g < kvh; g++) { /* keys to their block of the cache (dims KB apart), values to their row */
                 const float *v = row + (int64_t)(nh + kvh + g) * hd;
                 const int64_t kat = (slot[b] * kvh + g) * (int64_t)S * hd + key_at(p, hd);
