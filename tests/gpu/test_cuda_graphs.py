@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -35,6 +37,15 @@ def _run_many(engine, reqs, timeout=600):
 @pytest.fixture(scope="module")
 def random_head(tmp_path_factory):
     return str(save_random_head(tmp_path_factory.mktemp("head") / "random.pt"))
+
+
+def _progress(name: str, done: int, t0: float) -> None:
+    """Appends `done` and its rate to $GPU_CHECK_PROGRESS (scripts/gpu_check.sh sets it) so that a
+    run cut by its time limit tells a slow test from a hung one."""
+    path = os.environ.get("GPU_CHECK_PROGRESS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{name}: {done} after {time.perf_counter() - t0:.1f} s\n")
 
 
 def _engine(**kw):
@@ -185,8 +196,11 @@ def test_ten_thousand_replays_with_grammar_callbacks_do_not_hang():
     spin = threading.Thread(target=lambda: [sum(range(200)) for _ in iter(stop.is_set, True)], daemon=True)
     spin.start()
     confirmed = 0
+    t0 = time.perf_counter()
     try:
-        for _ in range(10_000):
+        for i in range(10_000):
+            if i % 500 == 0:
+                _progress("grammar-callback replays", i, t0)
             step.begin(GuidedStep(slots=[0, 1], guided=[False, True]))
             graph.replay()
             torch.cuda.current_stream().synchronize()
@@ -225,7 +239,9 @@ def test_ten_thousand_hybrid_graph_steps_with_a_competing_thread_do_not_hang(ran
         def reqs():
             return [r for _ in range(4) for r in pair()]
 
+        t0 = time.perf_counter()
         while eng.step_graphs.stats.steps < 10_000:
+            _progress("hybrid graph steps", eng.step_graphs.stats.steps, t0)
             for toks, text, final in _run_many(eng, reqs(), timeout=300):
                 assert final.finish_reason in ("stop", "length"), final.error
         assert any(k.pick and k.guided for k in eng.step_graphs.graphs)
