@@ -1,6 +1,6 @@
 """Two versions of the C kernels side by side: a git revision's vs this tree's.
 
-    python bench/bench_kernel_ab.py [--what gemm|attention] [--against HEAD] [--marches native,x86-64-v3] [--rounds 7]
+    python bench/bench_kernel_ab.py [--what gemm|attention|forward] [--against HEAD] [--marches native,x86-64-v3] [--rounds 7]
 
 Builds `kernels/ops.c` of `--against` and of the working tree with the flags the engine uses
 (one -march each), loads both into one process and times the served integer formats (q4_1_q8,
@@ -15,6 +15,11 @@ attention geometry (9 query heads, 3 KV heads, 64 dims) in the steps the engine 
 (T = 1), verification (T = 4: K = 3), a prefill chunk (T = 64), at 300 and 1000 cached positions,
 with the fp16 KV cache served by default and fp32; 30 layers' caches called in turn (streamed, as
 in a forward). Same bits checked, outputs and the cache written.
+
+`--what forward`: the default model's whole layer stack in one `forward_f32` call, as served
+(Q4_1 weights x int8 activations, fp16 KV cache), in the steps the engine runs: decode of 1 and 8
+sequences and a K=3 verification of 8 (at 300 cached positions), and a 256-token prefill chunk.
+Same bits checked on the hidden states and the cache.
 """
 from __future__ import annotations
 
@@ -114,6 +119,52 @@ def compare_attention(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -
     return best
 
 
+FORWARD = ((1, 1, 300), (8, 1, 300), (8, 4, 300), (1, 256, 0))  # (B, T, cached positions)
+
+
+def compare_forward(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -> dict:
+    from specguide.models.loader import load_model, resolve_model_dir
+
+    model = load_model(resolve_model_dir(), torch.float32, "cpu", "auto", True)
+    fused, cfg = model.fused, model.cfg
+    assert fused is not None
+    L, kvh, hd, S = len(fused), cfg.num_kv_heads, cfg.head_dim, 512
+    g = torch.Generator().manual_seed(0)
+    best: dict = {}
+    for B, T, p0 in FORWARD:
+        kc0 = (torch.randn(L, B, kvh, S // 16, hd, 16, generator=g) * 0.5).half()
+        vc0 = (torch.randn(L, B, kvh, S, hd, generator=g) * 0.5).half()
+        x = torch.randn(B, T, cfg.hidden_size, generator=g) * 0.5
+        slots = torch.arange(B, dtype=torch.int64)
+        pos = (p0 + torch.arange(T, dtype=torch.int64)).expand(B, T).contiguous()
+        tables = model.rope_tables(S)
+        outs, caches = {}, {}
+        times: dict[str, list[float]] = {n: [] for n in libs}
+        for _ in range(rounds):
+            for n, lib in libs.items():
+                kernels._lib = lib  # the stack calls kernels.library()
+                kc, vc = kc0.clone(), vc0.clone()
+                t0 = time.perf_counter()
+                outs[n] = fused(x, (*tables, *tables), kc, vc, slots, pos)
+                times[n].append(time.perf_counter() - t0)
+                caches[n] = (kc, vc)
+        first = next(iter(libs))
+        same = all(torch.equal(outs[n], outs[first]) and torch.equal(caches[n][0], caches[first][0])
+                   and torch.equal(caches[n][1], caches[first][1]) for n in libs)
+        best[(B, T, p0)] = ({n: min(t) for n, t in times.items()}, same)
+    return best
+
+
+def print_forward(res: dict, names: tuple[str, str], march: str, rounds: int) -> None:
+    print(f"\n-march={march}: forward_f32 of the default model's layers, ms (best of {rounds})")
+    print(f"| step | B | T | positions | {names[0]} ms | tree ms | tree / {names[0]} | same bits |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for (B, T, p0), (t, same) in res.items():
+        step = "prefill chunk" if T > 4 else "verification" if T > 1 else "decode"
+        print(f"| {step} | {B} | {T} | {p0} | {t[names[0]] * 1e3:.2f} | {t['tree'] * 1e3:.2f} | "
+              f"{t['tree'] / t[names[0]]:.2f} | {'yes' if same else 'NO'} |")
+
+
 def print_attention(res: dict, names: tuple[str, str], march: str, rounds: int) -> None:
     print(f"\n-march={march}: rope_attn_f32, us per layer (best of {rounds}; {LAYERS} layers' caches in turn)")
     print(f"| KV cache | B | T | positions | {names[0]} us | tree us | tree / {names[0]} | same bits |")
@@ -125,7 +176,7 @@ def print_attention(res: dict, names: tuple[str, str], march: str, rounds: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--what", choices=("gemm", "attention"), default="gemm")
+    ap.add_argument("--what", choices=("gemm", "attention", "forward"), default="gemm")
     ap.add_argument("--against", default="HEAD", help="git revision whose ops.c is the baseline")
     ap.add_argument("--marches", default="native,x86-64-v3")
     ap.add_argument("--rounds", type=int, default=7)
@@ -142,6 +193,9 @@ def main() -> None:
             libs = {n: build(s, march, Path(tmp) / f"{i}-{march}.so") for i, (n, s) in enumerate(zip(names, (old, new)))}
             if args.what == "attention":
                 print_attention(compare_attention(libs, args.rounds, args.threads), names, march, args.rounds)
+                continue
+            if args.what == "forward":
+                print_forward(compare_forward(libs, args.rounds, args.threads), names, march, args.rounds)
                 continue
             res = compare(libs, args.rounds, args.threads)
             print(f"\n-march={march}: streamed ms (best of {args.rounds}), rows B relative to B=1")

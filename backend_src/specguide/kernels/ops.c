@@ -1169,18 +1169,32 @@ static void rms_rows_for(const float *x, const float *w, float *y, int64_t N, in
 }
 
 /* h[n, j] = act(gu[n, j]) * gu[n, inter + j] */
+/* act(g) * u for VW inputs: SiLU g / (1 + exp(-g)) with vexp's polynomial (-g capped at 88:
+   exp(88) is finite, and g / (1 + e) is then ~0 as it should be), or GELU's tanh form. */
+static inline __attribute__((always_inline)) vf act_mul(vf g, vf u, int act) {
+    if (act == 1)
+        return 0.5f * g * (1.0f + vtanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+    const vf x = -g;
+    return g / (1.0f + vexp(vsel(x > splat(88.0f), splat(88.0f), x))) * u;
+}
+
 static void act_mul_for(const float *gu, float *h, int64_t N, int inter, int act) {
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *g = gu + n * 2 * inter, *u = g + inter;
         float *hr = h + n * inter;
-        if (act == 1)
-            for (int j = 0; j < inter; j++) {
-                const float x = g[j];
-                hr[j] = (0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)))) * u[j];
-            }
-        else
-            for (int j = 0; j < inter; j++) hr[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+        int j = 0;
+        for (; j + VW <= inter; j += VW) {
+            const vf v = act_mul(load(g + j), load(u + j), act);
+            memcpy(hr + j, &v, sizeof v);
+        }
+        if (j < inter) { /* the last few through the same vector code */
+            float gt[VW] = {0}, ut[VW] = {0};
+            memcpy(gt, g + j, sizeof(float) * (size_t)(inter - j));
+            memcpy(ut, u + j, sizeof(float) * (size_t)(inter - j));
+            const vf v = act_mul(load(gt), load(ut), act);
+            memcpy(hr + j, &v, sizeof(float) * (size_t)(inter - j));
+        }
     }
 }
 
