@@ -11,6 +11,7 @@
  * 2 cores). Which thread computes a tile never changes what it computes.
  */
 #include <stdint.h>
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -401,12 +402,19 @@ static void quant_row(const float *x, int I, int8_t *q, float *d, float *s) {
     for (int blk = 0; blk < I / QBLK; blk++) {
         const float *xb = x + (int64_t)blk * QBLK;
         int8_t *qb = q + (int64_t)blk * QBLK;
+        vf am = splat(0.0f); /* |x| max per lane (the max of a set: the same in any order) */
+        vi32 fin = (vi32){0} - 1;
+        for (int i = 0; i < QBLK; i += VW) {
+            const vf a = (vf)((vi32)load(xb + i) & 0x7FFFFFFF);
+            const vi32 gt = a > am;
+            am = (vf)((gt & (vi32)a) | (~gt & (vi32)am));
+            fin &= a <= splat(FLT_MAX); /* false for inf and NaN */
+        }
         float amax = 0.0f;
         int finite = 1;
-        for (int i = 0; i < QBLK; i++) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-            finite &= isfinite(xb[i]) != 0;
+        for (int l = 0; l < VW; l++) {
+            amax = am[l] > amax ? am[l] : amax;
+            finite &= fin[l] != 0;
         }
         if (!finite) {
             memset(qb, 0, QBLK);
