@@ -1190,8 +1190,7 @@ static void rms_rows_for(const float *x, const float *w, float *y, int64_t N, in
     for (int64_t n = 0; n < N; n++) rms_row(x + n * D, w, y + n * D, D, eps);
 }
 
-/* h[n, j] = act(gu[n, j]) * gu[n, inter + j] */
-/* act(g) * u for VW inputs: SiLU g / (1 + exp(-g)) with vexp's polynomial (-g capped at 88:
+/* act(g) * u for VW inputs (h[n, j] = act(gu[n, j]) * gu[n, inter + j]): SiLU g / (1 + exp(-g)) with vexp's polynomial (-g capped at 88:
    exp(88) is finite, and g / (1 + e) is then ~0 as it should be), or GELU's tanh form. */
 static inline __attribute__((always_inline)) vf act_mul(vf g, vf u, int act) {
     if (act == 1)
