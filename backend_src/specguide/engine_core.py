@@ -164,9 +164,11 @@ class EngineCore:
             return False
         self._count(plan)
         self._copy_prefixes(plan.copies)
-        touched = [seq for seq in map(self._prefill_chunk, plan.prefills) if seq is not None]
-        touched += self._decode_batch(plan.decodes)
-        for seq in touched:
+        for chunk in plan.prefills:  # a request's first token goes out as soon as its prompt is in,
+            seq = self._prefill_chunk(chunk)  # not after the step's other prefills and decode
+            if seq is not None and seq.status is not Status.FINISHED:
+                self._emit(seq)
+        for seq in self._decode_batch(plan.decodes):
             if seq.status is not Status.FINISHED:
                 self._emit(seq)
         return True

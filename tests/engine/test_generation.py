@@ -61,6 +61,38 @@ def test_staggered_batch_of_8_equals_alone(engine):
     assert engine.stats()["active_slots"] == 0
 
 
+def test_a_request_streams_its_first_token_before_the_next_prefill_of_its_step(engine, monkeypatch):
+    """Requests prefilled in one step: each one's first token is sent when its own prompt is in,
+    not after the other prompts' prefills (with 8 arrivals, the first would wait for 8 prefills)."""
+    events: list[tuple[str, int]] = []
+    prefill = engine.runner.prefill
+
+    def recorded(chunk):
+        events.append(("prefill", chunk.seq.seq_id))
+        return prefill(chunk)
+
+    monkeypatch.setattr(engine.runner, "prefill", recorded)
+    done = threading.Semaphore(0)
+
+    def callback(o):
+        if o.token_ids:
+            events.append(("token", o.seq_id))
+        if o.finished:
+            done.release()
+
+    reqs = [Request(prompt=p, params=SamplingParams(max_tokens=3, temperature=0.0)) for p in PROMPTS[:3]]
+    with engine._cv:  # the loop takes all three from its inbox at once: one step prefills them
+        ids = [engine.submit(r, callback) for r in reqs]
+    for _ in ids:
+        assert done.acquire(timeout=120)
+    order = [e for e in events if e[1] in ids]
+    prefills = [i for i, e in enumerate(order) if e[0] == "prefill"]
+    assert [order[i][1] for i in prefills] == ids, order  # one chunk each (short prompts), in order
+    for k, seq_id in enumerate(ids):
+        first = order.index(("token", seq_id))
+        assert prefills[k] < first < (prefills[k + 1] if k + 1 < len(ids) else len(order)), order
+
+
 def test_stats_report_the_batch_and_kv_figures_the_trtllm_metrics_show(engine):
     seen = []
     steps = engine.stats()["steps"]
