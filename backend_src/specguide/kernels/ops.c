@@ -809,8 +809,8 @@ static inline __attribute__((always_inline)) vf vsel(vi32 m, vf a, vf b) {
 
 static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
 
-/* exp(x) for x <= 0 (a score minus its query's max): Cephes' expf polynomial on x - n ln2, times
-   2^n (about 1 ulp); 0 below -87 (and for -inf). */
+/* exp(x) for x <= 88 (a score minus its query's max; SiLU's -g, capped): Cephes' expf polynomial
+   on x - n ln2, times 2^n (about 1 ulp); 0 below -87 (and for -inf). */
 static inline __attribute__((always_inline)) vf vexp(vf x) {
     const vi32 under = x < splat(-87.0f);
     x = vsel(under, splat(-87.0f), x);
@@ -1190,8 +1190,9 @@ static void rms_rows_for(const float *x, const float *w, float *y, int64_t N, in
     for (int64_t n = 0; n < N; n++) rms_row(x + n * D, w, y + n * D, D, eps);
 }
 
-/* act(g) * u for VW inputs (h[n, j] = act(gu[n, j]) * gu[n, inter + j]): SiLU g / (1 + exp(-g)) with vexp's polynomial (-g capped at 88:
-   exp(88) is finite, and g / (1 + e) is then ~0 as it should be), or GELU's tanh form. */
+/* act(g) * u for VW inputs (h[n, j] = act(gu[n, j]) * gu[n, inter + j]): SiLU g / (1 + exp(-g))
+   with vexp's polynomial (-g capped at 88: exp(88) is finite, and g / (1 + e) is then ~0 as it
+   should be), or GELU's tanh form. */
 static inline __attribute__((always_inline)) vf act_mul(vf g, vf u, int act) {
     if (act == 1)
         return 0.5f * g * (1.0f + vtanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
