@@ -71,6 +71,11 @@ class EngineConfig:
     # (~6 s of the default model's ~11.6 s start on 2 cores); false: pack at every load
     device: str = "auto"  # "cpu", "cuda", "auto" (CUDA when present, else CPU)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    gil_switch_interval_ms: float = 0.1  # the engine process's sys.setswitchinterval (Python's default is
+    # 5 ms): every torch op and C kernel call releases the GIL, and while another Python thread is busy
+    # the loop thread waits this long to take it back, after each (a CUDA grammar host function too).
+    # With one busy thread a step took 161x its time at 5 ms, 4.8x at 0.1 (H100, K=3 hybrid; 2-core
+    # CPU: 10.7x, 3.2x; bench/bench_gil_contention.py). Process-wide; 0 = leave the interpreter's
     max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU (set here for
     # device "cpu", by the engine for "auto"), on CUDA as many
     # as kv_cache_memory_fraction of the free memory (after the weights) holds, at most 256 (logged)
@@ -157,7 +162,7 @@ class EngineConfig:
                           ("guided_mask_threads", 1), ("guided_compile_timeout_s", 0), ("request_timeout_s", 0),
                           ("drain_timeout_s", 0), ("guided_max_guide_bytes", 0), ("guided_max_schema_properties", 0),
                           ("guided_max_nesting_depth", 0), ("guided_max_repetition", 0), ("max_prompt_bytes", 0),
-                          ("max_sampling_parameters_bytes", 0)):
+                          ("max_sampling_parameters_bytes", 0), ("gil_switch_interval_ms", 0)):
             _check(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)!r}")
         _check(0 <= self.num_draft_tokens <= 15, f"num_draft_tokens must be in [0, 15], got {self.num_draft_tokens}")
         _check(self.drafter in DRAFTERS, f"unknown drafter {self.drafter!r} (one of {DRAFTERS})")

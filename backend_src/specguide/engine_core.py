@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
@@ -53,6 +54,8 @@ class EngineCore:
         self.config = config
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        if config.gil_switch_interval_ms > 0:
+            sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda" and self.device.index is not None:
             # "cuda:N" (a KIND_GPU instance's GPU): the current device of this thread, which builds and

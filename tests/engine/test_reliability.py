@@ -5,6 +5,7 @@ Faults come from specguide.faults (enabled here through the environment)."""
 from __future__ import annotations
 
 import queue
+import sys
 import time
 
 import pytest
@@ -81,6 +82,15 @@ def test_a_matcher_that_raises_fails_only_its_request(engine, k):
     _, _, last = got[-1]
     assert last.finish_reason == "error" and "injected matcher fault" in last.error
     assert_clean(engine)
+
+
+def test_the_engine_process_takes_the_gil_back_within_the_configured_switch_interval(engine):
+    """Every torch op and kernel call releases the GIL; while another Python thread is busy, the loop
+    thread waits the interpreter's switch interval to take it back (5 ms by default: a step 10-160x
+    slower, bench/bench_gil_contention.py). The served engine sets it to gil_switch_interval_ms."""
+    assert engine.config.gil_switch_interval_ms > 0
+    assert sys.getswitchinterval() == pytest.approx(engine.config.gil_switch_interval_ms / 1e3)
+    assert sys.getswitchinterval() < 0.005
 
 
 def test_faults_are_ignored_unless_enabled(engine, monkeypatch):
