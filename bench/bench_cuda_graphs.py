@@ -3,7 +3,7 @@ speculation on vs off, and the CPU time exposed per step.
 
     python bench/bench_cuda_graphs.py [--batches 1,4,16,32] [--max-tokens 128] [--drafter ngram]
                                       [--dtype float32] [--model-dir DIR]
-                                      [--json /tmp/bench_cuda_graphs.json]
+                                      [--mask-threads 1,8] [--json /tmp/bench_cuda_graphs.json]
 
 Each configuration submits `batch` requests at once (greedy) after one untimed run of the same
 shape (graph capture, allocator warm-up). Guided requests carry a JSON schema and end with the
@@ -13,6 +13,8 @@ Columns: tok/s (generated tokens / wall time), steps/s, exposed CPU ms/step (gra
 per step outside the wait for the replayed step, during which the GPU idles; eager: the whole step
 wall time is an upper bound, the host launches every kernel), grammar callback ms/step (CPU work
 the captured callbacks do, overlapped with the forwards).
+`--mask-threads`: the guided rows under graphs once more per further guided_mask_threads value
+(threads filling a step's grammar masks; the first value serves every other row).
 Refuses to run without a CUDA device.
 """
 from __future__ import annotations
@@ -110,6 +112,7 @@ def main() -> None:
                                                     "scripts/make_random_model.py makes one in a larger shape")
     ap.add_argument("--fixed-k", action="store_true", help="draft K tokens every step (adaptive_k off): "
                     "step times of K=3 with a random model, whose drafts are rarely accepted")
+    ap.add_argument("--mask-threads", default="1", help="comma list of guided_mask_threads values")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     print(cpu_header(), flush=True)
@@ -120,21 +123,25 @@ def main() -> None:
     from specguide.engine import Engine
 
     batches = [int(b) for b in args.batches.split(",")]
+    threads = [int(t) for t in args.mask_threads.split(",")]
     rows = []
-    for graphs in (True, False):
+    for graphs, mask_threads in [(True, threads[0]), (False, threads[0])] + [(True, t) for t in threads[1:]]:
         engine = Engine(EngineConfig(device="cuda", dtype=args.dtype, max_slots=max(batches), max_seq_len=1024,
                                      prefill_chunk=512, num_draft_tokens=3, drafter=args.drafter,
                                      spec_max_rows=0, cuda_graphs=graphs, max_queue=1024,
                                      draft_head_path=args.draft_head, model_dir=args.model_dir,
-                                     adaptive_k=not args.fixed_k))
+                                     adaptive_k=not args.fixed_k, guided_mask_threads=mask_threads))
         try:
             for batch in batches:
                 for guided in (False, True):
+                    if mask_threads != threads[0] and not guided:
+                        continue
                     for k in (0, 3):
                         r = measure(engine, batch, guided, k, args.max_tokens)
-                        r["graphs"] = graphs
+                        r["graphs"], r["mask_threads"] = graphs, mask_threads
                         rows.append(r)
                         print(f"graphs={graphs!s:5} batch={batch:3} guided={guided!s:5} K={k} "
+                              f"mask threads {mask_threads} "
                               f"{r['tok_s']:8.1f} tok/s  {r['step_ms']:6.2f} ms/step  {r['tokens'] / max(r['steps'], 1):4.2f} tok/step  "
                               f"exposed CPU {r['exposed_cpu_ms_per_step']:6.2f} ms/step  "
                               f"callbacks {r['callback_ms_per_step']:5.2f} ms/step", flush=True)
@@ -145,11 +152,23 @@ def main() -> None:
     print("| batch | guided | K | graphs tok/s | eager tok/s | speed-up | graphs exposed CPU ms/step | "
           "eager ms/step | callbacks ms/step |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in [x for x in rows if x["graphs"]]:
+    for r in [x for x in rows if x["graphs"] and x["mask_threads"] == threads[0]]:
         e = next(x for x in rows if not x["graphs"] and (x["batch"], x["guided"], x["K"]) == (r["batch"], r["guided"], r["K"]))
         print(f"| {r['batch']} | {'yes' if r['guided'] else 'no'} | {r['K']} | {r['tok_s']:.0f} | {e['tok_s']:.0f} | "
               f"{r['tok_s'] / e['tok_s']:.2f}x | {r['exposed_cpu_ms_per_step']:.2f} | {e['step_ms']:.2f} | "
               f"{r['callback_ms_per_step']:.2f} |")
+    if len(threads) > 1:
+        print("\n| batch | K | guided tok/s under graphs by mask threads " + " / ".join(map(str, threads))
+              + " | callbacks ms/step | guided / unguided |")
+        print("| ---: | ---: | --- | --- | --- |")
+        for batch in batches:
+            for k in (0, 3):
+                un = next(x for x in rows if x["graphs"] and not x["guided"] and (x["batch"], x["K"]) == (batch, k))
+                g = [next(x for x in rows if x["graphs"] and x["guided"] and x["mask_threads"] == t
+                          and (x["batch"], x["K"]) == (batch, k)) for t in threads]
+                print(f"| {batch} | {k} | " + " / ".join(f"{x['tok_s']:.0f}" for x in g) + " | "
+                      + " / ".join(f"{x['callback_ms_per_step']:.2f}" for x in g) + " | "
+                      + " / ".join(f"{x['tok_s'] / un['tok_s']:.2f}x" for x in g) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -6,7 +6,8 @@
 #
 # Wheels in .whl/ (xgrammar, llguidance, ... for a host without them) are installed under /tmp/site
 # first. TOKENIZER_DIR defaults to the cached default model's folder. Logs and JSON go to $OUT.
-# Time limits (s): PYTEST_S, BENCH1_S, BENCH2_S, LONG_S; NPROC pytest workers (OMP threads split between them).
+# Time limits (s): PYTEST_S, BENCH1_S, BENCH2_S, LONG_S; NPROC pytest workers (OMP threads split between them);
+# MASK_THREADS: the guided_mask_threads values the SmolLM2-shape benchmark compares (default 1,8).
 # The two long tests (10,000 grammar replays, 2,000 hybrid engine steps, each with a GIL-competing
 # thread; at Python's 5 ms switch interval they ran at ~17 and ~1 steps/s on an H100) run last, in
 # parallel, under LONG_S; their progress goes to $OUT/progress.log (a slow test vs a hung one).
@@ -61,7 +62,7 @@ bench() {  # name, timeout, args...
     grep -E '^(graphs=|[|]|NVIDIA|CPU)' "$OUT/$name.log"
     echo "$name: $(grep -c 'step failed' "$OUT/$name.log") failed steps, done at $(( $(date +%s) - T0 )) s"
 }
-bench bench135 "${BENCH1_S:-120}" --draft-head /tmp/gpu_check_head135.pt
+bench bench135 "${BENCH1_S:-150}" --draft-head /tmp/gpu_check_head135.pt --mask-threads "${MASK_THREADS:-1,8}"
 bench bench1b "${BENCH2_S:-120}" --draft-head /tmp/gpu_check_head1b.pt --dtype bfloat16 --model-dir /tmp/gpu_check_llama1b
 if [ -n "$LONG_PID" ]; then wait "$LONG_PID"; else long_tests 2; fi
 grep -vE "^(PASSED|SKIPPED)" "$OUT/pytest_long.log" | tail -60
