@@ -2,6 +2,7 @@
 
     python bench/bench_gil_contention.py [--device cuda|cpu] [--max-tokens 64] [--intervals 0.005,0.0005]
                                          [--draft-head PATH]
+    python bench/bench_gil_contention.py --served [--concurrency 8] [--rounds 12] [--max-tokens 64]
 
 Every torch op and kernel call releases the GIL and takes it back; while a busy Python thread
 holds it, taking it back waits for the interpreter's switch interval (`sys.setswitchinterval`,
@@ -9,14 +10,26 @@ holds it, taking it back waits for the interpreter's switch interval (`sys.setsw
 warm-up round (graph capture on CUDA), then the same 8 requests (4 JSON-schema guided, 4 unguided,
 K=3 hybrid, greedy) with no competing thread and with one busy thread at each switch interval,
 and prints ms per step and, on CUDA, host functions per step and the host's wait for replayed steps.
+
+`--served`: two tritonservers serving `specguide`, one with the served gil_switch_interval_ms
+(0.1) and one with 0 (Python's 5 ms), in alternating rounds of `--concurrency` streamed chat
+requests over gRPC (distinct prompts, greedy, ignore_eos): TTFT p50 / p90 / max and tokens/s.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
@@ -59,14 +72,97 @@ def host_function_runs() -> int:
     return sum(e.runs for e in list(hostfunc._registry.values()))  # captured entries keep their count
 
 
+class IntervalServer:
+    """tritonserver serving a copy of `specguide` whose gil_switch_interval_ms is `interval`."""
+
+    def __init__(self, interval: str):
+        from bench_interfaces import free_port
+
+        root = Path(__file__).resolve().parents[1]
+        self.dir = Path(tempfile.mkdtemp(prefix="specguide-gil-"))
+        shutil.copytree(root / "model_repository" / "specguide", self.dir / "specguide")
+        pbtxt = self.dir / "specguide" / "config.pbtxt"
+        text = re.sub(r'(key: "gil_switch_interval_ms"\s*value: \{ string_value: ")[^"]*', r"\g<1>" + interval,
+                      pbtxt.read_text())
+        assert f'string_value: "{interval}"' in text
+        pbtxt.write_text(text)
+        self.grpc = free_port()
+        env = {**os.environ, "MODEL_REPOSITORY": str(self.dir), "TRITON_HTTP_PORT": str(free_port()),
+               "TRITON_GRPC_PORT": str(self.grpc), "TRITON_METRICS_PORT": str(free_port())}
+        self.http = env["TRITON_HTTP_PORT"]
+        self.proc = subprocess.Popen([sys.executable, str(root / "scripts" / "tritonserver.py"), "run"],
+                                     stdout=open(self.dir / "server.log", "wb"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        import urllib.request
+
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, "tritonserver did not start"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def served_main(args) -> None:
+    """TTFT and tokens/s through tritonserver, served interval vs Python's, alternating rounds."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench_openai import QUESTIONS, via_triton
+    from client.common import chat_prompt, load_chat_template
+
+    print(cpu_header(), flush=True)
+    template = load_chat_template()
+    prompts = [chat_prompt(template, f"{QUESTIONS[i % len(QUESTIONS)]} ({i})") for i in range(args.concurrency)]
+    servers = {"0.1 ms (served)": IntervalServer("0.1"), "5 ms (Python's; 0)": IntervalServer("0")}
+    res = {k: {"ttft": [], "tokens": 0, "wall": 0.0} for k in servers}
+    try:
+        for s in servers.values():
+            via_triton(f"127.0.0.1:{s.grpc}", prompts[0], 8)  # warm
+        for r in range(args.rounds):
+            for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+                url = f"127.0.0.1:{servers[name].grpc}"
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    out = list(pool.map(lambda p: via_triton(url, p, args.max_tokens), prompts))
+                wall = time.perf_counter() - t0
+                res[name]["ttft"] += [o[0] for o in out]
+                res[name]["tokens"] += sum(o[1] for o in out)
+                res[name]["wall"] += wall
+                print(f"round {r} {name}: TTFT ms {sorted(round(o[0] * 1e3) for o in out)}, "
+                      f"{sum(o[1] for o in out) / wall:.1f} tok/s", flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    print(f"\n{args.rounds} rounds x {args.concurrency} concurrent gRPC streams, {args.max_tokens} tokens each")
+    print("| engine process switch interval | TTFT p50 ms | p90 | max | tokens/s |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, a in res.items():
+        t = sorted(a["ttft"])
+        print(f"| {name} | {statistics.median(t) * 1e3:.0f} | {t[int(len(t) * 0.9)] * 1e3:.0f} | {t[-1] * 1e3:.0f} | "
+              f"{a['tokens'] / a['wall']:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--served", action="store_true", help="through tritonserver: served interval vs Python's")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--intervals", default="0.005,0.0005", help="switch intervals (s) to run with a busy thread")
     ap.add_argument("--draft-head", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.served:
+        return served_main(args)
     from specguide.config import EngineConfig
     from specguide.engine import Engine
 
