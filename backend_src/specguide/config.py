@@ -75,8 +75,8 @@ class EngineConfig:
     # 5 ms): every torch op and C kernel call releases the GIL, and while another Python thread is busy
     # the loop thread waits this long to take it back, after each (a CUDA grammar host function too).
     # With one busy thread a step took 161x its time at 5 ms, 4.8x at 0.1 (H100, K=3 hybrid; 2-core
-    # CPU: 10.7x, 3.2x; bench/bench_gil_contention.py). In the served engine process it also halves
-    # TTFT at 8 streams (the process's request reader waits for the GIL too); 0 = leave Python's
+    # CPU: 10.7x, 3.2x; bench/bench_gil_contention.py). Served, the engine process's request reader
+    # waits for the GIL too: TTFT p50 at 8 streams 72-74 ms against 97-146 at 5 ms; 0 = leave Python's
     max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU (set here for
     # device "cpu", by the engine for "auto"), on CUDA as many
     # as kv_cache_memory_fraction of the free memory (after the weights) holds, at most 256 (logged)

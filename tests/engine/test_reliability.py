@@ -84,7 +84,7 @@ def test_a_matcher_that_raises_fails_only_its_request(engine, k):
     assert_clean(engine)
 
 
-def test_the_engine_process_takes_the_gil_back_within_the_configured_switch_interval(engine):
+def test_the_engine_sets_the_gil_switch_interval_it_is_configured_with(engine):
     """Every torch op and kernel call releases the GIL; while another Python thread is busy, the loop
     thread waits the interpreter's switch interval to take it back (5 ms by default: a step 10-160x
     slower, bench/bench_gil_contention.py). The served engine sets it to gil_switch_interval_ms."""
