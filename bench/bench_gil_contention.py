@@ -19,14 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -72,46 +66,6 @@ def host_function_runs() -> int:
     return sum(e.runs for e in list(hostfunc._registry.values()))  # captured entries keep their count
 
 
-class IntervalServer:
-    """tritonserver serving a copy of `specguide` whose gil_switch_interval_ms is `interval`."""
-
-    def __init__(self, interval: str):
-        from bench_interfaces import free_port
-
-        root = Path(__file__).resolve().parents[1]
-        self.dir = Path(tempfile.mkdtemp(prefix="specguide-gil-"))
-        shutil.copytree(root / "model_repository" / "specguide", self.dir / "specguide")
-        pbtxt = self.dir / "specguide" / "config.pbtxt"
-        text = re.sub(r'(key: "gil_switch_interval_ms"\s*value: \{ string_value: ")[^"]*', r"\g<1>" + interval,
-                      pbtxt.read_text())
-        assert f'string_value: "{interval}"' in text
-        pbtxt.write_text(text)
-        self.grpc = free_port()
-        env = {**os.environ, "MODEL_REPOSITORY": str(self.dir), "TRITON_HTTP_PORT": str(free_port()),
-               "TRITON_GRPC_PORT": str(self.grpc), "TRITON_METRICS_PORT": str(free_port())}
-        self.http = env["TRITON_HTTP_PORT"]
-        self.proc = subprocess.Popen([sys.executable, str(root / "scripts" / "tritonserver.py"), "run"],
-                                     stdout=open(self.dir / "server.log", "wb"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        import urllib.request
-
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, "tritonserver did not start"
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(timeout=60)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 def served_main(args) -> None:
     """TTFT and tokens/s through tritonserver, served interval vs Python's, alternating rounds."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -121,7 +75,10 @@ def served_main(args) -> None:
     print(cpu_header(), flush=True)
     template = load_chat_template()
     prompts = [chat_prompt(template, f"{QUESTIONS[i % len(QUESTIONS)]} ({i})") for i in range(args.concurrency)]
-    servers = {"0.1 ms (served)": IntervalServer("0.1"), "5 ms (Python's; 0)": IntervalServer("0")}
+    from bench_interfaces import Server
+
+    servers = {name: Server(("specguide",), {"gil_switch_interval_ms": value})
+               for name, value in (("0.1 ms (served)", "0.1"), ("5 ms (Python's; 0)", "0"))}
     res = {k: {"ttft": [], "tokens": 0, "wall": 0.0} for k in servers}
     try:
         for s in servers.values():

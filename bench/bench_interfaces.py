@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -61,10 +62,20 @@ def rss_mib(pid: int) -> dict[str, float]:
 
 
 class Server:
-    def __init__(self, names: tuple[str, ...]):
+    """tritonserver on free ports over a copy of the named models; `parameters` (config.pbtxt
+    parameters present in the copies, e.g. {"gil_switch_interval_ms": "0"}) replace theirs."""
+
+    def __init__(self, names: tuple[str, ...], parameters: dict[str, str] | None = None):
         self.dir = Path(tempfile.mkdtemp(prefix="specguide-bench-"))
         for n in names:
             shutil.copytree(ROOT / "model_repository" / n, self.dir / n)
+            pbtxt = self.dir / n / "config.pbtxt"
+            text = pbtxt.read_text()
+            for key, value in (parameters or {}).items():
+                text, found = re.subn(r'(key: "%s"\s*value: \{ string_value: ")[^"]*' % re.escape(key),
+                                      lambda m: m.group(1) + value, text)
+                assert found == 1, f"{n}/config.pbtxt has no parameter {key!r}"
+            pbtxt.write_text(text)
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         env = {**os.environ, "MODEL_REPOSITORY": str(self.dir), "TRITON_HTTP_PORT": str(self.http),
                "TRITON_GRPC_PORT": str(self.grpc), "TRITON_METRICS_PORT": str(self.metrics)}
