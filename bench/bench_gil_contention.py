@@ -68,15 +68,13 @@ def host_function_runs() -> int:
 
 def served_main(args) -> None:
     """TTFT and tokens/s through tritonserver, served interval vs Python's, alternating rounds."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench_openai import QUESTIONS, via_triton
+    from bench_interfaces import Server
+    from bench_openai import QUESTIONS, via_triton  # (puts the repository root on sys.path: client/)
     from client.common import chat_prompt, load_chat_template
 
     print(cpu_header(), flush=True)
     template = load_chat_template()
     prompts = [chat_prompt(template, f"{QUESTIONS[i % len(QUESTIONS)]} ({i})") for i in range(args.concurrency)]
-    from bench_interfaces import Server
-
     servers = {name: Server(("specguide",), {"gil_switch_interval_ms": value})
                for name, value in (("0.1 ms (served)", "0.1"), ("5 ms (Python's; 0)", "0"))}
     res = {k: {"ttft": [], "tokens": 0, "wall": 0.0} for k in servers}
