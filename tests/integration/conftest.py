@@ -104,12 +104,18 @@ class Server:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
-def _ready(http: str) -> bool:
+def _answers(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{http}/v2/health/ready", timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
+
+
+def _ready(srv: Server) -> bool:
+    # NOTE: tritonserver opens its metrics port after the HTTP one, so /v2/health/ready can answer
+    # while /metrics still refuses connections (a test that read a metric at once failed so in CI).
+    return _answers(f"http://{srv.http}/v2/health/ready") and _answers(srv.metrics_url)
 
 
 def repository_with(tmp: Path, settings: dict[str, str]) -> Path:
@@ -141,7 +147,7 @@ def launch(log: Path, model_repository: Path, extra_args: tuple[str, ...] = (), 
                                 stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     srv = Server(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics", log, proc)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not _ready(srv.http):
+    while not _ready(srv):
         if proc.poll() is not None or time.monotonic() > deadline:
             _stop(proc)
             pytest.fail(f"tritonserver did not become ready (exit code {proc.poll()}):\n{srv.log_tail()}")
