@@ -16,6 +16,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -63,10 +64,16 @@ def rss_mib(pid: int) -> dict[str, float]:
 
 class Server:
     """tritonserver on free ports over a copy of the named models; `parameters` (config.pbtxt
-    parameters present in the copies, e.g. {"gil_switch_interval_ms": "0"}) replace theirs."""
+    parameters present in the copies, e.g. {"gil_switch_interval_ms": "0"}) replace theirs;
+    `grpc`: its gRPC port (default: a free one). `beside`: commands started in its session (a
+    session of its own, which `make serve` also gives tritonserver and the OpenAI server), their
+    output in `<name>.log`; they stop with it.
+    NOTE: with autogroup scheduling CPU is shared between sessions first: a server process started
+    in the benchmark's own session would share the clients' slice, as no deployed server does."""
 
-    def __init__(self, names: tuple[str, ...], parameters: dict[str, str] | None = None):
-        self.dir = Path(tempfile.mkdtemp(prefix="specguide-bench-"))
+    def __init__(self, names: tuple[str, ...], parameters: dict[str, str] | None = None,
+                 beside: dict[str, list[str]] | None = None, grpc: int | None = None):
+        self.dir, self.names = Path(tempfile.mkdtemp(prefix="specguide-bench-")), names
         for n in names:
             shutil.copytree(ROOT / "model_repository" / n, self.dir / n)
             pbtxt = self.dir / n / "config.pbtxt"
@@ -76,12 +83,17 @@ class Server:
                                       lambda m: m.group(1) + value, text)
                 assert found == 1, f"{n}/config.pbtxt has no parameter {key!r}"
             pbtxt.write_text(text)
-        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        self.http, self.grpc, self.metrics = free_port(), grpc or free_port(), free_port()
         env = {**os.environ, "MODEL_REPOSITORY": str(self.dir), "TRITON_HTTP_PORT": str(self.http),
                "TRITON_GRPC_PORT": str(self.grpc), "TRITON_METRICS_PORT": str(self.metrics)}
         self.log = open(self.dir / "server.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "run"],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        command = [sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "run"]
+        if beside:  # a shell starts them, then becomes tritonserver (proc.pid stays the server's)
+            starts = "".join(f"{shlex.join(c)} >{shlex.quote(str(self.dir / (n + '.log')))} 2>&1 & "
+                             for n, c in beside.items())
+            command = ["bash", "-c", f"{starts}exec {shlex.join(command)}"]
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
         deadline = time.monotonic() + 600
         while not self._ready():
             assert self.proc.poll() is None and time.monotonic() < deadline, "server did not start"
@@ -94,6 +106,13 @@ class Server:
         except OSError:
             return False
 
+    def beside_pid(self, fragment: str) -> int:
+        """The pid of the process started beside tritonserver whose command line holds `fragment`."""
+        from specguide.supervisor import descendants
+
+        return next(int(c) for c in descendants(self.proc.pid)
+                    if fragment.encode() in Path(f"/proc/{c}/cmdline").read_bytes())
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -103,7 +122,7 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            keep = Path(tempfile.gettempdir()) / f"bench_interfaces_{len(list(self.dir.iterdir())) - 1}names_server.log"
+            keep = Path(tempfile.gettempdir()) / f"bench_interfaces_{len(self.names)}names_server.log"
             shutil.copy(self.dir / "server.log", keep)  # kept for a post-mortem
             shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -3,12 +3,14 @@
     python bench/bench_openai.py [--requests 16] [--rounds 2] [--max-tokens 64] [--concurrency 1 8] [--json out.json]
 
 Starts tritonserver (the `specguide` model alone) and `specguide.openai_api` beside it on free
-ports. Each request is the same chat prompt (the model's template applied once, here, for the
+ports, in one session as `make serve` runs them (with autogroup scheduling, CPU is shared between
+sessions first; `--api-session client` starts the OpenAI server in this benchmark's session,
+sharing the clients' slice, as the runs before 2026-11-27's last did). Each request is the same chat prompt (the model's template applied once, here, for the
 direct path), greedy, `ignore_eos` so both paths generate exactly `--max-tokens` tokens. Per
 concurrency level, rounds alternate the two paths (drift hits both alike): the `openai` SDK with
 `stream=True`, and `tritonclient` gRPC streaming (`client.common.GrpcStream`) to `specguide`.
-A third path sends the OpenAI requests with a plain HTTP client (`http.client`, one `json.loads`
-per event): the SDK's own per-chunk work (httpx, pydantic objects) runs on the same cores as the
+A third path sends the OpenAI requests with a plain HTTP client (`http.client` on kept-alive
+connections, as the SDK's pool keeps them; one `json.loads` per event): the SDK's own per-chunk work (httpx, pydantic objects) runs on the same cores as the
 engine here, so the two OpenAI rows split the server's cost from the client's.
 TTFT = first content delta / first response; tokens/s = output tokens / wall time of a round.
 The OpenAI server's resident memory is read after the runs, and its CPU time per token (it shares
@@ -20,6 +22,7 @@ import argparse
 import http.client
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -56,19 +59,27 @@ def wait(url: str, what: str, proc: subprocess.Popen, limit: float = 600) -> Non
 
 
 class Stack:
-    """tritonserver serving `specguide` (bench_interfaces.Server) + the OpenAI server, on free ports."""
+    """tritonserver serving `specguide` (bench_interfaces.Server) + the OpenAI server, on free ports.
+    `api_session` "server": the OpenAI server starts in tritonserver's session, as under `make serve`;
+    "client": in this benchmark's, beside the clients (how runs before 2026-11-28 were made)."""
 
-    def __init__(self) -> None:
-        self.triton = Server(("specguide",))
-        self.grpc, self.api = self.triton.grpc, free_port()
-        self.openai = subprocess.Popen([sys.executable, "-m", "specguide.openai_api", "--triton-url",
-                                        f"127.0.0.1:{self.grpc}", "--port", str(self.api), "--log-level", "warning"],
-                                       stdout=open(self.triton.dir / "openai.log", "wb"), stderr=subprocess.STDOUT)
-        wait(f"http://127.0.0.1:{self.api}/health", "the OpenAI server", self.openai, 60)
+    def __init__(self, api_session: str = "server") -> None:
+        self.api = free_port()
+        grpc = free_port()
+        command = [sys.executable, "-m", "specguide.openai_api", "--triton-url", f"127.0.0.1:{grpc}", "--port",
+                   str(self.api), "--log-level", "warning"]
+        self.own = None
+        if api_session == "client":
+            self.own = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.triton = Server(("specguide",), beside={"openai": command} if self.own is None else None, grpc=grpc)
+        self.grpc = self.triton.grpc
+        self.pid = self.own.pid if self.own else self.triton.beside_pid("specguide.openai_api")
+        wait(f"http://127.0.0.1:{self.api}/health", "the OpenAI server", self.own or self.triton.proc, 60)
 
     def stop(self) -> None:
-        self.openai.terminate()
-        self.openai.wait(timeout=30)
+        if self.own is not None:
+            self.own.terminate()
+            self.own.wait(timeout=30)
         self.triton.stop()
 
 
@@ -85,15 +96,33 @@ def via_openai(client, question: str, max_tokens: int) -> tuple[float, int, floa
     return ttft or 0.0, tokens, time.perf_counter() - t0
 
 
+_IDLE: dict[int, "queue.SimpleQueue[http.client.HTTPConnection]"] = {}  # by port: kept alive, as the SDK's pool
+
+
+def _post(port: int, body: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, float]:
+    """POST /v1/chat/completions on a kept-alive connection (a new one if the server closed it)."""
+    pool = _IDLE.setdefault(port, queue.SimpleQueue())
+    while True:
+        try:
+            conn, reused = pool.get_nowait(), True
+        except queue.Empty:
+            conn, reused = http.client.HTTPConnection("127.0.0.1", port, timeout=600), False
+        t0 = time.perf_counter()
+        try:
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            return conn, conn.getresponse(), t0
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            conn.close()  # idle past the server's keep-alive timeout
+            if not reused:
+                raise
+
+
 def via_http(port: int, question: str, max_tokens: int) -> tuple[float, int, float]:
     body = json.dumps({"model": "specguide", "messages": [{"role": "user", "content": question}],
                        "max_tokens": max_tokens, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}, "ignore_eos": True})
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn, resp, t0 = _post(port, body)
     try:
-        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
         assert resp.status == 200, resp.read()
         ttft, tokens = None, 0
         for line in resp:
@@ -104,9 +133,13 @@ def via_http(port: int, question: str, max_tokens: int) -> tuple[float, int, flo
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-        return ttft or 0.0, tokens, time.perf_counter() - t0
-    finally:
+        done = time.perf_counter()
+        resp.read()  # the chunked body's end: the connection is ready for the next request
+        _IDLE[port].put(conn)
+        return ttft or 0.0, tokens, done - t0
+    except BaseException:
         conn.close()
+        raise
 
 
 def via_triton(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
@@ -147,13 +180,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--api-session", choices=("server", "client"), default="server",
+                    help="the OpenAI server in tritonserver's session (as `make serve`) or in the clients'")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     print(cpu_header(), flush=True)
     import openai
 
     template = load_chat_template()
-    stack = Stack()
+    stack = Stack(args.api_session)
     rows = {}
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.api}/v1", api_key="unused", max_retries=0,
@@ -171,7 +206,7 @@ def main() -> None:
             for r in range(args.rounds):
                 for p in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
                     fn, jobs = paths[p]
-                    res = run_round(fn, jobs, c, stack.openai.pid)
+                    res = run_round(fn, jobs, c, stack.pid)
                     agg[p]["ttft"] += res["ttft"]
                     agg[p]["tokens"] += res["tokens"]
                     agg[p]["wall"] += res["wall"]
@@ -181,7 +216,7 @@ def main() -> None:
                 rows[f"{p}@{c}"] = {"ttft_p50_ms": 1000 * statistics.median(a["ttft"]),
                                     "tokens_per_s": a["tokens"] / a["wall"], "tokens": a["tokens"],
                                     "api_cpu_ms_per_token": 1000 * a["api_cpu"] / max(a["tokens"], 1)}
-        rss = rss_bytes(stack.openai.pid) / 2**20
+        rss = rss_bytes(stack.pid) / 2**20
     finally:
         stack.stop()
     print(f"\n{args.rounds} rounds x {args.requests} streamed chat requests per path, {args.max_tokens} greedy tokens each")

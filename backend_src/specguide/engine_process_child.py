@@ -10,7 +10,7 @@ import threading
 import time
 
 from .engine_process import EXIT_LOOP_DIED, PARENT_ENV, STATS_S, Callback, EngineInfo
-from .ipc import die_with_parent, read_msg, write_msg
+from .ipc import die_with_parent, read_msg, renice, write_msg
 from .request import RequestOutput
 
 
@@ -28,6 +28,7 @@ def child_main() -> None:
             write_msg(out, msg)
 
     config = read_msg(inp)
+    renice(config.engine_nice)  # before the engine's threads start (they inherit it)
     try:
         from .engine import Engine
 

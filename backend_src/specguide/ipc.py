@@ -83,6 +83,23 @@ def demote(parent_var: str) -> None:
     die_with_parent(parent_var)  # a session of its own escapes the server's process group kill
 
 
+def renice(increment: int) -> None:
+    """os.nice(increment) for every thread of this process. NOTE: Linux keeps a nice value per
+    thread (a new thread takes its creator's), and imports may already have started some."""
+    if not increment:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: the calling thread's
+        os.nice(increment)
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+        except OSError:  # the thread ended
+            pass
+
+
 def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)

@@ -29,6 +29,8 @@ from specguide.config import EngineConfig
     ({"request_timeout_s": -1.0}, "request_timeout_s must be >= 0"),
     ({"drain_timeout_s": -1.0}, "drain_timeout_s must be >= 0"),
     ({"gil_switch_interval_ms": -0.1}, "gil_switch_interval_ms must be >= 0"),
+    ({"engine_nice": -1}, "engine_nice must be >= 0"),
+    ({"engine_nice": 20}, r"engine_nice must be in \[0, 19\], got 20"),
     ({"guided_max_guide_bytes": -1}, "guided_max_guide_bytes must be >= 0"),
     ({"max_sampling_parameters_bytes": -1}, "max_sampling_parameters_bytes must be >= 0"),
     ({"reasoning_markers": "</think>"}, r"reasoning_markers must be '' \(off\) or '<start>,<end>'"),
