@@ -79,10 +79,11 @@ class EngineConfig:
     # waits for the GIL too: TTFT p50 at 8 streams 72-74 ms against 97-146 at 5 ms; 0 = leave Python's
     engine_nice: int = 5  # the engine process runs this much nicer than the server (os.nice): Triton's
     # front ends, the Python backend stubs and the OpenAI server (all light, latency-bound) then take a
-    # core from the engine as soon as they wake instead of waiting their fair turn. Served on 2 cores
-    # (bench/HISTORY.md, 2026-11-27): tokens/s +10-17% at one stream and TTFT p50 -1 to -3 ms on both
-    # paths; at 8 streams OpenAI tokens/s +6-10%, TTFT p50 -5 to -8 ms. NOTE: a CPU-bound process of
-    # the server's own (cgroup or session) at nice 0 then gets 3x the engine's share; 0 = the server's
+    # core from the engine as soon as they wake instead of waiting their fair turn. Served on 2 cores,
+    # 5 vs 0 in four A/B runs (bench/HISTORY.md, 2026-11-27): tokens/s 1.06-1.10x at 8 streams through
+    # the OpenAI server, 0.98-1.09x over Triton gRPC, 1.00-1.16x at one stream; TTFT p50 lower in most.
+    # NOTE: a CPU-bound process in the server's own cgroup or session at nice 0 then gets 3x the
+    # engine's share; 0 = the server's
     max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU (set here for
     # device "cpu", by the engine for "auto"), on CUDA as many
     # as kv_cache_memory_fraction of the free memory (after the weights) holds, at most 256 (logged)
