@@ -5,13 +5,15 @@
 Starts tritonserver (the `specguide` model alone) and `specguide.openai_api` beside it on free
 ports, in one session as `make serve` runs them (with autogroup scheduling, CPU is shared between
 sessions first; `--api-session client` starts the OpenAI server in this benchmark's session,
-sharing the clients' slice, as the runs before 2026-11-27's last did). Each request is the same chat prompt (the model's template applied once, here, for the
-direct path), greedy, `ignore_eos` so both paths generate exactly `--max-tokens` tokens. Per
-concurrency level, rounds alternate the two paths (drift hits both alike): the `openai` SDK with
-`stream=True`, and `tritonclient` gRPC streaming (`client.common.GrpcStream`) to `specguide`.
+sharing the clients' slice, as the runs before cf63a6f did). Each request is the same chat
+prompt (the model's template applied once, here, for the direct path), greedy, `ignore_eos` so
+both paths generate exactly `--max-tokens` tokens. Per concurrency level, rounds alternate the
+paths (drift hits them alike): the `openai` SDK with `stream=True`, and `tritonclient` gRPC
+streaming (`client.common.GrpcStream`, its stream opened before the clock starts) to `specguide`.
 A third path sends the OpenAI requests with a plain HTTP client (`http.client` on kept-alive
-connections, as the SDK's pool keeps them; one `json.loads` per event): the SDK's own per-chunk work (httpx, pydantic objects) runs on the same cores as the
-engine here, so the two OpenAI rows split the server's cost from the client's.
+connections, as the SDK's pool keeps them; one `json.loads` per event): the SDK's own per-chunk
+work (httpx, pydantic objects) runs on the same cores as the engine here, so the two OpenAI rows
+split the server's cost from the client's.
 TTFT = first content delta / first response; tokens/s = output tokens / wall time of a round.
 The OpenAI server's resident memory is read after the runs, and its CPU time per token (it shares
 the CPUs with the engine: on a small machine what it spends, the engine loses).
@@ -61,18 +63,18 @@ def wait(url: str, what: str, proc: subprocess.Popen, limit: float = 600) -> Non
 class Stack:
     """tritonserver serving `specguide` (bench_interfaces.Server) + the OpenAI server, on free ports.
     `api_session` "server": the OpenAI server starts in tritonserver's session, as under `make serve`;
-    "client": in this benchmark's, beside the clients (how runs before 2026-11-28 were made)."""
+    "client": in this benchmark's, beside the clients (the layout of the runs before cf63a6f)."""
 
     def __init__(self, api_session: str = "server") -> None:
-        self.api = free_port()
-        grpc = free_port()
+        self.api, grpc = free_port(), free_port()
         command = [sys.executable, "-m", "specguide.openai_api", "--triton-url", f"127.0.0.1:{grpc}", "--port",
                    str(self.api), "--log-level", "warning"]
-        self.own = None
-        if api_session == "client":
-            self.own = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        self.triton = Server(("specguide",), beside={"openai": command} if self.own is None else None, grpc=grpc)
-        self.grpc = self.triton.grpc
+        beside = {"openai": command} if api_session == "server" else None
+        self.triton = Server(("specguide",), beside=beside, grpc=grpc)
+        self.grpc, self.own = grpc, None
+        if beside is None:
+            self.own = subprocess.Popen(command, stdout=open(self.triton.dir / "openai.log", "wb"),
+                                        stderr=subprocess.STDOUT)
         self.pid = self.own.pid if self.own else self.triton.beside_pid("specguide.openai_api")
         wait(f"http://127.0.0.1:{self.api}/health", "the OpenAI server", self.own or self.triton.proc, 60)
 
