@@ -75,7 +75,7 @@ def demote(parent_var: str) -> None:
     compile bombs beside a decoding engine starved every other process on a 2-core machine for up
     to 2-5 s (bench/probe_stalls.py); at autogroup nice 19 the largest stall was 0.3 s. Without
     autogroup the process nice applies."""
-    for step in (lambda: os.nice(5), lambda: _write("/proc/self/autogroup", "19")):
+    for step in (lambda: renice(5), lambda: _write("/proc/self/autogroup", "19")):
         try:
             step()
         except OSError:
