@@ -14,7 +14,9 @@ A third path sends the OpenAI requests with a plain HTTP client (`http.client` o
 connections, as the SDK's pool keeps them; one `json.loads` per event): the SDK's own per-chunk
 work (httpx, pydantic objects) runs on the same cores as the engine here, so the two OpenAI rows
 split the server's cost from the client's.
-TTFT = first content delta / first response; tokens/s = output tokens / wall time of a round.
+TTFT = first content delta / first response; tokens/s = output tokens / wall time of a round. Every path
+sends the same requests in the same order, so TTFTs pair up (same round, same job): the table gives
+the median of the paired ratios and its 95% bootstrap interval.
 The OpenAI server's resident memory is read after the runs, and its CPU time per token (it shares
 the CPUs with the engine: on a small machine what it spends, the engine loses).
 """
@@ -161,6 +163,16 @@ def via_triton(url: str, prompt: str, max_tokens: int) -> tuple[float, int, floa
         stream.close()
 
 
+def paired_ratio(a: list[float], b: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """Median of a[i] / b[i] (the same request on two paths: same round, same job) and its 95%
+    bootstrap interval (the pairs resampled)."""
+    import numpy as np
+    r = np.asarray(a) / np.asarray(b)
+    boot = np.median(r[np.random.default_rng(seed).integers(0, len(r), (draws, len(r)))], axis=1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(np.median(r)), float(lo), float(hi)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -215,21 +227,25 @@ def main() -> None:
                     agg[p]["api_cpu"] += res["api_cpu"]
                     print(f"concurrency {c} round {r} {p}: {res['tokens'] / res['wall']:.1f} tok/s", flush=True)
             for p, a in agg.items():
-                rows[f"{p}@{c}"] = {"ttft_p50_ms": 1000 * statistics.median(a["ttft"]),
+                rows[f"{p}@{c}"] = {"ttft_p50_ms": 1000 * statistics.median(a["ttft"]), "ttft": a["ttft"],
                                     "tokens_per_s": a["tokens"] / a["wall"], "tokens": a["tokens"],
                                     "api_cpu_ms_per_token": 1000 * a["api_cpu"] / max(a["tokens"], 1)}
         rss = rss_bytes(stack.pid) / 2**20
     finally:
         stack.stop()
     print(f"\n{args.rounds} rounds x {args.requests} streamed chat requests per path, {args.max_tokens} greedy tokens each")
-    print("| path | concurrency | TTFT p50 (ms) | tokens/s | vs Triton gRPC | OpenAI server CPU (ms/token) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| path | concurrency | TTFT p50 (ms) | TTFT / Triton's, same request: median (95% interval) | tokens/s "
+          "| vs Triton gRPC "
+          "| OpenAI server CPU (ms/token) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for c in args.concurrency:
         base = rows[f"triton@{c}"]
         for p in ("triton", "openai", "http"):
             r = rows[f"{p}@{c}"]
-            print(f"| {LABELS[p]} | {c} | {r['ttft_p50_ms']:.0f} | {r['tokens_per_s']:.1f} | "
-                  f"{r['tokens_per_s'] / base['tokens_per_s']:.3f} | {r['api_cpu_ms_per_token']:.2f} |")
+            mid, lo, hi = paired_ratio(r["ttft"], base["ttft"])
+            r["ttft_vs_triton_paired"] = [mid, lo, hi]
+            print(f"| {LABELS[p]} | {c} | {r['ttft_p50_ms']:.1f} | {mid:.3f} ({lo:.3f}-{hi:.3f}) | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.3f} | "
+                  f"{r['api_cpu_ms_per_token']:.2f} |")
     print(f"\nOpenAI server RSS after the runs: {rss:.0f} MiB")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_model(), "args": vars(args) | {"json": str(args.json)},

@@ -315,13 +315,38 @@ def test_api_key_and_unavailable_triton(server, tmp_path):
         assert [m.id for m in keyed.client("s3cret").models.list().data] == [MODEL]
         with pytest.raises(openai.InternalServerError) as e:
             dead.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
-        assert e.value.status_code == 503
+        assert e.value.status_code == 503 and "not reachable" in e.value.body["message"]
         with pytest.raises(urllib.error.HTTPError) as h:
             urllib.request.urlopen(dead.base + "/health")
         assert h.value.code == 503
     finally:
         keyed.stop()
         dead.stop()
+
+
+def test_serves_again_once_a_restarted_triton_is_back(tmp_path):
+    """Triton stops and comes back on the same port (a fleet restarts it): meanwhile answers are 503,
+    then the same OpenAI server process serves again, and the stopped Triton was not held up."""
+    srv = launch(tmp_path / "first.log", ROOT / "model_repository")
+    api = Api(srv.grpc, tmp_path / "api.log")
+    try:
+        before = chat(api.client(), max_tokens=6).choices[0].message.content
+        with api.client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0,
+                                                    stream=True) as s:
+            assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == before
+        t0 = time.monotonic()
+        stop_and_check(srv)  # while the OpenAI server keeps its connection to it
+        assert time.monotonic() - t0 < 50, "tritonserver waited on the OpenAI server's connection"
+        with pytest.raises(openai.InternalServerError) as e:
+            chat(api.client(), max_tokens=6)
+        assert e.value.status_code == 503 and "not reachable" in e.value.body["message"]
+        srv = launch(tmp_path / "second.log", ROOT / "model_repository",
+                     env={"TRITON_GRPC_PORT": srv.grpc.rsplit(":", 1)[1]})
+        assert chat(api.client(), max_tokens=6).choices[0].message.content == before
+    finally:
+        api.stop()
+        stop_and_check(srv)
+    assert "Traceback" not in api.log.read_text(), api.log.read_text()[-3000:]
 
 
 def test_client_disconnect_mid_stream_frees_the_slot(api, server):

@@ -12,7 +12,7 @@ from specguide.openai_api.errors import ApiError, from_triton, from_validation
 from specguide.openai_api.outputs import CompletionLogprobs, chat_logprobs, finish_reason
 from specguide.openai_api.schemas import ChatCompletionRequest, CompletionRequest, Tool
 from specguide.openai_api.tools import CALL_BEGIN, ToolCallParser, call_text, parse_all, tool_guide
-from specguide.openai_api.triton_client import build_request
+from specguide.openai_api.triton_client import build_request, split_url
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -222,3 +222,12 @@ def test_an_error_mid_stream_is_one_sse_error_event():
 
     got = asyncio.run(collect())
     assert got[0] == "data: 1\n\n" and json.loads(got[1][len("data: "):])["error"]["type"] == "server_error"
+
+
+def test_triton_urls():
+    assert split_url("127.0.0.1:8001") == ("127.0.0.1", 8001)
+    assert split_url("triton.fleet.svc:9001") == ("triton.fleet.svc", 9001)
+    assert split_url("[::1]:8001") == ("::1", 8001)
+    for bad in ("localhost", "localhost:grpc", "http://x:80/"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            split_url(bad)

@@ -78,7 +78,7 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if ctx.client is None:  # a grpc.aio channel belongs to the loop that makes it: uvicorn's
+        if ctx.client is None:  # a gRPC channel belongs to the loop that makes it: uvicorn's
             ctx.client = TritonClient(settings.triton_url, settings.triton_model)
         configure({})  # defaults until Triton answers
         task = asyncio.create_task(configure_when_ready())

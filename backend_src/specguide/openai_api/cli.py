@@ -25,7 +25,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="a model folder with the chat template (default: the served model's folder)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from .triton_client import split_url
+    try:
+        split_url(args.triton_url)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
