@@ -11,14 +11,15 @@ both paths generate exactly `--max-tokens` tokens. Per concurrency level, rounds
 paths (drift hits them alike): the `openai` SDK with `stream=True`, and `tritonclient` gRPC
 streaming (`client.common.GrpcStream`, its stream opened before the clock starts) to `specguide`.
 A third path sends the OpenAI requests with a plain HTTP client (`http.client` on kept-alive
-connections, as the SDK's pool keeps them; one `json.loads` per event): the SDK's own per-chunk
-work (httpx, pydantic objects) runs on the same cores as the engine here, so the two OpenAI rows
-split the server's cost from the client's.
+connections, as the SDK's pool keeps them; one `json.loads` per event). The clients run on the
+same cores as the engine here: the SDK spends about as much CPU a token as `tritonclient`, the
+plain client a third of that, so the two OpenAI rows split the server's cost from the client's.
 TTFT = first content delta / first response; tokens/s = output tokens / wall time of a round. Every path
 sends the same requests in the same order, so TTFTs pair up (same round, same job): the table gives
 the median of the paired ratios and its 95% bootstrap interval.
 The OpenAI server's resident memory is read after the runs, and its CPU time per token (it shares
-the CPUs with the engine: on a small machine what it spends, the engine loses).
+the CPUs with the engine: on a small machine what it spends, the engine loses); likewise the
+clients' (this process's) CPU time per token on each path.
 """
 from __future__ import annotations
 
@@ -180,12 +181,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_round(fn, jobs: list, concurrency: int, api_pid: int) -> dict:
-    cpu0, t0 = cpu_seconds(api_pid), time.perf_counter()
+    cpu0, own0, t0 = cpu_seconds(api_pid), time.process_time(), time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         res = list(pool.map(lambda j: fn(*j), jobs))
     wall = time.perf_counter() - t0
     return {"ttft": [r[0] for r in res], "tokens": sum(r[1] for r in res), "wall": wall,
-            "api_cpu": cpu_seconds(api_pid) - cpu0}
+            "api_cpu": cpu_seconds(api_pid) - cpu0, "client_cpu": time.process_time() - own0}
 
 
 def main() -> None:
@@ -216,7 +217,7 @@ def main() -> None:
                  "http": (via_http, [(stack.api, q, args.max_tokens) for q in qs]),
                  "triton": (via_triton, [(url, chat_prompt(template, q), args.max_tokens) for q in qs])}
         for c in args.concurrency:
-            agg = {p: {"ttft": [], "tokens": 0, "wall": 0.0, "api_cpu": 0.0} for p in paths}
+            agg = {p: {"ttft": [], "tokens": 0, "wall": 0.0, "api_cpu": 0.0, "client_cpu": 0.0} for p in paths}
             for r in range(args.rounds):
                 for p in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
                     fn, jobs = paths[p]
@@ -225,19 +226,21 @@ def main() -> None:
                     agg[p]["tokens"] += res["tokens"]
                     agg[p]["wall"] += res["wall"]
                     agg[p]["api_cpu"] += res["api_cpu"]
+                    agg[p]["client_cpu"] += res["client_cpu"]
                     print(f"concurrency {c} round {r} {p}: {res['tokens'] / res['wall']:.1f} tok/s", flush=True)
             for p, a in agg.items():
                 rows[f"{p}@{c}"] = {"ttft_p50_ms": 1000 * statistics.median(a["ttft"]), "ttft": a["ttft"],
                                     "tokens_per_s": a["tokens"] / a["wall"], "tokens": a["tokens"],
-                                    "api_cpu_ms_per_token": 1000 * a["api_cpu"] / max(a["tokens"], 1)}
+                                    "api_cpu_ms_per_token": 1000 * a["api_cpu"] / max(a["tokens"], 1),
+                                    "client_cpu_ms_per_token": 1000 * a["client_cpu"] / max(a["tokens"], 1)}
         rss = rss_bytes(stack.pid) / 2**20
     finally:
         stack.stop()
     print(f"\n{args.rounds} rounds x {args.requests} streamed chat requests per path, {args.max_tokens} greedy tokens each")
     print("| path | concurrency | TTFT p50 (ms) | TTFT / Triton's, same request: median (95% interval) | tokens/s "
           "| vs Triton gRPC "
-          "| OpenAI server CPU (ms/token) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| OpenAI server CPU (ms/token) | client CPU (ms/token) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in args.concurrency:
         base = rows[f"triton@{c}"]
         for p in ("triton", "openai", "http"):
@@ -245,7 +248,7 @@ def main() -> None:
             mid, lo, hi = paired_ratio(r["ttft"], base["ttft"])
             r["ttft_vs_triton_paired"] = [mid, lo, hi]
             print(f"| {LABELS[p]} | {c} | {r['ttft_p50_ms']:.1f} | {mid:.3f} ({lo:.3f}-{hi:.3f}) | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.3f} | "
-                  f"{r['api_cpu_ms_per_token']:.2f} |")
+                  f"{r['api_cpu_ms_per_token']:.2f} | {r['client_cpu_ms_per_token']:.2f} |")
     print(f"\nOpenAI server RSS after the runs: {rss:.0f} MiB")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_model(), "args": vars(args) | {"json": str(args.json)},
