@@ -36,6 +36,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from bench_interfaces import Server, free_port  # noqa: E402  (bench/ is on sys.path when run as a script)
 from machine import cpu_header, cpu_model  # noqa: E402
 
@@ -167,7 +169,6 @@ def via_triton(url: str, prompt: str, max_tokens: int) -> tuple[float, int, floa
 def paired_ratio(a: list[float], b: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:
     """Median of a[i] / b[i] (the same request on two paths: same round, same job) and its 95%
     bootstrap interval (the pairs resampled)."""
-    import numpy as np
     r = np.asarray(a) / np.asarray(b)
     boot = np.median(r[np.random.default_rng(seed).integers(0, len(r), (draws, len(r)))], axis=1)
     lo, hi = np.percentile(boot, [2.5, 97.5])
@@ -238,8 +239,7 @@ def main() -> None:
         stack.stop()
     print(f"\n{args.rounds} rounds x {args.requests} streamed chat requests per path, {args.max_tokens} greedy tokens each")
     print("| path | concurrency | TTFT p50 (ms) | TTFT / Triton's, same request: median (95% interval) | tokens/s "
-          "| vs Triton gRPC "
-          "| OpenAI server CPU (ms/token) | client CPU (ms/token) |")
+          "| vs Triton gRPC | OpenAI server CPU (ms/token) | client CPU (ms/token) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in args.concurrency:
         base = rows[f"triton@{c}"]
@@ -247,7 +247,8 @@ def main() -> None:
             r = rows[f"{p}@{c}"]
             mid, lo, hi = paired_ratio(r["ttft"], base["ttft"])
             r["ttft_vs_triton_paired"] = [mid, lo, hi]
-            print(f"| {LABELS[p]} | {c} | {r['ttft_p50_ms']:.1f} | {mid:.3f} ({lo:.3f}-{hi:.3f}) | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.3f} | "
+            print(f"| {LABELS[p]} | {c} | {r['ttft_p50_ms']:.1f} | {mid:.3f} ({lo:.3f}-{hi:.3f}) | "
+                  f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.3f} | "
                   f"{r['api_cpu_ms_per_token']:.2f} | {r['client_cpu_ms_per_token']:.2f} |")
     print(f"\nOpenAI server RSS after the runs: {rss:.0f} MiB")
     if args.json:

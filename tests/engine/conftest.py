@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -139,3 +140,18 @@ def stale_draft_rows(engine: Engine) -> list[int]:
         if not ok:
             bad.append(slot)
     return bad
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The nice value of each thread of a process (Linux keeps one per thread); empty once it ended."""
+    out = set()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            out.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except OSError:  # the thread ended
+            pass
+    return out

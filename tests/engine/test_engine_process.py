@@ -18,6 +18,8 @@ from specguide.engine_process import EngineProcess, describe_exit
 from specguide.restarts import backoff_s
 from specguide.request import EngineDeadError, InvalidRequestError, Request, RequestOutput, SamplingParams
 
+from .conftest import thread_nices
+
 PROMPT = "<|im_start|>user\nTell me a long story about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -75,17 +77,12 @@ def test_requests_run_through_the_engine_process_and_errors_come_back_as_raised(
     assert engine.pid != os.getpid() and engine.stats()["alive"] == 1
 
 
-def nice_of(pid: int, tid: int | str) -> int:
-    return int(open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()[16])
-
-
 def test_every_thread_of_the_engine_process_runs_engine_nice_nicer_than_its_parent(engine):
     """So that the server's front ends, stubs and the OpenAI server preempt it as soon as they wake."""
     assert engine.config.engine_nice == EngineConfig().engine_nice > 0  # the default, served
-    ours = nice_of(os.getpid(), os.getpid())
-    threads = os.listdir(f"/proc/{engine.pid}/task")
-    assert len(threads) > 2  # the loop, the reader, the kernels' workers ...
-    assert {nice_of(engine.pid, t) for t in threads} == {min(19, ours + engine.config.engine_nice)}
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert len(os.listdir(f"/proc/{engine.pid}/task")) > 2  # the loop, the reader, the kernels' workers ...
+    assert thread_nices(engine.pid) == {min(19, ours + engine.config.engine_nice)}
 
 
 def test_a_killed_engine_fails_running_and_queued_requests_at_once_and_comes_back(engine):

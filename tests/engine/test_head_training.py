@@ -18,6 +18,8 @@ from specguide.engine import Engine
 from specguide.head_training import PREFIX, BackgroundTraining
 from specguide.ipc import child_env
 
+from .conftest import thread_nices
+
 
 def _autogroup_nice(pid: int) -> int | None:
     try:
@@ -25,18 +27,6 @@ def _autogroup_nice(pid: int) -> int | None:
             return int(f.read().split()[-1])  # "/autogroup-123 nice 19"
     except (OSError, ValueError):
         return None
-
-
-def _thread_nices(pid: int) -> set[int]:
-    """The nice value of each thread of the process (empty once it has ended)."""
-    out = set()
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                out.add(int(f.read().rsplit(")", 1)[1].split()[16]))
-    except OSError:
-        pass
-    return out
 
 
 def _wait(cond, timeout: float) -> bool:
@@ -61,8 +51,8 @@ def test_background_training_writes_the_head_at_the_least_cpu_share(tmp_path):
             assert bt.proc.poll() is not None or _autogroup_nice(pid) == 19
         # plain nice 5 too (where there is no autogroup, the share it gets), on every thread: Linux
         # keeps one per thread, and the training's imports start one before it demotes itself
-        assert _wait(lambda: bt.proc.poll() is not None or len(_thread_nices(pid)) > 0, 60)
-        nices = _thread_nices(pid)
+        assert _wait(lambda: bt.proc.poll() is not None or len(thread_nices(pid)) > 0, 60)
+        nices = thread_nices(pid)
         assert bt.proc.poll() is not None or nices == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)}, nices
         # a second training of the same head (make draft-head meanwhile) waits, then finds it made
         second = subprocess.run(
