@@ -3,6 +3,7 @@ compiled grammar once ready (the one writer of `seq.guide`, sequence_state.Guide
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import random
@@ -12,8 +13,10 @@ from .config import EngineConfig
 from .faults import Injector
 from .guided.budget import within_budget
 from .guided.json_scanner import Scanner
+from .guided.params import normalize_structural_tag
 from .guided.regex_completion import RegexScanner
 from .guided.schema_completion import Schemas
+from .guided.tag_completion import TagScanner
 from .guided.reasoning import Reasoning
 from .request import InvalidRequestError, Request, RequestOutput, error_code
 from .scheduler import Sequence
@@ -92,19 +95,28 @@ starts, then collects, their grammar compiles."""
         return seq
 
     def _within_budget(self, seq: Sequence) -> Any:
-        """A JSON or regex guide whose answer must close before max_tokens (guided/budget.py);
+        """A JSON, regex or tool-call guide whose answer must close before max_tokens (guided/budget.py);
         InvalidRequestError when no valid answer fits. Not with ignore_eos or min_tokens (the stop token may not come
         when the budget needs it), nor for reasoning models (the guide's start is not known)."""
         guide, g, p = seq.guide.grammar, seq.guide.params, seq.params
-        if not g.complete_within_budget or g.guide_type not in ("json", "json_schema", "regex") or p.min_tokens:
+        if not g.complete_within_budget or g.guide_type not in ("json", "json_schema", "regex", "structural_tag") \
+                or p.min_tokens:
             return guide
         stops = [t for t in self.compiler.stop_token_ids if t in seq.stop_ids]
         if not stops:
             return guide
         budget = min(p.max_tokens, self.config.max_seq_len - len(seq.prompt_ids))
-        scanner = (lambda: RegexScanner(g.guide)) if g.guide_type == "regex" else \
-            (lambda: Scanner(Schemas(guide.schema)))
-        return within_budget(guide, scanner, budget, self.compiler.token_bytes, self.tokenizer.encode, stops[0])
+        return within_budget(guide, self._scanner(g.guide_type, g.guide, guide), budget, self.compiler.token_bytes,
+                             self.tokenizer.encode, stops[0])
+
+    def _scanner(self, guide_type: str, text: str, guide: Any) -> Callable[[], Any]:
+        """The budget's reader of the answer so far (guided/budget.py), made when the guide is."""
+        if guide_type == "regex":
+            return lambda: RegexScanner(text)
+        if guide_type == "structural_tag":
+            return lambda: TagScanner(normalize_structural_tag(json.loads(text)), self.compiler.token_bytes,
+                                      self.tokenizer.encode)
+        return lambda: Scanner(Schemas(guide.schema))
 
     def poll_compiles(self, waiting: Iterable[Sequence]) -> list[tuple[Sequence, str, str]]:
         """Move finished grammar compiles onto their sequences; returns (sequence, error message,

@@ -86,3 +86,32 @@ def test_a_regex_answer_closes_within_max_tokens(engine):
     assert final.finish_reason == "stop" and len(toks) <= 12 and re.fullmatch(pattern, text), (final.error, text)
     assert any(n.startswith("closed by the budget") for n in final.guide_notes)
     assert (toks_on, final_on.finish_reason) == (toks, "stop")
+
+
+def test_tool_calls_close_whole_within_max_tokens(engine):
+    """A tool-call guide (`tool_choice: required`, parallel calls; the OpenAI server's structural
+    tag): the default model writes call after call; the budget ends the answer after the last call
+    another could not follow, every call whole and valid, "stop", lossless with speculation.
+    Without the budget the answer runs to max_tokens and its last call is cut."""
+    from specguide.openai_api.schemas import Tool, ToolChoiceMode
+    from specguide.openai_api.tools import parse_all, tool_guide, tools_system_prompt
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+              "required": ["city"]}
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": schema}})]
+    tag = json.dumps(tool_guide(tools, ToolChoiceMode.REQUIRED, parallel=True))
+    prompt = engine.tokenizer.apply_chat_template([{"role": "system", "content": tools_system_prompt(tools)},
+                                                   {"role": "user", "content": "Weather in Paris, Rome and Oslo?"}])
+    req = Request(prompt=prompt, params=SamplingParams(max_tokens=140, temperature=0.0),
+                  guided=GuidedDecodingParams("structural_tag", tag))
+    (toks, text, final), (toks_on, _, final_on), (_, cut, uncapped) = run_many(engine, [
+        dataclasses.replace(req, num_draft_tokens=0), req,
+        dataclasses.replace(req, guided=GuidedDecodingParams("structural_tag", tag, complete_within_budget=False))])
+    assert final.finish_reason == "stop" and len(toks) <= 140, (final.error, text)
+    assert any(n.startswith("closed by the budget") for n in final.guide_notes)
+    content, calls = parse_all(text)
+    assert content is None and len(calls) >= 2, (len(toks), text)
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), schema)
+    assert (toks_on, final_on.finish_reason) == (toks, "stop")
+    assert uncapped.finish_reason == "length" and not cut.endswith("</tool_call>")

@@ -183,3 +183,128 @@ def test_a_regex_answer_closes_within_max_tokens_too(xgr_service, hf_tokenizer, 
         assert m.accept(out[-1])
     text = hf_tokenizer.decode(out[:-1])
     assert re.fullmatch(pattern, text) and guide.budget.closed(out), text
+
+
+# ------------------------------------------------------------------------------ tool calls (structural tags)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+                                     "days": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "minLength": 2}}, "required": ["city"]}}}
+
+
+def _tool_tag(choice, parallel=True):
+    from specguide.openai_api.schemas import NamedToolChoice, Tool, ToolChoiceMode
+    from specguide.openai_api.tools import tool_guide
+
+    c = NamedToolChoice.model_validate(choice) if isinstance(choice, dict) else ToolChoiceMode(choice)
+    return tool_guide([Tool.model_validate(WEATHER), Tool.model_validate(TIME)], c, parallel)
+
+
+def _calls(text):
+    from specguide.openai_api.tools import parse_all
+
+    content, calls = parse_all(text)
+    schemas = {"get_weather": WEATHER, "get_time": TIME}
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name]["function"]["parameters"])
+    return content, calls
+
+
+@pytest.mark.parametrize("choice, text", [
+    ("required", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 22]}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "get_time", "arguments": { "city" : "Rome"}}\n</tool_call>'),
+    ({"type": "function", "function": {"name": "get_time"}},
+     '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'),
+    ("auto", 'Let me see. <tool_call>\n{"name": "get_time", "arguments": {"city": "Lima"}}\n</tool_call> Done <tool'),
+])
+def test_every_prefix_of_tool_calls_has_a_valid_shortest_end(xgr_service, hf_tokenizer, choice, text):
+    """At each byte of a valid tool-call output, the scanner's completion (where it can tell: not in
+    free text) makes the prefix an output the grammar ends on, with arguments valid for their tool."""
+    from specguide.guided.tag_completion import Phase, TagScanner
+
+    xgr = pytest.importorskip("xgrammar")
+    tag = _tool_tag(choice)
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\n", "<eos>"], stop_token_ids=[96])
+    grammar = xgr.GrammarCompiler(info).compile_structural_tag(json.dumps(tag))
+    sc = TagScanner(tag, xgr_service.token_bytes, lambda s: hf_tokenizer.encode(s, add_special_tokens=False))
+    st, told = sc.start(), 0
+    for i in range(len(text) + 1):
+        if i:
+            st = sc.feed(st, text[i - 1].encode())
+        try:
+            end = sc.completion(st)
+        except Unknown:
+            assert st.phase == Phase.TEXT
+            continue
+        told += 1
+        m = xgr.GrammarMatcher(grammar)
+        assert m.accept_string(text[:i] + end) and m.accept_token(96), (text[:i], end)
+        _calls(text[:i] + end)
+    assert told > len(text) // 2
+
+
+@pytest.mark.parametrize("backend", ["xgrammar"])
+@pytest.mark.parametrize("choice, budget", [("required", 64), ("required", 150),
+                                            ({"type": "function", "function": {"name": "get_weather"}}, 40)])
+def test_rambling_tool_calls_still_close_valid_by_max_tokens(xgr_service, hf_tokenizer, backend, choice, budget):
+    """A 'model' that never closes a value and, between calls, always starts another (the default
+    model under `tool_choice: required` repeats calls so) ends with whole, valid calls and the stop
+    token by max_tokens: the budget ends the output where no further call could fit."""
+    from specguide.guided.tag_completion import TagScanner
+
+    pick, stop = rambler(hf_tokenizer), xgr_service.stop_token_ids[0]
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    tag = _tool_tag(choice)
+    guide = within_budget(xgr_service.compile(G("structural_tag", json.dumps(tag), backend=backend)),
+                          lambda: TagScanner(tag, xgr_service.token_bytes, encode), budget, xgr_service.token_bytes,
+                          encode, stop)
+    assert guide.budget is not None
+    m, out = guide.matcher(), []
+    mask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    while not m.is_terminated():
+        assert len(out) < budget, hf_tokenizer.decode(out)
+        m.fill(mask, 0)
+        words = mask[0].numpy().view(np.uint32)
+        allowed = np.flatnonzero((words[np.arange(VOCAB) >> 5] >> (np.arange(VOCAB) & 31).astype(np.uint32)) & 1)
+        t = pick(mask) if list(allowed) != [stop] and stop in allowed and len(allowed) > 1 else None
+        if t == stop:  # never stop of its own accord while anything else is allowed
+            t = int(next(a for a in allowed if a != stop))
+        t = pick(mask) if t is None else t
+        assert m.accept(t)
+        out.append(t)
+    assert out[-1] == stop and guide.budget.closed(out)
+    content, calls = _calls(hf_tokenizer.decode(out[:-1]))
+    assert content is None and calls
+    assert isinstance(choice, str) or [c.name for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_auto_tools_leave_free_text_alone_and_finish_a_late_call(xgr_service, hf_tokenizer, backend):
+    """`tool_choice: auto`: the budget never ends free text early (it runs to max_tokens), but a call
+    that begins near the end is finished, valid, within max_tokens."""
+    from specguide.guided.tag_completion import TagScanner
+
+    stop, pick = xgr_service.stop_token_ids[0], rambler(hf_tokenizer)
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    tag, budget = _tool_tag("auto"), 60
+    guide = within_budget(xgr_service.compile(G("structural_tag", json.dumps(tag), backend=backend)),
+                          lambda: TagScanner(tag, xgr_service.token_bytes, encode), budget, xgr_service.token_bytes,
+                          encode, stop)
+    assert guide.budget is not None
+    text = encode("The weather is " + "very " * (budget - 5))[:budget]
+    m = guide.matcher()
+    assert all(m.accept(t) for t in text) and m.forced_tokens(encode, 4) != [stop]  # no early end in text
+    for left in (40, 50):  # a call begins with about `left` tokens of the budget left (a call takes ~25)
+        m, out = guide.matcher(), encode("Let me check " + "it " * 40)[:budget - left] + encode("<tool_call>")
+        assert all(m.accept(t) for t in out)
+        mask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+        while not m.is_terminated():
+            assert len(out) < budget, hf_tokenizer.decode(out)
+            m.fill(mask, 0)
+            out.append(pick(mask))
+            assert m.accept(out[-1])
+        content, calls = _calls(hf_tokenizer.decode(out[:-1]))
+        assert out[-1] == stop and guide.budget.closed(out) and len(calls) == 1 and content.startswith("Let me check")

@@ -224,6 +224,25 @@ def test_forced_tool_calls(client, choice):
     assert len(c.message.tool_calls) == 1
 
 
+def test_parallel_required_calls_end_whole_within_max_tokens(client):
+    """`required` with parallel calls (OpenAI's default): the default model writes call after call
+    until max_tokens. The token budget ends the answer after the last call another could not follow,
+    so it ends with `tool_calls` and every call whole and valid, not with `length` and a cut call."""
+    kw = dict(messages=[{"role": "user", "content": "Weather and time in Paris, Rome, Oslo and Lima?"}],
+              tools=[WEATHER, TIME], tool_choice="required", max_tokens=160, temperature=0)
+    whole = chat(client, **kw)
+    with client.chat.completions.stream(model=MODEL, **kw) as s:
+        streamed = s.get_final_completion()
+    for r in (whole, streamed):
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and not c.message.content, c  # (a stream's first delta has "")
+        assert len(c.message.tool_calls) >= 2
+        _check_calls(c.message, ["get_weather", "get_time"])
+    assert [t.function.arguments for t in streamed.choices[0].message.tool_calls] == \
+        [t.function.arguments for t in whole.choices[0].message.tool_calls]
+    assert whole.usage.completion_tokens < 160
+
+
 def test_tool_call_streamed_deltas_accumulate(client):
     kw = dict(messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=64,
               temperature=0)

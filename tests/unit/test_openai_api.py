@@ -67,8 +67,10 @@ def test_parse_all_content_only_calls_only_and_unfinished():
     assert parse_all("just text") == ("just text", [])
     content, calls = parse_all(call_text("f", {}))
     assert content is None and calls[0].name == "f" and calls[0].arguments == "{}" and calls[0].id.startswith("call_")
-    content, calls = parse_all("<tool_call>\n{\"name\": \"f\", \"argu")  # cut inside the head: stays text
-    assert calls == [] and content.startswith("<tool_call>")
+    content, calls = parse_all("Hi <tool_call>\n{\"name\": \"f\", \"argu")  # cut inside the head: dropped
+    assert calls == [] and content == "Hi "
+    p = ToolCallParser()  # streamed: the cut head never went out as content
+    assert p.feed("Hi <tool_call>\n{\"na") == ("Hi ", []) and p.finish() == ("", [])
     # cut inside the arguments (max_tokens): the call keeps what was written, as a stream sent it
     head = '<tool_call>\n{"name": "f", "arguments": '
     for cut, args in ((head + '{"a": {"b": 1}}}\n</tool', '{"a": {"b": 1}}'), (head + '{"a": {"b": 1}', '{"a": {"b": 1}'),

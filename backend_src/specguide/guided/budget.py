@@ -187,7 +187,8 @@ class BudgetMatcher(Matcher):
 def within_budget(guide: CompiledGuide, scanner: Any, budget: int, token_bytes: Sequence[bytes], encode: Encode,
                   stop_id: int) -> CompiledGuide:
     """`guide` whose matchers close the answer within `budget` tokens (stop token included);
-    `scanner`: `Scanner(Schemas(schema))` for JSON guides, `RegexScanner(pattern)` for regex ones.
+    `scanner`: `Scanner(Schemas(schema))` for JSON guides, `RegexScanner(pattern)` for regex ones,
+    `TagScanner(tag, token_bytes, encode)` for structural tags (tool calls).
     InvalidRequestError when even the shortest valid answer's text does not fit; the guide unchanged
     where its shortest answer cannot be told or fits only without its stop token."""
     try:
@@ -196,8 +197,10 @@ def within_budget(guide: CompiledGuide, scanner: Any, budget: int, token_bytes: 
         return guide
     probe = BudgetMatcher(guide.matcher(), plan)
     first = probe._completion()
-    if first is None:
+    if first is None and not getattr(plan.scanner, "starts_in_free_text", False):
         return guide
+    if first is None:  # free text first (tool calls, `auto`): the budget finishes a call once one begins
+        return dataclasses.replace(guide, make_matcher=lambda: BudgetMatcher(guide.make_matcher(), plan), budget=plan)
     if len(first) - 1 > budget:  # not even the text fits (the text without its stop token ends with "length")
         raise InvalidRequestError(
             f"max_tokens {budget} cannot hold a valid answer: the shortest one this guide accepts takes "

@@ -203,11 +203,13 @@ class ToolCallParser:
     def finish(self, pieces: Optional[list[CallDelta]] = None) -> tuple[str, list[CallDelta]]:
         """The text still held back, and `pieces` (the last feed's) with the last of the calls:
         an unfinished call whose head was sent keeps the arguments written (the client has them
-        already); one cut inside its head stays text."""
+        already); one cut inside its head (max_tokens) is dropped: neither a call nor content."""
         pieces = [] if pieces is None else pieces
         if self.open is not None:
             self._send(pieces, _arguments(self.buf[len(CALL_BEGIN) + self.open.start:], final=True))
             self._close(len(self.buf))
+        elif self.in_call:
+            self.buf = ""
         rest, self.buf, self.in_call = self.buf, "", False
         return self._content(rest), pieces
 
