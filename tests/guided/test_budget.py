@@ -42,6 +42,9 @@ CASES = [
              '"addr": {"city": "Paris", "zip": "75001"}}'),
     (NESTED, '{"p": {"x": -1.5e3, "y": false}, "q": [{"y": true}, {"x": 0, "y": true}], "kind": "beta", '
              '"note": null}'),
+    ({"type": "object", "properties": {"_schema": {"type": "string"}, "shader": {"type": "array", "items": {}}},
+      "required": ["schema", "shader"]},  # a required key the properties do not declare (JSONSchemaBench has it)
+     '{"shader": ["a"], "note": 1, "schema": "x"}'),
     ({"type": "array", "items": {"anyOf": [{"type": "object", "properties": {"k": {"enum": ["alpha", "beta"]}},
                                             "required": ["k"]}, {"type": "null"}]}, "minItems": 2},
      '[{"k": "beta"}, null, {"k":"alpha"}]'),
@@ -63,6 +66,11 @@ def test_every_prefix_of_a_valid_document_has_a_valid_shortest_end(schema, doc):
             continue
         told += 1
         jsonschema.validate(json.loads(doc[: i + 1] + end), schema)
+        walk, text = st, doc[: i + 1]  # the budget forces the completion's first token, then the next one's:
+        while rest := sc.completion(walk):  # byte by byte that way, the document still ends, about as soon
+            assert len(text) < i + 1 + 2 * len(end) + 4, (doc[: i + 1], end, text)
+            walk, text = sc.feed(walk, rest[0].encode()), text + rest[0]
+        jsonschema.validate(json.loads(text), schema)
     assert st.done and told == len(doc)  # a half-written `pattern` string included
 
 
@@ -243,6 +251,11 @@ def test_every_prefix_of_tool_calls_has_a_valid_shortest_end(xgr_service, hf_tok
         m = xgr.GrammarMatcher(grammar)
         assert m.accept_string(text[:i] + end) and m.accept_token(96), (text[:i], end)
         _calls(text[:i] + end)
+        walk, out = st, text[:i]  # followed byte by byte (as the budget forces it), it still ends
+        while rest := sc.completion(walk):
+            assert len(out) < i + 2 * len(end) + 4, (text[:i], end, out)
+            walk, out = sc.feed(walk, rest[0].encode()), out + rest[0]
+        _calls(out)
     assert told > len(text) // 2
 
 

@@ -205,7 +205,12 @@ class Scanner:
             if node.get("additionalProperties") is False or node.get("patternProperties"):
                 raise Unknown("a key that matches no declared key")
             extra = node.get("additionalProperties", {})
-            return prefix, '"', self.s.shortest(extra if isinstance(extra, dict) else {})
+            value = self.s.shortest(extra if isinstance(extra, dict) else {})
+            owed = [k for k in node.get("required", []) if k not in props and k not in done and k.startswith(prefix)]
+            if owed:  # a required key the properties do not declare: this key may as well be it
+                key = min(owed, key=len)
+                return key, json_text(key)[1:][len(json_text(prefix)[1:-1]):], value
+            return prefix, '"', value
         if later[-1] in required and later[-1] in options:  # any other key only adds to the keys still due
             key = later[-1]
         else:
