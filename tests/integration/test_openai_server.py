@@ -241,6 +241,8 @@ def test_parallel_required_calls_end_whole_within_max_tokens(client):
     assert [t.function.arguments for t in streamed.choices[0].message.tool_calls] == \
         [t.function.arguments for t in whole.choices[0].message.tool_calls]
     assert whole.usage.completion_tokens < 160
+    with pytest.raises(openai.BadRequestError, match="max_tokens 8 cannot hold a valid answer"):
+        chat(client, **{**kw, "max_tokens": 8})  # not even the shortest call fits: refused, not cut
 
 
 def test_tool_call_streamed_deltas_accumulate(client):
