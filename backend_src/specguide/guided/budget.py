@@ -195,17 +195,15 @@ def within_budget(guide: CompiledGuide, scanner: Any, budget: int, token_bytes: 
         plan = BudgetPlan(scanner() if callable(scanner) else scanner, token_bytes, encode, stop_id, budget)
     except Unknown:
         return guide
-    probe = BudgetMatcher(guide.matcher(), plan)
-    first = probe._completion()
-    if first is None and not getattr(plan.scanner, "starts_in_free_text", False):
-        return guide
-    if first is None:  # free text first (tool calls, `auto`): the budget finishes a call once one begins
-        return dataclasses.replace(guide, make_matcher=lambda: BudgetMatcher(guide.make_matcher(), plan), budget=plan)
+    make = guide.make_matcher
+    wrapped = dataclasses.replace(guide, make_matcher=lambda: BudgetMatcher(make(), plan), budget=plan)
+    first = BudgetMatcher(guide.matcher(), plan)._completion()
+    if first is None:  # cannot tell; or free text comes first (tool calls, `auto`): a call is finished once begun
+        return wrapped if getattr(plan.scanner, "starts_in_free_text", False) else guide
     if len(first) - 1 > budget:  # not even the text fits (the text without its stop token ends with "length")
         raise InvalidRequestError(
             f"max_tokens {budget} cannot hold a valid answer: the shortest one this guide accepts takes "
             f"{len(first) - 1} tokens")
     if len(first) > budget:  # the shortest text fits but not its stop token: no answer can end with "stop",
         return guide  # so the grammar alone decides (forcing would only replace the model's words)
-    make = guide.make_matcher
-    return dataclasses.replace(guide, make_matcher=lambda: BudgetMatcher(make(), plan), budget=plan)
+    return wrapped
