@@ -233,3 +233,41 @@ def test_triton_urls():
     for bad in ("localhost", "localhost:grpc", "http://x:80/"):
         with pytest.raises(ValueError, match="HOST:PORT"):
             split_url(bad)
+
+
+def test_a_stream_sends_each_deltas_events_in_one_write(tmp_path):
+    """The role chunk goes with the first text, the finish chunk with the last, usage with [DONE]:
+    one write (one wake-up of the client) per Triton response, and one to end."""
+    import asyncio
+
+    from specguide.openai_api import handlers
+    from specguide.openai_api.triton_client import Delta
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<e>"}))
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+    class Triton:
+        async def generate(self, treq):
+            yield Delta(0, "Hel", num_input_tokens=3, num_output_tokens=1)
+            yield Delta(0, "lo", num_output_tokens=1)
+            yield Delta(0, "!", finish_reason="stop", num_output_tokens=1)
+
+    ctx = handlers.Context(client=Triton(), template=ChatTemplate(tmp_path), model_name="specguide")
+
+    async def writes(call, req):
+        return [w async for w in await call(ctx, req)]
+
+    def events(write):
+        return [json.loads(e[len("data: "):]) if e != "data: [DONE]" else e for e in write.split("\n\n") if e]
+
+    got = [events(w) for w in asyncio.run(writes(handlers.chat, chat_req(stream=True, stream_options={"include_usage": True})))]
+    assert [[e["choices"][0]["delta"] for e in w] for w in got[:3]] == [
+        [{"role": "assistant", "content": ""}, {"content": "Hel"}], [{"content": "lo"}], [{"content": "!"}, {}]]
+    assert got[2][1]["choices"][0]["finish_reason"] == "stop"
+    assert got[3][0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6} and got[3][1] == "data: [DONE]"
+    assert len(got) == 4
+
+    req = CompletionRequest.model_validate({"model": "specguide", "prompt": "Say", "stream": True, "echo": True})
+    got = [events(w) for w in asyncio.run(writes(handlers.complete, req))]
+    assert [[e["choices"][0]["text"] for e in w] for w in got[:3]] == [["Say", "Hel"], ["lo"], ["!", ""]]
+    assert got[3] == ["data: [DONE]"] and len(got) == 4

@@ -139,9 +139,10 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
     async for p, d in it:
         usage.add(p, d)
         i = d.index
+        out = []  # this delta's events, sent together (one write, one wake-up of the client)
         if i not in started:
             started.add(i)
-            yield chunk(i, {"role": "assistant", "content": ""})
+            out.append(chunk(i, {"role": "assistant", "content": ""}))
         delta: dict[str, Any] = {}
         text = d.text
         if thinkers[i] is not None:
@@ -163,12 +164,14 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
             delta["content"] = content
         lp = {"content": chat_logprobs(d.logprobs, top), "refusal": None} if top is not None and d.logprobs else None
         if delta or lp:
-            yield chunk(i, delta, lp)
+            out.append(chunk(i, delta, lp))
         if d.finish_reason:
-            yield chunk(i, {}, None, finish_reason(d.finish_reason, bool(parsers[i].calls)))
-    if include_usage:
-        yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage.usage.to_openai()})
-    yield "data: [DONE]\n\n"
+            out.append(chunk(i, {}, None, finish_reason(d.finish_reason, bool(parsers[i].calls))))
+        if out:
+            yield "".join(out)
+    tail = [_sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage.usage.to_openai()})] \
+        if include_usage else []
+    yield "".join(tail + ["data: [DONE]\n\n"])
 
 
 # ------------------------------------------------------------------------------ completions
@@ -225,15 +228,18 @@ async def _complete_stream(it, head: dict, n: int, echo: list[str], top: Optiona
     async for p, d in it:
         usage.add(p, d)
         k = p * n + d.index
+        out = []  # this delta's events, sent together
         if k not in started:
             started.add(k)
             if echo[p]:
-                yield chunk(k, echo[p])
+                out.append(chunk(k, echo[p]))
         lp = lps.setdefault(k, CompletionLogprobs(top)).add(d.logprobs or []) if top is not None else None
         if d.text or lp:
-            yield chunk(k, d.text, lp)
+            out.append(chunk(k, d.text, lp))
         if d.finish_reason:
-            yield chunk(k, "", None, finish_reason(d.finish_reason))
-    if include_usage:
-        yield _sse({**head, "object": "text_completion", "choices": [], "usage": usage.usage.to_openai()})
-    yield "data: [DONE]\n\n"
+            out.append(chunk(k, "", None, finish_reason(d.finish_reason)))
+        if out:
+            yield "".join(out)
+    tail = [_sse({**head, "object": "text_completion", "choices": [], "usage": usage.usage.to_openai()})] \
+        if include_usage else []
+    yield "".join(tail + ["data: [DONE]\n\n"])

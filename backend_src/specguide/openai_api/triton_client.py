@@ -158,9 +158,8 @@ def _is_final(response: Any) -> bool:
 
 
 async def _finish(call: Stream) -> None:
-    """Our side closes and Triton's status is read (GRPCError if the call failed): the call ends
-    without a reset (Triton 2.51 can crash on a cancellation that reaches a call it has completed)."""
-    await call.end()
+    """Triton's status is read (GRPCError if the call failed): the call ends without a reset
+    (Triton 2.51 can crash on a cancellation that reaches a call it has completed)."""
     await call.recv_trailing_metadata()
 
 
@@ -216,7 +215,9 @@ class TritonClient:
                                              service_pb2.ModelInferRequest,
                                              service_pb2.ModelStreamInferResponse) as call:
                 try:
-                    await call.send_message(build_request(req, f"oai-{next(_IDS)}", self.model))
+                    # end=True: our side closes with the request's own frame (one write less);
+                    # Triton still sends every response, then its status
+                    await call.send_message(build_request(req, f"oai-{next(_IDS)}", self.model), end=True)
                     async for response in call:
                         ended = bool(response.error_message) or _is_final(response)
                         if response.error_message:
