@@ -49,6 +49,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off: tokens below min_p x the likeliest token's probability are dropped (vLLM)
     seed: Optional[int] = None  # None = a random seed drawn at submit
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     stop_token_ids: list[int] = field(default_factory=list)
@@ -63,7 +64,7 @@ class SamplingParams:
     stop_token_seqs: list[list[int]] = field(default_factory=list)
     # per-token outputs (computed only for requests that ask; see RequestOutput). Log probs are of
     # the distribution a token is drawn from: logits after penalties, bad-word and min_tokens bans
-    # and the grammar mask, / temperature (1 for greedy), top-k/top-p kept set renormalized (not for
+    # and the grammar mask, / temperature (1 for greedy), top-k/min-p/top-p kept set renormalized (not for
     # greedy). Speculation does not change them (accepted drafts: the target's p at that position)
     return_log_probs: bool = False  # RequestOutput.logprobs
     top_logprobs: int = 0  # RequestOutput.top_logprobs: N <= 20 most likely per position (vLLM `logprobs`); implies logprobs
@@ -105,6 +106,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must be in [0, 2^64), got {self.seed}")
         lo, hi = REPETITION_PENALTY_RANGE

@@ -1,4 +1,4 @@
-"""Batched sampling (greedy, temperature, top-k, top-p, per-request seed) with no host syncs.
+"""Batched sampling (greedy, temperature, top-k, top-p, min-p, per-request seed) with no host syncs.
 
 Randomness is counter-based: the uniform for (row, vocab entry) is a hash of the request's seed,
 the token's index in the request and a stream id. A request's samples therefore depend only on
@@ -42,24 +42,28 @@ class SamplingBatch:
     temperature: torch.Tensor  # [B] f32 (> 0 for sampled rows)
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] f32, 1.0 = off
+    min_p: torch.Tensor  # [B] f32, 0.0 = off
     greedy: torch.Tensor  # [B] bool
     seed: torch.Tensor  # [B] int64
     counter: torch.Tensor  # [B] int64: index of the token being sampled within its request
     all_greedy: bool  # host-side facts that let us skip work (known at schedule time)
-    any_top_k_p: bool
+    any_truncation: bool  # a sampled row uses top-k, top-p or min-p
 
 
 def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """logits [B, V] -> temperature-scaled logits with entries outside top-k / top-p at -inf."""
+    """logits [B, V] -> temperature-scaled logits with entries outside top-k / min-p / top-p at -inf
+    (vLLM's order: top-k and min-p, which commute, then top-p over what they keep)."""
     temp = torch.where(b.greedy, torch.ones_like(b.temperature), b.temperature)
     logits = logits / temp[:, None]
-    if not b.any_top_k_p:
+    if not b.any_truncation:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
     V = logits.shape[-1]
     rank = torch.arange(V, device=logits.device)[None, :]
     k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, V))
     drop = rank >= k[:, None]
+    # min-p: p_i < min_p * p_max  <=>  l_i - l_max < log(min_p) (log 0 = -inf drops nothing)
+    drop |= (sorted_logits - sorted_logits[:, :1]) < b.min_p.log()[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # keep the smallest prefix whose mass reaches top_p (the first token always stays)
     drop |= (probs.cumsum(dim=-1) - probs) >= b.top_p[:, None]
@@ -81,7 +85,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def log_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Log-probabilities [B, V] reported for emitted tokens: sampled rows, the distribution `sample`
-    draws from (temperature-scaled, top-k/top-p filtered and renormalized); greedy rows,
+    draws from (temperature-scaled, top-k/min-p/top-p filtered and renormalized); greedy rows,
     log_softmax of the logits (temperature 1, no filtering)."""
     if b.all_greedy:
         return logits.log_softmax(dim=-1)

@@ -8,7 +8,7 @@ from .scheduler import Sequence
 
 
 class SlotSampling:
-    """Temperature, top-k/p, seed and penalties of every slot, written on admission."""
+    """Temperature, top-k/p, min-p, seed and penalties of every slot, written on admission."""
 
     def __init__(self, max_slots: int, vocab_size: int, device: torch.device):
         S, V = max_slots, vocab_size
@@ -16,6 +16,7 @@ class SlotSampling:
         self.temperature = torch.ones(S, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(S, dtype=torch.int64, device=device)
         self.top_p = torch.ones(S, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(S, dtype=torch.float32, device=device)
         self.greedy = torch.ones(S, dtype=torch.bool, device=device)
         self.seed = torch.zeros(S, dtype=torch.int64, device=device)
         # penalties: [slots] parameters, [slots, V] output-token counts and prompt+output presence
@@ -25,7 +26,7 @@ class SlotSampling:
         self.counts = torch.zeros(S, V, dtype=torch.int32, device=device)
         self.seen = torch.zeros(S, V, dtype=torch.bool, device=device)
         self.penalized: set[int] = set()  # slots whose requests use a penalty
-        self.flags: dict[int, tuple[bool, bool]] = {}  # slot -> (greedy, uses top-k/top-p)
+        self.flags: dict[int, tuple[bool, bool]] = {}  # slot -> (greedy, uses top-k/top-p/min-p)
 
     def admit(self, slot: int, seq: Sequence) -> None:
         """Write a newly admitted sequence's sampling parameters into its slot row."""
@@ -33,9 +34,10 @@ class SlotSampling:
         self.temperature[slot] = p.temperature if p.temperature > 0 else 1.0
         self.top_k[slot] = p.top_k
         self.top_p[slot] = p.top_p
+        self.min_p[slot] = p.min_p
         self.greedy[slot] = p.greedy
         self.seed[slot] = seq.seed - 2**64 if seq.seed >= 2**63 else seq.seed  # uint64 bits as int64
-        self.flags[slot] = (p.greedy, p.top_k > 1 or p.top_p < 1.0)
+        self.flags[slot] = (p.greedy, p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0)
         self.rep_penalty[slot] = p.repetition_penalty  # neutral values for unpenalized requests
         self.presence[slot] = p.presence_penalty
         self.frequency[slot] = p.frequency_penalty
@@ -51,15 +53,16 @@ class SlotSampling:
         self.flags.pop(slot, None)
 
     def kind(self, slots: list[int]) -> tuple[bool, bool]:
-        """(every row greedy, a sampled row uses top-k / top-p): host facts of a batch."""
+        """(every row greedy, a sampled row uses top-k / top-p / min-p): host facts of a batch."""
         flags = [self.flags.get(s, (True, False)) for s in slots]
         return all(g for g, _ in flags), any(f for g, f in flags if not g)
 
-    def batch(self, rows: torch.Tensor, counter: torch.Tensor, greedy: bool, top_k_p: bool) -> SamplingBatch:
+    def batch(self, rows: torch.Tensor, counter: torch.Tensor, greedy: bool, truncated: bool) -> SamplingBatch:
         """Sampling parameters of slot rows `rows` [R] (a slot may repeat) at output indices `counter` [R]."""
         return SamplingBatch(temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+                             min_p=self.min_p[rows],
                              greedy=self.greedy[rows], seed=self.seed[rows], counter=counter,
-                             all_greedy=greedy, any_top_k_p=top_k_p)
+                             all_greedy=greedy, any_truncation=truncated)
 
     def penalize(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Repetition (divide positive / multiply negative logits of seen tokens), presence and

@@ -56,7 +56,7 @@ class StepKey:
     drafting: Drafting
     length: int  # keys attended (captured: a bucket covering every position; eager: longest row)
     greedy: bool  # every row greedy: argmax acceptance
-    top_k_p: bool  # a sampled row uses top-k / top-p
+    truncated: bool  # a sampled row uses top-k / top-p / min-p
     guided: bool  # grammar masks and callbacks
     pick: bool = False  # hybrid: device-side select among proposals
     captured: bool = False  # padded static shapes, asynchronous copies (CUDA graphs and their CPU dry run)
@@ -95,9 +95,9 @@ class StepCore:
     # ---- host side -----------------------------------------------------------------------
     def key(self, seqs: list[Sequence], plan: DraftPlan) -> StepKey:
         """The key of an eager step on exact shapes (a captured step buckets batch and length)."""
-        greedy, top_k_p = self.params.kind([s.slot for s in seqs])
+        greedy, truncated = self.params.kind([s.slot for s in seqs])
         return StepKey(batch=len(seqs), T=plan.width + 1, drafting=plan.drafting,
-                       length=max(s.num_tokens for s in seqs), greedy=greedy, top_k_p=top_k_p,
+                       length=max(s.num_tokens for s in seqs), greedy=greedy, truncated=truncated,
                        guided=any(self.guided.is_guided(s.slot) for s in seqs),
                        pick=plan.picker is not None and plan.drafting is Drafting.MODEL,
                        extras=any(self._needs_extras(s) for s in seqs))
@@ -227,7 +227,7 @@ class StepCore:
             B, T, V = logits.shape
             rows = slots.repeat_interleave(T)
             cnt = (counter[:, None] + self.arange[:T]).reshape(-1)
-            return sample(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.top_k_p)).view(B, T)
+            return sample(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.truncated)).view(B, T)
         return at_positions
 
     def tail(self, key: StepKey, logits: torch.Tensor, drafts: Optional[torch.Tensor]) -> None:
@@ -243,7 +243,7 @@ class StepCore:
         if ex is not None:
             ex.process(logits[:, 0], slots)
         if T == 1:
-            nxt = sample(logits[:, 0], self.params.batch(slots, counter, key.greedy, key.top_k_p))
+            nxt = sample(logits[:, 0], self.params.batch(slots, counter, key.greedy, key.truncated))
             accepted = torch.zeros_like(nxt)
         else:
             assert drafts is not None

@@ -70,8 +70,8 @@ class StepExtras:
             lg = logits[sel]
             n, T, V = lg.shape
             rows = slots[sel].repeat_interleave(T)
-            greedy, top_k_p = self.params.kind([self.seqs[b].slot for b in self.lp_idx])
-            lp = log_probs(lg.reshape(n * T, V), self.params.batch(rows, torch.zeros_like(rows), greedy, top_k_p))
+            greedy, truncated = self.params.kind([self.seqs[b].slot for b in self.lp_idx])
+            lp = log_probs(lg.reshape(n * T, V), self.params.batch(rows, torch.zeros_like(rows), greedy, truncated))
             lp = lp.view(n, T, V)
             tok = lp.gather(-1, emitted[sel].clamp_min(0)[..., None])[..., 0]
             N = max(self.seqs[b].params.top_logprobs for b in self.lp_idx)

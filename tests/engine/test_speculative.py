@@ -205,10 +205,12 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_with_any_drafts(ngram_en
     drafts (the served engine's cost-aware budget may decode a hot sample plainly throughout)."""
     engine = ngram_engine
     prompt = prompts(engine)[1][0]
-    accepted = 0
-    for seed in (11, 12, 13):
-        p = SamplingParams(max_tokens=64, temperature=1.3, seed=seed, ignore_eos=True)
+    accepted, plain = 0, {}
+    for seed, min_p in ((11, 0.0), (12, 0.0), (13, 0.0), (13, 0.05)):
+        p = SamplingParams(max_tokens=64, temperature=1.3, min_p=min_p, seed=seed, ignore_eos=True)
         runs = {k: run_alone(engine, Request(prompt=prompt, params=p, num_draft_tokens=k)) for k in (0, 1, 3)}
         accepted += runs[1][2].total_accepted_draft_tokens + runs[3][2].total_accepted_draft_tokens
-        assert runs[0][0] == runs[1][0] == runs[3][0], seed
+        assert runs[0][0] == runs[1][0] == runs[3][0], (seed, min_p)
+        plain.setdefault(seed, runs[0][0])
     assert accepted > 0
+    assert runs[0][0] != plain[13]  # min_p changed what seed 13 samples

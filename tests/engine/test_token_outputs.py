@@ -165,18 +165,22 @@ def test_logprobs_follow_penalties_and_min_tokens(eng, hf_model):
 
 
 @pytest.mark.parametrize("k", [0, K])
-@pytest.mark.parametrize("top_k", [0, 20])
-def test_sampled_logprobs_follow_the_sampling_distribution(eng, hf_model, k, top_k):
-    """temperature 0.7 (and top_k 20): the emitted token's log prob under softmax(logits / 0.7),
-    renormalized over the kept set; with drafts (K=4) the same (verification emits the target's own tokens)."""
+@pytest.mark.parametrize("top_k, min_p", [(0, 0.0), (20, 0.0), (0, 0.05)])
+def test_sampled_logprobs_follow_the_sampling_distribution(eng, hf_model, k, top_k, min_p):
+    """temperature 0.7 (and top_k 20, or min_p 0.05): the emitted token's log prob under
+    softmax(logits / 0.7), renormalized over the kept set; with drafts (K=4) the same (verification
+    emits the target's own tokens)."""
     ids = eng.tokenizer.encode(PROMPTS[3])
-    params = SamplingParams(max_tokens=24, temperature=0.7, top_k=top_k, seed=7, ignore_eos=True,
+    params = SamplingParams(max_tokens=24, temperature=0.7, top_k=top_k, min_p=min_p, seed=7, ignore_eos=True,
                             return_log_probs=True)
     toks, lps, _, _, final = joined(collect(eng, [Request(prompt_ids=ids, params=params, num_draft_tokens=k)])[0])
     logits = reference_logits(hf_model, ids, toks) / 0.7
     if top_k:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p:
+        p = logits.softmax(-1)
+        logits = logits.masked_fill(p < min_p * p.max(dim=-1, keepdim=True).values, float("-inf"))
     want = logits.log_softmax(-1)[torch.arange(len(toks)), torch.tensor(toks)]
     assert torch.isfinite(want).all()
     assert torch.allclose(torch.tensor(lps), want, atol=2e-3), (lps, want.tolist())

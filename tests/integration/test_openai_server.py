@@ -146,6 +146,10 @@ def test_n_and_seeds(client):
     a, b = chat(client, seed=5, n=2, **kw), chat(client, seed=5, n=2, **kw)
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]  # reproducible
+    # vLLM's min_p: 1 keeps only the likeliest token, so temperature 1 answers as greedy does
+    kw["max_tokens"] = 16
+    greedy = chat(client, **{**kw, "temperature": 0}).choices[0].message.content
+    assert [c.message.content for c in chat(client, seed=5, n=2, extra_body={"min_p": 1.0}, **kw).choices] == [greedy] * 2
 
 
 def test_stop_strings_are_cut(client):

@@ -146,10 +146,13 @@ def test_validation_errors_name_the_field():
 
 
 def test_sampling_fields_map_to_the_models_inputs():
-    req = chat_req(temperature=0.5, top_p=0.9, seed=-1, stop="END", n=2, presence_penalty=1.0, num_draft_tokens=0)
+    req = chat_req(temperature=0.5, top_p=0.9, min_p=0.05, seed=-1, stop="END", n=2, presence_penalty=1.0,
+                   num_draft_tokens=0)
     t = sampling.build(req, "prompt", None, 10, 100, 3, sampling.Limits(2048))
-    assert t.sampling == {"max_tokens": 10, "temperature": 0.5, "top_p": 0.9, "presence_penalty": 1.0,
+    assert t.sampling == {"max_tokens": 10, "temperature": 0.5, "top_p": 0.9, "min_p": 0.05, "presence_penalty": 1.0,
                           "seed": 2**64 - 1, "stop": ["END"], "logprobs": 3}
+    with pytest.raises(ValidationError):
+        chat_req(min_p=1.5)
     assert (t.n, t.num_draft_tokens, t.logprobs) == (2, 0, True)
     msg = build_request(t, "r1")
     assert {i.name for i in msg.inputs} >= {"text_input", "sampling_parameters", "num_return_sequences",

@@ -8,13 +8,13 @@ import torch
 from specguide.sampling import SamplingBatch, filter_logits, sample, uniform
 
 
-def batch(B, temperature=1.0, top_k=0, top_p=1.0, greedy=False, seed=0, counter=None):
+def batch(B, temperature=1.0, top_k=0, top_p=1.0, greedy=False, seed=0, counter=None, min_p=0.0):
     return SamplingBatch(
         temperature=torch.full((B,), float(temperature)), top_k=torch.full((B,), top_k, dtype=torch.int64),
-        top_p=torch.full((B,), float(top_p)), greedy=torch.full((B,), greedy),
+        top_p=torch.full((B,), float(top_p)), min_p=torch.full((B,), float(min_p)), greedy=torch.full((B,), greedy),
         seed=torch.full((B,), seed, dtype=torch.int64),
         counter=torch.arange(B) if counter is None else counter,
-        all_greedy=greedy, any_top_k_p=top_k > 1 or top_p < 1.0)
+        all_greedy=greedy, any_truncation=top_k > 1 or top_p < 1.0 or min_p > 0.0)
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -67,6 +67,34 @@ def test_top_k_and_top_p_restrict_the_support():
     expected[:3] = p[:3] / p[:3].sum()
     assert chi_square(torch.bincount(toks, minlength=6).double(), expected) < 13.8  # 2 dof
     assert torch.allclose(filter_logits(logits[None], batch(1, top_p=top_p)).softmax(-1)[0].double(), expected, atol=1e-6)
+
+
+def test_min_p_keeps_tokens_within_its_share_of_the_likeliest():
+    """min_p 0.3 at temperature 0.5: tokens whose probability (after temperature) is at least 0.3 x
+    the top one's, renormalized; then top-p over what min-p kept (vLLM's order)."""
+    logits = torch.tensor([2.0, 1.6, 1.5, 1.0, 0.0, -3.0])
+    p = torch.softmax(logits / 0.5, -1)
+    keep = p >= 0.3 * p.max()
+    assert keep.tolist() == [True, True, True, False, False, False]
+    expected = torch.where(keep, p, 0).double()
+    expected /= expected.sum()
+    N = 20000
+    toks = sample(logits.expand(N, -1).contiguous(), batch(N, temperature=0.5, min_p=0.3, seed=4))
+    assert set(toks.tolist()) == {0, 1, 2}
+    assert chi_square(torch.bincount(toks, minlength=6).double(), expected) < 13.8  # 2 dof
+    got = filter_logits(logits[None], batch(1, temperature=0.5, min_p=0.3)).softmax(-1)[0].double()
+    assert torch.allclose(got, expected, atol=1e-6)
+    # min_p 1: the likeliest token alone
+    assert torch.equal(filter_logits(logits[None], batch(1, min_p=1.0)).isfinite()[0], torch.arange(6) == 0)
+    # then top-p over the mass min-p kept: the first two hold 0.797 of it (0.735 of the whole), so
+    # top_p 0.76 keeps two tokens (top-p before min-p would keep three)
+    assert float(expected[:2].sum()) > 0.76 > float(p[:2].sum())
+    assert filter_logits(logits[None], batch(1, temperature=0.5, min_p=0.3, top_p=0.76)).isfinite()[0].tolist() == \
+        [True, True, False, False, False, False]
+    # a row whose grammar allows one token keeps it, whatever min_p is
+    masked = torch.full((1, 6), float("-inf"))
+    masked[0, 4] = -7.0
+    assert sample(masked, batch(1, min_p=0.9)).tolist() == [4]
 
 
 def test_greedy_rows_take_argmax_in_a_mixed_batch():

@@ -207,6 +207,12 @@ def test_vllm_sampling_parameters_with_string_values_and_vllm_defaults():
         "max_tokens": "8", "temperature": 0, "stop": "x", "stop_token_ids": [1, 2], "ignore_eos": True,
         "seed": 3, "n": 1, "frequency_penalty": 0.0, "lora_name": None}))}).request.params
     assert (sp.max_tokens, sp.temperature, sp.stop, sp.stop_token_ids, sp.ignore_eos, sp.seed) == (8, 0.0, ["x"], [1, 2], True, 3)
+    sp = one({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"min_p": "0.05"}))}).request.params
+    assert sp.min_p == 0.05 and not sp.greedy
+    for bad in (1.5, -0.1):
+        with pytest.raises(InvalidRequestError, match="min_p must be in") as e:
+            parse({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"min_p": bad}))})
+        assert io.error_code(e.value) == "INVALID_ARG"
 
 
 def test_penalties_map_from_tensors_and_vllm_json():

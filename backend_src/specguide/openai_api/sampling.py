@@ -23,7 +23,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "store": ((None, False), "completions are not stored"),
     "metadata": ((None, {}), "metadata only goes with store, which is not supported"),
-    "min_p": ((None, 0, 0.0), "min_p sampling is not implemented by the engine"),
     "use_beam_search": ((None, False), "beam search is not implemented"),
     "include_stop_str_in_output": ((None, False), "stop strings are always cut from the output (OpenAI's rule)"),
     "prompt_logprobs": ((None,), "prompt log probs are not computed"),
@@ -69,7 +68,7 @@ def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: str, gui
     """The TritonRequest for one prompt of `req` (n sequences)."""
     check_refused(req)
     sp: dict[str, Any] = {"max_tokens": max_tokens or min(default_max_tokens, limits.max_tokens_limit)}
-    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_tokens",
+    for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "top_k", "min_tokens",
                 "repetition_penalty", "ignore_eos"):
         value = getattr(req, key)
         if value is not None:

@@ -150,6 +150,7 @@ class _Sampling(_Strict):
     user: Optional[str] = None  # accepted: only logged by OpenAI; nothing here keys on it
     # vLLM extras (the engine has them)
     top_k: Optional[int] = Field(default=None, ge=-1)
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)
     min_tokens: Optional[int] = Field(default=None, ge=0)
     repetition_penalty: Optional[float] = Field(default=None, gt=0)
     ignore_eos: Optional[bool] = None
@@ -168,7 +169,6 @@ class _Sampling(_Strict):
     service_tier: Optional[str] = None
     store: Optional[bool] = None
     metadata: Optional[dict[str, Any]] = None
-    min_p: Optional[float] = None
     use_beam_search: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
     prompt_logprobs: Optional[int] = None

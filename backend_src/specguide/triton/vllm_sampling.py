@@ -16,10 +16,10 @@ PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 # vLLM SamplingParams fields we accept only at their neutral value, and fields we ignore.
 _VLLM_NEUTRAL = {
     "n": 1, "best_of": 1, "prompt_logprobs": 0, "use_beam_search": False, "length_penalty": 1.0,
-    "min_p": 0.0, "include_stop_str_in_output": False,
+    "include_stop_str_in_output": False,
 }
 _VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
-_VLLM_FLOATS = ("temperature", "top_p") + PENALTIES
+_VLLM_FLOATS = ("temperature", "top_p", "min_p") + PENALTIES
 # accepted and without effect here: output formatting vLLM does its own way, and the LoRA name
 # (null only), the structured-output backend options (read by guided.params)
 _VLLM_IGNORED = ("detokenize", "skip_special_tokens", "spaces_between_special_tokens", "output_kind",
