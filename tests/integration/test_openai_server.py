@@ -141,6 +141,30 @@ def test_completions_prompts_n_echo_and_logprobs(client):
     assert "".join(ch.choices[0].text for ch in s) == e.choices[0].text
 
 
+def test_token_id_prompts(client):
+    """`prompt` as token ids (one list, or a list of lists: what lm-eval's local-completions sends)
+    answers as the same text does; echo needs text; ids outside the vocabulary are the model's 400."""
+    from specguide.paths import cache_dir
+    from specguide.tokenizer import TokenizerFile
+
+    tok = TokenizerFile(cache_dir() / "models" / "smollm2-135m-instruct")
+    kw = dict(model=MODEL, max_tokens=6, temperature=0)
+    want = [client.completions.create(prompt=p, **kw) for p in ("The capital of France is", "1, 2, 3,")]
+    ids = [tok.encode(p) for p in ("The capital of France is", "1, 2, 3,")]
+    one = client.completions.create(prompt=ids[0], **kw)
+    assert one.choices[0].text == want[0].choices[0].text
+    assert one.usage.prompt_tokens == want[0].usage.prompt_tokens == len(ids[0])
+    both = client.completions.create(prompt=ids, **kw)
+    assert [c.text for c in both.choices] == [w.choices[0].text for w in want]
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(prompt=ids[1], stream=True, **kw))
+    assert streamed == want[1].choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt=ids[0], echo=True, **kw)
+    assert e.value.body["param"] == "echo"
+    with pytest.raises(openai.BadRequestError, match="out of range"):
+        client.completions.create(prompt=[1, 10**8], **kw)
+
+
 def test_n_and_seeds(client):
     kw = dict(messages=[{"role": "user", "content": "Write a word."}], temperature=1.0, max_tokens=8)
     a, b = chat(client, seed=5, n=2, **kw), chat(client, seed=5, n=2, **kw)

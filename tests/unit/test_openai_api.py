@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -274,3 +275,24 @@ def test_a_stream_sends_each_deltas_events_in_one_write(tmp_path):
     got = [events(w) for w in asyncio.run(writes(handlers.complete, req))]
     assert [[e["choices"][0]["text"] for e in w] for w in got[:3]] == [["Say", "Hel"], ["lo"], ["!", ""]]
     assert got[3] == ["data: [DONE]"] and len(got) == 4
+
+
+def test_token_id_prompts_go_to_the_model_as_input_ids():
+    from specguide.openai_api.handlers import _prompts
+
+    assert _prompts("hi") == ["hi"] and _prompts(["a", "b"]) == ["a", "b"]
+    assert _prompts(CompletionRequest(model="m", prompt=[1, 2, 3]).prompt) == [[1, 2, 3]]  # one prompt, as OpenAI's
+    assert _prompts(CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompt) == [[1, 2], [3]]
+    for bad in ([], [[]], [""], [[1, -2]], [[2**31]]):
+        with pytest.raises(ApiError) as e:
+            _prompts(bad)
+        assert e.value.status == 400 and e.value.param == "prompt"
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt=[1, "a"])
+    t = sampling.build(CompletionRequest(model="m", prompt=[5, 6]), [5, 6], None, None, 16, None, sampling.Limits())
+    msg = build_request(t, "r1")
+    names = [i.name for i in msg.inputs]
+    assert "text_input" not in names
+    tensor = msg.inputs[names.index("input_ids")]
+    assert (tensor.datatype, list(tensor.shape)) == ("INT32", [1, 2])
+    assert msg.raw_input_contents[names.index("input_ids")] == np.array([5, 6], np.int32).tobytes()

@@ -179,9 +179,9 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
 
 async def complete(ctx: Context, req: CompletionRequest) -> Answer:
     include_usage = _check_stream_options(req)
-    prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-    if not prompts or any(not p for p in prompts):
-        raise bad_request("prompt must be a non-empty string or a list of them", "prompt")
+    prompts = _prompts(req.prompt)
+    if req.echo and any(isinstance(p, list) for p in prompts):
+        raise unsupported("echo", "echo needs text prompts: token-id prompts are not turned back into text here")
     if req.echo and req.logprobs is not None:
         raise unsupported("echo", "echo with logprobs needs the prompt's log probs, which are not computed")
     guide = guides.resolve(req)
@@ -190,10 +190,21 @@ async def complete(ctx: Context, req: CompletionRequest) -> Answer:
     it = await _primed(merge([ctx.client.generate(t) for t in treqs]))
     head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
     n = treqs[0].n
-    echo = [p if req.echo else "" for p in prompts]
+    echo = [p if req.echo else "" for p in prompts]  # text prompts (echo refuses token ids)
     if req.stream:
         return _guarded(_complete_stream(it, head, n, echo, req.logprobs, include_usage))
     return await _complete_whole(it, head, n, echo, req.logprobs)
+
+
+def _prompts(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list[Union[str, list[int]]]:
+    """The request's prompts: strings, or token-id lists (one list of ints is one prompt, as OpenAI's)."""
+    prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+    if not prompts or any(not p for p in prompts):
+        raise bad_request("prompt must be a non-empty string, a non-empty list of token ids, or a list of either",
+                          "prompt")
+    if any(isinstance(p, list) and not all(0 <= t < 2**31 for t in p) for p in prompts):
+        raise bad_request("token ids in prompt must be in [0, 2^31)", "prompt")
+    return prompts
 
 
 async def _complete_whole(it, head: dict, n: int, echo: list[str], top: Optional[int]) -> dict[str, Any]:

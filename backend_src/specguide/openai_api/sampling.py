@@ -62,7 +62,7 @@ def _stops(stop: Union[str, list[str], None]) -> Optional[list[str]]:
     return [s for s in stops if s] or None
 
 
-def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: str, guide: Optional[Guide],
+def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: Union[str, list[int]], guide: Optional[Guide],
           max_tokens: Optional[int], default_max_tokens: int, top_logprobs: Optional[int],
           limits: Limits) -> TritonRequest:
     """The TritonRequest for one prompt of `req` (n sequences)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Union
 
 import numpy as np
 from grpclib.client import Channel, Stream, UnaryUnaryMethod
@@ -39,7 +39,7 @@ _DOWN = (OSError, StreamTerminatedError)  # no connection, or it broke: Triton i
 class TritonRequest:
     """What one OpenAI prompt becomes: the prompt text and the `specguide` inputs."""
 
-    prompt: str
+    prompt: Union[str, list[int]]  # text, or token ids (the `input_ids` input)
     sampling: dict[str, Any]  # the vLLM `sampling_parameters` JSON (sampling, stop, guide, logprobs)
     stream: bool = True
     n: int = 1  # num_return_sequences
@@ -75,8 +75,10 @@ _WANTED = ("text_output", "finish_reason", "sequence_index", "num_input_tokens",
 
 def build_request(req: TritonRequest, request_id: str, model: str = MODEL) -> Any:
     """The ModelInferRequest protobuf for one TritonRequest ([1, 1] tensors)."""
+    prompt = ("input_ids", req.prompt, np.int32, "INT32") if isinstance(req.prompt, list) else \
+        ("text_input", req.prompt, np.object_, "BYTES")
     inputs = [
-        ("text_input", req.prompt, np.object_, "BYTES"),
+        prompt,
         ("stream", req.stream, np.bool_, "BOOL"),
         ("exclude_input_in_output", True, np.bool_, "BOOL"),
         ("sampling_parameters", json.dumps(req.sampling), np.object_, "BYTES"),
