@@ -74,6 +74,9 @@ starts, then collects, their grammar compiles."""
                                       f"(the configured maximum), got {k}")
         if p.end_id is not None and not 0 <= p.end_id < vocab:
             raise InvalidRequestError(f"end_id {p.end_id} is outside the vocabulary")
+        bad = [t for t in p.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}")
         if any(not 0 <= t < vocab for word in p.stop_token_seqs for t in word):
             raise InvalidRequestError(f"stop token sequences hold ids outside [0, {vocab})")
         timeout = request.timeout_s if request.timeout_s is not None else cfg.request_timeout_s

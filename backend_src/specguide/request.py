@@ -9,6 +9,7 @@ import numpy as np
 
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (a static [slots, 300] table on the device)
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # temperatures in [1e-5, 1e-2) are raised to this (vLLM's _MAX_TEMP): finite logits
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)  # logits / 0.01 stay finite in fp32; vLLM only asks > 0
@@ -59,6 +60,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output (HF/TRT-LLM)
     presence_penalty: float = 0.0  # subtracted once from tokens already in the output (OpenAI/vLLM)
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    # added to the logits of these token ids at every position (OpenAI / vLLM `logit_bias`), before
+    # the grammar mask and temperature; -100 in effect bans a token, +100 all but forces it
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # TRT-LLM stop words: the output ends (finish_reason "stop") once it ends with one of these
     # token sequences (matched in the output only, from min_tokens on); the tokens stay in the output
     stop_token_seqs: list[list[int]] = field(default_factory=list)
@@ -118,6 +122,11 @@ class SamplingParams:
             v = getattr(self, name)
             if not (-2.0 <= v <= 2.0):
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {v}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        bad = [v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0]
+        if bad:
+            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bad[0]}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop words must be non-empty strings")
         if any(not seq for seq in self.bad_words_ids):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .request import MAX_LOGIT_BIAS
 from .sampling import SamplingBatch
 from .scheduler import Sequence
 
@@ -26,6 +27,10 @@ class SlotSampling:
         self.counts = torch.zeros(S, V, dtype=torch.int32, device=device)
         self.seen = torch.zeros(S, V, dtype=torch.bool, device=device)
         self.penalized: set[int] = set()  # slots whose requests use a penalty
+        # logit bias: [slots, MAX_LOGIT_BIAS] token ids and values (unused entries: token 0, +0.0)
+        self.bias_ids = torch.zeros(S, MAX_LOGIT_BIAS, dtype=torch.int64, device=device)
+        self.bias_vals = torch.zeros(S, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
+        self.biased: set[int] = set()  # slots whose requests have a logit_bias
         self.flags: dict[int, tuple[bool, bool]] = {}  # slot -> (greedy, uses top-k/top-p/min-p)
 
     def admit(self, slot: int, seq: Sequence) -> None:
@@ -42,6 +47,12 @@ class SlotSampling:
         self.presence[slot] = p.presence_penalty
         self.frequency[slot] = p.frequency_penalty
         self.penalized.discard(slot)
+        self._clear_bias(slot)
+        if p.logit_bias:
+            n = len(p.logit_bias)
+            self.bias_ids[slot, :n] = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+            self.bias_vals[slot, :n] = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+            self.biased.add(slot)
         if p.penalized:
             self.penalized.add(slot)
             self.counts[slot].zero_()
@@ -50,7 +61,15 @@ class SlotSampling:
 
     def free(self, slot: int) -> None:
         self.penalized.discard(slot)
+        self._clear_bias(slot)
         self.flags.pop(slot, None)
+
+    def _clear_bias(self, slot: int) -> None:
+        # NOTE: a step with any biased row adds every row's table: an unbiased slot's must be zeros
+        if slot in self.biased:
+            self.bias_ids[slot].zero_()
+            self.bias_vals[slot].zero_()
+            self.biased.discard(slot)
 
     def kind(self, slots: list[int]) -> tuple[bool, bool]:
         """(every row greedy, a sampled row uses top-k / top-p / min-p): host facts of a batch."""
@@ -72,6 +91,12 @@ class SlotSampling:
         scaled = torch.where(logits > 0, logits / rp, logits * rp)
         logits = torch.where(self.seen[slots], scaled, logits)
         return logits - counts * self.frequency[slots][:, None] - (counts > 0).float() * self.presence[slots][:, None]
+
+    def add_bias(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        """logits [B, T, V] += each row's slot's logit bias at every position, in place (capturable)."""
+        B, T, _ = logits.shape
+        ids, vals = self.bias_ids[slots][:, None, :], self.bias_vals[slots][:, None, :]  # [B, 1, M]
+        logits.scatter_add_(-1, ids.expand(B, T, -1), vals.expand(B, T, -1))
 
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record emitted tokens [B] of slots [B] for the penalties."""

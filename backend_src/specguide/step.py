@@ -61,6 +61,7 @@ class StepKey:
     pick: bool = False  # hybrid: device-side select among proposals
     captured: bool = False  # padded static shapes, asynchronous copies (CUDA graphs and their CPU dry run)
     extras: bool = False  # eager-only per-token work (StepExtras)
+    biased: bool = False  # a row has a logit_bias
 
 
 @dataclass
@@ -100,7 +101,8 @@ class StepCore:
                        length=max(s.num_tokens for s in seqs), greedy=greedy, truncated=truncated,
                        guided=any(self.guided.is_guided(s.slot) for s in seqs),
                        pick=plan.picker is not None and plan.drafting is Drafting.MODEL,
-                       extras=any(self._needs_extras(s) for s in seqs))
+                       extras=any(self._needs_extras(s) for s in seqs),
+                       biased=any(s.slot in self.params.biased for s in seqs))
 
     def _needs_extras(self, s: Sequence) -> bool:
         p = s.params
@@ -238,6 +240,8 @@ class StepCore:
         slots, counter, num = self.inp.slot[:B], self.inp.counter[:B], self.inp.num[:B]
         if ex is not None:
             ex.before(logits)
+        if key.biased:
+            self.params.add_bias(logits, slots)
         if key.guided:
             g.apply_rows(logits.view(B * T, V), (slots[:, None] * self.R + self.arange[:T]).reshape(-1))
         if ex is not None:

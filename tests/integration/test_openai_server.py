@@ -163,6 +163,10 @@ def test_token_id_prompts(client):
     assert e.value.body["param"] == "echo"
     with pytest.raises(openai.BadRequestError, match="out of range"):
         client.completions.create(prompt=[1, 10**8], **kw)
+    # logit_bias by token id: +100 all but forces a token at every position
+    zebra = tok.encode(" zebra")[0]
+    r = chat(client, max_tokens=4, logit_bias={str(zebra): 100})
+    assert r.choices[0].message.content == " zebra" * 4
 
 
 def test_n_and_seeds(client):
@@ -317,7 +321,8 @@ def test_tool_choice_auto_and_none(client):
     ({"messages": ASK, "temperature": 5}, "temperature"),
     ({"messages": ASK, "max_tokens": 10**6}, "max_tokens"),
     ({"messages": ASK, "n": 0}, "n"),
-    ({"messages": ASK, "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"messages": ASK, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": ASK, "logit_bias": {"five": 1}}, "logit_bias"),
     ({"messages": ASK, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
     ({"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},

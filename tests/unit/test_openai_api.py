@@ -154,6 +154,12 @@ def test_sampling_fields_map_to_the_models_inputs():
                           "seed": 2**64 - 1, "stop": ["END"], "logprobs": 3}
     with pytest.raises(ValidationError):
         chat_req(min_p=1.5)
+    biased = sampling.build(chat_req(logit_bias={"42": -100}), "p", None, 4, 100, None, sampling.Limits())
+    assert biased.sampling["logit_bias"] == {"42": -100}
+    for bad in ({"42": 101}, {"x": 1}):
+        with pytest.raises(ApiError) as e:
+            sampling.build(chat_req(logit_bias=bad), "p", None, 4, 100, None, sampling.Limits())
+        assert e.value.status == 400 and e.value.param == "logit_bias"
     assert (t.n, t.num_draft_tokens, t.logprobs) == (2, 0, True)
     msg = build_request(t, "r1")
     assert {i.name for i in msg.inputs} >= {"text_input", "sampling_parameters", "num_return_sequences",

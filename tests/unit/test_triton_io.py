@@ -207,11 +207,14 @@ def test_vllm_sampling_parameters_with_string_values_and_vllm_defaults():
         "max_tokens": "8", "temperature": 0, "stop": "x", "stop_token_ids": [1, 2], "ignore_eos": True,
         "seed": 3, "n": 1, "frequency_penalty": 0.0, "lora_name": None}))}).request.params
     assert (sp.max_tokens, sp.temperature, sp.stop, sp.stop_token_ids, sp.ignore_eos, sp.seed) == (8, 0.0, ["x"], [1, 2], True, 3)
-    sp = one({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"min_p": "0.05"}))}).request.params
+    sp = one({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"min_p": "0.05", "logit_bias": {"7": -100}}))}).request.params
+    assert sp.logit_bias == {7: -100.0}
     assert sp.min_p == 0.05 and not sp.greedy
-    for bad in (1.5, -0.1):
-        with pytest.raises(InvalidRequestError, match="min_p must be in") as e:
-            parse({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"min_p": bad}))})
+    for bad, message in ((dict(min_p=1.5), "min_p must be in"), (dict(min_p=-0.1), "min_p must be in"),
+                         (dict(logit_bias={"x": 1}), "logit_bias keys"), (dict(logit_bias={"1": 500}), "logit_bias values"),
+                         (dict(logit_bias=[1]), "logit_bias must be")):
+        with pytest.raises(InvalidRequestError, match=message) as e:
+            parse({"text_input": s("Hi"), "sampling_parameters": s(json.dumps(bad))})
         assert io.error_code(e.value) == "INVALID_ARG"
 
 

@@ -18,7 +18,6 @@ from .triton_client import TritonRequest
 
 # field -> (values accepted as "not asked for", why anything else is refused)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": ((None, {}), "per-token logit biases are not implemented by the engine"),
     "best_of": ((None, 1), "one sequence is generated per choice (no best-of search)"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "store": ((None, False), "completions are not stored"),
@@ -75,6 +74,8 @@ def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: Union[st
             sp[key] = value
     if req.seed is not None:
         sp["seed"] = req.seed % 2**64  # OpenAI's seed is a signed 64-bit integer
+    if req.logit_bias:
+        sp["logit_bias"] = req.logit_bias
     stops = _stops(req.stop)
     if stops:
         sp["stop"] = stops

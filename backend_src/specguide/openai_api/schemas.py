@@ -138,7 +138,7 @@ class _Sampling(_Strict):
     model: str
     frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
     presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
-    logit_bias: Optional[dict[str, float]] = None  # refused unless empty
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
     max_tokens: Optional[int] = Field(default=None, ge=1)
     n: Optional[int] = Field(default=None, ge=1, le=16)
     seed: Optional[int] = Field(default=None, ge=-(2**63), lt=2**64)

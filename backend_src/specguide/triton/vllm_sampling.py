@@ -26,7 +26,24 @@ _VLLM_IGNORED = ("detokenize", "skip_special_tokens", "spaces_between_special_to
                  "truncate_prompt_tokens", "lora_name", "logprobs", "structured_outputs", "guided_decoding",
                  "max_completion_tokens", "stop", "stop_token_ids", "ignore_eos", "bad_words", "early_stopping",
                  "extra_args")
-VLLM_SAMPLING_KEYS = frozenset(_VLLM_INTS + _VLLM_FLOATS + tuple(_VLLM_NEUTRAL) + _VLLM_IGNORED)
+VLLM_SAMPLING_KEYS = frozenset(_VLLM_INTS + _VLLM_FLOATS + tuple(_VLLM_NEUTRAL) + _VLLM_IGNORED + ("logit_bias",))
+
+
+def logit_bias(value: Any) -> dict[int, float]:
+    """vLLM's / OpenAI's `logit_bias`: {token id (an integer, or its decimal string as JSON keys are): bias}."""
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"logit_bias must be an object of token id: bias, got {json_type(value)}")
+    out = {}
+    for k, v in value.items():
+        try:
+            token = int(k)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers), got {k!r}") from None
+        bias = as_float(v, "logit_bias")
+        if bias is None:
+            raise InvalidRequestError(f"logit_bias values must be numbers, got null for {k!r}")
+        out[token] = bias
+    return out
 
 
 def sampling_from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
@@ -68,6 +85,8 @@ def sampling_from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
     if d.get("bad_words") is not None:
         words = [d["bad_words"]] if isinstance(d["bad_words"], str) else as_list(d["bad_words"], "bad_words")
         sp.bad_words_ids = encode_words([as_str(w, "each bad_words entry") for w in words], tokenizer)
+    if d.get("logit_bias") is not None:
+        sp.logit_bias = logit_bias(d["logit_bias"])
     if d.get("lora_name") is not None:
         raise UnsupportedError(f"lora_name={d['lora_name']!r} is not supported (no LoRA adapters are loaded)")
     for key, neutral in _VLLM_NEUTRAL.items():
