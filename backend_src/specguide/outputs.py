@@ -91,16 +91,19 @@ class OutputProcessor:
 
     def _cut_stop_string(self, seq: Sequence, final: bool) -> bool:
         """Move pending text to emitted text, holding back a possible stop-string prefix.
-        Returns True when a stop string was found (the text is cut right before it)."""
+        Returns True when a stop string was found (the text is cut right before it, or right after
+        it with include_stop_str_in_output)."""
         out = seq.out
         if final:
             out.pending_text += out.detok.finish()
         stops = seq.params.stop
         if stops:
-            hits = [i for i in (out.pending_text.find(s) for s in stops) if i >= 0]
+            hits = [(i, -len(s)) for i, s in ((out.pending_text.find(s), s) for s in stops) if i >= 0]
             if hits:
-                out.delta += out.pending_text[: min(hits)]
-                out.text += out.pending_text[: min(hits)]
+                start, neg = min(hits)  # the first stop string (the longer one where two start together)
+                end = start - neg if seq.params.include_stop_str_in_output else start
+                out.delta += out.pending_text[:end]
+                out.text += out.pending_text[:end]
                 out.pending_text = ""
                 return True
             keep = 0 if final else max(len(s) for s in stops) - 1

@@ -53,6 +53,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0.0 = off: tokens below min_p x the likeliest token's probability are dropped (vLLM)
     seed: Optional[int] = None  # None = a random seed drawn at submit
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
+    include_stop_str_in_output: bool = False  # vLLM: the text ends after the stop string instead of before it
     stop_token_ids: list[int] = field(default_factory=list)
     end_id: Optional[int] = None  # None = the tokenizer's EOS tokens
     ignore_eos: bool = False

@@ -165,6 +165,10 @@ def test_stop_word_cuts_text_exactly(engine):
     assert final.finish_reason == "stop"
     assert text == full[:idx]
     assert len(toks) < 20
+    # vLLM's include_stop_str_in_output: the text ends right after the stop string
+    toks2, text2, final2 = run_alone(engine, Request(prompt=PROMPTS[0], params=greedy(
+        20, ignore_eos=True, stop=[word, "zzzz-never"], include_stop_str_in_output=True)))
+    assert (text2, toks2, final2.finish_reason) == (full[:idx + len(word)], toks, "stop")
 
 
 def test_eos_and_end_id_stop(engine):

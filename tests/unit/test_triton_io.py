@@ -208,8 +208,9 @@ def test_vllm_sampling_parameters_with_string_values_and_vllm_defaults():
         "seed": 3, "n": 1, "frequency_penalty": 0.0, "lora_name": None}))}).request.params
     assert (sp.max_tokens, sp.temperature, sp.stop, sp.stop_token_ids, sp.ignore_eos, sp.seed) == (8, 0.0, ["x"], [1, 2], True, 3)
     sp = one({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"min_p": "0.05", "logit_bias": {"7": -100}}))}).request.params
-    assert sp.logit_bias == {7: -100.0}
-    assert sp.min_p == 0.05 and not sp.greedy
+    assert sp.logit_bias == {7: -100.0} and sp.min_p == 0.05 and not sp.greedy and not sp.include_stop_str_in_output
+    sp = one({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"include_stop_str_in_output": "true"}))}).request.params
+    assert sp.include_stop_str_in_output
     for bad, message in ((dict(min_p=1.5), "min_p must be in"), (dict(min_p=-0.1), "min_p must be in"),
                          (dict(logit_bias={"x": 1}), "logit_bias keys"), (dict(logit_bias={"1": 500}), "logit_bias values"),
                          (dict(logit_bias=[1]), "logit_bias must be")):

@@ -23,7 +23,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "store": ((None, False), "completions are not stored"),
     "metadata": ((None, {}), "metadata only goes with store, which is not supported"),
     "use_beam_search": ((None, False), "beam search is not implemented"),
-    "include_stop_str_in_output": ((None, False), "stop strings are always cut from the output (OpenAI's rule)"),
     "prompt_logprobs": ((None,), "prompt log probs are not computed"),
     "functions": ((None,), "the deprecated functions API; use tools"),
     "function_call": ((None,), "the deprecated functions API; use tool_choice"),
@@ -68,7 +67,7 @@ def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: Union[st
     check_refused(req)
     sp: dict[str, Any] = {"max_tokens": max_tokens or min(default_max_tokens, limits.max_tokens_limit)}
     for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "top_k", "min_tokens",
-                "repetition_penalty", "ignore_eos"):
+                "repetition_penalty", "ignore_eos", "include_stop_str_in_output"):
         value = getattr(req, key)
         if value is not None:
             sp[key] = value

@@ -16,7 +16,6 @@ PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 # vLLM SamplingParams fields we accept only at their neutral value, and fields we ignore.
 _VLLM_NEUTRAL = {
     "n": 1, "best_of": 1, "prompt_logprobs": 0, "use_beam_search": False, "length_penalty": 1.0,
-    "include_stop_str_in_output": False,
 }
 _VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
 _VLLM_FLOATS = ("temperature", "top_p", "min_p") + PENALTIES
@@ -26,7 +25,8 @@ _VLLM_IGNORED = ("detokenize", "skip_special_tokens", "spaces_between_special_to
                  "truncate_prompt_tokens", "lora_name", "logprobs", "structured_outputs", "guided_decoding",
                  "max_completion_tokens", "stop", "stop_token_ids", "ignore_eos", "bad_words", "early_stopping",
                  "extra_args")
-VLLM_SAMPLING_KEYS = frozenset(_VLLM_INTS + _VLLM_FLOATS + tuple(_VLLM_NEUTRAL) + _VLLM_IGNORED + ("logit_bias",))
+VLLM_SAMPLING_KEYS = frozenset(_VLLM_INTS + _VLLM_FLOATS + tuple(_VLLM_NEUTRAL) + _VLLM_IGNORED
+                               + ("logit_bias", "include_stop_str_in_output"))
 
 
 def logit_bias(value: Any) -> dict[int, float]:
@@ -82,6 +82,8 @@ def sampling_from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
         sp.stop_token_ids = ids
     if d.get("ignore_eos") is not None:
         sp.ignore_eos = bool(as_bool(d["ignore_eos"], "ignore_eos"))
+    if d.get("include_stop_str_in_output") is not None:
+        sp.include_stop_str_in_output = bool(as_bool(d["include_stop_str_in_output"], "include_stop_str_in_output"))
     if d.get("bad_words") is not None:
         words = [d["bad_words"]] if isinstance(d["bad_words"], str) else as_list(d["bad_words"], "bad_words")
         sp.bad_words_ids = encode_words([as_str(w, "each bad_words entry") for w in words], tokenizer)
