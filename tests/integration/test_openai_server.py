@@ -169,6 +169,26 @@ def test_token_id_prompts(client):
     assert r.choices[0].message.content == " zebra" * 4
 
 
+def test_vllm_extras_stop_token_ids_bad_words_and_continuous_usage(client):
+    from specguide.paths import cache_dir
+    from specguide.tokenizer import TokenizerFile
+
+    tok = TokenizerFile(cache_dir() / "models" / "smollm2-135m-instruct")
+    kw = dict(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0)
+    base = client.completions.create(**kw).choices[0]
+    comma = tok.encode(",")[0]
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [comma]}).choices[0]
+    # vLLM's rule: a stop token that is not a special token stays in the text
+    assert r.finish_reason == "stop" and r.text == base.text[:base.text.index(",") + 1]
+    word = base.text.split(",")[1]  # " 6": the answer writes it; banned, it does not
+    r = client.completions.create(**kw, extra_body={"bad_words": [word]}).choices[0]
+    assert word + "," not in r.text and r.text != base.text
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert counts == sorted(counts) and counts[-1] == 10 and all(ch.usage is not None for ch in chunks)
+
+
 def test_n_and_seeds(client):
     kw = dict(messages=[{"role": "user", "content": "Write a word."}], temperature=1.0, max_tokens=8)
     a, b = chat(client, seed=5, n=2, **kw), chat(client, seed=5, n=2, **kw)

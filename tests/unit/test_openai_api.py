@@ -154,8 +154,10 @@ def test_sampling_fields_map_to_the_models_inputs():
                           "seed": 2**64 - 1, "stop": ["END"], "logprobs": 3}
     with pytest.raises(ValidationError):
         chat_req(min_p=1.5)
-    biased = sampling.build(chat_req(logit_bias={"42": -100}), "p", None, 4, 100, None, sampling.Limits())
-    assert biased.sampling["logit_bias"] == {"42": -100}
+    biased = sampling.build(chat_req(logit_bias={"42": -100}, stop_token_ids=[7], bad_words=["no"]), "p", None, 4, 100,
+                            None, sampling.Limits())
+    assert (biased.sampling["logit_bias"], biased.sampling["stop_token_ids"], biased.sampling["bad_words"]) == \
+        ({"42": -100}, [7], ["no"])
     for bad in ({"42": 101}, {"x": 1}):
         with pytest.raises(ApiError) as e:
             sampling.build(chat_req(logit_bias=bad), "p", None, 4, 100, None, sampling.Limits())
@@ -197,6 +199,13 @@ def test_generic_tool_format_reaches_a_template_without_tools(tmp_path):
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
     text = render_chat(t, req.messages, req.tools)
+    # chat_template_kwargs reach the template (Qwen3's enable_thinking); not the request's own fields
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}{% if not enable_thinking %}/no_think{% endif %}")
+    assert render_chat(ChatTemplate(tmp_path), chat_req().messages, None, {"enable_thinking": False}) == "hi/no_think"
+    assert render_chat(ChatTemplate(tmp_path), chat_req().messages, None, {"enable_thinking": True}) == "hi"
+    with pytest.raises(ApiError) as e:
+        render_chat(ChatTemplate(tmp_path), chat_req().messages, None, {"add_generation_prompt": False})
+    assert e.value.param == "chat_template_kwargs"
     assert text.startswith("[system]Be kind.\n\nYou may call") and '"name": "get_weather"' in text
     assert '[assistant]<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
     assert "[tool]<tool_response>\nsunny\n</tool_response>" in text and text.endswith("[assistant]")
@@ -270,7 +279,12 @@ def test_a_stream_sends_each_deltas_events_in_one_write(tmp_path):
     def events(write):
         return [json.loads(e[len("data: "):]) if e != "data: [DONE]" else e for e in write.split("\n\n") if e]
 
+    got = [events(w) for w in asyncio.run(writes(handlers.chat, chat_req(
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})))]
+    # vLLM's continuous_usage_stats: every chunk carries the counts so far
+    assert [[e["usage"]["completion_tokens"] for e in w if e != "data: [DONE]"] for w in got] == [[1, 1], [2], [3, 3], [3]]
     got = [events(w) for w in asyncio.run(writes(handlers.chat, chat_req(stream=True, stream_options={"include_usage": True})))]
+    assert all(e["usage"] is None for w in got[:3] for e in w)
     assert [[e["choices"][0]["delta"] for e in w] for w in got[:3]] == [
         [{"role": "assistant", "content": ""}, {"content": "Hel"}], [{"content": "lo"}], [{"content": "!"}, {}]]
     assert got[2][1]["choices"][0]["finish_reason"] == "stop"

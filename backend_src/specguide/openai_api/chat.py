@@ -43,10 +43,17 @@ class ChatTemplate:
         """The template renders a `tools` list itself (HF convention)."""
         return "tools" in self.source
 
-    def render(self, messages: list[dict[str, Any]], tools: Optional[list[dict]] = None) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: Optional[list[dict]] = None,
+               kwargs: Optional[dict[str, Any]] = None) -> str:
+        """The prompt; `kwargs` are the request's chat_template_kwargs (e.g. Qwen3's enable_thinking)."""
         extra = {"tools": tools} if tools is not None else {}
+        taken = set(kwargs or {}) & {"messages", "tools", "add_generation_prompt"}
+        if taken:
+            raise bad_request(f"chat_template_kwargs cannot set {sorted(taken)[0]!r} (the request's own field)",
+                              "chat_template_kwargs")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self.special, **extra)
+            return self._template.render(**{**self.special, **(kwargs or {})}, messages=messages,
+                                         add_generation_prompt=True, **extra)
         except Exception as e:  # the template's own raise_exception, or a message it cannot render
             raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
 
@@ -55,7 +62,8 @@ def _raise(message: str) -> None:
     raise ValueError(message)
 
 
-def render_chat(template: ChatTemplate, messages: list[Message], tools: Optional[list[Tool]]) -> str:
+def render_chat(template: ChatTemplate, messages: list[Message], tools: Optional[list[Tool]],
+                kwargs: Optional[dict[str, Any]] = None) -> str:
     """The prompt for a chat request; `tools` None = no tools in the prompt (none given, or tool_choice none)."""
     native = bool(tools) and template.supports_tools
     out = [_message_dict(m, native) for m in messages]
@@ -65,7 +73,7 @@ def render_chat(template: ChatTemplate, messages: list[Message], tools: Optional
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
         else:
             out.insert(0, {"role": "system", "content": prompt})
-    return template.render(out, [t.model_dump(exclude_none=True) for t in tools] if native else None)
+    return template.render(out, [t.model_dump(exclude_none=True) for t in tools] if native else None, kwargs)
 
 
 def _message_dict(m: Message, native: bool) -> dict[str, Any]:

@@ -68,13 +68,27 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
         await events.aclose()
 
 
-def _check_stream_options(req: Union[ChatCompletionRequest, CompletionRequest]) -> bool:
+@dataclass
+class UsageInStream:
+    """stream_options: `usage` on the last chunk (include_usage); with vLLM's continuous_usage_stats
+    also on every chunk, counted so far (as vLLM: only together with include_usage)."""
+
+    last: bool = False
+    every: bool = False
+
+    def key(self, counter: UsageCounter) -> dict[str, Any]:
+        """The `usage` key of a content chunk: absent, null, or the counts so far."""
+        if not self.last:
+            return {}
+        return {"usage": counter.usage.to_openai() if self.every else None}
+
+
+def _check_stream_options(req: Union[ChatCompletionRequest, CompletionRequest]) -> UsageInStream:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     so = req.stream_options
-    if so is not None and so.continuous_usage_stats:
-        raise unsupported("stream_options.continuous_usage_stats", "usage is sent once, on the last chunk")
-    return bool(so and so.include_usage)
+    last = bool(so and so.include_usage)
+    return UsageInStream(last, last and bool(so.continuous_usage_stats))
 
 
 # ------------------------------------------------------------------------------ chat
@@ -83,20 +97,20 @@ def _check_stream_options(req: Union[ChatCompletionRequest, CompletionRequest]) 
 async def chat(ctx: Context, req: ChatCompletionRequest) -> Answer:
     if ctx.template is None:
         raise unsupported("messages", "the model's chat template could not be found; use /v1/completions")
-    include_usage = _check_stream_options(req)
+    usage_in = _check_stream_options(req)
     choice = guides.check_tool_choice(req)
     tools_on = choice != ToolChoiceMode.NONE
     guide = guides.resolve(req, choice)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    prompt = render_chat(ctx.template, req.messages, req.tools if tools_on else None)
+    prompt = render_chat(ctx.template, req.messages, req.tools if tools_on else None, req.chat_template_kwargs)
     treq = sampling.build(req, prompt, guide, req.max_completion_tokens or req.max_tokens, ctx.default_chat_max_tokens,
                           top, ctx.limits)
     it = await _primed(merge([ctx.client.generate(treq)]))
     head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
-        return _guarded(_chat_stream(it, head, treq, top, tools_on, include_usage, ctx.reasoning))
+        return _guarded(_chat_stream(it, head, treq, top, tools_on, usage_in, ctx.reasoning))
     return await _chat_whole(it, head, treq, top, tools_on, ctx.reasoning)
 
 
@@ -125,16 +139,16 @@ async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], t
 
 
 async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,
-                       include_usage: bool, markers: Optional[ReasoningMarkers]) -> AsyncIterator[str]:
+                       usage_in: UsageInStream, markers: Optional[ReasoningMarkers]) -> AsyncIterator[str]:
     usage = UsageCounter()
     parsers = [ToolCallParser() for _ in range(treq.n)]
     thinkers = [ReasoningSplitter(markers, treq.prompt) if markers else None for _ in range(treq.n)]
     started = set()
-    extra = {"usage": None} if include_usage else {}
 
     def chunk(i: int, delta: dict, lp: Any = None, reason: Optional[str] = None) -> str:
         return _sse({**head, "object": "chat.completion.chunk",
-                     "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}], **extra})
+                     "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+                     **usage_in.key(usage)})
 
     async for p, d in it:
         usage.add(p, d)
@@ -170,7 +184,7 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
         if out:
             yield "".join(out)
     tail = [_sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage.usage.to_openai()})] \
-        if include_usage else []
+        if usage_in.last else []
     yield "".join(tail + ["data: [DONE]\n\n"])
 
 
@@ -178,7 +192,7 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
 
 
 async def complete(ctx: Context, req: CompletionRequest) -> Answer:
-    include_usage = _check_stream_options(req)
+    usage_in = _check_stream_options(req)
     prompts = _prompts(req.prompt)
     if req.echo and any(isinstance(p, list) for p in prompts):
         raise unsupported("echo", "echo needs text prompts: token-id prompts are not turned back into text here")
@@ -192,7 +206,7 @@ async def complete(ctx: Context, req: CompletionRequest) -> Answer:
     n = treqs[0].n
     echo = [p if req.echo else "" for p in prompts]  # text prompts (echo refuses token ids)
     if req.stream:
-        return _guarded(_complete_stream(it, head, n, echo, req.logprobs, include_usage))
+        return _guarded(_complete_stream(it, head, n, echo, req.logprobs, usage_in))
     return await _complete_whole(it, head, n, echo, req.logprobs)
 
 
@@ -226,15 +240,15 @@ async def _complete_whole(it, head: dict, n: int, echo: list[str], top: Optional
 
 
 async def _complete_stream(it, head: dict, n: int, echo: list[str], top: Optional[int],
-                           include_usage: bool) -> AsyncIterator[str]:
+                           usage_in: UsageInStream) -> AsyncIterator[str]:
     usage = UsageCounter()
     lps: dict[int, CompletionLogprobs] = {}
     started = set()
-    extra = {"usage": None} if include_usage else {}
 
     def chunk(k: int, text: str, lp: Any = None, reason: Optional[str] = None) -> str:
         return _sse({**head, "object": "text_completion",
-                     "choices": [{"index": k, "text": text, "logprobs": lp, "finish_reason": reason}], **extra})
+                     "choices": [{"index": k, "text": text, "logprobs": lp, "finish_reason": reason}],
+                     **usage_in.key(usage)})
 
     async for p, d in it:
         usage.add(p, d)
@@ -252,5 +266,5 @@ async def _complete_stream(it, head: dict, n: int, echo: list[str], top: Optiona
         if out:
             yield "".join(out)
     tail = [_sse({**head, "object": "text_completion", "choices": [], "usage": usage.usage.to_openai()})] \
-        if include_usage else []
+        if usage_in.last else []
     yield "".join(tail + ["data: [DONE]\n\n"])

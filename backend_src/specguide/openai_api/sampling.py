@@ -33,7 +33,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "web_search_options": ((None,), "there is no web search"),
     "verbosity": ((None,), "verbosity is not adjustable here"),
     "chat_template": ((None,), "the model's own chat template is used"),
-    "chat_template_kwargs": ((None, {}), "the model's own chat template is used, without extra arguments"),
     "add_generation_prompt": ((None, True), "the generation prompt is always added"),
     "continue_final_message": ((None, False), "a final assistant message cannot be continued"),
     "suffix": ((None, ""), "insertion (fill in the middle) is not supported by this model"),
@@ -67,7 +66,7 @@ def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: Union[st
     check_refused(req)
     sp: dict[str, Any] = {"max_tokens": max_tokens or min(default_max_tokens, limits.max_tokens_limit)}
     for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "top_k", "min_tokens",
-                "repetition_penalty", "ignore_eos", "include_stop_str_in_output"):
+                "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "stop_token_ids", "bad_words"):
         value = getattr(req, key)
         if value is not None:
             sp[key] = value
@@ -91,7 +90,8 @@ def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: Union[st
 def _validate(sp: dict[str, Any], limits: Limits, max_tokens_field: str) -> None:
     """The model's own checks of these values; the message names the field."""
     try:
-        params = sampling_from_vllm({k: v for k, v in sp.items() if k != "structured_outputs"}, None)
+        # bad words need the model's tokenizer: the model checks them (a 400 from Triton)
+        params = sampling_from_vllm({k: v for k, v in sp.items() if k not in ("structured_outputs", "bad_words")}, None)
         params.validate(limits.max_tokens_limit)
     except InvalidRequestError as e:
         message = str(e)

@@ -154,6 +154,8 @@ class _Sampling(_Strict):
     min_tokens: Optional[int] = Field(default=None, ge=0)
     repetition_penalty: Optional[float] = Field(default=None, gt=0)
     ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
