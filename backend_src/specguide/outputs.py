@@ -148,6 +148,10 @@ class OutputProcessor:
         if o.context_logits and sum(len(c) for c in o.context_logits) == len(seq.prompt_ids):
             context = torch.cat(o.context_logits).numpy()  # once, with the first event after prefill
             o.context_logits = []
+        prompt_lps = None
+        if o.prompt_logprobs is not None and p.prompt_logprobs is not None \
+                and len(o.prompt_logprobs) == len(seq.prompt_ids) - 1:
+            prompt_lps, o.prompt_logprobs = [None] + o.prompt_logprobs, None  # once; the first token has none
         gen_logits = None
         if p.return_generation_logits:
             rows, o.logits_unsent = o.logits_unsent, []
@@ -166,7 +170,7 @@ class OutputProcessor:
             logprobs=o.logprobs[sent:] if p.wants_logprobs else None,
             top_logprobs=o.top_logprobs[sent:] if p.top_logprobs else None,
             cum_logprob=sum(o.logprobs) if p.wants_logprobs else None,
-            generation_logits=gen_logits, context_logits=context,
+            generation_logits=gen_logits, context_logits=context, prompt_logprobs=prompt_lps,
             arrival_time_ns=st.arrival_time_ns, first_scheduled_time_ns=st.first_scheduled_time_ns,
             first_token_time_ns=st.first_token_time_ns, last_token_time_ns=st.last_token_time_ns,
             kv_cache_alloc_new_blocks=blocks - reused, kv_cache_reused_blocks=reused,

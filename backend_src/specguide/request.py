@@ -9,6 +9,7 @@ import numpy as np
 
 
 MAX_TOP_LOGPROBS = 20
+PromptLogprob = tuple[int, float, list[tuple[int, float]]]  # (token id, log p, top N)
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (a static [slots, 300] table on the device)
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # temperatures in [1e-5, 1e-2) are raised to this (vLLM's _MAX_TEMP): finite logits
@@ -75,6 +76,7 @@ class SamplingParams:
     top_logprobs: int = 0  # RequestOutput.top_logprobs: N <= 20 most likely per position (vLLM `logprobs`); implies logprobs
     return_generation_logits: bool = False  # RequestOutput.generation_logits (raw model logits)
     return_context_logits: bool = False  # RequestOutput.context_logits (raw model logits of the prompt)
+    prompt_logprobs: Optional[int] = None  # vLLM: each prompt token's log p under the model (raw) and the top N
 
     @property
     def wants_logprobs(self) -> bool:
@@ -134,6 +136,8 @@ class SamplingParams:
             raise InvalidRequestError("bad words must be non-empty")
         if any(not seq for seq in self.stop_token_seqs):
             raise InvalidRequestError("stop token sequences must be non-empty")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
@@ -208,6 +212,9 @@ class RequestOutput:
     cum_logprob: Optional[float] = None  # sum of the log probs of all output tokens so far (TRT-LLM cum_log_probs)
     generation_logits: Optional[np.ndarray] = None  # [len(token_ids), vocab] float32 raw model logits
     context_logits: Optional[np.ndarray] = None  # [prompt_len, vocab] float32, once (on the first event)
+    # with prompt_logprobs, once (on the first event): per prompt token, None for the first, else
+    # (token id, log p, top N [(id, log p)] best first) under the model's raw distribution
+    prompt_logprobs: Optional[list[Optional[PromptLogprob]]] = None
     # timestamps (time.time_ns(); 0 = not yet) and KV cache figures (TRT-LLM perf metrics), every event
     arrival_time_ns: int = 0
     first_scheduled_time_ns: int = 0

@@ -20,6 +20,7 @@ from .slot_sampling import SlotSampling
 from .speculative.plan import DraftPlan
 from .step import StepCore
 from .step_layout import Drafting
+from .token_outputs import prompt_logprobs
 
 Result = tuple[list[int], int, int]  # tokens to append, drafts verified, drafts accepted
 
@@ -81,9 +82,13 @@ class Runner:
         hidden = self.model(ids, self.model.make_context(slots, positions, [seq.slot], chunk.end), self.kv)
         if core.feature_sink is not None:
             core.feature_sink(slots, positions, hidden)
-        if seq.params.return_context_logits:  # raw logits of every prompt position, for this request only
+        p = seq.params
+        if p.return_context_logits or p.prompt_logprobs is not None:  # every prompt position, for this request only
             full = self.model.logits(hidden[0])  # [n, V]
-            seq.out.context_logits.append(full.to("cpu", torch.float32, copy=True))
+            if p.return_context_logits:
+                seq.out.context_logits.append(full.to("cpu", torch.float32, copy=True))
+            if p.prompt_logprobs is not None:
+                seq.out.prompt_logprobs += prompt_logprobs(full, seq.prompt_ids, chunk.start, p.prompt_logprobs)
             logits = full[-1:]
         elif key is not None:
             logits = self.model.logits(hidden[:, -1])  # [1, V]

@@ -183,7 +183,7 @@ class Scheduler:
         past what the taken slot holds are copied (far cheaper than computing them: bench_prefix_copy).
         Without reuse, the free slot whose tokens are least useful is taken (`_evict_order`)."""
         match = [0] * self.max_slots
-        if self.prefix_caching and not seq.params.return_context_logits:
+        if self.prefix_caching and not seq.params.return_context_logits and seq.params.prompt_logprobs is None:
             for s in range(self.max_slots):
                 match[s] = self._common(self._reusable(s), seq.prompt_ids)
         own = max(self.free_slots, key=lambda s: (match[s], -s))  # the best free slot, lowest on ties

@@ -43,6 +43,7 @@ class OutputState:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     logits_unsent: list[torch.Tensor] = field(default_factory=list)  # raw logits rows of output tokens not yet reported
     context_logits: list[torch.Tensor] = field(default_factory=list)  # prefill chunks' raw logits, until reported
+    prompt_logprobs: Optional[list] = field(default_factory=list)  # prompt tokens 1.. (PromptLogprob); None once reported
     # set by OutputProcessor.close as the request finishes
     stage: Optional[str] = None  # where it was: queued|compiling|prefill|decode
     error_code: Optional[str] = None

@@ -9,11 +9,31 @@ from typing import Callable, Optional
 
 import torch
 
+from .request import PromptLogprob
 from .sampling import log_probs
 from .scheduler import Sequence
 from .slot_sampling import SlotSampling
 
 NEG_INF = float("-inf")
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], start: int, n: int) -> list[PromptLogprob]:
+    """A prefill chunk's raw logits [m, V] (prompt positions start..start+m-1) -> for each prompt token
+    they predict (positions 1.. of the prompt: the last position predicts the first output, not a
+    prompt token) its id, log p under log_softmax(logits) and the top n (vLLM's prompt_logprobs)."""
+    m = min(logits.shape[0], len(prompt_ids) - 1 - start)
+    if m <= 0:
+        return []
+    lp = logits[:m].float().log_softmax(dim=-1)
+    ids = prompt_ids[start + 1: start + 1 + m]
+    tok = lp.gather(-1, torch.tensor(ids, device=lp.device)[:, None])[:, 0].tolist()
+    if n:
+        top = lp.topk(n, dim=-1)
+        vals, idx = top.values.tolist(), top.indices.tolist()
+        tops = [list(zip(idx[j], vals[j])) for j in range(m)]
+    else:
+        tops = [[] for _ in range(m)]
+    return [(t, v, tp) for t, v, tp in zip(ids, tok, tops)]
 
 
 class StepExtras:

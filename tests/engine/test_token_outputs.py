@@ -234,6 +234,33 @@ def test_generation_and_context_logits(eng, hf_model, k):
         assert events[-1].total_accepted_draft_tokens > 0
 
 
+def test_prompt_logprobs_are_the_models_over_every_chunk(eng, hf_model):
+    """vLLM's prompt_logprobs: once, on the first event: None for the first prompt token, then each
+    token's log p under transformers' log_softmax and the top 3, across two prefill chunks; a prompt
+    that a slot holds is prefilled again (prefix reuse would skip the positions)."""
+    ids = eng.tokenizer.encode(spec_prompts(eng)[0][0])
+    assert len(ids) > 64
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    run_alone_ids = Request(prompt_ids=ids, params=SamplingParams(max_tokens=2, temperature=0.0))
+    collect(eng, [run_alone_ids])  # a slot now holds this prompt
+    for n in (0, 3):
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=n)
+        events = collect(eng, [Request(prompt_ids=ids, params=params)])[0]
+        plp = events[0].prompt_logprobs
+        assert plp is not None and all(o.prompt_logprobs is None for o in events[1:])
+        assert events[-1].num_cached_tokens == 0 and len(plp) == len(ids) and plp[0] is None
+        for j, (tid, lp, top) in enumerate(plp[1:], start=1):
+            assert tid == ids[j] and abs(lp - ref[j - 1, tid].item()) < 2e-3
+            assert len(top) == n
+            if n:
+                want = ref[j - 1].topk(n)
+                assert [t for t, _ in top] == want.indices.tolist() or \
+                    max(abs(v - w) for (_, v), w in zip(top, want.values.tolist())) < 2e-3  # near-ties
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        eng.submit(Request(prompt_ids=ids, params=SamplingParams(prompt_logprobs=21)))
+
+
 # ---- stop token sequences -----------------------------------------------------------------------
 def test_stop_token_seqs_are_kept_and_end_inside_an_accepted_run(eng):
     prompt = spec_prompts(eng)[1][0]  # "repeat three times": long accepted runs
