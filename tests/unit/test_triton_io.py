@@ -1169,3 +1169,23 @@ def test_adapter_refuses_a_huge_prompt_by_bytes_before_tokenizing(model, monkeyp
     (resp, flags), = req.sender.sent
     assert flags == 1 and resp.err.code() == FakeTritonError.INVALID_ARG
     assert "text_input has 200000 bytes" in resp.err.message() and calls == []
+
+
+def test_prompt_logprobs_go_out_once_on_the_first_payload_after_the_prefill():
+    p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "sampling_parameters": vllm(prompt_logprobs=1)})
+    assert p.request.params.prompt_logprobs == 1
+    st = io.SequenceStream(p)
+    o = out("a", [1])
+    o.prompt_logprobs = [None, (5, -0.5, [(7, -0.25)])]
+    first = st.on_output(o).outputs
+    doc = json.loads(first["prompt_logprobs"].reshape(-1)[0])
+    assert doc == [None, {"5": {"logprob": -0.5, "rank": 2, "decoded_token": ""},
+                          "7": {"logprob": -0.25, "rank": 1, "decoded_token": ""}}]
+    assert "prompt_logprobs" not in st.on_output(out("b", [2], finished=True, reason="stop")).outputs
+    # specguide_vllm has vLLM's outputs exactly, none for them: only vLLM's neutral 0 (or none) is taken
+    v = vparse({"text_input": vtext("Hi"), "sampling_parameters": np.array([json.dumps({"prompt_logprobs": 0}).encode()],
+                                                                            np.object_)})[0]
+    assert v.request.params.prompt_logprobs is None
+    with pytest.raises(io.UnsupportedError, match="prompt_logprobs"):
+        vparse({"text_input": vtext("Hi"), "sampling_parameters": np.array([json.dumps({"prompt_logprobs": 2}).encode()],
+                                                                            np.object_)})

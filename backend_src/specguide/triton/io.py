@@ -233,6 +233,9 @@ def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
         vllm_params, sp = None, SamplingParams(max_tokens=ctx.default_max_tokens, temperature=0.0)
     if not vllm:
         _apply_tensor_sampling(row, sp, explicit_sampling=bool(sp_json), tokenizer=ctx.tokenizer)
+    elif sp.prompt_logprobs is not None:  # vLLM's backend has no output for them (its config: ours)
+        check_neutral("prompt_logprobs", sp.prompt_logprobs, 0)
+        sp.prompt_logprobs = None
     sp.validate(ctx.max_tokens_limit)
     base.params = sp
 

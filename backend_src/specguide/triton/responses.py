@@ -57,6 +57,7 @@ class SequenceStream:
         self.top: list[Any] = []
         self.gen_logits: list[np.ndarray] = []
         self.context_logits: Optional[np.ndarray] = None
+        self.prompt_lps: Optional[list] = None  # the prompt's log probs until a payload carries them
         self.cum_logprob = 0.0
         self.echo_pending = not parsed.exclude_input
 
@@ -68,6 +69,8 @@ class SequenceStream:
         self.cum_logprob += float(sum(lps))
         if out.context_logits is not None:
             self.context_logits = np.asarray(out.context_logits, dtype=np.float32)
+        if out.prompt_logprobs is not None:
+            self.prompt_lps = out.prompt_logprobs
         if not p.stream:
             self.text.append(out.text)
             self.ids.extend(out.token_ids)
@@ -97,6 +100,10 @@ class SequenceStream:
             if p.return_logprobs:  # the generated tokens only, as vLLM's output
                 outputs["logprobs"] = np.array([json.dumps(self._vllm_logprobs(gen_ids, lps, top)).encode()],
                                                dtype=np.object_)
+        if self.prompt_lps is not None:  # once, on the first payload after the prefill
+            doc = [None if e is None else self._vllm_entry(e[0], e[1], e[2]) for e in self.prompt_lps]
+            outputs["prompt_logprobs"] = np.array([json.dumps(doc).encode()], dtype=np.object_)
+            self.prompt_lps = None
         return Payload(outputs=outputs, finished=out.finished)
 
     # ------------------------------------------------------------------ per interface
@@ -161,17 +168,17 @@ class SequenceStream:
     def _vllm_logprobs(self, ids: list[int], lps: list[float], top: list[Any]) -> list[dict[str, dict]]:
         """vLLM's per-token {token_id: {logprob, rank, decoded_token}}: the sampled token and the top N."""
         assert len(lps) == len(ids), "every emitted token carries its log prob"
-        doc = []
-        for i, (tid, lp) in enumerate(zip(ids, lps)):
-            best = list(top[i]) if i < len(top) else []
-            ranked = {int(t): (r + 1, float(v)) for r, (t, v) in enumerate(best)}
-            rank = ranked[tid][0] if tid in ranked else len(best) + 1  # NOTE: a lower bound past the top N
-            entry = {str(tid): {"logprob": float(lp), "rank": rank, "decoded_token": self._decode(tid)}}
-            for t, (r, v) in ranked.items():
-                if t != tid:
-                    entry[str(t)] = {"logprob": v, "rank": r, "decoded_token": self._decode(t)}
-            doc.append(entry)
-        return doc
+        return [self._vllm_entry(tid, lp, list(top[i]) if i < len(top) else []) for i, (tid, lp) in enumerate(zip(ids, lps))]
+
+    def _vllm_entry(self, tid: int, lp: float, best: list[Any]) -> dict[str, dict]:
+        """One token's {token_id: {logprob, rank, decoded_token}}: the token and the top N."""
+        ranked = {int(t): (r + 1, float(v)) for r, (t, v) in enumerate(best)}
+        rank = ranked[tid][0] if tid in ranked else len(best) + 1  # NOTE: a lower bound past the top N
+        entry = {str(tid): {"logprob": float(lp), "rank": rank, "decoded_token": self._decode(tid)}}
+        for t, (r, v) in ranked.items():
+            if t != tid:
+                entry[str(t)] = {"logprob": v, "rank": r, "decoded_token": self._decode(t)}
+        return entry
 
     def _decode(self, tid: int) -> str:
         return self.tokenizer.decode([tid]) if self.tokenizer is not None else ""

@@ -15,9 +15,9 @@ PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 # vLLM SamplingParams fields we accept only at their neutral value, and fields we ignore.
 _VLLM_NEUTRAL = {
-    "n": 1, "best_of": 1, "prompt_logprobs": 0, "use_beam_search": False, "length_penalty": 1.0,
+    "n": 1, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0,
 }
-_VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
+_VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed", "prompt_logprobs")
 _VLLM_FLOATS = ("temperature", "top_p", "min_p") + PENALTIES
 # accepted and without effect here: output formatting vLLM does its own way, and the LoRA name
 # (null only), the structured-output backend options (read by guided.params)
