@@ -151,7 +151,7 @@ class OutputProcessor:
         prompt_lps = None
         if o.prompt_logprobs is not None and p.prompt_logprobs is not None \
                 and len(o.prompt_logprobs) == len(seq.prompt_ids) - 1:
-            prompt_lps, o.prompt_logprobs = [None] + o.prompt_logprobs, None  # once; the first token has none
+            prompt_lps, o.prompt_logprobs = [(seq.prompt_ids[0], None, [])] + o.prompt_logprobs, None  # once
         gen_logits = None
         if p.return_generation_logits:
             rows, o.logits_unsent = o.logits_unsent, []

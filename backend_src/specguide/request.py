@@ -9,7 +9,7 @@ import numpy as np
 
 
 MAX_TOP_LOGPROBS = 20
-PromptLogprob = tuple[int, float, list[tuple[int, float]]]  # (token id, log p, top N)
+PromptLogprob = tuple[int, Optional[float], list[tuple[int, float]]]  # (token id, log p, top N); the first: None, []
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (a static [slots, 300] table on the device)
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # temperatures in [1e-5, 1e-2) are raised to this (vLLM's _MAX_TEMP): finite logits
@@ -212,9 +212,9 @@ class RequestOutput:
     cum_logprob: Optional[float] = None  # sum of the log probs of all output tokens so far (TRT-LLM cum_log_probs)
     generation_logits: Optional[np.ndarray] = None  # [len(token_ids), vocab] float32 raw model logits
     context_logits: Optional[np.ndarray] = None  # [prompt_len, vocab] float32, once (on the first event)
-    # with prompt_logprobs, once (on the first event): per prompt token, None for the first, else
-    # (token id, log p, top N [(id, log p)] best first) under the model's raw distribution
-    prompt_logprobs: Optional[list[Optional[PromptLogprob]]] = None
+    # with prompt_logprobs, once (on the first event): per prompt token (token id, log p, top N [(id,
+    # log p)] best first) under the model's raw distribution; the first token's log p is None (nothing predicts it)
+    prompt_logprobs: Optional[list[PromptLogprob]] = None
     # timestamps (time.time_ns(); 0 = not yet) and KV cache figures (TRT-LLM perf metrics), every event
     arrival_time_ns: int = 0
     first_scheduled_time_ns: int = 0

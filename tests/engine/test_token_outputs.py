@@ -235,7 +235,7 @@ def test_generation_and_context_logits(eng, hf_model, k):
 
 
 def test_prompt_logprobs_are_the_models_over_every_chunk(eng, hf_model):
-    """vLLM's prompt_logprobs: once, on the first event: None for the first prompt token, then each
+    """vLLM's prompt_logprobs: once, on the first event: no log p for the first prompt token, then each
     token's log p under transformers' log_softmax and the top 3, across two prefill chunks; a prompt
     that a slot holds is prefilled again (prefix reuse would skip the positions)."""
     ids = eng.tokenizer.encode(spec_prompts(eng)[0][0])
@@ -249,7 +249,7 @@ def test_prompt_logprobs_are_the_models_over_every_chunk(eng, hf_model):
         events = collect(eng, [Request(prompt_ids=ids, params=params)])[0]
         plp = events[0].prompt_logprobs
         assert plp is not None and all(o.prompt_logprobs is None for o in events[1:])
-        assert events[-1].num_cached_tokens == 0 and len(plp) == len(ids) and plp[0] is None
+        assert events[-1].num_cached_tokens == 0 and len(plp) == len(ids) and plp[0] == (ids[0], None, [])
         for j, (tid, lp, top) in enumerate(plp[1:], start=1):
             assert tid == ids[j] and abs(lp - ref[j - 1, tid].item()) < 2e-3
             assert len(top) == n

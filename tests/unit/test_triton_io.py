@@ -1176,10 +1176,11 @@ def test_prompt_logprobs_go_out_once_on_the_first_payload_after_the_prefill():
     assert p.request.params.prompt_logprobs == 1
     st = io.SequenceStream(p)
     o = out("a", [1])
-    o.prompt_logprobs = [None, (5, -0.5, [(7, -0.25)])]
+    o.prompt_logprobs = [(3, None, []), (5, -0.5, [(7, -0.25)])]
     first = st.on_output(o).outputs
     doc = json.loads(first["prompt_logprobs"].reshape(-1)[0])
-    assert doc == [None, {"5": {"logprob": -0.5, "rank": 2, "decoded_token": ""},
+    assert doc == [{"3": {"logprob": None, "rank": None, "decoded_token": ""}},
+                   {"5": {"logprob": -0.5, "rank": 2, "decoded_token": ""},
                           "7": {"logprob": -0.25, "rank": 1, "decoded_token": ""}}]
     assert "prompt_logprobs" not in st.on_output(out("b", [2], finished=True, reason="stop")).outputs
     # specguide_vllm has vLLM's outputs exactly, none for them: only vLLM's neutral 0 (or none) is taken

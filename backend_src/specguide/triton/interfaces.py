@@ -163,8 +163,8 @@ TRTLLM_OUTPUTS: tuple[Spec, ...] = (
     _s("cumulative_logprob", "FP32", [-1], "", "vLLM: sum of the log probs so far", vllm_only=True),
     _s("logprobs", "STRING", [-1], "", "JSON list of {token_id: {logprob, rank, decoded_token}} (with "
        "`return_logprobs`)"),
-    _s("prompt_logprobs", "STRING", [-1], "", "JSON list, once: null for the first prompt token, then "
-       "{token_id: {logprob, rank, decoded_token}} per prompt token (`prompt_logprobs: N` in sampling_parameters)"),
+    _s("prompt_logprobs", "STRING", [-1], "", "JSON list, once: {token_id: {logprob, rank, decoded_token}} per "
+       "prompt token, null log prob for the first (`prompt_logprobs: N` in sampling_parameters)"),
 )
 
 # ------------------------------------------------------------------------------ vLLM backend

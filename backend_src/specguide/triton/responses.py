@@ -101,7 +101,7 @@ class SequenceStream:
                 outputs["logprobs"] = np.array([json.dumps(self._vllm_logprobs(gen_ids, lps, top)).encode()],
                                                dtype=np.object_)
         if self.prompt_lps is not None:  # once, on the first payload after the prefill
-            doc = [None if e is None else self._vllm_entry(e[0], e[1], e[2]) for e in self.prompt_lps]
+            doc = [self._vllm_entry(*e) for e in self.prompt_lps]
             outputs["prompt_logprobs"] = np.array([json.dumps(doc).encode()], dtype=np.object_)
             self.prompt_lps = None
         return Payload(outputs=outputs, finished=out.finished)
@@ -170,8 +170,11 @@ class SequenceStream:
         assert len(lps) == len(ids), "every emitted token carries its log prob"
         return [self._vllm_entry(tid, lp, list(top[i]) if i < len(top) else []) for i, (tid, lp) in enumerate(zip(ids, lps))]
 
-    def _vllm_entry(self, tid: int, lp: float, best: list[Any]) -> dict[str, dict]:
-        """One token's {token_id: {logprob, rank, decoded_token}}: the token and the top N."""
+    def _vllm_entry(self, tid: int, lp: Optional[float], best: list[Any]) -> dict[str, dict]:
+        """One token's {token_id: {logprob, rank, decoded_token}}: the token and the top N (a prompt's
+        first token: logprob and rank null, as nothing predicts it)."""
+        if lp is None:
+            return {str(tid): {"logprob": None, "rank": None, "decoded_token": self._decode(tid)}}
         ranked = {int(t): (r + 1, float(v)) for r, (t, v) in enumerate(best)}
         rank = ranked[tid][0] if tid in ranked else len(best) + 1  # NOTE: a lower bound past the top N
         entry = {str(tid): {"logprob": float(lp), "rank": rank, "decoded_token": self._decode(tid)}}
