@@ -143,7 +143,8 @@ def test_completions_prompts_n_echo_and_logprobs(client):
 
 def test_token_id_prompts(client):
     """`prompt` as token ids (one list, or a list of lists: what lm-eval's local-completions sends)
-    answers as the same text does; echo needs text; ids outside the vocabulary are the model's 400."""
+    answers as the same text does, echoed as the model's text of them; ids outside the vocabulary are
+    the model's 400."""
     from specguide.paths import cache_dir
     from specguide.tokenizer import TokenizerFile
 
@@ -158,9 +159,8 @@ def test_token_id_prompts(client):
     assert [c.text for c in both.choices] == [w.choices[0].text for w in want]
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(prompt=ids[1], stream=True, **kw))
     assert streamed == want[1].choices[0].text
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(prompt=ids[0], echo=True, **kw)
-    assert e.value.body["param"] == "echo"
+    echoed = client.completions.create(prompt=ids[0], echo=True, **kw).choices[0].text
+    assert echoed == "The capital of France is" + want[0].choices[0].text
     with pytest.raises(openai.BadRequestError, match="out of range"):
         client.completions.create(prompt=[1, 10**8], **kw)
     # logit_bias by token id: +100 all but forces a token at every position
@@ -187,6 +187,68 @@ def test_vllm_extras_stop_token_ids_bad_words_and_continuous_usage(client):
                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [ch.usage.completion_tokens for ch in chunks]
     assert counts == sorted(counts) and counts[-1] == 10 and all(ch.usage is not None for ch in chunks)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, server):
+    """What lm-eval's loglikelihood requests send (token ids, echo, logprobs 1, max_tokens 1): every
+    prompt token's log prob (null for the first) and top entry, then the generated one's; the same
+    numbers streamed, and as the model's prompt_logprobs over Triton; text prompts alike."""
+    from specguide.paths import cache_dir
+    from specguide.tokenizer import TokenizerFile
+
+    tok = TokenizerFile(cache_dir() / "models" / "smollm2-135m-instruct")
+    text = "The capital of France is Paris"
+    ids = tok.encode(text)
+    kw = dict(model=MODEL, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    r = client.completions.create(prompt=ids, **kw).choices[0]
+    lp = r.logprobs
+    assert r.text.startswith(text) and len(lp.tokens) == len(ids) + 1 == len(lp.token_logprobs)
+    assert "".join(lp.tokens) == r.text and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())  # greedy: the generated token is the top one
+    same = client.completions.create(prompt=text, **kw).choices[0].logprobs
+    assert same.tokens == lp.tokens and same.token_logprobs == lp.token_logprobs
+    streamed = list(client.completions.create(prompt=ids, stream=True, **kw))
+    assert [v for ch in streamed if ch.choices and ch.choices[0].logprobs
+            for v in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    # over Triton: specguide's prompt_logprobs output
+    got = _grpc_stream_prompt_logprobs(server, text)
+    assert [None] + [float(next(iter(e.values()))["logprob"]) for e in got[1:]] == \
+        pytest.approx([None] + lp.token_logprobs[1:len(ids)], abs=1e-4)
+
+
+def _grpc_stream_prompt_logprobs(server, text: str) -> list:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    results = []
+    c = grpcclient.InferenceServerClient(server.grpc)
+    c.start_stream(callback=lambda result, error: results.append((result, error)))
+    try:
+        inputs = []
+        for name, value, dtype in (("text_input", [[text.encode()]], "BYTES"), ("stream", [[True]], "BOOL"),
+                                   ("max_tokens", [[1]], "INT32"),
+                                   ("sampling_parameters", [[json.dumps({"prompt_logprobs": 0, "temperature": 0}).encode()]],
+                                    "BYTES")):
+            arr = np.array(value, dtype=object if dtype == "BYTES" else (np.bool_ if dtype == "BOOL" else np.int32))
+            t = grpcclient.InferInput(name, arr.shape, dtype)
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+        c.async_stream_infer("specguide", inputs, outputs=[grpcclient.InferRequestedOutput("prompt_logprobs")],
+                             enable_empty_final_response=True)
+        deadline = time.monotonic() + 120
+        while not any(r is not None and r.get_response().parameters["triton_final_response"].bool_param
+                      for r, _ in results) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        c.stop_stream()
+        c.close()
+    assert all(e is None for _, e in results), results
+    docs = [r.as_numpy("prompt_logprobs") for r, _ in results if r.as_numpy("prompt_logprobs") is not None]
+    assert len(docs) == 1  # once
+    return json.loads(docs[0].reshape(-1)[0])
 
 
 def test_n_and_seeds(client):

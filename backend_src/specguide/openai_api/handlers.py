@@ -194,17 +194,17 @@ async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], 
 async def complete(ctx: Context, req: CompletionRequest) -> Answer:
     usage_in = _check_stream_options(req)
     prompts = _prompts(req.prompt)
-    if req.echo and any(isinstance(p, list) for p in prompts):
-        raise unsupported("echo", "echo needs text prompts: token-id prompts are not turned back into text here")
-    if req.echo and req.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs needs the prompt's log probs, which are not computed")
     guide = guides.resolve(req)
     treqs = [sampling.build(req, p, guide, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs, ctx.limits)
              for p in prompts]
+    if req.echo and (req.logprobs is not None or any(isinstance(p, list) for p in prompts)):
+        for t in treqs:  # the model sends the prompt's tokens (and their log probs) back
+            t.sampling["prompt_logprobs"] = req.logprobs or 0
+            t.prompt_logprobs = True
     it = await _primed(merge([ctx.client.generate(t) for t in treqs]))
     head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
     n = treqs[0].n
-    echo = [p if req.echo else "" for p in prompts]  # text prompts (echo refuses token ids)
+    echo = [Echo(p) if req.echo else None for p in prompts]
     if req.stream:
         return _guarded(_complete_stream(it, head, n, echo, req.logprobs, usage_in))
     return await _complete_whole(it, head, n, echo, req.logprobs)
@@ -221,15 +221,39 @@ def _prompts(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list[
     return prompts
 
 
-async def _complete_whole(it, head: dict, n: int, echo: list[str], top: Optional[int]) -> dict[str, Any]:
+@dataclass
+class Echo:
+    """A completions prompt to echo: its text, or (token ids) the text of its tokens as the model
+    decodes them (the `prompt_logprobs` output carries them, with their log probs)."""
+
+    prompt: Union[str, list[int]]
+
+    def text(self, d: Delta) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return "".join(next(iter(doc.values()))["decoded_token"] for doc in d.prompt_logprobs or [])
+
+    def logprobs(self, lp: CompletionLogprobs, d: Delta) -> Optional[dict[str, Any]]:
+        """The prompt's entries added to the choice's log probs (once, from its first delta)."""
+        return lp.add_prompt(d.prompt_logprobs) if d.prompt_logprobs else None
+
+
+async def _complete_whole(it, head: dict, n: int, echo: list[Optional[Echo]], top: Optional[int]) -> dict[str, Any]:
     total = len(echo) * n
-    texts = [echo[k // n] for k in range(total)]
+    texts = [""] * total
     lps = [CompletionLogprobs(top) for _ in range(total)] if top is not None else None
     reasons: list[Optional[str]] = [None] * total
+    started = set()
     usage = UsageCounter()
     async for p, d in it:
         usage.add(p, d)
         k = p * n + d.index
+        if k not in started:
+            started.add(k)
+            if echo[p] is not None:
+                texts[k] = echo[p].text(d)
+                if lps is not None:
+                    echo[p].logprobs(lps[k], d)
         texts[k] += d.text
         if lps is not None:
             lps[k].add(d.logprobs or [])
@@ -239,7 +263,7 @@ async def _complete_whole(it, head: dict, n: int, echo: list[str], top: Optional
     return {**head, "object": "text_completion", "choices": choices, "usage": usage.usage.to_openai()}
 
 
-async def _complete_stream(it, head: dict, n: int, echo: list[str], top: Optional[int],
+async def _complete_stream(it, head: dict, n: int, echo: list[Optional[Echo]], top: Optional[int],
                            usage_in: UsageInStream) -> AsyncIterator[str]:
     usage = UsageCounter()
     lps: dict[int, CompletionLogprobs] = {}
@@ -256,8 +280,9 @@ async def _complete_stream(it, head: dict, n: int, echo: list[str], top: Optiona
         out = []  # this delta's events, sent together
         if k not in started:
             started.add(k)
-            if echo[p]:
-                out.append(chunk(k, echo[p]))
+            if echo[p] is not None:
+                elp = echo[p].logprobs(lps.setdefault(k, CompletionLogprobs(top)), d) if top is not None else None
+                out.append(chunk(k, echo[p].text(d), elp))
         lp = lps.setdefault(k, CompletionLogprobs(top)).add(d.logprobs or []) if top is not None else None
         if d.text or lp:
             out.append(chunk(k, d.text, lp))

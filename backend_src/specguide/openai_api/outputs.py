@@ -50,8 +50,8 @@ class CompletionLogprobs:
 
     def __post_init__(self) -> None:
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict[str, float]] = []
+        self.token_logprobs: list[Optional[float]] = []
+        self.top_logprobs: list[Optional[dict[str, float]]] = []
         self.text_offset: list[int] = []
 
     def add(self, docs: list[dict[str, dict]]) -> dict[str, Any]:
@@ -65,6 +65,25 @@ class CompletionLogprobs:
                 target.top_logprobs.append({e["decoded_token"]: e["logprob"] for e in top})
                 target.text_offset.append(self.offset)
             self.offset += len(tok["decoded_token"])
+        return part.to_openai()
+
+    def add_prompt(self, docs: list[dict[str, dict]]) -> dict[str, Any]:
+        """Add the prompt's tokens (echo), each the first key of its doc; the first token has no log
+        prob (null, as OpenAI's). Returns the object for just them."""
+        part = CompletionLogprobs(self.n, self.offset)
+        for doc in docs:
+            first = next(iter(doc.values()))
+            if first["logprob"] is None:
+                text, lp, top = first["decoded_token"], None, None
+            else:
+                tok, best = _entries(doc, self.n)
+                text, lp, top = tok["decoded_token"], tok["logprob"], {e["decoded_token"]: e["logprob"] for e in best}
+            for target in (self, part):
+                target.tokens.append(text)
+                target.token_logprobs.append(lp)
+                target.top_logprobs.append(top)
+                target.text_offset.append(self.offset)
+            self.offset += len(text)
         return part.to_openai()
 
     def to_openai(self) -> dict[str, Any]:

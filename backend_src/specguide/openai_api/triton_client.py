@@ -45,6 +45,7 @@ class TritonRequest:
     n: int = 1  # num_return_sequences
     num_draft_tokens: Optional[int] = None
     logprobs: bool = False  # return_logprobs: the `logprobs` output (vLLM JSON)
+    prompt_logprobs: bool = False  # the `prompt_logprobs` output (sampling's prompt_logprobs: N)
     guide_param: Optional[str] = None  # the OpenAI field that carried the guide (names Triton's 400s)
 
 
@@ -58,6 +59,7 @@ class Delta:
     num_input_tokens: Optional[int] = None
     num_output_tokens: int = 0
     logprobs: Optional[list[dict[str, dict]]] = None  # per token {id: {logprob, rank, decoded_token}}
+    prompt_logprobs: Optional[list[dict[str, dict]]] = None  # per prompt token, the same (the first: logprob null)
 
 
 def _tensor(name: str, value: Any, dtype: Any, datatype: str) -> tuple[Any, bytes]:
@@ -92,7 +94,7 @@ def build_request(req: TritonRequest, request_id: str, model: str = MODEL) -> An
     if req.logprobs:
         inputs.append(("return_logprobs", True, np.bool_, "BOOL"))
     msg = service_pb2.ModelInferRequest(model_name=model, id=request_id)
-    for name in _WANTED + (("logprobs",) if req.logprobs else ()):  # less to send and parse per token
+    for name in _WANTED + (("logprobs",) if req.logprobs else ()) + (("prompt_logprobs",) if req.prompt_logprobs else ()):
         msg.outputs.append(service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=name))
     for name, value, dtype, datatype in inputs:
         tensor, raw = _tensor(name, value, dtype, datatype)
@@ -151,6 +153,8 @@ def parse_response(response: Any) -> Optional[Delta]:
         d.num_output_tokens = int(out["num_output_tokens"][0])
     if out.get("logprobs"):
         d.logprobs = json.loads(out["logprobs"][0]) or []
+    if out.get("prompt_logprobs"):
+        d.prompt_logprobs = json.loads(out["prompt_logprobs"][0])
     return d
 
 
