@@ -213,6 +213,17 @@ def test_echo_with_logprobs_scores_the_prompt(client, server):
     streamed = list(client.completions.create(prompt=ids, stream=True, **kw))
     assert [v for ch in streamed if ch.choices and ch.choices[0].logprobs
             for v in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    # vLLM's prompt_logprobs: per choice (completions), once per answer (chat); whole answers only
+    v = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2}).model_dump()["choices"][0]["prompt_logprobs"]
+    assert v[0] is None and len(v) == len(ids)
+    assert [v[j][str(ids[j])]["logprob"] for j in range(1, len(ids))] == pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-5)
+    assert all(2 <= len(e) <= 3 for e in v[1:])  # the token and the top 2
+    c = chat(client, max_tokens=2, extra_body={"prompt_logprobs": 0}).model_dump()
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0})
+    assert e.value.body["param"] == "prompt_logprobs"
     # over Triton: specguide's prompt_logprobs output
     got = _grpc_stream_prompt_logprobs(server, text)
     assert [None] + [float(next(iter(e.values()))["logprob"]) for e in got[1:]] == \

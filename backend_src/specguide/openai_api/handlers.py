@@ -11,7 +11,7 @@ from ..config import ReasoningMarkers
 from . import guides, sampling
 from .chat import ChatTemplate, render_chat
 from .errors import ApiError, bad_request, unsupported
-from .outputs import CompletionLogprobs, UsageCounter, chat_logprobs, finish_reason, merge
+from .outputs import CompletionLogprobs, UsageCounter, chat_logprobs, finish_reason, merge, vllm_prompt_logprobs
 from .reasoning import ReasoningSplitter, split_all
 from .schemas import ChatCompletionRequest, CompletionRequest, ToolChoiceMode
 from .tools import ToolCallParser, parse_all
@@ -111,15 +111,17 @@ async def chat(ctx: Context, req: ChatCompletionRequest) -> Answer:
     head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
         return _guarded(_chat_stream(it, head, treq, top, tools_on, usage_in, ctx.reasoning))
-    return await _chat_whole(it, head, treq, top, tools_on, ctx.reasoning)
+    return await _chat_whole(it, head, treq, top, tools_on, ctx.reasoning, req.prompt_logprobs)
 
 
 async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,
-                      markers: Optional[ReasoningMarkers]) -> dict[str, Any]:
+                      markers: Optional[ReasoningMarkers], prompt_n: Optional[int]) -> dict[str, Any]:
     texts, docs, reasons = [""] * treq.n, [[] for _ in range(treq.n)], [None] * treq.n
+    prompt_docs = None
     usage = UsageCounter()
     async for p, d in it:
         usage.add(p, d)
+        prompt_docs = prompt_docs or d.prompt_logprobs
         texts[d.index] += d.text
         docs[d.index] += d.logprobs or []
         reasons[d.index] = d.finish_reason or reasons[d.index]
@@ -135,7 +137,10 @@ async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], t
         choices.append({"index": i, "message": message,
                         "logprobs": {"content": chat_logprobs(docs[i], top), "refusal": None} if top is not None else None,
                         "finish_reason": finish_reason(reasons[i], bool(calls))})
-    return {**head, "object": "chat.completion", "choices": choices, "usage": usage.usage.to_openai()}
+    answer = {**head, "object": "chat.completion", "choices": choices, "usage": usage.usage.to_openai()}
+    if prompt_n is not None:  # vLLM's: once per answer (the choices share the prompt)
+        answer["prompt_logprobs"] = vllm_prompt_logprobs(prompt_docs, prompt_n)
+    return answer
 
 
 async def _chat_stream(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,
@@ -199,7 +204,7 @@ async def complete(ctx: Context, req: CompletionRequest) -> Answer:
              for p in prompts]
     if req.echo and (req.logprobs is not None or any(isinstance(p, list) for p in prompts)):
         for t in treqs:  # the model sends the prompt's tokens (and their log probs) back
-            t.sampling["prompt_logprobs"] = req.logprobs or 0
+            t.sampling["prompt_logprobs"] = max(req.logprobs or 0, req.prompt_logprobs or 0)
             t.prompt_logprobs = True
     it = await _primed(merge([ctx.client.generate(t) for t in treqs]))
     head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
@@ -207,7 +212,7 @@ async def complete(ctx: Context, req: CompletionRequest) -> Answer:
     echo = [Echo(p) if req.echo else None for p in prompts]
     if req.stream:
         return _guarded(_complete_stream(it, head, n, echo, req.logprobs, usage_in))
-    return await _complete_whole(it, head, n, echo, req.logprobs)
+    return await _complete_whole(it, head, n, echo, req.logprobs, req.prompt_logprobs)
 
 
 def _prompts(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list[Union[str, list[int]]]:
@@ -238,9 +243,11 @@ class Echo:
         return lp.add_prompt(d.prompt_logprobs) if d.prompt_logprobs else None
 
 
-async def _complete_whole(it, head: dict, n: int, echo: list[Optional[Echo]], top: Optional[int]) -> dict[str, Any]:
+async def _complete_whole(it, head: dict, n: int, echo: list[Optional[Echo]], top: Optional[int],
+                          prompt_n: Optional[int]) -> dict[str, Any]:
     total = len(echo) * n
     texts = [""] * total
+    prompt_docs: list[Optional[list]] = [None] * total
     lps = [CompletionLogprobs(top) for _ in range(total)] if top is not None else None
     reasons: list[Optional[str]] = [None] * total
     started = set()
@@ -250,6 +257,7 @@ async def _complete_whole(it, head: dict, n: int, echo: list[Optional[Echo]], to
         k = p * n + d.index
         if k not in started:
             started.add(k)
+            prompt_docs[k] = d.prompt_logprobs
             if echo[p] is not None:
                 texts[k] = echo[p].text(d)
                 if lps is not None:
@@ -260,6 +268,9 @@ async def _complete_whole(it, head: dict, n: int, echo: list[Optional[Echo]], to
         reasons[k] = d.finish_reason or reasons[k]
     choices = [{"index": k, "text": texts[k], "logprobs": lps[k].to_openai() if lps else None,
                 "finish_reason": finish_reason(reasons[k])} for k in range(total)]
+    if prompt_n is not None:  # vLLM's, per choice
+        for k, c in enumerate(choices):
+            c["prompt_logprobs"] = vllm_prompt_logprobs(prompt_docs[k], prompt_n)
     return {**head, "object": "text_completion", "choices": choices, "usage": usage.usage.to_openai()}
 
 

@@ -41,6 +41,18 @@ def chat_logprobs(docs: list[dict[str, dict]], n: int) -> list[dict[str, Any]]:
     return out
 
 
+def vllm_prompt_logprobs(docs: Optional[list[dict[str, dict]]], n: int) -> Optional[list[Optional[dict]]]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob, rank,
+    decoded_token}} with the token itself and the top n (log probs made finite)."""
+    if docs is None:
+        return None
+    out: list[Optional[dict]] = [None]
+    for doc in docs[1:]:
+        keep = [(k, e) for i, (k, e) in enumerate(doc.items()) if i == 0 or e["rank"] <= n]
+        out.append({k: {**e, "logprob": max(float(e["logprob"]), MIN_LOGPROB)} for k, e in keep})
+    return out
+
+
 @dataclass
 class CompletionLogprobs:
     """The legacy completions `logprobs` object, accumulated."""

@@ -23,7 +23,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "store": ((None, False), "completions are not stored"),
     "metadata": ((None, {}), "metadata only goes with store, which is not supported"),
     "use_beam_search": ((None, False), "beam search is not implemented"),
-    "prompt_logprobs": ((None,), "prompt log probs are not computed"),
     "functions": ((None,), "the deprecated functions API; use tools"),
     "function_call": ((None,), "the deprecated functions API; use tool_choice"),
     "modalities": ((None, ["text"]), "this model generates text only"),
@@ -74,6 +73,10 @@ def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: Union[st
         sp["seed"] = req.seed % 2**64  # OpenAI's seed is a signed 64-bit integer
     if req.logit_bias:
         sp["logit_bias"] = req.logit_bias
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise unsupported("prompt_logprobs", "prompt log probs come in whole answers (stream: false), as vLLM's")
+        sp["prompt_logprobs"] = req.prompt_logprobs
     stops = _stops(req.stop)
     if stops:
         sp["stop"] = stops
@@ -84,6 +87,7 @@ def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: Union[st
     _validate(sp, limits, "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens")
     return TritonRequest(prompt=prompt, sampling=sp, stream=bool(req.stream), n=req.n or 1,
                          num_draft_tokens=req.num_draft_tokens, logprobs=top_logprobs is not None,
+                         prompt_logprobs=req.prompt_logprobs is not None,
                          guide_param=guide.param if guide else None)
 
 

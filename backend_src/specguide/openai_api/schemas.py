@@ -173,7 +173,7 @@ class _Sampling(_Strict):
     metadata: Optional[dict[str, Any]] = None
     use_beam_search: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # vLLM: the prompt's log probs, top N
 
 
 class ChatCompletionRequest(_Sampling):
