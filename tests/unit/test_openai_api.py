@@ -232,14 +232,14 @@ def test_reasoning_goes_in_reasoning_content_at_every_split():
 def test_an_error_mid_stream_is_one_sse_error_event():
     import asyncio
 
-    from specguide.openai_api.handlers import _guarded
+    from specguide.openai_api.handlers import guarded
 
     async def events():
         yield "data: 1\n\n"
         raise from_triton("INTERNAL", "the model produced non-finite logits")
 
     async def collect():
-        return [e async for e in _guarded(events())]
+        return [e async for e in guarded(events())]
 
     got = asyncio.run(collect())
     assert got[0] == "data: 1\n\n" and json.loads(got[1][len("data: "):])["error"]["type"] == "server_error"
@@ -259,7 +259,7 @@ def test_a_stream_sends_each_deltas_events_in_one_write(tmp_path):
     one write (one wake-up of the client) per Triton response, and one to end."""
     import asyncio
 
-    from specguide.openai_api import handlers
+    from specguide.openai_api import chat_endpoint, completions_endpoint, handlers
     from specguide.openai_api.triton_client import Delta
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<e>"}))
@@ -279,11 +279,11 @@ def test_a_stream_sends_each_deltas_events_in_one_write(tmp_path):
     def events(write):
         return [json.loads(e[len("data: "):]) if e != "data: [DONE]" else e for e in write.split("\n\n") if e]
 
-    got = [events(w) for w in asyncio.run(writes(handlers.chat, chat_req(
+    got = [events(w) for w in asyncio.run(writes(chat_endpoint.chat, chat_req(
         stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})))]
     # vLLM's continuous_usage_stats: every chunk carries the counts so far
     assert [[e["usage"]["completion_tokens"] for e in w if e != "data: [DONE]"] for w in got] == [[1, 1], [2], [3, 3], [3]]
-    got = [events(w) for w in asyncio.run(writes(handlers.chat, chat_req(stream=True, stream_options={"include_usage": True})))]
+    got = [events(w) for w in asyncio.run(writes(chat_endpoint.chat, chat_req(stream=True, stream_options={"include_usage": True})))]
     assert all(e["usage"] is None for w in got[:3] for e in w)
     assert [[e["choices"][0]["delta"] for e in w] for w in got[:3]] == [
         [{"role": "assistant", "content": ""}, {"content": "Hel"}], [{"content": "lo"}], [{"content": "!"}, {}]]
@@ -292,13 +292,13 @@ def test_a_stream_sends_each_deltas_events_in_one_write(tmp_path):
     assert len(got) == 4
 
     req = CompletionRequest.model_validate({"model": "specguide", "prompt": "Say", "stream": True, "echo": True})
-    got = [events(w) for w in asyncio.run(writes(handlers.complete, req))]
+    got = [events(w) for w in asyncio.run(writes(completions_endpoint.complete, req))]
     assert [[e["choices"][0]["text"] for e in w] for w in got[:3]] == [["Say", "Hel"], ["lo"], ["!", ""]]
     assert got[3] == ["data: [DONE]"] and len(got) == 4
 
 
 def test_token_id_prompts_go_to_the_model_as_input_ids():
-    from specguide.openai_api.handlers import _prompts
+    from specguide.openai_api.completions_endpoint import _prompts
 
     assert _prompts("hi") == ["hi"] and _prompts(["a", "b"]) == ["a", "b"]
     assert _prompts(CompletionRequest(model="m", prompt=[1, 2, 3]).prompt) == [[1, 2, 3]]  # one prompt, as OpenAI's

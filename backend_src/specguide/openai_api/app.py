@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ReasoningMarkers
 from ..guided.limits import json_depth
-from . import handlers
+from . import chat_endpoint, completions_endpoint, handlers
 from .chat import ChatTemplate
 from .errors import ApiError, ErrorType, bad_request, from_validation
 from .sampling import Limits
@@ -137,11 +137,11 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return answer(await handlers.chat(ctx, await parse(request, ChatCompletionRequest)))
+        return answer(await chat_endpoint.chat(ctx, await parse(request, ChatCompletionRequest)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return answer(await handlers.complete(ctx, await parse(request, CompletionRequest)))
+        return answer(await completions_endpoint.complete(ctx, await parse(request, CompletionRequest)))
 
     def model_card() -> dict[str, Any]:
         return {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "specguide"}

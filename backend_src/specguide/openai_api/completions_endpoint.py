@@ -1,0 +1,127 @@
+"""POST /v1/completions: prompts (text or token ids) -> one Triton request each -> an answer or an SSE
+stream (echo, the legacy log probs object, vLLM's prompt_logprobs)."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Union
+
+from . import guides, sampling
+from .errors import bad_request
+from .handlers import Answer, Context, UsageInStream, check_stream_options, guarded, primed, sse
+from .outputs import CompletionLogprobs, UsageCounter, finish_reason, merge, vllm_prompt_logprobs
+from .schemas import CompletionRequest
+from .triton_client import Delta
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+async def complete(ctx: Context, req: CompletionRequest) -> Answer:
+    usage_in = check_stream_options(req)
+    prompts = _prompts(req.prompt)
+    guide = guides.resolve(req)
+    treqs = [sampling.build(req, p, guide, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs, ctx.limits)
+             for p in prompts]
+    if req.echo and (req.logprobs is not None or any(isinstance(p, list) for p in prompts)):
+        for t in treqs:  # the model sends the prompt's tokens (and their log probs) back
+            t.sampling["prompt_logprobs"] = max(req.logprobs or 0, req.prompt_logprobs or 0)
+            t.prompt_logprobs = True
+    it = await primed(merge([ctx.client.generate(t) for t in treqs]))
+    head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
+    n = treqs[0].n
+    echo = [Echo(p) if req.echo else None for p in prompts]
+    if req.stream:
+        return guarded(_complete_stream(it, head, n, echo, req.logprobs, usage_in))
+    return await _complete_whole(it, head, n, echo, req.logprobs, req.prompt_logprobs)
+
+
+def _prompts(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list[Union[str, list[int]]]:
+    """The request's prompts: strings, or token-id lists (one list of ints is one prompt, as OpenAI's)."""
+    prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+    if not prompts or any(not p for p in prompts):
+        raise bad_request("prompt must be a non-empty string, a non-empty list of token ids, or a list of either",
+                          "prompt")
+    if any(isinstance(p, list) and not all(0 <= t < 2**31 for t in p) for p in prompts):
+        raise bad_request("token ids in prompt must be in [0, 2^31)", "prompt")
+    return prompts
+
+
+@dataclass
+class Echo:
+    """A completions prompt to echo: its text, or (token ids) the text of its tokens as the model
+    decodes them (the `prompt_logprobs` output carries them, with their log probs)."""
+
+    prompt: Union[str, list[int]]
+
+    def text(self, d: Delta) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return "".join(next(iter(doc.values()))["decoded_token"] for doc in d.prompt_logprobs or [])
+
+    def logprobs(self, lp: CompletionLogprobs, d: Delta) -> Optional[dict[str, Any]]:
+        """The prompt's entries added to the choice's log probs (once, from its first delta)."""
+        return lp.add_prompt(d.prompt_logprobs) if d.prompt_logprobs else None
+
+
+async def _complete_whole(it, head: dict, n: int, echo: list[Optional[Echo]], top: Optional[int],
+                          prompt_n: Optional[int]) -> dict[str, Any]:
+    total = len(echo) * n
+    texts = [""] * total
+    prompt_docs: list[Optional[list]] = [None] * total
+    lps = [CompletionLogprobs(top) for _ in range(total)] if top is not None else None
+    reasons: list[Optional[str]] = [None] * total
+    started = set()
+    usage = UsageCounter()
+    async for p, d in it:
+        usage.add(p, d)
+        k = p * n + d.index
+        if k not in started:
+            started.add(k)
+            prompt_docs[k] = d.prompt_logprobs
+            if echo[p] is not None:
+                texts[k] = echo[p].text(d)
+                if lps is not None:
+                    echo[p].logprobs(lps[k], d)
+        texts[k] += d.text
+        if lps is not None:
+            lps[k].add(d.logprobs or [])
+        reasons[k] = d.finish_reason or reasons[k]
+    choices = [{"index": k, "text": texts[k], "logprobs": lps[k].to_openai() if lps else None,
+                "finish_reason": finish_reason(reasons[k])} for k in range(total)]
+    if prompt_n is not None:  # vLLM's, per choice
+        for k, c in enumerate(choices):
+            c["prompt_logprobs"] = vllm_prompt_logprobs(prompt_docs[k], prompt_n)
+    return {**head, "object": "text_completion", "choices": choices, "usage": usage.usage.to_openai()}
+
+
+async def _complete_stream(it, head: dict, n: int, echo: list[Optional[Echo]], top: Optional[int],
+                           usage_in: UsageInStream) -> AsyncIterator[str]:
+    usage = UsageCounter()
+    lps: dict[int, CompletionLogprobs] = {}
+    started = set()
+
+    def chunk(k: int, text: str, lp: Any = None, reason: Optional[str] = None) -> str:
+        return sse({**head, "object": "text_completion",
+                     "choices": [{"index": k, "text": text, "logprobs": lp, "finish_reason": reason}],
+                     **usage_in.key(usage)})
+
+    async for p, d in it:
+        usage.add(p, d)
+        k = p * n + d.index
+        out = []  # this delta's events, sent together
+        if k not in started:
+            started.add(k)
+            if echo[p] is not None:
+                elp = echo[p].logprobs(lps.setdefault(k, CompletionLogprobs(top)), d) if top is not None else None
+                out.append(chunk(k, echo[p].text(d), elp))
+        lp = lps.setdefault(k, CompletionLogprobs(top)).add(d.logprobs or []) if top is not None else None
+        if d.text or lp:
+            out.append(chunk(k, d.text, lp))
+        if d.finish_reason:
+            out.append(chunk(k, "", None, finish_reason(d.finish_reason)))
+        if out:
+            yield "".join(out)
+    tail = [sse({**head, "object": "text_completion", "choices": [], "usage": usage.usage.to_openai()})] \
+        if usage_in.last else []
+    yield "".join(tail + ["data: [DONE]\n\n"])
