@@ -213,6 +213,18 @@ def test_echo_with_logprobs_scores_the_prompt(client, server):
     streamed = list(client.completions.create(prompt=ids, stream=True, **kw))
     assert [v for ch in streamed if ch.choices and ch.choices[0].logprobs
             for v in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    # max_tokens 0 with echo scores the prompt alone (OpenAI's legacy API), whole or streamed
+    for stream in (False, True):
+        got = client.completions.create(prompt=ids, **{**kw, "max_tokens": 0}, stream=stream,
+                                        **({"stream_options": {"include_usage": True}} if stream else {}))
+        chunks = list(got) if stream else [got]
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+        assert [v for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for v in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs[:-1]
+        assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
     # vLLM's prompt_logprobs: per choice (completions), once per answer (chat); whole answers only
     v = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
                                   extra_body={"prompt_logprobs": 2}).model_dump()["choices"][0]["prompt_logprobs"]

@@ -2,6 +2,7 @@
 stream (echo, the legacy log probs object, vLLM's prompt_logprobs)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,8 +22,11 @@ async def complete(ctx: Context, req: CompletionRequest) -> Answer:
     usage_in = check_stream_options(req)
     prompts = _prompts(req.prompt)
     guide = guides.resolve(req)
-    treqs = [sampling.build(req, p, guide, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, req.logprobs, ctx.limits)
-             for p in prompts]
+    scoring = req.max_tokens == 0  # the prompt scored, nothing generated (OpenAI's legacy echo + max_tokens 0)
+    if scoring and not req.echo:
+        raise bad_request("max_tokens 0 scores the prompt: it needs echo: true", "max_tokens")
+    treqs = [sampling.build(req, p, guide, 1 if scoring else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                            req.logprobs, ctx.limits) for p in prompts]
     if req.echo and (req.logprobs is not None or any(isinstance(p, list) for p in prompts)):
         for t in treqs:  # the model sends the prompt's tokens (and their log probs) back
             t.sampling["prompt_logprobs"] = max(req.logprobs or 0, req.prompt_logprobs or 0)
@@ -32,8 +36,8 @@ async def complete(ctx: Context, req: CompletionRequest) -> Answer:
     n = treqs[0].n
     echo = [Echo(p) if req.echo else None for p in prompts]
     if req.stream:
-        return guarded(_complete_stream(it, head, n, echo, req.logprobs, usage_in))
-    return await _complete_whole(it, head, n, echo, req.logprobs, req.prompt_logprobs)
+        return guarded(_complete_stream(it, head, n, echo, req.logprobs, usage_in, scoring))
+    return await _complete_whole(it, head, n, echo, req.logprobs, req.prompt_logprobs, scoring)
 
 
 def _prompts(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list[Union[str, list[int]]]:
@@ -64,8 +68,13 @@ class Echo:
         return lp.add_prompt(d.prompt_logprobs) if d.prompt_logprobs else None
 
 
+def _unsaid(d: Delta) -> Delta:
+    """A scoring request's delta without the one token the model had to generate."""
+    return dataclasses.replace(d, text="", logprobs=None, num_output_tokens=0)
+
+
 async def _complete_whole(it, head: dict, n: int, echo: list[Optional[Echo]], top: Optional[int],
-                          prompt_n: Optional[int]) -> dict[str, Any]:
+                          prompt_n: Optional[int], scoring: bool) -> dict[str, Any]:
     total = len(echo) * n
     texts = [""] * total
     prompt_docs: list[Optional[list]] = [None] * total
@@ -74,6 +83,7 @@ async def _complete_whole(it, head: dict, n: int, echo: list[Optional[Echo]], to
     started = set()
     usage = UsageCounter()
     async for p, d in it:
+        d = _unsaid(d) if scoring else d
         usage.add(p, d)
         k = p * n + d.index
         if k not in started:
@@ -96,7 +106,7 @@ async def _complete_whole(it, head: dict, n: int, echo: list[Optional[Echo]], to
 
 
 async def _complete_stream(it, head: dict, n: int, echo: list[Optional[Echo]], top: Optional[int],
-                           usage_in: UsageInStream) -> AsyncIterator[str]:
+                           usage_in: UsageInStream, scoring: bool) -> AsyncIterator[str]:
     usage = UsageCounter()
     lps: dict[int, CompletionLogprobs] = {}
     started = set()
@@ -107,6 +117,7 @@ async def _complete_stream(it, head: dict, n: int, echo: list[Optional[Echo]], t
                      **usage_in.key(usage)})
 
     async for p, d in it:
+        d = _unsaid(d) if scoring else d
         usage.add(p, d)
         k = p * n + d.index
         out = []  # this delta's events, sent together
@@ -115,7 +126,7 @@ async def _complete_stream(it, head: dict, n: int, echo: list[Optional[Echo]], t
             if echo[p] is not None:
                 elp = echo[p].logprobs(lps.setdefault(k, CompletionLogprobs(top)), d) if top is not None else None
                 out.append(chunk(k, echo[p].text(d), elp))
-        lp = lps.setdefault(k, CompletionLogprobs(top)).add(d.logprobs or []) if top is not None else None
+        lp = lps.setdefault(k, CompletionLogprobs(top)).add(d.logprobs) if top is not None and d.logprobs else None
         if d.text or lp:
             out.append(chunk(k, d.text, lp))
         if d.finish_reason:

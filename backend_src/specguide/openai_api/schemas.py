@@ -201,6 +201,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]  # text, or token ids (sent as `input_ids`)
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 (with echo): score the prompt only
     echo: Optional[bool] = None
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # OpenAI caps it at 5, vLLM at 20
     suffix: Optional[str] = None  # refused
