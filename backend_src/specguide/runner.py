@@ -87,8 +87,9 @@ class Runner:
             full = self.model.logits(hidden[0])  # [n, V]
             if p.return_context_logits:
                 seq.out.context_logits.append(full.to("cpu", torch.float32, copy=True))
-            if p.prompt_logprobs is not None:
-                seq.out.prompt_logprobs += prompt_logprobs(full, seq.prompt_ids, chunk.start, p.prompt_logprobs)
+            if p.prompt_logprobs is not None and seq.out.prompt_logprobs is not None:  # None: already sent
+                done = seq.out.prompt_logprobs if chunk.start else []  # a prompt prefilled again starts over
+                seq.out.prompt_logprobs = done + prompt_logprobs(full, seq.prompt_ids, chunk.start, p.prompt_logprobs)
             logits = full[-1:]
         elif key is not None:
             logits = self.model.logits(hidden[:, -1])  # [1, V]
