@@ -141,6 +141,23 @@ def test_end_to_end_grpc_client_guided_decoding(server):
     assert set(obj) == {"name", "age"} and isinstance(obj["age"], int)
 
 
+def test_embedding_bias_of_the_ensemble_and_of_tensorrt_llm(server):
+    """The ensemble's embedding_bias_words / _weights and tensorrt_llm's dense embedding_bias reach
+    the logits: a large weight on a word's token makes the greedy answer that token, a ban removes
+    the greedy answer's first token."""
+    text, ids = _greedy(server, PROMPT, 4)
+    got = _stream(server, "specguide", {"text_input": S(PROMPT), "max_tokens": I(4), "exclude_input_in_output": B(True),
+                                        "embedding_bias_words": np.array([[b" zebra"]], np.object_),
+                                        "embedding_bias_weights": np.array([[100.0]], np.float32)})
+    assert got[-1][0].as_numpy("text_output")[0].decode() == " zebra" * 4
+    dense = np.zeros((1, max(ids) + 1), np.float32)
+    dense[0, ids[0]] = -100.0
+    got = _stream(server, "specguide", {"text_input": S(PROMPT), "max_tokens": I(4), "exclude_input_in_output": B(True),
+                                        "embedding_bias": dense})
+    banned = got[-1][0].as_numpy("output_ids").reshape(-1).tolist()
+    assert banned[0] != ids[0] and ids[0] not in banned
+
+
 def test_tensorrt_llm_core_names_over_grpc_and_http(server):
     """The `tensorrt_llm` model's own names: request_output_len, streaming, runtime_top_k/p,
     stop_words_list, output_ids [1, 1, n] and sequence_length; both spellings at once is an error."""

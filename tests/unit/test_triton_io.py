@@ -1190,3 +1190,22 @@ def test_prompt_logprobs_go_out_once_on_the_first_payload_after_the_prefill():
     with pytest.raises(io.UnsupportedError, match="prompt_logprobs"):
         vparse({"text_input": vtext("Hi"), "sampling_parameters": np.array([json.dumps({"prompt_logprobs": 2}).encode()],
                                                                             np.object_)})
+
+
+def test_tensorrt_llm_embedding_bias_becomes_the_logit_bias():
+    """The ensemble's words and weights (each token id of a word gets its weight, summed, as its
+    preprocessing does) and tensorrt_llm's dense embedding_bias (its nonzero entries), clamped to
+    +-100."""
+    dense = np.zeros((1, 300), np.float32)
+    dense[0, 7], dense[0, 200] = -1e9, 2.5
+    sp = one({"text_input": s("Hi"), "embedding_bias_words": s("ab", "b"),
+              "embedding_bias_weights": np.array([[1.5, 2.0]], np.float32), "embedding_bias": dense}).request.params
+    assert sp.logit_bias == {ord("a"): 1.5, ord("b"): 3.5, 7: -100.0, 200: 2.5}
+    with pytest.raises(InvalidRequestError, match="go in pairs") as e:
+        parse({"text_input": s("Hi"), "embedding_bias_words": s("a", "b"), "embedding_bias_weights": f32(1.0)})
+    assert io.error_code(e.value) == "INVALID_ARG"
+    with pytest.raises(InvalidRequestError, match="finite"):
+        parse({"text_input": s("Hi"), "embedding_bias": np.array([[np.nan]], np.float32)})
+    too_many = np.ones((1, 301), np.float32)
+    with pytest.raises(InvalidRequestError, match="at most 300"):
+        parse({"text_input": s("Hi"), "embedding_bias": too_many})

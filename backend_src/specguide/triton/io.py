@@ -381,6 +381,32 @@ def _apply_tensor_sampling(row: Row, sp: SamplingParams, explicit_sampling: bool
         v = row.float(key)
         if v is not None:
             setattr(sp, key, v)
+    bias = _embedding_bias(row, tokenizer)
+    if bias:
+        sp.logit_bias = {**sp.logit_bias, **bias}
+
+
+def _embedding_bias(row: Row, tokenizer: Any) -> dict[int, float]:
+    """TensorRT-LLM's logit bias as {token id: bias}: the ensemble's words and weights (each of a
+    word's token ids gets its weight added, as its preprocessing does) and `tensorrt_llm`'s dense
+    `embedding_bias` (its nonzero entries). Clamped to +-100 (the engine's range; past it a token is
+    already banned or forced)."""
+    bias: dict[int, float] = {}
+    words, weights = row.strs("embedding_bias_words"), row.values("embedding_bias_weights")
+    weights = [] if weights is None else [float(w) for w in weights.reshape(-1)]
+    if len(words) != len(weights):
+        raise InvalidRequestError(f"embedding_bias_words has {len(words)} words and embedding_bias_weights "
+                                  f"{len(weights)} weights; they go in pairs")
+    for word, weight in zip(words, weights):
+        for t in encode_words([word], tokenizer)[0] if word else []:
+            bias[t] = bias.get(t, 0.0) + weight
+    dense = row.values("embedding_bias")
+    if dense is not None:
+        for t in np.flatnonzero(dense.reshape(-1)).tolist():
+            bias[t] = bias.get(t, 0.0) + float(dense.reshape(-1)[t])
+    if any(not np.isfinite(v) for v in bias.values()):
+        raise InvalidRequestError("embedding bias values must be finite numbers")
+    return {t: min(max(v, -100.0), 100.0) for t, v in bias.items()}
 
 
 def _echo(req: Request, tokenizer: Any) -> tuple[str, list[int]]:
