@@ -173,6 +173,12 @@ def test_sampling_fields_map_to_the_models_inputs():
     with pytest.raises(ApiError) as e:
         sampling.build(CompletionRequest(model="m", prompt="x", best_of=3), "p", None, None, 16, None, sampling.Limits())
     assert e.value.param == "best_of" and e.value.code == "unsupported_parameter"
+    # vLLM's detokenizer options at their defaults (what vLLM clients send) pass; the others are refused
+    sampling.build(chat_req(skip_special_tokens=True, spaces_between_special_tokens=True), "p", None, 4, 100, None,
+                   sampling.Limits())
+    with pytest.raises(ApiError) as e:
+        sampling.build(chat_req(skip_special_tokens=False), "p", None, 4, 100, None, sampling.Limits())
+    assert e.value.param == "skip_special_tokens" and e.value.code == "unsupported_parameter"
 
 
 def test_logprobs_formats():

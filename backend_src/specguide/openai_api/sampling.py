@@ -35,6 +35,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "add_generation_prompt": ((None, True), "the generation prompt is always added"),
     "continue_final_message": ((None, False), "a final assistant message cannot be continued"),
     "suffix": ((None, ""), "insertion (fill in the middle) is not supported by this model"),
+    "skip_special_tokens": ((None, True), "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always left out of the text"),
 }
 
 

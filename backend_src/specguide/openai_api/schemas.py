@@ -156,6 +156,8 @@ class _Sampling(_Strict):
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    skip_special_tokens: Optional[bool] = None  # vLLM's default, true, only
+    spaces_between_special_tokens: Optional[bool] = None  # vLLM's default, true, only
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
