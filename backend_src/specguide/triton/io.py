@@ -402,8 +402,9 @@ def _embedding_bias(row: Row, tokenizer: Any) -> dict[int, float]:
             bias[t] = bias.get(t, 0.0) + weight
     dense = row.values("embedding_bias")
     if dense is not None:
-        for t in np.flatnonzero(dense.reshape(-1)).tolist():
-            bias[t] = bias.get(t, 0.0) + float(dense.reshape(-1)[t])
+        dense = dense.reshape(-1)
+        for t in np.flatnonzero(dense).tolist():
+            bias[t] = bias.get(t, 0.0) + float(dense[t])
     if any(not np.isfinite(v) for v in bias.values()):
         raise InvalidRequestError("embedding bias values must be finite numbers")
     return {t: min(max(v, -100.0), 100.0) for t, v in bias.items()}
