@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from specguide.config import EngineConfig
-from specguide.engine import Engine
 from specguide.request import InvalidRequestError, Request, SamplingParams
 
 from .conftest import placed_in, run_alone
 from .test_guided_engine import run_many
+from .test_speculative import ngram_engine  # noqa: F401 (the fixture: n-gram drafts in every step)
 
 
-@pytest.fixture(scope="module")
-def eng():
-    """N-gram drafts in every step (no clock decides whether a step drafts)."""
-    e = Engine(EngineConfig(max_slots=4, max_seq_len=256, prefill_chunk=64, num_draft_tokens=3, drafter="ngram",
-                            cost_aware_k=False))
-    yield e
-    e.shutdown()
+@pytest.fixture
+def eng(ngram_engine):  # noqa: F811
+    return ngram_engine
 
 
 def chat(eng, text: str) -> str:
