@@ -334,8 +334,14 @@ def test_the_prefetch_distance_is_measured_once_and_cached_beside_rows_per_pass(
     pf = tune.prefetch_blocks(tmp_path, "k", lib, 2)
     assert pf in tune.PF_CANDIDATES
     record = json.loads((tmp_path / "tuned-k.json").read_text())
-    assert record["RB"] == 3 and record["PF"] == pf and set(record["prefetch_ms"]) == {str(c) for c in tune.PF_CANDIDATES}
+    times = f"prefetch_ms_{tune.prefetch_format(lib)}"  # the served format: Q4_1 x int8 where there is an integer path
+    assert tune.prefetch_format(lib) == ("q4_1_q8" if lib.int_dot_path() > 0 else "q4_1")
+    assert record["RB"] == 3 and record["PF"] == pf and set(record[times]) == {str(c) for c in tune.PF_CANDIDATES}
     monkeypatch.setattr(tune, "measure_prefetch", lambda *a: pytest.fail("measured again"))
     assert tune.prefetch_blocks(tmp_path, "k", lib, 2) == pf
+    # a record measured on another format (before the served one was measured) is measured again
+    (tmp_path / "tuned-k.json").write_text('{"RB": 3, "PF": 8, "prefetch_ms": {"0": 1.0, "8": 0.5}}')
+    monkeypatch.setattr(tune, "measure_prefetch", lambda *a: {c: 1.0 for c in tune.PF_CANDIDATES})
+    assert tune.prefetch_blocks(tmp_path, "k", lib, 2) == 0
     monkeypatch.setenv("SPECGUIDE_KERNEL_PF", "6")
     assert tune.prefetch_blocks(tmp_path, "k", lib, 2) == 6

@@ -12,8 +12,9 @@ changes a result: a row's sums are the same operations whatever RB is (tests/uni
 checks every candidate bit for bit).
 
 The software prefetch distance of the block-format GEMVs (`set_prefetch` in ops.c) is measured the
-same way, but where it matters: batch-1 GEMVs streaming more weights than the L3 cache holds (a
-decode step's), with the serving thread count and wall time, on the built library (no rebuilds).
+same way, but where it matters: batch-1 GEMVs in the format a decode step streams (Q4_1 x int8
+where the build has an integer path) over more weights than the L3 cache holds, with the serving
+thread count and wall time, on the built library (no rebuilds).
 """
 from __future__ import annotations
 
@@ -87,12 +88,6 @@ def _record(cache: Path, key: str) -> dict:
         return {}
 
 
-def _cached(cache: Path, key: str, field: str) -> dict:
-    """The record, with `field` forced by SPECGUIDE_KERNEL_<field> when set (tests, benchmarks)."""
-    forced = os.environ.get(f"SPECGUIDE_KERNEL_{field}")
-    return {field: int(forced)} if forced else _record(cache, key)
-
-
 def _save(cache: Path, key: str, fields: dict) -> None:
     path = cache / f"tuned-{key}.json"
     record = _record(cache, key)
@@ -106,9 +101,13 @@ def _tuned(cache: Path, key: str, field: str, default: int, measure: Callable[[]
            times_field: str, what: str) -> int:
     """`field` for this machine (`key`: the source, CPU flags and -march): forced, cached, else
     measured: the candidate with the least time, unless it is within MARGIN of `default` (the noise
-    of a shared machine); saved with its candidates' times under `times_field`."""
-    record = _cached(cache, key, field)
-    if field in record:
+    of a shared machine); saved with its candidates' times under `times_field`. A record without
+    `times_field` was measured another way: measured again."""
+    forced = os.environ.get(f"SPECGUIDE_KERNEL_{field}")  # tests, benchmarks
+    if forced:
+        return int(forced)
+    record = _record(cache, key)
+    if field in record and times_field in record:  # measured the way this version measures it
         return int(record[field])
     try:
         times = measure()
@@ -142,20 +141,29 @@ def _l3_bytes() -> int:
         return 0
 
 
+def prefetch_format(lib: ctypes.CDLL) -> str:
+    """The block format a decode step streams with these kernels: Q4_1 times int8 activations where
+    the build has a vector integer path (`activation_dtype` auto), else Q4_1 widened to fp32."""
+    return "q4_1_q8" if lib.int_dot_path() > 0 else "q4_1"
+
+
 def measure_prefetch(lib: ctypes.CDLL, threads: int) -> dict[int, float]:
-    """Per prefetch distance: the best wall time of one pass of batch-1 Q4_1 GEMVs over more
-    distinct weights than the L3 cache holds (interleaved rounds)."""
+    """Per prefetch distance: the best wall time of one pass of batch-1 GEMVs in the served block
+    format (`prefetch_format`) over more distinct weights than the L3 cache holds (interleaved rounds)."""
+    fmt = prefetch_format(lib)
     I, O = 576, 3072  # a SmolLM2 gate|up: 1.1 MB of nibbles, 0.2 MB of scales
     per = (O // 64) * I * 32 + (O // 64) * (I // 32) * 2 * 64 * 2
     n = -(-max(STREAM_BYTES, 2 * _l3_bytes()) // per)
-    mats = [(torch.full((O // 64, I, 32), 0x35, dtype=torch.uint8),  # written: no lazily mapped zero pages
+    shape = (O // 64, I, 32) if fmt == "q4_1" else (O // 64, I // 4, 32, 4)
+    mats = [(torch.full(shape, 0x35, dtype=torch.uint8),  # written: no lazily mapped zero pages
              torch.full((O // 64, I // 32, 2, 64), 0.01, dtype=torch.float16)) for _ in range(n)]
     x, y = torch.randn(1, I), torch.empty(1, O)
+    fn = getattr(lib, f"gemv_{fmt}")
 
     def one_pass() -> float:
         t0 = time.perf_counter()
         for w, dm in mats:
-            lib.gemv_q4_1(x.data_ptr(), w.data_ptr(), dm.data_ptr(), None, y.data_ptr(), 1, I, O, threads)
+            fn(x.data_ptr(), w.data_ptr(), dm.data_ptr(), None, y.data_ptr(), 1, I, O, threads)
         return time.perf_counter() - t0
     best = {pf: float("inf") for pf in PF_CANDIDATES}
     try:
@@ -173,4 +181,4 @@ def prefetch_blocks(cache: Path, key: str, lib: ctypes.CDLL, threads: int) -> in
     stream); none stays unless another is MARGIN faster. SPECGUIDE_KERNEL_PF forces one."""
     def ms() -> dict[int, float]:
         return {pf: t * 1e3 for pf, t in measure_prefetch(lib, threads).items()}
-    return _tuned(cache, key, "PF", 0, ms, "prefetch_ms", "prefetch distance")
+    return _tuned(cache, key, "PF", 0, ms, f"prefetch_ms_{prefetch_format(lib)}", "prefetch distance")
