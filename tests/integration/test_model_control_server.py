@@ -41,7 +41,9 @@ from .conftest import MODEL, Server, launch, repository_with, stop_and_check
 from .helpers import B, I, S, raw_stream, tensor_inputs
 
 MODELS = (MODEL, "specguide_unary", "specguide_vllm")
-CYCLES = 20
+# 10 in the suite (~19 s a cycle on a 2-core Zen 3: the largest single test); the recorded 20-cycle
+# figures (bench/RESULTS.md) come from SPECGUIDE_LOAD_CYCLES=20
+CYCLES = int(os.environ.get("SPECGUIDE_LOAD_CYCLES", "10"))
 IN_FLIGHT_CYCLE = 1  # the cycle whose unload finds requests running
 RSS_TOLERANCE = 0.05
 READ_SYSCALL = {"aarch64": "63"}.get(platform.machine(), "0")  # read(2) in /proc/<pid>/syscall (x86_64: 0)
