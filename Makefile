@@ -50,7 +50,7 @@ setup: $(STAMPS)/tritonserver model
 
 # The trained draft head of the "hybrid"/"head" drafters, for the model MODEL_REPOSITORY serves:
 # trained once into the model cache by the project's own script and recipe (deterministic from its
-# seed; ~7 min on 2 CPU cores for the default model). `make test` makes it up front, so the suite
+# seed; ~7 min on 2 Zen 4 cores for the default model, ~15 on an AVX2-only Zen 3). `make test` makes it up front, so the suite
 # runs what `make serve` serves; `make serve` does not wait for it: the server trains a missing head
 # in the background (config.pbtxt's draft_head_training). DRAFT_HEAD=skip goes without it.
 DRAFT_HEAD ?= train
