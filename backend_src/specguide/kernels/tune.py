@@ -40,12 +40,16 @@ ROUNDS = 5
 CALLS = 10  # per timing: the decode shapes take ~20 us
 
 
+def _nibbles_shape(fmt: str, I: int, O: int) -> tuple[int, ...]:
+    """The packed Q4_1 nibbles of an [O, I] weight: [O/64, I, 32], or in 4-input groups for the
+    integer kernels (q4_1_q8) [O/64, I/4, 32, 4]."""
+    return (O // 64, I, 32) if fmt == "q4_1" else (O // 64, I // 4, 32, 4)
+
+
 def _timer(lib: ctypes.CDLL, fmt: str, B: int, I: int, O: int, g: torch.Generator) -> Callable[[], float]:
     x, y = torch.randn(B, I, generator=g), torch.empty(B, O)
-    if fmt in ("q4_1", "q4_1_q8"):  # any values do for timing: nibbles [O/64, I, 32] (q4_1_q8: in 4-input
-        # groups, [O/64, I/4, 32, 4]), fp16 d and m [O/64, I/32, 2, 64]
-        shape = (O // 64, I, 32) if fmt == "q4_1" else (O // 64, I // 4, 32, 4)
-        packed = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    if fmt in ("q4_1", "q4_1_q8"):  # any values do for timing; fp16 d and m [O/64, I/32, 2, 64]
+        packed = torch.randint(0, 256, _nibbles_shape(fmt, I, O), generator=g, dtype=torch.uint8)
         dm = (torch.rand(O // 64, I // 32, 2, 64, generator=g) * 0.01).half()
         fn = getattr(lib, f"gemv_{fmt}")
 
@@ -154,8 +158,7 @@ def measure_prefetch(lib: ctypes.CDLL, threads: int) -> dict[int, float]:
     I, O = 576, 3072  # a SmolLM2 gate|up: 1.1 MB of nibbles, 0.2 MB of scales
     per = (O // 64) * I * 32 + (O // 64) * (I // 32) * 2 * 64 * 2
     n = -(-max(STREAM_BYTES, 2 * _l3_bytes()) // per)
-    shape = (O // 64, I, 32) if fmt == "q4_1" else (O // 64, I // 4, 32, 4)
-    mats = [(torch.full(shape, 0x35, dtype=torch.uint8),  # written: no lazily mapped zero pages
+    mats = [(torch.full(_nibbles_shape(fmt, I, O), 0x35, dtype=torch.uint8),  # written: no lazily mapped zero pages
              torch.full((O // 64, I // 32, 2, 64), 0.01, dtype=torch.float16)) for _ in range(n)]
     x, y = torch.randn(1, I), torch.empty(1, O)
     fn = getattr(lib, f"gemv_{fmt}")
