@@ -112,9 +112,10 @@ class EngineConfig:
     draft_head_training: str = "background"  # "background": a served engine whose head is missing has it
     # trained by a process of its own at the least CPU share (head_training.py); "off": it waits for
     # scripts/train_draft_head.py
-    draft_head_weight_dtype: str = "int8"  # CPU (C kernels): how the draft head's linear weights are
-    # held, as weight_dtype. Drafts never change the output, only acceptance: int8 drafts as well as
-    # fp32 at less cost (bench/HISTORY.md). "" = the target's weight_dtype (always so without the C kernels)
+    draft_head_weight_dtype: str = "q8_0"  # CPU (C kernels): how the draft head's linear weights are
+    # held, as weight_dtype. Drafts never change the output, only acceptance: 8-bit drafts as well as
+    # fp32 at less cost, and Q8_0 blocks take int8 activations in integer dot products where the target
+    # does (bench/HISTORY.md). "" = the target's weight_dtype (always so without the C kernels)
     adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
     cost_aware_k: bool = True  # CPU: a step drafts only while the measured cost of its extra rows is
     # repaid by the expected accepted tokens (speculative/step_cost.py; while it is not, a probe step

@@ -54,9 +54,10 @@ class DraftHead(nn.Module):
         wd = getattr(target, "weight_dtype", "float32")
         if weight_dtype and invariant_available(w):
             wd = weight_dtype  # NOTE: drafts never change the output (verification decides), only acceptance
-        self.lm = make_head(w.contiguous(), wd) if pack else _frozen_linear(w)
+        idot = getattr(target, "integer_dot", False)  # block formats: int8 activations, as the target's
+        self.lm = make_head(w.contiguous(), wd, idot) if pack else _frozen_linear(w)
         if pack:
-            prepare_linears(self, wd)
+            prepare_linears(self, wd, idot)
         self.fused = fused_stack([self.layer], self.cfg) if pack and target.invariant_attention else None
         return self
 
