@@ -52,12 +52,27 @@ def test_costly_rows_and_poor_drafts_stop_speculating_and_probe_ever_more_rarely
 
 def test_a_probe_that_pays_starts_the_probe_intervals_again():
     costs = StepCosts(probe_spec_every=16, probe_spec_max=128, probe_off_every=1000)
-    poor = decide(costs, [1] * 4, [0.2] * 4, t_off=0.02, t_spec=0.03, steps=100)
+    # 20% acceptance, a step 1.35x as long: repaid at 35% (within reach of a probe)
+    poor = decide(costs, [1] * 4, [0.2] * 4, t_off=0.02, t_spec=0.027, steps=100)
     assert [i + 1 for i, s in enumerate(poor) if s and i >= 2] == [16, 48]
-    good = decide(costs, [1] * 4, [0.9] * 4, t_off=0.02, t_spec=0.03, steps=12)  # drafts got good: pays
+    good = decide(costs, [1] * 4, [0.9] * 4, t_off=0.02, t_spec=0.027, steps=12)  # drafts got good: pays
     assert all(good)
-    again = decide(costs, [1] * 4, [0.2] * 4, t_off=0.02, t_spec=0.03, steps=60)  # poor again, from step 113
+    again = decide(costs, [1] * 4, [0.2] * 4, t_off=0.02, t_spec=0.027, steps=60)  # poor again, from step 113
     assert [113 + i for i, s in enumerate(again) if s] == [128, 160]  # 16 steps on, then 32 (not 128)
+
+
+def test_probes_wait_longest_where_no_plausible_acceptance_would_repay_the_step():
+    # 8 slots, K=1, a verification step 1.9x a plain one (Zen 3, guided): repaid only at 88%
+    # acceptance, 28 points above today's 60%: after the first probe (the second sample of its cost)
+    # the one due 32 steps later waits the longest interval instead, and so do the next
+    got = decide(StepCosts(probe_spec_every=16, probe_spec_max=128, probe_off_every=1000), [1] * 8, [0.6] * 8,
+                 t_off=0.025, t_spec=0.047, steps=320)
+    assert got[:2] == [True, False]
+    assert [i + 1 for i, s in enumerate(got) if s and i >= 2] == [16, 176, 304]  # was 16, 48, 112, 240
+    # within reach (75% -> 88% would repay it): probes as before
+    got = decide(StepCosts(probe_spec_every=16, probe_spec_max=128, probe_off_every=1000), [1] * 8, [0.75] * 8,
+                 t_off=0.025, t_spec=0.047, steps=320)
+    assert [i + 1 for i, s in enumerate(got) if s and i >= 2] == [16, 48, 112, 240]
 
 
 def test_decision_follows_changing_costs_and_batch_sizes_separately():

@@ -11,7 +11,10 @@ costs are explored first (speculate, then one plain step). While drafting does n
 size, a probe step drafts anyway (fresh acceptance rates and t_spec): the first after
 `probe_spec_every` steps, then at doubling intervals up to `probe_spec_max` while each probe
 finds it still does not pay (a probe costs a verification's extra rows and the draft head's
-catch-up of every row since the last one); a step that pays starts the intervals again. While
+catch-up of every row since the last one); a step that pays starts the intervals again. Where
+even acceptance `reach` above today's rates would not repay the step as measured twice or more
+(large batches on a CPU whose verification rows cost nearly a whole row each), probes wait the
+longest interval. While
 drafting pays, every `probe_off_every`-th step decodes plainly (fresh t_off; rarer, since a
 needless plain step costs a whole step's worth of accepted drafts).
 """
@@ -29,7 +32,9 @@ class StepCosts:
     probe_spec_max: int = 128  # the longest interval between probes (each doubles the last)
     probe_off_every: int = 64
     decay: float = 0.8  # weight of the old average
+    reach: float = 0.2  # how far above a slot's acceptance estimate a probe may find it
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    samples: dict[tuple[int, int], int] = field(default_factory=dict)  # steps measured per key
     steps: dict[int, int] = field(default_factory=dict)  # decisions taken per batch size
     next_probe: dict[int, tuple[int, int]] = field(default_factory=dict)  # batch size -> (step, interval)
 
@@ -40,6 +45,7 @@ class StepCosts:
         # shared CPU only adds time, and a shape's first step pays one-time costs (the first
         # verification after start-up: 35 ms for an 11 ms step): averaged in, one such sample kept
         # drafting off through several probes (hundreds of steps) where it paid 1.2-1.3x
+        self.samples[key] = self.samples.get(key, 0) + 1
         self.seconds[key] = seconds if old is None or seconds < old else self.decay * old + (1 - self.decay) * seconds
 
     @staticmethod
@@ -62,13 +68,19 @@ class StepCosts:
             return True  # explore: measure speculation first
         if t_off is None:
             return False  # then one plain step
-        gain = sum(self.expected_tokens(k, r, f) for k, r, f in zip(ks, rates, forced)) / t_spec
-        if gain >= b / t_off:
+        def pays(up: float) -> bool:  # with every slot's acceptance `up` higher
+            tokens = sum(self.expected_tokens(k, min(1.0, r + up), f) for k, r, f in zip(ks, rates, forced))
+            return tokens / t_spec >= b / t_off
+        if pays(0.0):
             self.next_probe.pop(b, None)  # pays: probes start again from the first interval
             return n % self.probe_off_every != 0
         every = self.probe_spec_every
         at, interval = self.next_probe.setdefault(b, ((n // every + 1) * every, every))
         if n < at:
+            return False
+        # out of reach (judged on two samples at least: a first step may pay one-time costs): no probe yet
+        if interval < self.probe_spec_max and self.samples.get((b, kmax), 0) >= 2 and not pays(self.reach):
+            self.next_probe[b] = (n + self.probe_spec_max, self.probe_spec_max)
             return False
         interval = min(2 * interval, self.probe_spec_max)
         self.next_probe[b] = (n + interval, interval)
