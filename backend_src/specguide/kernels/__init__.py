@@ -117,6 +117,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.set_prefetch.argtypes = [ctypes.c_int]
     lib.forward_f32.restype = None  # (layers, nl, stack, x, slots, positions, B, T, threads): kernels/stack.py
     lib.forward_f32.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.mask_logits_rows.restype = None  # (logits, R, Vp, words, W, token_mask, rows, vocab, d2t)
+    lib.mask_logits_rows.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                                     + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p])
     return lib
 
 
@@ -386,6 +389,26 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
         assert packed.dtype == torch.bfloat16
         lib.gemv_bf16(x.data_ptr(), packed.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     return y
+
+
+def mask_logits_rows(logits: torch.Tensor, words: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor,
+                     vocab_size: int, d2t: Optional[torch.Tensor] = None) -> bool:
+    """Grammar masks in place (guided/decoder.py `mask_logits` without its temporaries): logits
+    [R, V'] fp32 get -inf where mask row rows[r] of words [N, W] (int32 bitmask) bans the token,
+    in rows whose token_mask [N] (int32) is set; ids >= vocab_size too; `d2t` [V'] int64 maps a
+    pruned vocabulary. False (nothing done) where the kernels or these CPU layouts are not there."""
+    lib = library()
+    if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous()
+            or words.dtype != torch.int32 or not words.is_contiguous() or token_mask.dtype != torch.int32
+            or not token_mask.is_contiguous() or rows.device.type != "cpu"):
+        return False
+    R, Vp = logits.shape
+    rows = rows.to(torch.int64).contiguous()
+    d = None if d2t is None else d2t.to(torch.int64).contiguous()
+    assert rows.numel() == R and (d is None or d.numel() == Vp)
+    lib.mask_logits_rows(logits.data_ptr(), R, Vp, words.data_ptr(), words.shape[1], token_mask.data_ptr(),
+                         rows.data_ptr(), vocab_size, None if d is None else d.data_ptr())
+    return True
 
 
 def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,

@@ -1286,3 +1286,35 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
     free(work);
     qact_free(&qa);
 }
+
+/* Grammar masks (guided/decoder.py `mask_logits`), in place: logits [R][Vp] get -inf where mask
+   row rows[r] of words [*][W] (one bit a token, little-endian in int32 words) has the token's bit
+   clear, in the rows whose token_mask[rows[r]] is set; ids >= vocab too. d2t [Vp] (NULL: column j
+   is token j) maps a drafter's pruned vocabulary to token ids. The same -inf the torch path writes. */
+void mask_logits_rows(float *logits, int64_t R, int64_t Vp, const int32_t *words, int64_t W,
+                      const int32_t *token_mask, const int64_t *rows, int64_t vocab, const int64_t *d2t) {
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t mr = rows[r];
+        if (!token_mask[mr]) continue;
+        const uint32_t *w = (const uint32_t *)words + mr * W;
+        float *y = logits + r * Vp;
+        if (d2t) {
+            for (int64_t j = 0; j < Vp; j++) {
+                const int64_t t = d2t[j];
+                if (!((w[t >> 5] >> (t & 31)) & 1u)) y[j] = -INFINITY;
+            }
+            continue;
+        }
+        const int64_t V = Vp < vocab ? Vp : vocab;
+        int64_t j = 0;
+        for (; j + 32 <= V; j += 32) {
+            const uint32_t b = w[j >> 5];
+            if (b == 0xFFFFFFFFu) continue;
+            for (int l = 0; l < 32; l++)
+                if (!((b >> l) & 1u)) y[j + l] = -INFINITY;
+        }
+        for (; j < V; j++)
+            if (!((w[j >> 5] >> (j & 31)) & 1u)) y[j] = -INFINITY;
+        for (; j < Vp; j++) y[j] = -INFINITY;
+    }
+}
