@@ -119,7 +119,8 @@ class EngineConfig:
     adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
     cost_aware_k: bool = True  # CPU: a step drafts only while the measured cost of its extra rows is
     # repaid by the expected accepted tokens (speculative/step_cost.py; while it is not, a probe step
-    # drafts after 16 steps, then at doubling intervals up to 128; a new sequence's acceptance
+    # drafts after 16 steps, then at doubling intervals up to 128, or only every 128 where even 0.2
+    # more acceptance would not repay the step as measured; a new sequence's acceptance
     # estimate starts from its kind's, guided or not, and a slot's drifts back to it; grammar-forced
     # tokens and a recurring 4-gram's continuation count as sure drafts); decisions follow wall time, so
     # draft counts vary run to run (tokens never do): a test comparing draft counts turns it off.
