@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specguide import kernels
-from specguide.guided.decoder import _BITS, mask_logits
+from specguide.guided.decoder import _BITS, mask_logits, mask_rows
 
 
 def torch_masked(logits, words, token_mask, rows, vocab, d2t=None):
@@ -68,3 +68,5 @@ def test_layouts_the_loop_does_not_take_fall_back_to_torch(masks):
         before = logits.clone()
         assert not kernels.mask_logits_rows(logits, w, tm, rows, vocab)
         assert torch.equal(logits, before)
+        mask_rows(logits, w, tm, rows, vocab, _BITS)  # the step's entry point: torch masks them
+        assert torch.equal(logits, torch_masked(before, w, tm, rows, vocab)) and not torch.equal(logits, before)

@@ -14,9 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import kernels
 from ..cuda import hostfunc
-from .decoder import _BITS, GuidedDecoder, mask_logits
+from .decoder import _BITS, GuidedDecoder, mask_rows
 from .grammar_worker import NO_LIMIT, NONE, GrammarWorker, GuidedStep
 
 
@@ -115,11 +114,7 @@ class GuidedStepper:
         """Mask logits [R, V'] with device mask-row indices rows [R] after the mask event; no host
         sync. `d2t` [V'] maps a drafter's pruned vocabulary to target ids."""
         self._mask_ev.block_forward()
-        vocab = self.worker.inner.vocab_size
-        if not self.on_cuda and kernels.mask_logits_rows(logits, self.bitmask_dev, self.token_mask_dev, rows, vocab, d2t):
-            return  # CPU: one C loop over the rows (the torch path's temporaries cost ~20x as much)
-        mask_logits(logits, self.bitmask_dev.index_select(0, rows), self.token_mask_dev.index_select(0, rows),
-                    vocab, self._bits, d2t)
+        mask_rows(logits, self.bitmask_dev, self.token_mask_dev, rows, self.worker.inner.vocab_size, self._bits, d2t)
 
     def proposals(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hybrid: (fixed [B], fallback [B]) device proposals for the next draft, after the mask event."""

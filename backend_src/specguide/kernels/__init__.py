@@ -395,12 +395,14 @@ def mask_logits_rows(logits: torch.Tensor, words: torch.Tensor, token_mask: torc
                      vocab_size: int, d2t: Optional[torch.Tensor] = None) -> bool:
     """Grammar masks in place (guided/decoder.py `mask_logits` without its temporaries): logits
     [R, V'] fp32 get -inf where mask row rows[r] of words [N, W] (int32 bitmask) bans the token,
-    in rows whose token_mask [N] (int32) is set; ids >= vocab_size too; `d2t` [V'] int64 maps a
-    pruned vocabulary. False (nothing done) where the kernels or these CPU layouts are not there."""
+    in rows whose token_mask [N] (int32) is set; without `d2t`, ids >= vocab_size too; `d2t` [V']
+    int64 maps a pruned vocabulary. False (nothing done) where the kernels or these CPU layouts are
+    not there."""
     lib = library()
-    if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous()
-            or words.dtype != torch.int32 or not words.is_contiguous() or token_mask.dtype != torch.int32
-            or not token_mask.is_contiguous() or rows.device.type != "cpu"):
+    tensors = (logits, words, token_mask, rows) + (() if d2t is None else (d2t,))
+    if (lib is None or any(t.device.type != "cpu" for t in tensors) or logits.dtype != torch.float32
+            or not logits.is_contiguous() or words.dtype != torch.int32 or not words.is_contiguous()
+            or token_mask.dtype != torch.int32 or not token_mask.is_contiguous()):
         return False
     R, Vp = logits.shape
     rows = rows.to(torch.int64).contiguous()

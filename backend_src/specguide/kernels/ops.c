@@ -1289,8 +1289,9 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
 
 /* Grammar masks (guided/decoder.py `mask_logits`), in place: logits [R][Vp] get -inf where mask
    row rows[r] of words [*][W] (one bit a token, little-endian in int32 words) has the token's bit
-   clear, in the rows whose token_mask[rows[r]] is set; ids >= vocab too. d2t [Vp] (NULL: column j
-   is token j) maps a drafter's pruned vocabulary to token ids. The same -inf the torch path writes. */
+   clear, in the rows whose token_mask[rows[r]] is set; without d2t, ids >= vocab too. d2t [Vp]
+   (NULL: column j is token j) maps a drafter's pruned vocabulary to token ids. The same -inf the
+   torch path writes. */
 void mask_logits_rows(float *logits, int64_t R, int64_t Vp, const int32_t *words, int64_t W,
                       const int32_t *token_mask, const int64_t *rows, int64_t vocab, const int64_t *d2t) {
     for (int64_t r = 0; r < R; r++) {
