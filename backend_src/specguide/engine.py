@@ -207,6 +207,18 @@ class Engine(EngineCore):
         for seq in [s for s in self._seqs.values() if s.deadline is not None and now >= s.deadline]:
             self._finish(seq, "timeout")
 
+    def _take_arrivals(self) -> bool:
+        """Mid-step: the inbox's submissions into the waiting queue (cancels wait for the loop: a
+        sequence of this step's decode batch must not finish under it)."""
+        with self._cv:
+            if self._stopping or not any(kind == "submit" for kind, _ in self._inbox):
+                return False
+            arrived = [x for x in self._inbox if x[0] == "submit"]
+            self._inbox = [x for x in self._inbox if x[0] != "submit"]
+            self._pending_submits -= len(arrived)
+        self._apply(arrived)
+        return True
+
     def _apply(self, inbox: list[tuple[str, object]]) -> None:
         for kind, item in inbox:
             if kind == "submit":

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import sys
 import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -162,23 +163,44 @@ class EngineCore:
         """One engine iteration: schedule, run (prefill chunks, one batched decode), process outputs.
         Returns False when there was nothing to run (e.g. waiting on grammar compiles)."""
         self._poll_compiles()
-        plan: StepPlan = self.scheduler.schedule(ready=lambda seq: seq.guide.compile is None)
+        ready = lambda seq: seq.guide.compile is None  # noqa: E731
+        plan: StepPlan = self.scheduler.schedule(ready=ready)
         if plan.empty:
             return False
         self._count(plan)
         self._copy_prefixes(plan.copies)
-        for chunk in plan.prefills:  # a request's first token goes out as soon as its prompt is in,
-            seq = self._prefill_chunk(chunk)  # not after the step's other prefills and decode
-            if seq is not None and seq.status is not Status.FINISHED:
-                self._emit(seq)
+        prefills = deque(plan.prefills)
+        budget = self.scheduler.prefill_chunk - sum(c.end - c.start for c in plan.prefills)
+        while prefills:
+            chunk = prefills.popleft()
+            seq = self._prefill_chunk(chunk)  # a request's first token goes out as soon as its prompt
+            if seq is not None and seq.status is not Status.FINISHED:  # is in, not after the step's
+                self._emit(seq)  # other prefills and decode
+            if not prefills and budget > 0 and self._take_arrivals():
+                # requests that came during the prefills join them, within the step's budget, rather
+                # than wait for its decode (a burst of requests: all but the first came during its prefill)
+                more = self.scheduler.schedule_more(budget, {c.seq.seq_id for c in plan.prefills}, ready)
+                self._copy_prefixes(more.copies)
+                plan.prefills += more.prefills
+                prefills.extend(more.prefills)
+                budget -= sum(c.end - c.start for c in more.prefills)
+                self._note(plan)
         for seq in self._decode_batch(plan.decodes):
             if seq.status is not Status.FINISHED:
                 self._emit(seq)
         return True
 
+    def _take_arrivals(self) -> bool:
+        """Move requests submitted since the step began into the waiting queue; True if any came
+        (the engine's inbox; none here)."""
+        return False
+
     def _count(self, plan: StepPlan) -> None:
         """The iteration's figures for stats() (read from another thread: plain ints)."""
         self.num_steps += 1
+        self._note(plan)
+
+    def _note(self, plan: StepPlan) -> None:
         self.last_step = (len(plan.prefills), len(plan.decodes),
                           sum(c.end - c.start for c in plan.prefills), time.time_ns() // 1000)
 

@@ -142,6 +142,22 @@ class Scheduler:
     # ---- admission (the engine appends to `waiting`; it enforces max_queue) ------------------
     def schedule(self, ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
         """Admit waiting sequences into free slots, then plan prefill chunks and the decode batch."""
+        copies = self._admit(ready)
+        prefills = self._chunks(self.prefill_chunk, planned=set())
+        decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
+        return StepPlan(prefills, decodes, copies)
+
+    def schedule_more(self, budget: int, planned: set[int],
+                      ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
+        """Mid-step, after a prefill chunk: admit sequences that arrived since `schedule` and plan
+        chunks of prefilling sequences not yet in this step (`planned`: their seq_ids) within the
+        `budget` tokens left; no decodes (the step's own batch runs after its prefills)."""
+        copies = self._admit(ready)
+        return StepPlan(self._chunks(budget, planned), [], copies)
+
+    def _admit(self, ready: Callable[[Sequence], bool]) -> list[PrefixCopy]:
+        """Waiting sequences into free slots (a prefix reused or copied where one is held); returns
+        the copies to run before any chunk."""
         blocked: list[Sequence] = []
         copies: list[PrefixCopy] = []
         while self.waiting and self.free_slots:
@@ -161,20 +177,23 @@ class Scheduler:
             seq.stats.first_scheduled_time_ns = time.time_ns()
             self.running[seq.slot] = seq
         self.waiting.extendleft(reversed(blocked))
+        return copies
+
+    def _chunks(self, budget: int, planned: set[int]) -> list[PrefillChunk]:
+        """The next chunk of each prefilling sequence not in `planned`, oldest first, within `budget`."""
         # NOTE: a request's chunks are [r + k*chunk, r + (k+1)*chunk) after r reused tokens (r a
         # multiple of chunk unless `any_prefix`), whatever else is running, so its prompt's numerics
         # never depend on its neighbours; a chunk that does not fit the remaining budget waits for
-        # the next step (the first one always fits)
-        budget = self.prefill_chunk
+        # the next step (a step's first one always fits: n <= prefill_chunk)
         prefills: list[PrefillChunk] = []
-        for seq in sorted((s for s in self.running.values() if s.status is Status.PREFILL), key=lambda s: s.seq_id):
+        for seq in sorted((s for s in self.running.values() if s.status is Status.PREFILL and s.seq_id not in planned),
+                          key=lambda s: s.seq_id):
             n = min(self.prefill_chunk, len(seq.prompt_ids) - seq.num_cached)
             if n > budget:
                 break
             prefills.append(PrefillChunk(seq, seq.num_cached, seq.num_cached + n))
             budget -= n
-        decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
-        return StepPlan(prefills, decodes, copies)
+        return prefills
 
     def _pick_slot(self, seq: Sequence) -> tuple[int, int, Optional[PrefixCopy]]:
         """(slot, prompt tokens to reuse, rows to copy first). Reuse is the longest prefix of the

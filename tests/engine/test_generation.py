@@ -93,6 +93,52 @@ def test_a_request_streams_its_first_token_before_the_next_prefill_of_its_step(e
         assert prefills[k] < first < (prefills[k + 1] if k + 1 < len(ids) else len(order)), order
 
 
+def test_a_request_that_arrives_during_a_prefill_joins_that_step_before_its_decode(engine, monkeypatch):
+    """A request submitted while a step prefills another is prefilled in that step, before the
+    step's decode batch, not one decode later (a burst: all but the first arrive during the first's
+    prefill); its output is what it gives alone."""
+    late_req = Request(prompt=PROMPTS[2], params=SamplingParams(max_tokens=4, temperature=0.0))
+    alone, _, _ = run_alone(engine, late_req)
+    events: list[tuple[str, int]] = []
+    got: dict[str, list[int]] = {"late": []}
+    prefill = engine.runner.prefill
+    armed = threading.Event()
+    done = threading.Semaphore(0)
+
+    def tracker(name):
+        def callback(o):
+            if o.token_ids:
+                events.append((name, len(o.token_ids)))
+                got.setdefault(name, []).extend(o.token_ids)
+            if o.finished:
+                done.release()
+        return callback
+
+    def submitting(chunk):  # the loop thread, in the step that prefills "next"
+        out = prefill(chunk)
+        if armed.is_set():
+            armed.clear()
+            engine.submit(late_req, tracker("late"))
+        return out
+
+    monkeypatch.setattr(engine.runner, "prefill", submitting)
+    running = Request(prompt=PROMPTS[0], params=SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    engine.submit(running, tracker("running"))
+    deadline = time.monotonic() + 120
+    while not any(name == "running" for name, _ in events):  # it decodes now: each step has it in its batch
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    armed.set()
+    engine.submit(Request(prompt=PROMPTS[1], params=SamplingParams(max_tokens=4, temperature=0.0)), tracker("next"))
+    for _ in range(3):
+        assert done.acquire(timeout=120)
+    order = [name for name, _ in events]
+    after = order[order.index("next"):]  # from the first token of the step's own prefill on
+    assert after.index("late") < after.index("running"), order
+    assert got["late"] == alone
+    assert engine.stats()["active_slots"] == 0
+
+
 def test_stats_report_the_batch_and_kv_figures_the_trtllm_metrics_show(engine):
     seen = []
     steps = engine.stats()["steps"]

@@ -226,3 +226,32 @@ def test_a_prefix_held_by_a_busy_slot_is_copied_into_the_new_slot():
     assert (d.slot, d.num_reused) == (1, 32) and plan.copies == [PrefixCopy(0, 1, 24, 32)]
     assert s.slot_hits == [3, 3, 0]  # each reuse of the shared prefix counts for the slots holding it
     s.check_integrity()
+
+
+def test_requests_that_arrive_during_a_steps_prefills_join_them_within_its_budget():
+    s = Scheduler(max_slots=5, max_seq_len=1000, prefill_chunk=16, prefix_caching=True, any_prefix=True)
+    shared = list(range(1, 9))  # 8 tokens every prompt starts with (any_prefix: reusable up to any token)
+    first, decoding = _prompt(1, shared, 2), seq(9, n_prompt=3)
+    for q in (decoding, first):
+        s.waiting.append(q)
+    plan = s.schedule()
+    decoding.num_cached, decoding.status = 3, Status.DECODE  # pretend: prefilled in an earlier step
+    plan = s.schedule()  # the step: `first` prefilled (10 tokens), `decoding` in its batch
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills] == [(1, 0, 10)] and plan.decodes == [decoding]
+    first.num_cached, first.status = 10, Status.DECODE  # its prefill ran; then these came
+    late = [_prompt(2, shared, 3), _prompt(3, shared, 5), _prompt(4, shared, 9)]
+    for q in late:
+        s.waiting.append(q)
+    more = s.schedule_more(16 - 10, {1})
+    # all are admitted (slots free) and reuse `first`'s 8 shared tokens, copied from its busy slot;
+    # chunks in arrival order while they fit the 6 tokens left: 3, then 5 does not fit (no skipping)
+    assert [q.num_reused for q in late] == [8, 8, 8]
+    assert more.copies == [PrefixCopy(first.slot, q.slot, 0, 8) for q in late]
+    assert [(c.seq.seq_id, c.start, c.end) for c in more.prefills] == [(2, 8, 11)] and more.decodes == []
+    late[0].num_cached, late[0].status = 11, Status.DECODE
+    # nothing planned twice, and the next step's schedule takes the rest
+    assert s.schedule_more(3, {1, 2}).prefills == []
+    plan = s.schedule()
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills] == [(3, 8, 13), (4, 8, 17)]
+    assert [q.seq_id for q in plan.decodes] == [9, 1, 2]
+    s.check_integrity()
