@@ -11,7 +11,9 @@ Triton's statistics are per model, so the per-instance view is the `model_instan
 from __future__ import annotations
 
 import json
+import queue
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -122,3 +124,45 @@ def test_concurrent_traffic_through_the_proxies_reaches_both_instances(two):
         t.join(300)
     assert not errors, errors
     assert sum((served(two) - before).values()) == ROUNDS * 4 + 4
+
+
+def finished(srv: Server, reason: str) -> float:
+    return sum(srv.metric("specguide_requests_total", model=MODEL, model_instance=i, finish_reason=reason)
+               for i in INSTANCES)
+
+
+def test_a_stop_request_stops_the_request_on_whichever_instance_runs_it(two):
+    """TensorRT-LLM's stop request (the running request's id, `stop` true) reaches whichever
+    instance Triton picks, as does the one the vLLM proxy sends when its client cancels; the
+    instance running the request stops it either way (stop_board.py): every such request ends
+    `cancelled` (the TensorRT-LLM interface: a CANCELLED error), none runs to its max_tokens."""
+    cancelled, lengths = finished(two, "cancelled"), finished(two, "length")
+    long = {"text_input": S(PROMPT), "max_tokens": I(1500), "min_tokens": I(1500), "stream": B(True)}
+    for k in range(4):  # direct: the request on one stream, its stop on another (as a second client would)
+        rid = f"stop-me-{k}"
+        client, stopper = grpcclient.InferenceServerClient(two.grpc), grpcclient.InferenceServerClient(two.grpc)
+        got: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        client.async_stream_infer(MODEL, tensor_inputs(long), request_id=rid, enable_empty_final_response=True)
+        result, error = got.get(timeout=120)  # it runs
+        assert error is None, error
+        stopper.start_stream(callback=lambda result, error: None)
+        stopper.async_stream_infer(MODEL, tensor_inputs({"stop": B(True)}), request_id=rid,
+                                   enable_empty_final_response=True)
+        while True:  # its responses until the last: the error a stopped request ends with
+            result, error = got.get(timeout=300)
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        assert error is not None and error.message() == "request was cancelled", error or result
+        for c in (client, stopper):
+            c.stop_stream()
+            c.close()
+    vllm = {"text_input": np.array([PROMPT.encode()], np.object_), "stream": np.array([True]),
+            "sampling_parameters": np.array([json.dumps({"max_tokens": 1500, "min_tokens": 1500}).encode()],
+                                            np.object_)}
+    for _ in range(4):  # through the proxy: its client goes away after the first response
+        raw_stream(two, vllm, cancel_after=1, model="specguide_vllm")
+    deadline = time.monotonic() + 120
+    while finished(two, "cancelled") - cancelled < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (finished(two, "cancelled") - cancelled, finished(two, "length") - lengths) == (8, 0)

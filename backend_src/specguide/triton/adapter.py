@@ -7,13 +7,14 @@ Threads:
 - The response thread builds and sends responses, records metrics, and every few
   milliseconds checks cancellation (`response_sender.is_cancelled()`), engine health and the
   slot / queue gauges. A cancelled request is cancelled in the engine at once, so its slot is
-  free at the next step. Each request's and sequence's response state: triton/groups.py.
+  free at the next step; so is one whose stop request reached another instance (stop_board.py). Each request's and sequence's response state: triton/groups.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import json
+import os
 import queue
 import threading
 import time
@@ -34,6 +35,7 @@ from .interfaces import INTERFACES, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAM
 from .limits import BIG_REQUEST_BYTES, InputLimits, request_bytes
 from .metrics import Metrics
 from .peer_metrics import PeerMetrics, Served
+from .stop_board import StopBoard
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WAKE_S = 0.02  # the response thread wakes at least this often
@@ -81,6 +83,8 @@ class TritonPythonModel:
         self.peer_metrics = PeerMetrics(pb_utils, self.model_name, self.model_version, self.config.max_seq_len,
                                         served=tuple((name, "1") for name in self._served_default.values()),
                                         instance=self.instance.label if several else "")
+        # with several instances a stop request may reach one that does not run the request
+        self._stops = StopBoard(self.model_name, os.getppid()) if several else None
         self._outbox: "queue.Queue[Any]" = queue.Queue()
         self._live: set[Seq] = set()
         self._live_lock = threading.Lock()
@@ -169,9 +173,12 @@ class TritonPythonModel:
         self.metrics.finished("rejected")
 
     def _stop(self, request_id: str) -> None:
-        """TensorRT-LLM's stop signal (and the proxies' cancellation): cancel that request's sequences."""
+        """TensorRT-LLM's stop signal (and the proxies' cancellation): cancel that request's sequences;
+        one this instance does not hold goes on the stop board, for the instance that does."""
         with self._live_lock:
             seqs = [s for s in self._live if request_id and s.group.request_id == request_id]
+        if not seqs and request_id and self._stops is not None:
+            self._stops.post(request_id)
         for seq in seqs:
             if seq.seq_id is not None and not seq.cancel_sent:
                 seq.cancel_sent = True
@@ -302,6 +309,9 @@ class TritonPythonModel:
             live = list(self._live)
         for seq in live:
             self._check_cancel(seq)
+        if self._stops is not None:  # stops other instances took for requests of this one
+            for request_id in self._stops.take({s.group.request_id for s in live if s.seq_id is not None}):
+                self._stop(request_id)
         stats = self.engine.stats()
         self.metrics.engine_stats(stats)
         self.peer_metrics.engine_stats(stats)
@@ -332,6 +342,8 @@ class TritonPythonModel:
         self._outbox.put(_STOP)  # after every final event the engine delivered
         self._thread.join(timeout=10.0)
         self._fail_all("the model was unloaded")
+        if self._stops is not None:
+            self._stops.close()
         # NOTE: the Python backend deletes a metric (family) in the server when its Python object dies,
         # and the stub's own teardown comes after the server stopped listening to it: without this,
         # an unloaded model's series stayed exported with their last values, and every load added
