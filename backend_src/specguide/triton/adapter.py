@@ -7,7 +7,8 @@ Threads:
 - The response thread builds and sends responses, records metrics, and every few
   milliseconds checks cancellation (`response_sender.is_cancelled()`), engine health and the
   slot / queue gauges. A cancelled request is cancelled in the engine at once, so its slot is
-  free at the next step; so is one whose stop request reached another instance (stop_board.py). Each request's and sequence's response state: triton/groups.py.
+  free at the next step; so is one whose stop request reached another instance (stop_board.py).
+  Each request's and sequence's response state: triton/groups.py.
 """
 from __future__ import annotations
 
@@ -309,7 +310,7 @@ class TritonPythonModel:
             live = list(self._live)
         for seq in live:
             self._check_cancel(seq)
-        if self._stops is not None:  # stops other instances took for requests of this one
+        if self._stops is not None:  # stops other instances posted for requests of this one
             for request_id in self._stops.take({s.group.request_id for s in live if s.seq_id is not None}):
                 self._stop(request_id)
         stats = self.engine.stats()
