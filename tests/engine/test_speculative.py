@@ -189,7 +189,8 @@ def test_grammar_dead_end_in_drafts_is_not_an_error(ngram_engine):
     assert any(n < k for k, n in fed_log), "no draft was cut by the grammar"
 
 
-def test_sampled_speculation_is_reproducible_and_batch_independent(engine):
+def test_sampled_speculation_is_reproducible_and_batch_independent(engine, monkeypatch):
+    monkeypatch.setattr(engine.proposer, "step_costs", None)  # every K > 0 step drafts (see above)
     prompt = prompts(engine)[1][0]
     p = SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True)
     a = run_alone(engine, Request(prompt=prompt, params=p))
