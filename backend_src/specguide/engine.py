@@ -211,9 +211,9 @@ class Engine(EngineCore):
         """Mid-step: the inbox's submissions into the waiting queue (cancels wait for the loop: a
         sequence of this step's decode batch must not finish under it)."""
         with self._cv:
-            if self._stopping or not any(kind == "submit" for kind, _ in self._inbox):
-                return False
             arrived = [x for x in self._inbox if x[0] == "submit"]
+            if self._stopping or not arrived:
+                return False
             self._inbox = [x for x in self._inbox if x[0] != "submit"]
             self._pending_submits -= len(arrived)
         self._apply(arrived)

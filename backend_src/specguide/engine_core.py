@@ -172,13 +172,14 @@ class EngineCore:
         prefills = deque(plan.prefills)
         budget = self.scheduler.prefill_chunk - sum(c.end - c.start for c in plan.prefills)
         while prefills:
-            chunk = prefills.popleft()
-            seq = self._prefill_chunk(chunk)  # a request's first token goes out as soon as its prompt
-            if seq is not None and seq.status is not Status.FINISHED:  # is in, not after the step's
-                self._emit(seq)  # other prefills and decode
+            # a request's first token goes out as soon as its prompt is in, not after the step's
+            # other prefills and decode
+            seq = self._prefill_chunk(prefills.popleft())
+            if seq is not None and seq.status is not Status.FINISHED:
+                self._emit(seq)
             if not prefills and budget > 0 and self._take_arrivals():
                 # requests that came during the prefills join them, within the step's budget, rather
-                # than wait for its decode (a burst of requests: all but the first came during its prefill)
+                # than wait for the decode of the batch already running
                 more = self.scheduler.schedule_more(budget, {c.seq.seq_id for c in plan.prefills}, ready)
                 self._copy_prefixes(more.copies)
                 plan.prefills += more.prefills

@@ -186,8 +186,8 @@ class Scheduler:
         # never depend on its neighbours; a chunk that does not fit the remaining budget waits for
         # the next step (a step's first one always fits: n <= prefill_chunk)
         prefills: list[PrefillChunk] = []
-        for seq in sorted((s for s in self.running.values() if s.status is Status.PREFILL and s.seq_id not in planned),
-                          key=lambda s: s.seq_id):
+        prefilling = (s for s in self.running.values() if s.status is Status.PREFILL and s.seq_id not in planned)
+        for seq in sorted(prefilling, key=lambda s: s.seq_id):
             n = min(self.prefill_chunk, len(seq.prompt_ids) - seq.num_cached)
             if n > budget:
                 break

@@ -95,8 +95,8 @@ def test_a_request_streams_its_first_token_before_the_next_prefill_of_its_step(e
 
 def test_a_request_that_arrives_during_a_prefill_joins_that_step_before_its_decode(engine, monkeypatch):
     """A request submitted while a step prefills another is prefilled in that step, before the
-    step's decode batch, not one decode later (a burst: all but the first arrive during the first's
-    prefill); its output is what it gives alone."""
+    step's decode batch (here: a request already decoding), not one decode later; its output is
+    what it gives alone."""
     late_req = Request(prompt=PROMPTS[2], params=SamplingParams(max_tokens=4, temperature=0.0))
     alone, _, _ = run_alone(engine, late_req)
     events: list[tuple[str, int]] = []
