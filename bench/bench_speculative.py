@@ -13,7 +13,7 @@ run's tokens are checked against the speculation-off run (identical: greedy is l
 `--weight-dtypes`: the whole matrix once per CPU weight format (float32 exact; bfloat16 / int8
 weight-only quantization), each against its own speculation-off baseline.
 `--activation-dtypes`: and once per activation_dtype (block formats: int8 = integer dot products).
-`--kv-cache-dtypes`: and once per kv_cache_dtype (float16: the CPU KV cache in fp16).
+`--kv-cache-dtypes`: and once per kv_cache_dtype (float16, int8: the CPU KV cache in fp16, int8).
 `--draft-head-weight-dtypes`: the head / hybrid rows once per draft-head weight format (drafts only).
 `--llama-cpp`: llama-cpp-python on the same GGUF (Q4_1), JSON schemas through its grammar, batch 1.
 "tokens per step" = generated tokens after the first / decode steps, from the engine's counters.
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--cost-aware-k", type=int, default=0)
     ap.add_argument("--weight-dtypes", default="float32", help="comma list of weight_dtype values (float32 | auto | q4_1 | q8_0 | bfloat16 | int8)")
     ap.add_argument("--activation-dtypes", default="auto", help="comma list of activation_dtype values (auto | int8 | float32)")
-    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of kv_cache_dtype values (auto | float32 | float16)")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of kv_cache_dtype values (auto | float32 | float16 | int8)")
     ap.add_argument("--draft-head-weight-dtypes", default="int8",
                     help="comma list: the draft head's weights (head / hybrid drafters; '' = the target's)")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python on the same GGUF")
@@ -154,7 +154,7 @@ def main() -> None:
                         baseline[key] = r
                     base = baseline[key]
                     row = dict(weight_dtype=wd, activation_dtype=ad, integer_dot=eng.model.integer_dot,
-                               kv_cache_dtype=kd, kv_half=eng.runner.kv.half,
+                               kv_cache_dtype=kd, kv_store=str(eng.runner.kv.store).removeprefix("torch."),
                                cost_aware_k=bool(args.cost_aware_k), adaptive_k=bool(args.adaptive_k),
                                draft_head_weight_dtype=hd if drafter in ("head", "hybrid") and k else None,
                                workload=wname, batch=batch, drafter="off" if k == 0 else drafter,

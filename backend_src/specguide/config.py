@@ -11,7 +11,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0")  # how the C kernels hold a weight
 WEIGHT_DTYPES = WEIGHT_FORMATS + ("auto",)  # auto: each weight in the narrowest format that holds it exactly
 ACTIVATION_DTYPES = ("auto", "float32", "int8")  # what block-format weights (q4_1, q8_0) multiply
-KV_CACHE_DTYPES = ("auto", "float32", "float16")  # what the CPU KV cache stores
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")  # what the CPU KV cache stores
 DRAFTERS = ("ngram", "grammar", "head", "hybrid", "early_exit", "draft_model")
 GUIDED_EXECUTORS = ("auto", "inline", "worker", "cuda")
 
@@ -63,8 +63,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # CPU (C kernels), what the KV cache stores: "float16" halves the bytes a
     # decode step reads (attention at 8 streams and a few hundred positions reads more K/V than
     # weights; K/V rounded to fp16 once when written, every step reads the same values: still
-    # batch-invariant); "float32": the float32 model's logits bit for bit; "auto": float16 with int8
-    # activations (activation_dtype), else float32
+    # batch-invariant); "int8": a quarter of fp32's bytes plus a scale per position and KV head (about
+    # half of fp16's memory; attention 0.68-0.76x fp16's time on Zen 3, logits ~1.2-1.5x fp16's KL from
+    # float32's: opt in for long contexts or many slots); "float32": the float32 model's logits bit for
+    # bit; "auto": float16 with int8 activations (activation_dtype), else float32
     packed_weights_cache: bool = True  # CPU (C kernels): keep each checkpoint's packed weights (tiles, and
     # for auto / the block formats the quantized blocks) in the model cache ($SPECGUIDE_CACHE_DIR/packed,
     # one file per checkpoint and format): a load after the first reads them instead of packing

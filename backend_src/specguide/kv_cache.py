@@ -17,11 +17,13 @@ class KVCache:
 
     Two layouts: torch's, K and V [layers, max_slots, kv_heads, S, head_dim]; and the C attention
     kernel's (`kernel_layout`: CPU, fp32, kernels.serves_attention), where K holds its positions in
-    blocks of 16, dims outermost, [layers, max_slots, kv_heads, S / 16, head_dim, 16] (a decode
-    query reads 16 keys' dim i as one vector), V as torch's, and both may be fp16 (`half`: half
-    the bytes a decode step reads; every query reads the same stored values whatever the step, so
-    the batch and chunk invariance hold as with fp32). S = max_seq_len + spare (rounded up to 16).
-    `rows` reads either layout back as fp32 [layers, kv_heads, n, head_dim].
+    blocks of 16, dims outermost, [layers, max_slots, kv_heads, S / 16, hw, 16] (a decode query
+    reads 16 keys' dim i as one vector), V [layers, max_slots, kv_heads, S, hw], both in `store`:
+    float32, float16 (half the bytes a decode step reads) or int8 (a quarter, plus a scale per
+    position and KV head: hw = head_dim + 4, `kernels.kv_row_width`). Every query reads the same
+    stored values whatever the step, so the batch and chunk invariance hold as with fp32.
+    S = max_seq_len + spare (rounded up to 16). `rows` reads either layout back as fp32
+    [layers, kv_heads, n, head_dim].
 
     `spare` positions past max_seq_len absorb the padded draft positions of a verification step.
 
@@ -34,29 +36,30 @@ class KVCache:
 
     def __init__(self, num_layers: int, max_slots: int, num_kv_heads: int, max_seq_len: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu", spare: int = 0,
-                 half: bool = False, kernel_layout: Optional[bool] = None):
+                 store: Optional[torch.dtype] = None, kernel_layout: Optional[bool] = None):
         if kernel_layout is None:
             kernel_layout = kernels.serves_attention(device, dtype, head_dim)
-        if half and not kernel_layout:
-            raise ValueError("an fp16 KV cache needs the C attention kernel (CPU, dtype float32)")
-        self.kernel_layout, self.half = kernel_layout, half
+        store = store or dtype
+        if store != dtype and not (kernel_layout and store in kernels.KV_KINDS):
+            raise ValueError(f"a {store} KV cache needs the C attention kernel (CPU, dtype float32)")
+        self.kernel_layout, self.store, self.head_dim = kernel_layout, store, head_dim
         S = max_seq_len + spare
-        store = torch.float16 if half else dtype
+        hw = kernels.kv_row_width(store, head_dim)
         if kernel_layout:
             B = kernels.KEY_BLOCK
             S = -(-S // B) * B
-            self.k = torch.zeros((num_layers, max_slots, num_kv_heads, S // B, head_dim, B), dtype=store, device=device)
+            self.k = torch.zeros((num_layers, max_slots, num_kv_heads, S // B, hw, B), dtype=store, device=device)
         else:
-            self.k = torch.zeros((num_layers, max_slots, num_kv_heads, S, head_dim), dtype=store, device=device)
-        self.v = torch.zeros((num_layers, max_slots, num_kv_heads, S, head_dim), dtype=store, device=device)
+            self.k = torch.zeros((num_layers, max_slots, num_kv_heads, S, hw), dtype=store, device=device)
+        self.v = torch.zeros((num_layers, max_slots, num_kv_heads, S, hw), dtype=store, device=device)
         self.max_slots, self.dtype = max_slots, dtype  # dtype: the model's (`like` passes it on)
         self.max_seq_len = max_seq_len + spare  # positions the cache holds
 
     def like(self, max_slots: int, positions: Optional[int] = None) -> KVCache:
         """An empty cache of this one's layout, storage and device (`positions`: default this one's)."""
         L, _, kvh = self.v.shape[:3]
-        return KVCache(L, max_slots, kvh, positions or self.max_seq_len, self.v.shape[-1], self.dtype,
-                       self.v.device, half=self.half, kernel_layout=self.kernel_layout)
+        return KVCache(L, max_slots, kvh, positions or self.max_seq_len, self.head_dim, self.dtype,
+                       self.v.device, store=self.store, kernel_layout=self.kernel_layout)
 
     def copy_rows(self, src: int, dst: int, start: int, end: int) -> None:
         """Positions [start, end) of every layer from slot src into slot dst."""
@@ -75,9 +78,11 @@ class KVCache:
 
     def rows(self, slot: int, start: int = 0, end: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, end) of `slot`, every layer: fp32 copies [layers, kv_heads, n, head_dim]."""
-        k = kernels.key_rows(self.k[:, slot]) if self.kernel_layout else self.k[:, slot]
-        return (k[:, :, start:end].to(torch.float32, copy=True),
-                self.v[:, slot, :, start:end].to(torch.float32, copy=True))
+        if not self.kernel_layout:
+            return (self.k[:, slot, :, start:end].to(torch.float32, copy=True),
+                    self.v[:, slot, :, start:end].to(torch.float32, copy=True))
+        k, v = kernels.kv_values(self.k[:, slot], self.v[:, slot], self.head_dim)
+        return k[:, :, start:end].contiguous(), v[:, :, start:end].contiguous()
 
     def blocks(self, positions: int) -> int:
         """Blocks covering `positions` token positions."""
@@ -88,13 +93,16 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
 
-def kv_half(config: EngineConfig, model: LlamaModel) -> bool:
-    """EngineConfig.kv_cache_dtype -> whether `model`'s KV cache holds fp16 ("auto": with int8 activations)."""
-    if config.kv_cache_dtype == "float16" and not model.invariant_attention:
-        raise ValueError("kv_cache_dtype float16 needs the CPU attention kernel (device cpu, dtype float32, "
+def kv_store(config: EngineConfig, model: LlamaModel) -> Optional[torch.dtype]:
+    """EngineConfig.kv_cache_dtype -> what `model`'s KV cache holds: None (the model's dtype), fp16
+    or int8 ("auto": fp16 with int8 activations)."""
+    want = config.kv_cache_dtype
+    if want in ("float16", "int8") and not model.invariant_attention:
+        raise ValueError(f"kv_cache_dtype {want} needs the CPU attention kernel (device cpu, dtype float32, "
                          "the C kernels built); use float32 or auto")
-    return config.kv_cache_dtype == "float16" or (config.kv_cache_dtype == "auto" and model.integer_dot
-                                                  and model.invariant_attention)
+    if want == "auto":
+        return torch.float16 if model.integer_dot and model.invariant_attention else None
+    return getattr(torch, want) if want != "float32" else None
 
 
 MAX_AUTO_SLOTS = 256  # what sizing from free memory may give (the interfaces batch up to 64 a request)

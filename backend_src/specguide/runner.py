@@ -13,7 +13,7 @@ from .cuda import hostfunc
 from .cuda.graphs import StepGraphs
 from .guided.capturable import CapturableGuidedDecoder
 from .guided.decoder import GuidedDecoder
-from .kv_cache import KVCache, kv_half
+from .kv_cache import KVCache, kv_store
 from .models.llama import LlamaModel
 from .scheduler import PrefillChunk, PrefixCopy, Sequence
 from .slot_sampling import SlotSampling
@@ -46,7 +46,7 @@ class Runner:
         K, S = config.num_draft_tokens, config.max_slots
         self.kv = KVCache(cfg.num_layers, S, cfg.num_kv_heads, config.max_seq_len, cfg.head_dim,
                           model.embed.weight.dtype, device, spare=K + 1,  # +1: padding rows of captured steps
-                          half=kv_half(config, model))
+                          store=kv_store(config, model))
         self.params = SlotSampling(S, cfg.vocab_size, device)
         inner = GuidedDecoder(S, K, cfg.vocab_size, num_threads=config.guided_mask_threads)
         self.guided = CapturableGuidedDecoder(inner, hostfunc.make_stream(resolve_executor(config, device)), device)

@@ -217,3 +217,43 @@ def test_the_served_draft_head_multiplies_int8_activations_like_the_target(fp32_
     g = torch.randn(64, fp32_engine.model.cfg.hidden_size)
     assert (head.logits(g).argmax(-1) == ref.logits(g).argmax(-1)).float().mean() >= 0.9
     assert not torch.equal(head.logits(g), ref.logits(g))
+
+
+def test_an_int8_kv_cache_holds_half_the_bytes_and_keeps_outputs_invariant(integer, random_head):
+    """kv_cache_dtype int8: K and V as int8 with a scale per position and KV head (68 bytes a 64-dim
+    head against fp16's 128); each value stored once, so a request's greedy tokens are the same
+    alone, batched and speculated; the logits stay close to the fp16 cache's (measured on schema
+    prompts against the float32 model: KL 1.1-9.0e-3 against fp16's 0.8-6.3e-3, bench/HISTORY.md)."""
+    e = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, weight_dtype="auto",
+                            activation_dtype="int8", kv_cache_dtype="int8", drafter="head",
+                            draft_head_path=str(random_head), cost_aware_k=False))  # every step drafts
+    try:
+        kv, half = e.runner.kv, integer.runner.kv
+        assert kv.k.dtype == kv.v.dtype == torch.int8 and half.k.dtype == torch.float16
+        assert kv.nbytes / half.nbytes == pytest.approx((64 + 4) / (2 * 64), rel=0.01)
+        reqs = lambda k: requests(e, lambda i: k, max_tokens=40)  # noqa: E731
+        off, _ = outputs(e, reqs(0))
+        got, finals = outputs(e, reqs(3))
+        assert got == off
+        assert sum(f.total_draft_tokens for f in finals) > 0
+        for req, (reason, toks) in list(zip(reqs(0), off))[:2]:
+            assert run_alone(e, req)[0] == toks
+        ids = e.tokenizer.encode(TEXT * 3)
+        ref, got = teacher_forced_logits(integer, ids), teacher_forced_logits(e, ids)
+        agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                        reduction="batchmean").item()
+        assert agree >= 0.9 and kl < 0.02, (agree, kl)
+        assert not torch.equal(ref, got)  # really another cache
+    finally:
+        e.shutdown()
+
+
+def test_a_narrow_kv_cache_needs_the_attention_kernel():
+    from specguide.kv_cache import KVCache
+
+    for store in (torch.float16, torch.int8):
+        with pytest.raises(ValueError, match="C attention kernel"):
+            KVCache(2, 1, 2, 32, 64, torch.float32, store=store, kernel_layout=False)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")

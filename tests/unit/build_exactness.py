@@ -10,10 +10,10 @@ runs every build this CPU can execute). Prints "ok" when every check holds, else
   integer-dot variants (int8 activations: q4_1_q8, q8_0_q8) stay close to them, and give the
   reference arithmetic's result with their integer sums at the largest;
 - attention: any chunk split of a prompt gives the same outputs and K/V (window, soft cap), with
-  an fp32 and an fp16 KV cache;
+  an fp32, an fp16 and an int8 KV cache;
 - whole models (random weights, real layer shapes: SmolLM2's attention geometry in q4_1 as the
   default model is served, and a Gemma 2 layer pair in fp32 / q8_0; each with its block formats widened and
-  in integer dot products, the latter with the fp16 KV cache it is served with): a decode step's logits are
+  in integer dot products, the latter with the fp16 KV cache it is served with and with an int8 one): a decode step's logits are
   the same alone or in a batch, a 4-query verification step equals 4 single-token steps, and a
   prompt's logits and K/V do not depend on how it was split into prefill chunks.
 """
@@ -75,14 +75,15 @@ def check_int_dot_extremes(g: torch.Generator) -> None:
 
 def check_attention(g: torch.Generator) -> None:
     for (nh, kvh, hd, window, cap), dtype in itertools.product(
-            ((9, 3, 64, 0, 0.0), (4, 2, 48, 7, 2.0), (8, 1, 32, 0, 0.0)), (torch.float32, torch.float16)):
+            ((9, 3, 64, 0, 0.0), (4, 2, 48, 7, 2.0), (8, 1, 32, 0, 0.0)), tuple(kernels.KV_KINDS)):
         N, S = 45, 64
         qkv = torch.randn(2, N, nh + 2 * kvh, hd, generator=g)
         cos, sin = torch.randn(S, hd, generator=g), torch.randn(S, hd, generator=g)
         pos = torch.stack([torch.arange(N), torch.arange(N) + 5])
 
         def run(bounds, rows=(0, 1)):
-            kc, vc = torch.zeros(3, kvh, S // 16, hd, 16, dtype=dtype), torch.zeros(3, kvh, S, hd, dtype=dtype)
+            hw = kernels.kv_row_width(dtype, hd)
+            kc, vc = torch.zeros(3, kvh, S // 16, hw, 16, dtype=dtype), torch.zeros(3, kvh, S, hw, dtype=dtype)
             r = list(rows)
             outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin, kc, vc, torch.tensor([2, 0])[r], pos[r, a:b],
                                                nh, 0.2, window, cap) for a, b in zip(bounds, bounds[1:])]
@@ -135,7 +136,7 @@ def make_models(folder: Path) -> dict[str, Path]:
 
 
 @torch.inference_mode()
-def check_model(folder: Path, integer_dot: bool) -> None:
+def check_model(folder: Path, integer_dot: bool, store: torch.dtype | None) -> None:
     model = load_model(folder, torch.float32, weight_dtype="auto", integer_dot=integer_dot)
     assert model.chunk_invariant and model.fused is not None, folder
     cfg = model.cfg
@@ -148,8 +149,8 @@ def check_model(folder: Path, integer_dot: bool) -> None:
         ctx = model.make_context(torch.tensor(slots), pos, slots, start + T)
         return model.logits(model(torch.tensor(ids), ctx, kv))
 
-    def cache():  # as served: fp16 K/V with int8 activations
-        return KVCache(cfg.num_layers, 6, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, half=integer_dot)
+    def cache():
+        return KVCache(cfg.num_layers, 6, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, store=store)
 
     # prefill in one chunk vs uneven chunks (1, 16, 23 tokens; one at a time): the same logits and K/V
     kv = cache()
@@ -182,8 +183,10 @@ def main() -> None:
     check_attention(g)
     with tempfile.TemporaryDirectory() as tmp:
         for path in make_models(Path(tmp)).values():
-            for integer_dot in (False, True):  # block formats widened to fp32 / times int8 activations
-                check_model(path, integer_dot)
+            # block formats widened to fp32 / times int8 activations, with the fp16 KV cache served
+            # beside them (kv_cache_dtype auto) and the int8 one
+            for integer_dot, store in ((False, None), (True, torch.float16), (True, torch.int8)):
+                check_model(path, integer_dot, store)
     print("ok")
 
 

@@ -230,7 +230,7 @@ def _attention_reference(q, k, v, qpos, scale, window=0, cap=0.0):
     return (s.softmax(-1) @ v).transpose(1, 2).float()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("nh, kvh, hd, window, cap", [(9, 3, 64, 0, 0.0), (8, 1, 32, 0, 0.0), (4, 2, 48, 50, 1.5),
                                                       (6, 6, 16, 0, 30.0)])
 def test_attention_gives_the_same_bits_for_any_chunk_split(nh, kvh, hd, window, cap, dtype):
@@ -238,7 +238,9 @@ def test_attention_gives_the_same_bits_for_any_chunk_split(nh, kvh, hd, window, 
     query at a time (decode steps): the same K/V cache and outputs, bit for bit, in a batch of two
     slots or alone; close to a float64 reference (GQA groups that do not fill a vector, a
     sliding window, soft-capped scores). The same with an fp16 cache: its K/V are the fp32 ones
-    rounded to nearest, and the outputs the reference's on those values."""
+    rounded to nearest, and the outputs the reference's on those values; and with an int8 cache:
+    each position's K and V within half a step (max|x| / 254) of the fp32 ones, and the outputs
+    the reference's on the dequantized values."""
     g = torch.Generator().manual_seed(nh * hd + kvh)
     N, S, scale = 300, 320, hd ** -0.5 * 0.9
     qkv = torch.randn(2, N, nh + 2 * kvh, hd, generator=g)
@@ -246,19 +248,26 @@ def test_attention_gives_the_same_bits_for_any_chunk_split(nh, kvh, hd, window, 
     slots, pos = torch.tensor([2, 0]), torch.stack([torch.arange(N), torch.arange(N) + 7])
 
     def run(bounds, rows=(0, 1), dtype=dtype):
-        kc, vc = torch.zeros(3, kvh, S // 16, hd, 16, dtype=dtype), torch.zeros(3, kvh, S, hd, dtype=dtype)
+        hw = kernels.kv_row_width(dtype, hd)
+        kc, vc = torch.zeros(3, kvh, S // 16, hw, 16, dtype=dtype), torch.zeros(3, kvh, S, hw, dtype=dtype)
         r = list(rows)
         outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin_signed, kc, vc, slots[r], pos[r, a:b], nh, scale,
                                            window, cap) for a, b in zip(bounds, bounds[1:])]
         return torch.cat(outs, 1), kernels.key_rows(kc), vc
 
     whole, kc, vc = run([0, N])
-    ref = _attention_reference(_queries(qkv, cos, sin_signed, pos, nh), kc[slots][:, :, : N + 7],
-                               vc[slots][:, :, : N + 7], pos, scale, window, cap)
+    k, v = kernels.kv_values(kernels.block_keys(kc), vc, hd)  # the values the kernel computes with
+    ref = _attention_reference(_queries(qkv, cos, sin_signed, pos, nh), k[slots][:, :, : N + 7],
+                               v[slots][:, :, : N + 7], pos, scale, window, cap)
     assert torch.allclose(whole, ref, atol=2e-6, rtol=1e-5)
+    _, kc32, vc32 = run([0, N], dtype=torch.float32)
     if dtype == torch.float16:  # the fp32 cache's values, rounded once
-        _, kc32, vc32 = run([0, N], dtype=torch.float32)
         assert torch.equal(kc, kc32.half()) and torch.equal(vc, vc32.half())
+    if dtype == torch.int8:  # per position and KV head: max|x| / 127 a step, rounded to nearest
+        for got, want in ((k, kc32), (v, vc32)):
+            step = want.abs().amax(-1, keepdim=True) / 127
+            assert bool(((got - want).abs() <= step * 0.5001 + 1e-7).all())
+            assert not torch.equal(got, want)
     for bounds in ([0, 1, 16, 32, 49, 149, N], [0, 100, 117, 118, N], list(range(N + 1))):
         got, kc2, vc2 = run(bounds)
         assert torch.equal(got, whole) and torch.equal(kc2, kc) and torch.equal(vc2, vc), bounds[:4]

@@ -160,6 +160,25 @@ def unavailable_reason() -> Optional[str]:
 
 
 KEY_BLOCK = 16  # ops.c KB: the kernels' key cache holds positions in blocks of 16, dims outermost
+KV_SCALE_BYTES = 4  # ops.c KV_SB: an int8 cache position's fp32 scale, after its head_dim values
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # ops.c KV_*: what a kernel cache holds
+
+
+def kv_row_width(store: torch.dtype, head_dim: int) -> int:
+    """Elements one position of a kernel cache takes per KV head (int8: the values, then the scale's bytes)."""
+    return head_dim + KV_SCALE_BYTES if store == torch.int8 else head_dim
+
+
+def kv_values(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel cache's keys [..., S / 16, hw, 16] and values [..., S, hw] as fp32 [..., S, head_dim]
+    (int8: q times its position's scale, what the kernel computes with)."""
+    if v.dtype != torch.int8:
+        return key_rows(k).float(), v.float()
+    kr = key_rows(k)  # [..., S, hd + 4]: a key's scale bytes in its last 4 columns
+    def deq(x: torch.Tensor) -> torch.Tensor:
+        scale = x[..., head_dim:].contiguous().view(torch.float32)  # [..., S, 1]
+        return x[..., :head_dim].float() * scale
+    return deq(kr), deq(v)
 MAX_HEAD_DIM = 512  # ops.c MAX_HD: rope_write_for holds one rotated key on the stack
 
 
@@ -419,19 +438,20 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
                        softcap: float = 0.0) -> torch.Tensor:
     """qkv [B, T, nh + 2 kvh, hd] -> RoPE, K/V written to the slot cache at `positions`, causal
     attention -> [B, T, nh, hd]. Tables cos / sin_signed [P, hd]. Batch- and T-invariant. The cache:
-    k_cache [slots, kvh, S / 16, hd, 16] (`block_keys`), v_cache [slots, kvh, S, hd], both fp32 or
-    both fp16 (stored rounded to nearest, saturated at +-65504).
+    k_cache [slots, kvh, S / 16, hw, 16] (`block_keys`), v_cache [slots, kvh, S, hw], both fp32, both
+    fp16 (stored rounded to nearest, saturated at +-65504) or both int8 (per position and KV head,
+    q = round(x * 127 / max|x|) and the scale's 4 bytes: hw = `kv_row_width`; `kv_values` reads it).
 
     `scale` (default hd ** -0.5) multiplies q.k; `window` > 0 attends to the last `window` keys
     only (sliding-window layers); `softcap` > 0 caps scores to softcap * tanh(s / softcap)."""
     lib = library()
     assert lib is not None
     B, T, H, hd = qkv.shape
-    _, kvh, S, hd2 = v_cache.shape
+    _, kvh, S, hw = v_cache.shape
     nh = num_heads
-    assert k_cache.shape == (v_cache.shape[0], kvh, S // KEY_BLOCK, hd, KEY_BLOCK) and S % KEY_BLOCK == 0
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16)
-    assert H == nh + 2 * kvh and hd == hd2 and hd % 16 == 0 and hd <= MAX_HEAD_DIM and qkv.dtype == torch.float32
+    assert k_cache.shape == (v_cache.shape[0], kvh, S // KEY_BLOCK, hw, KEY_BLOCK) and S % KEY_BLOCK == 0
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_KINDS
+    assert H == nh + 2 * kvh and hw == kv_row_width(v_cache.dtype, hd) and hd % 16 == 0 and hd <= MAX_HEAD_DIM and qkv.dtype == torch.float32
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
     assert cos.dtype == sin_signed.dtype == torch.float32
     qkv = qkv.contiguous()
@@ -440,7 +460,7 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
     qrot = torch.empty(B, T, nh, hd, dtype=torch.float32)
     out = torch.empty_like(qrot)
     lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                      int(k_cache.dtype == torch.float16), slots.data_ptr(), positions.data_ptr(), qrot.data_ptr(),
+                      KV_KINDS[k_cache.dtype], slots.data_ptr(), positions.data_ptr(), qrot.data_ptr(),
                       out.data_ptr(),
                       B, T, nh, kvh, S, hd, hd ** -0.5 if scale is None else scale, window, softcap,
                       torch.get_num_threads())

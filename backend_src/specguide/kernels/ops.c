@@ -785,9 +785,9 @@ void gemv_q8_0_q8(const float *x, const int8_t *Wp, const uint16_t *aux, const f
 /* Causal attention over the per-slot KV cache, for every query count: decode, verification and
  * prefill chunks alike.
  *   q    [B, T, nh, hd]      queries after RoPE
- *   kc   [slots, kvh, S/KB, hd, KB] this layer's key cache, in blocks of KB positions (key_at;
+ *   kc   [slots, kvh, S/KB, hw, KB] this layer's key cache, in blocks of KB positions (key_at;
  *        already holding the queries' own keys)
- *   vc   [slots, kvh, S, hd]     both fp32, or both fp16 (kv16)
+ *   vc   [slots, kvh, S, hw]     both fp32, both fp16, or both int8 (kvk: KV_*; hw = kv_w(kvk, hd))
  *   slot [B], pos [B, T]     cache row and absolute position of each query
  *   out  [B, T, nh, hd]
  * Query (b, t, h) attends to keys 0..pos[b, t] of its slot (only the last `window` of them when
@@ -799,7 +799,8 @@ void gemv_q8_0_q8(const float *x, const int8_t *Wp, const uint16_t *aux, const f
  *   s_j = (sum over i ascending of q_i * k_ji, one FMA chain) * scale [then soft-capped]
  *   m = max_j s_j;  p_j = vexp(s_j - m);  l = sum over j ascending of p_j (one chain)
  *   o_i = (sum over j ascending of p_j * v_ji, one FMA chain) * (1 / l)
- * over its keys j = first..pos. A tile runs over the union of its queries' keys; a key outside a
+ * over its keys j = first..pos (int8 cache: k_ji, v_ji the stored q, s_j's sum times the key's scale
+ * before `scale`, p_j times the value row's scale once l is summed). A tile runs over the union of its queries' keys; a key outside a
  * query's range gets s = -inf there, so p = 0 and the sums add exact zeros (keys within the tile's
  * range are real, finite cache rows: the tile's own keys or earlier ones). So the result of a query
  * is the same bits in a decode step, a verification step or any prefill chunk: a prompt's K/V and
@@ -840,20 +841,70 @@ static inline __attribute__((always_inline)) vf vtanh(vf x) {
    [S/KB][hd][KB] (S % KB == 0), so KB keys' dim i are one vector (lanes over keys: decode). */
 #define KB 16
 
-/* Offset of key j's dim 0 in its (slot, KV head) block of the key cache; dim i is at + i * KB. */
-static inline __attribute__((always_inline)) int64_t key_at(int64_t j, int hd) {
-    return (j / KB) * hd * KB + j % KB;
+/* What the slot cache holds (kvk): fp32; fp16 (half the bytes a decode step reads); or int8 with a
+   scale per position and KV head (a quarter of them, plus the scale): q = round(x * 127 / max|x|)
+   over the head's hd values, dequantized as q * (max|x| / 127). Each value is stored once, when
+   written, and every later query reads the same stored values whatever the step, batch or chunk,
+   so the invariance holds as with fp32. An int8 position takes hw = hd + KV_SB elements: its fp32
+   scale follows its values (V: the row's last 4 bytes; K: byte m of a key's scale in row hd + m of
+   its block, the key's column, so that copying a block's columns copies whole keys). */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
+#define KV_SB 4
+
+static inline int kv_es(int kvk) { return kvk == KV_F16 ? 2 : kvk == KV_I8 ? 1 : 4; } /* bytes an element */
+static inline int kv_w(int kvk, int hd) { return kvk == KV_I8 ? hd + KV_SB : hd; }   /* elements a position */
+
+/* Offset of key j's dim 0 in its (slot, KV head) block of the key cache (hw elements a key); dim i
+   is at + i * KB. */
+static inline __attribute__((always_inline)) int64_t key_at(int64_t j, int hw) {
+    return (j / KB) * hw * KB + j % KB;
 }
 
-/* The slot cache holds fp32, or fp16 (kv16: half the bytes a decode step reads; the values each
-   query reads are the same whatever the step, so the invariance holds as with fp32). */
-static inline __attribute__((always_inline)) vf load_kv(const void *c, int64_t idx, int kv16) {
-    return kv16 ? load_h((const uint16_t *)c + idx) : load((const float *)c + idx);
+/* VW cached values from element idx, widened to fp32 (int8: the stored q, unscaled). */
+static inline __attribute__((always_inline)) vf load_kv(const void *c, int64_t idx, int kvk) {
+    return kvk == KV_I8 ? wload(c, idx, W_I8) : kvk == KV_F16 ? load_h((const uint16_t *)c + idx)
+                                                               : load((const float *)c + idx);
+}
+
+/* The fp32 scales of the VW keys whose dim 0 is at element kv of an int8 key cache (hd dims). */
+static inline __attribute__((always_inline)) vf key_scales(const void *K, int64_t kv, int hd) {
+    vu32 u = (vu32){0};
+    for (int m = 0; m < KV_SB; m++) {
+        vu8 b;
+        memcpy(&b, (const uint8_t *)K + kv + (int64_t)(hd + m) * KB, sizeof b);
+        u |= __builtin_convertvector(b, vu32) << (8 * m);
+    }
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One head's hd values x as int8 into c at element idx, stride apart; their scale's bytes to
+   idx + hd * stride, stride apart (a key's planes) or, stride 1, the 4 bytes after the values.
+   NOTE: a NaN or infinite value gives the position scale NaN (and q = 0): its scores or outputs
+   are NaN, as the fp32 cache's would be. */
+static void store_q8(void *c, int64_t idx, int64_t stride, const float *x, int hd) {
+    int8_t *q = (int8_t *)c;
+    float amax = 0.0f;
+    int finite = 1;
+    for (int i = 0; i < hd; i++) {
+        const float a = fabsf(x[i]);
+        finite &= a <= FLT_MAX;
+        amax = a > amax ? a : amax;
+    }
+    const float d = finite ? amax / 127.0f : NAN, id = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < hd; i++) {
+        int v = finite ? (int)nearbyintf(x[i] * id) : 0;
+        q[idx + i * stride] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+    }
+    uint8_t b[KV_SB];
+    memcpy(b, &d, sizeof b);
+    for (int m = 0; m < KV_SB; m++) q[idx + (int64_t)(hd + m) * stride] = (int8_t)b[m];
 }
 
 /* x into element idx of a cache: fp16 rounds to nearest even and saturates at +-65504 (NaN stays NaN). */
-static inline __attribute__((always_inline)) void store_kv(void *c, int64_t idx, float x, int kv16) {
-    if (!kv16) {
+static inline __attribute__((always_inline)) void store_kv(void *c, int64_t idx, float x, int kvk) {
+    if (kvk == KV_F32) {
         ((float *)c)[idx] = x;
         return;
     }
@@ -895,25 +946,25 @@ static float *scratch(size_t floats) {
    masked scores to S [qn][nk] and their maxes to m [qn]. Past the last vector, a pass repeats the
    last one (computed, never stored). */
 static inline __attribute__((always_inline)) void scores_pass(
-        const int qn, const float *const *qe, const void *K, int kv16, int64_t k0s, int64_t last, int64_t nk,
-        int hd, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, int prefetch, float *S,
+        const int qn, const float *const *qe, const void *K, int kvk, int64_t k0s, int64_t last, int64_t nk,
+        int hd, int hw, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, int prefetch, float *S,
         float *m) {
     const vf ninf = splat(-INFINITY);
-    const int es = kv16 ? 2 : 4; /* bytes per cached element */
+    const int es = kv_es(kvk);
     vi32 iota;
     for (int l = 0; l < VW; l++) iota[l] = l;
     vf mx[12];
     for (int e = 0; e < qn; e++) mx[e] = ninf;
     for (int64_t k0 = k0s; k0 <= last; k0 += SCV * VW) {
         int64_t kv[SCV];
-        for (int c = 0; c < SCV; c++) kv[c] = key_at(k0 + c * VW < last ? k0 + c * VW : last, hd);
+        for (int c = 0; c < SCV; c++) kv[c] = key_at(k0 + c * VW < last ? k0 + c * VW : last, hw);
         /* NOTE: the next pass's keys (contiguous blocks: short streams the hardware prefetchers do
            not ramp up on) requested ahead (a hint: it changes no result). AVX-512: a few lines a
            dim as the dims go (a burst of 128 stalled the loop); AVX2: all at once (spread, they
            cost more than they gained there) */
-        const char *next = prefetch && k0 + SCV * VW <= last ? (const char *)K + (kv[0] + (int64_t)SCV * VW * hd) * es
+        const char *next = prefetch && k0 + SCV * VW <= last ? (const char *)K + (kv[0] + (int64_t)SCV * VW * hw) * es
                                                              : NULL;
-        const int lines = SCV * VW * hd * es / 64;
+        const int lines = SCV * VW * hw * es / 64;
 #if VW != 16
         if (next)
             for (int l = 0; l < lines; l++) __builtin_prefetch(next + l * 64, 0, 3);
@@ -927,15 +978,17 @@ static inline __attribute__((always_inline)) void scores_pass(
                 for (int l = i * lines / hd; l < (i + 1) * lines / hd; l++) __builtin_prefetch(next + l * 64, 0, 3);
 #endif
             vf k[SCV];
-            for (int c = 0; c < SCV; c++) k[c] = load_kv(K, kv[c] + (int64_t)i * KB, kv16);
+            for (int c = 0; c < SCV; c++) k[c] = load_kv(K, kv[c] + (int64_t)i * KB, kvk);
             for (int e = 0; e < qn; e++) {
                 const vf qi = splat(qe[e][i]);
                 for (int c = 0; c < SCV; c++) acc[e][c] = vfma(qi, k[c], acc[e][c]);
             }
         }
+        vf ks[SCV]; /* int8: the keys' scales (q.k = (q.kq) * scale_k) */
+        for (int c = 0; c < SCV; c++) ks[c] = kvk == KV_I8 ? key_scales(K, kv[c], hd) : splat(1.0f);
         for (int e = 0; e < qn; e++)
             for (int c = 0; c < SCV && k0 + c * VW <= last; c++) {
-                vf x = acc[e][c] * scale;
+                vf x = (kvk == KV_I8 ? acc[e][c] * ks[c] : acc[e][c]) * scale;
                 if (softcap > 0.0f) x = vtanh(x / softcap) * softcap;
                 const vi32 key = iota + (int32_t)(k0 + c * VW);
                 x = vsel((key >= lfirst[e]) & (key <= lpos[e]), x, ninf);
@@ -952,14 +1005,14 @@ static inline __attribute__((always_inline)) void scores_pass(
 
 /* Masked scores S [ne][nk] of keys k0s .. k0s + nk - 1 (whole vectors; nk % VW == 0) and each
    query's max m [ne], QS queries per pass (the first prefetches; the keys are in cache after it). */
-static void scores_keys(const float *q, const int64_t *row, int ne, const void *K, int kv16, int64_t k0s,
-                        int64_t nk, int hd, float scale, float softcap, const int32_t *lfirst,
+static void scores_keys(const float *q, const int64_t *row, int ne, const void *K, int kvk, int64_t k0s,
+                        int64_t nk, int hd, int hw, float scale, float softcap, const int32_t *lfirst,
                         const int32_t *lpos, float *S, float *m) {
     for (int e0 = 0; e0 < ne; e0 += QS) {
         const int qn = ne - e0 < QS ? ne - e0 : QS;
         const float *qe[QS];
         for (int e = 0; e < qn; e++) qe[e] = q + row[e0 + e] * hd;
-#define SCORES(n) scores_pass(n, qe, K, kv16, k0s, k0s + nk - VW, nk, hd, scale, softcap, lfirst + e0, lpos + e0, \
+#define SCORES(n) scores_pass(n, qe, K, kvk, k0s, k0s + nk - VW, nk, hd, hw, scale, softcap, lfirst + e0, lpos + e0, \
                               e0 == 0, S + (int64_t)e0 * nk, m + e0)
         BY_COUNT(qn, SCORES)
 #undef SCORES
@@ -969,18 +1022,18 @@ static void scores_keys(const float *q, const int64_t *row, int ne, const void *
 /* One values pass: qn queries' outputs, dims c0 * VW .. (ch vectors); P [qn][n] (row stride ps)
    their probabilities of keys jmin .., inv [qn] 1 / their sums. */
 static inline __attribute__((always_inline)) void values_pass(
-        const int qn, const int ch, const float *P, int64_t ps, const float *inv, const void *V, int kv16,
+        const int qn, const int ch, const float *P, int64_t ps, const float *inv, const void *V, int kvk,
         int64_t n, int hd, int c0, int prefetch, const int64_t *row, float *out) {
-    const int es = kv16 ? 2 : 4;
+    const int es = kv_es(kvk), hw = kv_w(kvk, hd);
     vf o[12][4];
     for (int e = 0; e < qn; e++)
         for (int c = 0; c < ch; c++) o[e][c] = (vf){0};
     int64_t vr = (int64_t)c0 * VW;
-    for (int64_t j = 0; j < n; j++, vr += hd) {
+    for (int64_t j = 0; j < n; j++, vr += hw) {
         if (prefetch)  /* NOTE: rows PFV ahead requested on a tile's first pass (a hint) */
-            for (int b = 0; b < hd * es; b += 64) __builtin_prefetch((const char *)V + (vr + PFV * hd) * es + b, 0, 3);
+            for (int b = 0; b < hw * es; b += 64) __builtin_prefetch((const char *)V + (vr + PFV * hw) * es + b, 0, 3);
         vf v[4];
-        for (int c = 0; c < ch; c++) v[c] = load_kv(V, vr + c * VW, kv16);
+        for (int c = 0; c < ch; c++) v[c] = load_kv(V, vr + c * VW, kvk);
         for (int e = 0; e < qn; e++) {
             const vf pj = splat(P[e * ps + j]);
             for (int c = 0; c < ch; c++) o[e][c] = vfma(pj, v[c], o[e][c]);
@@ -995,22 +1048,22 @@ static inline __attribute__((always_inline)) void values_pass(
 
 /* values_pass with ch (4, 2 or 1) a constant in each call. */
 static inline __attribute__((always_inline)) void values_any(
-        const int qn, int ch, const float *P, int64_t ps, const float *inv, const void *V, int kv16, int64_t n, int hd,
+        const int qn, int ch, const float *P, int64_t ps, const float *inv, const void *V, int kvk, int64_t n, int hd,
         int c0, int prefetch, const int64_t *row, float *out) {
-    if (ch == 4) values_pass(qn, 4, P, ps, inv, V, kv16, n, hd, c0, prefetch, row, out);
-    else if (ch == 2) values_pass(qn, 2, P, ps, inv, V, kv16, n, hd, c0, prefetch, row, out);
-    else values_pass(qn, 1, P, ps, inv, V, kv16, n, hd, c0, prefetch, row, out);
+    if (ch == 4) values_pass(qn, 4, P, ps, inv, V, kvk, n, hd, c0, prefetch, row, out);
+    else if (ch == 2) values_pass(qn, 2, P, ps, inv, V, kvk, n, hd, c0, prefetch, row, out);
+    else values_pass(qn, 1, P, ps, inv, V, kvk, n, hd, c0, prefetch, row, out);
 }
 
 /* Outputs of the tile's queries with lanes over dims: up to QV queries per pass, 4 output vectors
    a pass for up to QV / 2 queries (a whole row of a 64-dim head with AVX-512), else 2 (or 1). */
-static void values_dims(const float *P, int64_t ps, const float *inv, const void *V, int kv16, int64_t n, int hd,
+static void values_dims(const float *P, int64_t ps, const float *inv, const void *V, int kvk, int64_t n, int hd,
                         int ne, const int64_t *row, float *out) {
     const int nv = hd / VW;
     for (int e0 = 0; e0 < ne; e0 += QV) {
         const int qn = ne - e0 < QV ? ne - e0 : QV, ch = qn <= QV / 2 && nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;
         for (int c0 = 0; c0 < nv; c0 += ch) {
-#define VALUES(k) values_any(k, ch, P + (int64_t)e0 * ps, ps, inv + e0, V, kv16, n, hd, c0, e0 == 0 && c0 == 0, \
+#define VALUES(k) values_any(k, ch, P + (int64_t)e0 * ps, ps, inv + e0, V, kvk, n, hd, c0, e0 == 0 && c0 == 0, \
                              row + e0, out)
             BY_COUNT(qn, VALUES)
 #undef VALUES
@@ -1020,7 +1073,7 @@ static void values_dims(const float *P, int64_t ps, const float *inv, const void
 
 /* One tile: queries e0 .. e0+ne-1 (ne <= TQ) of row b, KV head g (query e: t = e / group, head
    g * group + e % group): scores, probabilities, outputs. */
-static void attn_tile(const float *q, const void *kc, const void *vc, int kv16, const int64_t *slot,
+static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, const int64_t *slot,
                       const int64_t *pos, float *out, int b, int g, int e0, int ne, int T, int nh, int kvh, int S,
                       int hd, float scale, int window, float softcap) {
     const int group = nh / kvh;
@@ -1036,13 +1089,13 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kv16, 
         if (f < jmin) jmin = f;
         if (p > jmax) jmax = p;
     }
-    const int64_t base = ((slot[b] * kvh) + g) * (int64_t)S * hd;
+    const int hw = kv_w(kvk, hd), es = kv_es(kvk);
+    const int64_t base = ((slot[b] * kvh) + g) * (int64_t)S * hw;
     /* keys k0s .. k0s + nk - 1: the tile's range in whole vectors */
     const int64_t k0s = jmin / VW * VW, nk = jmax / VW * VW + VW - k0s, n = jmax - jmin + 1, off = jmin - k0s;
     float *P = scratch((size_t)ne * nk); /* [ne][nk]: scores, then probabilities */
     float m[TQ], l[TQ], inv[TQ];
-    scores_keys(q, row, ne, kv16 ? (const void *)((const uint16_t *)kc + base) : (const void *)((const float *)kc + base),
-                kv16, k0s, nk, hd, scale, softcap, lfirst, lpos, P, m);
+    scores_keys(q, row, ne, (const char *)kc + base * es, kvk, k0s, nk, hd, hw, scale, softcap, lfirst, lpos, P, m);
     for (int e = 0; e < ne; e++) {
         const vf me = splat(m[e]);
         for (int64_t v = 0; v < nk; v += VW) {
@@ -1054,13 +1107,17 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kv16, 
     for (int64_t j = off; j < off + n; j++)  /* the queries' sums side by side, each in key order */
         for (int e = 0; e < ne; e++) l[e] += P[e * nk + j];
     for (int e = 0; e < ne; e++) inv[e] = 1.0f / l[e];
-    values_dims(P + off, nk, inv, kv16 ? (const void *)((const uint16_t *)vc + base + jmin * hd)
-                                       : (const void *)((const float *)vc + base + jmin * hd),
-                kv16, n, hd, ne, row, out);
+    if (kvk == KV_I8) /* p v = (p scale_v) vq: each row's scale into its probabilities, once */
+        for (int64_t j = 0; j < n; j++) {
+            float vs;
+            memcpy(&vs, (const int8_t *)vc + (base + (jmin + j) * hw) * es + hd, sizeof vs);
+            for (int e = 0; e < ne; e++) P[e * nk + off + j] *= vs;
+        }
+    values_dims(P + off, nk, inv, (const char *)vc + (base + jmin * hw) * es, kvk, n, hd, ne, row, out);
 }
 
 /* Attention of every query as a worksharing loop (see gemv_for). */
-static void attn_for(const float *q, const void *kc, const void *vc, int kv16, const int64_t *slot,
+static void attn_for(const float *q, const void *kc, const void *vc, int kvk, const int64_t *slot,
                      const int64_t *pos, float *out, int B, int T, int nh, int kvh, int S, int hd, float scale,
                      int window, float softcap) {
     const int per = T * (nh / kvh), tiles = (per + TQ - 1) / TQ;
@@ -1070,7 +1127,7 @@ static void attn_for(const float *q, const void *kc, const void *vc, int kv16, c
         for (int g = 0; g < kvh; g++)
             for (int k = tiles - 1; k >= 0; k--) {
                 const int e0 = k * TQ, ne = per - e0 < TQ ? per - e0 : TQ;
-                attn_tile(q, kc, vc, kv16, slot, pos, out, b, g, e0, ne, T, nh, kvh, S, hd, scale, window,
+                attn_tile(q, kc, vc, kvk, slot, pos, out, b, g, e0, ne, T, nh, kvh, S, hd, scale, window,
                           softcap);
             }
 }
@@ -1106,10 +1163,10 @@ static inline __attribute__((always_inline)) void rope_head(const float *x, cons
 
 /* RoPE on q (into qrot) and k, K and V written into the slot cache at their positions: a
    worksharing loop (see gemv_for). */
-static void rope_write_for(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kv16,
+static void rope_write_for(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kvk,
                            const int64_t *slot, const int64_t *pos, float *qrot, int B, int T, int nh, int kvh,
                            int S, int hd) {
-    const int H = nh + 2 * kvh;
+    const int H = nh + 2 * kvh, hw = kv_w(kvk, hd);
     #pragma omp for collapse(2) schedule(dynamic, 2)
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
@@ -1120,14 +1177,19 @@ static void rope_write_for(const float *qkv, const float *cos_t, const float *si
             float kr[MAX_HD]; /* one rotated key */
             for (int g = 0; g < kvh; g++) { /* keys to their block of the cache (dims KB apart), values to their row */
                 const float *v = row + (int64_t)(nh + kvh + g) * hd;
-                const int64_t kat = (slot[b] * kvh + g) * (int64_t)S * hd + key_at(p, hd);
-                const int64_t vat = ((slot[b] * kvh + g) * (int64_t)S + p) * hd;
+                const int64_t kat = (slot[b] * kvh + g) * (int64_t)S * hw + key_at(p, hw);
+                const int64_t vat = ((slot[b] * kvh + g) * (int64_t)S + p) * hw;
                 rope_head(row + (int64_t)(nh + g) * hd, c, s, kr, hd);
-                for (int i = 0; i < hd; i++) store_kv(kc, kat + (int64_t)i * KB, kr[i], kv16);
-                if (kv16 && hd % VW == 0)
+                if (kvk == KV_I8) {
+                    store_q8(kc, kat, KB, kr, hd);
+                    store_q8(vc, vat, 1, v, hd);
+                    continue;
+                }
+                for (int i = 0; i < hd; i++) store_kv(kc, kat + (int64_t)i * KB, kr[i], kvk);
+                if (kvk == KV_F16 && hd % VW == 0)
                     for (int i = 0; i < hd; i += VW) store_h((uint16_t *)vc + vat + i, load(v + i));
                 else
-                    for (int i = 0; i < hd; i++) store_kv(vc, vat + i, v[i], kv16);
+                    for (int i = 0; i < hd; i++) store_kv(vc, vat + i, v[i], kvk);
             }
         }
 }
@@ -1138,15 +1200,15 @@ static void rope_write_for(const float *qkv, const float *cos_t, const float *si
  *   cos, sin [P, hd]             RoPE tables; sin carries the rotate_half sign (-sin | +sin)
  *   qrot [B, T, nh, hd]          scratch for the rotated queries
  * RoPE: x * cos + roll(x, hd / 2) * sin, as the torch path computes it. */
-void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kv16,
+void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kvk,
                    const int64_t *slot, const int64_t *pos, float *qrot, float *out,
                    int B, int T, int nh, int kvh, int S, int hd, float scale, int window, float softcap,
                    int threads) {
     #pragma omp parallel num_threads(threads)
     {
         /* every key written before any query reads the cache: the loop's end is a barrier */
-        rope_write_for(qkv, cos_t, sin_t, kc, vc, kv16, slot, pos, qrot, B, T, nh, kvh, S, hd);
-        attn_for(qrot, kc, vc, kv16, slot, pos, out, B, T, nh, kvh, S, hd, scale, window, softcap);
+        rope_write_for(qkv, cos_t, sin_t, kc, vc, kvk, slot, pos, qrot, B, T, nh, kvh, S, hd);
+        attn_for(qrot, kc, vc, kvk, slot, pos, out, B, T, nh, kvh, S, hd, scale, window, softcap);
     }
 }
 
@@ -1173,7 +1235,7 @@ typedef struct {
     const float *cos, *sin, *cos_local, *sin_local; /* RoPE tables [P, hd] */
     void *kc, *vc;         /* this stack's caches [layers, slots, kvh, S, hd] (keys in blocks: key_at) */
     int64_t layer_stride;  /* elements from one layer's cache to the next */
-    int kv16;              /* the caches hold fp16 (else fp32) */
+    int kvk;               /* what the caches hold (KV_*) */
 } stack_t;
 
 /* y = x * rsqrt(mean(x^2) + eps) * w over one row of D (y may be x). */
@@ -1259,7 +1321,7 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
     #pragma omp parallel num_threads(threads)
     for (int li = 0; li < nl; li++) {
         const layer_t *l = &L[li];
-        const int64_t at = li * c->layer_stride * (c->kv16 ? 2 : 4); /* bytes */
+        const int64_t at = li * c->layer_stride * kv_es(c->kvk); /* bytes */
         void *kc = (char *)c->kc + at, *vc = (char *)c->vc + at;
         rms_rows_for(x, l->in_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd, &qa);
@@ -1274,8 +1336,8 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
             }
         }
         const float *cs = l->local ? c->cos_local : c->cos, *sn = l->local ? c->sin_local : c->sin;
-        rope_write_for(qkv, cs, sn, kc, vc, c->kv16, slot, pos, qrot, B, T, c->nh, c->kvh, c->S, c->hd);
-        attn_for(qrot, kc, vc, c->kv16, slot, pos, att, B, T, c->nh, c->kvh, c->S, c->hd, c->scale,
+        rope_write_for(qkv, cs, sn, kc, vc, c->kvk, slot, pos, qrot, B, T, c->nh, c->kvh, c->S, c->hd);
+        attn_for(qrot, kc, vc, c->kvk, slot, pos, att, B, T, c->nh, c->kvh, c->S, c->hd, c->scale,
                  l->local ? c->window : 0, c->softcap);
         proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import library
+from . import KV_KINDS, kv_row_width, library
 
 _P = ctypes.c_void_p
 KINDS = {"float32": 0, "int8": 1, "bfloat16": 2, "q4_1": 3, "q8_0": 4, "q4_1_q8": 5, "q8_0_q8": 6}  # ops.c's W_*
@@ -35,7 +35,7 @@ class StackStruct(ctypes.Structure):
                 ("hd", ctypes.c_int), ("S", ctypes.c_int), ("window", ctypes.c_int), ("act", ctypes.c_int),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
                 ("cos", _P), ("sin", _P), ("cos_local", _P), ("sin_local", _P), ("kc", _P), ("vc", _P),
-                ("layer_stride", ctypes.c_int64), ("kv16", ctypes.c_int)]
+                ("layer_stride", ctypes.c_int64), ("kvk", ctypes.c_int)]
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -113,14 +113,15 @@ class FusedStack:
 
     def _stack(self, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor) -> StackStruct:
         """The per-forward struct (a few us to build: not worth caching)."""
-        # kc [layers, slots, kvh, S / 16, hd, 16] (kernels.block_keys), vc [layers, slots, kvh, S, hd]
+        # kc [layers, slots, kvh, S / 16, hw, 16] (kernels.block_keys), vc [layers, slots, kvh, S, hw]
         assert kc.is_contiguous() and vc.is_contiguous() and kc.dim() == 6 and vc.dim() == 5
-        assert kc.numel() == vc.numel() and kc.dtype == vc.dtype and kc.dtype in (torch.float32, torch.float16)
+        assert kc.numel() == vc.numel() and kc.dtype == vc.dtype and kc.dtype in KV_KINDS
+        assert vc.shape[-1] == kv_row_width(vc.dtype, self.shape.hd)
         assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tables)
         sh = self.shape
         s = StackStruct(hidden=sh.hidden, inter=sh.inter, nh=sh.nh, kvh=sh.kvh, hd=sh.hd, S=vc.shape[3],
                         window=sh.window, act=ACTS[sh.act], eps=sh.eps, scale=sh.scale, softcap=sh.softcap,
-                        layer_stride=kc.stride(0), kv16=int(kc.dtype == torch.float16))
+                        layer_stride=kc.stride(0), kvk=KV_KINDS[kc.dtype])
         s.cos, s.sin, s.cos_local, s.sin_local = (t.data_ptr() for t in tables)
         s.kc, s.vc = kc.data_ptr(), vc.data_ptr()
         return s

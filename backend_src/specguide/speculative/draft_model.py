@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
@@ -24,13 +25,13 @@ class DraftModel:
     otherwise it refills from position 0."""
 
     def __init__(self, model: LlamaModel, max_slots: int, max_seq_len: int, K: int, chunk: int,
-                 device: torch.device, half: bool = False):
+                 device: torch.device, store: Optional[torch.dtype] = None):
         cfg = model.cfg
         self.model = model
         self.device = device
         self.chunk = chunk
         self.kv = KVCache(cfg.num_layers, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
-                          model.embed.weight.dtype, device, spare=K, half=half)
+                          model.embed.weight.dtype, device, spare=K, store=store)
         self.cached = [0] * max_slots
         self.catchup_s = 0.0  # host time in catch_up since take_catchup_s
         self.reuse = model.chunk_invariant

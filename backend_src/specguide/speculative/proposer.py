@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import EngineConfig
-from ..kv_cache import KVCache, kv_half
+from ..kv_cache import KVCache, kv_store
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_model_dir
 from ..scheduler import PrefixCopy, Sequence, SlotOwner
@@ -60,7 +60,7 @@ class Proposer(SlotOwner):
                 raise ValueError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the "
                                  f"target's ({model.cfg.vocab_size}); it must share the tokenizer")
             self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device,
-                                          kv_half(config, dm))
+                                          kv_store(config, dm))
         self.accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
         # the recent acceptance of each kind (guided or not): with cost_aware_k a new sequence starts
         # from it and a slot that does not verify drifts back to it. Chat drafts are rarely accepted, so a
