@@ -162,6 +162,7 @@ def unavailable_reason() -> Optional[str]:
 KEY_BLOCK = 16  # ops.c KB: the kernels' key cache holds positions in blocks of 16, dims outermost
 KV_SCALE_BYTES = 4  # ops.c KV_SB: an int8 cache position's fp32 scale, after its head_dim values
 KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # ops.c KV_*: what a kernel cache holds
+MAX_HEAD_DIM = 512  # ops.c MAX_HD: rope_write_for holds one rotated key on the stack
 
 
 def kv_row_width(store: torch.dtype, head_dim: int) -> int:
@@ -169,17 +170,17 @@ def kv_row_width(store: torch.dtype, head_dim: int) -> int:
     return head_dim + KV_SCALE_BYTES if store == torch.int8 else head_dim
 
 
+def _dequantized(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int8 positions [..., S, head_dim + 4] (values, then the fp32 scale's bytes) -> fp32 [..., S, head_dim]."""
+    return rows[..., :head_dim].float() * rows[..., head_dim:].contiguous().view(torch.float32)
+
+
 def kv_values(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A kernel cache's keys [..., S / 16, hw, 16] and values [..., S, hw] as fp32 [..., S, head_dim]
     (int8: q times its position's scale, what the kernel computes with)."""
     if v.dtype != torch.int8:
         return key_rows(k).float(), v.float()
-    kr = key_rows(k)  # [..., S, hd + 4]: a key's scale bytes in its last 4 columns
-    def deq(x: torch.Tensor) -> torch.Tensor:
-        scale = x[..., head_dim:].contiguous().view(torch.float32)  # [..., S, 1]
-        return x[..., :head_dim].float() * scale
-    return deq(kr), deq(v)
-MAX_HEAD_DIM = 512  # ops.c MAX_HD: rope_write_for holds one rotated key on the stack
+    return _dequantized(key_rows(k), head_dim), _dequantized(v, head_dim)  # a key's scale: its last 4 columns
 
 
 def serves_attention(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -451,7 +452,8 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
     nh = num_heads
     assert k_cache.shape == (v_cache.shape[0], kvh, S // KEY_BLOCK, hw, KEY_BLOCK) and S % KEY_BLOCK == 0
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_KINDS
-    assert H == nh + 2 * kvh and hw == kv_row_width(v_cache.dtype, hd) and hd % 16 == 0 and hd <= MAX_HEAD_DIM and qkv.dtype == torch.float32
+    assert H == nh + 2 * kvh and hw == kv_row_width(v_cache.dtype, hd) and qkv.dtype == torch.float32
+    assert hd % 16 == 0 and hd <= MAX_HEAD_DIM
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
     assert cos.dtype == sin_signed.dtype == torch.float32
     qkv = qkv.contiguous()
