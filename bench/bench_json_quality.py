@@ -19,6 +19,7 @@ LlamaGrammar (llama.cpp generates declared keys only), the same prompts and max_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -137,14 +138,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--modes", default="allow/off,forbid/off,forbid/on")
     ap.add_argument("--llama-cpp", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="", help="instead of the served kv_cache_dtype (e.g. int8)")
     ap.add_argument("--json", help="write every answer here")
     args = ap.parse_args()
     print(cpu_header(), time.strftime("%Y-%m-%d"), flush=True)
     config = EngineConfig.from_parameters(engine_parameters(ROOT / "model_repository"))
+    if args.kv_cache_dtype:
+        config = dataclasses.replace(config, kv_cache_dtype=args.kv_cache_dtype)
     engine = Engine(config)
     try:
-        print(f"engine: drafter {engine.drafter}, K={config.num_draft_tokens}, weight_dtype {config.weight_dtype}",
-              flush=True)
+        print(f"engine: drafter {engine.drafter}, K={config.num_draft_tokens}, weight_dtype {config.weight_dtype}, "
+              f"kv_cache_dtype {config.kv_cache_dtype}", flush=True)
         prompts = [(engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_message(s)}]), s)
                    for s in load_schemas("heldout", engine.compiler)[: args.schemas]]
         print(f"{len(prompts)} held-out schemas, max_tokens {args.max_tokens}, greedy, batch 1\n")
