@@ -5,8 +5,9 @@
 Speed: for each context length, `--streams` requests at once whose prompts are that many tokens
 (held-out schema prompts and README text, cut to length; prefix caching off), greedy, `ignore_eos`;
 decode tokens/s of all streams while every one decodes (from the last first token to the first
-last token: no prefill chunk in those steps); the engines alternate round by round and the best
-round counts. Memory: the KV cache's bytes. Quality: the
+last token: no prefill chunk in those steps); and the first prompt's time to first token alone
+(prefill attention reads the cache too); the engines alternate round by round and the best round
+counts. Memory: the KV cache's bytes. Quality: the
 teacher-forced logits of the same texts against the float32 model's (weights `auto`, float32
 activations, float32 KV): KL and argmax agreement, served cache beside int8.
 """
@@ -77,6 +78,15 @@ def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> fl
     return tokens / (end - start)
 
 
+def ttft(engine: Engine, prompt: list[int]) -> float:
+    """Seconds to one request's first token, alone (its whole prompt prefilled)."""
+    t0, first = time.perf_counter(), threading.Event()
+    engine.submit(Request(prompt_ids=prompt, num_draft_tokens=0, params=SamplingParams(max_tokens=1, temperature=0.0)),
+                  lambda out: first.set() if out.finished else None)
+    assert first.wait(timeout=600)
+    return time.perf_counter() - t0
+
+
 def logits_of(engine: Engine, ids: list[int]) -> torch.Tensor:
     m = engine.model
     own = engine.runner.kv.like(1, len(ids) + 16)
@@ -103,15 +113,18 @@ def main() -> None:
     ids = texts(engines[kinds[0]])
     for k, e in engines.items():
         print(f"kv_cache_dtype {k}: KV cache {e.runner.kv.nbytes / 2**20:.0f} MiB ({args.streams} slots x {S})")
-    print(f"\n| context | {' | '.join(f'{k} decode tok/s' for k in kinds)} | int8 / float16 |")
-    print("| ---: | " + " | ".join("---:" for _ in kinds) + " | ---: |")
+    print(f"\n| context | {' | '.join(f'{k} decode tok/s' for k in kinds)} | int8 / float16 | "
+          f"{' | '.join(f'{k} TTFT alone (ms)' for k in kinds)} | int8 / float16 |")
+    print("| ---: | " + " | ".join("---:" for _ in kinds) + " | ---: | " + " | ".join("---:" for _ in kinds) + " | ---: |")
     for n in contexts:
         prompts = [prompt_of(ids, n, i) for i in range(args.streams)]
-        best = {k: 0.0 for k in kinds}
+        best, first = {k: 0.0 for k in kinds}, {k: float("inf") for k in kinds}
         for _ in range(args.rounds):
             for k in kinds:
                 best[k] = max(best[k], decode_rate(engines[k], prompts, args.new_tokens))
-        print(f"| {n} | " + " | ".join(f"{best[k]:.1f}" for k in kinds) + f" | {best['int8'] / best['float16']:.3f} |",
+                first[k] = min(first[k], ttft(engines[k], prompts[0]))
+        print(f"| {n} | " + " | ".join(f"{best[k]:.1f}" for k in kinds) + f" | {best['int8'] / best['float16']:.3f} | "
+              + " | ".join(f"{first[k] * 1e3:.0f}" for k in kinds) + f" | {first['int8'] / first['float16']:.3f} |",
               flush=True)
     for e in engines.values():
         e.shutdown()
