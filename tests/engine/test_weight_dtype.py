@@ -41,6 +41,26 @@ def teacher_forced_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
         return m.logits(m(torch.tensor([ids]), ctx, own))[0]
 
 
+def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """Teacher-forced logits [T, vocab] against a reference's: argmax agreement and KL(ref || got)."""
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    return agree, kl
+
+
+def assert_same_alone_batched_and_speculated(engine: Engine) -> None:
+    """A request's greedy tokens do not depend on the batch, and speculation (4-row verification
+    steps, every step drafting) gives speculation-off's output."""
+    reqs = lambda k: requests(engine, lambda i: k, max_tokens=40)  # noqa: E731
+    off, _ = outputs(engine, reqs(0))
+    got, finals = outputs(engine, reqs(3))
+    assert got == off
+    assert sum(f.total_draft_tokens for f in finals) > 0
+    for req, (reason, toks) in list(zip(reqs(0), off))[:2]:
+        assert run_alone(engine, req)[0] == toks
+
+
 def test_teacher_forcing_leaves_the_engines_kept_prefixes_alone(engine):
     """The helper runs on a cache of its own. It used to write slot 0 of the engine's: with prefix
     caching, a request that then reused slot 0's kept prompt rows decoded from the helper's rows
@@ -78,9 +98,7 @@ def test_weights_shrink_and_stay_close_to_fp32(fp32_engine, quantized, wd, ratio
     assert small <= ratio * full * 1.001, (small, full)
     ids = engine.tokenizer.encode(TEXT)
     ref, got = teacher_forced_logits(engine, ids), teacher_forced_logits(q, ids)
-    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                    reduction="batchmean").item()
+    agree, kl = agreement(ref, got)
     # measured on TEXT: bf16 agreement 1.0, KL 7e-5; int8 0.97, KL 4e-3
     assert agree >= (0.97 if wd == "bfloat16" else 0.9), agree
     assert kl < (0.01 if wd == "bfloat16" else 0.05), kl
@@ -147,9 +165,7 @@ def test_integer_dot_holds_the_same_blocks_and_stays_close_to_fp32(fp32_engine, 
     assert packed_bytes(m) == packed_bytes(shipped.model)
     ids = engine.tokenizer.encode(TEXT)
     ref, got = teacher_forced_logits(engine, ids), teacher_forced_logits(integer, ids)
-    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                    reduction="batchmean").item()
+    agree, kl = agreement(ref, got)
     assert agree >= 0.95 and kl < 0.01, (agree, kl)
     assert not torch.equal(ref, got)  # really the integer path
 
@@ -157,13 +173,7 @@ def test_integer_dot_holds_the_same_blocks_and_stays_close_to_fp32(fp32_engine, 
 def test_integer_dot_output_is_the_same_alone_batched_and_speculated(integer):
     """Per-row activation scales and exact integer sums: a request's greedy tokens do not depend on
     the batch, and speculation (4-row verification steps) gives speculation-off's output."""
-    reqs = lambda k: requests(integer, lambda i: k, max_tokens=40)  # noqa: E731
-    off, _ = outputs(integer, reqs(0))
-    got, finals = outputs(integer, reqs(3))
-    assert got == off
-    assert sum(f.total_draft_tokens for f in finals) > 0
-    for req, (reason, toks) in list(zip(reqs(0), off))[:2]:
-        assert run_alone(integer, req)[0] == toks
+    assert_same_alone_batched_and_speculated(integer)
 
 
 def test_activation_dtype_auto_follows_the_builds_integer_path():
@@ -231,18 +241,10 @@ def test_an_int8_kv_cache_holds_half_the_bytes_and_keeps_outputs_invariant(integ
         kv, half = e.runner.kv, integer.runner.kv
         assert kv.k.dtype == kv.v.dtype == torch.int8 and half.k.dtype == torch.float16
         assert kv.nbytes / half.nbytes == pytest.approx((64 + 4) / (2 * 64), rel=0.01)
-        reqs = lambda k: requests(e, lambda i: k, max_tokens=40)  # noqa: E731
-        off, _ = outputs(e, reqs(0))
-        got, finals = outputs(e, reqs(3))
-        assert got == off
-        assert sum(f.total_draft_tokens for f in finals) > 0
-        for req, (reason, toks) in list(zip(reqs(0), off))[:2]:
-            assert run_alone(e, req)[0] == toks
+        assert_same_alone_batched_and_speculated(e)
         ids = e.tokenizer.encode(TEXT * 3)
         ref, got = teacher_forced_logits(integer, ids), teacher_forced_logits(e, ids)
-        agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-        kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                        reduction="batchmean").item()
+        agree, kl = agreement(ref, got)
         assert agree >= 0.9 and kl < 0.02, (agree, kl)
         assert not torch.equal(ref, got)  # really another cache
     finally:

@@ -408,38 +408,45 @@ static void qact_free(qact_t *a) {
 
 /* One row of I inputs. NOTE: a NaN or infinite input gives its block dx = NaN (and q = 0), so the
    row's outputs are NaN, as the fp32 kernel's would be (the engine's NaN check sees them). */
+/* n values x (n % VW == 0) as symmetric int8, q[i * stride] = round(x[i] * 127 / max|x|) clamped
+   to +-127; returns their scale max|x| / 127 and the sum of q in *sum. The one rounding rule of the
+   activations (quant_row) and the int8 KV cache (store_q8). NOTE: a NaN or infinite value gives the
+   scale NaN (and every q 0), so what it multiplies is NaN, as in fp32. */
+static float quant_q8(const float *x, int n, int8_t *q, int64_t stride, int *sum) {
+    vf am = splat(0.0f); /* |x| max per lane (the max of a set: the same in any order) */
+    vi32 fin = (vi32){0} - 1;
+    for (int i = 0; i < n; i += VW) {
+        const vf a = (vf)((vi32)load(x + i) & 0x7FFFFFFF);
+        am = vmax(a, am);
+        fin &= a <= splat(FLT_MAX); /* false for inf and NaN */
+    }
+    float amax = 0.0f;
+    int finite = 1;
+    for (int l = 0; l < VW; l++) {
+        amax = am[l] > amax ? am[l] : amax;
+        finite &= fin[l] != 0;
+    }
+    *sum = 0;
+    if (!finite) {
+        for (int i = 0; i < n; i++) q[i * stride] = 0;
+        return NAN;
+    }
+    const float d = amax / 127.0f, id = d > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < n; i++) {
+        int v = (int)nearbyintf(x[i] * id);
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
+        q[i * stride] = (int8_t)v;
+        *sum += v;
+    }
+    return d;
+}
+
+/* One row of I inputs in blocks of QBLK: their int8 values, dx and dx * sum xq. */
 static void quant_row(const float *x, int I, int8_t *q, float *d, float *s) {
     for (int blk = 0; blk < I / QBLK; blk++) {
-        const float *xb = x + (int64_t)blk * QBLK;
-        int8_t *qb = q + (int64_t)blk * QBLK;
-        vf am = splat(0.0f); /* |x| max per lane (the max of a set: the same in any order) */
-        vi32 fin = (vi32){0} - 1;
-        for (int i = 0; i < QBLK; i += VW) {
-            const vf a = (vf)((vi32)load(xb + i) & 0x7FFFFFFF);
-            am = vmax(a, am);
-            fin &= a <= splat(FLT_MAX); /* false for inf and NaN */
-        }
-        float amax = 0.0f;
-        int finite = 1;
-        for (int l = 0; l < VW; l++) {
-            amax = am[l] > amax ? am[l] : amax;
-            finite &= fin[l] != 0;
-        }
-        if (!finite) {
-            memset(qb, 0, QBLK);
-            d[blk] = s[blk] = NAN;
-            continue;
-        }
-        const float dx = amax / 127.0f, id = dx > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int i = 0; i < QBLK; i++) {
-            int v = (int)nearbyintf(xb[i] * id);
-            v = v > 127 ? 127 : v < -127 ? -127 : v;
-            qb[i] = (int8_t)v;
-            sum += v;
-        }
-        d[blk] = dx;
-        s[blk] = dx * (float)sum;
+        int sum;
+        d[blk] = quant_q8(x + (int64_t)blk * QBLK, QBLK, q + (int64_t)blk * QBLK, 1, &sum);
+        s[blk] = d[blk] * (float)sum; /* NaN with d */
     }
 }
 
@@ -879,24 +886,13 @@ static inline __attribute__((always_inline)) vf key_scales(const void *K, int64_
     return f;
 }
 
-/* One head's hd values x as int8 into c at element idx, stride apart; their scale's bytes to
-   idx + hd * stride, stride apart (a key's planes) or, stride 1, the 4 bytes after the values.
-   NOTE: a NaN or infinite value gives the position scale NaN (and q = 0): its scores or outputs
-   are NaN, as the fp32 cache's would be. */
+/* One head's hd values x as int8 (quant_q8) into c at element idx, stride apart; their scale's
+   bytes to idx + hd * stride, stride apart (a key's planes) or, stride 1, the 4 bytes after the
+   values. A NaN or infinite value makes the position's scores or outputs NaN (quant_q8). */
 static void store_q8(void *c, int64_t idx, int64_t stride, const float *x, int hd) {
     int8_t *q = (int8_t *)c;
-    float amax = 0.0f;
-    int finite = 1;
-    for (int i = 0; i < hd; i++) {
-        const float a = fabsf(x[i]);
-        finite &= a <= FLT_MAX;
-        amax = a > amax ? a : amax;
-    }
-    const float d = finite ? amax / 127.0f : NAN, id = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < hd; i++) {
-        int v = finite ? (int)nearbyintf(x[i] * id) : 0;
-        q[idx + i * stride] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
-    }
+    int sum;
+    const float d = quant_q8(x, hd, q + idx, stride, &sum);
     uint8_t b[KV_SB];
     memcpy(b, &d, sizeof b);
     for (int m = 0; m < KV_SB; m++) q[idx + (int64_t)(hd + m) * stride] = (int8_t)b[m];
