@@ -64,9 +64,9 @@ class EngineConfig:
     # decode step reads (attention at 8 streams and a few hundred positions reads more K/V than
     # weights; K/V rounded to fp16 once when written, every step reads the same values: still
     # batch-invariant); "int8": a quarter of fp32's bytes plus a scale per position and KV head (about
-    # half of fp16's memory; decode at 8 streams 1.05-1.34x, a long prompt's prefill up to 1.2x
-    # slower on Zen 3, logits ~1.2-1.5x fp16's KL from float32's: opt in for many slots at long
-    # contexts); "float32": the float32 model's logits bit for bit; "auto": float16 with int8
+    # half of fp16's memory; decode at 8 streams 1.05-1.34x, a long prompt's prefill about as fast
+    # (1.01-1.02x on Zen 3), logits ~1.2-1.5x fp16's KL from float32's: opt in for many slots at
+    # long contexts); "float32": the float32 model's logits bit for bit; "auto": float16 with int8
     # activations (activation_dtype), else float32
     packed_weights_cache: bool = True  # CPU (C kernels): keep each checkpoint's packed weights (tiles, and
     # for auto / the block formats the quantized blocks) in the model cache ($SPECGUIDE_CACHE_DIR/packed,

@@ -940,11 +940,11 @@ static float *scratch(size_t floats) {
 
 /* One scores pass: qn queries (qe) over keys k0s .. last + VW - 1, SCV vectors at a time; their
    masked scores to S [qn][nk] and their maxes to m [qn]. Past the last vector, a pass repeats the
-   last one (computed, never stored). */
+   last one (computed, never stored). int8: ksc [key - k0s] the keys' scales (NULL: read here). */
 static inline __attribute__((always_inline)) void scores_pass(
         const int qn, const float *const *qe, const void *K, int kvk, int64_t k0s, int64_t last, int64_t nk,
         int hd, int hw, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, int prefetch, float *S,
-        float *m) {
+        float *m, const float *ksc) {
     const vf ninf = splat(-INFINITY);
     const int es = kv_es(kvk);
     vi32 iota;
@@ -981,7 +981,9 @@ static inline __attribute__((always_inline)) void scores_pass(
             }
         }
         vf ks[SCV]; /* int8: the keys' scales (q.k = (q.kq) * scale_k) */
-        for (int c = 0; c < SCV; c++) ks[c] = kvk == KV_I8 ? key_scales(K, kv[c], hd) : splat(1.0f);
+        for (int c = 0; c < SCV; c++)
+            ks[c] = kvk != KV_I8 ? splat(1.0f) : ksc ? load(ksc + ((k0 + c * VW < last ? k0 + c * VW : last) - k0s))
+                                                    : key_scales(K, kv[c], hd);
         for (int e = 0; e < qn; e++)
             for (int c = 0; c < SCV && k0 + c * VW <= last; c++) {
                 vf x = (kvk == KV_I8 ? acc[e][c] * ks[c] : acc[e][c]) * scale;
@@ -1000,16 +1002,25 @@ static inline __attribute__((always_inline)) void scores_pass(
 }
 
 /* Masked scores S [ne][nk] of keys k0s .. k0s + nk - 1 (whole vectors; nk % VW == 0) and each
-   query's max m [ne], QS queries per pass (the first prefetches; the keys are in cache after it). */
+   query's max m [ne], QS queries per pass (the first prefetches; the keys are in cache after it).
+   int8 with several passes: the keys' scales gathered into ksc [nk] once, not by every pass (4
+   byte planes a key: prefill tiles of 16 queries took 1.18x the fp16 cache's time with them
+   gathered per pass). One pass (decode) reads them as it goes: a pass of its own ahead of it
+   waits on memory for the blocks' scale rows (8 decode streams 3-7% slower). */
 static void scores_keys(const float *q, const int64_t *row, int ne, const void *K, int kvk, int64_t k0s,
                         int64_t nk, int hd, int hw, float scale, float softcap, const int32_t *lfirst,
-                        const int32_t *lpos, float *S, float *m) {
+                        const int32_t *lpos, float *S, float *m, float *ksc) {
+    if (kvk == KV_I8 && ne > QS) /* the keys' scales side by side, once a tile */
+        for (int64_t j = 0; j < nk; j += VW) {
+            const vf sc = key_scales(K, key_at(k0s + j, hw), hd);
+            memcpy(ksc + j, &sc, sizeof sc);
+        }
     for (int e0 = 0; e0 < ne; e0 += QS) {
         const int qn = ne - e0 < QS ? ne - e0 : QS;
         const float *qe[QS];
         for (int e = 0; e < qn; e++) qe[e] = q + row[e0 + e] * hd;
 #define SCORES(n) scores_pass(n, qe, K, kvk, k0s, k0s + nk - VW, nk, hd, hw, scale, softcap, lfirst + e0, lpos + e0, \
-                              e0 == 0, S + (int64_t)e0 * nk, m + e0)
+                              e0 == 0, S + (int64_t)e0 * nk, m + e0, ne > QS ? ksc : NULL)
         BY_COUNT(qn, SCORES)
 #undef SCORES
     }
@@ -1089,9 +1100,10 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, c
     const int64_t base = ((slot[b] * kvh) + g) * (int64_t)S * hw;
     /* keys k0s .. k0s + nk - 1: the tile's range in whole vectors */
     const int64_t k0s = jmin / VW * VW, nk = jmax / VW * VW + VW - k0s, n = jmax - jmin + 1, off = jmin - k0s;
-    float *P = scratch((size_t)ne * nk); /* [ne][nk]: scores, then probabilities */
+    float *P = scratch((size_t)(ne + 1) * nk); /* [ne][nk]: scores, then probabilities (+ int8: [nk] value scales) */
     float m[TQ], l[TQ], inv[TQ];
-    scores_keys(q, row, ne, (const char *)kc + base * es, kvk, k0s, nk, hd, hw, scale, softcap, lfirst, lpos, P, m);
+    scores_keys(q, row, ne, (const char *)kc + base * es, kvk, k0s, nk, hd, hw, scale, softcap, lfirst, lpos, P, m,
+                P + (int64_t)ne * nk);
     for (int e = 0; e < ne; e++) {
         const vf me = splat(m[e]);
         for (int64_t v = 0; v < nk; v += VW) {
@@ -1103,12 +1115,21 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, c
     for (int64_t j = off; j < off + n; j++)  /* the queries' sums side by side, each in key order */
         for (int e = 0; e < ne; e++) l[e] += P[e * nk + j];
     for (int e = 0; e < ne; e++) inv[e] = 1.0f / l[e];
-    if (kvk == KV_I8) /* p v = (p scale_v) vq: each row's scale into its probabilities, once */
-        for (int64_t j = 0; j < n; j++) {
-            float vs;
-            memcpy(&vs, (const int8_t *)vc + (base + (jmin + j) * hw) * es + hd, sizeof vs);
-            for (int e = 0; e < ne; e++) P[e * nk + off + j] *= vs;
+    if (kvk == KV_I8) { /* p v = (p scale_v) vq: each row's scale into its probabilities, once, in
+                           vectors (a query at a time: each row's scale is read once, into vs) */
+        float *vs = P + (int64_t)ne * nk; /* [n]: the rows' scales side by side */
+        for (int64_t j = 0; j < n; j++)
+            memcpy(vs + j, (const int8_t *)vc + (base + (jmin + j) * hw) * es + hd, sizeof *vs);
+        for (int e = 0; e < ne; e++) {
+            float *pe = P + e * nk + off;
+            int64_t j = 0;
+            for (; j + VW <= n; j += VW) {
+                const vf x = load(pe + j) * load(vs + j);
+                memcpy(pe + j, &x, sizeof x);
+            }
+            for (; j < n; j++) pe[j] *= vs[j];
         }
+    }
     values_dims(P + off, nk, inv, (const char *)vc + (base + jmin * hw) * es, kvk, n, hd, ne, row, out);
 }
 
