@@ -1104,17 +1104,20 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, c
     float m[TQ], l[TQ], inv[TQ];
     scores_keys(q, row, ne, (const char *)kc + base * es, kvk, k0s, nk, hd, hw, scale, softcap, lfirst, lpos, P, m,
                 P + (int64_t)ne * nk);
+    /* l = sum_j p_j: lane i sums keys k0s + i, + VW, ... in order (key j in lane j % VW: the same
+       lane whatever the tile, and a masked key adds an exact 0), then the lanes in order */
     for (int e = 0; e < ne; e++) {
         const vf me = splat(m[e]);
+        vf sum = (vf){0};
         for (int64_t v = 0; v < nk; v += VW) {
             const vf p = vexp(load(P + e * nk + v) - me);
             memcpy(P + e * nk + v, &p, sizeof p);
+            sum += p;
         }
         l[e] = 0.0f;
+        for (int i = 0; i < VW; i++) l[e] += sum[i];
+        inv[e] = 1.0f / l[e];
     }
-    for (int64_t j = off; j < off + n; j++)  /* the queries' sums side by side, each in key order */
-        for (int e = 0; e < ne; e++) l[e] += P[e * nk + j];
-    for (int e = 0; e < ne; e++) inv[e] = 1.0f / l[e];
     if (kvk == KV_I8) { /* p v = (p scale_v) vq: each row's scale into its probabilities, once, in
                            vectors (a query at a time: each row's scale is read once, into vs) */
         float *vs = P + (int64_t)ne * nk; /* [n]: the rows' scales side by side */
