@@ -158,7 +158,10 @@ def test_auto_greedy_output_equals_float32_with_and_without_speculation(fp32_eng
 
 def test_integer_dot_holds_the_same_blocks_and_stays_close_to_fp32(fp32_engine, shipped, integer):
     """activation_dtype int8: the same Q4_1 / Q8_0 blocks (bytes) in the integer-dot layout; the
-    logits are no longer fp32's bits but close (measured on TEXT: argmax agreement 0.98, KL 3e-3)."""
+    logits are no longer fp32's bits but close: KL 3e-3 on TEXT, and the argmax is fp32's wherever
+    fp32's top two logits are 0.5 apart (its median gap is 0.8). Overall agreement moves with the
+    last bits of any kernel: 0.98 or 0.93 on TEXT's 60 tokens (1 or 4 near-ties, gaps 0.04-0.21,
+    flipped by a reordered fp32 sum), 0.948 either way on 500 README tokens."""
     engine, m = fp32_engine, integer.model
     assert m.integer_dot and m.head.weight_dtype == "q8_0_q8"
     assert {lin.weight_dtype for lin in m.layers.modules() if isinstance(lin, InvariantLinear)} == {"q4_1_q8"}
@@ -166,7 +169,11 @@ def test_integer_dot_holds_the_same_blocks_and_stays_close_to_fp32(fp32_engine, 
     ids = engine.tokenizer.encode(TEXT)
     ref, got = teacher_forced_logits(engine, ids), teacher_forced_logits(integer, ids)
     agree, kl = agreement(ref, got)
-    assert agree >= 0.95 and kl < 0.01, (agree, kl)
+    assert agree >= 0.9 and kl < 0.01, (agree, kl)
+    top2 = ref.topk(2, -1).values
+    decisive = top2[:, 0] - top2[:, 1] >= 0.5
+    assert decisive.sum() >= len(ids) // 2
+    assert torch.equal(ref.argmax(-1)[decisive], got.argmax(-1)[decisive])
     assert not torch.equal(ref, got)  # really the integer path
 
 

@@ -1260,8 +1260,15 @@ typedef struct {
 
 /* y = x * rsqrt(mean(x^2) + eps) * w over one row of D (y may be x). */
 static inline void rms_row(const float *x, const float *w, float *y, int D, float eps) {
+    vf acc = (vf){0}; /* lane l: x[l]^2 + x[l + VW]^2 + ... in order, then the lanes in order */
+    int i = 0;
+    for (; i + VW <= D; i += VW) {
+        const vf v = load(x + i);
+        acc += v * v;
+    }
     float ss = 0.0f;
-    for (int i = 0; i < D; i++) ss += x[i] * x[i];
+    for (int l = 0; l < VW; l++) ss += acc[l];
+    for (; i < D; i++) ss += x[i] * x[i];
     const float r = 1.0f / sqrtf(ss / (float)D + eps);
     for (int i = 0; i < D; i++) y[i] = (x[i] * r) * w[i];
 }
