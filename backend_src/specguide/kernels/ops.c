@@ -82,6 +82,13 @@ static inline __attribute__((always_inline)) vf vsel(vi32 m, vf a, vf b) {
 
 static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
 
+/* The lanes of a summed in lane order (a fixed order: a row's sum whatever its neighbours). */
+static inline __attribute__((always_inline)) float sum_lanes(vf a) {
+    float s = 0.0f;
+    for (int l = 0; l < VW; l++) s += a[l];
+    return s;
+}
+
 /* Weights are packed once as Wp [O/64, I, 64] (O padded to a multiple of 64 with zero rows), so
    the 64 outputs of a tile read one contiguous stream. Output (b, o) is the sum over i, in order,
    of x[b, i] * W[o, i] in its own vector lane: the same operations for every B.
@@ -1010,17 +1017,20 @@ static inline __attribute__((always_inline)) void scores_pass(
 static void scores_keys(const float *q, const int64_t *row, int ne, const void *K, int kvk, int64_t k0s,
                         int64_t nk, int hd, int hw, float scale, float softcap, const int32_t *lfirst,
                         const int32_t *lpos, float *S, float *m, float *ksc) {
-    if (kvk == KV_I8 && ne > QS) /* the keys' scales side by side, once a tile */
+    const float *ks = NULL; /* the gathered scales, or NULL: each pass reads them */
+    if (kvk == KV_I8 && ne > QS) { /* the keys' scales side by side, once a tile */
         for (int64_t j = 0; j < nk; j += VW) {
             const vf sc = key_scales(K, key_at(k0s + j, hw), hd);
             memcpy(ksc + j, &sc, sizeof sc);
         }
+        ks = ksc;
+    }
     for (int e0 = 0; e0 < ne; e0 += QS) {
         const int qn = ne - e0 < QS ? ne - e0 : QS;
         const float *qe[QS];
         for (int e = 0; e < qn; e++) qe[e] = q + row[e0 + e] * hd;
 #define SCORES(n) scores_pass(n, qe, K, kvk, k0s, k0s + nk - VW, nk, hd, hw, scale, softcap, lfirst + e0, lpos + e0, \
-                              e0 == 0, S + (int64_t)e0 * nk, m + e0, ne > QS ? ksc : NULL)
+                              e0 == 0, S + (int64_t)e0 * nk, m + e0, ks)
         BY_COUNT(qn, SCORES)
 #undef SCORES
     }
@@ -1101,7 +1111,7 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, c
     /* keys k0s .. k0s + nk - 1: the tile's range in whole vectors */
     const int64_t k0s = jmin / VW * VW, nk = jmax / VW * VW + VW - k0s, n = jmax - jmin + 1, off = jmin - k0s;
     float *P = scratch((size_t)(ne + 1) * nk); /* [ne][nk]: scores, then probabilities (+ int8: [nk] value scales) */
-    float m[TQ], l[TQ], inv[TQ];
+    float m[TQ], inv[TQ];
     scores_keys(q, row, ne, (const char *)kc + base * es, kvk, k0s, nk, hd, hw, scale, softcap, lfirst, lpos, P, m,
                 P + (int64_t)ne * nk);
     /* l = sum_j p_j: lane i sums keys k0s + i, + VW, ... in order (key j in lane j % VW: the same
@@ -1114,9 +1124,7 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, c
             memcpy(P + e * nk + v, &p, sizeof p);
             sum += p;
         }
-        l[e] = 0.0f;
-        for (int i = 0; i < VW; i++) l[e] += sum[i];
-        inv[e] = 1.0f / l[e];
+        inv[e] = 1.0f / sum_lanes(sum);
     }
     if (kvk == KV_I8) { /* p v = (p scale_v) vq: each row's scale into its probabilities, once, in
                            vectors (a query at a time: each row's scale is read once, into vs) */
@@ -1266,8 +1274,7 @@ static inline void rms_row(const float *x, const float *w, float *y, int D, floa
         const vf v = load(x + i);
         acc += v * v;
     }
-    float ss = 0.0f;
-    for (int l = 0; l < VW; l++) ss += acc[l];
+    float ss = sum_lanes(acc);
     for (; i < D; i++) ss += x[i] * x[i];
     const float r = 1.0f / sqrtf(ss / (float)D + eps);
     for (int i = 0; i < D; i++) y[i] = (x[i] * r) * w[i];
