@@ -132,6 +132,9 @@ class EngineConfig:
     draft_layers: int = 16  # early-exit drafter depth
     ngram_max: int = 4  # longest suffix the n-gram drafter matches
     mask_drafts: bool = True  # apply grammar masks while drafting (off: only verification masks; ablation)
+    sparse_lm_head: bool = True  # CPU (C kernels): a guided step's LM head computes only the output tiles
+    # (64 token ids each) its rows' grammar masks allow, when that leaves out a quarter or more: the
+    # same tokens and log probs (off: every tile, the ablation)
     spec_max_rows: int = 16  # rows one verification step may hold (batch x (K+1)): K shrinks as the
     # batch grows, since a CPU turns compute-bound past a few rows (0 = no limit; a GPU takes ~256)
     guided_compile_workers: int = 2  # grammar compile worker processes (guided/compile_pool.py)

@@ -50,7 +50,8 @@ class Runner:
         self.params = SlotSampling(S, cfg.vocab_size, device)
         inner = GuidedDecoder(S, K, cfg.vocab_size, num_threads=config.guided_mask_threads)
         self.guided = CapturableGuidedDecoder(inner, hostfunc.make_stream(resolve_executor(config, device)), device)
-        self.core = StepCore(model, self.kv, self.params, self.guided, config.max_seq_len, poison=poison)
+        self.core = StepCore(model, self.kv, self.params, self.guided, config.max_seq_len, poison=poison,
+                             sparse_lm_head=config.sparse_lm_head)
         self.graphs = StepGraphs(self.core) if device.type == "cuda" and config.cuda_graphs else None
 
     def admit(self, slot: int, seq: Sequence) -> None:
@@ -90,12 +91,12 @@ class Runner:
             if p.prompt_logprobs is not None and seq.out.prompt_logprobs is not None:  # None: already sent
                 done = seq.out.prompt_logprobs if chunk.start else []  # a prompt prefilled again starts over
                 seq.out.prompt_logprobs = done + prompt_logprobs(full, seq.prompt_ids, chunk.start, p.prompt_logprobs)
-            logits = full[-1:]
+            logits = full[-1:][:, None]
         elif key is not None:
-            logits = self.model.logits(hidden[:, -1])  # [1, V]
+            logits = core.logits(key, hidden[:, -1:])  # [1, 1, V]
         if key is None:
             return None
-        core.tail(key, logits[:, None], None)
+        core.tail(key, logits, None)
         core.finish(key)
         return core.results([seq], plan, key)[0][0][0]
 

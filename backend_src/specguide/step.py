@@ -29,8 +29,9 @@ import torch
 from .guided.capturable import CapturableGuidedDecoder
 from .guided.grammar_worker import GuidedStep
 from .guided.stepper import GuidedStepper
+from .kernels import TILE
 from .kv_cache import KVCache
-from .models.llama import AttnContext, LlamaModel
+from .models.llama import AttnContext, LlamaModel, sparse_head
 from .sampling import sample
 from .scheduler import Sequence
 from .slot_sampling import SlotSampling
@@ -41,6 +42,7 @@ from .step_layout import Drafting, StepInputs, StepOutputs
 from .token_outputs import StepExtras
 
 BAD_TOKEN = -1  # the next token of a row whose logits hold NaN or +inf: the engine fails that request
+SPARSE_HEAD_AT_MOST = (3, 4)  # a sparse LM head when its masks leave at most 3/4 of the output tiles
 
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -75,6 +77,7 @@ class StepCore:
     max_seq_len: int
     feature_sink: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = None
     poison: Optional[Callable[[torch.Tensor, list[Sequence]], None]] = None  # injected faults (tests)
+    sparse_lm_head: bool = True  # EngineConfig.sparse_lm_head (where the head's kernels allow it)
     drafter: Optional[Drafter] = field(default=None, init=False)  # this step's in-step drafter
     extras: Optional[StepExtras] = field(default=None, init=False)  # this eager step's extras
 
@@ -187,7 +190,22 @@ class StepCore:
         hidden = self.model(ids, self.ctx(key, slots, positions, T - 1), self.kv)
         if self.feature_sink is not None:
             self.feature_sink(slots, positions, hidden)
-        self.tail(key, self.model.logits(hidden), drafts)
+        self.tail(key, self.logits(key, hidden), drafts)
+
+    def logits(self, key: StepKey, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over hidden [B, T, H] -> [B, T, V]. An eager guided CPU step whose rows are all
+        masked computes only the output tiles (64 token ids each) some row's mask allows, when that
+        leaves out enough of them: the others are banned in every row, so the masked logits, and the
+        tokens and log probs from them, are the same bits (extras, which read unmasked logits, take
+        every tile)."""
+        if key.guided and not key.captured and not key.extras and self.sparse_lm_head and sparse_head(self.model):
+            B, T = hidden.shape[:2]
+            rows = (self.inp.slot[:B, None] * self.R + self.arange[:T]).reshape(-1)
+            V = self.model.head.out_features
+            tiles = self.grammar.mask_tiles(rows, V)
+            if tiles is not None and tiles.numel() * SPARSE_HEAD_AT_MOST[1] <= SPARSE_HEAD_AT_MOST[0] * V // TILE:
+                return self.model.logits(hidden, tiles)
+        return self.model.logits(hidden)
 
     def open(self, key: StepKey) -> None:
         """Grammar stream: fetch the snapshot, fill the first masks (overlapping the forwards)."""

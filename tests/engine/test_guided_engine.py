@@ -127,6 +127,31 @@ def test_sampled_guided_output_is_valid(engine):
             assert final.finish_reason == "length"
 
 
+def test_the_sparse_lm_head_changes_no_token(engine, monkeypatch):
+    """A guided step's LM head computes only the output tiles its masks allow (`sparse_lm_head`, on
+    by default): greedy and seeded sampled answers, alone and speculated, are the same tokens as with
+    every tile computed, and the sparse head really ran on a small share of the tiles."""
+    from specguide import kernels
+
+    if not engine.runner.core.sparse_lm_head or not hasattr(engine.model.head, "forward_tiles"):
+        pytest.skip("the LM head is not a C-kernel head here")
+    used = []
+    real = kernels.gemv_tiles
+    monkeypatch.setattr(kernels, "gemv_tiles", lambda x, p, a, O, sel: used.append(sel.numel()) or real(x, p, a, O, sel))
+    schema = GuidedDecodingParams("json_schema", json.dumps(SCHEMA))
+    reqs = [Request(prompt=chat(engine, f"Describe {who} as JSON."), guided=schema, num_draft_tokens=k,
+                    params=SamplingParams(max_tokens=48, temperature=t, top_p=0.95, seed=3))
+            for who in ("Alice", "a pilot") for k in (0, 3) for t in (0.0, 1.0)]
+    sparse = [run_alone(engine, r) for r in reqs] + run_many(engine, reqs)
+    assert used and sum(used) / len(used) < 0.5 * engine.model.head.out_features / kernels.TILE, used[:20]
+    monkeypatch.setattr(engine.runner.core, "sparse_lm_head", False)
+    calls = len(used)
+    full = [run_alone(engine, r) for r in reqs] + run_many(engine, reqs)
+    assert len(used) == calls  # every tile, every step
+    for (a, ta, fa), (b, tb, fb) in zip(sparse, full):
+        assert a == b and ta == tb and fa.finish_reason == fb.finish_reason
+
+
 @pytest.mark.parametrize("guide_type, guide, match", [
     ("regex", "(ab", "regex"),
     ("ebnf_grammar", 'start ::= "a"', "root"),

@@ -107,6 +107,47 @@ def test_integer_dot_formats_compute_int8_activations_times_the_blocks_and_stay_
     assert torch.equal(kernels.gemv(x[:3], packed, aux, O), plain[:3])
 
 
+@pytest.mark.parametrize("fmt", kernels.FORMATS)
+def test_a_gemv_over_some_output_tiles_gives_their_bits_and_minus_inf_elsewhere(fmt):
+    """The sparse LM head: the tiles asked for are the whole call's bits (any rows, any tiles), every
+    other output -inf."""
+    g = torch.Generator().manual_seed(7)
+    O, I = 64 * 12 + 40, 96  # a last tile not full
+    W, x = torch.randn(O, I, generator=g) * 0.05, torch.randn(5, I, generator=g)
+    packed, aux = kernels.pack_weight(W, fmt)
+    full = kernels.gemv(x, packed, aux, O)
+    for rows in (slice(0, 1), slice(0, 5), slice(2, 4)):
+        for tiles in ([0], [3, 4, 11], [12], list(range(13))):
+            sel = torch.tensor(tiles, dtype=torch.int32)
+            got = kernels.gemv_tiles(x[rows], packed, aux, O, sel)
+            keep = torch.zeros(O, dtype=torch.bool)
+            for t in tiles:
+                keep[t * 64: (t + 1) * 64] = True
+            assert torch.equal(got[:, keep], full[rows][:, keep]), (fmt, rows, tiles)
+            assert bool((got[:, ~keep] == float("-inf")).all())
+
+
+def test_mask_tiles_is_the_union_of_the_rows_allowed_tiles():
+    V = 64 * 5 + 10
+    W = (V + 31) // 32
+    words = torch.zeros(4, W, dtype=torch.int32)
+    token_mask = torch.ones(4, dtype=torch.int32)
+
+    def allow(row, *ids):
+        for i in ids:
+            words[row, i // 32] |= torch.tensor(1 << (i % 32), dtype=torch.int64).to(torch.int32)
+
+    allow(0, 5, 70)  # tiles 0 and 1
+    allow(1, 64 * 5 + 3)  # the last, partial tile
+    allow(2, 31, 32 * 5 + 31)  # tiles 0 and 2 (bit 31: the word's sign bit)
+    got = kernels.mask_tiles(words, token_mask, torch.tensor([0, 1]), V)
+    assert got.tolist() == [0, 1, 5]
+    assert kernels.mask_tiles(words, token_mask, torch.tensor([2]), V).tolist() == [0, 2]
+    assert kernels.mask_tiles(words, token_mask, torch.tensor([3]), V).tolist() == []  # nothing allowed
+    token_mask[1] = 0  # an unmasked row: every tile
+    assert kernels.mask_tiles(words, token_mask, torch.tensor([0, 1]), V) is None
+
+
 def test_integer_dot_keeps_a_nan_row_to_itself():
     """A NaN or inf in a row's activations makes that row's outputs NaN (the engine's NaN check
     sees them) and leaves the other rows' bits alone; a zero block quantizes to zeros."""

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import kernels
 from ..cuda import hostfunc
 from .decoder import _BITS, GuidedDecoder, mask_rows
 from .grammar_worker import NO_LIMIT, NONE, GrammarWorker, GuidedStep
@@ -115,6 +116,14 @@ class GuidedStepper:
         sync. `d2t` [V'] maps a drafter's pruned vocabulary to target ids."""
         self._mask_ev.block_forward()
         mask_rows(logits, self.bitmask_dev, self.token_mask_dev, rows, self.worker.inner.vocab_size, self._bits, d2t)
+
+    def mask_tiles(self, rows: torch.Tensor, out_features: int) -> Optional[torch.Tensor]:
+        """CPU, after the mask event: the LM head's output tiles that mask rows `rows` allow any token
+        of (kernels.mask_tiles); None on CUDA or when a row has no mask."""
+        if self.on_cuda:
+            return None
+        self._mask_ev.block_forward()
+        return kernels.mask_tiles(self.bitmask_dev, self.token_mask_dev, rows, out_features)
 
     def proposals(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hybrid: (fixed [B], fallback [B]) device proposals for the next draft, after the mask event."""

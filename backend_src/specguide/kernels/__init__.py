@@ -117,6 +117,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.set_prefetch.argtypes = [ctypes.c_int]
     lib.forward_f32.restype = None  # (layers, nl, stack, x, slots, positions, B, T, threads): kernels/stack.py
     lib.forward_f32.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.gemv_tiles.restype = None  # (kind, x, Wp, aux, y, B, I, O, sel, nsel, threads)
+    lib.gemv_tiles.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p] \
+        + [ctypes.c_int] * 2
+    lib.mask_tiles.restype = ctypes.c_int  # (words, W, token_mask, rows, R, O, sel) -> tiles, -1: a row unmasked
+    lib.mask_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_int, ctypes.c_void_p]
     lib.mask_logits_rows.restype = None  # (logits, R, Vp, words, W, token_mask, rows, vocab, d2t)
     lib.mask_logits_rows.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
                                      + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p])
@@ -409,6 +415,45 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
         assert packed.dtype == torch.bfloat16
         lib.gemv_bf16(x.data_ptr(), packed.data_ptr(), rp, y.data_ptr(), B, I, out_features, n)
     return y
+
+
+def _kind(packed: torch.Tensor, scale: Optional[torch.Tensor]) -> int:
+    """ops.c's W_* code of a weight packed by `pack_weight` / `pack_exact` (as `gemv` dispatches)."""
+    if packed.dim() == 4:
+        return 5 if packed.dtype == torch.uint8 else 6  # q4_1_q8 | q8_0_q8
+    if packed.dtype == torch.int8:
+        return 4 if scale is not None and scale.dim() == 3 else 1  # q8_0 | int8
+    return {torch.float32: 0, torch.bfloat16: 2, torch.uint8: 3}[packed.dtype]
+
+
+def gemv_tiles(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], out_features: int,
+               sel: torch.Tensor) -> torch.Tensor:
+    """`gemv` over the output tiles `sel` (int32, TILE outputs each) only: their outputs are the same
+    bits as `gemv`'s, every other output -inf."""
+    lib = library()
+    assert lib is not None
+    B, I = x.shape
+    assert x.dtype == torch.float32 and sel.dtype == torch.int32 and sel.is_contiguous()
+    x = x.contiguous()
+    y = torch.empty(B, out_features, dtype=torch.float32)
+    lib.gemv_tiles(_kind(packed, scale), x.data_ptr(), packed.data_ptr(), None if scale is None else scale.data_ptr(),
+                   y.data_ptr(), B, I, out_features, sel.data_ptr(), sel.numel(), torch.get_num_threads())
+    return y
+
+
+def mask_tiles(words: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, out_features: int) -> Optional[torch.Tensor]:
+    """The output tiles (TILE token ids each, of `out_features`) in which grammar mask rows `rows` of
+    words [N, W] (int32 bitmask) allow any token, ascending int32; None when a row has no mask
+    (token_mask [N] clear), the masks are not CPU tensors or the kernels are missing."""
+    lib = library()
+    if (lib is None or words.device.type != "cpu" or token_mask.device.type != "cpu" or words.dtype != torch.int32
+            or not words.is_contiguous() or token_mask.dtype != torch.int32 or not token_mask.is_contiguous()):
+        return None
+    rows = rows.to(torch.int64).contiguous()
+    sel = torch.empty((out_features + TILE - 1) // TILE, dtype=torch.int32)
+    n = lib.mask_tiles(words.data_ptr(), words.shape[1], token_mask.data_ptr(), rows.data_ptr(), rows.numel(),
+                       out_features, sel.data_ptr())
+    return None if n < 0 else sel[:n]
 
 
 def mask_logits_rows(logits: torch.Tensor, words: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor,

@@ -725,10 +725,11 @@ static const tile_fn TILE_FNS[] = {tile_f32, tile_i8, tile_bf16, tile_q4_1, tile
 
 /* y = x W^T (+ r) as a worksharing loop: inside a parallel region the team shares the tiles
    (then waits at the loop's end); outside one, the calling thread does them all. `qa`: room for
-   x's int8 quantization (integer kinds: quantized here, once per call). */
-static void gemv_for(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
-                     int B, int I, int O, qact_t *qa) {
-    const int tiles = (O + TILE - 1) / TILE;
+   x's int8 quantization (integer kinds: quantized here, once per call). `sel` (NULL: every tile):
+   only tiles sel[0..nsel) are computed, each to the same bits as in a call over all of them. */
+static void gemv_sel_for(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
+                         int B, int I, int O, qact_t *qa, const int32_t *sel, int nsel) {
+    const int tiles = sel ? nsel : (O + TILE - 1) / TILE;
     if (IS_INT_KIND(kind)) quant_rows_for(x, B, I, qa); /* (the loop's end is a barrier) */
     const int widen = kind != W_F32 && !IS_INT_KIND(kind) && B >= SCRATCH_B;
     float *buf = widen ? (float *)aligned_alloc(64, sizeof(float) * (size_t)I * TILE) : NULL;
@@ -740,7 +741,7 @@ static void gemv_for(int kind, const float *x, const void *Wp, const void *aux, 
     const int rows = chunks > 1 ? ROWS_CHUNK : B;
     #pragma omp for schedule(dynamic, 2)
     for (int e = 0; e < tiles * chunks; e++) {
-        const int t = e / chunks, b0 = (e % chunks) * rows, nb = B - b0 < rows ? B - b0 : rows;
+        const int t = sel ? sel[e / chunks] : e / chunks, b0 = (e % chunks) * rows, nb = B - b0 < rows ? B - b0 : rows;
         qact_t qb = *qa;
         if (qa->q) qb.q += (int64_t)b0 * I, qb.d += (int64_t)b0 * (I / QBLK), qb.s += (int64_t)b0 * (I / QBLK);
         TILE_FNS[kind](x + (int64_t)b0 * I, &qb, Wp, buf, aux, r ? r + (int64_t)b0 * O : NULL, y + (int64_t)b0 * O,
@@ -749,12 +750,53 @@ static void gemv_for(int kind, const float *x, const void *Wp, const void *aux, 
     free(buf);
 }
 
+static void gemv_for(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
+                     int B, int I, int O, qact_t *qa) {
+    gemv_sel_for(kind, x, Wp, aux, r, y, B, I, O, qa, NULL, 0);
+}
+
 static void gemv_any(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
                      int B, int I, int O, int threads) {
     qact_t qa = qact_alloc(IS_INT_KIND(kind) ? (int64_t)B * I : 0);
     #pragma omp parallel num_threads(threads)
     gemv_for(kind, x, Wp, aux, r, y, B, I, O, &qa);
     qact_free(&qa);
+}
+
+/* y [B, O] = x W^T over the output tiles sel[0..nsel) (64 outputs each) of a weight of kind `kind`
+   (W_*); every other output is -inf. The LM head of a guided step whose grammar masks ban every
+   token of the other tiles in every row (mask_tiles): the logits the masks leave are the same bits
+   as a whole call's. */
+void gemv_tiles(int kind, const float *x, const void *Wp, const void *aux, float *y, int B, int I, int O,
+                const int32_t *sel, int nsel, int threads) {
+    qact_t qa = qact_alloc(IS_INT_KIND(kind) ? (int64_t)B * I : 0);
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < (int64_t)B * O; i++) y[i] = -INFINITY;
+        gemv_sel_for(kind, x, Wp, aux, NULL, y, B, I, O, &qa, sel, nsel);
+    }
+    qact_free(&qa);
+}
+
+/* The output tiles (64 tokens each, of O) that mask rows rows[0..R) of words [*][W] (one bit a token)
+   allow any token of, into sel (room for O / 64, ascending); -1 when a row has no mask (token_mask
+   clear: every token allowed). */
+int mask_tiles(const int32_t *words, int64_t W, const int32_t *token_mask, const int64_t *rows, int64_t R,
+               int O, int32_t *sel) {
+    for (int64_t r = 0; r < R; r++)
+        if (!token_mask[rows[r]]) return -1;
+    const int tiles = (O + TILE - 1) / TILE, wpt = TILE / 32;
+    int n = 0;
+    for (int t = 0; t < tiles; t++) {
+        int any = 0;
+        for (int64_t r = 0; r < R && !any; r++) {
+            const int32_t *w = words + rows[r] * W;
+            for (int k = t * wpt; k < (t + 1) * wpt && k < W; k++) any |= w[k] != 0;
+        }
+        if (any) sel[n++] = t;
+    }
+    return n;
 }
 
 void gemv_f32(const float *x, const float *Wp, const float *r, float *y, int B, int I, int O, int threads) {

@@ -87,6 +87,13 @@ class InvariantLinear(nn.Module):
         y = kernels.gemv(x2, self.packed, self.scale, self.out_features, r2)
         return y.view(*shape[:-1], self.out_features)
 
+    def forward_tiles(self, x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """`forward` (no bias) over the output tiles `sel` only (kernels.gemv_tiles): their outputs
+        are the same bits, every other output -inf."""
+        assert self.bias is None
+        y = kernels.gemv_tiles(x.reshape(-1, self.in_features), self.packed, self.scale, self.out_features, sel)
+        return y.view(*x.shape[:-1], self.out_features)
+
 
 def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + layer(x), fused when the layer supports it."""

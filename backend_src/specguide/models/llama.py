@@ -331,11 +331,17 @@ class LlamaModel(nn.Module):
         # as transformers: the scale in the model dtype (sqrt(hidden) is rounded in bf16)
         self.embed_scale = float(torch.tensor(self.cfg.embed_scale).to(w.dtype))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., hidden] -> fp32 logits [..., vocab] (soft-capped: Gemma 2)."""
-        logits = self.head(hidden).float()
+    def logits(self, hidden: torch.Tensor, tiles: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden [..., hidden] -> fp32 logits [..., vocab] (soft-capped: Gemma 2). `tiles`: only those
+        output tiles of a C-kernel head (`sparse_head`); the other logits are -inf (-cap soft-capped)."""
+        logits = self.head(hidden).float() if tiles is None else self.head.forward_tiles(hidden, tiles)
         cap = self.cfg.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def sparse_head(model: "LlamaModel") -> bool:
+    """Whether `model.logits` can compute a subset of output tiles (a C-kernel LM head)."""
+    return hasattr(model.head, "forward_tiles") and getattr(model.head, "bias", None) is None
 
 
 def fused_stack(layers: list[DecoderLayer], cfg: ModelConfig) -> Optional[stack.FusedStack]:
