@@ -44,9 +44,9 @@ def main() -> None:
     tiles: list[int] = []
     real = kernels.gemv_tiles
 
-    def counted(x, packed, scale, out_features, sel):
+    def counted(x, packed, scale, out_features, sel, weight_dtype):
         tiles.append(sel.numel())
-        return real(x, packed, scale, out_features, sel)
+        return real(x, packed, scale, out_features, sel, weight_dtype)
     kernels.gemv_tiles = counted
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, prefix_caching=False))
     core = eng.runner.core

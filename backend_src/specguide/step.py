@@ -77,7 +77,7 @@ class StepCore:
     max_seq_len: int
     feature_sink: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = None
     poison: Optional[Callable[[torch.Tensor, list[Sequence]], None]] = None  # injected faults (tests)
-    sparse_lm_head: bool = True  # EngineConfig.sparse_lm_head (where the head's kernels allow it)
+    sparse_lm_head: bool = True  # EngineConfig.sparse_lm_head; False where the head is not a C-kernel one
     drafter: Optional[Drafter] = field(default=None, init=False)  # this step's in-step drafter
     extras: Optional[StepExtras] = field(default=None, init=False)  # this eager step's extras
 
@@ -95,6 +95,7 @@ class StepCore:
         self._stage_out = StepOutputs(self.out_host.buf.numpy())
         self.arange = torch.arange(K + 1, device=dev)
         self.slot_list: Optional[list[int]] = None  # eager: host slots (consecutive slots use views)
+        self.sparse_lm_head = self.sparse_lm_head and sparse_head(self.model)
 
     # ---- host side -----------------------------------------------------------------------
     def key(self, seqs: list[Sequence], plan: DraftPlan) -> StepKey:
@@ -198,7 +199,7 @@ class StepCore:
         leaves out enough of them: the others are banned in every row, so the masked logits, and the
         tokens and log probs from them, are the same bits (extras, which read unmasked logits, take
         every tile)."""
-        if key.guided and not key.captured and not key.extras and self.sparse_lm_head and sparse_head(self.model):
+        if key.guided and not key.captured and not key.extras and self.sparse_lm_head:
             B, T = hidden.shape[:2]
             rows = (self.inp.slot[:B, None] * self.R + self.arange[:T]).reshape(-1)
             V = self.model.head.out_features

@@ -119,7 +119,7 @@ def test_a_gemv_over_some_output_tiles_gives_their_bits_and_minus_inf_elsewhere(
     for rows in (slice(0, 1), slice(0, 5), slice(2, 4)):
         for tiles in ([0], [3, 4, 11], [12], list(range(13))):
             sel = torch.tensor(tiles, dtype=torch.int32)
-            got = kernels.gemv_tiles(x[rows], packed, aux, O, sel)
+            got = kernels.gemv_tiles(x[rows], packed, aux, O, sel, fmt)
             keep = torch.zeros(O, dtype=torch.bool)
             for t in tiles:
                 keep[t * 64: (t + 1) * 64] = True

@@ -168,6 +168,7 @@ def unavailable_reason() -> Optional[str]:
 KEY_BLOCK = 16  # ops.c KB: the kernels' key cache holds positions in blocks of 16, dims outermost
 KV_SCALE_BYTES = 4  # ops.c KV_SB: an int8 cache position's fp32 scale, after its head_dim values
 KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # ops.c KV_*: what a kernel cache holds
+WEIGHT_KINDS = {"float32": 0, "int8": 1, "bfloat16": 2, "q4_1": 3, "q8_0": 4, "q4_1_q8": 5, "q8_0_q8": 6}  # ops.c W_*
 MAX_HEAD_DIM = 512  # ops.c MAX_HD: rope_write_for holds one rotated key on the stack
 
 
@@ -417,28 +418,25 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
     return y
 
 
-def _kind(packed: torch.Tensor, scale: Optional[torch.Tensor]) -> int:
-    """ops.c's W_* code of a weight packed by `pack_weight` / `pack_exact` (as `gemv` dispatches)."""
-    if packed.dim() == 4:
-        return 5 if packed.dtype == torch.uint8 else 6  # q4_1_q8 | q8_0_q8
-    if packed.dtype == torch.int8:
-        return 4 if scale is not None and scale.dim() == 3 else 1  # q8_0 | int8
-    return {torch.float32: 0, torch.bfloat16: 2, torch.uint8: 3}[packed.dtype]
-
-
 def gemv_tiles(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], out_features: int,
-               sel: torch.Tensor) -> torch.Tensor:
-    """`gemv` over the output tiles `sel` (int32, TILE outputs each) only: their outputs are the same
-    bits as `gemv`'s, every other output -inf."""
+               sel: torch.Tensor, weight_dtype: str) -> torch.Tensor:
+    """`gemv` over the output tiles `sel` (int32, TILE outputs each) only, W packed in `weight_dtype`
+    (a `FORMATS` name): their outputs are the same bits as `gemv`'s, every other output -inf."""
     lib = library()
     assert lib is not None
     B, I = x.shape
     assert x.dtype == torch.float32 and sel.dtype == torch.int32 and sel.is_contiguous()
     x = x.contiguous()
     y = torch.empty(B, out_features, dtype=torch.float32)
-    lib.gemv_tiles(_kind(packed, scale), x.data_ptr(), packed.data_ptr(), None if scale is None else scale.data_ptr(),
+    lib.gemv_tiles(WEIGHT_KINDS[weight_dtype], x.data_ptr(), packed.data_ptr(), None if scale is None else scale.data_ptr(),
                    y.data_ptr(), B, I, out_features, sel.data_ptr(), sel.numel(), torch.get_num_threads())
     return y
+
+
+def _cpu_masks(words: torch.Tensor, token_mask: torch.Tensor) -> bool:
+    """Whether grammar masks (words [N, W], token_mask [N]) are in the CPU layout the C loops read."""
+    return (words.device.type == "cpu" and token_mask.device.type == "cpu" and words.dtype == torch.int32
+            and words.is_contiguous() and token_mask.dtype == torch.int32 and token_mask.is_contiguous())
 
 
 def mask_tiles(words: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor, out_features: int) -> Optional[torch.Tensor]:
@@ -446,8 +444,7 @@ def mask_tiles(words: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor
     words [N, W] (int32 bitmask) allow any token, ascending int32; None when a row has no mask
     (token_mask [N] clear), the masks are not CPU tensors or the kernels are missing."""
     lib = library()
-    if (lib is None or words.device.type != "cpu" or token_mask.device.type != "cpu" or words.dtype != torch.int32
-            or not words.is_contiguous() or token_mask.dtype != torch.int32 or not token_mask.is_contiguous()):
+    if lib is None or not _cpu_masks(words, token_mask):
         return None
     rows = rows.to(torch.int64).contiguous()
     sel = torch.empty((out_features + TILE - 1) // TILE, dtype=torch.int32)
@@ -464,10 +461,9 @@ def mask_logits_rows(logits: torch.Tensor, words: torch.Tensor, token_mask: torc
     int64 maps a pruned vocabulary. False (nothing done) where the kernels or these CPU layouts are
     not there."""
     lib = library()
-    tensors = (logits, words, token_mask, rows) + (() if d2t is None else (d2t,))
+    tensors = (logits, rows) + (() if d2t is None else (d2t,))
     if (lib is None or any(t.device.type != "cpu" for t in tensors) or logits.dtype != torch.float32
-            or not logits.is_contiguous() or words.dtype != torch.int32 or not words.is_contiguous()
-            or token_mask.dtype != torch.int32 or not token_mask.is_contiguous()):
+            or not logits.is_contiguous() or not _cpu_masks(words, token_mask)):
         return False
     R, Vp = logits.shape
     rows = rows.to(torch.int64).contiguous()

@@ -13,10 +13,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import KV_KINDS, kv_row_width, library
+from . import KV_KINDS, WEIGHT_KINDS, kv_row_width, library
 
 _P = ctypes.c_void_p
-KINDS = {"float32": 0, "int8": 1, "bfloat16": 2, "q4_1": 3, "q8_0": 4, "q4_1_q8": 5, "q8_0_q8": 6}  # ops.c's W_*
 ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
@@ -76,7 +75,7 @@ class LayerWeights:
         for i, lin in enumerate((self.qkv, self.o, self.gate_up, self.down)):
             s.w[i] = lin.packed.data_ptr()
             s.aux[i] = None if lin.aux is None else lin.aux.data_ptr()
-            s.kind[i] = KINDS[lin.weight_dtype]
+            s.kind[i] = WEIGHT_KINDS[lin.weight_dtype]
         s.local = int(self.local)
         for name in ("qkv_bias", "in_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
             setattr(s, name, _ptr(getattr(self, name)))

@@ -91,7 +91,8 @@ class InvariantLinear(nn.Module):
         """`forward` (no bias) over the output tiles `sel` only (kernels.gemv_tiles): their outputs
         are the same bits, every other output -inf."""
         assert self.bias is None
-        y = kernels.gemv_tiles(x.reshape(-1, self.in_features), self.packed, self.scale, self.out_features, sel)
+        y = kernels.gemv_tiles(x.reshape(-1, self.in_features), self.packed, self.scale, self.out_features, sel,
+                               self.weight_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
 
