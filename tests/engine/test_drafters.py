@@ -4,7 +4,7 @@ speculation off, token for token, guided and unguided."""
 from __future__ import annotations
 
 import dataclasses
-
+import random
 
 import pytest
 
@@ -224,15 +224,47 @@ def test_grammar_forced_drafts_set_a_floor_under_k_and_stay_out_of_the_acceptanc
     s = engine._make_sequence(requests(engine, lambda i: 3)[1], lambda o: None)  # unguided
     s.slot = 0
     try:
-        p.accept_rate[0] = 0.2
+        p.accept_rate[0], p.judged[0] = 0.2, 1.0
         assert p.budget(s) == 1 and p.budget(s, forced=3) == 3  # forced tokens are not cut by adaptive K
-        p.observe(0, drafted=3, accepted=2, forced=2)  # the free draft was rejected
+        p.observe(0, drafted=3, accepted=2, forced=2)  # the free draft was rejected (1 judged, 0 accepted)
         assert p.accept_rate[0] == pytest.approx(0.7 * 0.2)
         p.observe(0, drafted=2, accepted=2, forced=2)  # forced drafts alone: nothing learned
         assert p.accept_rate[0] == pytest.approx(0.7 * 0.2)
     finally:
         p.accept_prior.clear(), p.accept_prior.update(saved[0])
         p.accept_rate[:] = saved[1]
+
+
+def test_the_acceptance_estimate_is_the_chance_a_draft_is_accepted_after_accepted_ones(engine):
+    """Verifications of 3 drafts, each accepted with p = 0.7 when the ones before it were: the slot's
+    and its kind's estimates find p (what the step cost's geometric sum and adaptive K take), not
+    accepted / drafted (0.51, which kept K at 2 and had cost_aware_k stop drafting where it paid)."""
+    p = engine.proposer
+    saved = dict(p.accept_prior), dict(p.prior_judged), list(p.accept_rate), list(p.judged), list(p.slot_guided)
+    s = engine._make_sequence(requests(engine, lambda i: 3)[1], lambda o: None)
+    s.slot = 0
+    rng = random.Random(0)
+    try:
+        p.slot_guided[0] = False
+        p.accept_rate[0], p.accept_prior[False] = 0.3, 0.3
+        drafted = accepted = 0
+        slot_rates, prior_rates = [], []
+        for _ in range(4000):
+            n = next((i for i in range(3) if rng.random() >= 0.7), 3)  # drafts accepted before the first rejection
+            p.observe(0, 3, n)
+            drafted, accepted = drafted + 3, accepted + n
+            slot_rates.append(p.accept_rate[0])
+            prior_rates.append(p.accept_prior[False])
+        assert accepted / drafted == pytest.approx(0.51, abs=0.02)  # what the old estimate was
+        # moving ratios (decay 0.7 a slot, 0.9 its kind) follow the recent verifications: p on average
+        assert sum(slot_rates[100:]) / 3900 == pytest.approx(0.7, abs=0.03)
+        assert sum(prior_rates[100:]) / 3900 == pytest.approx(0.7, abs=0.03)
+        p.accept_rate[0] = 0.7
+        assert p.budget(s) == 3  # 0.7 ** 4 = 0.24 >= 0.15: three drafts
+    finally:
+        p.accept_prior.clear(), p.accept_prior.update(saved[0])
+        p.prior_judged.clear(), p.prior_judged.update(saved[1])
+        p.accept_rate[:], p.judged[:], p.slot_guided[:] = saved[2], saved[3], saved[4]
 
 
 def test_tiny_trained_head_beats_chance_and_runs_in_the_step(engine, tmp_path):

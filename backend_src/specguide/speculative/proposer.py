@@ -24,7 +24,8 @@ from .plan import DraftPlan
 from .step_cost import StepCosts
 
 log = logging.getLogger("specguide")
-PRIOR_DECAY = 0.9  # weight of the old acceptance prior per verification
+SLOT_DECAY = 0.7  # weight of a slot's old acceptance counts per verification
+PRIOR_DECAY = 0.9  # weight of the old acceptance prior's counts per verification
 PRIOR_RELAX = 0.1  # per plain step, how far a slot's acceptance estimate moves back toward its kind's prior
 ADAPTIVE_MIN_ODDS = 0.15  # adaptive K: a draft whose estimated acceptance odds fall below is not proposed
 SURE_NGRAM = 4  # cost_aware_k: what follows an earlier occurrence of the last 4 tokens counts as sure drafts
@@ -61,12 +62,16 @@ class Proposer(SlotOwner):
                                  f"target's ({model.cfg.vocab_size}); it must share the tokenizer")
             self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device,
                                           kv_store(config, dm))
-        self.accept_rate = [1.0] * config.max_slots  # per-slot moving average of draft acceptance
+        # per slot: p, the chance that a draft is accepted when the drafts before it were (what adaptive
+        # K and the step cost's geometric sum take), as moving counts: accepted / judged drafts
+        self.accept_rate = [1.0] * config.max_slots
+        self.judged = [1.0] * config.max_slots  # the moving count of judged drafts behind accept_rate
         # the recent acceptance of each kind (guided or not): with cost_aware_k a new sequence starts
         # from it and a slot that does not verify drifts back to it. Chat drafts are rarely accepted, so a
         # chat request no longer verifies (and has the head catch its prompt up) at its first steps;
         # a repetitive one still drafts at once: its recurring n-grams count as sure (`sure_ngram`)
         self.accept_prior = {False: 1.0, True: 1.0}  # unguided, guided
+        self.prior_judged = {False: 1.0, True: 1.0}
         self.suffixes = [SuffixIndex(SURE_NGRAM) for _ in range(config.max_slots)]  # sure_ngram's, per slot
         self.slot_guided = [False] * config.max_slots
         self.step_forced: dict[int, int] = {}  # slot -> sure drafts (forced, recurring n-gram) in this step's plan
@@ -130,6 +135,7 @@ class Proposer(SlotOwner):
         # cost_aware_k: from its kind's recent acceptance; else 1.0 (a request's drafts never depend
         # on the requests before it)
         self.accept_rate[slot] = self.accept_prior[self.slot_guided[slot]] if self.step_costs is not None else 1.0
+        self.judged[slot] = 1.0
         self.suffixes[slot] = SuffixIndex(SURE_NGRAM)
         self.head_ready[slot] = self.head is not None and (seq.num_reused == 0 or self.head_ready[slot])
         for d in (self.head, self.draft_model):
@@ -147,13 +153,18 @@ class Proposer(SlotOwner):
 
     def observe(self, slot: int, drafted: int, accepted: int, forced: int = 0) -> None:
         """One verification's outcome for the slot (adaptive K); its first `forced` drafts were sure
-        ones (`forced`: not what the estimate is of)."""
+        ones (`forced`: not what the estimate is of). A verification judges each accepted draft and
+        the first rejected one (those after it are never judged): accepted / judged estimates p, where
+        accepted / drafted would not (p = 0.7 and 3 drafts: 0.51)."""
         free = drafted - forced
         if free > 0:
-            rate = max(0, accepted - forced) / free
-            self.accept_rate[slot] = 0.7 * self.accept_rate[slot] + 0.3 * rate
+            hits = max(0, accepted - forced)
+            judged = hits + (hits < free)
+            self.accept_rate[slot], self.judged[slot] = _moving_ratio(
+                self.accept_rate[slot], self.judged[slot], hits, judged, SLOT_DECAY)
             kind = self.slot_guided[slot]
-            self.accept_prior[kind] = PRIOR_DECAY * self.accept_prior[kind] + (1 - PRIOR_DECAY) * rate
+            self.accept_prior[kind], self.prior_judged[kind] = _moving_ratio(
+                self.accept_prior[kind], self.prior_judged[kind], hits, judged, PRIOR_DECAY)
 
     def budget(self, seq: Sequence, forced: int = 0) -> int:
         """Drafts worth proposing for this sequence now (0 = plain decoding); at least the `forced`
@@ -242,3 +253,10 @@ class Proposer(SlotOwner):
         """Model-free drafts: the grammar-forced tokens (guided slots), then the n-gram continuation."""
         forced = self.guided.forced_tokens(seq.slot, self.encode, k) if self.guided.is_guided(seq.slot) else []
         return self.ngram.chain(seq.prompt_ids + seq.output_ids, forced, k)[0]
+
+
+def _moving_ratio(rate: float, judged: float, hits: int, new_judged: int, decay: float) -> tuple[float, float]:
+    """(rate, judged) after one more outcome: accepted and judged drafts each a moving sum with `decay`,
+    rate their ratio (the ratio of sums, not a mean of per-verification ratios: that is biased low)."""
+    w = decay * judged + (1 - decay) * new_judged
+    return (decay * rate * judged + (1 - decay) * hits) / w, w
