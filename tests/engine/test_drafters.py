@@ -146,7 +146,7 @@ def test_each_kind_keeps_its_recent_acceptance_and_a_new_sequence_starts_from_it
     kept apart, and a new sequence starts from its kind's (a chat request does not verify, nor have
     the draft head catch its prompt up, at its first steps)."""
     p = engine.proposer
-    saved = dict(p.accept_prior), list(p.slot_guided), list(p.accept_rate)
+    saved = dict(p.accept_prior), list(p.slot_guided), list(p.accept_rate), dict(p.prior_judged), list(p.judged)
     guided, chat = requests(engine, lambda i: 3)[:2]  # prompts() alternates guided, unguided
     assert chat.guided is None and guided.guided is not None
     chat_seq = engine._make_sequence(chat, lambda o: None)
@@ -163,6 +163,8 @@ def test_each_kind_keeps_its_recent_acceptance_and_a_new_sequence_starts_from_it
     finally:
         p.accept_prior.clear(), p.accept_prior.update(saved[0])
         p.slot_guided[:], p.accept_rate[:] = saved[1], saved[2]
+        p.prior_judged.clear(), p.prior_judged.update(saved[3])
+        p.judged[:] = saved[4]
 
 
 def test_a_recurring_ngram_counts_as_sure_drafts(engine):
@@ -220,7 +222,7 @@ def test_a_repetitive_prompt_drafts_when_chat_drafts_are_rarely_accepted(engine)
 
 def test_grammar_forced_drafts_set_a_floor_under_k_and_stay_out_of_the_acceptance_estimate(engine):
     p = engine.proposer
-    saved = dict(p.accept_prior), list(p.accept_rate)
+    saved = dict(p.accept_prior), list(p.accept_rate), dict(p.prior_judged), list(p.judged)
     s = engine._make_sequence(requests(engine, lambda i: 3)[1], lambda o: None)  # unguided
     s.slot = 0
     try:
@@ -233,6 +235,8 @@ def test_grammar_forced_drafts_set_a_floor_under_k_and_stay_out_of_the_acceptanc
     finally:
         p.accept_prior.clear(), p.accept_prior.update(saved[0])
         p.accept_rate[:] = saved[1]
+        p.prior_judged.clear(), p.prior_judged.update(saved[2])
+        p.judged[:] = saved[3]
 
 
 def test_the_acceptance_estimate_is_the_chance_a_draft_is_accepted_after_accepted_ones(engine):
