@@ -74,6 +74,30 @@ def test_every_prefix_of_a_valid_document_has_a_valid_shortest_end(schema, doc):
     assert st.done and told == len(doc)  # a half-written `pattern` string included
 
 
+@pytest.mark.parametrize("schema, doc", CASES)
+@pytest.mark.parametrize("width", [2, 3, 5, 8])
+def test_bytes_fed_in_tokens_and_memoized_ends_match_byte_by_byte(schema, doc, width):
+    """Feeding a token's bytes at once (a string's run up to its quote in one step) reaches the
+    state byte-by-byte feeding does, and the completion a scanner memoized over a whole document
+    is a fresh scanner's at every prefix."""
+    data = doc.encode()
+    warm = Scanner(Schemas(schema))
+    st = State()
+    for i in range(0, len(data), width):
+        st = warm.feed(st, data[i: i + width])
+        slow = State()
+        for c in data[: i + width]:
+            slow = Scanner(Schemas(schema)).feed(slow, bytes([c]))
+        assert st == slow, data[: i + width]
+        try:
+            fresh = Scanner(Schemas(schema)).completion(slow)
+        except Unknown:
+            with pytest.raises(Unknown):
+                warm.completion(st)
+            continue
+        assert warm.completion(st) == fresh
+
+
 def rambler(hf_tokenizer):
     """A 'model' that never closes a value: among the allowed tokens it takes the longest one
     without a quote or a closing bracket (string content, new keys, digits), else the first allowed."""

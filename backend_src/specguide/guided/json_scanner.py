@@ -39,11 +39,17 @@ class State:
     done: bool = False  # the top-level value is complete
 
 
+CLOSINGS_KEPT = 512  # closing texts a scanner memoizes (one per container configuration seen)
+
+
 class Scanner:
     """Follows JSON bytes against a schema: State -> State, raising Unknown where it cannot."""
 
     def __init__(self, schemas: Schemas):
         self.s = schemas
+        # the open containers' closing text (or None: Unknown) by their configuration; the schema
+        # nodes are kept alive in the value, so no other node can take their ids while cached
+        self._closings: dict[tuple, tuple[tuple[Any, ...], Optional[str]]] = {}
 
     def child(self, frame: Optional[Frame]) -> Any:
         """The schema of the value that comes next in `frame` (the root's at the top)."""
@@ -87,8 +93,17 @@ class Scanner:
         return State()
 
     def feed(self, state: State, data: bytes) -> State:
-        for c in data:
-            state = self._byte(state, c)
+        i = 0
+        while i < len(data):
+            lex = state.lex
+            if lex is not None and lex[0] in ("string", "key"):  # inside a string: up to its quote at once
+                q = data.find(b'"', i)
+                if q < 0:
+                    return State(state.stack, (lex[0], lex[1] + data[i:]))
+                if q > i:
+                    state, i = State(state.stack, (lex[0], lex[1] + data[i:q])), q
+            state = self._byte(state, data[i])
+            i += 1
         return state
 
     def _byte(self, st: State, c: int) -> State:
@@ -179,10 +194,29 @@ class Scanner:
                 scalar = stack.pop()
                 out.append(_finish_scalar(kind, buf, self.s.resolve(scalar.schema)))
                 _value_done(stack)
-        while stack:
-            out.append(self._close(stack.pop()))
-            _value_done(stack)
+        out.append(self._closing(stack))
         return "".join(out)
+
+    def _closing(self, stack: list[Frame]) -> str:
+        """The text that closes the open containers `stack` (innermost last), memoized: a value
+        being written leaves its containers as they are, so most tokens find theirs here."""
+        key = tuple((id(f.schema), f.kind, f.phase, f.keys, f.items) for f in stack)
+        hit = self._closings.get(key)
+        if hit is None:
+            frames, out, text = list(stack), [], None
+            try:
+                while frames:
+                    out.append(self._close(frames.pop()))
+                    _value_done(frames)
+                text = "".join(out)
+            except Unknown:
+                pass
+            if len(self._closings) >= CLOSINGS_KEPT:
+                self._closings.clear()
+            hit = self._closings[key] = (tuple(f.schema for f in stack), text)
+        if hit[1] is None:
+            raise Unknown("the open containers cannot be closed")
+        return hit[1]
 
     def _finish_key(self, top: Frame, buf: bytes) -> tuple[str, str, str]:
         """(the key, the rest of its text, its value's shortest text) for a key being written:
