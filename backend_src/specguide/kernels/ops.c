@@ -1306,6 +1306,7 @@ typedef struct {
     void *kc, *vc;         /* this stack's caches [layers, slots, kvh, S, hd] (keys in blocks: key_at) */
     int64_t layer_stride;  /* elements from one layer's cache to the next */
     int kvk;               /* what the caches hold (KV_*) */
+    const float *final_norm; /* [hidden]: the model's norm after the last layer (NULL: none) */
 } stack_t;
 
 /* y = x * rsqrt(mean(x^2) + eps) * w over one row of D (y may be x). */
@@ -1383,7 +1384,7 @@ static void proj_add_for(const layer_t *l, int p, const float *x, float *y, floa
 }
 
 /* x [B, T, hidden] (the residual stream, updated in place) through layers L[0..nl) at positions
-   pos [B, T] of cache rows slot [B]. */
+   pos [B, T] of cache rows slot [B], then the final norm (c->final_norm) in place. */
 void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int64_t *slot, const int64_t *pos,
                  int B, int T, int threads) {
     const int64_t N = (int64_t)B * T;
@@ -1421,6 +1422,7 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
         act_mul_for(gu, h, N, c->inter, c->act);
         proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa);
     }
+    if (c->final_norm) rms_rows_for(x, c->final_norm, x, N, D, c->eps);
     free(work);
     qact_free(&qa);
 }

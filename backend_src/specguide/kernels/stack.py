@@ -34,7 +34,7 @@ class StackStruct(ctypes.Structure):
                 ("hd", ctypes.c_int), ("S", ctypes.c_int), ("window", ctypes.c_int), ("act", ctypes.c_int),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
                 ("cos", _P), ("sin", _P), ("cos_local", _P), ("sin_local", _P), ("kc", _P), ("vc", _P),
-                ("layer_stride", ctypes.c_int64), ("kvk", ctypes.c_int)]
+                ("layer_stride", ctypes.c_int64), ("kvk", ctypes.c_int), ("final_norm", _P)]
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -126,10 +126,12 @@ class FusedStack:
         return s
 
     def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor,
-                 slots: torch.Tensor, positions: torch.Tensor, num_layers: int = 0) -> torch.Tensor:
+                 slots: torch.Tensor, positions: torch.Tensor, num_layers: int = 0,
+                 final_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [B, T, hidden] through the first `num_layers` (0: all) layers, caches kc / vc (KVCache's
         kernel layout) written at (slots [B], positions [B, T]); tables: (cos, sin,
-        cos_local, sin_local) [P, hd] -> [B, T, hidden] (a new tensor)."""
+        cos_local, sin_local) [P, hd] -> [B, T, hidden] (a new tensor), RMS-normed by `final_norm`
+        [hidden] when given (in the same call: a torch norm after it ran with cold caches)."""
         lib = library()
         assert lib is not None
         nl = num_layers or len(self.layers)
@@ -141,6 +143,7 @@ class FusedStack:
         positions = positions.to(torch.int64).contiguous()
         assert positions.shape == (B, T) and slots.shape == (B,)
         stack = self._stack(tables, kc, vc)  # NOTE: kept alive until the call returns
+        stack.final_norm = _ptr(final_norm)
         lib.forward_f32(ctypes.addressof(self.array), nl, ctypes.addressof(stack), out.data_ptr(), slots.data_ptr(),
                         positions.data_ptr(), B, T, torch.get_num_threads())
         return out

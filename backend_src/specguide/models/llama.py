@@ -305,9 +305,8 @@ class LlamaModel(nn.Module):
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         if self.fused is not None and ctx.mask is None:  # the same kernels, one C call
-            x = self.fused(x, (*tables[False], *tables[True]), kv.k, kv.v, ctx.slots, ctx.positions,
-                           num_layers or 0)
-            return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            return self.fused(x, (*tables[False], *tables[True]), kv.k, kv.v, ctx.slots, ctx.positions,
+                              num_layers or 0, final_norm=self.norm)
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
