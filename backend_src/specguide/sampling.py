@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
+
 M32 = 0xFFFFFFFF
 U_MAX = 1.0 - 2.0 ** -24  # the largest float32 below 1
 
@@ -73,13 +75,13 @@ def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """logits [B, V] (fp32, already masked) -> tokens [B] int64."""
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = kernels.argmax(logits)
     if b.all_greedy:
         return greedy_tokens
     scaled = filter_logits(logits, b)
     # Gumbel-max: argmax(l + g), g = -log(-log u), is a sample from softmax(l)
     u = uniform(b.seed, b.counter, logits.shape[-1])
-    sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+    sampled = kernels.argmax(scaled - torch.log(-torch.log(u)))
     return torch.where(b.greedy, greedy_tokens, sampled)
 
 

@@ -29,6 +29,7 @@ import torch
 from .guided.capturable import CapturableGuidedDecoder
 from .guided.grammar_worker import GuidedStep
 from .guided.stepper import GuidedStepper
+from . import kernels
 from .kernels import TILE
 from .kv_cache import KVCache
 from .models.llama import AttnContext, LlamaModel, sparse_head
@@ -47,6 +48,9 @@ SPARSE_HEAD_AT_MOST = (3, 4)  # a sparse LM head when its masks leave at most 3/
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     """[..., V] -> [...] bool: the row holds NaN or +inf (-inf is a mask)."""
+    bad = kernels.nonfinite_rows(logits)
+    if bad is not None:
+        return bad
     top = logits.amax(dim=-1)  # NaN propagates
     return top.isnan() | top.isposinf()
 
@@ -223,7 +227,7 @@ class StepCore:
             logits = d.draft(i, cur, pos0, slots, lambda p, e: self.ctx(key, slots, p, e))  # [B, Vd]
             if masked:
                 g.apply_rows(logits, slots * self.R + i, d.d2t)
-            tok = logits.argmax(dim=-1)
+            tok = kernels.argmax(logits)
             if d.d2t is not None:
                 tok = d.d2t[tok]
             if key.pick:  # grammar-forced / trusted n-gram token, else the n-gram when the drafter is unsure

@@ -9,6 +9,7 @@ runs every build this CPU can execute). Prints "ok" when every check holds, else
   block formats (q4_1, q8_0) give the fp32 kernel's bits on their dequantized weights, and their
   integer-dot variants (int8 activations: q4_1_q8, q8_0_q8) stay close to them, and give the
   reference arithmetic's result with their integer sums at the largest;
+- the row scans (argmax, non-finite rows) give torch's answers;
 - attention: any chunk split of a prompt gives the same outputs and K/V (window, soft cap), with
   an fp32, an fp16 and an int8 KV cache;
 - whole models (random weights, real layer shapes: SmolLM2's attention geometry in q4_1 as the
@@ -97,6 +98,21 @@ def check_attention(g: torch.Generator) -> None:
             assert all(torch.equal(a[[2, 0][r]], b[[2, 0][r]]) for r in rows for a, b in zip(got[1:], whole[1:]))
 
 
+def check_row_scans(g: torch.Generator) -> None:
+    """The C argmax and non-finite scan (vector lanes of this build) give torch's answers: ties,
+    NaN, +inf and masked (-inf) rows, widths around a vector's."""
+    for V in (3, 17, 1000, 49152):
+        x = torch.randn(8, V, generator=g)
+        x[1] = float("-inf")
+        x[2, [V // 3, V - 1]] = x[2].max() + 1
+        x[3, V - 1] = float("nan")
+        x[4, V // 2] = float("inf")
+        x[5, ::2] = float("-inf")
+        assert torch.equal(kernels.argmax(x), x.argmax(dim=-1)), V
+        top = x.amax(dim=-1)
+        assert torch.equal(kernels.nonfinite_rows(x), top.isnan() | top.isposinf()), V
+
+
 def _q4_1_exact(model: torch.nn.Module) -> None:
     """Every linear weight replaced by its Q4_1 dequantization: the loader packs it as q4_1 (as it
     packs the default model's GGUF weights), so the served kernels run."""
@@ -181,6 +197,7 @@ def main() -> None:
     check_gemv(g)
     check_int_dot_extremes(g)
     check_attention(g)
+    check_row_scans(g)
     with tempfile.TemporaryDirectory() as tmp:
         for path in make_models(Path(tmp)).values():
             # block formats widened to fp32 / times int8 activations, with the fp16 KV cache served

@@ -18,11 +18,12 @@ LAYERS = {
     "head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
     # per-request state (Sequence) and small services every layer above reads
     "sequence_state": 0,  # the non-scheduler parts of a Sequence: plain data (its imports are type-only)
-    "faults": 1, "scheduler": 1, "tokenizer": 1, "sampling": 1,
-    "kernels": 2, "slot_sampling": 2, "cuda": 2,  # cuda: host functions, and graphs of any step body
+    "faults": 1, "scheduler": 1, "tokenizer": 1, "kernels": 1,  # kernels: the C kernels (import nothing of ours)
+    "sampling": 2, "cuda": 2,  # cuda: host functions, and graphs of any step body
+    "slot_sampling": 3,
     "kv_cache": 3,  # in the attention kernel's layout where the kernel serves the model
-    "models": 3, "token_outputs": 3,
-    "guided": 4, "speculative": 4,
+    "models": 3,
+    "guided": 4, "speculative": 4, "token_outputs": 4,
     "step": 5,
     "runner": 6,
     "intake": 7, "outputs": 7,

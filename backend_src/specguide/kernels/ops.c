@@ -1459,3 +1459,38 @@ void mask_logits_rows(float *logits, int64_t R, int64_t Vp, const int32_t *words
         for (; j < Vp; j++) y[j] = -INFINITY;
     }
 }
+
+/* Per row of x [R][V]: idx[r] = the index of its first maximum, a NaN counting as the maximum (its
+   first index), as torch.argmax; bad[r] (when not NULL) = the row holds a NaN or +inf. A scan of
+   the row in vectors (max and NaN lanes), then of its first V entries up to the index. */
+void argmax_rows(const float *x, int64_t R, int64_t V, int64_t *idx, uint8_t *bad) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = x + r * V;
+        vf mx = splat(-INFINITY);
+        vi32 nan = (vi32){0};
+        int64_t j = 0;
+        for (; j + VW <= V; j += VW) {
+            const vf v = load(row + j);
+            nan |= v != v;
+            mx = vmax(mx, v);
+        }
+        float m = -INFINITY;
+        int has_nan = 0;
+        for (int l = 0; l < VW; l++) {
+            m = mx[l] > m ? mx[l] : m;
+            has_nan |= nan[l] != 0;
+        }
+        for (; j < V; j++) {
+            has_nan |= row[j] != row[j];
+            m = row[j] > m ? row[j] : m;
+        }
+        int64_t at = 0;
+        if (has_nan) {
+            while (row[at] == row[at]) at++;
+        } else {
+            while (row[at] != m) at++;
+        }
+        idx[r] = at;
+        if (bad) bad[r] = (uint8_t)(has_nan || m == INFINITY);
+    }
+}

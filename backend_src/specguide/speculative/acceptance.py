@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import kernels
+
 
 def accept(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """target [B, K+1]: the target's token at each verified position; drafts [B, K] int64;
@@ -37,5 +39,5 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
     """The verification of logits [B, K+1, V] (masked): the target's token at each position is
     its argmax (a greedy batch: `sample` None) or `sample(logits)` [B, K+1], the token a step
     without drafts samples there; then `accept`."""
-    target = logits.argmax(dim=-1) if sample is None else sample(logits)
+    target = kernels.argmax(logits) if sample is None else sample(logits)
     return accept(target, drafts, num_drafts)

@@ -1,0 +1,47 @@
+"""The C row scans (kernels.argmax, kernels.nonfinite_rows) give torch's answers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specguide import kernels
+from specguide.step import nonfinite_rows
+
+
+def rows(V: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(12, V, generator=g)
+    x[1] = float("-inf")  # every token masked
+    x[2, V // 3] = x[2, V - 1] = x[2].max() + 1  # a tie: the first one wins
+    x[3, V - 1] = float("nan")  # NaN last: it counts as the maximum
+    x[4, [1, V // 2]] = float("nan")  # the first NaN
+    x[5, V // 2] = float("inf")
+    x[6, ::2] = float("-inf")  # a grammar mask
+    x[7] = 0.0  # all equal
+    x[8, 0] = float("inf")
+    x[8, 1] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("V", [2, 7, 16, 64, 1000, 49152])  # below, at and past a vector's width
+def test_argmax_is_torchs_first_maximum_nan_included(V):
+    assert kernels.library() is not None
+    x = rows(V)
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(kernels.argmax(x.view(3, 4, V)), x.view(3, 4, V).argmax(dim=-1))  # [..., V]
+
+
+@pytest.mark.parametrize("V", [2, 7, 64, 1000])
+def test_nonfinite_rows_are_nan_or_plus_inf_rows(V):
+    x = rows(V)
+    top = x.amax(dim=-1)
+    assert torch.equal(kernels.nonfinite_rows(x), top.isnan() | top.isposinf())
+    assert torch.equal(nonfinite_rows(x.view(2, 6, V)), (top.isnan() | top.isposinf()).view(2, 6))
+
+
+def test_other_layouts_fall_back_to_torch():
+    x = rows(64)
+    t = x.t()  # not contiguous
+    assert torch.equal(kernels.argmax(t), t.argmax(dim=-1))
+    assert kernels.nonfinite_rows(t) is None
+    assert torch.equal(kernels.argmax(x.double()), x.double().argmax(dim=-1))
