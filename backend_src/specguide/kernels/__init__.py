@@ -123,6 +123,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mask_tiles.restype = ctypes.c_int  # (words, W, token_mask, rows, R, O, sel) -> tiles, -1: a row unmasked
     lib.mask_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_int, ctypes.c_void_p]
+    lib.rms_norm_rows.restype = None  # (x, w, y, N, D, eps)
+    lib.rms_norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float]
     lib.argmax_rows.restype = None  # (x, R, V, idx, bad)
     lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.mask_logits_rows.restype = None  # (logits, R, Vp, words, W, token_mask, rows, vocab, d2t)
@@ -464,6 +466,19 @@ def _rows_scan(x: torch.Tensor, bad: bool) -> Optional[tuple[torch.Tensor, Optio
     flags = torch.empty(x.shape[:-1], dtype=torch.bool) if bad else None
     lib.argmax_rows(x.data_ptr(), x.numel() // V, V, idx.data_ptr(), None if flags is None else flags.data_ptr())
     return idx, flags
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] RMS-normed with weight w [D] as the layer stack's norms are (one C call on CPU fp32:
+    torch's norm is six ops, slow with cold caches after a forward), else torch's."""
+    lib = library()
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
+            or not w.is_contiguous() or x.requires_grad or w.requires_grad):
+        return torch.nn.functional.rms_norm(x, w.shape, w, eps)
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    lib.rms_norm_rows(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
+    return y
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

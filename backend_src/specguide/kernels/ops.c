@@ -1494,3 +1494,8 @@ void argmax_rows(const float *x, int64_t R, int64_t V, int64_t *idx, uint8_t *ba
         if (bad) bad[r] = (uint8_t)(has_nan || m == INFINITY);
     }
 }
+
+/* y [N][D] = the RMS norm of x's rows with weight w (rms_row: the layer stack's own), one thread. */
+void rms_norm_rows(const float *x, const float *w, float *y, int64_t N, int D, float eps) {
+    for (int64_t n = 0; n < N; n++) rms_row(x + n * D, w, y + n * D, D, eps);
+}

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .. import kernels
 from ..models.linear import invariant_available, make_head, prepare_linears
 from ..models.llama import AttnContext, DecoderLayer, LlamaModel, ModelConfig, fused_stack, rms_norm
 from ..kv_cache import KVCache
@@ -63,11 +64,11 @@ class DraftHead(nn.Module):
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, ctx: AttnContext, kv: KVCache) -> torch.Tensor:
         """feats [B, T, H] (f or g), tokens [B, T] (the next tokens) at ctx.positions -> g [B, T, H]."""
-        t = self.target
-        e = rms_norm(t.embed(tokens), self.embed_norm, self.cfg.rms_norm_eps)
+        t, c_path = self.target, self.fused is not None and ctx.mask is None
+        e = (kernels.rms_norm if c_path else rms_norm)(t.embed(tokens), self.embed_norm, self.cfg.rms_norm_eps)
         x = self.fc(torch.cat([feats.to(e.dtype), e], dim=-1))
         cos, sin = t.rope(ctx, kv.max_seq_len)
-        if self.fused is not None and ctx.mask is None:
+        if c_path:
             return self.fused(x, (cos, sin, cos, sin), kv.k, kv.v, ctx.slots, ctx.positions, final_norm=self.norm)
         x = self.layer(x, cos, sin, ctx, kv.k[0], kv.v[0])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)

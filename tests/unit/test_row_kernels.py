@@ -1,4 +1,5 @@
-"""The C row scans (kernels.argmax, kernels.nonfinite_rows) give torch's answers."""
+"""The C row kernels: the scans (kernels.argmax, kernels.nonfinite_rows) give torch's answers; the
+RMS norm (kernels.rms_norm) is torch's to rounding, a row's bits independent of the other rows."""
 from __future__ import annotations
 
 import pytest
@@ -45,3 +46,16 @@ def test_other_layouts_fall_back_to_torch():
     assert torch.equal(kernels.argmax(t), t.argmax(dim=-1))
     assert kernels.nonfinite_rows(t) is None
     assert torch.equal(kernels.argmax(x.double()), x.double().argmax(dim=-1))
+
+
+def test_rms_norm_is_torchs_to_rounding_and_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 3, 576, generator=g) * 3, torch.rand(576, generator=g) + 0.5
+    got = kernels.rms_norm(x, w, 1e-5)
+    ref = torch.nn.functional.rms_norm(x, w.shape, w, 1e-5)
+    assert got.shape == x.shape and torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(got, x)
+    for i in range(5):  # alone, a row gives the bits it gives among others
+        assert torch.equal(kernels.rms_norm(x[i, 1:2], w, 1e-5), got[i, 1:2])
+    t = x.clone().requires_grad_()  # training: torch's, with gradients
+    assert kernels.rms_norm(t, w, 1e-5).requires_grad
