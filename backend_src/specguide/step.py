@@ -227,16 +227,8 @@ class StepCore:
             logits = d.draft(i, cur, pos0, slots, lambda p, e: self.ctx(key, slots, p, e))  # [B, Vd]
             if masked:
                 g.apply_rows(logits, slots * self.R + i, d.d2t)
-            tok = kernels.argmax(logits)
-            if d.d2t is not None:
-                tok = d.d2t[tok]
-            if key.pick:  # grammar-forced / trusted n-gram token, else the n-gram when the drafter is unsure
-                fixed, fallback = g.proposals(B)
-                unsure = logits.softmax(dim=-1).amax(dim=-1) < HEAD_UNSURE
-                tok = torch.where(fixed >= 0, fixed, torch.where(unsure & (fallback >= 0), fallback, tok))
-            self.out.drafts[i, :B].copy_(tok)
+            tok = self._pick(key, i, logits, masked or key.pick)
             if masked or key.pick:
-                self.out_host.drafts[i].copy_(self.out.drafts[i], non_blocking=key.captured)
                 g.launch_draft_advance(i)
             cur = tok[:, None]
         if key.guided:
@@ -244,6 +236,29 @@ class StepCore:
                 self.out_host.drafts.copy_(self.out.drafts, non_blocking=key.captured)
             g.launch_draft_end()
         return self.out.drafts[: key.T - 1, :B].t()
+
+    def _pick(self, key: StepKey, i: int, logits: torch.Tensor, to_host: bool) -> torch.Tensor:
+        """Draft i's tokens [B] from the drafter's masked logits [B, Vd], written to out.drafts[i]
+        (and out_host.drafts[i] for the grammar callbacks when `to_host`): its argmax (through d2t);
+        the hybrid's pick: the grammar-forced / trusted n-gram token, else the n-gram when the
+        drafter is unsure. On CPU one C call (kernels.draft_pick)."""
+        B, d, g = key.batch, self.drafter, self.grammar
+        assert d is not None
+        props = g.proposals(B) if key.pick else None
+        row = self.out.drafts[i, :B]
+        if kernels.draft_pick(logits, d.d2t, props, HEAD_UNSURE, row, self.out_host.drafts[i, :B] if to_host else None):
+            return row
+        tok = kernels.argmax(logits)
+        if d.d2t is not None:
+            tok = d.d2t[tok]
+        if props is not None:
+            fixed, fallback = props
+            unsure = logits.softmax(dim=-1).amax(dim=-1) < HEAD_UNSURE
+            tok = torch.where(fixed >= 0, fixed, torch.where(unsure & (fallback >= 0), fallback, tok))
+        row.copy_(tok)
+        if to_host:
+            self.out_host.drafts[i].copy_(self.out.drafts[i], non_blocking=key.captured)
+        return tok
 
     def _sampler(self, key: StepKey, slots: torch.Tensor, counter: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """logits [B, T, V] -> [B, T]: the token a step without drafts samples at each position
@@ -255,12 +270,39 @@ class StepCore:
             return sample(logits.view(B * T, V), self.params.batch(rows, cnt, key.greedy, key.truncated)).view(B, T)
         return at_positions
 
+    def _num_drafts(self, key: StepKey, B: int) -> Optional[torch.Tensor]:
+        """[B] drafts each row verifies (a guided row: at most its grammar's limit); None at T = 1."""
+        if key.T == 1:
+            return None
+        num = self.inp.num[:B]
+        return torch.minimum(num, self.grammar.limit_dev[:B].long()) if key.guided else num
+
+    def _choose(self, key: StepKey, logits: torch.Tensor, drafts: Optional[torch.Tensor],
+                ex: Optional[StepExtras]) -> None:
+        """out.accepted / out.next from the masked logits [B, T, V]: sampled or verified rows, extras."""
+        B, T, _ = logits.shape
+        slots, counter = self.inp.slot[:B], self.inp.counter[:B]
+        if T == 1:
+            nxt = sample(logits[:, 0], self.params.batch(slots, counter, key.greedy, key.truncated))
+            accepted = torch.zeros_like(nxt)
+        else:
+            assert drafts is not None
+            accepted, nxt = acceptance.verify(logits, drafts, self._num_drafts(key, B),
+                                              None if key.greedy else self._sampler(key, slots, counter))
+        if ex is not None:  # emitted[b, j]: the token position j produced
+            emitted = nxt[:, None] if drafts is None else \
+                torch.cat([drafts, nxt[:, None]], dim=1).scatter(1, accepted.long()[:, None], nxt[:, None])
+            ex.after(logits, slots, emitted, nxt)
+        nxt = torch.where(nonfinite_rows(logits).any(dim=1), BAD_TOKEN, nxt)
+        self.out.accepted[:B].copy_(accepted)
+        self.out.next[:B].copy_(nxt)
+
     def tail(self, key: StepKey, logits: torch.Tensor, drafts: Optional[torch.Tensor]) -> None:
         """Masks, acceptance and the next token from the verification logits [B, T, V]; outputs to
         `out` / `out_host`; the grammar commit."""
         B, T, V = logits.shape
         g, ex = self.grammar, self.extras if key.extras else None
-        slots, counter, num = self.inp.slot[:B], self.inp.counter[:B], self.inp.num[:B]
+        slots = self.inp.slot[:B]
         if ex is not None:
             ex.before(logits)
         if key.biased:
@@ -269,20 +311,10 @@ class StepCore:
             g.apply_rows(logits.view(B * T, V), (slots[:, None] * self.R + self.arange[:T]).reshape(-1))
         if ex is not None:
             ex.process(logits[:, 0], slots)
-        if T == 1:
-            nxt = sample(logits[:, 0], self.params.batch(slots, counter, key.greedy, key.truncated))
-            accepted = torch.zeros_like(nxt)
-        else:
-            assert drafts is not None
-            n = num if not key.guided else torch.minimum(num, g.limit_dev[:B].long())
-            accepted, nxt = acceptance.verify(logits, drafts, n, None if key.greedy else self._sampler(key, slots, counter))
-        if ex is not None:  # emitted[b, j]: the token position j produced
-            emitted = nxt[:, None] if drafts is None else \
-                torch.cat([drafts, nxt[:, None]], dim=1).scatter(1, accepted.long()[:, None], nxt[:, None])
-            ex.after(logits, slots, emitted, nxt)
-        nxt = torch.where(nonfinite_rows(logits).any(dim=1), BAD_TOKEN, nxt)
-        self.out.accepted[:B].copy_(accepted)
-        self.out.next[:B].copy_(nxt)
+        # greedy rows on CPU: the argmaxes, the acceptance and the non-finite check in one scan
+        if not (key.greedy and ex is None and kernels.greedy_verify(
+                logits, drafts, self._num_drafts(key, B), self.out.accepted[:B], self.out.next[:B], BAD_TOKEN)):
+            self._choose(key, logits, drafts, ex)
         self.out_host.buf.copy_(self.out.buf, non_blocking=key.captured)
         if key.guided or key.pick:
             g.launch_commit()  # feeds drafts[:accepted] + next (from out_host) to the matchers

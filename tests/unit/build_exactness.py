@@ -111,6 +111,19 @@ def check_row_scans(g: torch.Generator) -> None:
         assert torch.equal(kernels.argmax(x), x.argmax(dim=-1)), V
         top = x.amax(dim=-1)
         assert torch.equal(kernels.nonfinite_rows(x), top.isnan() | top.isposinf()), V
+        acc, nxt = torch.empty(4, dtype=torch.int64), torch.empty(4, dtype=torch.int64)
+        drafts = x.argmax(dim=-1).view(4, 2)[:, :1]  # every row's draft is its first position's token
+        assert kernels.greedy_verify(x.view(4, 2, V), drafts, torch.ones(4, dtype=torch.int64), acc, nxt, -1)
+        bad = (top.isnan() | top.isposinf()).view(4, 2).any(dim=1)
+        assert acc.tolist() == [1] * 4, V
+        assert torch.equal(nxt, torch.where(bad, -1, x.argmax(dim=-1).view(4, 2)[:, 1])), V
+        if V < 17:  # too few tokens for an unsure drafter
+            continue
+        flat = torch.randn(4, V, generator=g) * 0.01  # the drafter unsure, then sure: its n-gram, then its own
+        logits = torch.cat([flat, flat + torch.nn.functional.one_hot(flat.argmax(dim=-1), V) * 30])
+        fallback, out = torch.full((8,), 7, dtype=torch.int64), torch.empty(8, dtype=torch.int64)
+        assert kernels.draft_pick(logits, None, (torch.full((8,), -1, dtype=torch.int64), fallback), 0.3, out)
+        assert out.tolist() == [7] * 4 + logits[4:].argmax(dim=-1).tolist(), V
 
 
 def _q4_1_exact(model: torch.nn.Module) -> None:

@@ -1,11 +1,13 @@
-"""The C row kernels: the scans (kernels.argmax, kernels.nonfinite_rows) give torch's answers; the
-RMS norm (kernels.rms_norm) is torch's to rounding, a row's bits independent of the other rows."""
+"""The C row kernels: the scans (kernels.argmax, kernels.nonfinite_rows, kernels.greedy_verify) give
+torch's answers; the RMS norm (kernels.rms_norm) is torch's to rounding, a row's bits independent of
+the other rows; kernels.scatter_rows is torch's index_put, and refuses an index out of range."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from specguide import kernels
+from specguide.speculative import acceptance
 from specguide.step import nonfinite_rows
 
 
@@ -38,6 +40,109 @@ def test_nonfinite_rows_are_nan_or_plus_inf_rows(V):
     top = x.amax(dim=-1)
     assert torch.equal(kernels.nonfinite_rows(x), top.isnan() | top.isposinf())
     assert torch.equal(nonfinite_rows(x.view(2, 6, V)), (top.isnan() | top.isposinf()).view(2, 6))
+
+
+def reference_tail(logits, drafts, num):
+    """What the step computed before the one-scan tail: acceptance.verify, then the non-finite rows' -1."""
+    B, T, _ = logits.shape
+    if T == 1:
+        acc, nxt = torch.zeros(B, dtype=torch.int64), logits[:, 0].argmax(dim=-1)
+    else:
+        acc, nxt = acceptance.verify(logits, drafts, num)
+    return acc, torch.where(nonfinite_rows(logits).any(dim=1), -1, nxt)
+
+
+@pytest.mark.parametrize("V", [2, 7, 64, 49152])
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_greedy_verify_is_acceptance_and_the_nonfinite_check_in_one_scan(V, T):
+    g = torch.Generator().manual_seed(V * 10 + T)
+    pool = torch.cat([rows(V), torch.randn(12, V, generator=g)])  # rows 3, 4, 5, 8: NaN or +inf
+    order = [12, 13, 3, 14, 15, 16, 17, 5, 18, 19, 20, 2, 21, 22, 6, 23, 9, 10, 11, 0, 1, 7, 4, 8]
+    logits = pool[order[: 6 * T]].view(6, T, V).contiguous() if T > 1 else pool[[12, 3, 13, 5, 2, 6]][:, None]
+    target = logits.argmax(dim=-1)
+    drafts = target[:, : T - 1].clone()  # drafts the target agrees with, then some it does not
+    drafts[1::2, T // 2:] = (drafts[1::2, T // 2:] + 1) % V
+    num = torch.tensor([T - 1, 0, 1, T - 1, max(T - 2, 0), T - 1])[:6]
+    want = reference_tail(logits, drafts if T > 1 else None, num)
+    assert bool((want[1] == -1).any()) and bool((want[1] >= 0).any())
+    if T > 1:  # whole, partial and no acceptance among the rows
+        assert {0, T - 1} <= set(want[0].tolist())
+    acc, nxt = torch.full((6,), 9, dtype=torch.int64), torch.full((6,), 9, dtype=torch.int64)
+    args = (drafts.t().contiguous().t(), num) if T > 1 else (None, None)  # drafts as the step has them: a view
+    assert kernels.greedy_verify(logits, *args, acc, nxt, -1)
+    assert torch.equal(acc, want[0]) and torch.equal(nxt, want[1])
+    buf = torch.zeros(3, 10, dtype=torch.int64)  # rows of the step's static buffers, written in place
+    assert kernels.greedy_verify(logits, *args, buf[0, :6], buf[1, :6], -1)
+    assert torch.equal(buf[0, :6], want[0]) and torch.equal(buf[1, :6], want[1])
+    assert not buf[2].any() and not buf[:2, 6:].any()
+    assert not kernels.greedy_verify(logits.transpose(0, 1), *args, acc, nxt, -1)  # not contiguous: nothing done
+    assert not kernels.greedy_verify(logits, *args, acc.int(), nxt, -1)
+
+
+def test_greedy_verify_sends_the_bad_token_for_a_nonfinite_row_at_any_position():
+    logits = torch.randn(3, 4, 50)
+    logits[0, 3, 7] = float("nan")  # past the accepted drafts: still the whole row's
+    logits[1, 0, 2] = float("inf")
+    drafts, num = logits.argmax(dim=-1)[:, :3].clone(), torch.tensor([3, 3, 3])
+    acc, nxt = torch.empty(3, dtype=torch.int64), torch.empty(3, dtype=torch.int64)
+    assert kernels.greedy_verify(logits, drafts, num, acc, nxt, -1)
+    assert nxt.tolist()[:2] == [-1, -1] and nxt[2] == logits[2, 3].argmax()
+    assert acc.tolist() == [3, 3, 3]
+
+
+def reference_pick(logits, d2t, fixed, fallback):
+    """The draft loop's torch ops before kernels.draft_pick."""
+    tok = logits.argmax(dim=-1)
+    tok = d2t[tok] if d2t is not None else tok
+    if fixed is None:
+        return tok
+    unsure = logits.softmax(dim=-1).amax(dim=-1) < 0.3
+    return torch.where(fixed >= 0, fixed, torch.where(unsure & (fallback >= 0), fallback, tok))
+
+
+@pytest.mark.parametrize("V", [5, 64, 1000, 8192])
+def test_draft_pick_is_the_draft_loops_argmax_and_pick(V):
+    g = torch.Generator().manual_seed(V)
+    flat = torch.randn(8, V, generator=g) * 0.01  # unsure: the top probability ~1/V
+    sure = flat.clone()
+    sure[torch.arange(8), torch.randint(0, V, (8,), generator=g)] += 20.0  # sure: ~1
+    logits = torch.cat([flat, sure, rows(V)[[1, 3, 6]]])  # + all masked, NaN, half masked
+    B = logits.shape[0]
+    fixed = torch.full((B,), -1, dtype=torch.int64)
+    fixed[::4] = 11
+    fallback = torch.full((B,), -1, dtype=torch.int64)
+    fallback[::3] = 22
+    fallback[-3:] = 33
+    d2t = torch.randperm(V * 3, generator=g)[:V]
+    unsure = logits.softmax(dim=-1).amax(dim=-1) < 0.3
+    assert unsure[:8].all() and not unsure[8:16].any()  # no row near the threshold
+    for dt in (None, d2t):
+        for props in (None, (fixed, fallback)):
+            want = reference_pick(logits, dt, *(props or (None, None)))
+            out, host = torch.full((B,), 5, dtype=torch.int64), torch.full((B,), 5, dtype=torch.int64)
+            assert kernels.draft_pick(logits, dt, props, 0.3, out, host)
+            assert torch.equal(out, want) and torch.equal(host, want)
+            if props is not None:  # every choice is made somewhere
+                assert {11, 22} <= set(out.tolist()) and (out[8:16] != 22).any()
+    assert not kernels.draft_pick(logits.double(), None, None, 0.3, out)
+
+
+def test_scatter_rows_is_an_index_put_and_checks_its_indices():
+    g = torch.Generator().manual_seed(1)
+    dst = torch.randn(4, 10, 33, generator=g)
+    src = torch.randn(3, 2, 33, generator=g)
+    slots, positions = torch.tensor([2, 0, 3]), torch.tensor([[4, 5], [0, 9], [7, 8]])
+    ref = dst.clone()
+    ref[slots[:, None], positions] = src
+    assert kernels.scatter_rows(dst, slots, positions, src)
+    assert torch.equal(dst, ref)
+    before = dst.clone()
+    for bad_slots, bad_pos in ((torch.tensor([2, 4, 3]), positions), (slots, torch.tensor([[4, 5], [0, 10], [7, 8]])),
+                               (torch.tensor([-1, 0, 3]), positions)):
+        with pytest.raises(IndexError):
+            kernels.scatter_rows(dst, bad_slots, bad_pos, src)
+        assert torch.equal(dst, before)  # nothing written
+    assert not kernels.scatter_rows(dst.double(), slots, positions, src.double())  # torch's then
 
 
 def test_other_layouts_fall_back_to_torch():

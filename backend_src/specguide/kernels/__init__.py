@@ -127,6 +127,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rms_norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float]
     lib.argmax_rows.restype = None  # (x, R, V, idx, bad)
     lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.greedy_verify_rows.restype = None  # (logits, B, T, V, drafts, ds_b, ds_k, num, accepted, next, bad_token)
+    lib.greedy_verify_rows.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+                                       + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
+    lib.draft_pick_rows.restype = None  # (logits, B, V, d2t, fixed, fallback, unsure, out, out2)
+    lib.draft_pick_rows.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_float]
+                                    + [ctypes.c_void_p] * 2)
+    lib.scatter_rows.restype = ctypes.c_int  # (dst, S, P, src, slots, positions, B, T, D) -> 0, -1: out of range
+    lib.scatter_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.mask_logits_rows.restype = None  # (logits, R, Vp, words, W, token_mask, rows, vocab, d2t)
     lib.mask_logits_rows.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
                                      + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p])
@@ -494,6 +502,70 @@ def nonfinite_rows(x: torch.Tensor) -> Optional[torch.Tensor]:
     on other layouts."""
     got = _rows_scan(x, True)
     return None if got is None else got[1]
+
+
+def greedy_verify(logits: torch.Tensor, drafts: Optional[torch.Tensor], num: Optional[torch.Tensor],
+                  accepted: torch.Tensor, next_token: torch.Tensor, bad_token: int) -> bool:
+    """A greedy step's tail in one C scan over logits [B, T, V] (contiguous CPU fp32, masked):
+    accepted [B] / next_token [B] (int64, written in place) get what acceptance.verify gives for
+    drafts [B, T-1] and num [B] (None when T is 1), next_token `bad_token` where a row's logits
+    hold a NaN or +inf. False (nothing written) without the kernels or on other layouts."""
+    lib = library()
+    B, T, V = logits.shape
+    outs = (accepted, next_token)
+    if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous()
+            or not logits.numel() or any(o.device.type != "cpu" or o.dtype != torch.int64 or not o.is_contiguous()
+                                         or o.shape != (B,) for o in outs)):
+        return False
+    d = n = None
+    if T > 1:
+        if drafts is None or num is None or drafts.shape != (B, T - 1) or num.shape != (B,):
+            return False
+        d = drafts.to(torch.int64)
+        n = num.to(torch.int64).contiguous()
+    lib.greedy_verify_rows(logits.data_ptr(), B, T, V, None if d is None else d.data_ptr(),
+                           0 if d is None else d.stride(0), 0 if d is None else d.stride(1),
+                           None if n is None else n.data_ptr(), accepted.data_ptr(), next_token.data_ptr(), bad_token)
+    return True
+
+
+def draft_pick(logits: torch.Tensor, d2t: Optional[torch.Tensor], proposals: Optional[tuple[torch.Tensor, torch.Tensor]],
+               unsure: float, out: torch.Tensor, out_host: Optional[torch.Tensor] = None) -> bool:
+    """A drafter's tokens from its masked logits [B, V'] into out [B] (and out_host [B]), int64 in
+    place, in one C call: the argmax, through d2t [V'] when given; with proposals (fixed [B],
+    fallback [B]): fixed where >= 0, else fallback where >= 0 and the drafter's top probability is
+    below `unsure`. False (nothing written) without the kernels or on other layouts."""
+    lib = library()
+    B, V = logits.shape
+    ints = [t for t in (d2t, *(proposals or ()), out, out_host) if t is not None]
+    if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous()
+            or not logits.numel() or any(t.device.type != "cpu" or t.dtype != torch.int64 or not t.is_contiguous()
+                                         for t in ints)
+            or any(t.shape != (B,) for t in (*(proposals or ()), out, out_host) if t is not None)
+            or (d2t is not None and d2t.shape != (V,))):
+        return False
+    fixed, fallback = proposals if proposals is not None else (None, None)
+    lib.draft_pick_rows(logits.data_ptr(), B, V, *(None if t is None else t.data_ptr() for t in (d2t, fixed, fallback)),
+                        unsure, out.data_ptr(), None if out_host is None else out_host.data_ptr())
+    return True
+
+
+def scatter_rows(dst: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, src: torch.Tensor) -> bool:
+    """dst[slots[:, None], positions] = src (dst [S, P, D], slots [B], positions [B, T], src [B, T, D]):
+    row copies in one C call on contiguous CPU fp32 (IndexError, nothing written, for an index out of
+    range). False (nothing done) elsewhere."""
+    lib = library()
+    if (lib is None or any(t.device.type != "cpu" for t in (dst, slots, positions, src))
+            or dst.dtype != torch.float32 or src.dtype != torch.float32 or not dst.is_contiguous() or dst.dim() != 3
+            or src.dim() != 3 or src.shape[2] != dst.shape[2] or positions.shape != src.shape[:2]
+            or slots.shape != src.shape[:1]):
+        return False
+    src = src.contiguous()
+    slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+    if lib.scatter_rows(dst.data_ptr(), dst.shape[0], dst.shape[1], src.data_ptr(), slots.data_ptr(),
+                        positions.data_ptr(), src.shape[0], src.shape[1], src.shape[2]):
+        raise IndexError(f"scatter_rows: a slot or position outside {tuple(dst.shape[:2])}")
+    return True
 
 
 def mask_logits_rows(logits: torch.Tensor, words: torch.Tensor, token_mask: torch.Tensor, rows: torch.Tensor,

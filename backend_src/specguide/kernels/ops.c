@@ -1495,6 +1495,81 @@ void argmax_rows(const float *x, int64_t R, int64_t V, int64_t *idx, uint8_t *ba
     }
 }
 
+/* A greedy step's tail over logits [B][T][V] (masked; T - 1 drafts a row): the target's token at
+   each position is its argmax (argmax_rows); accepted[b] = the length of the prefix of drafts
+   (drafts[b * ds_b + k * ds_k], k < num[b]) equal to those tokens; next[b] = the token after it, or
+   bad_token when any of the row's T positions holds a NaN or +inf (acceptance.verify, then
+   step.nonfinite_rows, in one pass over the logits). drafts / num may be NULL when T == 1. */
+void greedy_verify_rows(const float *logits, int64_t B, int64_t T, int64_t V, const int64_t *drafts, int64_t ds_b,
+                        int64_t ds_k, const int64_t *num, int64_t *accepted, int64_t *next, int64_t bad_token) {
+    for (int64_t b = 0; b < B; b++) {
+        int64_t a = 0, nxt = 0, tok;
+        int bad = 0, matching = 1;
+        for (int64_t t = 0; t < T; t++) {
+            uint8_t nf;
+            argmax_rows(logits + (b * T + t) * V, 1, V, &tok, &nf);
+            bad |= nf;
+            if (matching) {
+                if (t < T - 1 && t < num[b] && drafts[b * ds_b + t * ds_k] == tok) {
+                    a++;
+                } else {
+                    nxt = tok;
+                    matching = 0;
+                }
+            }
+        }
+        accepted[b] = a;
+        next[b] = bad ? bad_token : nxt;
+    }
+}
+
+/* A drafter's token per row of its masked logits [B][V]: the argmax (argmax_rows), mapped by d2t
+   (a pruned vocabulary) when given. With proposals (the hybrid): fixed[b] when >= 0 (grammar-forced,
+   trusted n-gram), else fallback[b] when >= 0 and the drafter is unsure, its top probability
+   1 / sum exp(l - max) below `unsure` (a row with a NaN or no finite logit is not unsure: torch's
+   softmax gives NaN there). out[b] and out2[b] (the device and host rows of the step's drafts). */
+void draft_pick_rows(const float *logits, int64_t B, int64_t V, const int64_t *d2t, const int64_t *fixed,
+                     const int64_t *fallback, float unsure, int64_t *out, int64_t *out2) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *row = logits + b * V;
+        int64_t at;
+        argmax_rows(row, 1, V, &at, NULL);
+        int64_t tok = d2t ? d2t[at] : at;
+        if (fixed && fixed[b] >= 0) {
+            tok = fixed[b];
+        } else if (fallback && fallback[b] >= 0) {
+            const float m = row[at];
+            if (m == m && m > -INFINITY && m < INFINITY) {
+                const vf mv = splat(m);
+                vf acc = splat(0.0f);
+                int64_t j = 0;
+                for (; j + VW <= V; j += VW) acc += vexp(load(row + j) - mv);
+                float sum = sum_lanes(acc);
+                for (; j < V; j++) sum += expf(row[j] - m);
+                if (sum == sum && 1.0f / sum < unsure) tok = fallback[b];
+            }
+        }
+        out[b] = tok;
+        if (out2) out2[b] = tok;
+    }
+}
+
+/* dst [S][P][D] rows (slots[b], positions[b][t]) = src [B][T][D] rows (fp32; a forward's features
+   to their slots' positions): an index_put without torch's temporaries. Returns 0, or -1 with
+   nothing written when a slot is outside [0, S) or a position outside [0, P). */
+int scatter_rows(float *dst, int64_t S, int64_t P, const float *src, const int64_t *slots, const int64_t *positions,
+                 int64_t B, int64_t T, int64_t D) {
+    for (int64_t b = 0; b < B; b++) {
+        if (slots[b] < 0 || slots[b] >= S) return -1;
+        for (int64_t t = 0; t < T; t++)
+            if (positions[b * T + t] < 0 || positions[b * T + t] >= P) return -1;
+    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            memcpy(dst + (slots[b] * P + positions[b * T + t]) * D, src + (b * T + t) * D, sizeof(float) * (size_t)D);
+    return 0;
+}
+
 /* y [N][D] = the RMS norm of x's rows with weight w (rms_row: the layer stack's own), one thread. */
 void rms_norm_rows(const float *x, const float *w, float *y, int64_t N, int D, float eps) {
     for (int64_t n = 0; n < N; n++) rms_row(x + n * D, w, y + n * D, D, eps);

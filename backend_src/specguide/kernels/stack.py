@@ -127,18 +127,20 @@ class FusedStack:
 
     def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor,
                  slots: torch.Tensor, positions: torch.Tensor, num_layers: int = 0,
-                 final_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 final_norm: Optional[torch.Tensor] = None, in_place: bool = False) -> torch.Tensor:
         """x [B, T, hidden] through the first `num_layers` (0: all) layers, caches kc / vc (KVCache's
         kernel layout) written at (slots [B], positions [B, T]); tables: (cos, sin,
         cos_local, sin_local) [P, hd] -> [B, T, hidden] (a new tensor), RMS-normed by `final_norm`
-        [hidden] when given (in the same call: a torch norm after it ran with cold caches)."""
+        [hidden] when given (in the same call: a torch norm after it ran with cold caches). `in_place`:
+        x is the caller's own temporary, updated and returned (no copy)."""
         lib = library()
         assert lib is not None
         nl = num_layers or len(self.layers)
         assert 0 < nl <= len(self.layers) <= kc.shape[0]
         B, T, D = x.shape
         assert D == self.shape.hidden and x.dtype == torch.float32
-        out = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
+        # the residual stream, updated in place
+        out = x if in_place and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         assert positions.shape == (B, T) and slots.shape == (B,)

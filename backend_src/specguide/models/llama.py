@@ -306,7 +306,7 @@ class LlamaModel(nn.Module):
             x = x * self.embed_scale
         if self.fused is not None and ctx.mask is None:  # the same kernels, one C call
             return self.fused(x, (*tables[False], *tables[True]), kv.k, kv.v, ctx.slots, ctx.positions,
-                              num_layers or 0, final_norm=self.norm)
+                              num_layers or 0, final_norm=self.norm, in_place=True)  # x: the embedding's copy
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)

@@ -69,7 +69,8 @@ class DraftHead(nn.Module):
         x = self.fc(torch.cat([feats.to(e.dtype), e], dim=-1))
         cos, sin = t.rope(ctx, kv.max_seq_len)
         if c_path:
-            return self.fused(x, (cos, sin, cos, sin), kv.k, kv.v, ctx.slots, ctx.positions, final_norm=self.norm)
+            return self.fused(x, (cos, sin, cos, sin), kv.k, kv.v, ctx.slots, ctx.positions, final_norm=self.norm,
+                              in_place=True)  # x: fc's output
         x = self.layer(x, cos, sin, ctx, kv.k[0], kv.v[0])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import torch
 
+from .. import kernels
 from ..kv_cache import KVCache
 from ..scheduler import Sequence
 from .draft_head import DraftHead
@@ -49,7 +50,8 @@ class HeadDrafter:
 
     def record(self, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Target features: hidden [B, T, H] at positions [B, T] of slots [B]."""
-        self.feats[slots[:, None], positions] = hidden.to(self.feats.dtype)
+        if not kernels.scatter_rows(self.feats, slots, positions, hidden):
+            self.feats[slots[:, None], positions] = hidden.to(self.feats.dtype)
 
     def admit(self, slot: int, seq: Sequence) -> None:
         """The slot's head rows of its last sequence that the new one shares."""
