@@ -3,6 +3,8 @@ tokens whatever its drafts, the target distribution is kept, a draft d is accept
 probability p(d); greedy rows accept the argmax prefix."""
 from __future__ import annotations
 
+import random
+
 import dataclasses
 
 import torch
@@ -91,3 +93,31 @@ def test_ngram_drafter_proposes_the_latest_continuation():
     assert d.propose(toks, 2) == [5, 6]  # latest earlier "1 2 3" is followed by 5 6
     assert d.propose([7, 8, 9], 3) == []
     assert d.propose(toks, 0) == []
+
+
+def scan_match(tokens, k, max_ngram=4, min_ngram=1):
+    """NgramDrafter.match as a plain scan of the history (its definition)."""
+    if k <= 0:
+        return [], 0
+    n = len(tokens)
+    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
+        for start in range(n - size - 1, -1, -1):
+            if tokens[start: start + size] == tokens[n - size:]:
+                return tokens[start + size: start + size + k], size
+    return [], 0
+
+
+def test_ngram_match_is_the_scans_answer_byte_coincidences_included():
+    # ids whose int32 bytes overlap when misaligned (1 << 8, 1 << 16, 1 << 24, 257, ...): a byte
+    # search that took a match across token boundaries would answer differently
+    g = random.Random(0)
+    alphabet = [0, 1, 2, 256, 257, 65536, 65537, 16777216, 16843009, 49151]
+    d = NgramDrafter()
+    answered = 0
+    for _ in range(3000):
+        toks = [g.choice(alphabet[: g.randint(2, len(alphabet))]) for _ in range(g.randint(1, 40))]
+        k = g.randint(0, 5)
+        want = scan_match(toks, k)
+        assert d.match(toks, k) == want, toks
+        answered += bool(want[1])
+    assert answered > 1000  # most histories recur
