@@ -1,6 +1,7 @@
-"""The C row kernels: the scans (kernels.argmax, kernels.nonfinite_rows, kernels.greedy_verify) give
-torch's answers; the RMS norm (kernels.rms_norm) is torch's to rounding, a row's bits independent of
-the other rows; kernels.scatter_rows is torch's index_put, and refuses an index out of range."""
+"""The C row kernels: the scans (kernels.argmax, kernels.nonfinite_rows, kernels.greedy_verify,
+kernels.draft_pick) give torch's answers; the RMS norm (kernels.rms_norm) is torch's to rounding, a
+row's bits independent of the other rows; kernels.head_inputs builds a draft head's input rows with
+that norm; kernels.scatter_rows is torch's index_put, and refuses an index out of range."""
 from __future__ import annotations
 
 import pytest
@@ -125,6 +126,17 @@ def test_draft_pick_is_the_draft_loops_argmax_and_pick(V):
             if props is not None:  # every choice is made somewhere
                 assert {11, 22} <= set(out.tolist()) and (out[8:16] != 22).any()
     assert not kernels.draft_pick(logits.double(), None, None, 0.3, out)
+
+
+def test_head_inputs_are_the_features_and_the_normed_embedding_bit_for_bit():
+    g = torch.Generator().manual_seed(2)
+    E, w = torch.randn(100, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    feats, ids = torch.randn(3, 4, 64, generator=g), torch.randint(0, 100, (3, 4), generator=g)
+    got = kernels.head_inputs(feats, E, ids, w, 1e-5)
+    assert torch.equal(got, torch.cat([feats, kernels.rms_norm(E[ids], w, 1e-5)], dim=-1))
+    g1 = kernels.head_inputs(feats[:, 1:2], E, ids[:, 1:2], w, 1e-5)  # a strided view: the same rows
+    assert torch.equal(g1, got[:, 1:2])
+    assert kernels.head_inputs(feats.double(), E, ids, w, 1e-5) is None
 
 
 def test_scatter_rows_is_an_index_put_and_checks_its_indices():

@@ -133,6 +133,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.draft_pick_rows.restype = None  # (logits, B, V, d2t, fixed, fallback, unsure, out, out2)
     lib.draft_pick_rows.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                     + [ctypes.c_void_p] * 2)
+    lib.head_inputs.restype = None  # (feats, E, ids, w, out, N, D, eps)
+    lib.head_inputs.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float]
     lib.scatter_rows.restype = ctypes.c_int  # (dst, S, P, src, slots, positions, B, T, D) -> 0, -1: out of range
     lib.scatter_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.mask_logits_rows.restype = None  # (logits, R, Vp, words, W, token_mask, rows, vocab, d2t)
@@ -548,6 +550,23 @@ def draft_pick(logits: torch.Tensor, d2t: Optional[torch.Tensor], proposals: Opt
     lib.draft_pick_rows(logits.data_ptr(), B, V, *(None if t is None else t.data_ptr() for t in (d2t, fixed, fallback)),
                         unsure, out.data_ptr(), None if out_host is None else out_host.data_ptr())
     return True
+
+
+def head_inputs(feats: torch.Tensor, embed: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                eps: float) -> Optional[torch.Tensor]:
+    """[feats ; rms_norm(embed[ids], w)] -> [..., 2D] for feats [..., D] and ids [...] (a draft head's
+    input: one C call on CPU fp32 where the torch ops run with cold caches), None elsewhere."""
+    lib = library()
+    D = feats.shape[-1]
+    if (lib is None or any(t.device.type != "cpu" for t in (feats, embed, ids, w)) or feats.requires_grad
+            or any(t.dtype != torch.float32 for t in (feats, embed, w)) or embed.dim() != 2 or embed.shape[1] != D
+            or w.shape != (D,) or ids.shape != feats.shape[:-1] or not embed.is_contiguous() or not w.is_contiguous()):
+        return None
+    feats = feats.contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(*feats.shape[:-1], 2 * D)
+    lib.head_inputs(feats.data_ptr(), embed.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), ids.numel(), D, eps)
+    return out
 
 
 def scatter_rows(dst: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, src: torch.Tensor) -> bool:

@@ -1570,6 +1570,16 @@ int scatter_rows(float *dst, int64_t S, int64_t P, const float *src, const int64
     return 0;
 }
 
+/* The draft head's input rows: out [N][2D] = [feats[n] ; rms_row(E[ids[n]], w)] (its features and its
+   token's normed embedding, one call instead of the embedding, the norm and the concatenation). */
+void head_inputs(const float *feats, const float *E, const int64_t *ids, const float *w, float *out, int64_t N,
+                 int D, float eps) {
+    for (int64_t n = 0; n < N; n++) {
+        memcpy(out + n * 2 * D, feats + n * D, sizeof(float) * (size_t)D);
+        rms_row(E + ids[n] * D, w, out + n * 2 * D + D, D, eps);
+    }
+}
+
 /* y [N][D] = the RMS norm of x's rows with weight w (rms_row: the layer stack's own), one thread. */
 void rms_norm_rows(const float *x, const float *w, float *y, int64_t N, int D, float eps) {
     for (int64_t n = 0; n < N; n++) rms_row(x + n * D, w, y + n * D, D, eps);

@@ -65,8 +65,11 @@ class DraftHead(nn.Module):
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, ctx: AttnContext, kv: KVCache) -> torch.Tensor:
         """feats [B, T, H] (f or g), tokens [B, T] (the next tokens) at ctx.positions -> g [B, T, H]."""
         t, c_path = self.target, self.fused is not None and ctx.mask is None
-        e = (kernels.rms_norm if c_path else rms_norm)(t.embed(tokens), self.embed_norm, self.cfg.rms_norm_eps)
-        x = self.fc(torch.cat([feats.to(e.dtype), e], dim=-1))
+        x = kernels.head_inputs(feats, t.embed.weight, tokens, self.embed_norm, self.cfg.rms_norm_eps) if c_path else None
+        if x is None:
+            e = (kernels.rms_norm if c_path else rms_norm)(t.embed(tokens), self.embed_norm, self.cfg.rms_norm_eps)
+            x = torch.cat([feats.to(e.dtype), e], dim=-1)
+        x = self.fc(x)
         cos, sin = t.rope(ctx, kv.max_seq_len)
         if c_path:
             return self.fused(x, (cos, sin, cos, sin), kv.k, kv.v, ctx.slots, ctx.positions, final_norm=self.norm,
