@@ -137,6 +137,23 @@ def test_head_inputs_are_the_features_and_the_normed_embedding_bit_for_bit():
     g1 = kernels.head_inputs(feats[:, 1:2], E, ids[:, 1:2], w, 1e-5)  # a strided view: the same rows
     assert torch.equal(g1, got[:, 1:2])
     assert kernels.head_inputs(feats.double(), E, ids, w, 1e-5) is None
+    store = torch.randn(5, 9, 64, generator=g)  # features read in place: feats[slots[:, None], positions]
+    slots, pos = torch.tensor([4, 0, 2]), torch.tensor([[0, 8], [3, 3], [7, 1]])
+    got = kernels.head_inputs(store, E, ids[:, :2], w, 1e-5, at=(slots, pos))
+    assert torch.equal(got, torch.cat([store[slots[:, None], pos], kernels.rms_norm(E[ids[:, :2]], w, 1e-5)], dim=-1))
+    for bad in ((torch.tensor([5, 0, 2]), pos), (slots, torch.tensor([[0, 9], [3, 3], [7, 1]]))):
+        with pytest.raises(IndexError):
+            kernels.head_inputs(store, E, ids[:, :2], w, 1e-5, at=bad)
+    with pytest.raises(IndexError):  # a token id outside the embedding
+        kernels.head_inputs(feats, E, ids + 100, w, 1e-5)
+
+
+def test_pick_rows_takes_each_batch_rows_own_row():
+    x, at = torch.randn(4, 3, 8), torch.tensor([2, 0, 1, 2])
+    assert torch.equal(kernels.pick_rows(x, at), x[torch.arange(4), at])
+    with pytest.raises(IndexError):
+        kernels.pick_rows(x, torch.tensor([2, 0, 3, 2]))
+    assert torch.equal(kernels.pick_rows(x.double(), at), x.double()[torch.arange(4), at])  # torch's
 
 
 def test_scatter_rows_is_an_index_put_and_checks_its_indices():

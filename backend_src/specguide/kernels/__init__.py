@@ -133,8 +133,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.draft_pick_rows.restype = None  # (logits, B, V, d2t, fixed, fallback, unsure, out, out2)
     lib.draft_pick_rows.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                     + [ctypes.c_void_p] * 2)
-    lib.head_inputs.restype = None  # (feats, E, ids, w, out, N, D, eps)
-    lib.head_inputs.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float]
+    lib.head_inputs.restype = ctypes.c_int  # (feats, slots, pos, S, P, T, E, V, ids, w, out, N, D, eps) -> 0, -1
+    lib.head_inputs.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+                                + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float])
+    lib.pick_rows.restype = ctypes.c_int  # (src, at, out, B, T, D) -> 0, -1: out of range
+    lib.pick_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.scatter_rows.restype = ctypes.c_int  # (dst, S, P, src, slots, positions, B, T, D) -> 0, -1: out of range
     lib.scatter_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.mask_logits_rows.restype = None  # (logits, R, Vp, words, W, token_mask, rows, vocab, d2t)
@@ -552,20 +555,47 @@ def draft_pick(logits: torch.Tensor, d2t: Optional[torch.Tensor], proposals: Opt
     return True
 
 
-def head_inputs(feats: torch.Tensor, embed: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                eps: float) -> Optional[torch.Tensor]:
+def head_inputs(feats: torch.Tensor, embed: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, eps: float,
+                at: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """[feats ; rms_norm(embed[ids], w)] -> [..., 2D] for feats [..., D] and ids [...] (a draft head's
-    input: one C call on CPU fp32 where the torch ops run with cold caches), None elsewhere."""
+    input: one C call on CPU fp32 where the torch ops run with cold caches), None elsewhere.
+    `at` (slots [B], positions [B, T]): feats is a store [S, P, D] read at feats[slots[:, None], positions]."""
     lib = library()
     D = feats.shape[-1]
-    if (lib is None or any(t.device.type != "cpu" for t in (feats, embed, ids, w)) or feats.requires_grad
+    rows = feats.shape[:-1] if at is None else at[1].shape
+    if (lib is None or any(t.device.type != "cpu" for t in (feats, embed, ids, w, *(at or ()))) or feats.requires_grad
             or any(t.dtype != torch.float32 for t in (feats, embed, w)) or embed.dim() != 2 or embed.shape[1] != D
-            or w.shape != (D,) or ids.shape != feats.shape[:-1] or not embed.is_contiguous() or not w.is_contiguous()):
+            or w.shape != (D,) or ids.shape != rows or not embed.is_contiguous() or not w.is_contiguous()
+            or (at is not None and (feats.dim() != 3 or not feats.is_contiguous() or at[0].shape != rows[:1]
+                                    or len(rows) != 2))):
         return None
-    feats = feats.contiguous()
+    slots = pos = None
+    if at is None:
+        feats = feats.contiguous()
+    else:
+        slots, pos = (t.to(torch.int64).contiguous() for t in at)
     ids = ids.to(torch.int64).contiguous()
-    out = torch.empty(*feats.shape[:-1], 2 * D)
-    lib.head_inputs(feats.data_ptr(), embed.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), ids.numel(), D, eps)
+    out = torch.empty(*rows, 2 * D)
+    S, P, T = (feats.shape[0], feats.shape[1], rows[-1]) if at is not None else (0, 0, 1)
+    if lib.head_inputs(feats.data_ptr(), None if slots is None else slots.data_ptr(),
+                       None if pos is None else pos.data_ptr(), S, P, T, embed.data_ptr(), embed.shape[0],
+                       ids.data_ptr(), w.data_ptr(), out.data_ptr(), ids.numel(), D, eps):
+        raise IndexError(f"head_inputs: a token id, slot or position out of range ({tuple(embed.shape)}, "
+                         f"{tuple(feats.shape)})")
+    return out
+
+
+def pick_rows(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """x [B, T, D] -> [B, D]: row at[b] of each x[b] (one C call on CPU fp32; else torch's indexing)."""
+    lib = library()
+    B, T, D = x.shape
+    if (lib is None or x.device.type != "cpu" or at.device.type != "cpu" or x.dtype != torch.float32
+            or at.shape != (B,) or not x.is_contiguous()):
+        return x[torch.arange(B, device=x.device), at]
+    at = at.to(torch.int64).contiguous()
+    out = torch.empty(B, D)
+    if lib.pick_rows(x.data_ptr(), at.data_ptr(), out.data_ptr(), B, T, D):
+        raise IndexError(f"pick_rows: a row outside [0, {T})")
     return out
 
 

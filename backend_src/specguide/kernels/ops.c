@@ -1571,13 +1571,29 @@ int scatter_rows(float *dst, int64_t S, int64_t P, const float *src, const int64
 }
 
 /* The draft head's input rows: out [N][2D] = [feats[n] ; rms_row(E[ids[n]], w)] (its features and its
-   token's normed embedding, one call instead of the embedding, the norm and the concatenation). */
-void head_inputs(const float *feats, const float *E, const int64_t *ids, const float *w, float *out, int64_t N,
-                 int D, float eps) {
+   token's normed embedding, one call instead of the embedding, the norm and the concatenation). With
+   slots (N = B * T rows), feats is a store [S][P][D] and row b * T + t reads its (slots[b], pos[b][t]).
+   Returns 0, or -1 with nothing written when a slot, position or id is out of range. */
+int head_inputs(const float *feats, const int64_t *slots, const int64_t *pos, int64_t S, int64_t P, int64_t T,
+                const float *E, int64_t V, const int64_t *ids, const float *w, float *out, int64_t N, int D, float eps) {
+    for (int64_t n = 0; n < N; n++)
+        if (ids[n] < 0 || ids[n] >= V || (slots && (slots[n / T] < 0 || slots[n / T] >= S || pos[n] < 0 || pos[n] >= P)))
+            return -1;
     for (int64_t n = 0; n < N; n++) {
-        memcpy(out + n * 2 * D, feats + n * D, sizeof(float) * (size_t)D);
+        const int64_t f = slots ? slots[n / T] * P + pos[n] : n;
+        memcpy(out + n * 2 * D, feats + f * D, sizeof(float) * (size_t)D);
         rms_row(E + ids[n] * D, w, out + n * 2 * D + D, D, eps);
     }
+    return 0;
+}
+
+/* out [B][D] = src [B][T][D] at row (b, at[b]): a batch's one row each. Returns 0, or -1 with nothing
+   written when an at[b] is outside [0, T). */
+int pick_rows(const float *src, const int64_t *at, float *out, int64_t B, int64_t T, int64_t D) {
+    for (int64_t b = 0; b < B; b++)
+        if (at[b] < 0 || at[b] >= T) return -1;
+    for (int64_t b = 0; b < B; b++) memcpy(out + b * D, src + (b * T + at[b]) * D, sizeof(float) * (size_t)D);
+    return 0;
 }
 
 /* y [N][D] = the RMS norm of x's rows with weight w (rms_row: the layer stack's own), one thread. */

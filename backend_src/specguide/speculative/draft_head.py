@@ -62,11 +62,16 @@ class DraftHead(nn.Module):
         self.fused = fused_stack([self.layer], self.cfg) if pack and target.invariant_attention else None
         return self
 
-    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, ctx: AttnContext, kv: KVCache) -> torch.Tensor:
-        """feats [B, T, H] (f or g), tokens [B, T] (the next tokens) at ctx.positions -> g [B, T, H]."""
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, ctx: AttnContext, kv: KVCache,
+                at: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """feats [B, T, H] (f or g), tokens [B, T] (the next tokens) at ctx.positions -> g [B, T, H].
+        `at` (slots [B], positions [B, T]): feats is a store [S, P, H] read there."""
         t, c_path = self.target, self.fused is not None and ctx.mask is None
-        x = kernels.head_inputs(feats, t.embed.weight, tokens, self.embed_norm, self.cfg.rms_norm_eps) if c_path else None
+        x = kernels.head_inputs(feats, t.embed.weight, tokens, self.embed_norm, self.cfg.rms_norm_eps, at) \
+            if c_path else None
         if x is None:
+            if at is not None:
+                feats = feats[at[0][:, None], at[1]]
             e = (kernels.rms_norm if c_path else rms_norm)(t.embed(tokens), self.embed_norm, self.cfg.rms_norm_eps)
             x = torch.cat([feats.to(e.dtype), e], dim=-1)
         x = self.fc(x)

@@ -108,8 +108,8 @@ class HeadDrafter:
         B = cur.shape[0]
         if i == 0:
             pos, tok = self.pos[:B, : self.T], self.tok[:B, : self.T]
-            g = self.head(self.feats[slots[:, None], pos], tok, ctx(pos, self.T - 1), self.kv)  # [B, T, H]
-            self.g = g[torch.arange(B, device=g.device), self.last[:B]]
+            g = self.head(self.feats, tok, ctx(pos, self.T - 1), self.kv, at=(slots, pos))  # [B, T, H]
+            self.g = kernels.pick_rows(g, self.last[:B])
         else:
             pos = pos0[:, None] - 1 + i
             self.g = self.head(self.g[:, None], cur, ctx(pos, i), self.kv)[:, 0]
@@ -131,7 +131,6 @@ class HeadDrafter:
         slot_t = torch.tensor(slots, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # [B, T]
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        feats = self.feats[slot_t[:, None], pos]  # [B, T, H]
         model = self.head.target
         ctx = model.make_context(slot_t, pos, slots, max(max(p) for p in positions) + 1)
-        return self.head(feats, ids, ctx, self.kv)
+        return self.head(self.feats, ids, ctx, self.kv, at=(slot_t, pos))  # the features at [B, T]
