@@ -278,8 +278,9 @@ class StepCore:
         return torch.minimum(num, self.grammar.limit_dev[:B].long()) if key.guided else num
 
     def _choose(self, key: StepKey, logits: torch.Tensor, drafts: Optional[torch.Tensor],
-                ex: Optional[StepExtras]) -> None:
-        """out.accepted / out.next from the masked logits [B, T, V]: sampled or verified rows, extras."""
+                num: Optional[torch.Tensor], ex: Optional[StepExtras]) -> None:
+        """out.accepted / out.next from the masked logits [B, T, V] (num: `_num_drafts`): sampled or
+        verified rows, extras."""
         B, T, _ = logits.shape
         slots, counter = self.inp.slot[:B], self.inp.counter[:B]
         if T == 1:
@@ -287,7 +288,7 @@ class StepCore:
             accepted = torch.zeros_like(nxt)
         else:
             assert drafts is not None
-            accepted, nxt = acceptance.verify(logits, drafts, self._num_drafts(key, B),
+            accepted, nxt = acceptance.verify(logits, drafts, num,
                                               None if key.greedy else self._sampler(key, slots, counter))
         if ex is not None:  # emitted[b, j]: the token position j produced
             emitted = nxt[:, None] if drafts is None else \
@@ -311,10 +312,11 @@ class StepCore:
             g.apply_rows(logits.view(B * T, V), (slots[:, None] * self.R + self.arange[:T]).reshape(-1))
         if ex is not None:
             ex.process(logits[:, 0], slots)
+        num = self._num_drafts(key, B)
         # greedy rows on CPU: the argmaxes, the acceptance and the non-finite check in one scan
         if not (key.greedy and ex is None and kernels.greedy_verify(
-                logits, drafts, self._num_drafts(key, B), self.out.accepted[:B], self.out.next[:B], BAD_TOKEN)):
-            self._choose(key, logits, drafts, ex)
+                logits, drafts, num, self.out.accepted[:B], self.out.next[:B], BAD_TOKEN)):
+            self._choose(key, logits, drafts, num, ex)
         self.out_host.buf.copy_(self.out.buf, non_blocking=key.captured)
         if key.guided or key.pick:
             g.launch_commit()  # feeds drafts[:accepted] + next (from out_host) to the matchers
