@@ -6,10 +6,20 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from specguide import kernels
+from specguide.memory import advise_huge_pages
 
 if TYPE_CHECKING:
     from .config import EngineConfig
     from .models.llama import LlamaModel
+
+
+def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """torch.zeros; on the CPU in memory advised for huge pages before its first touch."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    t = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    return t.zero_()
 
 
 class KVCache:
@@ -26,6 +36,9 @@ class KVCache:
     [layers, kv_heads, n, head_dim].
 
     `spare` positions past max_seq_len absorb the padded draft positions of a verification step.
+
+    On the CPU both live in memory advised for huge pages (huge_zeros): a decode step
+    streams its sequences' K and V.
 
     A slot's valid length lives in the scheduler; entries past it are dead and overwritten later,
     so rejecting draft tokens needs no cache work.
@@ -48,10 +61,10 @@ class KVCache:
         if kernel_layout:
             B = kernels.KEY_BLOCK
             S = -(-S // B) * B
-            self.k = torch.zeros((num_layers, max_slots, num_kv_heads, S // B, hw, B), dtype=store, device=device)
+            self.k = huge_zeros((num_layers, max_slots, num_kv_heads, S // B, hw, B), store, device)
         else:
-            self.k = torch.zeros((num_layers, max_slots, num_kv_heads, S, hw), dtype=store, device=device)
-        self.v = torch.zeros((num_layers, max_slots, num_kv_heads, S, hw), dtype=store, device=device)
+            self.k = huge_zeros((num_layers, max_slots, num_kv_heads, S, hw), store, device)
+        self.v = huge_zeros((num_layers, max_slots, num_kv_heads, S, hw), store, device)
         self.max_slots, self.dtype = max_slots, dtype  # dtype: the model's (`like` passes it on)
         self.max_seq_len = max_seq_len + spare  # positions the cache holds
 

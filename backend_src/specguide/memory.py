@@ -1,8 +1,14 @@
-"""Give freed heap memory back to the OS (glibc `malloc_trim`); read a process's RSS and CPU time.
+"""Give freed heap memory back to the OS (glibc `malloc_trim`); read a process's RSS and CPU time;
+back big long-lived buffers with huge pages.
 
 After a big request (a multi-megabyte prompt tensor) or a big grammar compile, glibc keeps the
 freed arenas mapped: the stub's RSS stays up for good. `trim()` returns them; it is cheap (a few
 milliseconds) and rate-limited so bursts of big requests do not call it in a loop.
+
+`advise_huge_pages` asks for 2 MiB pages under a buffer (where transparent huge pages are on:
+"always" or "madvise", the usual default): the KV cache (kv_cache.huge_zeros), which a decode step
+streams, with 4 KiB pages a TLB miss and a restart of the hardware prefetcher every 4 KiB
+(bench/bench_huge_pages.py).
 """
 from __future__ import annotations
 
@@ -21,6 +27,14 @@ try:
     _malloc_trim.restype = ctypes.c_int
 except (OSError, AttributeError):  # not glibc: nothing to do
     _malloc_trim = None
+try:
+    _madvise = _libc.madvise
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _madvise.restype = ctypes.c_int
+except (NameError, AttributeError):
+    _madvise = None
+_MADV_HUGEPAGE = 14  # Linux
+HUGE_PAGE = 2 << 20
 
 
 def trim(force: bool = True) -> bool:
@@ -60,3 +74,15 @@ def cpu_seconds(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (stat fields 14, 15)
     except (OSError, IndexError, ValueError):
         return None
+
+
+def advise_huge_pages(address: int, nbytes: int) -> int:
+    """Ask the kernel to back the whole 2 MiB pages inside [address, address + nbytes) with huge
+    pages (madvise MADV_HUGEPAGE; pages touched from then on). Returns the bytes advised (0: none,
+    e.g. not Linux, under 2 MiB, or madvise refused)."""
+    if _madvise is None or not os.path.exists("/sys/kernel/mm/transparent_hugepage"):
+        return 0
+    a, b = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if b - a < HUGE_PAGE or _madvise(a, b - a, _MADV_HUGEPAGE) != 0:
+        return 0
+    return b - a
