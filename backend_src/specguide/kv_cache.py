@@ -18,8 +18,10 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.d
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
-    return t.zero_()
+    advise_huge_pages(t.data_ptr(), t.nbytes)
+    t.zero_()
+    advise_huge_pages(t.data_ptr(), t.nbytes, collapse=True)  # what the faults could not get
+    return t
 
 
 class KVCache:

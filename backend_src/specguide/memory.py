@@ -33,7 +33,7 @@ try:
     _madvise.restype = ctypes.c_int
 except (NameError, AttributeError):
     _madvise = None
-_MADV_HUGEPAGE = 14  # Linux
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # Linux
 HUGE_PAGE = 2 << 20
 
 
@@ -76,13 +76,17 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def advise_huge_pages(address: int, nbytes: int) -> int:
+def advise_huge_pages(address: int, nbytes: int, collapse: bool = False) -> int:
     """Ask the kernel to back the whole 2 MiB pages inside [address, address + nbytes) with huge
-    pages (madvise MADV_HUGEPAGE; pages touched from then on). Returns the bytes advised (0: none,
-    e.g. not Linux, under 2 MiB, or madvise refused)."""
+    pages: MADV_HUGEPAGE (pages touched from then on), and with `collapse` MADV_COLLAPSE (Linux 6.1+:
+    now, the pages already touched too; where a page fault found no free huge page, e.g. while other
+    processes churn memory, its range had stayed in 4 KiB pages). Returns the bytes advised (0:
+    none, e.g. not Linux, under 2 MiB, or madvise refused)."""
     if _madvise is None or not os.path.exists("/sys/kernel/mm/transparent_hugepage"):
         return 0
     a, b = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
     if b - a < HUGE_PAGE or _madvise(a, b - a, _MADV_HUGEPAGE) != 0:
         return 0
+    if collapse:
+        _madvise(a, b - a, _MADV_COLLAPSE)  # best effort (EINVAL before 6.1, EAGAIN without memory)
     return b - a
