@@ -439,8 +439,9 @@ def _huge_kb(t: torch.Tensor) -> int:
 
 def test_the_cpu_kv_cache_is_zeroed_and_backed_by_huge_pages_where_the_kernel_offers_them():
     """KVCache's K and V (CPU) are zeros, and where transparent huge pages are on ("always" or
-    "madvise") most of their memory is in 2 MiB pages (a decode step streams it). (Under "madvise"
-    a plain `torch.zeros` cache is not: this fails with the advice removed.)"""
+    "madvise") at least half of their memory is in 2 MiB pages (a decode step streams it; ~100% here,
+    but a fragmented machine may not give every page). Under "madvise" a plain `torch.zeros` cache
+    has none: this fails with the advice removed."""
     import os
     from pathlib import Path
 
@@ -453,7 +454,7 @@ def test_the_cpu_kv_cache_is_zeroed_and_backed_by_huge_pages_where_the_kernel_of
     mode = thp.read_text().split("[")[1].split("]")[0] if thp.exists() else "none"
     total_kb = (kv.k.nbytes + kv.v.nbytes) >> 10
     if mode in ("always", "madvise") and os.path.exists("/proc/self/smaps"):
-        assert _huge_kb(kv.k) + _huge_kb(kv.v) >= 0.8 * total_kb, (mode, _huge_kb(kv.k), _huge_kb(kv.v), total_kb)
+        assert _huge_kb(kv.k) + _huge_kb(kv.v) >= 0.5 * total_kb, (mode, _huge_kb(kv.k), _huge_kb(kv.v), total_kb)
     else:
         assert advise_huge_pages(kv.v.data_ptr(), kv.v.nbytes) in (0, kv.v.nbytes // (2 << 20) * (2 << 20))
     assert advise_huge_pages(kv.v.data_ptr(), 4096) == 0  # under one huge page: nothing to advise
