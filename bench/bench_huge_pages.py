@@ -13,7 +13,6 @@ pages setting is and how much of each cache the kernel backed with huge pages (s
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -26,23 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import cpu_header  # noqa: E402
 from specguide.kv_cache import huge_zeros  # noqa: E402
+from specguide.memory import huge_page_kb  # noqa: E402
 from specguide.models.loader import load_model, resolve_model_dir  # noqa: E402
 
 STEPS = ((1, 1, 60), (8, 1, 20), (1, 4, 40), (8, 4, 8))  # (sequences, queries each, calls a round)
 SLOTS, MAX_SEQ = 8, 2048
-
-
-def huge_kb(t: torch.Tensor) -> int:
-    """kB of AnonHugePages in the mappings that hold t (from /proc/self/smaps)."""
-    lo, hi, kb, inside = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 0, False
-    for line in open("/proc/self/smaps"):
-        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-        if m:
-            a, b = int(m[1], 16), int(m[2], 16)
-            inside = a < hi and b > lo
-        elif inside and line.startswith("AnonHugePages:"):
-            kb += int(line.split()[1])
-    return kb
 
 
 def main() -> None:
@@ -64,7 +51,7 @@ def main() -> None:
     for kc, vc in caches.values():
         kc.copy_(k0), vc.copy_(v0)
     for name, (kc, vc) in caches.items():
-        print(f"{name}: {(huge_kb(kc) + huge_kb(vc)) >> 10} of {(kc.nbytes + vc.nbytes) >> 20} MiB in huge pages")
+        print(f"{name}: {(huge_page_kb(kc.data_ptr(), kc.nbytes) + huge_page_kb(vc.data_ptr(), vc.nbytes)) >> 10} of {(kc.nbytes + vc.nbytes) >> 20} MiB in huge pages")
     tables = model.rope_tables(MAX_SEQ)
     print(f"\n| step | cached positions | 4 KiB p25 / median ms | huge p25 / median ms | huge / 4 KiB (p25, median) | same bits |")
     print("| --- | ---: | --- | --- | --- | --- |")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 import time
 
@@ -90,3 +91,20 @@ def advise_huge_pages(address: int, nbytes: int, collapse: bool = False) -> int:
     if collapse:
         _madvise(a, b - a, _MADV_COLLAPSE)  # best effort (EINVAL before 6.1, EAGAIN without memory)
     return b - a
+
+
+def huge_page_kb(address: int, nbytes: int) -> int:
+    """kB of transparent huge pages (smaps' AnonHugePages) in this process's mappings that overlap
+    [address, address + nbytes) (0 without /proc)."""
+    kb, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+                if m:
+                    inside = int(m[1], 16) < address + nbytes and int(m[2], 16) > address
+                elif inside and line.startswith("AnonHugePages:"):
+                    kb += int(line.split()[1])
+    except OSError:
+        return 0
+    return kb

@@ -422,21 +422,6 @@ def test_a_prefix_copy_moves_whole_positions_with_their_scales(store):
         assert not torch.equal(old[:, :, 5:37], want[:, :, 5:37])
 
 
-def _huge_kb(t: torch.Tensor) -> int:
-    """kB of AnonHugePages in the mappings holding t (/proc/self/smaps)."""
-    import re
-
-    lo, hi, kb, inside = t.data_ptr(), t.data_ptr() + t.nbytes, 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-            if m:
-                inside = int(m[1], 16) < hi and int(m[2], 16) > lo
-            elif inside and line.startswith("AnonHugePages:"):
-                kb += int(line.split()[1])
-    return kb
-
-
 def test_the_cpu_kv_cache_is_zeroed_and_backed_by_huge_pages_where_the_kernel_offers_them():
     """KVCache's K and V (CPU) are zeros, and where transparent huge pages are on ("always" or
     "madvise") at least half of their memory is in 2 MiB pages (a decode step streams it; ~100% here,
@@ -446,7 +431,7 @@ def test_the_cpu_kv_cache_is_zeroed_and_backed_by_huge_pages_where_the_kernel_of
     from pathlib import Path
 
     from specguide.kv_cache import KVCache
-    from specguide.memory import advise_huge_pages
+    from specguide.memory import HUGE_PAGE, advise_huge_pages, huge_page_kb
 
     kv = KVCache(30, 8, 3, 512, 64, torch.float32, store=torch.float16, kernel_layout=True)  # 2 x 45 MiB
     assert not kv.k.any() and not kv.v.any()
@@ -454,7 +439,10 @@ def test_the_cpu_kv_cache_is_zeroed_and_backed_by_huge_pages_where_the_kernel_of
     mode = thp.read_text().split("[")[1].split("]")[0] if thp.exists() else "none"
     total_kb = (kv.k.nbytes + kv.v.nbytes) >> 10
     if mode in ("always", "madvise") and os.path.exists("/proc/self/smaps"):
-        assert _huge_kb(kv.k) + _huge_kb(kv.v) >= 0.5 * total_kb, (mode, _huge_kb(kv.k), _huge_kb(kv.v), total_kb)
-    else:
-        assert advise_huge_pages(kv.v.data_ptr(), kv.v.nbytes) in (0, kv.v.nbytes // (2 << 20) * (2 << 20))
+        k_kb, v_kb = huge_page_kb(kv.k.data_ptr(), kv.k.nbytes), huge_page_kb(kv.v.data_ptr(), kv.v.nbytes)
+        assert k_kb + v_kb >= 0.5 * total_kb, (mode, k_kb, v_kb, total_kb)
+    else:  # the whole huge pages inside the tensor advised, or none (no THP, not Linux)
+        lo, hi = kv.v.data_ptr(), kv.v.data_ptr() + kv.v.nbytes
+        inside = hi // HUGE_PAGE * HUGE_PAGE - -(-lo // HUGE_PAGE) * HUGE_PAGE
+        assert advise_huge_pages(lo, kv.v.nbytes) in (0, inside)
     assert advise_huge_pages(kv.v.data_ptr(), 4096) == 0  # under one huge page: nothing to advise
