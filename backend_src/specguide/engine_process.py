@@ -19,6 +19,11 @@ Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", ke
 ("shutdown", drain, timeout). Child -> parent: ("ready", EngineInfo) | ("failed", text), then
 ("out", key, RequestOutput) | ("refused", key, exception) | ("stats", dict) | ("dead", text).
 `key` is the parent's id for a request: the seq_id `submit` returns and outputs carry.
+
+Given the server's pid (the Triton stub's parent), the engine process also ends when the server
+does, and ends the stub first: Triton 2.51's stub never finishes exiting after its server was
+killed (SIGKILL, the OOM killer), so the stub, this process and its compile workers would stay,
+holding their memory, beside the server that a supervisor starts again.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from typing import Callable, Optional
 
 from .config import EngineConfig
 from .head_training import BackgroundTraining
-from .ipc import child_env, python_executable, read_msg, write_msg
+from .ipc import child_env, process_identity, python_executable, read_msg, write_msg
 from .request import EngineDeadError, Request, RequestOutput
 from .restarts import Backoff, sleep_unless
 
@@ -44,6 +49,7 @@ STATS_S = 0.05  # how often the engine process sends its stats (and checks its l
 EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
 _CHILD_MAIN = "from specguide.engine_process_child import child_main; child_main()"
 PARENT_ENV = "SPECGUIDE_ENGINE_PARENT"
+SERVER_ENV = "SPECGUIDE_ENGINE_SERVER"  # the server (ipc.process_identity) whose end ends the stub and engine
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,12 @@ def describe_exit(returncode: Optional[int], dead_message: str = "") -> str:
 class _Child:
     """One engine process and the pipes to it."""
 
-    def __init__(self, config: EngineConfig):
-        self.proc = subprocess.Popen([python_executable(), "-c", _CHILD_MAIN], env=child_env(PARENT_ENV), stdin=subprocess.PIPE,
+    def __init__(self, config: EngineConfig, server: Optional[str] = None):
+        env = child_env(PARENT_ENV)
+        env.pop(SERVER_ENV, None)
+        if server:
+            env[SERVER_ENV] = server
+        self.proc = subprocess.Popen([python_executable(), "-c", _CHILD_MAIN], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, close_fds=True)
         self.write_lock = threading.Lock()
         self.send(config)
@@ -114,12 +124,14 @@ class EngineProcess:
     """The engine's interface (`submit`, `cancel`, `stats`, `is_alive`, `shutdown`) over an engine
     process that is restarted when it dies. Callbacks run on this object's reader thread.
 
-    The first start happens in the constructor and raises if the engine cannot load."""
+    The first start happens in the constructor and raises if the engine cannot load. `server_pid`:
+    the server process (a Triton stub's parent) whose end ends this process and the engine's."""
 
-    def __init__(self, config: EngineConfig, log: Optional[Log] = None):
+    def __init__(self, config: EngineConfig, log: Optional[Log] = None, server_pid: Optional[int] = None):
         self._log = log or (lambda level, text: logging.getLogger("specguide").log(
             {"info": logging.INFO, "warn": logging.WARNING}.get(level, logging.ERROR), text))
         self._config = config
+        self._server = process_identity(server_pid) if server_pid else None
         self._lock = threading.Lock()
         self._keys = itertools.count(1)
         self._callbacks: dict[int, Callback] = {}  # requests the engine holds, by key
@@ -131,7 +143,7 @@ class EngineProcess:
         self._backoff = Backoff()  # crashes in a row
         self._restart_delay = 0.0
         self._wake = threading.Event()
-        self._child = _Child(config)
+        self._child = _Child(config, self._server)
         self._reader = self._start_reader(self._child)
         self._supervisor = threading.Thread(target=self._supervise, name="specguide-engine-supervisor", daemon=True)
         self._supervisor.start()
@@ -333,7 +345,7 @@ class EngineProcess:
             t0 = time.monotonic()
             self._backoff.started()
             try:
-                child = _Child(self._config)
+                child = _Child(self._config, self._server)
             except Exception as e:
                 self._restart_delay = self._backoff.failed()
                 with self._lock:

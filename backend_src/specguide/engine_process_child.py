@@ -1,16 +1,18 @@
 """The engine process's own side (`child_main`): load the Engine, report it (EngineInfo), then
 serve the parent's messages (engine_process.py: the protocol and the parent's side) until shutdown;
-its stats go up every STATS_S, and its loop thread's death ends the process (EXIT_LOOP_DIED)."""
+its stats go up every STATS_S, and its loop thread's death ends the process (EXIT_LOOP_DIED); the
+server's end (SERVER_ENV) ends the parent stub and the process."""
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 
-from .engine_process import EXIT_LOOP_DIED, PARENT_ENV, STATS_S, Callback, EngineInfo
-from .ipc import die_with_parent, read_msg, renice, write_msg
+from .engine_process import EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_S, Callback, EngineInfo
+from .ipc import die_with_parent, read_msg, renice, wait_until_gone, write_msg
 from .request import RequestOutput
 
 
@@ -21,6 +23,9 @@ def child_main() -> None:
     os.dup2(2, 1)
     die_with_parent(PARENT_ENV)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="specguide engine: %(levelname)s %(message)s")
+    if os.environ.get(SERVER_ENV):
+        threading.Thread(target=_end_with_server, args=(os.environ[SERVER_ENV],), name="specguide-server-watch",
+                         daemon=True).start()
     write_lock = threading.Lock()
 
     def send(msg: object) -> None:
@@ -92,3 +97,17 @@ def child_main() -> None:
             engine.shutdown(drain=msg[1], timeout=msg[2])
             out.flush()
             os._exit(0)
+
+
+def _end_with_server(server: str) -> None:
+    """When the server process ends, SIGKILL the parent stub, then end this process (its compile
+    workers die with it). NOTE: Triton 2.51's stub, once its server is gone, never finishes exiting:
+    every thread of it waits on a futex (its response thread inside a metric call that awaits the dead
+    server's reply), so without this the stub, this engine and its workers would stay for good."""
+    wait_until_gone(server)
+    parent = int(os.environ.get(PARENT_ENV, "0"))
+    logging.error("the server process (pid %s) is gone: ending its stub (pid %d) and this engine",
+                  server.split(":", 1)[0], parent)
+    if parent and os.getppid() == parent:
+        os.kill(parent, signal.SIGKILL)
+    os._exit(0)

@@ -1,14 +1,17 @@
 """What the serving process and its helper processes (engine, compile workers) share: messages as
-length-prefixed pickles over pipes, the Python binary to start them with, dying with the parent."""
+length-prefixed pickles over pipes, the Python binary to start them with, dying with the parent,
+watching the server."""
 from __future__ import annotations
 
 import ctypes
 import os
 import pickle
+import select
 import shutil
 import signal
 import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
@@ -103,3 +106,33 @@ def renice(increment: int) -> None:
 def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
+
+
+def process_identity(pid: int) -> Optional[str]:
+    """"pid:start time" of a running process, None once it has ended (gone, or a zombie not yet
+    reaped): unlike the pid alone, it never names a later process that reuses the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name (which may hold spaces)
+    return None if fields[0] in ("Z", "X") else f"{pid}:{fields[19]}"  # state; starttime (field 22)
+
+
+def wait_until_gone(identity: str, poll_s: float = 0.5) -> None:
+    """Block until the process that `identity` (process_identity) names has ended; a zombie has.
+    A pidfd wakes the wait the moment it exits (Linux 5.3+); else it is checked every poll_s."""
+    pid = int(identity.split(":", 1)[0])
+    try:
+        fd: Optional[int] = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    try:
+        while process_identity(pid) == identity:
+            if fd is not None:
+                select.select([fd], [], [], poll_s)  # readable once the process has exited
+            else:
+                time.sleep(poll_s)
+    finally:
+        if fd is not None:
+            os.close(fd)

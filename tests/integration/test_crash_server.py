@@ -7,7 +7,7 @@ and a unary gRPC request through `specguide_unary`. Each client must get its err
 cause) within 2 s; a 1-token inference through each name (health_probe: the readiness probe)
 fails until the engine is back, which it is by itself; then answers are what they were before.
 Three crash-recover cycles leave the server's memory and shared-memory regions where the first
-left them."""
+left them. A killed tritonserver leaves none of its processes behind (stubs, engine, workers)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +24,7 @@ import tritonclient.grpc as grpcclient
 
 from client.common import GrpcStream, grpc_inputs, http_generate_stream
 from specguide import health_probe
+from specguide.ipc import process_identity
 from specguide.memory import rss_bytes
 from specguide.supervisor import descendants
 
@@ -277,5 +278,30 @@ def test_a_dead_engine_stub_restarts_the_server_under_the_supervisor(tmp_path):
                 or ("lock_exception" in log and "tritonserver exited with code -6" in log)), srv.log_tail()
         assert log.count("restarting tritonserver") == 1
         print(f"server back in {time.monotonic() - t_kill:.1f} s")
+    finally:
+        _stop(srv.proc)
+
+
+def test_a_killed_tritonserver_leaves_no_stub_engine_or_worker_behind(tmp_path):
+    """tritonserver itself dies (SIGKILL: the OOM killer, a fault, the supervisor restarting it for a
+    proxy's dead stub): every process under it ends too. Triton 2.51's `specguide` stub never
+    finished exiting then (its response thread waited forever inside a metric call to the dead
+    server), so it, the engine process and its compile workers stayed, with the engine's memory,
+    beside the server started again; the engine process now watches the server and ends them."""
+    srv = launch(tmp_path / "server.log", ROOT / "model_repository")
+    try:
+        engine = srv.engine_pid()
+        stubs = srv.stubs()
+        tree = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
+                for pid in descendants(srv.proc.pid)}
+        assert len(stubs) == 3 and set(stubs.values()) <= set(tree) and engine in tree
+        assert any(b"compile_worker" in Path(f"/proc/{p}/cmdline").read_bytes() for p in descendants(engine))
+        t_kill = time.monotonic()
+        srv.proc.kill()
+        srv.proc.wait()  # reaped at once, as the supervisor or a container's init does
+        while (left := {p: c for p, c in tree.items() if process_identity(p)}) and time.monotonic() - t_kill < 30:
+            time.sleep(0.1)
+        assert not left, f"still running {time.monotonic() - t_kill:.0f} s after tritonserver was killed: {left}"
+        print(f"every process gone {time.monotonic() - t_kill:.2f} s after the kill")
     finally:
         _stop(srv.proc)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from enum import IntEnum
 from pathlib import Path
@@ -668,10 +669,10 @@ class FakeEngine:
     instances = []
     pid, drafter, warmup_s, head_drafter = 0, "ngram", 0.0, None
 
-    def __init__(self, config, log=None):
+    def __init__(self, config, log=None, server_pid=None):
         import threading
 
-        self.config, self.tokenizer = config, TOK
+        self.config, self.tokenizer, self.server_pid = config, TOK, server_pid
         self.submitted, self.cancelled, self.shutdown_args = [], set(), None
         self.fail_with = None
         self._next = 0
@@ -746,6 +747,7 @@ def model(monkeypatch):
                                               "parameters": {"max_slots": {"string_value": "2"}, "warmup": {"string_value": "false"}}}),
                   "model_name": "specguide", "model_version": "1", "model_instance_name": "specguide_0_0",
                   "model_instance_kind": "MODEL", "model_instance_device_id": "0"})
+    assert m.engine.server_pid == os.getppid()  # the server the engine process watches: the stub's parent
     yield m
     m.finalize()
     sys.modules.pop("specguide.triton.adapter", None)

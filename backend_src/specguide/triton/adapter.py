@@ -73,7 +73,7 @@ class TritonPythonModel:
         self.instance = Instance.from_args(args, self.model_name)
         config = EngineConfig.from_parameters(model_config.get("parameters", {}))
         config = dataclasses.replace(config, device=self.instance.engine_device(config.device))
-        self.engine = EngineProcess(config, log=_log)
+        self.engine = EngineProcess(config, log=_log, server_pid=os.getppid())  # the stub's parent: tritonserver
         self.config = self.engine.config  # as the engine resolved it (slots sized to memory, ...)
         self.tokenizer = self.engine.tokenizer
         self.limits = InputLimits.from_config(self.config)  # input caps, checked before any work
