@@ -45,7 +45,8 @@ from .restarts import Backoff, sleep_unless
 Callback = Callable[[RequestOutput], None]
 Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
 
-STATS_S = 0.05  # how often the engine process sends its stats (and checks its loop thread)
+STATS_S = 0.05  # how often the engine process sends its stats while they change (and checks its loop thread)
+STATS_IDLE_S = 0.5  # its period while they do not (an idle engine): unchanged stats are not sent again
 EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
 _CHILD_MAIN = "from specguide.engine_process_child import child_main; child_main()"
 PARENT_ENV = "SPECGUIDE_ENGINE_PARENT"

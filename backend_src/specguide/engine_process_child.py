@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from .engine_process import EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_S, Callback, EngineInfo
+from .engine_process import EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_IDLE_S, STATS_S, Callback, EngineInfo
 from .ipc import die_with_parent, read_msg, renice, wait_until_gone, write_msg
 from .request import RequestOutput
 
@@ -60,18 +60,26 @@ def child_main() -> None:
         return on_output
 
     def watch() -> None:  # stats for the metrics; the loop thread's death ends the process
+        last, period = None, STATS_S
         while True:
-            time.sleep(STATS_S)
+            time.sleep(period)
             if not engine.is_alive():
                 engine._thread.join()  # its dying words (every request's error) are sent first
                 send(("dead", f"the engine loop failed ({type(engine._dead).__name__}; the server log has "
                               f"the traceback)"))
                 out.flush()
                 os._exit(EXIT_LOOP_DIED)
+            stats = engine.stats()
+            # unchanged stats (an idle engine) are not sent again, and looked at less often: new work
+            # shows in the gauges within STATS_IDLE_S, then every STATS_S while anything changes
+            period = STATS_IDLE_S if stats == last else STATS_S
+            if stats == last:
+                continue
             try:
-                send(("stats", engine.stats()))
+                send(("stats", stats))
             except Exception:
                 os._exit(0)  # the parent is gone
+            last = stats
 
     threading.Thread(target=watch, name="specguide-engine-watch", daemon=True).start()
     while True:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import time
 import urllib.request
 
 import numpy as np
@@ -125,7 +126,15 @@ def test_the_peer_backends_families_count_the_traffic_of_each_served_name(server
     before = server.metrics_text()
     sent = send_traffic(server)
     # every sequence's last response is sent after its metrics are recorded (the response thread
-    # records, then sends); wait for the engine's next stats (idle) before reading the gauges
+    # records, then sends); the engine's stats reach the gauges within STATS_IDLE_S once it is idle:
+    # wait for the iteration counter to count this traffic's steps before reading the gauges
+    it = "nv_trt_llm_general_metrics", "general_type", "iteration_counter"
+    steps = sum(s["steps"] for s in sent.values())
+    counted = lambda text: value(text, it[0], model=MODEL, general_type=it[2]) - \
+        value(before, it[0], model=MODEL, general_type=it[2])  # noqa: E731
+    deadline = time.monotonic() + 10
+    while counted(after := server.metrics_text()) < steps and time.monotonic() < deadline:
+        time.sleep(0.05)
     server.wait_metric("nv_trt_llm_request_metrics", 0.0, request_type="active", model=MODEL)
     after = server.metrics_text()
 
@@ -178,9 +187,7 @@ def test_the_peer_backends_families_count_the_traffic_of_each_served_name(server
     kv = "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type"
     assert g(*kv, "tokens_per") == 32 and g(*kv, "max") == slots * -(-max_seq_len // 32)
     assert g(*kv, "used") == 0 and g(*kv, "free") == g(*kv, "max") and g(*kv, "fraction") == 0
-    it = "nv_trt_llm_general_metrics", "general_type", "iteration_counter"
-    steps = sum(s["steps"] for s in sent.values())
-    assert value(after, it[0], model=MODEL, general_type=it[2]) - value(before, it[0], model=MODEL, general_type=it[2]) >= steps
+    assert counted(after) >= steps
     assert g("nv_trt_llm_general_metrics", "general_type", "timestamp") > 0
     assert g("nv_trt_llm_runtime_memory_metrics", "memory_type", "cpu") > 100e6  # the engine process's RSS
     assert g("nv_trt_llm_inflight_batcher_metrics", "inflight_batcher_specific_metric", "paused_requests") == 0

@@ -12,7 +12,7 @@ from specguide.triton import peer_metrics as pm
 class Metric:
     def __init__(self, family, labels, buckets):
         self.family, self.labels, self.buckets = family, labels, buckets
-        self.value, self.observed = 0.0, []
+        self.value, self.observed, self.sets = 0.0, [], 0
 
     def increment(self, v):
         assert self.family.kind == "counter"
@@ -20,7 +20,7 @@ class Metric:
 
     def set(self, v):
         assert self.family.kind == "gauge"
-        self.value = v
+        self.value, self.sets = v, self.sets + 1
 
     def observe(self, v):
         assert self.family.kind == "histogram" and self.buckets is not None
@@ -206,3 +206,20 @@ def test_the_operations_doc_names_every_family_and_label_value():
         assert category in section
         for v in values:
             assert f"`{v}`" in section or f'"{v}"' in section, v
+
+
+def test_the_engine_gauges_are_set_only_when_their_values_change():
+    """Each set is a message to the server, every poll (20 a second): an idle engine sends none."""
+    from specguide.triton.metrics import Metrics
+
+    registry.clear()
+    m = Metrics(SimpleNamespace(MetricFamily=Family), "specguide", "1")
+    names = ("specguide_active_slots", "specguide_queue_depth", "specguide_engine_alive", "specguide_draft_head_loaded")
+    stats = {"active_slots": 2, "queue_depth": 0, "alive": 1, "draft_head": 1}
+    for _ in range(5):
+        m.engine_stats(stats)
+    assert [series(n).sets for n in names] == [1, 1, 1, 1]
+    assert [series(n).value for n in names] == [2.0, 0.0, 1.0, 1.0]
+    m.engine_stats({**stats, "active_slots": 3})
+    assert [series(n).sets for n in names] == [2, 1, 1, 1] and series(names[0]).value == 3.0
+    registry.clear()

@@ -196,7 +196,7 @@ class TritonPythonModel:
         next_poll = 0.0
         while True:
             try:
-                item = self._outbox.get(timeout=WAKE_S)
+                item = self._outbox.get(timeout=WAKE_S if self._live else POLL_S)  # idle: the poll's period
             except queue.Empty:
                 item = None
             if item is _STOP:

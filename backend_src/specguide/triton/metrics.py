@@ -52,6 +52,7 @@ class Metrics:
             return MF(name=name, description=doc, kind=kind)
 
         self._families = []  # keep families alive as long as their metrics
+        self._set: dict[str, float] = {}  # the engine gauges' last values set (engine_stats)
 
         def counter(name, doc, **extra):
             f = family(name, doc, MF.COUNTER)
@@ -89,6 +90,7 @@ class Metrics:
         self.accepted_tokens = counter("specguide_accepted_draft_tokens_total", "Speculative draft tokens accepted")
         self.engine_alive = gauge("specguide_engine_alive", "1 while the engine serves; 0 while it is down (restarting)")
         self.engine_alive.set(1.0)
+        self._set["alive"] = 1.0
         self.draft_head = gauge("specguide_draft_head_loaded",
                                 "1 once the trained draft head drafts; 0 while the engine drafts without it")
         self.engine_restarts = counter("specguide_engine_restarts_total",
@@ -111,7 +113,10 @@ class Metrics:
             m.increment(1)
 
     def engine_stats(self, stats: dict) -> None:
-        self.active_slots.set(float(stats.get("active_slots", 0)))
-        self.queue_depth.set(float(stats.get("queue_depth", 0)))
-        self.engine_alive.set(float(stats.get("alive", 1)))
-        self.draft_head.set(float(stats.get("draft_head", 0)))
+        """Set the gauges whose values changed (each set is a message to the server, every poll)."""
+        for gauge, key, default in ((self.active_slots, "active_slots", 0), (self.queue_depth, "queue_depth", 0),
+                                    (self.engine_alive, "alive", 1), (self.draft_head, "draft_head", 0)):
+            value = float(stats.get(key, default))
+            if self._set.get(key) != value:
+                gauge.set(value)
+                self._set[key] = value
