@@ -127,10 +127,13 @@ def wait_until_gone(identity: str, poll_s: float = 0.5) -> None:
         fd: Optional[int] = os.pidfd_open(pid)
     except (AttributeError, OSError):
         fd = None
+    waiter = select.poll()  # not select(): no limit on the fd's number
+    if fd is not None:
+        waiter.register(fd, select.POLLIN)  # readable once the process has exited
     try:
         while process_identity(pid) == identity:
             if fd is not None:
-                select.select([fd], [], [], poll_s)  # readable once the process has exited
+                waiter.poll(poll_s * 1000)
             else:
                 time.sleep(poll_s)
     finally:
