@@ -1,7 +1,7 @@
 """The engine process's own side (`child_main`): load the Engine, report it (EngineInfo), then
 serve the parent's messages (engine_process.py: the protocol and the parent's side) until shutdown;
-its stats go up every STATS_S, and its loop thread's death ends the process (EXIT_LOOP_DIED); the
-server's end (SERVER_ENV) ends the parent stub and the process."""
+its stats go up every STATS_S while they change, and its loop thread's death ends the process
+(EXIT_LOOP_DIED); the server's end (SERVER_ENV) ends the parent stub and the process."""
 from __future__ import annotations
 
 import logging
