@@ -11,7 +11,6 @@ stime, every thread) over `--seconds` with nothing sent. A fleet keeps many repl
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,18 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_interfaces import Server  # noqa: E402
-from bench_openai import wait  # noqa: E402
+from bench_openai import cpu_seconds, wait  # noqa: E402
 from machine import cpu_header  # noqa: E402
 from specguide.supervisor import descendants  # noqa: E402
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) so far; 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:

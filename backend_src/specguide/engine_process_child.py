@@ -72,9 +72,10 @@ def child_main() -> None:
             stats = engine.stats()
             # unchanged stats (an idle engine) are not sent again, and looked at less often: new work
             # shows in the gauges within STATS_IDLE_S, then every STATS_S while anything changes
-            period = STATS_IDLE_S if stats == last else STATS_S
             if stats == last:
+                period = STATS_IDLE_S
                 continue
+            period = STATS_S
             try:
                 send(("stats", stats))
             except Exception:
