@@ -165,6 +165,21 @@ def test_workers_take_the_least_cpu_share_in_a_session_of_their_own(svc):
                 assert f.read().split()[-1] == "19"  # "/autogroup-123 nice 19"
 
 
+def test_workers_compile_without_loading_torch(svc):
+    """A worker imports only xgrammar's compiler: torch (which `import xgrammar` pulls in) would cost
+    each worker ~150 MB of anonymous memory and a second of start-up for nothing a compile uses."""
+    svc.submit(medium("notorch")).result(timeout=60)  # proven in a worker, then compiled here
+    t0 = time.monotonic()
+    while not all(w is not None and w.alive() for w in svc.scheduler._workers):
+        assert time.monotonic() - t0 < 60, "a compile worker never came back"
+        time.sleep(0.05)
+    for w in svc.scheduler._workers:
+        with open(f"/proc/{w.proc.pid}/maps") as f:
+            libraries = {line.split()[-1].rsplit("/", 1)[-1] for line in f if ".so" in line}
+        assert "libxgrammar_bindings.so" in libraries
+        assert not any(lib.startswith(("libtorch", "libc10")) for lib in libraries), sorted(libraries)
+
+
 PARENT = """
 import json, sys, time
 from transformers import AutoTokenizer

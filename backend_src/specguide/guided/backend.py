@@ -16,9 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..request import GuidedDecodingParams
-from .params import BACKEND_NAMES, BACKENDS, canonical_backend  # noqa: F401  (named here too)
-
-MAX_JSON_WHITESPACE = 8  # longest whitespace run a JSON guide allows between tokens (no loops)
+from .params import BACKEND_NAMES, BACKENDS, MAX_JSON_WHITESPACE, canonical_backend  # noqa: F401  (named here too)
 
 Encode = Callable[[str], list[int]]
 BITMASK_DTYPE = torch.int32

@@ -17,6 +17,7 @@ from ..request import GuidedDecodingParams, InvalidRequestError, UndeclaredKeys
 
 BACKENDS = ("xgrammar", "llguidance")  # implementations
 BACKEND_NAMES = ("auto",) + BACKENDS + ("guidance",)  # what a request or the server may name
+MAX_JSON_WHITESPACE = 8  # longest whitespace run a JSON guide allows between tokens (no loops)
 
 
 def canonical_backend(name: str, what: str = "guided backend") -> str:

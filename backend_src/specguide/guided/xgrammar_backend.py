@@ -9,36 +9,19 @@ jsonschema when their value closes (value_check.py).
 from __future__ import annotations
 
 import functools
-import json
 import os
-import re
 import time
 from typing import Any, Optional, Sequence
 
 import torch
 import xgrammar as xgr
 
-from ..request import GuidedDecodingParams, InvalidRequestError
-from .backend import MAX_JSON_WHITESPACE, CompiledGuide, Encode, GrammarBackend, Matcher
-from .params import choice_to_ebnf, looks_like_lark, normalize_structural_tag
+from ..request import GuidedDecodingParams
+from .backend import CompiledGuide, Encode, GrammarBackend, Matcher
 from .schema import json_schema_of, xgrammar_unenforced
 from .value_check import ValueChecker, ValueCheckedMatcher, checked_validator
 from .value_scan import TokenTable
-
-# "[02:15:01] /project/cpp/grammar_parser.cc:820: " and "Check failed: (...) is false: "
-_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
-_CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false: ")
-_CPP_NOISE = re.compile(r"(/\S+\.(cc|h|cpp):\d+:?|Check failed:|Stack trace)")
-
-
-def xgrammar_message(err: BaseException) -> str:
-    """xgrammar's error text without its C++ source location and CHECK boilerplate."""
-    text = str(err).strip()
-    text = _CHECK_PREFIX.sub("", _LOG_PREFIX.sub("", text))
-    text = " ".join(line.strip() for line in text.splitlines() if line.strip())
-    if _CPP_NOISE.search(text) or not text:  # an internal assertion: say so, without its source
-        return "xgrammar cannot compile this guide (internal check failed); try backend 'llguidance'"
-    return text
+from .xgrammar_compile import compile_guide, xgrammar_message  # noqa: F401 (xgrammar_message: re-exported)
 
 
 def build_tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_token_ids: Optional[Sequence[int]] = None,
@@ -162,31 +145,7 @@ class XgrammarBackend(GrammarBackend):
         return TokenTable(vocab + [b""] * (self.vocab_size - len(vocab)))
 
     def _compile(self, params: GuidedDecodingParams, schema: Any) -> xgr.CompiledGrammar:
-        gtype, guide = params.guide_type, params.guide  # already validated
-        try:
-            if schema is not None:
-                for opt in ("whitespace_pattern", "any_key_order"):
-                    if getattr(params, opt):
-                        raise InvalidRequestError(f"{opt} needs the llguidance backend (xgrammar has no such option)")
-                ws = dict(any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE) if params.any_whitespace \
-                    else dict(any_whitespace=False, separators=(",", ":"))
-                return self.compiler.compile_json_schema(json.dumps(schema), strict_mode=params.strict, **ws)
-            if gtype == "regex":
-                return self.compiler.compile_regex(guide)
-            if gtype == "ebnf_grammar":
-                if looks_like_lark(guide):
-                    return self.compiler.compile_lark(guide)
-                return self.compiler.compile_grammar(guide)
-            if gtype == "structural_tag":
-                tag = normalize_structural_tag(json.loads(guide))
-                return self.compiler.compile_structural_tag(json.dumps(tag))
-            if gtype == "choice":
-                return self.compiler.compile_grammar(choice_to_ebnf(json.loads(guide)))
-        except InvalidRequestError:
-            raise
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/TypeError/AssertionError
-            raise InvalidRequestError(f"invalid {gtype} guide: {xgrammar_message(e)}") from None
-        raise InvalidRequestError(f"unknown guide type {gtype!r}")  # unreachable after validate_guided
+        return compile_guide(self.compiler, params, schema)
 
     def cache_size_bytes(self) -> int:
         return self.compiler.get_cache_size_bytes()
