@@ -45,7 +45,7 @@ class Runner:
         self.model, self.device, self.vocab_size = model, device, cfg.vocab_size
         K, S = config.num_draft_tokens, config.max_slots
         self.kv = KVCache(cfg.num_layers, S, cfg.num_kv_heads, config.max_seq_len, cfg.head_dim,
-                          model.embed.weight.dtype, device, spare=K + 1,  # +1: padding rows of captured steps
+                          model.dtype, device, spare=K + 1,  # +1: padding rows of captured steps
                           store=kv_store(config, model))
         self.params = SlotSampling(S, cfg.vocab_size, device)
         inner = GuidedDecoder(S, K, cfg.vocab_size, num_threads=config.guided_mask_threads)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specguide.kv_cache import KVCache
+from specguide.models.embedding import Q8Rows
 from specguide.models.loader import cpu_bf16_matmuls, load_model
 
 from .conftest import PROMPTS
@@ -38,6 +39,16 @@ def test_prefill_and_stepwise_decode_match_transformers(ours, hf_model, model_di
     steps = [_forward(ours, kv, ids[:2], slot=1, start=0)]
     steps += [_forward(ours, kv, ids[t:t + 1], slot=1, start=t) for t in range(2, len(ids))]
     assert (torch.cat(steps) - ref).abs().max().item() < TOL
+
+
+@torch.inference_mode()
+def test_the_embedding_is_held_in_q8_0_blocks_with_the_checkpoints_exact_values(ours, hf_model):
+    """The default model's embedding is a GGUF Q8_0 tensor: held as its blocks (28 of 108 MiB), each
+    row looked up is transformers' fp32 row bit for bit."""
+    assert isinstance(ours.embed, Q8Rows)
+    want = hf_model.model.embed_tokens.weight
+    assert torch.equal(ours.embed(torch.arange(want.shape[0])).view(torch.int32), want.view(torch.int32))
+    assert ours.embed.q.nbytes + ours.embed.d.nbytes < want.nbytes / 3
 
 
 @torch.inference_mode()
@@ -81,7 +92,7 @@ def test_bf16_is_refused_up_front_where_the_cpu_has_no_bf16_matmuls(model_dir, m
     monkeypatch.setattr(loader, "cpu_bf16_matmuls", lambda: False)
     with pytest.raises(ValueError, match="bf16 matmuls need .* use dtype float32"):
         load_model(model_dir, torch.bfloat16)
-    assert load_model(model_dir, torch.float32).embed.weight.dtype == torch.float32  # fp32 does not need them
+    assert load_model(model_dir, torch.float32).dtype == torch.float32  # fp32 does not need them
 
 
 @torch.inference_mode()

@@ -148,6 +148,25 @@ def test_head_inputs_are_the_features_and_the_normed_embedding_bit_for_bit():
         kernels.head_inputs(feats, E, ids + 100, w, 1e-5)
 
 
+def test_head_inputs_read_q8_0_rows_as_the_fp32_table_they_equal():
+    """The embedding held as Q8_0 rows (models/embedding.Q8Rows) gives the draft head the same input
+    bits as the fp32 table of the same values."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (100, 64), generator=g, dtype=torch.int8)
+    d = (torch.rand(100, 2, generator=g) / 50).half()
+    E = (q.float().view(100, 2, 32) * d.float()[..., None]).view(100, 64)
+    w = torch.rand(64, generator=g) + 0.5
+    feats, ids = torch.randn(3, 4, 64, generator=g), torch.randint(0, 100, (3, 4), generator=g)
+    got = kernels.head_inputs(feats, (q, d), ids, w, 1e-5)
+    assert got is not None and torch.equal(got, kernels.head_inputs(feats, E, ids, w, 1e-5))
+    store, slots, pos = torch.randn(5, 9, 64, generator=g), torch.tensor([4, 0, 2]), torch.tensor([[0, 8], [3, 3], [7, 1]])
+    assert torch.equal(kernels.head_inputs(store, (q, d), ids[:, :2], w, 1e-5, at=(slots, pos)),
+                       kernels.head_inputs(store, E, ids[:, :2], w, 1e-5, at=(slots, pos)))
+    assert kernels.head_inputs(feats, (q, d.float()), ids, w, 1e-5) is None  # d must be fp16 bits
+    with pytest.raises(IndexError):
+        kernels.head_inputs(feats, (q, d), ids + 100, w, 1e-5)
+
+
 def test_pick_rows_takes_each_batch_rows_own_row():
     x, at = torch.randn(4, 3, 8), torch.tensor([2, 0, 1, 2])
     assert torch.equal(kernels.pick_rows(x, at), x[torch.arange(4), at])

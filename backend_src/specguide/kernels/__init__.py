@@ -133,9 +133,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.draft_pick_rows.restype = None  # (logits, B, V, d2t, fixed, fallback, unsure, out, out2)
     lib.draft_pick_rows.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                     + [ctypes.c_void_p] * 2)
-    lib.head_inputs.restype = ctypes.c_int  # (feats, slots, pos, S, P, T, E, V, ids, w, out, N, D, eps) -> 0, -1
-    lib.head_inputs.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+    lib.head_inputs.restype = ctypes.c_int  # (feats, slots, pos, S, P, T, E, Q, Qd, V, ids, w, out, N, D, eps) -> 0, -1
+    lib.head_inputs.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                                 + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float])
+    lib.q8_rows.restype = ctypes.c_int  # (Q, Qd, V, ids, out, N, D) -> 0, -1: an id out of range
+    lib.q8_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
     lib.pick_rows.restype = ctypes.c_int  # (src, at, out, B, T, D) -> 0, -1: out of range
     lib.pick_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.scatter_rows.restype = ctypes.c_int  # (dst, S, P, src, slots, positions, B, T, D) -> 0, -1: out of range
@@ -555,17 +557,23 @@ def draft_pick(logits: torch.Tensor, d2t: Optional[torch.Tensor], proposals: Opt
     return True
 
 
-def head_inputs(feats: torch.Tensor, embed: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, eps: float,
-                at: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+def head_inputs(feats: torch.Tensor, embed: torch.Tensor | tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
+                w: torch.Tensor, eps: float, at: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                ) -> Optional[torch.Tensor]:
     """[feats ; rms_norm(embed[ids], w)] -> [..., 2D] for feats [..., D] and ids [...] (a draft head's
     input: one C call on CPU fp32 where the torch ops run with cold caches), None elsewhere.
+    `embed`: fp32 [V, D], or Q8_0 rows (q [V, D] int8, d [V, D/32] fp16: models/embedding.Q8Rows).
     `at` (slots [B], positions [B, T]): feats is a store [S, P, D] read at feats[slots[:, None], positions]."""
     lib = library()
     D = feats.shape[-1]
     rows = feats.shape[:-1] if at is None else at[1].shape
-    if (lib is None or any(t.device.type != "cpu" for t in (feats, embed, ids, w, *(at or ()))) or feats.requires_grad
-            or any(t.dtype != torch.float32 for t in (feats, embed, w)) or embed.dim() != 2 or embed.shape[1] != D
-            or w.shape != (D,) or ids.shape != rows or not embed.is_contiguous() or not w.is_contiguous()
+    q8 = isinstance(embed, tuple)
+    table = embed[0] if q8 else embed
+    if (lib is None or any(t.device.type != "cpu" for t in (feats, table, ids, w, *(at or ()))) or feats.requires_grad
+            or any(t.dtype != torch.float32 for t in (feats, w)) or table.dim() != 2 or table.shape[1] != D
+            or w.shape != (D,) or ids.shape != rows or not table.is_contiguous() or not w.is_contiguous()
+            or (table.dtype != torch.int8 or embed[1].dtype != torch.float16 or embed[1].shape != (len(table), D // QBLK)
+                or D % QBLK or not embed[1].is_contiguous() if q8 else table.dtype != torch.float32)
             or (at is not None and (feats.dim() != 3 or not feats.is_contiguous() or at[0].shape != rows[:1]
                                     or len(rows) != 2))):
         return None
@@ -577,11 +585,28 @@ def head_inputs(feats: torch.Tensor, embed: torch.Tensor, ids: torch.Tensor, w: 
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(*rows, 2 * D)
     S, P, T = (feats.shape[0], feats.shape[1], rows[-1]) if at is not None else (0, 0, 1)
+    E, Q, Qd = (None, table.data_ptr(), embed[1].data_ptr()) if q8 else (table.data_ptr(), None, None)
     if lib.head_inputs(feats.data_ptr(), None if slots is None else slots.data_ptr(),
-                       None if pos is None else pos.data_ptr(), S, P, T, embed.data_ptr(), embed.shape[0],
+                       None if pos is None else pos.data_ptr(), S, P, T, E, Q, Qd, table.shape[0],
                        ids.data_ptr(), w.data_ptr(), out.data_ptr(), ids.numel(), D, eps):
-        raise IndexError(f"head_inputs: a token id, slot or position out of range ({tuple(embed.shape)}, "
+        raise IndexError(f"head_inputs: a token id, slot or position out of range ({tuple(table.shape)}, "
                          f"{tuple(feats.shape)})")
+    return out
+
+
+def q8_rows(q: torch.Tensor, d: torch.Tensor, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Rows `ids` [...] of a Q8_0 table (q [V, D] int8, d [V, D/32] fp16) in fp32 [..., D]: q * d per
+    block of 32, one C call (torch's gather and broadcast multiply took 10x as long). None where the
+    C kernels do not serve these tensors."""
+    lib = library()
+    if (lib is None or any(t.device.type != "cpu" for t in (q, d, ids)) or q.dtype != torch.int8
+            or d.dtype != torch.float16 or q.dim() != 2 or q.shape[1] % QBLK or d.shape != (q.shape[0], q.shape[1] // QBLK)
+            or not q.is_contiguous() or not d.is_contiguous()):
+        return None
+    flat = ids.to(torch.int64).contiguous()
+    out = torch.empty(*ids.shape, q.shape[1])
+    if lib.q8_rows(q.data_ptr(), d.data_ptr(), q.shape[0], flat.data_ptr(), out.data_ptr(), flat.numel(), q.shape[1]):
+        raise IndexError(f"index out of range in the embedding (a token id >= {q.shape[0]} or < 0)")
     return out
 
 

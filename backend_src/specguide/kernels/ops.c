@@ -1570,19 +1570,57 @@ int scatter_rows(float *dst, int64_t S, int64_t P, const float *src, const int64
     return 0;
 }
 
+/* One fp16 value (bits) as fp32 (exact; subnormals included). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31, mant = h & 0x3FFu;
+    float v = e == 0 ? ldexpf((float)mant, -24) : e == 31 ? (mant ? NAN : INFINITY)
+                                                        : ldexpf((float)(mant | 0x400u), (int)e - 25);
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits |= sign;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* One Q8_0 row: y [D] = q [D] int8 times d [D/32] fp16, a block of 32 each (q * d in fp32). */
+static inline void q8_row(const int8_t *q, const uint16_t *d, float *y, int D) {
+    for (int b = 0; b < D / 32; b++) {
+        const float db = half_to_float(d[b]);
+        for (int i = b * 32; i < b * 32 + 32; i++) y[i] = (float)q[i] * db;
+    }
+}
+
+/* out [N][D] = Q8_0 rows ids of Q [V][D] int8, Qd [V][D/32] fp16 (an embedding lookup: Q8Rows).
+   Returns 0, or -1 with nothing written when an id is out of range. */
+int q8_rows(const int8_t *Q, const uint16_t *Qd, int64_t V, const int64_t *ids, float *out, int64_t N, int D) {
+    for (int64_t n = 0; n < N; n++)
+        if (ids[n] < 0 || ids[n] >= V) return -1;
+    for (int64_t n = 0; n < N; n++) q8_row(Q + ids[n] * D, Qd + ids[n] * (D / 32), out + n * D, D);
+    return 0;
+}
+
 /* The draft head's input rows: out [N][2D] = [feats[n] ; rms_row(E[ids[n]], w)] (its features and its
-   token's normed embedding, one call instead of the embedding, the norm and the concatenation). With
-   slots (N = B * T rows), feats is a store [S][P][D] and row b * T + t reads its (slots[b], pos[b][t]).
+   token's normed embedding, one call instead of the embedding, the norm and the concatenation). The
+   embedding is E [V][D] fp32, or (E NULL) Q8_0 rows: Q [V][D] int8 times Qd [V][D/32] fp16 per block
+   of 32 (each value q * d in fp32: the fp32 table's bits). With slots (N = B * T rows), feats is a
+   store [S][P][D] and row b * T + t reads its (slots[b], pos[b][t]).
    Returns 0, or -1 with nothing written when a slot, position or id is out of range. */
 int head_inputs(const float *feats, const int64_t *slots, const int64_t *pos, int64_t S, int64_t P, int64_t T,
-                const float *E, int64_t V, const int64_t *ids, const float *w, float *out, int64_t N, int D, float eps) {
+                const float *E, const int8_t *Q, const uint16_t *Qd, int64_t V, const int64_t *ids, const float *w,
+                float *out, int64_t N, int D, float eps) {
     for (int64_t n = 0; n < N; n++)
         if (ids[n] < 0 || ids[n] >= V || (slots && (slots[n / T] < 0 || slots[n / T] >= S || pos[n] < 0 || pos[n] >= P)))
             return -1;
     for (int64_t n = 0; n < N; n++) {
         const int64_t f = slots ? slots[n / T] * P + pos[n] : n;
+        float *e = out + n * 2 * D + D;
         memcpy(out + n * 2 * D, feats + f * D, sizeof(float) * (size_t)D);
-        rms_row(E + ids[n] * D, w, out + n * 2 * D + D, D, eps);
+        if (E) {
+            rms_row(E + ids[n] * D, w, e, D, eps);
+            continue;
+        }
+        q8_row(Q + ids[n] * D, Qd + ids[n] * (D / 32), e, D);
+        rms_row(e, w, e, D, eps);
     }
     return 0;
 }

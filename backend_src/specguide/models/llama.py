@@ -22,6 +22,7 @@ from torch import nn
 
 from .. import kernels
 from ..kernels import stack
+from .embedding import Q8Rows
 from .linear import InvariantLinear, linear_add, make_head, prepare_linears
 
 if TYPE_CHECKING:
@@ -242,6 +243,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq_local", None if local_rope is None else local_rope[0].float(), persistent=False)
         self.local_scaling = 1.0 if local_rope is None else local_rope[1]
         self.embed_scale = cfg.embed_scale  # rounded to the model dtype by finalize()
+        self._head_weight: Optional[torch.Tensor] = None  # an untied head's weight (finalize)
         self.invariant_attention = False  # set by finalize() when the C kernel can serve this model
         # prefill chunks too (as fast as SDPA at 256-1024 tokens: bench/bench_prefill_attention.py); False:
         # SDPA for T > INVARIANT_MAX_QUERIES (benchmarks only: prefix reuse then stops at whole chunks)
@@ -260,7 +262,7 @@ class LlamaModel(nn.Module):
             pos = torch.arange(max_len, device=inv_freq.device, dtype=torch.float32)
             freqs = torch.outer(pos, inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            dtype = self.embed.weight.dtype
+            dtype = self.dtype
             sin = emb.sin() * scaling
             half = sin.shape[-1] // 2
             sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
@@ -274,6 +276,19 @@ class LlamaModel(nn.Module):
         if ctx.mask is not None:
             cos, sin = cos[ctx.positions].unsqueeze(2), sin[ctx.positions].unsqueeze(2)
         return cos, sin
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype (its embedding's rows)."""
+        return self.embed.weight.dtype if isinstance(self.embed, nn.Embedding) else self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the LM head's weight [len(ids), hidden] (draft heads share them)."""
+        return self.embed(ids) if self._head_weight is None else self._head_weight[ids]
 
     @property
     def chunk_invariant(self) -> bool:
@@ -316,8 +331,9 @@ class LlamaModel(nn.Module):
         weights held in `weight_dtype` (bf16 / int8: weight-only quantization, CPU kernels only);
         `integer_dot`: block-format weights times int8 activations (models/linear.py). Linears packed
         already (read from the packed-weights cache: packed_cache.install) stay as they are."""
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self.head_weight = w  # [vocab, hidden]: kept for draft heads that share (rows of) the LM head
+        tied = self.lm_head is None
+        w = self.embed.weight if tied else self.lm_head.weight
+        self._head_weight = None if tied else w  # [vocab, hidden]: draft heads share its rows (head_rows)
         self.weight_dtype = weight_dtype
         self.integer_dot = integer_dot
         if not isinstance(getattr(self, "head", None), InvariantLinear):
@@ -325,6 +341,8 @@ class LlamaModel(nn.Module):
         self.lm_head = None
         if w.device.type == "cpu":
             prepare_linears(self.layers, weight_dtype, integer_dot)
+        if kernels.library() is not None:  # a GGUF's Q8_0 embedding: 28 of the 108 MiB (default model)
+            self.embed = Q8Rows.of(w if tied else self.embed.weight, self.head if tied else None) or self.embed
         self.invariant_attention = kernels.serves_attention(w.device, w.dtype, self.cfg.head_dim)
         self.fused = fused_stack(self.layers, self.cfg) if self.invariant_attention else None
         # as transformers: the scale in the model dtype (sqrt(hidden) is rounded in bf16)

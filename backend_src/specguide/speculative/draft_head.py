@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..models.embedding import Q8Rows
 from ..models.linear import invariant_available, make_head, prepare_linears
 from ..models.llama import AttnContext, DecoderLayer, LlamaModel, ModelConfig, fused_stack, rms_norm
 from ..kv_cache import KVCache
@@ -51,7 +52,7 @@ class DraftHead(nn.Module):
         """Share the target's embedding and the d2t rows of its LM head; pack CPU linears, held
         in `weight_dtype` where the C kernels run ("" or elsewhere: the target's)."""
         object.__setattr__(self, "target", target)  # not a submodule: its weights are not ours
-        w = target.head_weight[self.d2t.to(target.head_weight.device)].detach()  # [Vd, H]
+        w = target.head_rows(self.d2t.to(target.device)).detach()  # [Vd, H]
         wd = getattr(target, "weight_dtype", "float32")
         if weight_dtype and invariant_available(w):
             wd = weight_dtype  # NOTE: drafts never change the output (verification decides), only acceptance
@@ -67,8 +68,8 @@ class DraftHead(nn.Module):
         """feats [B, T, H] (f or g), tokens [B, T] (the next tokens) at ctx.positions -> g [B, T, H].
         `at` (slots [B], positions [B, T]): feats is a store [S, P, H] read there."""
         t, c_path = self.target, self.fused is not None and ctx.mask is None
-        x = kernels.head_inputs(feats, t.embed.weight, tokens, self.embed_norm, self.cfg.rms_norm_eps, at) \
-            if c_path else None
+        table = (t.embed.q, t.embed.d) if isinstance(t.embed, Q8Rows) else t.embed.weight
+        x = kernels.head_inputs(feats, table, tokens, self.embed_norm, self.cfg.rms_norm_eps, at) if c_path else None
         if x is None:
             if at is not None:
                 feats = feats[at[0][:, None], at[1]]
@@ -108,7 +109,7 @@ class DraftHead(nn.Module):
                              f"the target has {tc.hidden_size} / {tc.vocab_size}")
         head = cls(cfg, blob["state"]["d2t"])
         head.load_state_dict(blob["state"], strict=True)
-        dtype, device = target.embed.weight.dtype, target.embed.weight.device
+        dtype, device = target.dtype, target.device
         head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)  # d2t stays int64
         head.meta = blob.get("meta", {})
         return head.attach(target, weight_dtype=weight_dtype)

@@ -31,7 +31,7 @@ class DraftModel:
         self.device = device
         self.chunk = chunk
         self.kv = KVCache(cfg.num_layers, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
-                          model.embed.weight.dtype, device, spare=K, store=store)
+                          model.dtype, device, spare=K, store=store)
         self.cached = [0] * max_slots
         self.catchup_s = 0.0  # host time in catch_up since take_catchup_s
         self.reuse = model.chunk_invariant

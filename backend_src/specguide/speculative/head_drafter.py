@@ -30,7 +30,7 @@ class HeadDrafter:
         self.device = device
         self.chunk = chunk
         self.K = K
-        dtype = head.target.embed.weight.dtype
+        dtype = head.target.dtype
         self.kv = KVCache(1, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim, dtype, device, spare=K + 1)
         self.feats = torch.zeros(max_slots, max_seq_len + K + 1, cfg.hidden_size, dtype=dtype, device=device)
         self.cached = [0] * max_slots

@@ -159,7 +159,7 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
     window = threading.Semaphore(2 * engine.config.max_slots)  # bounded: the queue has a limit
     ec, H = engine.config, engine.model.cfg.hidden_size
     recorder = FeatureRecorder(ec.max_slots, ec.max_seq_len + ec.num_draft_tokens + 1, H,
-                               engine.model.embed.weight.dtype, engine.device)
+                               engine.model.dtype, engine.device)
     with engine.feature_recording(recorder):
         for i, r in enumerate(reqs):
             window.acquire()
@@ -204,14 +204,14 @@ class Trainer:
 
     def __init__(self, head: DraftHead, target: LlamaModel, cfg: TrainConfig):
         self.head, self.target, self.cfg = head, target, cfg
-        self.device = target.embed.weight.device
+        self.device = target.device
         # matmuls in this dtype (fp32 master weights, fp32 losses); None = fp32
         self.autocast = training_autocast(cfg.matmul_dtype, self.device, target.cfg.hidden_size)
         V = target.cfg.vocab_size
         d2t = head.d2t.to(self.device)
         self.t2d = torch.full((V,), -100, dtype=torch.int64, device=self.device)
         self.t2d[d2t] = torch.arange(head.draft_vocab_size, device=self.device)
-        self.lm_weight = target.head_weight[d2t].detach().to(self.autocast or torch.float32)  # [Vd, H] frozen
+        self.lm_weight = target.head_rows(d2t).detach().to(self.autocast or torch.float32)  # [Vd, H] frozen
 
     def _attn_inputs(self, x: torch.Tensor, pos: torch.Tensor):
         c = self.head.cfg
@@ -322,7 +322,7 @@ def train_head(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, repo
         head.fc.weight.zero_()
         head.fc.weight[:, :H] = torch.eye(H)
         head.fc.weight[:, H:] = torch.eye(H) * 0.5
-    head = head.to(target.embed.weight.device)
+    head = head.to(target.device)
     trainer = Trainer(head, target, cfg)
     report.matmul_dtype = "bfloat16" if trainer.autocast is not None else "float32"
     report.epochs = epochs = cfg.epochs or AUTO_EPOCHS[report.matmul_dtype]
