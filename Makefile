@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 WORK := .work
 STAMPS := $(WORK)/stamps
-PYTEST_ARGS ?= -q -ra --timeout=900
+PYTEST_ARGS ?= -q -ra --timeout=900 --durations=25
 
 export TRITON_HTTP_PORT ?= 8000
 export TRITON_GRPC_PORT ?= 8001
