@@ -341,7 +341,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None
         if w.device.type == "cpu":
             prepare_linears(self.layers, weight_dtype, integer_dot)
-        if kernels.library() is not None:  # a GGUF's Q8_0 embedding: 28 of the 108 MiB (default model)
+        if w.device.type == "cpu" and kernels.library() is not None:  # a GGUF's Q8_0 embedding: 28 of 108 MiB
             self.embed = Q8Rows.of(w if tied else self.embed.weight, self.head if tied else None) or self.embed
         self.invariant_attention = kernels.serves_attention(w.device, w.dtype, self.cfg.head_dim)
         self.fused = fused_stack(self.layers, self.cfg) if self.invariant_attention else None
