@@ -203,6 +203,22 @@ def check_model(folder: Path, integer_dot: bool, store: torch.dtype | None) -> N
         assert torch.equal(forward(kv, [3], [nxt[i:i + 1]], 40 + i)[0, 0], four[i]), (folder.name, i)
 
 
+def check_q8_rows(g: torch.Generator) -> None:
+    """Q8_0 embedding rows (kernels.q8_rows, and the draft head's inputs read from them) are q * d in
+    fp32, torch's bits: every int8, fp16 scales from subnormal to the largest."""
+    V, D = 300, 96
+    q = torch.randint(-128, 128, (V, D), generator=g, dtype=torch.int8)
+    q[0] = torch.arange(-128, 128, 8, dtype=torch.int8).repeat(3)[:D]
+    d = (torch.rand(V, D // 32, generator=g) * 0.05).half()
+    d[1] = torch.tensor([1, 0x3FF, 0x7BFF], dtype=torch.int16).view(torch.float16)  # subnormals, 65504
+    d[2] = torch.tensor([0, 0x8001 - 0x10000, 0xFBFF - 0x10000], dtype=torch.int16).view(torch.float16)  # 0, negative
+    E = (q.float().view(V, D // 32, 32) * d.float()[..., None]).view(V, D)
+    ids = torch.cat([torch.arange(3), torch.randint(0, V, (61,), generator=g)]).view(8, 8)
+    assert torch.equal(kernels.q8_rows(q, d, ids).view(torch.int32), E[ids].view(torch.int32))
+    feats, w = torch.randn(8, 8, D, generator=g), torch.rand(D, generator=g) + 0.5
+    assert torch.equal(kernels.head_inputs(feats, (q, d), ids, w, 1e-5), kernels.head_inputs(feats, E, ids, w, 1e-5))
+
+
 def main() -> None:
     assert kernels.library() is not None, kernels.unavailable_reason()
     torch.set_num_threads(2)
@@ -211,6 +227,7 @@ def main() -> None:
     check_int_dot_extremes(g)
     check_attention(g)
     check_row_scans(g)
+    check_q8_rows(g)
     with tempfile.TemporaryDirectory() as tmp:
         for path in make_models(Path(tmp)).values():
             # block formats widened to fp32 / times int8 activations, with the fp16 KV cache served
