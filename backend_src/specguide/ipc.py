@@ -60,11 +60,17 @@ def die_with_parent(parent_var: str) -> None:
 
     NOTE: Linux sends the signal when the *thread* that started this process ends: start helper
     processes from threads that live as long as the helper should."""
+    parent_death_signal(signal.SIGKILL, int(os.environ.get(parent_var, os.getppid())))
+
+
+def parent_death_signal(sig: int, parent: int) -> None:
+    """Have Linux send `sig` to this process when its parent (pid `parent`) dies; exit now if it
+    already has. Also usable as a Popen `preexec_fn` for a program that is not ours."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):
         pass
-    if os.getppid() != int(os.environ.get(parent_var, os.getppid())):
+    if os.getppid() != parent:
         os._exit(0)  # the parent died before the death signal was armed
 
 

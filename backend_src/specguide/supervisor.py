@@ -18,11 +18,14 @@ and ready. Only a new server helps, so this supervisor runs tritonserver as its 
   (restarts.Backoff); the same when tritonserver itself exits unasked;
 - logs each restart; the count reaches the new server as SPECGUIDE_SERVER_RESTARTS (the metric
   specguide_server_restarts_total);
-- passes SIGTERM / SIGINT on to the server and exits with its exit code.
+- passes SIGTERM / SIGINT on to the server and exits with its exit code; killed itself (SIGKILL),
+  the server gets SIGTERM from Linux (PR_SET_PDEATHSIG), so no unsupervised server keeps the ports
+  a new `make serve` needs.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -34,6 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from .ipc import parent_death_signal
 from .restarts import Backoff, sleep_unless
 
 POLL_S = 0.5
@@ -120,7 +124,9 @@ class Supervisor:
     def start(self) -> None:
         self.shm_before = _shm_regions()
         env = {**os.environ, RESTARTS_ENV: str(self.restarts)}
-        self.proc = subprocess.Popen(self.command, env=env)
+        # NOTE: preexec_fn runs between fork and exec: safe here, this process has one thread
+        self.proc = subprocess.Popen(self.command, env=env,
+                                     preexec_fn=functools.partial(parent_death_signal, signal.SIGTERM, os.getpid()))
         self.backoff.started()
 
     def dead_stub(self) -> Optional[str]:
