@@ -180,6 +180,31 @@ def test_workers_compile_without_loading_torch(svc):
         assert not any(lib.startswith(("libtorch", "libc10")) for lib in libraries), sorted(libraries)
 
 
+FALLBACK = """
+import importlib, sys
+real = importlib.import_module
+def moved(name, *args, **kwargs):  # another xgrammar layout: its compiler module elsewhere
+    if name == "xgrammar.compiler":
+        raise ImportError("moved")
+    return real(name, *args, **kwargs)
+importlib.import_module = moved
+from specguide.guided.compile_worker import _import_xgrammar_compiler
+xgr = _import_xgrammar_compiler()
+importlib.import_module = real
+assert sys.modules["torch"] is not None and xgr is sys.modules["xgrammar"] and hasattr(xgr, "GrammarMatcher")
+info = xgr.TokenizerInfo(["a", "b", "</s>"], stop_token_ids=[2])
+print(type(xgr.GrammarCompiler(info, max_threads=1).compile_regex("[ab]+")).__name__)
+"""
+
+
+def test_a_worker_imports_the_whole_package_where_the_compiler_alone_does_not_load():
+    """Where xgrammar's compiler cannot be loaded by itself, the worker imports xgrammar as usual
+    (torch included) and still compiles."""
+    out = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(specguide.__file__).parents[1])})
+    assert out.returncode == 0 and out.stdout.split()[-1] == "CompiledGrammar", out.stderr[-2000:]
+
+
 PARENT = """
 import json, sys, time
 from transformers import AutoTokenizer
