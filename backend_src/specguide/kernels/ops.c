@@ -1572,6 +1572,9 @@ int scatter_rows(float *dst, int64_t S, int64_t P, const float *src, const int64
 
 /* One fp16 value (bits) as fp32 (exact; subnormals included). */
 static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31, mant = h & 0x3FFu;
     float v = e == 0 ? ldexpf((float)mant, -24) : e == 31 ? (mant ? NAN : INFINITY)
                                                         : ldexpf((float)(mant | 0x400u), (int)e - 25);
@@ -1580,6 +1583,7 @@ static inline float half_to_float(uint16_t h) {
     bits |= sign;
     memcpy(&v, &bits, sizeof v);
     return v;
+#endif
 }
 
 /* One Q8_0 row: y [D] = q [D] int8 times d [D/32] fp16, a block of 32 each (q * d in fp32). */
