@@ -22,6 +22,7 @@ import specguide
 from specguide.guided import GrammarCompilerService
 from specguide.guided.compile_pool import _WALL_FACTOR, AbandonableFuture
 from specguide.guided.limits import GuideLimits
+from specguide.ipc import process_identity
 from specguide.memory import cpu_seconds
 from specguide.request import GuidedDecodingParams as G
 from specguide.request import InvalidRequestError
@@ -238,18 +239,9 @@ def test_a_worker_dies_with_the_serving_process():
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and alive(pid):
+    while time.monotonic() < deadline and process_identity(pid) is not None:
         time.sleep(0.05)
-    assert not alive(pid), "the compile worker outlived the serving process"
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert process_identity(pid) is None, "the compile worker outlived the serving process"
 
 
 def running_worker(scheduler, limit: float = 30.0) -> int:

@@ -11,16 +11,8 @@ import time
 from pathlib import Path
 
 import specguide
+from specguide.ipc import process_identity
 from specguide.supervisor import descendants
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_the_server_ends_when_the_supervisor_is_killed():
@@ -39,10 +31,10 @@ def test_the_server_ends_when_the_supervisor_is_killed():
         sup.kill()
         sup.wait()
         deadline = time.monotonic() + 10
-        while alive(server) and time.monotonic() < deadline:
+        while process_identity(server) is not None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not alive(server), "the server outlived its supervisor"
+        assert process_identity(server) is None, "the server outlived its supervisor"
     finally:
         sup.kill()
-        if server is not None and alive(server):
+        if server is not None and process_identity(server) is not None:
             os.kill(server, signal.SIGKILL)
