@@ -15,7 +15,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -275,6 +275,23 @@ static inline __attribute__((always_inline)) void widen_blk(int kind, const char
     }
 }
 
+/* One fp16 value (bits) as fp32 (exact; subnormals included): F16C, else sign, exponent and
+   mantissa by hand. */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31, mant = h & 0x3FFu;
+    float v = e == 0 ? ldexpf((float)mant, -24) : e == 31 ? (mant ? NAN : INFINITY)
+                                                        : ldexpf((float)(mant | 0x400u), (int)e - 25);
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits |= sign;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+#endif
+}
+
 /* VW fp16 values (bits) widened to fp32 (exact). */
 static inline __attribute__((always_inline)) vf load_h(const uint16_t *p) {
 #if defined(__AVX512F__)
@@ -283,16 +300,7 @@ static inline __attribute__((always_inline)) vf load_h(const uint16_t *p) {
     return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
     vf out;
-    for (int j = 0; j < VW; j++) {  /* sign, exponent, mantissa by hand (subnormals included) */
-        const uint32_t h = p[j], sign = (h & 0x8000u) << 16, e = (h >> 10) & 31, mant = h & 0x3FFu;
-        float v = e == 0 ? ldexpf((float)mant, -24) : e == 31 ? (mant ? NAN : INFINITY)
-                                                            : ldexpf((float)(mant | 0x400u), (int)e - 25);
-        uint32_t bits;
-        memcpy(&bits, &v, sizeof bits);
-        bits |= sign;
-        memcpy(&v, &bits, sizeof v);
-        out[j] = v;
-    }
+    for (int j = 0; j < VW; j++) out[j] = half_to_float(p[j]);
     return out;
 #endif
 }
@@ -1568,22 +1576,6 @@ int scatter_rows(float *dst, int64_t S, int64_t P, const float *src, const int64
         for (int64_t t = 0; t < T; t++)
             memcpy(dst + (slots[b] * P + positions[b * T + t]) * D, src + (b * T + t) * D, sizeof(float) * (size_t)D);
     return 0;
-}
-
-/* One fp16 value (bits) as fp32 (exact; subnormals included). */
-static inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31, mant = h & 0x3FFu;
-    float v = e == 0 ? ldexpf((float)mant, -24) : e == 31 ? (mant ? NAN : INFINITY)
-                                                        : ldexpf((float)(mant | 0x400u), (int)e - 25);
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    bits |= sign;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-#endif
 }
 
 /* One Q8_0 row: y [D] = q [D] int8 times d [D/32] fp16, a block of 32 each (q * d in fp32). */
