@@ -10,7 +10,7 @@ process kills a worker whose job passes its deadline and starts a new one: that 
 compile timeout free its worker.
 
 A worker loads xgrammar's compiler without torch (`_import_xgrammar_compiler`): `import xgrammar`
-imports torch (its matcher module, and tvm_ffi tries it first), ~150 MB of anonymous memory and
+imports torch (its matcher module, and tvm_ffi tries it first), ~125 MiB of anonymous memory and
 about a second of start-up in every worker for nothing a compile uses.
 """
 from __future__ import annotations

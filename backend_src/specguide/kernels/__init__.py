@@ -342,6 +342,16 @@ def _pack_q8_0_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch
     return _groups(_tiles(q)), aux.contiguous()
 
 
+def unpack_q8_0(weight_dtype: str, packed: torch.Tensor, aux: torch.Tensor, out_features: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of pack_weight for q8_0 and q8_0_q8: (q [O, I] int8, d [O, I/32] fp16)."""
+    T, I = packed.shape[0], packed.shape[1] * (4 if weight_dtype == "q8_0_q8" else 1)
+    if weight_dtype == "q8_0_q8":  # [T, I/4, 64, 4] -> tiles [T, I, 64]; aux [T, I/32, 2, 64]: d bits, sum q
+        packed, aux = packed.transpose(2, 3).reshape(T, I, TILE), aux[:, :, 0].view(torch.float16)
+    q = packed.transpose(1, 2).reshape(-1, I)[:out_features]
+    return q.contiguous(), aux.transpose(1, 2).reshape(-1, I // QBLK)[:out_features].contiguous()
+
+
 def pack_weight(weight: torch.Tensor, weight_dtype: str = "float32") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """W [O, I] fp32 -> (packed tiles in `weight_dtype`, aux): aux is None (float32, bfloat16), the
     per-row scale [O] (int8), d and m [O/64, I/32, 2, 64] (q4_1) or d [O/64, I/32, 64] (q8_0), fp16

@@ -60,17 +60,8 @@ class Q8Rows(nn.Module):
 
 
 def _unpack_head(head: nn.Module, shape: torch.Size) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(q [V, D] int8, d [V, D/32] fp16) of an LM head packed in q8_0 or q8_0_q8 (kernels.pack_weight's
-    layouts), None for any other head."""
+    """(q [V, D] int8, d [V, D/32] fp16) of an LM head packed in q8_0 or q8_0_q8, None for any other head."""
     fmt = getattr(head, "weight_dtype", None)
     if fmt not in ("q8_0", "q8_0_q8") or (head.out_features, head.in_features) != tuple(shape):
         return None
-    V, D = shape
-    t = head.packed  # q8_0: [T, D, 64]; q8_0_q8: [T, D/4, 64, 4] (4 consecutive inputs of an output)
-    if fmt == "q8_0_q8":
-        t = t.transpose(2, 3).reshape(t.shape[0], D, kernels.TILE)
-        d = head.scale[:, :, 0].view(torch.float16)  # aux [T, D/32, 2, 64]: d bits, sum of q
-    else:
-        d = head.scale  # [T, D/32, 64] fp16
-    q = t.transpose(1, 2).reshape(-1, D)[:V]
-    return q.contiguous(), d.transpose(1, 2).reshape(-1, D // kernels.QBLK)[:V].contiguous()
+    return kernels.unpack_q8_0(fmt, head.packed, head.scale, shape[0])
