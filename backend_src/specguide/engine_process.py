@@ -65,6 +65,7 @@ class EngineInfo:
     probes: dict  # tokenizer.PROBES through the engine's tokenizer (the stub's light one must agree)
     warmup_s: float
     awaited_head: str = ""  # the draft head file the engine attaches once written ("" = none awaited)
+    frozen_objects: int = 0  # its start-up heap, frozen out of full collections (heap.py)
 
 
 def describe_exit(returncode: Optional[int], dead_message: str = "") -> str:
@@ -184,6 +185,11 @@ class EngineProcess:
     @property
     def warmup_s(self) -> float:
         return self.info.warmup_s
+
+    @property
+    def frozen_objects(self) -> int:
+        """The engine process's start-up heap, frozen out of full collections (heap.py)."""
+        return self.info.frozen_objects
 
     @property
     def pid(self) -> int:

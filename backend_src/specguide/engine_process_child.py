@@ -12,6 +12,7 @@ import threading
 import time
 
 from .engine_process import EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_IDLE_S, STATS_S, Callback, EngineInfo
+from .heap import freeze_startup_heap
 from .ipc import die_with_parent, read_msg, renice, wait_until_gone, write_msg
 from .request import RequestOutput
 
@@ -45,9 +46,10 @@ def child_main() -> None:
         os._exit(2)
     from .tokenizer import probe
 
+    frozen = freeze_startup_heap()  # the model, torch, transformers: never walked by a collection again
     send(("ready", EngineInfo(os.getpid(), engine.config, str(engine.model_dir), engine.drafter,
                               engine.head_drafter is not None, probe(engine.tokenizer), engine.warmup_s,
-                              str(engine.proposer.head_path) if engine.proposer.awaits_head else "")))
+                              str(engine.proposer.head_path) if engine.proposer.awaits_head else "", frozen)))
     seq_of: dict[int, int] = {}  # parent key -> engine seq_id, while the request runs
     seq_lock = threading.Lock()
 

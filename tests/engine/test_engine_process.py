@@ -77,6 +77,11 @@ def test_requests_run_through_the_engine_process_and_errors_come_back_as_raised(
     assert engine.pid != os.getpid() and engine.stats()["alive"] == 1
 
 
+def test_the_engine_freezes_its_start_up_heap(engine):
+    """torch, transformers and the model: walked by no full collection while every stream waits (heap.py)."""
+    assert engine.frozen_objects > 100000
+
+
 def test_every_thread_of_the_engine_process_runs_engine_nice_nicer_than_its_parent(engine):
     """So that the server's front ends, stubs and the OpenAI server preempt it as soon as they wake."""
     assert engine.config.engine_nice == EngineConfig().engine_nice > 0  # the default, served

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -106,6 +107,12 @@ def test_models_and_health(api, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     with urllib.request.urlopen(api.base + "/health") as r:
         assert json.loads(r.read()) == {"status": "ok"}
+
+
+def test_the_start_up_heap_is_frozen_out_of_full_collections(api):
+    """FastAPI, pydantic's schemas, the gRPC client: walked by no full collection while streams wait (heap.py)."""
+    frozen = re.search(r"start-up heap frozen: (\d+) objects", api.log.read_text())
+    assert frozen and int(frozen.group(1)) > 50000, api.log.read_text()[-2000:]
 
 
 def test_chat_whole_and_streamed_agree_with_usage(client):

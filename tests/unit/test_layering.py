@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "backend_src" / "specguide"
 
 LAYERS = {
     # plain data, settings and helpers that import nothing of ours
-    "request": 0, "config": 0, "step_layout": 0, "paths": 0, "progress": 0, "memory": 0, "ipc": 0, "health_probe": 0, "restarts": 0, "supervisor": 1,
+    "request": 0, "config": 0, "step_layout": 0, "paths": 0, "progress": 0, "memory": 0, "heap": 0, "ipc": 0, "health_probe": 0, "restarts": 0, "supervisor": 1,
     "head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
     # per-request state (Sequence) and small services every layer above reads
     "sequence_state": 0,  # the non-scheduler parts of a Sequence: plain data (its imports are type-only)

@@ -667,7 +667,7 @@ class FakeEngine:
     (in place of engine_process.EngineProcess)."""
 
     instances = []
-    pid, drafter, warmup_s, head_drafter = 0, "ngram", 0.0, None
+    pid, drafter, warmup_s, head_drafter, frozen_objects = 0, "ngram", 0.0, None, 0
 
     def __init__(self, config, log=None, server_pid=None):
         import threading

@@ -85,9 +85,11 @@ class _Worker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
                                      start_new_session=True)  # its own autogroup: ipc.demote
         write_msg(self.proc.stdin, init)
-        if read_msg(self.proc.stdout) is None:
+        ready = read_msg(self.proc.stdout)  # ("ready", pid, start-up objects frozen)
+        if ready is None:
             self.kill()
             raise RuntimeError("the grammar compile worker did not start (see the server log)")
+        self.frozen_objects: int = ready[2]
 
     def run(self, params: GuidedDecodingParams, job: _Job) -> Optional[tuple]:
         """The worker's reply, or None when the deadline passed or the job was abandoned first."""

@@ -63,6 +63,7 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" line
     xgr = _import_xgrammar_compiler()
 
+    from ..heap import freeze_startup_heap
     from ..memory import trim
     from ..request import InvalidRequestError
     from .schema import json_schema_of
@@ -73,7 +74,7 @@ def main() -> None:
         return
     info = xgr.TokenizerInfo.deserialize_json(init["tokenizer_info"])
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    write_msg(out, ("ready", os.getpid()))
+    write_msg(out, ("ready", os.getpid(), freeze_startup_heap()))  # a compile walks no start-up object
     while True:
         job = read_msg(inp)
         if job is None:

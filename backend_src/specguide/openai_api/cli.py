@@ -37,6 +37,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     import uvicorn
 
+    from ..heap import freeze_startup_heap
     from .app import Settings, create_app
 
     args = parse_args(argv)
@@ -44,9 +45,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = Settings(triton_url=args.triton_url, triton_model=args.triton_model,
                         served_model_name=args.served_model_name, api_key=args.api_key,
                         chat_template_dir=args.chat_template_dir, max_body_bytes=args.max_body_bytes)
+    app = create_app(settings)
+    logging.getLogger("specguide.openai_api").info("start-up heap frozen: %d objects", freeze_startup_heap())
     # loop / http "auto" take uvloop and httptools (both dependencies): the event loop and HTTP
     # parser in C. Every streamed token passes through both, and on a small machine their CPU time
     # is taken from the engine's
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 loop="auto", http="auto", timeout_graceful_shutdown=5)
     return 0

@@ -96,7 +96,8 @@ class TritonPythonModel:
         head = " with the trained draft head" if self.engine.head_drafter else ""
         pb_utils.Logger.log_info(f"specguide: engine ready, drafter {self.engine.drafter}{head}, "
                                  f"warmed up in {self.engine.warmup_s:.2f} s (instance {self.instance.label}, "
-                                 f"engine process {self.engine.pid}; {self.config})")
+                                 f"engine process {self.engine.pid}, start-up heap of "
+                                 f"{self.engine.frozen_objects} objects frozen; {self.config})")
 
     # ------------------------------------------------------------------ execute thread
 
