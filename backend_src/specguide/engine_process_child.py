@@ -23,6 +23,10 @@ def child_main() -> None:
     out = os.fdopen(os.dup(1), "wb")  # messages; stray prints from libraries go to stderr instead
     os.dup2(2, 1)
     die_with_parent(PARENT_ENV)
+    # NOTE: a terminal's Ctrl-C (`make serve`) reaches the whole process group, this process too: the
+    # server shuts the engine down itself as it unloads the model. Taken here, the SIGINT killed the
+    # engine first and its stub restarted it in the middle of the shutdown ("crash 1 in a row").
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="specguide engine: %(levelname)s %(message)s")
     if os.environ.get(SERVER_ENV):
         threading.Thread(target=_end_with_server, args=(os.environ[SERVER_ENV],), name="specguide-server-watch",

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from specguide import faults, restarts
+from specguide import faults, ipc, restarts
 from specguide.config import CPU_SLOTS, EngineConfig
 from specguide.engine_process import EngineProcess, describe_exit
 from specguide.restarts import backoff_s
@@ -80,6 +80,19 @@ def test_requests_run_through_the_engine_process_and_errors_come_back_as_raised(
 def test_the_engine_freezes_its_start_up_heap(engine):
     """torch, transformers and the model: walked by no full collection while every stream waits (heap.py)."""
     assert engine.frozen_objects > 100000
+
+
+def test_a_terminals_ctrl_c_leaves_the_engine_to_the_servers_shutdown(engine):
+    """`make serve` stopped with Ctrl-C: SIGINT reaches the engine process too (the stub's process group).
+    It must not die of it (its stub would restart it in the middle of the server's shutdown)."""
+    wait_alive(engine)
+    pid, restarts = engine.pid, engine.restarts
+    os.kill(pid, signal.SIGINT)
+    time.sleep(1.0)
+    c = Collector()
+    engine.submit(request(engine, 4), c)
+    assert len(c.ids()) == 4
+    assert engine.pid == pid and engine.restarts == restarts and ipc.process_identity(pid) is not None
 
 
 def test_every_thread_of_the_engine_process_runs_engine_nice_nicer_than_its_parent(engine):
