@@ -134,13 +134,45 @@ def test_triton_errors_map_to_openai_statuses():
     assert e.status == 500 and e.param is None and e.body()["error"]["type"] == "server_error"
 
 
+def _param(body: dict) -> ApiError:
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    return from_validation(e.value, body)
+
+
 def test_validation_errors_name_the_field():
-    with pytest.raises(ValidationError) as e:
-        ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, "bogus": 1})
-    assert from_validation(e.value).param == "bogus"
-    with pytest.raises(ValidationError) as e:
-        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "wizard", "content": "x"}]})
-    assert from_validation(e.value).param == "messages[0].role"
+    assert _param({"model": "m", "messages": ASK, "bogus": 1}).param == "bogus"
+    assert _param({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).param == "messages[0].role"
+
+
+@pytest.mark.parametrize("extra, param", [
+    # the labels pydantic puts in a union member's location (its type, a discriminator's tag) are left out
+    ({"response_format": {"type": "json_schema", "json_schema": {"nam": "x"}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "jsn"}}, "response_format"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"nme": "x"}}]}, "tools[0].function.name"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]},
+     "messages[0].content[1].text"),
+    ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"n": "two"}, "n"),
+])
+def test_union_errors_name_the_field_as_sent(extra, param):
+    e = _param({"model": "m", "messages": ASK, **extra})
+    assert e.param == param and f"'{param}'" in e.body()["error"]["message"]
+
+
+def test_non_text_content_parts_are_refused_saying_why():
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                     {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]})
+    assert req.messages[1].text() == "What is this?"
+    with pytest.raises(ApiError) as e:
+        render_chat(None, req.messages, None)
+    assert e.value.status == 400 and e.value.param == "messages[1].content[1].type"
+    assert "'image_url' parts" in e.value.message and "text only" in e.value.message
 
 
 # ------------------------------------------------------------------------------ requests

@@ -124,7 +124,7 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
         try:
             req = model.model_validate(obj)
         except ValidationError as e:
-            raise from_validation(e) from None
+            raise from_validation(e, obj) from None
         if req.model != settings.served_model_name:
             raise ApiError(404, f"The model `{req.model}` does not exist.", ErrorType.NOT_FOUND, "model",
                            "model_not_found")

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import bad_request
-from .schemas import Message, Role, Tool
+from .errors import bad_request, unsupported
+from .schemas import Message, OtherPart, Role, Tool
 from .tools import call_text, tools_system_prompt
 
 
@@ -66,6 +66,8 @@ def render_chat(template: ChatTemplate, messages: list[Message], tools: Optional
                 kwargs: Optional[dict[str, Any]] = None) -> str:
     """The prompt for a chat request; `tools` None = no tools in the prompt (none given, or tool_choice none)."""
     native = bool(tools) and template.supports_tools
+    for i, m in enumerate(messages):
+        _refuse_other_parts(i, m)
     out = [_message_dict(m, native) for m in messages]
     if tools and not native:  # the generic format, in the system message
         prompt = tools_system_prompt(tools)
@@ -74,6 +76,13 @@ def render_chat(template: ChatTemplate, messages: list[Message], tools: Optional
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return template.render(out, [t.model_dump(exclude_none=True) for t in tools] if native else None, kwargs)
+
+
+def _refuse_other_parts(i: int, m: Message) -> None:
+    for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+        if isinstance(part, OtherPart):
+            raise unsupported(f"messages[{i}].content[{j}].type", f"the model reads text only ('{part.type}' parts "
+                              "are refused; send text parts or a string)")
 
 
 def _message_dict(m: Message, native: bool) -> dict[str, Any]:

@@ -49,23 +49,29 @@ def unsupported(param: str, why: str) -> ApiError:
                     "unsupported_parameter")
 
 
-def _loc(loc: tuple) -> str:
-    """pydantic's location ('messages', 0, 'content') -> 'messages[0].content'."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("function-after", "tagged-union", "str", "list[TextPart]") or "[" in str(part) and "'" in str(part):
-            continue  # union-member labels pydantic adds
-        else:
+def _loc(loc: tuple, body: Any, missing: bool) -> str:
+    """pydantic's location ('messages', 0, 'content') -> 'messages[0].content', keeping only the parts
+    found in the body: the labels pydantic adds for union members (a member's type, a tag) are not.
+    The last part stays when it is the key a 'missing' error names."""
+    out, node = "", body
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
+            out, node = out + f"[{part}]", node[part]
+        elif isinstance(part, str) and isinstance(node, dict) and part in node:
+            out, node = out + ("." if out else "") + part, node[part]
+        elif missing and i == len(loc) - 1:
             out += ("." if out else "") + str(part)
     return out
 
 
-def from_validation(err: ValidationError) -> ApiError:
-    """The first pydantic error as a 400 naming the field (unknown fields: 'unrecognized')."""
-    first = err.errors(include_url=False)[0]
-    param = _loc(tuple(first.get("loc", ())))
+def from_validation(err: ValidationError, body: Any) -> ApiError:
+    """The first invalid field of `body` as a 400 naming it (unknown fields: 'unrecognized'); of the
+    errors on that field, the deepest (a union's members each fail: a content part's own error says most)."""
+    errors = [(e, _loc(tuple(e.get("loc", ())), body, e.get("type") == "missing"))
+              for e in err.errors(include_url=False)]
+    field = errors[0][1]
+    first, param = max((ep for ep in errors if ep[1] == field or ep[1].startswith((field + ".", field + "["))),
+                       key=lambda ep: len(ep[1]))
     if first.get("type") == "extra_forbidden":
         return ApiError(400, f"Unrecognized request argument supplied: {param}", ErrorType.INVALID_REQUEST,
                         param, "unrecognized_argument")

@@ -7,7 +7,7 @@ know but do not serve are declared too and refused in `sampling.py` with a messa
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,13 +20,20 @@ class _Strict(BaseModel):
 
 
 class TextPart(_Strict):
-    """A text content part; image, audio and file parts are refused (no such model here)."""
+    """A text content part."""
 
     type: Literal["text"]
     text: str
 
 
-Content = Union[str, list[TextPart]]
+class OtherPart(BaseModel):
+    """An image, audio, file or refusal part: parsed so that its refusal can say why (`chat.py`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "refusal"]
+
+
+Content = Union[str, list[Annotated[Union[TextPart, OtherPart], Field(discriminator="type")]]]
 
 
 class FunctionCall(_Strict):
@@ -64,7 +71,7 @@ class Message(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
 # ------------------------------------------------------------------------------ tools
