@@ -20,10 +20,15 @@ the median of the paired ratios and its 95% bootstrap interval.
 The OpenAI server's resident memory is read after the runs, and its CPU time per token (it shares
 the CPUs with the engine: on a small machine what it spends, the engine loses); likewise the
 clients' (this process's) CPU time per token on each path.
+
+Last, each OpenAI client's own floor: the same requests against a stand-in server that answers
+every one at once with the events this server sends for such an answer (`--serve-canned`), the
+stack stopped: the TTFT and stream time no server can take away from that client.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -166,6 +171,88 @@ def via_triton(url: str, prompt: str, max_tokens: int) -> tuple[float, int, floa
         stream.close()
 
 
+def canned_events(max_tokens: int) -> list[bytes]:
+    """The SSE events of a streamed `max_tokens`-token chat answer with usage, as this server writes
+    them (the role chunk with the first text, one chunk a token, the finish chunk with the last, usage
+    with [DONE]), each as an HTTP/1.1 chunk."""
+    head = {"id": "chatcmpl-0", "created": 0, "model": "specguide", "object": "chat.completion.chunk"}
+
+    def sse(choices: list, **extra) -> str:
+        return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
+
+    def chunk(delta: dict, reason=None) -> str:
+        return sse([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}])
+    writes = [chunk({"role": "assistant", "content": ""}) + chunk({"content": " word"})]
+    writes += [chunk({"content": " word"}) for _ in range(max_tokens - 2)]
+    writes += [chunk({"content": " word"}) + chunk({}, "length")]
+    usage = {"prompt_tokens": 20, "completion_tokens": max_tokens, "total_tokens": 20 + max_tokens}
+    writes += [sse([], usage=usage) + "data: [DONE]\n\n"]
+    return [b"%x\r\n%s\r\n" % (len(w.encode()), w.encode()) for w in writes]
+
+
+def serve_canned(port: int, max_tokens: int) -> None:
+    """An HTTP/1.1 server on 127.0.0.1:`port` that answers every POST with `canned_events` at once
+    (kept-alive connections, one write per event as this server makes them)."""
+    events = canned_events(max_tokens)
+    start = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                size = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                             if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(size)
+                writer.write(start)
+                for e in events:
+                    writer.write(e)
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(answer, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+    asyncio.run(main())
+
+
+def client_floors(args: argparse.Namespace, qs: list[str]) -> dict[str, dict]:
+    """TTFT and stream time of the two OpenAI clients against `serve_canned` (nothing else running)."""
+    import openai
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-canned", str(port), "--max-tokens", str(args.max_tokens)])
+    try:
+        wait(f"http://127.0.0.1:{port}/v1/chat/completions", "the canned server", proc, 30)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        paths = {"openai": (via_openai, [(client, q, args.max_tokens) for q in qs]),
+                 "http": (via_http, [(port, q, args.max_tokens) for q in qs])}
+        for fn, jobs in paths.values():
+            run_round(fn, jobs[:2], 1, proc.pid)  # warm
+        rows = {}
+        for c in args.concurrency:
+            for p, (fn, jobs) in paths.items():
+                ttft, whole, tokens, cpu = [], [], 0, 0.0
+                for _ in range(args.rounds):
+                    own0 = time.process_time()
+                    with ThreadPoolExecutor(c) as pool:
+                        res = list(pool.map(lambda j: fn(*j), jobs))
+                    cpu += time.process_time() - own0
+                    ttft += [r[0] for r in res]
+                    whole += [r[2] for r in res]
+                    tokens += sum(r[1] for r in res)
+                rows[f"{p}@{c}"] = {"ttft_p50_ms": 1000 * statistics.median(ttft),
+                                    "stream_p50_ms": 1000 * statistics.median(whole),
+                                    "client_cpu_ms_per_token": 1000 * cpu / max(tokens, 1)}
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def paired_ratio(a: list[float], b: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:
     """Median of a[i] / b[i] (the same request on two paths: same round, same job) and its 95%
     bootstrap interval (the pairs resampled)."""
@@ -199,7 +286,10 @@ def main() -> None:
     ap.add_argument("--api-session", choices=("server", "client"), default="server",
                     help="the OpenAI server in tritonserver's session (as `make serve`) or in the clients'")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--serve-canned", type=int, metavar="PORT", help=argparse.SUPPRESS)  # client_floors' server
     args = ap.parse_args()
+    if args.serve_canned:
+        return serve_canned(args.serve_canned, args.max_tokens)
     print(cpu_header(), flush=True)
     import openai
 
@@ -237,6 +327,7 @@ def main() -> None:
         rss = rss_bytes(stack.pid) / 2**20
     finally:
         stack.stop()
+    floors = client_floors(args, qs)
     print(f"\n{args.rounds} rounds x {args.requests} streamed chat requests per path, {args.max_tokens} greedy tokens each")
     print("| path | concurrency | TTFT p50 (ms) | TTFT / Triton's, same request: median (95% interval) | tokens/s "
           "| vs Triton gRPC | OpenAI server CPU (ms/token) | client CPU (ms/token) |")
@@ -251,9 +342,17 @@ def main() -> None:
                   f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.3f} | "
                   f"{r['api_cpu_ms_per_token']:.2f} | {r['client_cpu_ms_per_token']:.2f} |")
     print(f"\nOpenAI server RSS after the runs: {rss:.0f} MiB")
+    print("\nEach OpenAI client's own floor: the same requests against a server that answers at once (stack stopped)")
+    print("| client | concurrency | TTFT p50 (ms) | whole stream p50 (ms) | client CPU (ms/token) |")
+    print("| --- | --- | --- | --- | --- |")
+    for c in args.concurrency:
+        for p in ("openai", "http"):
+            r = floors[f"{p}@{c}"]
+            print(f"| {LABELS[p].split('(')[1].rstrip(')')} | {c} | {r['ttft_p50_ms']:.2f} | {r['stream_p50_ms']:.2f} | "
+                  f"{r['client_cpu_ms_per_token']:.3f} |")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_model(), "args": vars(args) | {"json": str(args.json)},
-                                         "rows": rows, "openai_rss_mib": rss}, indent=1))
+                                         "rows": rows, "openai_rss_mib": rss, "client_floors": floors}, indent=1))
 
 
 if __name__ == "__main__":
