@@ -127,10 +127,10 @@ class EngineConfig:
     # estimate starts from its kind's, guided or not, and a slot's drifts back to it; grammar-forced
     # tokens and a recurring 4-gram's continuation count as sure drafts); decisions follow wall time, so
     # draft counts vary run to run (tokens never do): a test comparing draft counts turns it off.
-    ngram_trust: int = 3  # hybrid: an n-gram chain replaces the head's drafts when its suffix match is this long
+    ngram_trust: int = 6  # hybrid: an n-gram chain replaces the head's drafts when its suffix match is this long
     draft_model_dir: str = ""  # HF folder of the draft model ("" = the default model)
     draft_layers: int = 16  # early-exit drafter depth
-    ngram_max: int = 4  # longest suffix the n-gram drafter matches
+    ngram_max: int = 6  # longest suffix the n-gram drafter matches
     mask_drafts: bool = True  # apply grammar masks while drafting (off: only verification masks; ablation)
     sparse_lm_head: bool = True  # CPU (C kernels): a guided step's LM head computes only the output tiles
     # (64 token ids each) its rows' grammar masks allow, when that leaves out a quarter or more: the
