@@ -39,10 +39,11 @@ def guide(backend: str) -> GuidedDecodingParams:
 @pytest.fixture(scope="module", params=["ngram", "hybrid"])
 def reasoning_engine(request, random_head):
     """K=4 with a fixed K; `hybrid` drafts in the step with an untrained head (lossless whatever it proposes),
-    its grammar callbacks on a worker thread (the race test mode)."""
+    its grammar callbacks on a worker thread (the race test mode), and trusts n-gram chains from a 3-token
+    match (the served 6 rarely chains these short shots; the random head never drafts across the boundary)."""
     eng = Engine(EngineConfig(max_slots=4, max_seq_len=512, prefill_chunk=64, num_draft_tokens=4,
                               drafter=request.param, draft_head_path=str(random_head), adaptive_k=False,
-                              cost_aware_k=False, reasoning_markers="<think>,</think>",
+                              cost_aware_k=False, reasoning_markers="<think>,</think>", ngram_trust=3, ngram_max=4,
                               guided_executor="worker" if request.param == "hybrid" else "inline"))
     yield eng
     eng.shutdown()
