@@ -235,18 +235,11 @@ def client_floors(args: argparse.Namespace, qs: list[str]) -> dict[str, dict]:
         rows = {}
         for c in args.concurrency:
             for p, (fn, jobs) in paths.items():
-                ttft, whole, tokens, cpu = [], [], 0, 0.0
-                for _ in range(args.rounds):
-                    own0 = time.process_time()
-                    with ThreadPoolExecutor(c) as pool:
-                        res = list(pool.map(lambda j: fn(*j), jobs))
-                    cpu += time.process_time() - own0
-                    ttft += [r[0] for r in res]
-                    whole += [r[2] for r in res]
-                    tokens += sum(r[1] for r in res)
-                rows[f"{p}@{c}"] = {"ttft_p50_ms": 1000 * statistics.median(ttft),
-                                    "stream_p50_ms": 1000 * statistics.median(whole),
-                                    "client_cpu_ms_per_token": 1000 * cpu / max(tokens, 1)}
+                res = [run_round(fn, jobs, c, proc.pid) for _ in range(args.rounds)]
+                rows[f"{p}@{c}"] = {"ttft_p50_ms": 1000 * statistics.median(t for r in res for t in r["ttft"]),
+                                    "stream_p50_ms": 1000 * statistics.median(t for r in res for t in r["stream"]),
+                                    "client_cpu_ms_per_token": 1000 * sum(r["client_cpu"] for r in res)
+                                    / max(sum(r["tokens"] for r in res), 1)}
         return rows
     finally:
         proc.terminate()
@@ -274,7 +267,8 @@ def run_round(fn, jobs: list, concurrency: int, api_pid: int) -> dict:
         res = list(pool.map(lambda j: fn(*j), jobs))
     wall = time.perf_counter() - t0
     return {"ttft": [r[0] for r in res], "tokens": sum(r[1] for r in res), "wall": wall,
-            "api_cpu": cpu_seconds(api_pid) - cpu0, "client_cpu": time.process_time() - own0}
+            "stream": [r[2] for r in res], "api_cpu": cpu_seconds(api_pid) - cpu0,
+            "client_cpu": time.process_time() - own0}
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -45,11 +46,12 @@ def test_the_default_head_records_the_projects_recipe_and_loads_onto_the_default
     assert meta["report"]["vocab_coverage"] > 0.99 and meta["report"]["val_accuracy"][0] > 0.45, meta["report"]
 
 
-def held_out_requests(engine: Engine, k: int, n: int = 6) -> list[Request]:
+def held_out_requests(engine: Engine, k: int, n: Optional[int] = 6, max_tokens: int = 64) -> list[Request]:
+    """The first n held-out schemas (None: all) as greedy guided requests drafting k tokens."""
     tok = engine.tokenizer
     return [Request(prompt=tok.apply_chat_template([{"role": "user", "content": schema_message(s)}]),
                     guided=GuidedDecodingParams("json_schema", s), num_draft_tokens=k,
-                    params=SamplingParams(max_tokens=64, temperature=0.0))
+                    params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
             for s in load_schemas("heldout", engine.compiler)[:n]]
 
 
@@ -90,12 +92,7 @@ def test_the_served_hybrid_trusts_only_long_ngram_chains_over_the_head(default_h
                                   adaptive_k=False, cost_aware_k=False, spec_max_rows=32, ngram_trust=trust,
                                   ngram_max=longest))
         try:
-            tok = eng.tokenizer
-            reqs = [Request(prompt=tok.apply_chat_template([{"role": "user", "content": schema_message(s)}]),
-                            guided=GuidedDecodingParams("json_schema", s), num_draft_tokens=3,
-                            params=SamplingParams(max_tokens=128, temperature=0.0))
-                    for s in load_schemas("heldout", eng.compiler)]
-            runs = run_many(eng, reqs)
+            runs = run_many(eng, held_out_requests(eng, 3, n=None, max_tokens=128))
         finally:
             eng.shutdown()
         outputs[name] = [toks for toks, _, _ in runs]
