@@ -60,7 +60,7 @@ class _Lenient(ctypes.CDLL):
 def build(source: str, march: str, out: Path) -> ctypes.CDLL:
     src = out.with_suffix(".c")
     src.write_text(source)
-    subprocess.run(["gcc", *kernels.FLAGS, f"-march={march}", "-DRB=4", "-shared", "-fPIC", str(src), "-o",
+    subprocess.run(["gcc", *kernels.FLAGS, *f"-march={march}".split(), "-DRB=4", "-shared", "-fPIC", str(src), "-o",
                     str(out), "-lm"], check=True)
     lib = kernels._declare(_Lenient(str(out)))
     lib.set_prefetch(2)

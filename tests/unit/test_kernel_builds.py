@@ -2,8 +2,8 @@
 
 Each build runs tests/unit/build_exactness.py in a process of its own (batch, query-count and
 chunk-split invariance of the kernels and of whole models). The builds are those users' CPUs get:
-the portable x86-64 path, AVX2 (x86-64-v3, Zen 3's ISA), AVX-512 (x86-64-v4), this CPU's native
-one, and other CPUs' tunings (-mtune changes which products the compiler would fuse into FMAs: it
+the portable x86-64 path, AVX2 (x86-64-v3, Zen 3's ISA), AVX2 with AVX-VNNI (Intel's AVX2 CPUs since
+Alder Lake), AVX-512 (x86-64-v4), this CPU's native one, and other CPUs' tunings (-mtune changes which products the compiler would fuse into FMAs: it
 broke the invariants on Zen 3 until the kernels fixed every rounding in the source). A build this
 CPU cannot execute skips with its reason."""
 from __future__ import annotations
@@ -31,6 +31,7 @@ BUILDS = {  # SPECGUIDE_KERNEL_MARCH -> the CPU flags it needs
     "-march=x86-64-v3": V3,
     "-march=x86-64-v3 -mtune=znver3": V3,
     "-march=x86-64-v3 -mtune=icelake-server": V3,
+    "-march=x86-64-v3 -mavxvnni": V3 + ("avx_vnni",),  # AVX2 + AVX-VNNI (Alder Lake, Sierra Forest): dpbusd on 8 lanes
     "-march=x86-64-v4": V4,
     "-march=x86-64-v4 -mtune=sapphirerapids": V4,
     "-march=native": (),

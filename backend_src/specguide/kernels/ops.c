@@ -475,11 +475,14 @@ static void quant_rows_for(const float *x, int B, int I, qact_t *qa) {
 
 #if VW == 16 && defined(__AVX512VNNI__)
 #define IDOT_VNNI 1 /* one dpbusd per 4 inputs x 16 outputs */
+#elif VW == 8 && defined(__AVXVNNI__)
+#define IDOT_VNNI 1 /* AVX-VNNI: the same dpbusd over 8 outputs (AVX2 CPUs that have it: Intel's since
+                       Alder Lake and Sierra Forest, Zen 5 in a build without AVX-512) */
 #elif (VW == 16 && defined(__AVX512BW__)) || (VW == 8 && defined(__AVX2__))
 #define IDOT_MADD 1 /* maddubs (u8 x s8 pairs to int16) then madd (pairs to int32) */
 #endif
 
-/* Which integer path this build has: 2 VNNI, 1 maddubs (AVX2 / AVX-512BW), 0 scalar. */
+/* Which integer path this build has: 2 VNNI (AVX-512 or AVX-VNNI), 1 maddubs (AVX2 / AVX-512BW), 0 scalar. */
 int int_dot_path(void) {
 #if defined(IDOT_VNNI)
     return 2;
@@ -545,8 +548,10 @@ static inline __attribute__((always_inline)) vp16 maddubs16(vi32 u, vi32 s) {
 /* acc += u (unsigned bytes) . s (signed bytes) per lane; no intermediate saturation for |u s| pairs
    below 2^15 (maddubs): Q4_1's u <= 15, Q8_0's |w| . |x| <= 127 * 127. */
 static inline __attribute__((always_inline)) vi32 dot_us(vi32 acc, vi32 u, vi32 s) {
-#if defined(IDOT_VNNI)
+#if defined(IDOT_VNNI) && VW == 16
     return (vi32)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+#elif defined(IDOT_VNNI)
+    return (vi32)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)s);
 #elif defined(IDOT_MADD)
     return acc + widen16(maddubs16(u, s));
 #else
@@ -590,7 +595,14 @@ typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
  * references in the AVX2 build's Q4_1 kernel). So the integer kernels run QNS vectors of the tile
  * and QRB rows per pass over one block: the block's weights (1-2 KB) come from L1 after the
  * first pass. Which vectors and rows share a pass never changes a sum. */
-#if VW == 8
+#if VW == 8 && defined(IDOT_VNNI)
+#ifndef QNS
+#define QNS 4 /* AVX-VNNI (int32 sums, no int16 ones beside them): 4 vectors x 2 rows a pass were 1.1-1.2x */
+#endif
+#ifndef QRB
+#define QRB 2 /* faster at 16 rows than 2 x 4, 2 x 6 or 4 x 3 (bench/HISTORY.md), as fast at 256 */
+#endif
+#elif VW == 8
 #ifndef QNS
 #define QNS 2 /* vectors per pass: a Q4_1 load's low and high nibbles (vectors c and c + NV/2) */
 #endif
@@ -610,7 +622,8 @@ typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
 #endif
 
 /* Block `blk` of one integer-kind tile for up to QRB rows (b ..) of the quantized x over QNS of
-   its vectors (pass p: vectors p and p + NV/2 when QNS is 2, else p; all of them when ns is NV):
+   its vectors (pass p: QNS / 2 loads' low and high nibbles, vectors p * QNS/2 .. and those + NV/2; all
+   of them when ns is NV):
    the integer sums of the block, folded into the rows' fp32 sums acc[k][vector]:
      acc += (d * dx) * isum (+ m * sx)
    A row's sums fold block by block in block order, whatever the pass and the row group. */
