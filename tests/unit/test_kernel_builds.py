@@ -3,9 +3,9 @@
 Each build runs tests/unit/build_exactness.py in a process of its own (batch, query-count and
 chunk-split invariance of the kernels and of whole models). The builds are those users' CPUs get:
 the portable x86-64 path, AVX2 (x86-64-v3, Zen 3's ISA), AVX2 with AVX-VNNI (Intel's AVX2 CPUs since
-Alder Lake), AVX-512 (x86-64-v4), this CPU's native one, and other CPUs' tunings (-mtune changes which products the compiler would fuse into FMAs: it
-broke the invariants on Zen 3 until the kernels fixed every rounding in the source). A build this
-CPU cannot execute skips with its reason."""
+Alder Lake), AVX-512 (x86-64-v4), this CPU's native one, and other CPUs' tunings (-mtune changes
+which products the compiler would fuse into FMAs: it broke the invariants on Zen 3 until the kernels
+fixed every rounding in the source). A build this CPU cannot execute skips with its reason."""
 from __future__ import annotations
 
 import os

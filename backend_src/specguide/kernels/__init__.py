@@ -166,8 +166,7 @@ INT_DOT_PATHS = ("scalar", "maddubs", "vnni")  # ops.c's int_dot_path()
 
 def integer_dot_path() -> Optional[str]:
     """How this build sums the integer-dot formats: "vnni" (dpbusd: AVX-512 VNNI, or AVX-VNNI on an AVX2
-    build), "maddubs" (AVX2 or
-    AVX-512BW), "scalar" (portable C); None without the kernels."""
+    build), "maddubs" (AVX2 or AVX-512BW), "scalar" (portable C); None without the kernels."""
     lib = library()
     return None if lib is None else INT_DOT_PATHS[lib.int_dot_path()]
 
