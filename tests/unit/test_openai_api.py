@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -354,3 +355,57 @@ def test_token_id_prompts_go_to_the_model_as_input_ids():
     tensor = msg.inputs[names.index("input_ids")]
     assert (tensor.datatype, list(tensor.shape)) == ("INT32", [1, 2])
     assert msg.raw_input_contents[names.index("input_ids")] == np.array([5, 6], np.int32).tobytes()
+
+
+def test_an_event_stream_is_cancelled_when_its_client_goes_and_only_then():
+    """EventStream sends each event as it comes; a disconnect mid-stream cancels the iteration where
+    it waits (so the Triton call's reset runs) and the answer ends without an error; a disconnect
+    that uvicorn reports after the last write changes nothing."""
+    import asyncio
+
+    from specguide.openai_api.event_stream import EventStream
+
+    async def scenario(disconnect_after: Optional[int], n: int) -> tuple[list, list]:
+        log: list = []
+        sent: list = []
+        gone = asyncio.Event()
+
+        async def events():
+            try:
+                for i in range(n):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                log.append("cancelled")
+                raise
+            finally:
+                log.append("closed")
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if disconnect_after is None:  # uvicorn: once the answer is complete, receive() says disconnect
+                if message.get("more_body") is False:
+                    gone.set()
+            elif len([m for m in sent if m.get("more_body")]) == disconnect_after:
+                gone.set()
+
+        await EventStream(events())({"type": "http"}, receive, send)
+        # Python >= 3.11: the request's task is left as not being cancelled (uvicorn ends it normally)
+        log.append(getattr(asyncio.current_task(), "cancelling", lambda: 0)())
+        await asyncio.sleep(0.05)  # a late listener would act here
+        return log, sent
+
+    log, sent = asyncio.run(scenario(disconnect_after=2, n=50))
+    assert log == ["cancelled", "closed", 0]
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+    assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n"]  # nothing after the client left
+
+    log, sent = asyncio.run(scenario(disconnect_after=None, n=3))
+    assert log == ["closed", 0]
+    assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert sent[-1]["more_body"] is False

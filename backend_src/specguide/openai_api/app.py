@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,6 +26,7 @@ from ..guided.limits import json_depth
 from . import chat_endpoint, completions_endpoint, handlers
 from .chat import ChatTemplate
 from .errors import ApiError, ErrorType, bad_request, from_validation
+from .event_stream import EventStream
 from .sampling import Limits
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .triton_client import MODEL, TritonClient
@@ -133,7 +134,7 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
     def answer(result: handlers.Answer) -> Any:
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(result)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -14,6 +14,7 @@ socket; `bench/HISTORY.md`).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import dataclass
@@ -72,7 +73,16 @@ def _tensor(name: str, value: Any, dtype: Any, datatype: str) -> tuple[Any, byte
     return service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=list(arr.shape)), raw
 
 
+_scalar = functools.lru_cache(maxsize=64)(_tensor)  # the flags and counts: the same few tensors every request
+
+
 _WANTED = ("text_output", "finish_reason", "sequence_index", "num_input_tokens", "num_output_tokens", PROXY_ERROR)
+
+
+@functools.lru_cache(maxsize=8)
+def _requested(logprobs: bool, prompt_logprobs: bool) -> list[Any]:
+    names = _WANTED + (("logprobs",) if logprobs else ()) + (("prompt_logprobs",) if prompt_logprobs else ())
+    return [service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=name) for name in names]
 
 
 def build_request(req: TritonRequest, request_id: str, model: str = MODEL) -> Any:
@@ -94,10 +104,9 @@ def build_request(req: TritonRequest, request_id: str, model: str = MODEL) -> An
     if req.logprobs:
         inputs.append(("return_logprobs", True, np.bool_, "BOOL"))
     msg = service_pb2.ModelInferRequest(model_name=model, id=request_id)
-    for name in _WANTED + (("logprobs",) if req.logprobs else ()) + (("prompt_logprobs",) if req.prompt_logprobs else ()):
-        msg.outputs.append(service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=name))
+    msg.outputs.extend(_requested(req.logprobs, req.prompt_logprobs))  # copies (protobuf)
     for name, value, dtype, datatype in inputs:
-        tensor, raw = _tensor(name, value, dtype, datatype)
+        tensor, raw = (_scalar if isinstance(value, (bool, int)) else _tensor)(name, value, dtype, datatype)
         msg.inputs.append(tensor)
         msg.raw_input_contents.append(raw)
     msg.parameters["triton_enable_empty_final_response"].bool_param = True
