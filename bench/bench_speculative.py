@@ -50,7 +50,7 @@ def schema_prompts(engine: Engine, n: int) -> list[tuple[str, str]]:
 def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
     """Generated tokens/s (wall time, prefill included), decode tokens/s (after each request's
     first token) and per-request (tokens, decode steps, drafted, accepted)."""
-    per = [dict(tokens=[], final=None, first=None, end=None) for _ in reqs]
+    per = [dict(tokens=[], final=None, first=None, end=None, start=None) for _ in reqs]
     done = threading.Semaphore(0)
 
     def cb_for(i):
@@ -66,11 +66,13 @@ def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
     t0 = time.perf_counter()
     if concurrent:
         for i, r in enumerate(reqs):
+            per[i]["start"] = time.perf_counter()
             engine.submit(r, cb_for(i))
         for _ in reqs:
             done.acquire()
     else:
         for i, r in enumerate(reqs):
+            per[i]["start"] = time.perf_counter()
             engine.submit(r, cb_for(i))
             done.acquire()
     dt = time.perf_counter() - t0
@@ -82,7 +84,8 @@ def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
                 tokens_per_step=(n - len(reqs)) / max(steps, 1),
                 drafted=sum(r["final"].total_draft_tokens for r in per),
                 accepted=sum(r["final"].total_accepted_draft_tokens for r in per),
-                outputs=[r["tokens"] for r in per])
+                outputs=[r["tokens"] for r in per],
+                per_request=[(len(r["tokens"]), r["end"] - r["start"]) for r in per])  # batch 1: each on its own
 
 
 def main() -> None:
@@ -118,6 +121,7 @@ def main() -> None:
                for d in args.drafters.split(",")
                for hd in (head_wds if names[d][0] in ("head", "hybrid") else head_wds[:1])]
     baseline: dict = {}
+    batch1: dict = {}  # (engine, workload, K) -> every repeat's per_request: llama.cpp's rows compare the same requests
     for wd, ad, kd, hd, drafter, masked in engines:
         # NOTE: prefix caching off: every run sends the same prompts, and a run after the first would
         # find them in the slots (K=0 always ran first, so K=3 skipped its prompts' prefill)
@@ -153,6 +157,9 @@ def main() -> None:
                                 for p, g in items]  # batch 1: the same prompts, one after another
                         runs[k].append(run(eng, reqs, concurrent=batch > 1))
                 for k in k_list:
+                    if batch == 1:
+                        label = f"{wd}/{ad}/{kd}" + (f"/{drafter}/{hd}" if k else "")
+                        batch1[(label, wname, k)] = [x["per_request"] for x in runs[k]]
                     r = dict(runs[k][0], tok_s=mean(x["tok_s"] for x in runs[k]),
                              decode_tok_s=mean(x["decode_tok_s"] for x in runs[k]))
                     key = (f"{wd}/{ad}/{kd}", wname, batch)
@@ -174,15 +181,17 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
         eng.shutdown()
     if args.llama_cpp:
-        results += llama_cpp_rows(args, baseline, work)
+        results += llama_cpp_rows(args, baseline, batch1, work)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def llama_cpp_rows(args, baseline: dict, work: dict) -> list[dict]:
+def llama_cpp_rows(args, baseline: dict, batch1: dict, work: dict) -> list[dict]:
     """llama-cpp-python on the default model's GGUF, batch 1, the engine's prompts and
     max_tokens; JSON schemas through LlamaGrammar.from_json_schema. Tokens/s over wall time
-    (prefill included) and after the first token (decode), like the engine rows."""
+    (prefill included) and after the first token (decode), like the engine rows; beside them the
+    engine's batch-1 tok/s over the same requests (a schema llama.cpp's converter refuses is left
+    out of both)."""
     from llama_cpp import Llama, LlamaGrammar
 
     from specguide.models.default_model import default_gguf_path
@@ -192,11 +201,13 @@ def llama_cpp_rows(args, baseline: dict, work: dict) -> list[dict]:
     for wname, items in work.items():
         n = dt = dec_s = 0.0
         done = 0
-        for prompt, guide in items:
+        ran = []
+        for i, (prompt, guide) in enumerate(items):
             try:
                 grammar = LlamaGrammar.from_json_schema(guide.guide, verbose=False) if guide else None
             except Exception:
                 continue
+            ran.append(i)
             llm.reset()  # no prompt cache reuse between requests
             t0 = time.perf_counter()
             first, count = None, 0
@@ -214,6 +225,10 @@ def llama_cpp_rows(args, baseline: dict, work: dict) -> list[dict]:
         for (wd, w, b), base in baseline.items():
             if (w, b) == (wname, 1):
                 row[f"engine_off_tok_s_{wd}"] = round(base["tok_s"], 1)
+        for (label, w, k), repeats in batch1.items():  # the engine over the requests llama.cpp ran
+            if w == wname:
+                row[f"engine_same_requests_tok_s_{label}_K{k}"] = round(mean(
+                    sum(per[i][0] for i in ran) / sum(per[i][1] for i in ran) for per in repeats), 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
