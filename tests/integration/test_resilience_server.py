@@ -234,9 +234,11 @@ def test_cancel_while_compiling_in_prefill_and_when_the_client_goes_away(aux):
 
 def test_time_limit_ends_with_timeout_and_the_text_so_far(aux):
     before = aux.metric("specguide_requests_total", finish_reason="timeout")
-    text, ids, last = Live(aux, {"text_input": PROMPT, "max_tokens": 400, "timeout_s": 1.0}).result()
-    assert last.error is None and last.finish_reason == "timeout" and 0 < len(ids) < 400 and text
-    status, body = generate(aux, max_tokens=400, timeout_s=1.0)
+    # NOTE: 1000 tokens in 0.5 s would take 2000 tokens/s, several times any CPU here (a fast one
+    # wrote the old limit, 400, in under 1 s: `length`, not `timeout`); the story runs longer
+    text, ids, last = Live(aux, {"text_input": PROMPT, "max_tokens": 1000, "timeout_s": 0.5}).result()
+    assert last.error is None and last.finish_reason == "timeout" and 0 < len(ids) < 1000 and text
+    status, body = generate(aux, max_tokens=1000, timeout_s=0.5)
     assert status == 200 and body["finish_reason"] == "timeout" and body["text_output"]
     assert aux.wait_metric("specguide_requests_total", before + 2, finish_reason="timeout") == before + 2
     settle(aux)
