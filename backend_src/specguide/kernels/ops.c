@@ -1258,7 +1258,9 @@ static void rope_write_for(const float *qkv, const float *cos_t, const float *si
                            const int64_t *slot, const int64_t *pos, float *qrot, int B, int T, int nh, int kvh,
                            int S, int hd) {
     const int H = nh + 2 * kvh, hw = kv_w(kvk, hd);
-    #pragma omp for collapse(2) schedule(static) /* contiguous rows a thread: a key block (16 keys) is written by one thread */
+    /* NOTE: contiguous rows a thread (static): a block of KB keys shares its cache lines (the dims lie
+       KB apart), so rows dealt out in turns had both threads writing the same lines */
+    #pragma omp for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             const int64_t bt = (int64_t)b * T + t, p = pos[bt];
