@@ -175,7 +175,8 @@ def _ready_lines(server: Server) -> list[str]:
 
 def test_a_full_queue_answers_unavailable_at_once(aux):
     before = cancellations(aux)
-    running = [Live(aux, {"text_input": PROMPT, "max_tokens": 400}).wait_first() for _ in range(2)]
+    # NOTE: long enough to be still decoding when cancelled below (a fast CPU wrote 400 tokens first)
+    running = [Live(aux, {"text_input": PROMPT, "max_tokens": 1800}).wait_first() for _ in range(2)]
     queued = [Live(aux, {"text_input": PROMPT, "max_tokens": 4}) for _ in range(2)]
     assert aux.wait_metric("specguide_queue_depth", 2.0) == 2.0
     status, body = generate(aux)
