@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from starlette.responses import Response
 
@@ -18,7 +18,7 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]):
+    def __init__(self, events: AsyncGenerator[str, None]):
         self.events = events
         self.status_code = 200
         self.background = None
@@ -26,13 +26,14 @@ class EventStream(Response):
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         sender = asyncio.current_task()
-        state = {"gone": False, "done": False}
+        gone = done = False
 
         async def listen() -> None:
+            nonlocal gone
             while (await receive())["type"] != "http.disconnect":
                 pass  # a request body's remaining messages (already read: none)
-            if not state["done"]:
-                state["gone"] = True
+            if not done:
+                gone = True
                 sender.cancel()
 
         listener = asyncio.ensure_future(listen())
@@ -40,10 +41,10 @@ class EventStream(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for event in self.events:
                 await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            state["done"] = True
+            done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not gone:
                 raise  # the server's own cancellation (shutdown)
             getattr(sender, "uncancel", lambda: 0)()  # Python >= 3.11: this task is not being cancelled
         finally:
