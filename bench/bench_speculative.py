@@ -8,9 +8,10 @@ Workloads (greedy): guided JSON (held-out JSONSchemaBench dev schemas, never tra
 prompts that show the schema and ask for an object) and unguided chat. Batch 1 (one request
 after another) and batch 8 (all submitted together), the same prompts; every grammar compiled
 before the timed runs (a warm cache, as llama.cpp's grammars are built before its clock).
-Drafters: n-gram prompt lookup, grammar (jump-forward tokens + n-gram), the trained head (with and without grammar masks on its drafts),
-the hybrid (head + grammar-forced + trusted n-gram), early exit, draft model. Every speculative
-run's tokens are checked against the speculation-off run (identical: greedy is lossless).
+Drafters: n-gram prompt lookup, grammar (jump-forward tokens + n-gram), the trained head (with and
+without grammar masks on its drafts), the hybrid (head + grammar-forced + trusted n-gram), early
+exit, draft model. Every speculative run's tokens are checked against the speculation-off run
+(identical: greedy is lossless).
 `--weight-dtypes`: the whole matrix once per CPU weight format (float32 exact; bfloat16 / int8
 weight-only quantization), each against its own speculation-off baseline.
 `--activation-dtypes`: and once per activation_dtype (block formats: int8 = integer dot products).
