@@ -83,8 +83,16 @@ def demote(parent_var: str) -> None:
     nice counts against other sessions. At autogroup nice 0, or inside the server's session, two
     compile bombs beside a decoding engine starved every other process on a 2-core machine for up
     to 2-5 s (bench/probe_stalls.py); at autogroup nice 19 the largest stall was 0.3 s. Without
-    autogroup the process nice applies."""
-    for step in (lambda: renice(5), lambda: _write("/proc/self/autogroup", "19")):
+    autogroup the process nice applies.
+
+    NOTE: /proc/self/autogroup is the whole session's: written from a process that does not lead a
+    session of its own (a worker started by hand from a shell, or without `start_new_session`), it
+    would put its parent's session (the shell, the server) at nice 19, where a busy engine in
+    another session starved a test's clients for seconds. Only a session leader writes it."""
+    steps = [lambda: renice(5)]
+    if os.getsid(0) == os.getpid():
+        steps.append(lambda: _write("/proc/self/autogroup", "19"))
+    for step in steps:
         try:
             step()
         except OSError:
