@@ -27,7 +27,10 @@ from client.common import Chunk, GrpcStream, http_generate, http_generate_stream
 PROMPTS = ["Tell me about the sea.", "Write a haiku about autumn.", "Name three colors.", "What is 2 + 2?",
            "Describe a cat.", "Give me a phone number.", "Is water wet?", "Count to five."]
 # a cancelled stream's prompt: the model keeps counting to max_tokens (no EOS), so the cancel comes
-# while the request runs however fast the server is (a short answer could finish before it)
+# while the request runs however fast the server is (a short answer could finish before it): 1000
+# tokens outlast the cancel's delay (at most 1 s) even where speculation on the counting writes ~600
+# tokens/s to one stream (Zen 5: 200 tokens in 0.33 s)
+CANCEL_TOKENS = 1000
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
 PHONE = "[0-9]{3}-[0-9]{4}"
@@ -87,7 +90,7 @@ def make_plans(n: int, seed: int = 0, bad_fraction: float = 0.1, cancel_fraction
         if r < bad_fraction:
             plans.append(Plan("bad", rng.choice(["grpc", "http", "http-stream"]), {**values, **rng.choice(BAD)}))
         elif r < bad_fraction + cancel_fraction:
-            values.update(stream=True, max_tokens=200, text_input=COUNTING)
+            values.update(stream=True, max_tokens=CANCEL_TOKENS, text_input=COUNTING)
             plans.append(Plan("cancel", "grpc", values, cancel_after_s=rng.uniform(0.0, 1.0)))
         else:
             guide = None
