@@ -334,7 +334,9 @@ def test_cancel_through_the_vllm_proxy_frees_the_slot(server):
     before = server.metric("specguide_cancellations_total", stage="decode")
     got = _stream(server, "specguide_vllm", {"text_input": np.array([b"Count to a thousand:"], np.object_),
                                              "stream": np.array([True]),
-                                             "sampling_parameters": np.array([b'{"max_tokens": 400, "temperature": 0}'],
+                                             # NOTE: long enough to be decoding when the cancel lands (a fast
+                                             # CPU writes 400 counting tokens in 0.7 s)
+                                             "sampling_parameters": np.array([b'{"max_tokens": 2000, "temperature": 0}'],
                                                                              np.object_)}, cancel_after=2)
     assert len(got) == 2 and got[-1][1] is None
     assert server.wait_metric("specguide_cancellations_total", before + 1, timeout=30, stage="decode") == before + 1

@@ -205,7 +205,7 @@ CLIENT = """
 import sys
 from client.common import GrpcStream
 s = GrpcStream(sys.argv[1])
-for c in s.generate({"text_input": sys.argv[2], "max_tokens": 400, "stream": True}):
+for c in s.generate({"text_input": sys.argv[2], "max_tokens": 2000, "stream": True}):  # decoding when killed
     print("chunk", flush=True)
 """
 
