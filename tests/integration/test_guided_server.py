@@ -252,7 +252,8 @@ def test_guided_and_unguided_requests_run_together(server, chat):
     requests = {}
     for i, who in enumerate(PEOPLE):
         requests[f"guided{i}"] = {**json_values(chat, stream=True), "text_input": chat(f"Describe {who} as JSON.")}
-        requests[f"unguided{i}"] = {"text_input": chat(f"Tell me about {who}."), "max_tokens": 24 + i, "stream": True}
+        # NOTE: long enough to still run when the last of the four streams starts (24 tokens took ~0.1 s)
+        requests[f"unguided{i}"] = {"text_input": chat(f"Tell me about {who}."), "max_tokens": 64 + i, "stream": True}
     alone = {name: check_stream(grpc_generate(server, v)) for name, v in requests.items()}
     results: dict[str, list] = {}
 
