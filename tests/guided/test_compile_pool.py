@@ -273,9 +273,11 @@ def test_the_timeout_counts_the_workers_cpu_time_up_to_a_wall_clock_cap(hf_token
         cost = cpu_seconds(pid) - cpu0  # what one more such guide costs this worker
         timeout_s = max(2.0, 4 * cost) if compiles else 1.0
         stopped_s = 2 * timeout_s if compiles else _WALL_FACTOR * timeout_s + 1.0
-        h = s.submit(medium(f"s{compiles}"), timeout_s)
-        pid = running_worker(s.scheduler)
+        # NOTE: stopped before the job reaches it: stopped after, a fast CPU could finish the guide
+        # before the test saw it running (the worker is idle until then, so its CPU clock is the same)
         os.kill(pid, signal.SIGSTOP)
+        h = s.submit(medium(f"s{compiles}"), timeout_s)
+        assert running_worker(s.scheduler) == pid
         time.sleep(stopped_s)
         try:
             os.kill(pid, signal.SIGCONT)
