@@ -159,20 +159,12 @@ def tree_rss(srv: Server) -> tuple[int, list[str]]:
     deadline = time.monotonic() + 30.0
     while True:
         every = [srv.proc.pid, *descendants(srv.proc.pid)]
-        engine = srv.engine_pid()
-        workers = set(descendants(engine))
-        helpers = [pid for pid in workers if parent(pid) not in (engine, None)]
+        workers = set(descendants(srv.engine_pid()))
+        helpers = [pid for w in workers for pid in descendants(w)]  # the workers' own children
         if not helpers or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     return sum(rss_bytes(pid) for pid in every if pid not in workers), sorted(map(command_line, every))
-
-
-def parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def command_line(pid: int) -> str:
@@ -255,14 +247,15 @@ def test_crash_recover_cycles_leak_neither_memory_nor_shared_memory(crash):
     restarts = crash.metric("specguide_engine_restarts_total", model=MODEL)
     kill_engine_and_recover(crash, with_clients=False)
     greedy(crash)
-    (rss1, n1), shm1 = tree_rss(crash), shm_regions()
+    (rss1, procs1), shm1 = tree_rss(crash), shm_regions()
     times = []
     for _ in range(2):
         times.append(kill_engine_and_recover(crash, with_clients=False)["recovery_s"])
         greedy(crash)
-    (rss3, n3), shm3 = tree_rss(crash), shm_regions()
+    (rss3, procs3), shm3 = tree_rss(crash), shm_regions()
     assert rss3 <= 1.05 * rss1, f"RSS {rss1 / 2**20:.0f} MiB after the first cycle, {rss3 / 2**20:.0f} MiB after the third"
-    assert len(n3) == len(n1), f"processes in the server's tree after the first cycle: {n1}; after the third: {n3}"
+    assert len(procs3) == len(procs1), \
+        f"processes in the server's tree after the first cycle: {procs1}; after the third: {procs3}"
     left = shm3 - shm1 - shm_mapped_outside(crash)  # new since the first cycle, and not another server's
     assert not left, f"shared-memory regions left by the restarts: {sorted(left)}"
     assert crash.metric("specguide_engine_restarts_total", model=MODEL) == restarts + 3

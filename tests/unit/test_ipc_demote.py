@@ -12,12 +12,12 @@ import pytest
 # a session leader at autogroup nice 0 starts the demoted helper, in its session or in one of its own,
 # and prints its own session's autogroup nice once the helper is done, then the helper's
 LEADER = r"""
-import subprocess, sys
+import os, subprocess, sys
 helper = ("import os, sys; from specguide import ipc; ipc.demote('SPECGUIDE_TEST_PARENT'); "
           "print(open('/proc/self/autogroup').read().split()[-1], os.getsid(0) == os.getpid())")
 with open("/proc/self/autogroup", "w") as f:
     f.write("0")
-env = {**__import__("os").environ, "SPECGUIDE_TEST_PARENT": str(__import__("os").getpid())}
+env = {**os.environ, "SPECGUIDE_TEST_PARENT": str(os.getpid())}
 out = subprocess.run([sys.executable, "-c", helper], env=env, capture_output=True, text=True,
                      start_new_session=sys.argv[1] == "own", check=True).stdout.split()
 print(open("/proc/self/autogroup").read().split()[-1], *out)
