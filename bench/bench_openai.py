@@ -77,8 +77,9 @@ class Stack:
 
     def __init__(self, api_session: str = "server") -> None:
         self.api, grpc = free_port(), free_port()
+        # the served defaults (`make serve`: log level info, so uvicorn's access log a request)
         command = [sys.executable, "-m", "specguide.openai_api", "--triton-url", f"127.0.0.1:{grpc}", "--port",
-                   str(self.api), "--log-level", "warning"]
+                   str(self.api)]
         beside = {"openai": command} if api_session == "server" else None
         self.triton = Server(("specguide",), beside=beside, grpc=grpc)
         self.grpc, self.own = grpc, None
