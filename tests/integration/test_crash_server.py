@@ -308,8 +308,7 @@ def test_a_killed_tritonserver_leaves_no_stub_engine_or_worker_behind(tmp_path):
     try:
         engine = srv.engine_pid()
         stubs = srv.stubs()
-        tree = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
-                for pid in descendants(srv.proc.pid)}
+        tree = {pid: command_line(pid)[:120] for pid in descendants(srv.proc.pid)}
         assert len(stubs) == 3 and set(stubs.values()) <= set(tree) and engine in tree
         assert any(b"compile_worker" in Path(f"/proc/{p}/cmdline").read_bytes() for p in descendants(engine))
         t_kill = time.monotonic()
