@@ -2,7 +2,8 @@
 
 Bodies are read by us (capped in bytes, then in JSON nesting depth, before `json.loads`) and
 validated by the pydantic models of `schemas.py`, so that every refusal is OpenAI-shaped and names
-its field.
+its field. A body past INLINE_BODY_BYTES is parsed, checked and turned into Triton requests in a
+worker thread (`asyncio.to_thread`), off the event loop that streams every other client's tokens.
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -25,6 +26,7 @@ from ..config import ReasoningMarkers
 from ..guided.limits import json_depth
 from . import chat_endpoint, completions_endpoint, handlers
 from .chat import ChatTemplate
+from .caps import Caps
 from .errors import ApiError, ErrorType, bad_request, from_validation
 from .event_stream import EventStream
 from .sampling import Limits
@@ -32,6 +34,10 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 from .triton_client import MODEL, TritonClient
 
 log = logging.getLogger("specguide.openai_api")
+
+# a body up to this size is parsed and prepared in the event loop (well under a millisecond); a
+# larger one, up to --max-body-bytes, in a worker thread
+INLINE_BODY_BYTES = 16 << 10
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Settings:
     chat_template_dir: Optional[Path] = None  # default: the model folder named in the model's config
     max_body_bytes: int = 4 << 20
     max_json_depth: int = 80  # the model caps a guide at 64 levels; the body wraps it in a few more
+    caps: Caps = field(default_factory=Caps)  # counts per request (prompts x n, stop strings, tools, ...)
 
 
 def _default_template_dir(params: dict[str, str]) -> Path:
@@ -58,7 +65,7 @@ def _default_template_dir(params: dict[str, str]) -> Path:
 
 def create_app(settings: Settings, client: Optional[TritonClient] = None) -> FastAPI:
     """The app; `client` defaults to a TritonClient on settings.triton_url, made at start-up."""
-    ctx = handlers.Context(client=client, template=None, model_name=settings.served_model_name)
+    ctx = handlers.Context(client=client, template=None, model_name=settings.served_model_name, caps=settings.caps)
 
     def configure(params: dict[str, str]) -> None:
         limit = int(params.get("max_tokens_limit") or 0) or int(params.get("max_seq_len") or 0) or 2048
@@ -108,13 +115,13 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
     if settings.api_key:
         app.add_middleware(ApiKeyCheck, key=settings.api_key)
 
-    async def parse(request: Request, model: type[BaseModel]) -> Any:
-        body = await _read_body(request, settings.max_body_bytes)
+    def parse(body: bytes, model: type[BaseModel]) -> Any:
+        """The body as `model` (a 400 / 404 naming what is wrong); its size is capped already."""
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
             raise bad_request("the body is not UTF-8") from None
-        if json_depth(text) > settings.max_json_depth:
+        if json_depth(text) > settings.max_json_depth:  # one linear pass, before json.loads can recurse
             raise bad_request(f"the JSON body nests deeper than {settings.max_json_depth} levels")
         try:
             obj = json.loads(text)
@@ -131,18 +138,26 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
                            "model_not_found")
         return req
 
-    def answer(result: handlers.Answer) -> Any:
+    async def handle(request: Request, model: type[BaseModel], prepare: Callable[[handlers.Context, Any], Any],
+                     run: Callable[[handlers.Context, Any], Any]) -> Any:
+        body = await _read_body(request, settings.max_body_bytes)  # the byte cap first
+
+        def work() -> Any:
+            return prepare(ctx, parse(body, model))
+
+        plan = work() if len(body) <= INLINE_BODY_BYTES else await asyncio.to_thread(work)
+        result: handlers.Answer = await run(ctx, plan)
         if isinstance(result, dict):
             return JSONResponse(result)
         return EventStream(result)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return answer(await chat_endpoint.chat(ctx, await parse(request, ChatCompletionRequest)))
+        return await handle(request, ChatCompletionRequest, chat_endpoint.prepare, chat_endpoint.run)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return answer(await completions_endpoint.complete(ctx, await parse(request, CompletionRequest)))
+        return await handle(request, CompletionRequest, completions_endpoint.prepare, completions_endpoint.run)
 
     def model_card() -> dict[str, Any]:
         return {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "specguide"}
@@ -161,8 +176,9 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
     async def health():
         if await ctx.client.ready():
             return {"status": "ok"}
-        return JSONResponse(ApiError(503, f"model {settings.triton_model} is not ready in Triton at "
-                                     f"{settings.triton_url}", ErrorType.UNAVAILABLE).body(), status_code=503)
+        # no address or model name of the back end: /health answers without a key
+        return JSONResponse(ApiError(503, "the model is not ready (Triton is not reachable, or still loading it)",
+                                     ErrorType.UNAVAILABLE).body(), status_code=503)
 
     return app
 

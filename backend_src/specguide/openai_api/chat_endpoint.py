@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from ..config import ReasoningMarkers
-from . import guides, sampling
+from . import caps, guides, sampling
 from .chat import render_chat
 from .errors import bad_request, unsupported
 from .handlers import Answer, Context, UsageInStream, check_stream_options, guarded, primed, sse
@@ -18,7 +19,22 @@ from .tools import ToolCallParser, parse_all
 from .triton_client import TritonRequest
 
 
-async def chat(ctx: Context, req: ChatCompletionRequest) -> Answer:
+@dataclass
+class ChatPlan:
+    """A checked chat request, ready to send: the Triton request and how to answer."""
+
+    treq: TritonRequest
+    top: Optional[int]
+    tools_on: bool
+    usage_in: UsageInStream
+    prompt_n: Optional[int]
+    stream: bool
+
+
+def prepare(ctx: Context, req: ChatCompletionRequest) -> ChatPlan:
+    """Counts, guide, prompt and sampling checked and built: no I/O (app.py runs it off the event loop
+    for a large body)."""
+    caps.check(req, ctx.caps)
     if ctx.template is None:
         raise unsupported("messages", "the model's chat template could not be found; use /v1/completions")
     usage_in = check_stream_options(req)
@@ -31,11 +47,20 @@ async def chat(ctx: Context, req: ChatCompletionRequest) -> Answer:
     prompt = render_chat(ctx.template, req.messages, req.tools if tools_on else None, req.chat_template_kwargs)
     treq = sampling.build(req, prompt, guide, req.max_completion_tokens or req.max_tokens, ctx.default_chat_max_tokens,
                           top, ctx.limits)
-    it = await primed(merge([ctx.client.generate(treq)]))
+    return ChatPlan(treq, top, tools_on, usage_in, req.prompt_logprobs, bool(req.stream))
+
+
+async def run(ctx: Context, plan: ChatPlan) -> Answer:
+    """Sends the plan's request to Triton: the answer, or its SSE stream."""
+    it = await primed(merge([ctx.client.generate(plan.treq)]))
     head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
-    if req.stream:
-        return guarded(_chat_stream(it, head, treq, top, tools_on, usage_in, ctx.reasoning))
-    return await _chat_whole(it, head, treq, top, tools_on, ctx.reasoning, req.prompt_logprobs)
+    if plan.stream:
+        return guarded(_chat_stream(it, head, plan.treq, plan.top, plan.tools_on, plan.usage_in, ctx.reasoning))
+    return await _chat_whole(it, head, plan.treq, plan.top, plan.tools_on, ctx.reasoning, plan.prompt_n)
+
+
+async def chat(ctx: Context, req: ChatCompletionRequest) -> Answer:
+    return await run(ctx, prepare(ctx, req))
 
 
 async def _chat_whole(it, head: dict, treq: TritonRequest, top: Optional[int], tools_on: bool,

@@ -8,17 +8,33 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
-from . import guides, sampling
+from . import caps, guides, sampling
 from .errors import bad_request
 from .handlers import Answer, Context, UsageInStream, check_stream_options, guarded, primed, sse
 from .outputs import CompletionLogprobs, UsageCounter, finish_reason, merge, vllm_prompt_logprobs
 from .schemas import CompletionRequest
-from .triton_client import Delta
+from .triton_client import Delta, TritonRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-async def complete(ctx: Context, req: CompletionRequest) -> Answer:
+@dataclass
+class CompletionPlan:
+    """A checked completions request, ready to send: one Triton request per prompt, and how to answer."""
+
+    treqs: list[TritonRequest]
+    echo: list[Optional["Echo"]]
+    top: Optional[int]  # the legacy logprobs: N
+    prompt_n: Optional[int]
+    scoring: bool
+    usage_in: UsageInStream
+    stream: bool
+
+
+def prepare(ctx: Context, req: CompletionRequest) -> CompletionPlan:
+    """Counts, prompts, guide and sampling checked and built: no I/O (app.py runs it off the event
+    loop for a large body)."""
+    caps.check(req, ctx.caps)  # before anything else: a million prompts fit in the body
     usage_in = check_stream_options(req)
     prompts = _prompts(req.prompt)
     guide = guides.resolve(req)
@@ -31,13 +47,22 @@ async def complete(ctx: Context, req: CompletionRequest) -> Answer:
         for t in treqs:  # the model sends the prompt's tokens (and their log probs) back
             t.sampling["prompt_logprobs"] = max(req.logprobs or 0, req.prompt_logprobs or 0)
             t.prompt_logprobs = True
-    it = await primed(merge([ctx.client.generate(t) for t in treqs]))
-    head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
-    n = treqs[0].n
     echo = [Echo(p) if req.echo else None for p in prompts]
-    if req.stream:
-        return guarded(_complete_stream(it, head, n, echo, req.logprobs, usage_in, scoring))
-    return await _complete_whole(it, head, n, echo, req.logprobs, req.prompt_logprobs, scoring)
+    return CompletionPlan(treqs, echo, req.logprobs, req.prompt_logprobs, scoring, usage_in, bool(req.stream))
+
+
+async def run(ctx: Context, plan: CompletionPlan) -> Answer:
+    """Sends the plan's requests to Triton: the answer, or its SSE stream."""
+    it = await primed(merge([ctx.client.generate(t) for t in plan.treqs]))
+    head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
+    n = plan.treqs[0].n
+    if plan.stream:
+        return guarded(_complete_stream(it, head, n, plan.echo, plan.top, plan.usage_in, plan.scoring))
+    return await _complete_whole(it, head, n, plan.echo, plan.top, plan.prompt_n, plan.scoring)
+
+
+async def complete(ctx: Context, req: CompletionRequest) -> Answer:
+    return await run(ctx, prepare(ctx, req))
 
 
 def _prompts(prompt: Union[str, list[str], list[int], list[list[int]]]) -> list[Union[str, list[int]]]:

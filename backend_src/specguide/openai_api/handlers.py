@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from ..config import ReasoningMarkers
 from . import sampling
+from .caps import Caps
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request
 from .outputs import UsageCounter
@@ -25,6 +26,7 @@ class Context:
     limits: sampling.Limits = field(default_factory=sampling.Limits)
     default_chat_max_tokens: int = 2048  # OpenAI: up to the context; the model's max_tokens_limit
     reasoning: Optional[ReasoningMarkers] = None  # the model's reasoning_markers: its thinking goes in reasoning_content
+    caps: Caps = field(default_factory=Caps)  # counts per request (the --max-* options)
 
 
 Answer = Union[dict[str, Any], AsyncIterator[str]]

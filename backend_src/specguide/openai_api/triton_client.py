@@ -15,8 +15,9 @@ socket; `bench/HISTORY.md`).
 from __future__ import annotations
 
 import functools
-import itertools
 import json
+import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -31,9 +32,16 @@ from ..triton.interfaces import ERROR_OUTPUT_PARAMETER, PROXY_ERROR
 from .errors import ApiError, ErrorType, from_triton
 
 MODEL = "specguide"
-_IDS = itertools.count(1)
 _SERVICE = "/inference.GRPCInferenceService/"
 _DOWN = (OSError, StreamTerminatedError)  # no connection, or it broke: Triton is not serving
+log = logging.getLogger("specguide.openai_api")
+
+
+def new_request_id() -> str:
+    """A Triton request id no one can guess: Triton's interface cancels a request by its id (a
+    `stop` request, as TensorRT-LLM's), so a client that reaches Triton must not be able to name
+    this server's requests. 128 random bits."""
+    return "oai-" + secrets.token_hex(16)
 
 
 @dataclass
@@ -232,7 +240,7 @@ class TritonClient:
                 try:
                     # end=True: our side closes with the request's own frame (one write less);
                     # Triton still sends every response, then its status
-                    await call.send_message(build_request(req, f"oai-{next(_IDS)}", self.model), end=True)
+                    await call.send_message(build_request(req, new_request_id(), self.model), end=True)
                     async for response in call:
                         ended = bool(response.error_message) or _is_final(response)
                         if response.error_message:
@@ -258,5 +266,6 @@ class TritonClient:
                     # block's exit resets a stream still open, and Triton cancels the request
         except GRPCError as e:
             raise from_triton(e.status.name, e.message or e.status.name, req.guide_param) from None
-        except _DOWN as e:
-            raise from_triton("UNAVAILABLE", f"Triton at {self.url} is not reachable: {e}", req.guide_param) from None
+        except _DOWN as e:  # the address stays in the log: clients are not told where the back end is
+            log.warning("Triton at %s is not reachable: %s", self.url, e)
+            raise from_triton("UNAVAILABLE", "Triton is not reachable", req.guide_param) from None
