@@ -69,18 +69,47 @@ def test_compose_builds_this_repository():
     svc = compose["services"]["specguide"]
     ctx = (ROOT / "docker" / svc["build"]["context"]).resolve()
     assert ctx == ROOT and (ctx / svc["build"]["dockerfile"]).exists()
-    assert {"8000:8000", "8001:8001", "8002:8002"} <= set(svc["ports"])
     assert "v2/health/ready" in " ".join(svc["healthcheck"]["test"])
 
 
-def test_compose_runs_the_openai_api_beside_triton():
+def test_compose_publishes_every_port_on_the_hosts_loopback_only():
+    """Triton's interfaces have no authentication (and cancel requests by id): none of its ports, nor
+    the OpenAI API's, is published on the host's other interfaces."""
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    assert set(compose["services"]["specguide"]["ports"]) == {"127.0.0.1:8000:8000", "127.0.0.1:8001:8001",
+                                                             "127.0.0.1:8002:8002"}
+    assert compose["services"]["openai"]["ports"] == ["127.0.0.1:9000:9000"]
+    for svc in compose["services"].values():
+        for port in svc.get("ports", []):
+            assert isinstance(port, str) and port.startswith("127.0.0.1:"), port
+
+
+def _compose_env(value: str, env: dict[str, str]) -> str:
+    """Compose's `${NAME:-default}` interpolation, the one form the file uses."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), value)
+
+
+def test_compose_runs_the_openai_api_beside_triton_and_requires_its_key(monkeypatch, capsys):
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
     svc = compose["services"]["openai"]
     cmd = svc["entrypoint"]
     assert cmd[0] == "specguide-openai" and cmd[cmd.index("--triton-url") + 1] == "specguide:8001"
-    assert "9000:9000" in svc["ports"] and svc["image"] == compose["services"]["specguide"]["image"]
+    assert svc["image"] == compose["services"]["specguide"]["image"]
     pyproject = (ROOT / "backend_src" / "pyproject.toml").read_text()
     assert 'specguide-openai = "specguide.openai_api.cli:main"' in pyproject
+    from specguide.openai_api.cli import parse_args
+
+    # `docker compose up` without SPECGUIDE_API_KEY: the server refuses to start, saying why
+    assert "--allow-no-key" not in cmd
+    monkeypatch.setenv("SPECGUIDE_API_KEY", _compose_env(svc["environment"]["SPECGUIDE_API_KEY"], {}))
+    with pytest.raises(SystemExit):
+        parse_args(cmd[1:])
+    assert "SPECGUIDE_API_KEY" in capsys.readouterr().err
+    # with it, the server starts (on the container's interfaces: the host publishes it on loopback)
+    monkeypatch.setenv("SPECGUIDE_API_KEY", _compose_env(svc["environment"]["SPECGUIDE_API_KEY"],
+                                                         {"SPECGUIDE_API_KEY": "k3y"}))
+    args = parse_args(cmd[1:])
+    assert args.api_key == "k3y" and args.host == "0.0.0.0" and svc["ports"] == [f"127.0.0.1:{args.port}:{args.port}"]
 
 
 def test_kubernetes_fleet_has_replicas_behind_a_service_with_readiness():
@@ -101,7 +130,7 @@ def test_kubernetes_fleet_has_replicas_behind_a_service_with_readiness():
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
 
 
-def test_kubernetes_pods_run_the_openai_api_beside_triton():
+def test_kubernetes_pods_run_the_openai_api_beside_triton_with_a_key_from_a_secret(monkeypatch):
     docs = {d["kind"]: d for d in kubernetes_documents()}
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     api = next(c for c in pod["containers"] if c["name"] == "openai")
@@ -113,11 +142,46 @@ def test_kubernetes_pods_run_the_openai_api_beside_triton():
         (ROOT / "backend_src" / "pyproject.toml").read_text()
     from specguide.openai_api.cli import parse_args
 
+    # the key comes from a Secret (required: no `optional`), and without it the server does not start
+    (env,) = [e for e in api["env"] if e["name"] == "SPECGUIDE_API_KEY"]
+    assert set(env) == {"name", "valueFrom"} and not env["valueFrom"]["secretKeyRef"].get("optional", False)
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "specguide-openai", "key": "api-key"}
+    assert "--allow-no-key" not in cmd
+    monkeypatch.delenv("SPECGUIDE_API_KEY", raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(cmd[1:])
+    monkeypatch.setenv("SPECGUIDE_API_KEY", "from-the-secret")
     args = parse_args(cmd[1:])
     grpc_port = next(p["containerPort"] for p in triton["ports"] if p["name"] == "grpc")
-    assert args.host == "0.0.0.0" and args.triton_url == f"127.0.0.1:{grpc_port}"
+    assert args.host == "0.0.0.0" and args.triton_url == f"127.0.0.1:{grpc_port}" and args.api_key == "from-the-secret"
     assert api["ports"][0]["containerPort"] == args.port and api["readinessProbe"]["httpGet"]["path"] == "/health"
     assert {"port": args.port, "targetPort": "openai", "name": "openai"} in docs["Service"]["spec"]["ports"]
+
+
+def test_kubernetes_keeps_tritons_ports_inside_the_cluster():
+    """A ClusterIP Service (nothing published outside the cluster), and a NetworkPolicy that admits
+    Triton's HTTP and gRPC ports only from pods of the namespace; the OpenAI port (keyed) from anywhere."""
+    docs = {d["kind"]: d for d in kubernetes_documents()}
+    assert docs["Service"]["spec"]["type"] == "ClusterIP"
+    pol, dep = docs["NetworkPolicy"], docs["Deployment"]
+    assert pol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["template"]["metadata"]["labels"]
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    named = {p["name"]: p["containerPort"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+
+    def sources(port_name: str) -> list:
+        """The `from` lists of the rules that admit `port_name` (None: from anywhere)."""
+        out = []
+        for rule in pol["spec"]["ingress"]:
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if not ports or port_name in ports or named[port_name] in ports:
+                out.append(rule.get("from"))
+        return out
+
+    for port in ("http", "grpc"):
+        assert sources(port) == [[{"podSelector": {}}]], port  # this namespace's pods only
+    assert sources("metrics") == [[{"namespaceSelector": {}}]]  # Prometheus, wherever it runs in the cluster
+    assert sources("openai") == [None]
+    assert all(set(p) == {"port"} and p["port"] in named for r in pol["spec"]["ingress"] for p in r["ports"])
 
 
 def test_the_installed_package_carries_the_training_data(tmp_path):
@@ -153,7 +217,7 @@ def test_every_kubernetes_document_validates_against_the_kubernetes_schemas():
     import kubernetes_validate
 
     docs = kubernetes_documents()
-    assert {d["kind"] for d in docs} == {"Deployment", "Service", "HorizontalPodAutoscaler"}
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "NetworkPolicy", "HorizontalPodAutoscaler"}
     for version in KUBERNETES_VERSIONS:
         version = kubernetes_validate.latest_version() if version == "latest" else version
         for doc in docs:
