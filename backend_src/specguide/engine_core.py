@@ -225,15 +225,16 @@ class EngineCore:
         return seq
 
     def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
-        """One batched decode step and its bookkeeping; returns the sequences it appended to."""
+        """One batched decode step and its bookkeeping; returns the sequences it appended to.
+        A step that raises is run again on its rows apart (`_recover`), so that only the request
+        that makes it fail fails."""
         if not seqs:
             return []
         try:
             results = self._decode(seqs)
         except Exception as exc:
-            log.exception("decode step failed")
-            self._recover(seqs, exc)
-            return []  # the survivors retry at the next step
+            log.exception("decode step failed (%d rows)", len(seqs))
+            return self._recover(seqs, exc)
         touched = []
         for seq, (toks, drafted, accepted) in zip(seqs, results):
             seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
@@ -278,19 +279,45 @@ class EngineCore:
                                        f"the server log has the details)")
             return None
 
-    def _recover(self, seqs: list[Sequence], exc: Exception) -> None:
+    def _recover(self, seqs: list[Sequence], exc: Exception) -> list[Sequence]:
         """A batched decode raised: fail the requests whose state is broken (a matcher that raises),
-        put the others' grammar state back to their accepted tokens; they retry at the next step.
-        When no culprit is found the whole batch fails (the fault cannot be pinned on one request)."""
-        broken = [s for s in seqs if not self._healthy(s)] or seqs
+        put every other row's state back to its appended tokens (`_restore`), then run those rows
+        again: together when a culprit was failed, else in halves, each half split again while it
+        raises. A row that raises alone fails alone; the others append what their step gave (each
+        row's tokens are the same in any batch: batch invariance, lossless speculation). Returns
+        the sequences appended to."""
+        broken = [s for s in seqs if not self._healthy(s)]
+        if not broken and len(seqs) == 1:
+            broken = seqs  # it raised alone: the fault is its own
         for seq in broken:
             if isinstance(_cause(exc), InvalidRequestError):  # a guide past a grammar library's limits
                 self._finish(seq, "error", str(_cause(exc)), error_code(_cause(exc)))
             else:
                 self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
-        for seq in seqs:
-            if seq.status is not Status.FINISHED and seq.guide.grammar is not None:
-                self._guarded(seq, lambda: self.guided.restore(seq.slot, len(seq.output_ids)))
+        live = [s for s in seqs if s.status is not Status.FINISHED]
+        for seq in live:
+            self._guarded(seq, lambda: self._restore(seq))
+        live = [s for s in live if s.status is not Status.FINISHED]
+        if not live:
+            return []
+        if broken:
+            return self._decode_batch(live)
+        half = len(live) // 2 or 1  # (rows sorted by slot: each part stays sorted)
+        return self._decode_batch(live[:half]) + self._decode_batch(live[half:])
+
+    def _restore(self, seq: Sequence) -> None:
+        """A failed step's row back to the state of its appended tokens, so that running it again
+        gives what the step would have: its grammar matcher, and its penalty counts (the step may
+        have counted its token). Its KV rows past its tokens are rewritten by the next step; the
+        drafters re-feed their rows (`HeadDrafter.prepare`); sampling is keyed by token index."""
+        if seq.guide.grammar is not None:
+            self.guided.restore(seq.slot, len(seq.output_ids))
+        params = self.runner.params
+        if seq.slot in params.penalized:  # counts: the output's tokens; seen: the prompt's and the output's
+            out = torch.tensor(seq.output_ids, dtype=torch.int64, device=params.counts.device)
+            params.counts[seq.slot] = torch.bincount(out, minlength=params.counts.shape[1]).to(params.counts.dtype)
+            params.seen[seq.slot] = False
+            params.seen[seq.slot, torch.tensor(seq.prompt_ids + seq.output_ids, device=params.seen.device)] = True
 
     def _healthy(self, seq: Sequence) -> bool:
         try:

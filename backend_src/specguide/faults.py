@@ -8,6 +8,11 @@ A request names its fault in `Request.fault` (through Triton: the request parame
     compile_delay:<s>   its grammar "compiles" for at least <s> seconds (guided only)
     prefill_delay:<s>   each of its prefill chunks takes at least <s> seconds longer
     crash_engine        the engine loop itself raises: the whole engine dies (the crash path)
+    step_error          every decode step whose batch holds the request raises, from its second token
+                        on, an exception that names no request (as an out-of-vocabulary bad word's
+                        IndexError did): the engine must find the request by running the rows apart
+    stall_engine:<s>    the engine loop blocks for <s> seconds as it takes the request (the watchdog,
+                        `engine_stall_s`, restarts such an engine)
 
 The engine calls one `Injector` (one method per hook); `Injector()` does nothing, and the engine's,
 `injector()`, is switched on by the environment, read as each request arrives.
@@ -22,7 +27,8 @@ from typing import Any, Callable, Optional
 from .request import InvalidRequestError
 
 ENV = "SPECGUIDE_FAULT_INJECTION"
-KINDS = ("nan_logits", "matcher_error", "compile_delay", "prefill_delay", "crash_engine")
+KINDS = ("nan_logits", "matcher_error", "compile_delay", "prefill_delay", "crash_engine", "step_error",
+         "stall_engine")
 
 
 def enabled() -> bool:
@@ -40,6 +46,10 @@ class Fault:
 
 class InjectedFault(RuntimeError):
     """Raised by an injected fault."""
+
+
+class InjectedStepError(InjectedFault):
+    """A `step_error` fault: the whole step raises, naming no request."""
 
 
 def _parse(text: str) -> Fault:
@@ -101,9 +111,12 @@ class Injector:
         return text if self.parse(text) is not None else None
 
     def on_submit(self, seq: Any) -> None:
-        """`crash_engine`: the loop raises as it takes the request."""
+        """`crash_engine`: the loop raises as it takes the request; `stall_engine`: it blocks."""
         if _kind(seq, "crash_engine"):
             raise InjectedFault("injected engine crash")
+        f = _kind(seq, "stall_engine")
+        if f is not None:
+            time.sleep(f.seconds)
 
     def holds_compile(self, seq: Any) -> bool:
         """`compile_delay`: True while the request's compiled grammar must not be used yet."""
@@ -123,9 +136,13 @@ class Injector:
             getattr(guided, "inner", guided).matchers[seq.slot] = FaultyMatcher()
 
     def poison(self, logits: Any, seqs: list) -> None:
-        """`nan_logits`: NaN the logits rows ([B, V] or [B, T, V]) of faulty requests past their first token."""
+        """The step's logits hook (only steps holding a request with a fault call it): `nan_logits`
+        NaNs the logits rows ([B, V] or [B, T, V]) of faulty requests past their first token;
+        `step_error` makes the whole step raise past the request's first token."""
         if self.active:
             poison(logits, seqs)
+            if any(_kind(s, "step_error") and s.output_ids for s in seqs):
+                raise InjectedStepError("injected step fault")
 
 
 def injector() -> Injector:

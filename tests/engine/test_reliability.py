@@ -84,6 +84,70 @@ def test_a_matcher_that_raises_fails_only_its_request(engine, k):
     assert_clean(engine)
 
 
+@pytest.fixture
+def recoveries(engine, monkeypatch) -> list[int]:
+    """The batch size of every decode step that raised (EngineCore._recover's calls)."""
+    sizes: list[int] = []
+    recover = engine._recover
+
+    def counted(seqs, exc):
+        sizes.append(len(seqs))
+        return recover(seqs, exc)
+
+    monkeypatch.setattr(engine, "_recover", counted)
+    return sizes
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_step_that_raises_naming_no_request_fails_only_the_request_that_makes_it(engine, recoveries, k):
+    """The whole batched step raises and no request's state is broken: the engine runs the rows
+    apart and fails only the one that raises alone; every other row (plain, guided, penalized)
+    writes what it writes alone."""
+    penalized = Request(prompt=PROMPTS[2], params=SamplingParams(max_tokens=16, temperature=0.0,
+                                                                  repetition_penalty=1.3, frequency_penalty=0.5))
+    victims = [greedy(PROMPTS[0], k=k), greedy(PROMPTS[1], k=k), greedy(PROMPTS[1], k=k, guided=PHONE), penalized,
+               greedy(PROMPTS[2], k=k)]
+    alone = [run_alone(engine, r) for r in victims]
+    assert not recoveries
+    bad = greedy(PROMPTS[1], k=k, fault="step_error")
+    got = run_together(engine, victims[:2] + [bad] + victims[2:])  # the culprit mid-batch
+    culprit = got.pop(2)
+    for (ids, text, last), (a_ids, a_text, a_last) in zip(got, alone):
+        assert (ids, text, last.finish_reason) == (a_ids, a_text, a_last.finish_reason)
+    ids, _, last = culprit
+    assert last.finish_reason == "error" and last.error_code == "INTERNAL", last
+    assert "decode failed (injected step fault" in last.error and len(ids) == 1  # its prefill token was fine
+    assert max(recoveries) >= 3, recoveries  # it failed in a batch with others, which were run apart
+    assert_clean(engine)
+
+
+def test_an_out_of_vocabulary_bad_word_past_intake_fails_only_its_request(engine, recoveries, monkeypatch):
+    """The measured case: a bad word [first token, 999999] beside running streams made the batched
+    step raise IndexError (the ban's index past the vocabulary) and ended every stream of the batch.
+    Intake refuses such ids; here they are put in after it, as a check it lacked would let them."""
+    victims = [greedy(p, k=3) for p in PROMPTS]
+    alone = [run_alone(engine, r) for r in victims]
+    first = alone[1][0][0]  # the culprit's prompt is PROMPTS[1]: its first token starts the bad word
+    assert 999999 >= engine.runner.vocab_size
+    make = engine.intake.sequence
+
+    def past_intake(request, callback):
+        seq = make(request, callback)
+        if seq.params.bad_words_ids:
+            seq.params.bad_words_ids = [[first, 999999]]
+        return seq
+
+    monkeypatch.setattr(engine.intake, "sequence", past_intake)
+    bad = Request(prompt=PROMPTS[1], params=SamplingParams(max_tokens=16, temperature=0.0, bad_words_ids=[[first, 1]]))
+    got = run_together(engine, [victims[0], bad, victims[1], victims[2]])
+    ids, _, last = got.pop(1)
+    for (ids_, text, _), (a_ids, a_text, _) in zip(got, alone):
+        assert (ids_, text) == (a_ids, a_text)
+    assert last.finish_reason == "error" and "decode failed (IndexError" in last.error and ids == [first], last
+    assert max(recoveries) >= 2, recoveries
+    assert_clean(engine)
+
+
 def test_the_engine_sets_the_gil_switch_interval_it_is_configured_with(engine):
     """Every torch op and kernel call releases the GIL; while another Python thread is busy, the loop
     thread waits the interpreter's switch interval to take it back (5 ms by default: a step 10-160x

@@ -63,3 +63,26 @@ def test_matcher_fault_reaches_the_decoder_inside_a_wrapper(monkeypatch):
     inj.after_append(SimpleNamespace(fault=faults.Fault("matcher_error"), guide=SimpleNamespace(grammar=None), slot=0),
                      unguided)
     assert unguided.matchers[0] is None
+
+
+def test_step_error_makes_the_whole_step_raise_naming_no_request_past_the_first_token(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1")
+    inj = faults.injector()
+    logits = torch.zeros(3, 2, 4)
+    inj.poison(logits, [seq(), seq("nan_logits")])  # no step_error: nothing raised
+    with pytest.raises(faults.InjectedStepError, match="injected step fault"):
+        inj.poison(logits, [seq(), seq("step_error"), seq()])
+    first = SimpleNamespace(fault=faults.Fault("step_error"), output_ids=[])  # its prefill: not yet
+    inj.poison(logits, [first])
+    monkeypatch.delenv(faults.ENV)
+    inj.poison(logits, [seq("step_error")])  # injection off: nothing
+
+
+def test_stall_engine_blocks_the_loop_as_it_takes_the_request(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1")
+    inj = faults.injector()
+    assert inj.parse("stall_engine:0.2") == faults.Fault("stall_engine", 0.2)
+    t0 = time.monotonic()
+    inj.on_submit(seq("stall_engine", 0.2))
+    assert time.monotonic() - t0 >= 0.2
+    inj.on_submit(seq("step_error"))  # other faults: nothing at submit
