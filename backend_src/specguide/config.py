@@ -150,6 +150,8 @@ class EngineConfig:
     # grows ~cubically with optional ones); 0 = no limit
     guided_max_nesting_depth: int = 64  # JSON nesting of a guide, and of sampling_parameters (+ 8); 0 = none
     guided_max_repetition: int = 65536  # largest {n,m} / maxLength / maxItems bound in a guide; 0 = none
+    guided_max_expansion: int = 1048576  # what a guide expands to: the largest product of nested bounds
+    # ({n,m} inside {n,m}, minItems x minItems x minLength, through $refs and rule references); 0 = none
     max_prompt_bytes: int = 0  # text_input larger is refused before tokenizing; 0 = 16 x max_seq_len
     max_sampling_parameters_bytes: int = 0  # sampling_parameters / request parameters JSON, and the
     # stop_words / bad_words tensors (each), larger are refused before parsing; 0 = guide limit + 64 KiB
@@ -178,6 +180,7 @@ class EngineConfig:
                           ("guided_mask_threads", 1), ("guided_compile_timeout_s", 0), ("request_timeout_s", 0),
                           ("drain_timeout_s", 0), ("guided_max_guide_bytes", 0), ("guided_max_schema_properties", 0),
                           ("guided_max_nesting_depth", 0), ("guided_max_repetition", 0), ("max_prompt_bytes", 0),
+                          ("guided_max_expansion", 0),
                           ("max_sampling_parameters_bytes", 0), ("gil_switch_interval_ms", 0),
                           ("engine_nice", 0)):
             _check(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)!r}")
