@@ -104,6 +104,11 @@ class EngineConfig:
     warmup: bool = True  # run one forward at start so the first request is not slow
     request_timeout_s: float = 0.0  # default per-request time limit (queue + generation); 0 = none
     drain_timeout_s: float = 25.0  # unload: in-flight requests get this long to finish, then are cancelled
+    engine_stall_s: float = 30.0  # watchdog: an engine process that, with requests in flight, turns its
+    # loop no more (no step, no idle turn) or takes no request for this long is killed and restarted like
+    # a crashed one (its requests end with UNAVAILABLE; counted in specguide_engine_restarts_total); 0 = off
+    engine_start_timeout_s: float = 600.0  # an engine process not loaded and warmed up this long after it
+    # started is killed (start-up, or a restart, fails); 0 = wait for it however long it takes
     num_draft_tokens: int = 3  # K: draft tokens verified per step (0 = no speculation); per request <= K
     drafter: str = "hybrid"  # "ngram" (prompt lookup) | "grammar" (grammar-forced jump-forward tokens,
     # then n-gram) | "head" (trained draft head) | "hybrid" (head + grammar-forced + trusted n-gram,
@@ -155,6 +160,15 @@ class EngineConfig:
     max_prompt_bytes: int = 0  # text_input larger is refused before tokenizing; 0 = 16 x max_seq_len
     max_sampling_parameters_bytes: int = 0  # sampling_parameters / request parameters JSON, and the
     # stop_words / bad_words tensors (each), larger are refused before parsing; 0 = guide limit + 64 KiB
+    max_stop_strings: int = 64  # stop strings per request (vLLM / OpenAI `stop`): each is searched for
+    # in the new text at every token; counted before any is read (0 = no limit)
+    max_stop_token_ids: int = 256  # vLLM `stop_token_ids` per request (0 = no limit)
+    max_stop_words: int = 256  # TensorRT-LLM stop words per request (`stop_words` and `stop_words_list`
+    # together): each token sequence is compared with the output's end at every token; counted before
+    # any is tokenized (0 = no limit)
+    max_bad_words: int = 256  # bad words per request (`bad_words`, `bad_words_list`, vLLM `bad_words`),
+    # as max_stop_words (0 = no limit)
+    max_word_tokens: int = 8192  # token ids in a request's stop words and bad words together (0 = no limit)
     guided_mask_threads: int = 1  # threads for the batched mask fill (1 is fastest on 2 cores)
     guided_executor: str = "auto"  # where the step's grammar callbacks run: "inline" (at once),
     # "worker" (a worker thread: the race test mode), "cuda" (host functions on a grammar
@@ -179,9 +193,12 @@ class EngineConfig:
                           ("ngram_trust", 1), ("spec_max_rows", 0), ("guided_compile_workers", 1),
                           ("guided_mask_threads", 1), ("guided_compile_timeout_s", 0), ("request_timeout_s", 0),
                           ("drain_timeout_s", 0), ("guided_max_guide_bytes", 0), ("guided_max_schema_properties", 0),
+                          ("engine_stall_s", 0), ("engine_start_timeout_s", 0),
                           ("guided_max_nesting_depth", 0), ("guided_max_repetition", 0), ("max_prompt_bytes", 0),
                           ("guided_max_expansion", 0),
                           ("max_sampling_parameters_bytes", 0), ("gil_switch_interval_ms", 0),
+                          ("max_stop_strings", 0), ("max_stop_token_ids", 0), ("max_stop_words", 0),
+                          ("max_bad_words", 0), ("max_word_tokens", 0),
                           ("engine_nice", 0)):
             _check(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)!r}")
         _check(self.engine_nice <= 19, f"engine_nice must be in [0, 19], got {self.engine_nice}")

@@ -11,14 +11,14 @@ from typing import Any, Callable, Iterable
 
 from .config import EngineConfig
 from .faults import Injector
-from .guided.budget import within_budget
+from .guided.budget import completion_cap, within_budget
 from .guided.json_scanner import Scanner
 from .guided.params import normalize_structural_tag
 from .guided.regex_completion import RegexScanner
 from .guided.schema_completion import Schemas
 from .guided.tag_completion import TagScanner
 from .guided.reasoning import Reasoning
-from .request import InvalidRequestError, Request, RequestOutput, error_code
+from .request import InvalidRequestError, ListLimits, Request, RequestOutput, check_token_ids, error_code
 from .scheduler import Sequence
 from .sequence_state import GuideState, OutputState
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -38,6 +38,7 @@ starts, then collects, their grammar compiles."""
         self.eos_token_ids = eos_token_ids
         self.compiler = compiler  # starts a guided request's grammar compile
         self.faults = faults
+        self.lists = ListLimits.from_config(config)  # the per-token lists' caps (the stub checks them first)
         self._ids = itertools.count(1)
         markers = config.reasoning()  # reasoning models: guides wait for the end marker
         self.reasoning = None if markers is None else Reasoning.for_tokenizer(
@@ -46,9 +47,7 @@ starts, then collects, their grammar compiles."""
     def _prompt_ids(self, request: Request) -> list[int]:
         if request.prompt_ids is not None:
             ids = [int(t) for t in request.prompt_ids]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"input token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+            check_token_ids(ids, "input_ids", self.vocab_size)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
         else:
@@ -66,19 +65,12 @@ starts, then collects, their grammar compiles."""
         cfg, vocab = self.config, self.vocab_size
         ids = self._prompt_ids(request)
         p = request.params
-        p.validate(cfg.max_tokens_limit)
+        p.validate(cfg.max_tokens_limit, vocab, self.lists)  # every id in the vocabulary, the lists within their caps
         p.normalize(vocab)
         k = request.num_draft_tokens
         if k is not None and not 0 <= k <= cfg.num_draft_tokens:
             raise InvalidRequestError(f"num_draft_tokens must be in [0, {cfg.num_draft_tokens}] "
                                       f"(the configured maximum), got {k}")
-        if p.end_id is not None and not 0 <= p.end_id < vocab:
-            raise InvalidRequestError(f"end_id {p.end_id} is outside the vocabulary")
-        bad = [t for t in p.logit_bias if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}")
-        if any(not 0 <= t < vocab for word in p.stop_token_seqs for t in word):
-            raise InvalidRequestError(f"stop token sequences hold ids outside [0, {vocab})")
         timeout = request.timeout_s if request.timeout_s is not None else cfg.request_timeout_s
         if not (timeout >= 0 and math.isfinite(timeout)):
             raise InvalidRequestError(f"timeout_s must be a finite number >= 0 (0 = none), got {timeout}")
@@ -109,17 +101,19 @@ starts, then collects, their grammar compiles."""
         if not stops:
             return guide
         budget = min(p.max_tokens, self.config.max_seq_len - len(seq.prompt_ids))
-        return within_budget(guide, self._scanner(g.guide_type, g.guide, guide), budget, self.compiler.token_bytes,
-                             self.tokenizer.encode, stops[0])
+        cap = completion_cap(budget, self.compiler.token_bytes)
+        return within_budget(guide, self._scanner(g.guide_type, g.guide, guide, cap), budget,
+                             self.compiler.token_bytes, self.tokenizer.encode, stops[0])
 
-    def _scanner(self, guide_type: str, text: str, guide: Any) -> Callable[[], Any]:
-        """The budget's reader of the answer so far (guided/budget.py), made when the guide is."""
+    def _scanner(self, guide_type: str, text: str, guide: Any, cap: int) -> Callable[[], Any]:
+        """The budget's reader of the answer so far (guided/budget.py), made when the guide is; it
+        builds no completion longer than `cap` bytes (what the budget could hold)."""
         if guide_type == "regex":
-            return lambda: RegexScanner(text)
+            return lambda: RegexScanner(text, cap)
         if guide_type == "structural_tag":
             return lambda: TagScanner(normalize_structural_tag(json.loads(text)), self.compiler.token_bytes,
-                                      self.tokenizer.encode)
-        return lambda: Scanner(Schemas(guide.schema))
+                                      self.tokenizer.encode, cap)
+        return lambda: Scanner(Schemas(guide.schema, cap))
 
     def poll_compiles(self, waiting: Iterable[Sequence]) -> list[tuple[Sequence, str, str]]:
         """Move finished grammar compiles onto their sequences; returns (sequence, error message,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -20,6 +20,53 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses (INVALID_ARG)."""
 
     code = "INVALID_ARG"  # the Triton error code name a client gets
+
+
+def limit_exceeded(what: str, n: int, unit: str, limit: int, setting: str) -> InvalidRequestError:
+    """The refusal of an input past a cap: what, its count, the limit and the setting that raises it."""
+    return InvalidRequestError(f"{what} has {n} {unit}; the limit is {limit} (the setting {setting}, an "
+                               f"EngineConfig field and config.pbtxt parameter, raises it)")
+
+
+def check_token_ids(ids: Any, what: str, vocab_size: int) -> None:
+    """Every token id in `ids` (ints or an integer array) is in [0, vocab_size) (vocab_size 0: unknown,
+    only >= 0 is checked); else InvalidRequestError naming `what` and the first bad value. One pass.
+    The one range check of every client-given id: the Triton stub's parsing (per input, the field's
+    name) and the engine's intake (SamplingParams.validate) both call it."""
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+        a = ids.reshape(-1)
+        bad = np.flatnonzero((a < 0) | (a >= vocab_size)) if vocab_size else np.flatnonzero(a < 0)
+        first = int(a[bad[0]]) if bad.size else None
+    else:
+        first = next((t for t in ids if not (0 <= t < vocab_size if vocab_size else t >= 0)), None)
+    if first is not None:
+        rule = f"in [0, {vocab_size}) (the model's vocabulary)" if vocab_size else ">= 0"
+        raise InvalidRequestError(f"{what} token ids must be {rule}: {first} is out of range")
+
+
+@dataclass(frozen=True)
+class ListLimits:
+    """Per-request counts of the lists the engine loop scans on every token (stop strings, stop
+    token ids, stop word and bad word token sequences): each costs work per generated token, so a
+    client may not pick them without bound. Built from EngineConfig (its fields of the same names);
+    0 = no cap."""
+
+    max_stop_strings: int = 64  # stop strings (vLLM / OpenAI `stop`)
+    max_stop_token_ids: int = 256  # vLLM `stop_token_ids`
+    max_stop_words: int = 256  # TensorRT-LLM stop words: `stop_words` and `stop_words_list` together
+    max_bad_words: int = 256  # bad words: `bad_words`, `bad_words_list`, vLLM `bad_words`
+    max_word_tokens: int = 8192  # token ids in a request's stop words and bad words together
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ListLimits":
+        return cls(cfg.max_stop_strings, cfg.max_stop_token_ids, cfg.max_stop_words, cfg.max_bad_words,
+                   cfg.max_word_tokens)
+
+    def check(self, what: str, n: int, unit: str, setting: str) -> None:
+        """InvalidRequestError when `n` exceeds the cap named `setting` (one of this class's fields)."""
+        limit = getattr(self, setting)
+        if limit and n > limit:
+            raise limit_exceeded(what, n, unit, limit, setting)
 
 
 class QueueFullError(RuntimeError):
@@ -100,7 +147,9 @@ class SamplingParams:
         if self.top_k >= vocab_size:
             self.top_k = 0
 
-    def validate(self, max_tokens_limit: int) -> None:
+    def validate(self, max_tokens_limit: int, vocab_size: int = 0, lists: Optional[ListLimits] = None) -> None:
+        """InvalidRequestError naming the first bad value. With `vocab_size`, every token id is checked
+        against it (else only >= 0); with `lists`, the per-token lists' counts against their caps."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens}")
         if self.max_tokens > max_tokens_limit:
@@ -140,6 +189,26 @@ class SamplingParams:
             raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        self._check_lists(vocab_size, lists)
+
+    def _check_lists(self, vocab_size: int, lists: Optional[ListLimits]) -> None:
+        """The lists scanned on every generated token within their caps (counts first: one pass each),
+        then every token id inside the vocabulary."""
+        if lists is not None:
+            lists.check("stop", len(self.stop), "strings", "max_stop_strings")
+            lists.check("stop_token_ids", len(self.stop_token_ids), "ids", "max_stop_token_ids")
+            lists.check("the stop words", len(self.stop_token_seqs), "token sequences", "max_stop_words")
+            lists.check("the bad words", len(self.bad_words_ids), "token sequences", "max_bad_words")
+            n = sum(map(len, self.stop_token_seqs)) + sum(map(len, self.bad_words_ids))
+            lists.check("the stop words and bad words", n, "token ids", "max_word_tokens")
+        check_token_ids(self.stop_token_ids, "stop_token_ids", vocab_size)
+        for word in self.stop_token_seqs:
+            check_token_ids(word, "stop words'", vocab_size)
+        for word in self.bad_words_ids:
+            check_token_ids(word, "bad words'", vocab_size)
+        check_token_ids(self.logit_bias, "logit_bias", vocab_size)
+        if self.end_id is not None:
+            check_token_ids((self.end_id,), "end_id", vocab_size)
 
 
 class UndeclaredKeys(str, Enum):

@@ -115,3 +115,35 @@ def test_tool_calls_close_whole_within_max_tokens(engine):
         jsonschema.validate(json.loads(call.arguments), schema)
     assert (toks_on, final_on.finish_reason) == (toks, "stop")
     assert uncapped.finish_reason == "length" and not cut.endswith("</tool_call>")
+
+
+def test_guides_that_expand_too_far_are_refused_at_intake_and_bounded_past_it(engine, held_out):
+    """Issue 75: arrays nested 10 deep with minItems 1000 (10^30 integers) and `(a{4000}){4000}`
+    (16M characters; each bound alone is allowed) are refused at submit, naming
+    guided_max_expansion. With that check off they compile (lazily, in ms), and the budget's step
+    on the engine loop refuses them at once without building their shortest answers (before: a
+    MemoryError after seconds, 35 s for the regex); the engine serves the next request."""
+    from specguide.request import InvalidRequestError
+
+    nested: dict = {"type": "integer"}
+    for _ in range(10):
+        nested = {"type": "array", "minItems": 1000, "items": nested}
+    prompt, _ = held_out[0]
+    guides = [GuidedDecodingParams("json_schema", json.dumps(nested)), GuidedDecodingParams("regex", "(a{4000}){4000}")]
+    reqs = [Request(prompt=prompt, params=SamplingParams(max_tokens=16, temperature=0.0), guided=g) for g in guides]
+    for req in reqs:
+        with pytest.raises(InvalidRequestError, match=r"expands to \d+ repetitions.*the limit is 1048576 "
+                                                      r"\(the setting guided_max_expansion"):
+            engine.submit(req)
+    limits = engine.compiler.limits
+    engine.compiler.limits = dataclasses.replace(limits, max_expansion=0, max_repetition=0)
+    try:
+        ok = Request(prompt="The capital of France is", params=SamplingParams(max_tokens=4, temperature=0.0))
+        *refused, (toks, _, fine) = run_many(engine, reqs + [ok])
+    finally:
+        engine.compiler.limits = limits
+    for _, _, final in refused:
+        assert final.finish_reason == "error" and final.error_code == "INVALID_ARG", final
+        assert "max_tokens 16 cannot hold a valid answer" in final.error
+    assert fine.finish_reason == "length" and len(toks) == 4
+    engine.scheduler.check_integrity()

@@ -150,12 +150,16 @@ def test_embedding_bias_of_the_ensemble_and_of_tensorrt_llm(server):
                                         "embedding_bias_words": np.array([[b" zebra"]], np.object_),
                                         "embedding_bias_weights": np.array([[100.0]], np.float32)})
     assert got[-1][0].as_numpy("text_output")[0].decode() == " zebra" * 4
-    dense = np.zeros((1, max(ids) + 1), np.float32)
+    from specguide.triton.limits import model_vocab_size
+
+    dense = np.zeros((1, model_vocab_size(_model_dir())), np.float32)  # one value per token id, as TensorRT-LLM takes it
     dense[0, ids[0]] = -100.0
     got = _stream(server, "specguide", {"text_input": S(PROMPT), "max_tokens": I(4), "exclude_input_in_output": B(True),
                                         "embedding_bias": dense})
     banned = got[-1][0].as_numpy("output_ids").reshape(-1).tolist()
     assert banned[0] != ids[0] and ids[0] not in banned
+    short = _stream(server, "specguide", {"text_input": S(PROMPT), "max_tokens": I(4), "embedding_bias": dense[:, :-1]})
+    assert short[-1][1] is not None and "embedding_bias has 49151 values" in short[-1][1].message()
 
 
 def test_tensorrt_llm_core_names_over_grpc_and_http(server):

@@ -14,18 +14,21 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from client.common import _chunk_from_result, grpc_inputs
 
 from .conftest import MODEL, Server, launch, repository_with, stop_and_check
+from .helpers import B, I, S, raw_stream
 from .test_resilience_server import PROMPT, http
 
 SETTINGS = {"max_slots": "4", "guided_compile_timeout_s": "2", "guided_max_schema_properties": "0"}
 REGEX = "[0-9]{3}-[0-9]{4}"
 GT, G = "guided_decoding_guide_type", "guided_decoding_guide"
 N_BACKGROUND = 1200  # tokens of the stream that runs while big prompts are refused
+N_VICTIM = 400  # tokens of the stream that runs beside out-of-vocabulary ids
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,7 @@ class Stream:
         self.errors: list[str] = []
         self.t_error = 0.0
         self.ntokens = 0
+        self.text = ""  # the streamed text, all of it
         self.done = threading.Event()
         self.t0 = time.perf_counter()
         self.client = grpcclient.InferenceServerClient(server.grpc)
@@ -60,6 +64,7 @@ class Stream:
             self.done.set()
             return
         c = _chunk_from_result(result, now)
+        self.text += c.text
         if c.token_ids:
             self.times.append(now)
             ns = result.as_numpy("last_token_time_ns")
@@ -190,6 +195,45 @@ def test_tiny_temperature_is_greedy_and_a_huge_top_k_is_off(hostile):
     assert tiny["text_output"] == greedy["text_output"]
     status, body = http(hostile, f"models/{MODEL}/generate",
                         {"text_input": "Hi", "max_tokens": 4, "sampling_parameters": json.dumps({"top_k": 1e30, "seed": 1})})
+    assert status == 200 and body["text_output"], body
+
+
+def test_an_id_outside_the_vocabulary_is_refused_at_intake_and_the_stream_beside_it_runs_on(hostile):
+    """Issue 75, measured: `bad_words_list` [[[T, 999999], [2, -1]]] (T the first token the model
+    writes for that prompt) passed intake; once T was written the next step banned token 999999,
+    failed with an IndexError and ended every stream in it with `decode failed`. The same with
+    `stop_token_ids` [999999] and min_tokens (stop ids are banned before min_tokens). Now each is
+    INVALID_ARG naming the field and the value, before the engine sees it, and a stream running
+    beside them writes what it writes alone."""
+    attack_prompt = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+    first = raw_stream(hostile, {"text_input": S(attack_prompt), "max_tokens": I(1), "stream": B(True)})
+    assert first[0][1] is None, first[0][1].message()
+    t = int(first[0][0].as_numpy("output_ids").reshape(-1)[0])
+    victim_values = {"text_input": PROMPT, "max_tokens": N_VICTIM, "min_tokens": N_VICTIM}
+    solo = Stream(hostile, victim_values).wait()
+    assert not solo.errors and solo.ntokens == N_VICTIM, solo.errors
+
+    victim = Stream(hostile, victim_values)
+    deadline = time.monotonic() + 120
+    while len(victim.times) < 3:
+        assert time.monotonic() < deadline, "the victim stream never started"
+        time.sleep(0.01)
+    words = np.array([[[t, 999999], [2, -1]]], np.int32)
+    bad = raw_stream(hostile, {"text_input": S(attack_prompt), "max_tokens": I(16), "stream": B(True),
+                               "bad_words_list": words})
+    stop_ids = raw_stream(hostile, {"text_input": S(attack_prompt), "max_tokens": I(16), "stream": B(True),
+                                    "sampling_parameters": S(json.dumps({"stop_token_ids": [999999], "min_tokens": 4,
+                                                                         "temperature": 0}))})
+    t_refused = time.perf_counter()
+    victim.wait()
+    assert not victim.errors, victim.errors
+    assert victim.ntokens == N_VICTIM and victim.text == solo.text
+    for got, field in ((bad, "bad_words_list"), (stop_ids, "stop_token_ids")):
+        assert len(got) == 1 and got[0][1] is not None, f"{field}: answered instead of refused"
+        message = got[0][1].message()
+        assert field in message and "999999 is out of range" in message and "vocabulary" in message, message
+    assert victim.times[-1] > t_refused  # the refusals came while the victim was still streaming
+    status, body = http(hostile, f"models/{MODEL}/generate", {"text_input": PROMPT, "max_tokens": 8})
     assert status == 200 and body["text_output"], body
 
 

@@ -668,6 +668,7 @@ class FakeEngine:
 
     instances = []
     pid, drafter, warmup_s, head_drafter, frozen_objects = 0, "ngram", 0.0, None, 0
+    info = SimpleNamespace(model_dir="")  # no config.json: the stub checks token ids against no vocabulary
 
     def __init__(self, config, log=None, server_pid=None):
         import threading

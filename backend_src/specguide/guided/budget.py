@@ -17,6 +17,11 @@ decoding: speculation stays lossless. Where the scanner cannot tell (an anyOf be
 pattern-constrained string half written) or the grammar refuses the completion, it does nothing
 and the grammar's mask stands. A regex guide gets the same through `RegexScanner`: the states of
 an NFA of the regex after the text so far, and the shortest text that completes the match.
+
+What this costs is bounded by the budget, never by what the guide asks for (issue 75): a
+completion longer than the budget's bytes (`completion_cap`: tokens left x the longest token's
+bytes) cannot fit, so no scanner builds it (TooLong); at most 2 x (budget + 2) tokens' worth of a
+completion is tokenized and checked against the grammar.
 """
 from __future__ import annotations
 
@@ -28,9 +33,24 @@ import torch
 
 from ..request import InvalidRequestError
 from .backend import CompiledGuide, Encode, Matcher, fill_by_class
-from .regex_completion import Unknown
+from .regex_completion import MAX_BYTES, TooLong, Unknown
 
 SLACK = 8  # tokens kept in hand beyond what one free token may add to the completion
+_LONGEST: dict[int, tuple[Sequence[bytes], int]] = {}  # id(vocabulary) -> (it, its longest token's bytes)
+
+
+def longest_token(token_bytes: Sequence[bytes]) -> int:
+    """The most bytes one token holds (once per vocabulary; at least 1)."""
+    hit = _LONGEST.get(id(token_bytes))
+    if hit is None or hit[0] is not token_bytes:
+        hit = _LONGEST[id(token_bytes)] = (token_bytes, max((len(t) for t in token_bytes), default=1) or 1)
+    return hit[1]
+
+
+def completion_cap(budget: int, token_bytes: Sequence[bytes]) -> int:
+    """The longest completion text worth building for a budget of `budget` tokens: anything longer
+    cannot fit (at most MAX_BYTES; the scanners' `max_bytes`)."""
+    return min(MAX_BYTES, max(1, budget) * longest_token(token_bytes))
 
 
 class BudgetPlan:
@@ -41,6 +61,7 @@ class BudgetPlan:
     def __init__(self, scanner: Any, token_bytes: Sequence[bytes], encode: Encode, stop_id: int, budget: int):
         self.scanner = scanner
         self.token_bytes, self.encode, self.stop_id, self.budget = token_bytes, encode, stop_id, budget
+        self.longest = longest_token(token_bytes)
         self.forced: dict[int, int] = {}
 
     def tokens(self, text: str) -> list[int]:
@@ -60,6 +81,7 @@ class BudgetMatcher(Matcher):
         self._texts: dict[int, Optional[str]] = {}  # per state index: the completion's text
         self._growths: dict[int, int] = {}  # per state index: Scanner.growth
         self._plans: dict[int, Optional[list[int]]] = {}  # per state index: its verified tokens + stop
+        self._cut: set[int] = set()  # state indices whose plan is only the first left + 1 tokens
 
     # -- the completion ---------------------------------------------------------------------
 
@@ -85,12 +107,21 @@ class BudgetMatcher(Matcher):
         return self._growths[i]
 
     def _completion(self) -> Optional[list[int]]:
-        """The verified completion tokens (stop token last) from the current state, or None."""
+        """The verified completion tokens (stop token last) from the current state, or None. Where
+        more than twice the budget, only its first 2 x (budget + 1) tokens (no stop): counted exactly as
+        far as a refusal's message needs, never more than can be used."""
         i = len(self.states) - 1
         if i not in self._plans:
             text, out = self._text(), None
             if text is not None:
-                toks = self.plan.tokens(text) + [self.plan.stop_id]
+                most = 2 * (self.plan.budget + 1)
+                chars = (most + 1) * self.plan.longest  # holds at least most + 1 tokens
+                toks = self.plan.tokens(text[:chars])
+                if len(text) <= chars:
+                    toks.append(self.plan.stop_id)
+                if len(toks) > most:  # cannot fit: the tokens it may still force (a cut text's
+                    toks = toks[:most]  # last tokens may differ from the whole text's: dropped)
+                    self._cut.add(i)
                 if self.inner.validate(toks) == len(toks):  # the grammar takes it, stop token included
                     out = toks
             self._plans[i] = out
@@ -136,6 +167,7 @@ class BudgetMatcher(Matcher):
             self.inner.rollback(n)
             for i in range(len(self.states) - n, len(self.states)):
                 self._plans.pop(i, None)
+                self._cut.discard(i)
                 self._texts.pop(i, None)
                 self._growths.pop(i, None)
             del self.states[len(self.states) - n:]
@@ -170,6 +202,7 @@ class BudgetMatcher(Matcher):
         self.inner.reset()
         self.states = [self.plan.scanner.start()]
         self._plans.clear()
+        self._cut.clear()
         self._texts.clear()
         self._growths.clear()
 
@@ -187,19 +220,35 @@ class BudgetMatcher(Matcher):
 def within_budget(guide: CompiledGuide, scanner: Any, budget: int, token_bytes: Sequence[bytes], encode: Encode,
                   stop_id: int) -> CompiledGuide:
     """`guide` whose matchers close the answer within `budget` tokens (stop token included);
-    `scanner`: `Scanner(Schemas(schema))` for JSON guides, `RegexScanner(pattern)` for regex ones,
-    `TagScanner(tag, token_bytes, encode)` for structural tags (tool calls).
+    `scanner`: `Scanner(Schemas(schema, cap))` for JSON guides, `RegexScanner(pattern, cap)` for regex
+    ones, `TagScanner(tag, token_bytes, encode, cap)` for structural tags (tool calls), cap =
+    `completion_cap(budget, token_bytes)` (or a callable that makes one).
     InvalidRequestError when even the shortest valid answer's text does not fit; the guide unchanged
     where its shortest answer cannot be told or fits only without its stop token."""
+    plan: Optional[BudgetPlan] = None
     try:
         plan = BudgetPlan(scanner() if callable(scanner) else scanner, token_bytes, encode, stop_id, budget)
-    except Unknown:
+        plan.scanner.completion(plan.scanner.start())  # TooLong here: no answer fits
+    except TooLong as e:
+        if e.limit < budget * longest_token(token_bytes):  # a cap below the budget's bytes proves nothing
+            return guide
+        raise InvalidRequestError(
+            f"max_tokens {budget} cannot hold a valid answer: the shortest one this guide accepts takes "
+            f"more than {budget} tokens ({e})") from None
+    except Unknown:  # cannot tell from the start (free text first, ...): the matchers may later
+        pass
+    if plan is None:
         return guide
     make = guide.make_matcher
     wrapped = dataclasses.replace(guide, make_matcher=lambda: BudgetMatcher(make(), plan), budget=plan)
-    first = BudgetMatcher(guide.matcher(), plan)._completion()
+    probe = BudgetMatcher(guide.matcher(), plan)
+    first = probe._completion()
     if first is None:  # cannot tell; or free text comes first (tool calls, `auto`): a call is finished once begun
         return wrapped if getattr(plan.scanner, "starts_in_free_text", False) else guide
+    if 0 in probe._cut:  # not even the text fits, by far (checked as far as it matters)
+        raise InvalidRequestError(
+            f"max_tokens {budget} cannot hold a valid answer: the shortest one this guide accepts takes "
+            f"more than {budget} tokens")
     if len(first) - 1 > budget:  # not even the text fits (the text without its stop token ends with "length")
         raise InvalidRequestError(
             f"max_tokens {budget} cannot hold a valid answer: the shortest one this guide accepts takes "

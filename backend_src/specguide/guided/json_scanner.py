@@ -1,6 +1,8 @@
 """Where in a JSON document the accepted bytes are (`Scanner`: State -> State against a schema),
 and the shortest text that completes a valid document from there (`Scanner.completion`) and the
-most one free token can add to it (`Scanner.growth`): the token budget's view (budget.py)."""
+most one free token can add to it (`Scanner.growth`): the token budget's view (budget.py).
+A completion longer than the schemas' `max_bytes` is never built (TooLong): its length is
+known before its text is."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .regex_completion import Unknown, shortest_match
-from .schema_completion import Schemas, json_text, merge_schemas, shortest_string
+from .regex_completion import TooLong, Unknown, again, shortest_match
+from .schema_completion import Schemas, count, json_text, shortest_string
 
 _WS = b" \t\n\r"
 _JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
@@ -47,9 +49,10 @@ class Scanner:
 
     def __init__(self, schemas: Schemas):
         self.s = schemas
-        # the open containers' closing text (or None: Unknown) by their configuration; the schema
+        # the open containers' closing text (or why none) by their configuration; the schema
         # nodes are kept alive in the value, so no other node can take their ids while cached
-        self._closings: dict[tuple, tuple[tuple[Any, ...], Optional[str]]] = {}
+        self._closings: dict[tuple, tuple[tuple[Any, ...], Any]] = {}
+        self._orders: dict[int, tuple[Any, dict[str, int]]] = {}  # id(properties) -> (them; key -> index)
 
     def child(self, frame: Optional[Frame]) -> Any:
         """The schema of the value that comes next in `frame` (the root's at the top)."""
@@ -80,13 +83,12 @@ class Scanner:
             return node
         for key in ("anyOf", "oneOf"):
             if isinstance(node.get(key), list):
-                base = {k: v for k, v in node.items() if k != key}
-                fits = [b for b in (self.s.resolve(x) for x in node[key]) if _starts(b, first)]
+                fits = [i for i, x in enumerate(node[key]) if _starts(self.s.resolve(x), first)]
                 if len(fits) != 1:
                     if len(fits) > 1 and first not in b"{[":
                         return {}  # several scalar branches: a scalar closes the same way in each
                     raise Unknown(f"{key}: {len(fits)} branches start with {chr(first)!r}")
-                return merge_schemas(base, fits[0])
+                return self.s.branches(node, key)[fits[0]]
         return node
 
     def start(self) -> State:
@@ -192,9 +194,10 @@ class Scanner:
                 stack.append(dataclasses.replace(top, keys=top.keys + (key,), phase="more"))
             else:
                 scalar = stack.pop()
-                out.append(_finish_scalar(kind, buf, self.s.resolve(scalar.schema)))
+                out.append(_finish_scalar(kind, buf, self.s.resolve(scalar.schema), self.s.max_bytes))
                 _value_done(stack)
         out.append(self._closing(stack))
+        self.s.fits(sum(map(len, out)), "the completion")
         return "".join(out)
 
     def _closing(self, stack: list[Frame]) -> str:
@@ -203,19 +206,21 @@ class Scanner:
         key = tuple((id(f.schema), f.kind, f.phase, f.keys, f.items) for f in stack)
         hit = self._closings.get(key)
         if hit is None:
-            frames, out, text = list(stack), [], None
+            frames, out, size = list(stack), [], 0
             try:
                 while frames:
                     out.append(self._close(frames.pop()))
+                    size += len(out[-1])
+                    self.s.fits(size, "the closing of the open containers")
                     _value_done(frames)
-                text = "".join(out)
-            except Unknown:
-                pass
+                text: Any = "".join(out)
+            except Unknown as e:
+                text = e
             if len(self._closings) >= CLOSINGS_KEPT:
                 self._closings.clear()
             hit = self._closings[key] = (tuple(f.schema for f in stack), text)
-        if hit[1] is None:
-            raise Unknown("the open containers cannot be closed")
+        if isinstance(hit[1], Unknown):
+            raise again(hit[1])
         return hit[1]
 
     def _finish_key(self, top: Frame, buf: bytes) -> tuple[str, str, str]:
@@ -227,7 +232,7 @@ class Scanner:
         props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
         if _escape_end(buf):
             raise Unknown("a half-written escape in a key")
-        done, prefix, required = set(top.keys), _decoded_prefix(buf), set(node.get("required", []))
+        done, prefix, required = set(top.keys), _decoded_prefix(buf), set(_required(node))
         later: list[str] = []
         for k in list(props)[self._next_index(top, props):]:
             if k not in done:
@@ -240,7 +245,7 @@ class Scanner:
                 raise Unknown("a key that matches no declared key")
             extra = node.get("additionalProperties", {})
             value = self.s.shortest(extra if isinstance(extra, dict) else {})
-            owed = [k for k in node.get("required", []) if k not in props and k not in done and k.startswith(prefix)]
+            owed = [k for k in _required(node) if k not in props and k not in done and k.startswith(prefix)]
             if owed:  # a required key the properties do not declare: this key may as well be it
                 key = min(owed, key=len)
                 return key, json_text(key)[1:][len(json_text(prefix)[1:-1]):], value
@@ -248,17 +253,18 @@ class Scanner:
         if later[-1] in required and later[-1] in options:  # any other key only adds to the keys still due
             key = later[-1]
         else:
-            key = min(options, key=lambda k: len(k) + len(self.s.shortest(props[k])))
+            key = min(options, key=lambda k: len(k) + self.s.cost(props[k]))
         return key, json_text(key)[1:][len(json_text(prefix)[1:-1]):], self.s.shortest(props[key])
 
     def _next_index(self, top: Frame, props: dict) -> int:
         """Keys come in the schema's order: the first property index after the last declared key."""
-        names = list(props)
-        last = -1
-        for k in top.keys:
-            if k in props:
-                last = max(last, names.index(k))
-        return last + 1
+        if not props:
+            return 0
+        hit = self._orders.get(id(props))
+        if hit is None:
+            hit = self._orders[id(props)] = (props, {k: i for i, k in enumerate(props)})
+        order = hit[1]
+        return max((order[k] for k in top.keys if k in order), default=-1) + 1
 
     def growth(self, st: State) -> int:
         """The most bytes one more element adds to the completion, over the open containers (one
@@ -270,15 +276,20 @@ class Scanner:
         node = self.s.resolve(top.schema)
         node = node if isinstance(node, dict) else {}
         if top.kind == "array":
-            text = ""
+            parts, need = [], count(node.get("minItems"))
             if top.phase == "value":  # after '[' or ',': an item must come unless '[' closes at once
-                if top.items > 0 or int(node.get("minItems", 0) or 0) > 0:
-                    text += self.s.shortest(self.child(top))
+                if top.items > 0 or need > 0:
+                    parts.append(self.s.shortest(self.child(top)))
                     top = dataclasses.replace(top, items=top.items + 1, phase="more")
-            for _ in range(top.items, int(node.get("minItems", 0) or 0)):
-                text += "," + self.s.shortest(self.child(top))
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            while top.items < min(need, len(prefix)):  # each prefixItems entry has its own value
+                parts.append("," + self.s.shortest(self.child(top)))
                 top = dataclasses.replace(top, items=top.items + 1)
-            return text + "]"
+            if top.items < need:  # the rest: copies of one item, measured before they are made
+                item = "," + self.s.shortest(self.child(top))
+                self.s.fits(sum(map(len, parts)) + (need - top.items) * len(item) + 1, "the minItems array")
+                parts.append(item * (need - top.items))
+            return "".join(parts) + "]"
         props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
         text = ""
         if top.phase == ":":
@@ -287,19 +298,20 @@ class Scanner:
         if top.phase == "value":
             text += self.s.shortest(self.child(top))
             top = dataclasses.replace(top, phase="more")
-        done = set(top.keys)
-        missing = [k for k in list(props)[self._next_index(top, props):]
-                   if k in set(node.get("required", [])) and k not in done]
-        missing += [k for k in node.get("required", []) if k not in props and k not in done]
+        done, required = set(top.keys), _required(node)
+        wanted = set(required)
+        missing = [k for k in list(props)[self._next_index(top, props):] if k in wanted and k not in done]
+        missing += [k for k in required if k not in props and k not in done]
         pairs = [json_text(k) + ":" + self.s.shortest(props.get(k, node.get("additionalProperties", {})
                                                                if isinstance(node.get("additionalProperties"), dict)
                                                                else {})) for k in missing]
+        self.s.fits(len(text) + sum(map(len, pairs)) + len(pairs) + 1, "the object")
         if top.phase == "key":  # after ',': a key must come
             if not pairs:
                 later = [k for k in list(props)[self._next_index(top, props):] if k not in done]
                 if not later:
                     raise Unknown("a comma with no key left to write")
-                k = min(later, key=lambda k: len(k) + len(self.s.shortest(props[k])))
+                k = min(later, key=lambda k: len(k) + self.s.cost(props[k]))
                 pairs = [json_text(k) + ":" + self.s.shortest(props[k])]
             return text + ",".join(pairs) + "}"
         if top.phase == "key?":
@@ -314,6 +326,12 @@ def _in_bounds(v: float, node: dict) -> bool:
     lo, hi, xlo, xhi = num("minimum"), num("maximum"), num("exclusiveMinimum"), num("exclusiveMaximum")
     return ((lo is None or v >= lo) and (hi is None or v <= hi) and (xlo is None or v > xlo)
             and (xhi is None or v < xhi))
+
+
+def _required(node: dict) -> list[str]:
+    """A schema's `required` keys (strings only)."""
+    req = node.get("required")
+    return [k for k in req if isinstance(k, str)] if isinstance(req, list) else []
 
 
 def _value_done(stack: list[Frame]) -> None:
@@ -368,7 +386,7 @@ def _decoded_prefix(buf: bytes) -> str:
     raise Unknown("undecodable string prefix")
 
 
-def _finish_scalar(kind: str, buf: bytes, node: Any) -> str:
+def _finish_scalar(kind: str, buf: bytes, node: Any, max_bytes: int) -> str:
     node = node if isinstance(node, dict) else {}
     if kind == "literal":
         for word in ("true", "false", "null"):
@@ -398,11 +416,13 @@ def _finish_scalar(kind: str, buf: bytes, node: Any) -> str:
     if isinstance(node.get("format"), str):
         if prefix:
             raise Unknown("a string with a format half written")
-        return json_text(shortest_string(node))[1:]
+        return json_text(shortest_string(node, max_bytes))[1:]
     if isinstance(node.get("pattern"), str):
-        end = shortest_match(node["pattern"], prefix)
-        if len(prefix + end) < int(node.get("minLength", 0) or 0):
+        end = shortest_match(node["pattern"], prefix, max_bytes)
+        if len(prefix + end) < count(node.get("minLength")):
             raise Unknown("pattern and minLength")
         return escape + json_text(end)[1:]
-    missing = max(0, int(node.get("minLength", 0) or 0) - len(prefix))
+    missing = max(0, count(node.get("minLength")) - len(prefix))
+    if missing + 2 > max_bytes:
+        raise TooLong("the rest of the minLength string", max_bytes)
     return escape + "a" * missing + '"'

@@ -1,10 +1,18 @@
 """The shortest text that completes a regex match: a Thompson NFA over characters (`Nfa`), for
 JSON Schema's `pattern` strings (`shortest_match`) and for regex guides (`RegexScanner`, the
 scanner of a regex guide's token budget, budget.py). `Unknown` is raised by every budget scanner
-where it cannot tell the shortest completion (the budget then does nothing)."""
+where it cannot tell the shortest completion (the budget then does nothing); `TooLong` where the
+completion is longer than the scanner's byte cap (it cannot fit the budget: issue 75).
+
+Every size here is bounded, whatever the client writes: an NFA holds at most MAX_STATES states
+(`(a{4000}){4000}` is refused before it is built, from sre's width), and the shortest end comes
+from distances to the accepting state computed once per NFA (one pass over its edges), so a
+completion costs its own length, never a search of the automaton."""
 from __future__ import annotations
 
+import functools
 import re
+from collections import deque
 from typing import Any, Optional
 
 try:  # the regex parser re uses (its old top-level names are deprecated since 3.11)
@@ -19,10 +27,59 @@ class Unknown(Exception):
     """The scanner cannot tell the shortest completion from here (the budget then does nothing)."""
 
 
-def shortest_match(pattern: str, prefix: str = "") -> str:
+class TooLong(Unknown):
+    """The shortest completion is longer than `limit` bytes (the scanner's cap): what a budget of
+    that many bytes cannot hold, so it need not be built."""
+
+    def __init__(self, what: str, limit: int):
+        super().__init__(f"{what} is longer than {limit} bytes")
+        self.what, self.limit = what, limit
+
+
+def again(e: Unknown) -> Unknown:
+    """A fresh copy of a memoized failure (raising one instance again and again grows its traceback)."""
+    return TooLong(e.what, e.limit) if isinstance(e, TooLong) else Unknown(*e.args)
+
+
+MAX_BYTES = 1 << 20  # the default cap on a completion's text (budget.completion_cap gives a request's)
+MAX_STATES = 1 << 12  # NFA states a regex may build (a character's step costs up to all of them)
+
+
+def shortest_match(pattern: str, prefix: str = "", max_bytes: int = MAX_BYTES) -> str:
     """The shortest text that, after `prefix`, makes a string JSON Schema's `pattern` accepts
-    (a search: unanchored ends take anything); Unknown when none (or the regex is beyond this)."""
-    return Nfa(pattern).shortest_end(prefix)
+    (a search: unanchored ends take anything); Unknown when none (or the regex is beyond this),
+    TooLong when longer than `max_bytes`."""
+    return nfa(pattern, False, max_bytes).shortest_end(prefix, max_bytes=max_bytes)
+
+
+def nfa(pattern: str, full: bool, max_bytes: int = MAX_BYTES) -> "Nfa":
+    """The NFA of `pattern` (cached); TooLong when its shortest match alone is longer than
+    `max_bytes`, Unknown when it cannot be built (or needs more than MAX_STATES states)."""
+    built = _nfa(pattern, full)
+    if isinstance(built, Nfa):
+        return built
+    why, min_width = built
+    if min_width is not None and min_width > max_bytes:
+        raise TooLong(f"the shortest match of {pattern[:40]!r}", max_bytes)
+    raise Unknown(why)
+
+
+class _TooBig(Unknown):
+    def __init__(self, min_width: int):
+        super().__init__(f"the regex needs more than {MAX_STATES} NFA states")
+        self.min_width = min_width
+
+
+@functools.lru_cache(maxsize=16)
+def _nfa(pattern: str, full: bool) -> "Nfa | tuple[str, Optional[int]]":
+    """The NFA, or why not (and the shortest match's width when it is too big): failures are
+    cached too, so a refused pattern is not parsed again at every token."""
+    try:
+        return Nfa(pattern, full)
+    except _TooBig as e:
+        return str(e), e.min_width
+    except Unknown as e:
+        return str(e), None
 
 
 _MAX_COPIES = 64  # {m,n} with n - m beyond this is taken as {m,} (the grammar's own check still holds)
@@ -31,15 +88,22 @@ _PICKS = "a0A_-. "  # representative characters tried first for a character clas
 
 class Nfa:
     """Thompson NFA of a regex (sre_parse's tree) over characters: just enough for the shortest end.
-    `full`: the whole text must match (a regex guide); else a search (JSON Schema's `pattern`)."""
+    `full`: the whole text must match (a regex guide); else a search (JSON Schema's `pattern`).
+    `_TooBig` (an Unknown) past `max_states` states."""
 
-    def __init__(self, pattern: str, full: bool = False):
+    def __init__(self, pattern: str, full: bool = False, max_states: int = MAX_STATES):
         try:
             tree = sre_parse.parse(pattern)
-        except (re.error, RecursionError) as e:
-            raise Unknown(f"pattern {pattern!r}: {e}") from None
+            min_width = tree.getwidth()[0]  # saturating, from the tree: nothing is expanded
+        except (re.error, RecursionError, OverflowError, ValueError) as e:
+            raise Unknown(f"pattern {pattern[:40]!r}: {e}") from None
+        self.max_states, self.min_width = max_states, min_width
+        if min_width >= max_states:  # at least one state per character of the shortest match
+            raise _TooBig(min_width)
         self.eps: list[list[int]] = []
         self.moves: list[list[tuple[Any, int]]] = []  # (predicate, target)
+        self._dist: Optional[tuple[list[int], list[tuple[int, str]]]] = None  # _distances, once
+        self._picks: dict[int, Optional[str]] = {}  # id(predicate) -> the character it is walked with
         items = list(tree)
         anchored_start = full or (bool(items) and items[0][0] == sre_constants.AT
                                   and items[0][1] == sre_constants.AT_BEGINNING)
@@ -55,6 +119,8 @@ class Nfa:
         self.accept = s
 
     def _state(self) -> int:
+        if len(self.eps) >= self.max_states:
+            raise _TooBig(self.min_width)
         self.eps.append([])
         self.moves.append([])
         return len(self.eps) - 1
@@ -128,24 +194,57 @@ class Nfa:
                 raise Unknown("the text leaves the pattern")
         return cur
 
-    def shortest_end(self, prefix: str, cur: Optional[frozenset[int]] = None) -> str:
+    def shortest_end(self, prefix: str, cur: Optional[frozenset[int]] = None, max_bytes: int = MAX_BYTES) -> str:
+        """The shortest text that takes the states after `prefix` (from `cur`) to the accepting
+        state: the nearest state's distance, then its path (its own length in steps)."""
         cur = self.step(self.initial() if cur is None else cur, prefix)
-        seen, frontier = set(cur), [(s, "") for s in cur]
-        while frontier:  # breadth first: the first accepting state reached is the shortest end
-            nxt = []
-            for s, text in frontier:
-                if s == self.accept:
-                    return text
+        dist, nxt = self._distances()
+        best = min(cur, key=lambda s: (dist[s], s))
+        if dist[best] == _FAR:
+            raise Unknown("no end matches the pattern")
+        if dist[best] > max_bytes:
+            raise TooLong("the rest of the match", max_bytes)
+        out, s = [], best
+        while s != self.accept:  # the first character move on a shortest way (as a forward search
+            d = dist[s]          # meets them), else the BFS's step: each step nears the end
+            step = next(((t, c) for c, t in ((self._picks[id(p)], t) for p, t in self.moves[s])
+                         if c is not None and dist[t] == d - 1), None) or nxt[s]
+            s = step[0]
+            if step[1]:
+                out.append(step[1])
+        return "".join(out)
+
+    def _distances(self) -> tuple[list[int], list[tuple[int, str]]]:
+        """Per state: characters to the accepting state, and the next step on a shortest way there
+        (state, character or ''); one 0-1 BFS backwards over every edge, once per NFA."""
+        if self._dist is None:
+            n = len(self.eps)
+            back: list[list[tuple[int, str]]] = [[] for _ in range(n)]
+            for s in range(n):
+                for t in self.eps[s]:
+                    back[t].append((s, ""))
                 for pred, t in self.moves[s]:
-                    c = _pick(pred)
-                    if c is None:
-                        continue
-                    for u in self._closure({t}):
-                        if u not in seen:
-                            seen.add(u)
-                            nxt.append((u, text + c))
-            frontier = nxt
-        raise Unknown("no end matches the pattern")
+                    c = self._picks[id(pred)] = _pick(pred)  # the predicates live in self.moves
+                    if c is not None:
+                        back[t].append((s, c))
+            dist, nxt = [_FAR] * n, [(-1, "")] * n
+            dist[self.accept] = 0
+            todo = deque([self.accept])
+            while todo:  # eps edges cost 0 (to the front), characters 1 (to the back)
+                t = todo.popleft()
+                for s, c in back[t]:
+                    d = dist[t] + (1 if c else 0)
+                    if d < dist[s]:
+                        dist[s], nxt[s] = d, (t, c)
+                        if c:
+                            todo.append(s)
+                        else:
+                            todo.appendleft(s)
+            self._dist = (dist, nxt)  # one assignment: a thread reading it sees all or nothing
+        return self._dist
+
+
+_FAR = 1 << 62  # no way to the accepting state
 
 
 def _pick(pred: Any) -> Optional[str]:
@@ -180,10 +279,12 @@ def _in_set(c: str, items: Any) -> bool:
 
 class RegexScanner:
     """A regex guide's scanner (the whole answer matches): the NFA's states after the text so far;
-    the completion is the shortest end of the match; one free token adds at most SLACK."""
+    the completion is the shortest end of the match (TooLong past `max_bytes`); one free token adds
+    at most SLACK."""
 
-    def __init__(self, pattern: str):
-        self.nfa = Nfa(pattern, full=True)
+    def __init__(self, pattern: str, max_bytes: int = MAX_BYTES):
+        self.max_bytes = max_bytes
+        self.nfa = nfa(pattern, True, max_bytes)
 
     def start(self) -> tuple[frozenset[int], bytes]:
         return self.nfa.initial(), b""
@@ -202,7 +303,7 @@ class RegexScanner:
         cur, pending = state
         if pending:
             raise Unknown("half a UTF-8 character")
-        return self.nfa.shortest_end("", cur)
+        return self.nfa.shortest_end("", cur, self.max_bytes)
 
     def growth(self, state: Any) -> int:
         return 0

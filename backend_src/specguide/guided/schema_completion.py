@@ -1,72 +1,166 @@
 """The shortest valid JSON value of a schema (`Schemas.shortest`), $refs resolved and allOf parts
-merged; the budget's JSON scanner (json_scanner.py) completes open values with these."""
+merged; the budget's JSON scanner (json_scanner.py) completes open values with these.
+
+Bounded whatever the schema says (issue 75): a value longer than `max_bytes` is never built
+(`TooLong`: its length is known from its parts before they are joined, so `minItems` nested ten
+deep costs ten steps, not 1000^10 bytes); all the values one request builds take at most
+`Work.limit` bytes and `Work.max_steps` schema nodes; derived nodes ($ref with siblings, allOf,
+anyOf branches) are made once per content, so $ref chains are not walked once per path."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
-from .regex_completion import Unknown, shortest_match
+from .regex_completion import MAX_BYTES, TooLong, Unknown, again, shortest_match
 
 _FORMATS = {"date": "2000-01-01", "time": "00:00:00Z", "date-time": "2000-01-01T00:00:00Z", "email": "a@a.aa",
             "uuid": "00000000-0000-0000-0000-000000000000", "ipv4": "0.0.0.0", "ipv6": "::", "hostname": "a",
             "uri": "a:a", "uri-reference": "a", "duration": "P0D"}
+WORK_PER_BYTE = 8  # the bytes of shortest values a request may build, per byte of its completion cap
+MAX_STEPS = 1 << 16  # schema nodes a request's shortest values may evaluate
+
+
+class Work:
+    """What one request's shortest values may cost in all (shared by the schemas of its tags):
+    `limit` bytes built, `max_steps` nodes evaluated; past either, what is not built yet is Unknown.
+    `steps` and `used` are what was spent (the tests read them)."""
+
+    def __init__(self, limit: int, max_steps: int = MAX_STEPS):
+        self.limit, self.max_steps, self.used, self.steps = limit, max_steps, 0, 0
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps > self.max_steps or self.used > self.limit:
+            raise Unknown(f"the shortest values take more than {self.max_steps} steps or {self.limit} bytes")
+
+    def spend(self, nbytes: int) -> None:
+        self.used += nbytes
+
+
+def count(v: Any) -> int:
+    """A schema's count keyword (minItems, minLength, ...) as an int >= 0 (saturating; 0 if not a number)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v <= 0:
+        return 0
+    return int(v) if v < 1 << 62 else 1 << 62
 
 
 class Schemas:
-    """A JSON schema's nodes, $refs resolved, with the shortest valid value of each (memoized)."""
+    """A JSON schema's nodes, $refs resolved, with the shortest valid value of each (memoized);
+    values longer than `max_bytes` raise TooLong."""
 
-    def __init__(self, root: Any):
+    def __init__(self, root: Any, max_bytes: int = MAX_BYTES, work: Optional[Work] = None):
         self.root = root
-        self._short: dict[int, tuple[Any, str]] = {}  # id -> (the node, kept alive so its id stays its own; text)
+        self.max_bytes = max_bytes
+        self.work = work if work is not None else Work(WORK_PER_BYTE * max_bytes)
+        # id -> (the node, kept alive so its id stays its own; its text, or why it has none)
+        self._short: dict[int, tuple[Any, Any]] = {}
         self._busy: set[int] = set()
+        self._recursions = 0  # recursion hits so far: a failure that met one is not memoized
         self._extra: dict[tuple[int, str], tuple[Any, int]] = {}  # (id, kind) -> (the node, kept alive; bytes)
+        self._resolved: dict[int, tuple[Any, Any]] = {}  # id -> (the node, kept alive; resolve's result)
+        self._resolving: set[int] = set()
+        self._merged: dict[tuple, tuple[Any, Any, Any]] = {}  # merge's key -> (a, b, kept alive; the merge)
+        self._branches: dict[tuple[int, str], tuple[Any, list]] = {}  # (id, anyOf/oneOf) -> (node; branches)
 
     def resolve(self, node: Any) -> Any:
-        """The node with its local $ref followed and its allOf parts merged (shallow)."""
+        """The node with its local $ref followed and its allOf parts merged (shallow), made once."""
+        if not isinstance(node, dict) or ("$ref" not in node and "allOf" not in node):
+            return node  # nothing to resolve (and nothing kept: `{}` defaults are made per call)
+        hit = self._resolved.get(id(node))
+        if hit is None:
+            if id(node) in self._resolving:
+                raise Unknown("a $ref / allOf cycle")
+            self._resolving.add(id(node))
+            try:
+                hit = self._resolved[id(node)] = (node, self._resolve(node))
+            finally:
+                self._resolving.discard(id(node))
+        return hit[1]
+
+    def _resolve(self, node: Any) -> Any:
         for _ in range(32):
             if not isinstance(node, dict) or "$ref" not in node:
                 break
             target = self._pointer(node["$ref"])
             rest = {k: v for k, v in node.items() if k != "$ref"}
-            node = merge_schemas(target, rest) if rest else target
+            node = self.merge(target, rest) if rest else target
         if isinstance(node, dict) and isinstance(node.get("allOf"), list):
             merged = {k: v for k, v in node.items() if k != "allOf"}
             for part in node["allOf"]:
-                merged = merge_schemas(merged, self.resolve(part))
+                merged = self.merge(merged, self.resolve(part))
             node = merged
         return node
 
-    def _pointer(self, ref: str) -> Any:
-        if not ref.startswith("#"):
-            raise Unknown(f"remote $ref {ref}")
+    def merge(self, a: Any, b: Any) -> Any:
+        """merge_schemas(a, b), one node per content (a's and b's entries by identity), so nodes
+        derived along different paths are one node, evaluated once."""
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            return merge_schemas(a, b)
+        if not a:
+            return b
+        key = (tuple((k, id(v)) for k, v in a.items()), id(b))
+        hit = self._merged.get(key)
+        if hit is None:
+            hit = self._merged[key] = (a, b, merge_schemas(a, b))
+        return hit[2]
+
+    def branches(self, node: dict, key: str) -> list:
+        """The anyOf / oneOf branches of a resolved node, each merged with the node's other keywords."""
+        hit = self._branches.get((id(node), key))
+        if hit is None:
+            base = {k: v for k, v in node.items() if k != key}
+            hit = self._branches[(id(node), key)] = (node, [self.merge(base, self.resolve(b)) for b in node[key]])
+        return hit[1]
+
+    def _pointer(self, ref: Any) -> Any:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise Unknown(f"remote $ref {str(ref)[:40]}")
         node = self.root
         for part in [p for p in ref[1:].split("/") if p]:
             part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, list):
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
                 node = node[int(part)]
             elif isinstance(node, dict) and part in node:
                 node = node[part]
             else:
-                raise Unknown(f"$ref {ref} does not resolve")
+                raise Unknown(f"$ref {ref[:40]} does not resolve")
         return node
 
+    def fits(self, nbytes: int, what: str) -> None:
+        """TooLong when a value of `nbytes` bytes would pass the cap (checked before it is built)."""
+        if nbytes > self.max_bytes:
+            raise TooLong(what, self.max_bytes)
+
     def shortest(self, node: Any) -> str:
-        """The shortest JSON text valid for `node` (compact)."""
+        """The shortest JSON text valid for `node` (compact); TooLong past max_bytes."""
         node = self.resolve(node)
         if node is True or node == {} or node is None:
             return "0"
         if node is False:
             raise Unknown("false schema")
+        if not isinstance(node, dict):
+            raise Unknown("not a schema")
         key = id(node)
-        if key in self._short:
-            return self._short[key][1]
+        hit = self._short.get(key)
+        if hit is not None:
+            if isinstance(hit[1], Unknown):
+                raise again(hit[1])
+            return hit[1]
         if key in self._busy:  # a recursive schema: its shortest value does not recurse (else no finite value)
+            self._recursions += 1
             raise Unknown("recursion")
+        self.work.step()
         self._busy.add(key)
+        before = self._recursions
         try:
             out = self._shortest(node)
+        except Unknown as e:
+            if self._recursions == before:  # not a recursion seen from here: the same from any path
+                self._short[key] = (node, e)
+            raise
         finally:
             self._busy.discard(key)
+        self.work.spend(len(out))
         self._short[key] = (node, out)
         return out
 
@@ -77,31 +171,33 @@ class Schemas:
             return min((json_text(v) for v in node["enum"]), key=len)
         for key in ("anyOf", "oneOf"):
             if isinstance(node.get(key), list):
-                base = {k: v for k, v in node.items() if k != key}
-                options = []
-                for branch in node[key]:
-                    try:
-                        options.append(self.shortest(merge_schemas(base, self.resolve(branch))))
-                    except Unknown:
-                        pass
-                if not options:
-                    raise Unknown(f"no branch of {key} has a shortest value")
-                return min(options, key=len)
+                return self._best(key, [lambda b=b: self.shortest(b) for b in self.branches(node, key)])
         types = node.get("type")
         if types is None:
             types = "object" if "properties" in node or "required" in node else \
                 "array" if "items" in node or "prefixItems" in node else None
         if types is None:
             return "0"
-        options = []
-        for t in (types if isinstance(types, list) else [types]):
+        return self._best(f"type {types}", [lambda t=t: self._typed(node, t)
+                                            for t in (types if isinstance(types, list) else [types])])
+
+    def _best(self, what: str, options: list) -> str:
+        """The shortest of the options that can be told; TooLong when each is too long."""
+        if len(options) == 1:
+            return options[0]()
+        texts, long = [], 0
+        for option in options:
             try:
-                options.append(self._typed(node, t))
+                texts.append(option())
+            except TooLong:
+                long += 1
             except Unknown:
                 pass
-        if not options:
-            raise Unknown(f"no shortest value for type {types}")
-        return min(options, key=len)
+        if texts:
+            return min(texts, key=len)
+        if long and long == len(options):
+            raise TooLong(f"every {what} option", self.max_bytes)
+        raise Unknown(f"no shortest value for {what}")
 
     def _typed(self, node: dict, t: str) -> str:
         if t == "null":
@@ -109,38 +205,50 @@ class Schemas:
         if t == "boolean":
             return "true"
         if t in ("integer", "number"):
-            return _number(node, t == "integer")
+            try:
+                return _number(node, t == "integer")
+            except (OverflowError, ValueError, TypeError, ZeroDivisionError):
+                raise Unknown("bounds past the number range") from None
         if t == "string":
-            return json_text(shortest_string(node))
+            return json_text(shortest_string(node, self.max_bytes))
         if t == "array":
             prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
-            n = int(node.get("minItems", 0) or 0)
-            items = [self.shortest(prefix[i] if i < len(prefix) else node.get("items", {})) for i in range(n)]
-            return "[" + ",".join(items) + "]"
+            n = count(node.get("minItems"))
+            items = [self.shortest(prefix[i]) for i in range(min(n, len(prefix)))]
+            rest = n - len(items)
+            item = self.shortest(node.get("items", {})) if rest else ""
+            self.fits(2 + sum(map(len, items)) + rest * len(item) + max(0, n - 1), "the minItems array")
+            return "[" + ",".join(items + [item] * rest) + "]"
         if t == "object":
             props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-            required = [k for k in props if k in set(node.get("required", []))]
-            extra = [k for k in node.get("required", []) if k not in props]
+            req = [k for k in node.get("required", []) if isinstance(k, str)] \
+                if isinstance(node.get("required"), list) else []
+            required = [k for k in props if k in set(req)]
+            extra = [k for k in req if k not in props]
             if extra and node.get("additionalProperties") is False:
                 raise Unknown("a required key that may not appear")
             pairs = [(k, props[k]) for k in required] + [(k, node.get("additionalProperties", {})
                                                           if isinstance(node.get("additionalProperties"), dict) else {})
                                                          for k in extra]
-            need = int(node.get("minProperties", 0) or 0) - len(pairs)
-            optional = sorted((k for k in props if k not in required), key=lambda k: len(k) + len(self._try(props[k])))
-            pairs += [(k, props[k]) for k in optional[:max(0, need)]]
-            if len(pairs) < int(node.get("minProperties", 0) or 0):
+            least = count(node.get("minProperties"))
+            if least > len(props) + len(extra):
                 raise Unknown("minProperties beyond the declared keys")
+            need = least - len(pairs)
+            if need > 0:
+                optional = sorted((k for k in props if k not in required), key=lambda k: len(k) + self.cost(props[k]))
+                pairs += [(k, props[k]) for k in optional[:need]]
             order = {k: i for i, k in enumerate(props)}
             pairs.sort(key=lambda kv: order.get(kv[0], len(order)))
-            return "{" + ",".join(json_text(k) + ":" + self.shortest(v) for k, v in pairs) + "}"
+            texts = [json_text(k) + ":" + self.shortest(v) for k, v in pairs]
+            self.fits(2 + sum(map(len, texts)) + len(texts), "the object")
+            return "{" + ",".join(texts) + "}"
         raise Unknown(f"type {t}")
 
     def extra(self, node: Any, kind: str) -> int:
         """Bytes one more element of an object / array of this schema can add at most (memoized)."""
         node = self.resolve(node)
         node = node if isinstance(node, dict) else {}
-        key = (id(node), kind)
+        key = (id(node), kind) if node else (0, kind)  # every `{}` alike (defaults are made per call)
         if key not in self._extra:
             most = 0
             if kind == "array":
@@ -149,7 +257,8 @@ class Schemas:
                 most = max(1 + self._size(sub) for sub in subs)
             else:
                 props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
-                required = set(node.get("required", []))
+                required = set(k for k in node.get("required", []) if isinstance(k, str)) \
+                    if isinstance(node.get("required"), list) else set()
                 most = max((2 + len(json_text(k)) + self._size(v) for k, v in props.items() if k not in required),
                            default=0)
                 if node.get("additionalProperties") is not False and not node.get("patternProperties"):
@@ -159,17 +268,24 @@ class Schemas:
         return self._extra[key][1]
 
     def _size(self, node: Any) -> int:
-        """Bytes of the shortest value (64 where it cannot be told: a recursive schema)."""
+        """Bytes of the shortest value (64 where it cannot be told: a recursive schema; the cap
+        and one where it is too long)."""
         try:
             return len(self.shortest(node))
+        except TooLong:
+            return self.max_bytes + 1
         except Unknown:
             return 64
 
-    def _try(self, node: Any) -> str:
+    def cost(self, node: Any) -> int:
+        """Bytes of the shortest value, to order keys by (1000 where it cannot be told, past the cap
+        where it is too long)."""
         try:
-            return self.shortest(node)
+            return len(self.shortest(node))
+        except TooLong:
+            return self.max_bytes + 1
         except Unknown:
-            return "x" * 1000
+            return 1000
 
 
 def merge_schemas(a: Any, b: Any) -> Any:
@@ -211,16 +327,18 @@ def _number(node: dict, integer: bool) -> str:
     return repr(float(v))
 
 
-def shortest_string(node: dict) -> str:
-    """The shortest string a string schema accepts (minLength, format, pattern)."""
+def shortest_string(node: dict, max_bytes: int = MAX_BYTES) -> str:
+    """The shortest string a string schema accepts (minLength, format, pattern); TooLong past max_bytes."""
     fmt = node.get("format")
     if isinstance(fmt, str) and fmt in _FORMATS:
         return _FORMATS[fmt]
     if isinstance(fmt, str) and fmt not in ("regex",):
-        raise Unknown(f"format {fmt}")
-    n = int(node.get("minLength", 0) or 0)
+        raise Unknown(f"format {fmt[:40]}")
+    n = count(node.get("minLength"))
+    if n + 2 > max_bytes:
+        raise TooLong("the minLength string", max_bytes)
     if isinstance(node.get("pattern"), str):
-        s = shortest_match(node["pattern"])
+        s = shortest_match(node["pattern"], max_bytes=max_bytes)
         if len(s) < n:
             raise Unknown("pattern and minLength")
         return s

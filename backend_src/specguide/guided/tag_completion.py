@@ -13,6 +13,10 @@ where a trigger starts a call). Anything else raises Unknown and the guide keeps
   in free text    Unknown: the budget never ends free text early (the answer keeps "length"),
                   it only finishes a call once one has begun; right after a call, as between
                   calls: the output ends there when another call could not fit
+
+Free text is matched against the triggers by one automaton (Aho-Corasick over the triggers'
+bytes), so a byte costs the same whatever the triggers' lengths; the tags' shortest calls share
+one `Work` and one byte cap (`max_bytes`).
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ from enum import Enum
 from typing import Any, Callable, Optional, Sequence
 
 from .json_scanner import Scanner, State
-from .regex_completion import Unknown
-from .schema_completion import Schemas
+from .regex_completion import MAX_BYTES, TooLong, Unknown
+from .schema_completion import WORK_PER_BYTE, Schemas, Work
 
 
 class TagMode(Enum):
@@ -46,6 +50,7 @@ class TagState:
     tag: int = -1
     json: Optional[State] = None
     fresh: bool = False  # TEXT: a call has just ended, no text since
+    node: int = 0  # TEXT: the trigger automaton's node (the text's end that may begin a trigger)
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,8 @@ class TagScanner:
     cannot. `token_bytes`: the vocabulary, to tell whether one token can reach past a call's end;
     `encode`: the tokenizer's, to count the tokens of a whole new call."""
 
-    def __init__(self, structural_tag: Any, token_bytes: Sequence[bytes], encode: Callable[[str], list[int]]):
+    def __init__(self, structural_tag: Any, token_bytes: Sequence[bytes], encode: Callable[[str], list[int]],
+                 max_bytes: int = MAX_BYTES):
         fmt = structural_tag.get("format") if isinstance(structural_tag, dict) else None
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         try:
@@ -72,9 +78,14 @@ class TagScanner:
         specs = [fmt] if self.mode == TagMode.ONE else fmt.get("tags")
         if not isinstance(specs, list) or not specs:
             raise Unknown("no tags")
-        self.tags = [_tag(s) for s in specs]
+        self.max_bytes, work = max_bytes, Work(WORK_PER_BYTE * max_bytes)  # one cost for all the tags
+        try:
+            self.tags = [_tag(s, max_bytes, work) for s in specs]
+        except TooLong as e:  # another tag may be short: the budget cannot tell
+            raise Unknown(f"a tag's shortest call: {e}") from None
         self.sep = str(fmt.get("separator", "")).encode() if self.mode == TagMode.SEPARATED else b""
         self.triggers = [str(t).encode() for t in fmt.get("triggers", [])] if self.mode == TagMode.TRIGGERED else []
+        self._ac = _Triggers(self.triggers)
         self.at_least_one = self.mode == TagMode.ONE or bool(fmt.get("at_least_one", False))
         self.one_call = self.mode == TagMode.ONE or bool(fmt.get("stop_after_first", False))
         if self.mode == TagMode.TRIGGERED and (self.at_least_one or not self.triggers
@@ -113,12 +124,11 @@ class TagScanner:
         if st.phase == Phase.TEXT:
             if st.calls and self.one_call:
                 raise Unknown("text after the one call")
-            text = st.buf + b
-            for trig in self.triggers:
-                if text.endswith(trig):
-                    return self._head(TagState(Phase.BETWEEN, st.calls, trig))
-            keep = max((n for trig in self.triggers for n in range(1, len(trig)) if text.endswith(trig[:n])), default=0)
-            return TagState(Phase.TEXT, st.calls, text[len(text) - keep:] if keep else b"")
+            node = self._ac.step(st.node, c)
+            hit = self._ac.hit[node]
+            if hit >= 0:
+                return self._head(TagState(Phase.BETWEEN, st.calls, self.triggers[hit]))
+            return TagState(Phase.TEXT, st.calls, node=node)
         if st.phase == Phase.BETWEEN:
             if st.calls and self.one_call:
                 raise Unknown("bytes after the one call")
@@ -216,12 +226,58 @@ def _holding(token_bytes: Sequence[bytes], b: bytes) -> list[bytes]:
     return hit[1]
 
 
-def _tag(spec: Any) -> _Tag:
+class _Triggers:
+    """Aho-Corasick over the triggers' bytes: node 0 is the empty text; a node is the longest end
+    of the text that begins a trigger; `hit[node]`: the first trigger (in list order) the text
+    then ends with, else -1. Built in the triggers' total length; `step` memoized per (node, byte)."""
+
+    def __init__(self, triggers: list[bytes]):
+        self._steps: dict[tuple[int, int], int] = {}
+        self.children: list[dict[int, int]] = [{}]
+        self.hit, self.fail, depth = [-1], [0], [0]
+        ends: list[list[int]] = [[]]
+        for i, trig in enumerate(triggers):
+            node = 0
+            for c in trig:
+                nxt = self.children[node].get(c)
+                if nxt is None:
+                    nxt = self.children[node][c] = len(self.children)
+                    self.children.append({})
+                    self.hit.append(-1)
+                    self.fail.append(0)
+                    depth.append(depth[node] + 1)
+                    ends.append([])
+                node = nxt
+            ends[node].append(i)
+        order, k = [0], 0
+        while k < len(order):  # breadth first: a node's failure link is shallower, so set before it
+            node = order[k]
+            k += 1
+            for c, child in self.children[node].items():
+                self.fail[child] = 0 if node == 0 else self.step(self.fail[node], c)
+                order.append(child)
+        for node in order:
+            own = min(ends[node], default=-1)
+            inherited = self.hit[self.fail[node]] if node else -1
+            self.hit[node] = min((h for h in (own, inherited) if h >= 0), default=-1)
+
+    def step(self, node: int, c: int) -> int:
+        """The node after byte `c`."""
+        out = self._steps.get((node, c))
+        if out is None:  # each (node, byte) once: a byte costs O(1) after the first time
+            start = node
+            while node and c not in self.children[node]:
+                node = self.fail[node]
+            out = self._steps[(start, c)] = self.children[node].get(c, 0)
+        return out
+
+
+def _tag(spec: Any, max_bytes: int, work: Work) -> _Tag:
     content = spec.get("content") if isinstance(spec, dict) else None
     if not isinstance(content, dict) or content.get("type") != "json_schema" \
             or not isinstance(spec.get("begin"), str) or not isinstance(spec.get("end"), str) or not spec["end"]:
         raise Unknown("a tag that is not begin + JSON schema + end")
-    schemas = Schemas(content.get("json_schema", {}))
+    schemas = Schemas(content.get("json_schema", {}), max_bytes, work)
     root = schemas.resolve(schemas.root)
     begin, end = spec["begin"].encode(), spec["end"].encode()
     return _Tag(begin, end, Scanner(schemas), begin + schemas.shortest(root).encode() + end,

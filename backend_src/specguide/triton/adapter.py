@@ -33,7 +33,7 @@ from . import io
 from .groups import Group, Seq, shaped
 from .instance import Instance
 from .interfaces import INTERFACES, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
-from .limits import BIG_REQUEST_BYTES, InputLimits, request_bytes
+from .limits import BIG_REQUEST_BYTES, InputLimits, model_vocab_size, request_bytes
 from .metrics import Metrics
 from .peer_metrics import PeerMetrics, Served
 from .stop_board import StopBoard
@@ -76,7 +76,9 @@ class TritonPythonModel:
         self.engine = EngineProcess(config, log=_log, server_pid=os.getppid())  # the stub's parent: tritonserver
         self.config = self.engine.config  # as the engine resolved it (slots sized to memory, ...)
         self.tokenizer = self.engine.tokenizer
-        self.limits = InputLimits.from_config(self.config)  # input caps, checked before any work
+        # input caps, checked before any work; every token id against the model's vocabulary (its
+        # config.json, as the engine reads it: an id past it must never reach a step)
+        self.limits = InputLimits.from_config(self.config, model_vocab_size(self.engine.info.model_dir))
         self.metrics = Metrics(pb_utils, self.model_name, self.model_version, self.instance.label)
         # the vLLM and TensorRT-LLM backends' families, per served model (the proxies' names up front)
         self._served_default = {i.kind: name for name, i in INTERFACES.items() if i.kind != "engine"}

@@ -25,7 +25,7 @@ import numpy as np
 from .. import faults
 from ..guided.limits import check_guide_text, check_json_text
 from ..guided.params import resolve_guided
-from ..request import InvalidRequestError, Request, SamplingParams
+from ..request import InvalidRequestError, Request, SamplingParams, check_token_ids
 from .interfaces import ALIASES, ERROR_OUTPUT_PARAMETER, INTERFACE_PARAMETER, SERVED_MODEL_PARAMETER, \
     SERVED_VERSION_PARAMETER, TRTLLM_INPUT_NAMES, TRTLLM_INPUTS, TRTLLM_OUTPUTS, VLLM_INPUT_NAMES, Spec
 from .limits import InputLimits, check_inputs
@@ -220,7 +220,7 @@ def _batch_size(tensors: dict[str, np.ndarray]) -> int:
 def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
     vllm = ctx.interface == "vllm"
     base = Request(request_id=ctx.request_id)
-    _parse_prompt(row, base)
+    _parse_prompt(row, base, ctx.limits.vocab_size)
 
     # sampling: vLLM JSON first (with vLLM's defaults), then the individual tensors override it
     sp_json = row.str("sampling_parameters")
@@ -228,15 +228,15 @@ def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
         sp_json = json.dumps({k: v for k, v in row.parameters.items() if k in VLLM_SAMPLING_KEYS})
     if sp_json:
         vllm_params = parse_json_object(sp_json, "sampling_parameters", ctx.limits.max_json_depth)
-        sp = sampling_from_vllm(vllm_params, ctx.tokenizer)
+        sp = sampling_from_vllm(vllm_params, ctx.tokenizer, ctx.limits.vocab_size, ctx.limits.lists)
     else:
         vllm_params, sp = None, SamplingParams(max_tokens=ctx.default_max_tokens, temperature=0.0)
     if not vllm:
-        _apply_tensor_sampling(row, sp, explicit_sampling=bool(sp_json), tokenizer=ctx.tokenizer)
+        _apply_tensor_sampling(row, sp, explicit_sampling=bool(sp_json), tokenizer=ctx.tokenizer, limits=ctx.limits)
     elif sp.prompt_logprobs is not None:  # vLLM's backend has no output for them (its config: ours)
         check_neutral("prompt_logprobs", sp.prompt_logprobs, 0)
         sp.prompt_logprobs = None
-    sp.validate(ctx.max_tokens_limit)
+    sp.validate(ctx.max_tokens_limit, ctx.limits.vocab_size, ctx.limits.lists)  # the engine's intake asks again
     base.params = sp
 
     # guided decoding: the TensorRT-LLM tensors or the vLLM JSON (one guide; guided.params checks it)
@@ -283,7 +283,7 @@ def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
 MAX_RETURN_SEQUENCES = 16
 
 
-def _parse_prompt(row: Row, req: Request) -> None:
+def _parse_prompt(row: Row, req: Request, vocab_size: int) -> None:
     if "text_input" in row.tensors:
         req.prompt = row.str("text_input")
         if not req.prompt:
@@ -297,9 +297,10 @@ def _parse_prompt(row: Row, req: Request) -> None:
         ids = ids[:length]
     if ids.size == 0:
         raise InvalidRequestError("input_ids is empty")
+    if ids.dtype.kind not in "iu":
+        raise InvalidRequestError(f"input_ids must hold integers (token ids), got {ids.dtype}")
+    check_token_ids(ids, "input_ids", vocab_size)
     req.prompt_ids = [int(i) for i in ids]
-    if min(req.prompt_ids) < 0:
-        raise InvalidRequestError("input_ids must be >= 0")
 
 
 def _response_shape(row: Row, ctx: _Context, vllm_params: Optional[dict]) -> ParsedRequest:
@@ -344,7 +345,8 @@ def _top_logprobs(vllm_params: Optional[dict]) -> Optional[int]:
     return n
 
 
-def _apply_tensor_sampling(row: Row, sp: SamplingParams, explicit_sampling: bool, tokenizer: Any) -> None:
+def _apply_tensor_sampling(row: Row, sp: SamplingParams, explicit_sampling: bool, tokenizer: Any,
+                           limits: InputLimits) -> None:
     """TensorRT-LLM tensors. Greedy unless temperature, top_k or top_p is given (TRT-LLM's rule);
     `top_k` / `top_p` <= 0 mean unset, as TensorRT-LLM's clients send 0 by default."""
     temperature, top_k, top_p = row.float("temperature"), row.int("top_k"), row.float("top_p")
@@ -367,30 +369,46 @@ def _apply_tensor_sampling(row: Row, sp: SamplingParams, explicit_sampling: bool
     seed = row.int("seed")
     if seed is not None:
         sp.seed = seed
+    vocab, lists = limits.vocab_size, limits.lists
     end_id = row.int("end_id")
     if end_id is not None:
+        check_token_ids((end_id,), "end_id", vocab)
         sp.end_id = end_id
-    # stop words end the sequence on their token sequences and stay in the output (TensorRT-LLM)
-    stop = encode_words(row.strs("stop_words"), tokenizer) + row.word_lists("stop_words_list")
+    pad_id = row.int("pad_id")  # not used here (no padding), but a token id all the same
+    if pad_id is not None:
+        check_token_ids((pad_id,), "pad_id", vocab)
+    # stop words end the sequence on their token sequences and stay in the output (TensorRT-LLM);
+    # strings are counted before they are tokenized, lists before their words are built
+    stop = _words(row, "stop_words", tokenizer, lists, "max_stop_words")
+    stop += row.word_lists("stop_words_list", lists, "max_stop_words", vocab)
     if stop:
         sp.stop_token_seqs = list(sp.stop_token_seqs) + stop
-    bad = encode_words(row.strs("bad_words"), tokenizer) + row.word_lists("bad_words_list")
+    bad = _words(row, "bad_words", tokenizer, lists, "max_bad_words")
+    bad += row.word_lists("bad_words_list", lists, "max_bad_words", vocab)
     if bad:
         sp.bad_words_ids = list(sp.bad_words_ids) + bad
     for key in PENALTIES:  # checked by SamplingParams.validate; they do not turn sampling on
         v = row.float(key)
         if v is not None:
             setattr(sp, key, v)
-    bias = _embedding_bias(row, tokenizer)
+    bias = _embedding_bias(row, tokenizer, vocab)
     if bias:
         sp.logit_bias = {**sp.logit_bias, **bias}
 
 
-def _embedding_bias(row: Row, tokenizer: Any) -> dict[int, float]:
+def _words(row: Row, name: str, tokenizer: Any, lists: Any, setting: str) -> list[list[int]]:
+    """The token ids of each of a STRING tensor's words (stop_words, bad_words), counted first."""
+    words = row.strs(name)
+    lists.check(name, len(words), "words", setting)
+    return encode_words(words, tokenizer)
+
+
+def _embedding_bias(row: Row, tokenizer: Any, vocab_size: int) -> dict[int, float]:
     """TensorRT-LLM's logit bias as {token id: bias}: the ensemble's words and weights (each of a
     word's token ids gets its weight added, as its preprocessing does) and `tensorrt_llm`'s dense
-    `embedding_bias` (its nonzero entries). Clamped to +-100 (the engine's range; past it a token is
-    already banned or forced)."""
+    `embedding_bias` (its nonzero entries; one value per token id of the model's vocabulary, as
+    TensorRT-LLM requires: another length is an error). Clamped to +-100 (the engine's range; past
+    it a token is already banned or forced)."""
     bias: dict[int, float] = {}
     words, weights = row.strs("embedding_bias_words"), row.values("embedding_bias_weights")
     weights = [] if weights is None else [float(w) for w in weights.reshape(-1)]
@@ -398,11 +416,16 @@ def _embedding_bias(row: Row, tokenizer: Any) -> dict[int, float]:
         raise InvalidRequestError(f"embedding_bias_words has {len(words)} words and embedding_bias_weights "
                                   f"{len(weights)} weights; they go in pairs")
     for word, weight in zip(words, weights):
-        for t in encode_words([word], tokenizer)[0] if word else []:
+        ids = encode_words([word], tokenizer)[0] if word else []
+        check_token_ids(ids, "embedding_bias_words", vocab_size)
+        for t in ids:
             bias[t] = bias.get(t, 0.0) + weight
     dense = row.values("embedding_bias")
-    if dense is not None:
+    if dense is not None and dense.size:  # the ensemble sends [B, 0] when it has no bias words
         dense = dense.reshape(-1)
+        if vocab_size and dense.size != vocab_size:
+            raise InvalidRequestError(f"embedding_bias has {dense.size} values; it takes one per token id of the "
+                                      f"model's vocabulary: {vocab_size}")
         for t in np.flatnonzero(dense).tolist():
             bias[t] = bias.get(t, 0.0) + float(dense[t])
     if any(not np.isfinite(v) for v in bias.values()):

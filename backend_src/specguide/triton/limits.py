@@ -7,13 +7,16 @@ it in microseconds; what passes tokenizes in a few milliseconds.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from ..guided.limits import GuideLimits
-from ..request import InvalidRequestError
+from ..models.gemma import MULTIMODAL
+from ..request import InvalidRequestError, ListLimits, limit_exceeded
 
 BIG_REQUEST_BYTES = 1 << 20  # requests past this trigger a malloc_trim once they are done with
 
@@ -28,17 +31,35 @@ class InputLimits:
     max_guide_bytes: int = 262144  # guided_decoding_guide (guided_max_guide_bytes)
     max_json_depth: int = 72  # sampling_parameters nesting (guided_max_nesting_depth + 8)
     guide: GuideLimits = GuideLimits()  # guide bytes and nesting, checked on the tensor before parsing
+    lists: ListLimits = ListLimits()  # stop strings, stop token ids, stop / bad words per request
+    vocab_size: int = 0  # the model's (its config.json): every token id a client sends is below it; 0 = unknown
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "InputLimits":
+    def from_config(cls, cfg: Any, vocab_size: int = 0) -> "InputLimits":
         depth = cfg.guided_max_nesting_depth + 8 if cfg.guided_max_nesting_depth else 0
         return cls(cfg.max_prompt_bytes, cfg.max_seq_len, cfg.max_sampling_parameters_bytes,
-                   cfg.guided_max_guide_bytes, depth, GuideLimits.from_config(cfg))
+                   cfg.guided_max_guide_bytes, depth, GuideLimits.from_config(cfg), ListLimits.from_config(cfg),
+                   vocab_size)
 
 
-def _refuse(what: str, n: int, unit: str, limit: int, setting: str) -> InvalidRequestError:
-    return InvalidRequestError(f"{what} has {n} {unit}; the limit is {limit} (the setting {setting}, an "
-                               f"EngineConfig field and config.pbtxt parameter, raises it)")
+def model_vocab_size(model_dir: Any) -> int:
+    """The model's vocabulary size as the engine reads it (config.json's `vocab_size`; a multimodal
+    Gemma 3's text model's), which every token id a client sends must stay below. Not the
+    tokenizer's length: the two may differ, and the engine's tables are the model's. 0 when it
+    cannot be read (the engine's intake checks the ids all the same)."""
+    if not model_dir:
+        return 0
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        if cfg.get("model_type") in MULTIMODAL:
+            cfg = cfg.get("text_config") or {}
+        n = cfg.get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
+_refuse = limit_exceeded  # "<what> has <n> <unit>; the limit is <limit> (the setting <setting> ...)"
 
 
 def _row_bytes(arr: np.ndarray) -> int:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..guided.limits import check_json_text
-from ..request import InvalidRequestError
+from ..request import InvalidRequestError, ListLimits, check_token_ids
 from .limits import InputLimits
 from .responses import UnsupportedError
 
@@ -55,22 +55,54 @@ class Row:
             return []
         return [s for s in (as_str(v, name) for v in vals) if s]
 
-    def word_lists(self, name: str) -> list[list[int]]:
-        """TensorRT-LLM's `[2, L]` word lists: flat token ids, then end offsets (-1 padded)."""
+    def word_lists(self, name: str, lists: ListLimits = ListLimits(), setting: str = "",
+                   vocab_size: int = 0) -> list[list[int]]:
+        """TensorRT-LLM's `[2, L]` word lists: flat token ids, then each word's end offset, increasing,
+        -1 padded at the end (its preprocessing's `_to_word_list_format` pads the ids with 0 and the
+        offsets with -1; TensorRT-LLM reads a word from the previous offset to its own). The count of
+        words (against `lists`' cap named `setting`) and their tokens (max_word_tokens) are checked
+        before any word is built, then every id against `vocab_size`: each a clear InvalidRequestError
+        naming `name` and the value. One pass over the tensor."""
         arr = self.tensors.get(name)
         if arr is None:
             return []
-        rows = np.asarray(arr[self.b] if arr.ndim == 3 else arr)
-        if rows.ndim != 2 or rows.shape[0] != 2:
-            raise InvalidRequestError(f"{name} must be [2, L] per row (token ids; end offsets), got {list(rows.shape)}")
-        ids, offsets = rows[0].tolist(), [int(o) for o in rows[1] if o >= 0]
-        words, start = [], 0
-        for end in offsets:
-            if not start < end <= len(ids) or min(ids[start:end]) < 0:
-                raise InvalidRequestError(f"{name}: offset {end} does not end a word of token ids")
-            words.append([int(i) for i in ids[start:end]])
-            start = end
-        return words
+        arr = np.asarray(arr)
+        if arr.ndim == 3:
+            if arr.shape[0] != 1 and arr.shape[0] <= self.b:
+                raise InvalidRequestError(f"{name} has {arr.shape[0]} rows; the prompt has more")
+            arr = arr[self.b if arr.shape[0] > self.b else 0]
+        if arr.ndim != 2 or arr.shape[0] != 2:
+            raise InvalidRequestError(f"{name} must be [2, L] per row (token ids; end offsets), got {list(arr.shape)}")
+        if arr.dtype.kind not in "iu":
+            raise InvalidRequestError(f"{name} must hold integers (token ids; end offsets), got {arr.dtype}")
+        ids, offsets = arr[0].astype(np.int64), arr[1].astype(np.int64)
+        pads = np.flatnonzero(offsets == -1)
+        n = int(pads[0]) if pads.size else offsets.size  # the words: the offsets before the -1 padding
+        after = offsets[n:][offsets[n:] != -1]
+        if after.size:
+            raise InvalidRequestError(f"{name}: offset {int(after[0])} follows a -1 (offsets are padded with -1 "
+                                      f"at the end only)")
+        ends = offsets[:n]
+        if setting:
+            lists.check(name, n, "words", setting)
+        if n == 0:
+            return []
+        negative = ends[ends < 0]
+        if negative.size:
+            raise InvalidRequestError(f"{name}: offset {int(negative[0])} is negative (only -1 pads the offsets)")
+        starts = np.concatenate(([0], ends[:-1]))
+        unordered = np.flatnonzero(ends <= starts)
+        if unordered.size:
+            i = int(unordered[0])
+            raise InvalidRequestError(f"{name}: offset {int(ends[i])} after {int(starts[i])} ends no word "
+                                      f"(offsets increase, from 1)")
+        if ends[-1] > ids.size:
+            raise InvalidRequestError(f"{name}: offset {int(ends[-1])} is past the end of its {ids.size} token ids")
+        used = ids[: ends[-1]]
+        lists.check(name, used.size, "token ids in its words", "max_word_tokens")
+        check_token_ids(used, name, vocab_size)
+        flat = used.tolist()
+        return [flat[s:e] for s, e in zip(starts.tolist(), ends.tolist())]
 
 
 DEFAULT_JSON_DEPTH = InputLimits().max_json_depth

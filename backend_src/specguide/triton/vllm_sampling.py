@@ -1,9 +1,9 @@
 """The vLLM backend's `sampling_parameters` JSON, read with vLLM's defaults and key names."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from ..request import InvalidRequestError, SamplingParams
+from ..request import InvalidRequestError, ListLimits, SamplingParams, check_token_ids
 from .responses import UnsupportedError
 from .values import as_bool, as_float, as_int, as_list, as_str, check_neutral, encode_words, json_type
 
@@ -29,7 +29,7 @@ VLLM_SAMPLING_KEYS = frozenset(_VLLM_INTS + _VLLM_FLOATS + tuple(_VLLM_NEUTRAL) 
                                + ("logit_bias", "include_stop_str_in_output"))
 
 
-def logit_bias(value: Any) -> dict[int, float]:
+def logit_bias(value: Any, vocab_size: int = 0) -> dict[int, float]:
     """vLLM's / OpenAI's `logit_bias`: {token id (an integer, or its decimal string as JSON keys are): bias}."""
     if not isinstance(value, dict):
         raise InvalidRequestError(f"logit_bias must be an object of token id: bias, got {json_type(value)}")
@@ -43,16 +43,20 @@ def logit_bias(value: Any) -> dict[int, float]:
         if bias is None:
             raise InvalidRequestError(f"logit_bias values must be numbers, got null for {k!r}")
         out[token] = bias
+    check_token_ids(out, "logit_bias", vocab_size)
     return out
 
 
-def sampling_from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
+def sampling_from_vllm(d: dict[str, Any], tokenizer: Any, vocab_size: int = 0,
+                       lists: Optional[ListLimits] = None) -> SamplingParams:
     """The vLLM backend's `sampling_parameters`, with vLLM's defaults (max_tokens 16, temperature 1.0).
 
     Values may be strings ("max_tokens": "16"), as genai-perf sends them. A key vLLM does not know
     is an error naming it. The guide (`structured_outputs` / `guided_decoding`) is read by
-    guided.params.resolve_guided.
+    guided.params.resolve_guided. Token ids are checked against `vocab_size` (0: only >= 0), and
+    the lists' lengths against `lists` (None: not here), before their entries are read.
     """
+    lists = lists or ListLimits(0, 0, 0, 0, 0)
     unknown = [k for k in d if k not in VLLM_SAMPLING_KEYS]
     if unknown:
         raise InvalidRequestError(f"sampling_parameters: unknown key '{unknown[0]}'")
@@ -72,13 +76,15 @@ def sampling_from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
         if isinstance(stop, str):
             sp.stop = [stop] if stop else []
         elif isinstance(stop, list):
+            lists.check("stop", len(stop), "strings", "max_stop_strings")
             sp.stop = [as_str(s, "each stop string") for s in stop if s != ""]
         else:
             raise InvalidRequestError(f"stop must be a string or a list of strings, got {json_type(stop)}")
     if d.get("stop_token_ids") is not None:
-        ids = [as_int(t, "each stop_token_ids entry") for t in as_list(d["stop_token_ids"], "stop_token_ids")]
-        if any(t < 0 or t >= 2**31 for t in ids):
-            raise InvalidRequestError("stop_token_ids must be token ids (integers >= 0 inside the vocabulary)")
+        ids = as_list(d["stop_token_ids"], "stop_token_ids")
+        lists.check("stop_token_ids", len(ids), "ids", "max_stop_token_ids")
+        ids = [as_int(t, "each stop_token_ids entry") for t in ids]
+        check_token_ids(ids, "stop_token_ids", vocab_size)
         sp.stop_token_ids = ids
     if d.get("ignore_eos") is not None:
         sp.ignore_eos = bool(as_bool(d["ignore_eos"], "ignore_eos"))
@@ -86,9 +92,10 @@ def sampling_from_vllm(d: dict[str, Any], tokenizer: Any) -> SamplingParams:
         sp.include_stop_str_in_output = bool(as_bool(d["include_stop_str_in_output"], "include_stop_str_in_output"))
     if d.get("bad_words") is not None:
         words = [d["bad_words"]] if isinstance(d["bad_words"], str) else as_list(d["bad_words"], "bad_words")
+        lists.check("bad_words", len(words), "words", "max_bad_words")  # before any is tokenized
         sp.bad_words_ids = encode_words([as_str(w, "each bad_words entry") for w in words], tokenizer)
     if d.get("logit_bias") is not None:
-        sp.logit_bias = logit_bias(d["logit_bias"])
+        sp.logit_bias = logit_bias(d["logit_bias"], vocab_size)
     if d.get("lora_name") is not None:
         raise UnsupportedError(f"lora_name={d['lora_name']!r} is not supported (no LoRA adapters are loaded)")
     for key, neutral in _VLLM_NEUTRAL.items():
