@@ -470,7 +470,8 @@ def test_sdk_errors_unknown_model_body_caps(api, client):
 
 def test_api_key_and_unavailable_triton(server, tmp_path):
     keyed = Api(server.grpc, tmp_path / "keyed.log", "--api-key", "s3cret")
-    dead = Api(f"127.0.0.1:{_free_ports(1)[0]}", tmp_path / "dead.log")
+    dead_url = f"127.0.0.1:{_free_ports(1)[0]}"
+    dead = Api(dead_url, tmp_path / "dead.log")
     try:
         with pytest.raises(openai.AuthenticationError):
             keyed.client("wrong").models.list()
@@ -483,12 +484,60 @@ def test_api_key_and_unavailable_triton(server, tmp_path):
         with pytest.raises(openai.InternalServerError) as e:
             dead.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert e.value.status_code == 503 and "not reachable" in e.value.body["message"]
+        dead_port = dead_url.rsplit(":", 1)[1]
+        assert dead_port not in e.value.body["message"]  # the back end's address stays in the log
         with pytest.raises(urllib.error.HTTPError) as h:
             urllib.request.urlopen(dead.base + "/health")
         assert h.value.code == 503
+        said = h.value.read().decode()
+        assert dead_port not in said and "127.0.0.1" not in said and json.loads(said)["error"]["message"]
     finally:
         keyed.stop()
         dead.stop()
+
+
+def test_no_key_beyond_loopback_refuses_to_start():
+    """Secure by default: on a non-loopback address without a key the server exits at once, saying
+    what to do, and never listens; --allow-no-key starts it (/v1/models answers without Triton)."""
+    port, triton_port = _free_ports(2)
+    env = {k: v for k, v in os.environ.items() if k != "SPECGUIDE_API_KEY"}
+    cmd = [sys.executable, "-m", "specguide.openai_api", "--triton-url", f"127.0.0.1:{triton_port}", "--host", "0.0.0.0",
+           "--port", str(port)]
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "refusing to listen on 0.0.0.0 without an API key" in r.stderr and "--allow-no-key" in r.stderr
+    assert "SPECGUIDE_API_KEY" in r.stderr
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+    proc = subprocess.Popen(cmd + ["--allow-no-key"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as resp:
+                    assert json.loads(resp.read())["data"][0]["id"] == MODEL
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_twenty_thousand_prompts_are_refused_before_triton_sees_one(api, server):
+    """The measured attack (one gRPC stream per prompt stalled other streams 30 s): a 400 naming the
+    limit, and not one of the prompts reaches Triton; a request within the limit is served."""
+    before = server.metric("nv_inference_request_success", model=MODEL)
+    body = {"model": MODEL, "prompt": ["a"] * 20000, "max_tokens": 1}
+    status, got = api.post("/v1/completions", json.dumps(body).encode())
+    assert status == 400 and got["error"]["param"] == "prompt", got
+    assert "20000" in got["error"]["message"] and "--max-choices-per-request" in got["error"]["message"]
+    status, got = api.post("/v1/completions", json.dumps({**body, "prompt": ["a"] * 3, "n": 2}).encode())
+    assert status == 200 and len(got["choices"]) == 6
+    # the 3 prompts of the second request, and nothing of the first
+    assert server.wait_metric("nv_inference_request_success", before + 3, timeout=60, model=MODEL) == before + 3
 
 
 def test_serves_again_once_a_restarted_triton_is_back(tmp_path):
