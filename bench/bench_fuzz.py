@@ -1,0 +1,186 @@
+"""The fuzzing suite's long run (issue 75): generated hostile requests through the three served names
+and the OpenAI server beside victim streams, with counts.
+
+    python bench/bench_fuzz.py [--count 10000] [--seed 0] [--concurrency 2] [--victim-tokens 400]
+                               [--targets specguide,specguide_unary,specguide_vllm,http,openai_completions,openai_chat]
+                               [--settings key=value,...] [--no-known] [--json out.json] [--failures out.jsonl]
+
+Starts `scripts/tritonserver.py serve` (under specguide.supervisor, which restarts a server whose
+stub died and counts it in specguide_server_restarts_total) on free ports with a copy of
+model_repository/ (`--settings` applied to specguide's config.pbtxt), and an OpenAI server in front of
+it. Victim streams (greedy, one fixed prompt, `--victim-tokens` long, EOS suppressed) run one after
+another on `specguide` for the whole run; each is compared with the solo run taken first. Hypothesis
+draws `--count` cases from tests/integration/fuzz_strategies.py (`--seed` picks the draw; the same
+seed draws the same cases), after issue 75's measured attacks (`known_attacks`, unless `--no-known`), sent `--concurrency` at a time and judged as tests/integration/fuzz.py
+says (ok / refused: a valid answer or a clear error; internal / hang / malformed: a finding).
+
+Prints: the CPU, requests per target, verdicts, error classes (the message with its numbers and
+quoted values cut), each finding (first of its class, with the request), victims run and harmed
+(with the requests in flight when each went wrong), the longest victim gap between tokens during
+any single hostile request (and which), engine and server restarts, and the health check after.
+Goals (issue 75): >= 10,000 requests, 0 victims harmed, 0 engine restarts, 0 server restarts; a
+victim's longest gap during any single hostile request under 1 s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
+
+from tests.integration.conftest import _stop, launch, repository_with  # noqa: E402
+from tests.integration.fuzz import GOOD, VICTIM_PROMPT, Tally, Victims, engine_state, healthy, send, settle  # noqa: E402
+from tests.integration.fuzz_strategies import TARGETS, cases, known_attacks  # noqa: E402
+from tests.integration.test_openai_server import Api  # noqa: E402
+
+from machine import cpu_header, cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=10_000, help="hostile requests")
+    ap.add_argument("--seed", type=int, default=0, help="hypothesis seed (the same seed draws the same cases)")
+    ap.add_argument("--concurrency", type=int, default=2, help="hostile requests in flight at once")
+    ap.add_argument("--victim-tokens", type=int, default=400)
+    ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--settings", default="", help="config.pbtxt overrides, key=value,...")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds a request may take before it counts as a hang")
+    ap.add_argument("--no-known", action="store_true", help="leave out issue 75's measured attacks (sent first)")
+    ap.add_argument("--json", type=Path, help="write the counts here")
+    ap.add_argument("--failures", type=Path, help="write every finding here (one JSON object a line)")
+    args = ap.parse_args()
+    targets = tuple(t for t in args.targets.split(",") if t)
+    settings_ = dict(kv.split("=", 1) for kv in args.settings.split(",") if kv)
+    print(cpu_header(), flush=True)
+    print(f"settings: {settings_ or 'model_repository defaults'}; {args.count} requests to {', '.join(targets)}, "
+          f"{args.concurrency} at a time, seed {args.seed}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = launch(Path(tmp) / "server.log", repository_with(Path(tmp), settings_), command="serve")
+        api = Api(server.grpc, Path(tmp) / "api.log")
+        try:
+            deadline = time.monotonic() + 60
+            while "configured from Triton" not in api.log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            result = run(server, api, args, targets)
+        finally:
+            api.stop()
+            _stop(server.proc)
+            server_log = server.log.read_text(errors="replace")
+            api_log = api.log.read_text(errors="replace")
+    result["server_log_tracebacks"] = server_log.count("Traceback")
+    result["openai_log_tracebacks"] = api_log.count("Traceback")
+    print(f"tracebacks in the logs: server {result['server_log_tracebacks']}, OpenAI server {result['openai_log_tracebacks']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+def run(server, api, args, targets) -> dict:
+    before = engine_state(server)
+    victims = Victims(server, args.victim_tokens).start()
+    tally = Tally()
+    gaps: list[float] = []
+    pool = ThreadPoolExecutor(args.concurrency)
+    slots = threading.Semaphore(args.concurrency)
+    t_start = time.perf_counter()
+    sent = [0]
+
+    def one(case) -> None:
+        try:
+            out = send(server, api.base, case, timeout=args.timeout)
+            gap = victims.gap(out.t0, out.t1)
+            if gap is not None:
+                gaps.append(gap)
+            tally.add(case, out, gap)
+        finally:
+            slots.release()
+
+    @seed(args.seed)
+    @settings(max_examples=max(args.count, 1), deadline=None, derandomize=False, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(cases(targets))
+    def draw(case) -> None:
+        slots.acquire()
+        pool.submit(one, case)
+        sent[0] += 1
+        if sent[0] % 500 == 0:
+            el = time.perf_counter() - t_start
+            print(f"  {sent[0]} sent in {el:.0f} s: {dict(tally.verdicts)}; victims {len(victims.runs)} "
+                  f"({len(victims.harmed())} harmed); longest gap {tally.max_gap:.2f} s", flush=True)
+
+    try:
+        if not args.no_known:
+            for case in known_attacks(victims.solo.ids[0], VICTIM_PROMPT):  # issue 75's measured attacks first
+                if case.target in targets:
+                    slots.acquire()
+                    pool.submit(one, case)
+        if args.count:
+            draw()
+        pool.shutdown(wait=True)
+    finally:
+        victims.stop()
+    elapsed = time.perf_counter() - t_start
+    harmed = victims.harmed()
+    settle(server)  # an engine restarted by the watchdog or after a crash: counted once it is back
+    after = engine_state(server)
+    problems = healthy(server, api.base) if server.proc.poll() is None else ["the server exited"]
+    after_health = engine_state(server)
+
+    total = sum(tally.per_target.values())
+    print(f"\n{total} hostile requests in {elapsed:.0f} s ({total / elapsed:.1f}/s)")
+    print("per target: " + ", ".join(f"{t} {n}" for t, n in sorted(tally.per_target.items())))
+    print("verdicts: " + ", ".join(f"{v} {n}" for v, n in tally.verdicts.most_common()))
+    print("answers by class (most common 40):")
+    for cls, n in tally.classes.most_common(40):
+        print(f"  {n:6d}  {cls}")
+    print(f"findings (no valid answer nor a clear error): {len(tally.failures)}")
+    seen: set[str] = set()
+    for case, out in tally.failures:
+        cls = out.error_class()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        n = sum(1 for _, o in tally.failures if o.error_class() == cls)
+        print(f"  [{n}x] {out.verdict} ({out.status}) {out.detail[:300]}\n      request: {case.describe(500)}")
+    print(f"victims: {len(victims.runs)} of {args.victim_tokens} tokens, {len(harmed)} harmed")
+    for i, r, why in harmed[:20]:
+        print(f"  victim {i}: {why}\n      in flight: {tally.overlapping(victims.when_harmed(r))[:4]}")
+    if gaps:
+        q = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else [gaps[0]] * 99
+        print(f"victim gap between tokens during one hostile request: p50 {statistics.median(gaps) * 1e3:.0f} ms, "
+              f"p99 {q[98] * 1e3:.0f} ms, longest {tally.max_gap * 1e3:.0f} ms (goal < 1 s) during\n  {tally.max_gap_case}")
+    restarts = {"engine": after_health["engine_restarts"] - before["engine_restarts"],
+                "server": after_health["server_restarts"] - before["server_restarts"]}
+    same = {k: before[k] == after[k] for k in ("stubs", "engine")}
+    print(f"engine restarts {restarts['engine']:.0f}, server restarts {restarts['server']:.0f} "
+          f"(same stubs {same['stubs']}, same engine process {same['engine']})")
+    print(f"health after: {'ok' if not problems else problems}")
+    if args.failures:
+        with open(args.failures, "w") as f:
+            for case, out in tally.failures:
+                f.write(json.dumps({"verdict": out.verdict, "status": out.status, "detail": out.detail[:2000],
+                                    "request": case.describe(4000)}) + "\n")
+    return {
+        "cpu": cpu_model(), "count": total, "seed": args.seed, "concurrency": args.concurrency, "elapsed_s": elapsed,
+        "per_target": dict(tally.per_target), "verdicts": dict(tally.verdicts),
+        "classes": dict(tally.classes.most_common(200)), "findings": len(tally.failures),
+        "finding_classes": sorted(seen), "victims": len(victims.runs), "victims_harmed": len(harmed),
+        "victim_gap_p50_s": statistics.median(gaps) if gaps else None, "victim_gap_max_s": tally.max_gap,
+        "victim_gap_max_case": tally.max_gap_case, "engine_restarts": restarts["engine"],
+        "server_restarts": restarts["server"], "health_problems": problems,
+        "all_good": not tally.failures and not harmed and not problems and not any(restarts.values())
+        and all(v in GOOD for v in tally.verdicts),
+    }
+
+
+if __name__ == "__main__":
+    main()
