@@ -72,6 +72,7 @@ class Engine(EngineCore):
         self._drain = True
         self._dead: Optional[BaseException] = None
         self._next_head_poll = 0.0
+        self.turns = 0  # loop iterations: the engine process's watchdog sees the loop move (stats)
 
     # ---- public API (any thread) ------------------------------------------------------------
     def submit(self, request: Request, callback: Optional[Callback] = None) -> int:
@@ -107,7 +108,8 @@ class Engine(EngineCore):
             self._cv.notify()
 
     def stats(self) -> dict[str, int]:
-        """Active slots, queue depth, steps run and liveness (for metrics and readiness), and the
+        """Active slots, queue depth, steps run, loop turns (the watchdog's sign of life) and
+        liveness (for metrics and readiness), and the
         batch and KV-cache figures the TensorRT-LLM metric families report (triton/peer_metrics.py).
 
         Called from another thread (the engine process's stats thread): it reads Python ints the
@@ -120,7 +122,7 @@ class Engine(EngineCore):
             prefills = decodes = prompt_tokens = 0
         return {"active_slots": len(running),
                 "queue_depth": sched.num_waiting + self._pending_submits,
-                "steps": self.num_steps, "alive": int(self.is_alive()),
+                "steps": self.num_steps, "loop_turns": self.turns, "alive": int(self.is_alive()),
                 "draft_head": int(self.proposer.head is not None),
                 "max_slots": sched.max_slots,
                 "context_requests": prefills, "generation_requests": decodes,
@@ -162,6 +164,7 @@ class Engine(EngineCore):
                     inbox, self._inbox = self._inbox, []
                     self._pending_submits -= sum(1 for kind, _ in inbox if kind == "submit")
                     stopping, drain = self._stopping, self._drain
+                self.turns += 1
                 self._apply(inbox)
                 self._expire()
                 self._poll_head()

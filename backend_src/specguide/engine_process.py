@@ -12,6 +12,12 @@ engine process dies, or its loop thread does, the stub is still there to tell ev
   crashes repeat (restarts.Backoff). Each restart is logged and counted (`stats()["restarts"]`,
   the metric specguide_engine_restarts_total).
 
+An engine process that is alive but stuck is treated the same way (the watchdog, `engine_stall_s`):
+with requests in flight, its loop turning no more (its stats carry `loop_turns`) or a request it
+takes no answer to within `engine_stall_s` gets it killed (after it dumps every thread's stack to
+the log, SIGUSR1) and restarted. No wait here on the engine process is without a limit: its ready
+message (`engine_start_timeout_s`), a submit's answer, the end of a shutdown.
+
 The child's side is engine_process_child.py (its command line names it, so tools and tests find the
 engine process by "engine_process"). Messages are length-prefixed pickles over the child's stdin
 / stdout (compile_worker's framing).
@@ -47,6 +53,9 @@ Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
 
 STATS_S = 0.05  # how often the engine process sends its stats while they change (and checks its loop thread)
 STATS_IDLE_S = 0.5  # its period while they do not (an idle engine): unchanged stats are not sent again
+SUBMIT_WAIT_S = 60.0  # without the watchdog: how long a submit waits for the engine's answer
+WATCH_S = 1.0  # how often the watchdog looks (at most)
+DUMP_WAIT_S = 1.0  # a stuck engine process's time to write its threads' stacks before it is killed
 EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
 _CHILD_MAIN = "from specguide.engine_process_child import child_main; child_main()"
 PARENT_ENV = "SPECGUIDE_ENGINE_PARENT"
@@ -95,11 +104,31 @@ class _Child:
         self.proc = subprocess.Popen([python_executable(), "-c", _CHILD_MAIN], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, close_fds=True)
         self.write_lock = threading.Lock()
-        self.send(config)
-        reply = read_msg(self.proc.stdout)
+        self.stalled = ""  # why the watchdog killed it ("" unless it did)
+        limit, late = config.engine_start_timeout_s, threading.Event()
+
+        def expire() -> None:  # ends the read below
+            late.set()
+            self.proc.kill()
+
+        timer = threading.Timer(limit, expire) if limit > 0 else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            self.send(config)
+            reply = read_msg(self.proc.stdout)
+        finally:
+            if timer is not None:
+                timer.cancel()
         if not (isinstance(reply, tuple) and reply[0] == "ready"):
             self.kill()
-            detail = reply[1] if isinstance(reply, tuple) and reply[0] == "failed" else describe_exit(self.proc.returncode)
+            if isinstance(reply, tuple) and reply[0] == "failed":
+                detail = reply[1]
+            elif late.is_set():
+                detail = f"not loaded within engine_start_timeout_s ({limit:g} s); killed"
+            else:
+                detail = describe_exit(self.proc.returncode)
             raise RuntimeError(f"the engine did not start: {detail}")
         self.info: EngineInfo = reply[1]
 
@@ -145,6 +174,8 @@ class EngineProcess:
         self._backoff = Backoff()  # crashes in a row
         self._restart_delay = 0.0
         self._wake = threading.Event()
+        self._progress_at = time.monotonic()  # the engine's last sign of progress, or when work began (the watchdog)
+        self._turns = -1  # its loop's turns as last reported
         self._child = _Child(config, self._server)
         self._reader = self._start_reader(self._child)
         self._supervisor = threading.Thread(target=self._supervise, name="specguide-engine-supervisor", daemon=True)
@@ -206,14 +237,35 @@ class EngineProcess:
         with self._lock:
             if self._down is not None or self._closing:
                 raise EngineDeadError(self._down or "the engine is shutting down")
+            if not self._callbacks:  # the engine has work from now on: the watchdog counts from here
+                self._progress_at = time.monotonic()
             self._callbacks[key] = callback or (lambda out: None)
             self._pending[key] = (done, result)
             child = self._child
         child.send(("submit", key, request))
-        done.wait()
+        stall = self._config.engine_stall_s
+        if not done.wait(stall if stall > 0 else SUBMIT_WAIT_S):
+            self._unanswered(child, key, done)
         if result and result[0] is not None:
             raise result[0]
         return key
+
+    def _unanswered(self, child: _Child, key: int, done: threading.Event) -> None:
+        """A submit got no answer in time: with the watchdog on, the engine process is stuck (killed
+        and restarted; the submit fails with the others); without it the request is given up."""
+        with self._lock:
+            waiting = self._pending.pop(key, None) is not None
+            if waiting:
+                self._callbacks.pop(key, None)
+        if not waiting:  # answered just now
+            done.wait(WATCH_S)
+            return
+        stall = self._config.engine_stall_s
+        if stall > 0:
+            self._stalled(child, f"no answer to a request for {stall:g} s; engine_stall_s {stall:g}")
+            raise EngineDeadError(f"{child.stalled or 'the engine did not answer'}; a new engine is starting")
+        child.send(("cancel", key))  # should it take the request after all
+        raise EngineDeadError(f"the engine did not take the request within {SUBMIT_WAIT_S:g} s")
 
     def cancel(self, key: int) -> None:
         """Stop a request; a final 'cancelled' event follows (or the engine's death's error)."""
@@ -244,10 +296,18 @@ class EngineProcess:
             child = self._child
         self._wake.set()
         child.send(("shutdown", drain, timeout))
-        try:
-            child.proc.wait(None if timeout is None else timeout + 30.0)
-        except subprocess.TimeoutExpired:
-            self._log("warn", "specguide: the engine process did not stop in time; killing it")
+        deadline = None if timeout is None else time.monotonic() + timeout + 30.0
+        while True:  # its drain, watched as its serving was (a stuck engine is killed)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self._log("warn", "specguide: the engine process did not stop in time; killing it")
+                break
+            period = self._watch_period()
+            try:
+                child.proc.wait(left if period is None else period if left is None else min(left, period))
+                break
+            except subprocess.TimeoutExpired:
+                self._watch()
         child.kill()
         if self.training is not None:
             self.training.stop()
@@ -272,6 +332,7 @@ class EngineProcess:
                 break
             kind = msg[0]
             if kind == "out":
+                self._progress_at = time.monotonic()
                 self._deliver(msg[1], msg[2])
             elif kind == "refused":
                 self._answer(msg[1], msg[2])
@@ -280,6 +341,8 @@ class EngineProcess:
             elif kind == "stats":
                 with self._lock:
                     self._stats = msg[1]
+                    if msg[1].get("loop_turns") != self._turns:  # its loop moved
+                        self._turns, self._progress_at = msg[1].get("loop_turns"), time.monotonic()
             elif kind == "dead":
                 dead = msg[1]
         try:
@@ -287,7 +350,7 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             child.kill()
             returncode = child.proc.returncode
-        self._on_exit(child, describe_exit(returncode, dead))
+        self._on_exit(child, child.stalled or describe_exit(returncode, dead))
 
     def _deliver(self, key: int, out: RequestOutput) -> None:
         with self._lock:
@@ -334,14 +397,49 @@ class EngineProcess:
                                f"restarting the engine (crash {self._backoff.failures} in a row)")
             self._wake.set()
 
-    # ---- supervisor thread: restarts -------------------------------------------------------
+    # ---- the watchdog ------------------------------------------------------------------------
+    def _watch_period(self) -> Optional[float]:
+        stall = self._config.engine_stall_s
+        return min(WATCH_S, stall / 4) if stall > 0 else None
+
+    def _watch(self) -> None:
+        """Kill the engine process when, with requests in flight, its loop has not moved for
+        `engine_stall_s` (the reader then fails its requests and the supervisor restarts it)."""
+        stall = self._config.engine_stall_s
+        if stall <= 0:
+            return
+        with self._lock:
+            now, child = time.monotonic(), self._child
+            if not self._callbacks or self._down is not None:  # idle: nothing is owed
+                self._progress_at = now
+            idle = now - self._progress_at
+        if idle >= stall:
+            self._stalled(child, f"no step for {idle:.0f} s with requests in flight; engine_stall_s {stall:g}")
+
+    def _stalled(self, child: _Child, why: str) -> None:
+        """The engine process is stuck: it writes every thread's stack to the log (SIGUSR1:
+        faulthandler), then is killed; its reader reports the death (cause: `child.stalled`)."""
+        with self._lock:
+            if child.stalled or child is not self._child or self._down is not None:
+                return
+            child.stalled = f"the engine was stuck ({why}) and was killed"
+        self._log("error", f"specguide: {child.stalled}; its threads' stacks follow in the log")
+        try:
+            child.proc.send_signal(signal.SIGUSR1)  # (Popen's: never a reaped pid)
+            child.proc.wait(DUMP_WAIT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        child.proc.kill()
+
+    # ---- supervisor thread: restarts, and the watchdog ---------------------------------------
     def _supervise(self) -> None:
         while True:
-            self._wake.wait()
+            self._wake.wait(self._watch_period())
             self._wake.clear()
             if self._closing:
                 return
             if self._down is None:
+                self._watch()
                 continue
             delay = self._restart_delay
             if delay > 0:
@@ -366,7 +464,7 @@ class EngineProcess:
                     return
                 self._child, self._down, self.info = child, None, child.info
                 self.restarts += 1
-                self._stats = {}
+                self._stats, self._turns, self._progress_at = {}, -1, time.monotonic()
             self._reader = self._start_reader(child)
             self._log("info", f"specguide: engine restarted in {time.monotonic() - t0:.1f} s "
                               f"(restart {self.restarts}, pid {child.info.pid})")

@@ -4,6 +4,7 @@ its stats go up every STATS_S while they change, and its loop thread's death end
 (EXIT_LOOP_DIED); the server's end (SERVER_ENV) ends the parent stub and the process."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -27,6 +28,8 @@ def child_main() -> None:
     # server shuts the engine down itself as it unloads the model. Taken here, the SIGINT killed the
     # engine first and its stub restarted it in the middle of the shutdown ("crash 1 in a row").
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the watchdog (engine_process.py) asks a stuck engine where its threads are before killing it
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="specguide engine: %(levelname)s %(message)s")
     if os.environ.get(SERVER_ENV):
         threading.Thread(target=_end_with_server, args=(os.environ[SERVER_ENV],), name="specguide-server-watch",

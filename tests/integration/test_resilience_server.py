@@ -2,7 +2,8 @@
 against a second real tritonserver: two slots, a queue of two, explicit model control and
 SPECGUIDE_FAULT_INJECTION=1 (faults arrive as the request parameter `specguide_fault`).
 
-The tests run in file order: the engine crash comes last (the engine comes back by itself).
+The tests run in file order: the engine crash and the stuck engine come last (the engine comes back
+by itself).
 
 Codes: the engine's errors carry UNAVAILABLE / INTERNAL (checked in tests/unit/test_triton_io.py),
 but Triton 2.51 shows none of them to clients: gRPC stream errors carry only the message, and
@@ -29,7 +30,7 @@ from specguide import faults
 from .conftest import MODEL, ROOT, Server, launch, repository_with, stop_and_check
 from .test_conformance import _stream
 
-SETTINGS = {"max_slots": "2", "max_queue": "2", "prefill_chunk": "16"}
+SETTINGS = {"max_slots": "2", "max_queue": "2", "prefill_chunk": "16", "engine_stall_s": "5"}
 PROMPT = "<|im_start|>user\nTell me a long story about the sea.<|im_end|>\n<|im_start|>assistant\n"
 PHONE = "[0-9]{3}-[0-9]{4} and [0-9]{3}-[0-9]{4}"
 GT, G = "guided_decoding_guide_type", "guided_decoding_guide"
@@ -307,3 +308,21 @@ def test_an_engine_loop_crash_fails_in_flight_and_new_requests_with_unavailable_
     assert aux.wait_metric("specguide_engine_alive", 1.0, model=MODEL) == 1.0
     assert alone(aux, values) == reference
     assert generate(aux)[0] == 200
+
+
+def test_a_stuck_engine_is_restarted_by_the_watchdog_and_its_clients_told(aux):
+    """The engine loop blocks (an injected 10-minute sleep as it takes a request): past
+    engine_stall_s (5 s here) the stub kills the engine process; every request it held ends with
+    the cause, the restart is counted, and the new engine answers as the old one did."""
+    values = {"text_input": PROMPT, "max_tokens": 12}
+    reference = alone(aux, values)
+    restarts = aux.metric("specguide_engine_restarts_total", model=MODEL)
+    running = Live(aux, {"text_input": PROMPT, "max_tokens": 400}).wait_first()
+    stuck = Live(aux, {"text_input": PROMPT, "max_tokens": 4}, fault="stall_engine:600")
+    for live in (running, stuck):
+        last = live.result()[2]
+        assert last.final and "the engine was stuck" in last.error and "engine_stall_s 5" in last.error, last
+    assert aux.wait_metric("specguide_engine_restarts_total", restarts + 1, timeout=120, model=MODEL) == restarts + 1
+    assert aux.wait_metric("specguide_engine_alive", 1.0, model=MODEL) == 1.0
+    assert alone(aux, values) == reference
+    assert "the engine was stuck" in aux.log.read_text(errors="replace")
