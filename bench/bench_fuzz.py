@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -61,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     targets = tuple(t for t in args.targets.split(",") if t)
     settings_ = dict(kv.split("=", 1) for kv in args.settings.split(",") if kv)
-    print(cpu_header(), flush=True)
+    print(cpu_header() + f"; load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     print(f"settings: {settings_ or 'model_repository defaults'}; {args.count} requests to {', '.join(targets)}, "
           f"{args.concurrency} at a time, seed {args.seed}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,6 +96,7 @@ def run(server, api, args, targets) -> dict:
     sent = [0]
 
     def one(case) -> None:
+        tally.began(case)
         try:
             out = send(server, api.base, case, timeout=args.timeout)
             gap = victims.gap(out.t0, out.t1)
@@ -114,9 +116,18 @@ def run(server, api, args, targets) -> dict:
         sent[0] += 1
         if sent[0] % 500 == 0:
             el = time.perf_counter() - t_start
-            print(f"  {sent[0]} sent in {el:.0f} s: {dict(tally.verdicts)}; victims {len(victims.runs)} "
+            print(f"  {sent[0]} sent in {el:.0f} s: {dict(tally.verdicts)}; victims {victims.progress()} "
                   f"({len(victims.harmed())} harmed); longest gap {tally.max_gap:.2f} s", flush=True)
 
+    done = threading.Event()
+
+    def monitor() -> None:  # what is slow, while it is slow
+        while not done.wait(30):
+            for line in tally.slow(30):
+                print(f"  in flight {line}", flush=True)
+
+    threading.Thread(target=monitor, daemon=True).start()
+    finished = False
     try:
         if not args.no_known:
             for case in known_attacks(victims.solo.ids[0], VICTIM_PROMPT):  # issue 75's measured attacks first
@@ -126,8 +137,10 @@ def run(server, api, args, targets) -> dict:
         if args.count:
             draw()
         pool.shutdown(wait=True)
+        finished = True
     finally:
-        victims.stop()
+        done.set()
+        victims.stop(abandon=not finished)
     elapsed = time.perf_counter() - t_start
     harmed = victims.harmed()
     settle(server)  # an engine restarted by the watchdog or after a crash: counted once it is back
@@ -136,7 +149,8 @@ def run(server, api, args, targets) -> dict:
     after_health = engine_state(server)
 
     total = sum(tally.per_target.values())
-    print(f"\n{total} hostile requests in {elapsed:.0f} s ({total / elapsed:.1f}/s)")
+    print(f"\n{total} hostile requests in {elapsed:.0f} s ({total / elapsed:.1f}/s; load average {os.getloadavg()[0]:.1f} "
+          f"at the end)")
     print("per target: " + ", ".join(f"{t} {n}" for t, n in sorted(tally.per_target.items())))
     print("verdicts: " + ", ".join(f"{v} {n}" for v, n in tally.verdicts.most_common()))
     print("answers by class (most common 40):")

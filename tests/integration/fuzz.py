@@ -266,8 +266,10 @@ class VictimRun:
     t0: float = 0.0
 
 
-def victim_stream(server: Server, tokens: int, timeout: float = 600.0, run: Optional[VictimRun] = None) -> VictimRun:
-    """One greedy stream of VICTIM_PROMPT on `specguide`, `tokens` long (EOS suppressed), into `run`."""
+def victim_stream(server: Server, tokens: int, timeout: float = 600.0, run: Optional[VictimRun] = None,
+                  abandon: Optional[threading.Event] = None) -> VictimRun:
+    """One greedy stream of VICTIM_PROMPT on `specguide`, `tokens` long (EOS suppressed), into `run`;
+    cancelled when `abandon` is set."""
     run = run if run is not None else VictimRun()
     run.t0 = time.perf_counter()
     done = threading.Event()
@@ -292,8 +294,11 @@ def victim_stream(server: Server, tokens: int, timeout: float = 600.0, run: Opti
     client.async_stream_infer(MODEL, grpc_inputs({"text_input": VICTIM_PROMPT, "max_tokens": tokens,
                                                   "min_tokens": tokens, "stream": True, "temperature": 0.0}),
                               request_id="victim", enable_empty_final_response=True)
-    if not done.wait(timeout):
-        run.error = run.error or f"no final response in {timeout:.0f} s"
+    deadline = time.monotonic() + timeout
+    while not done.wait(0.5) and time.monotonic() < deadline and not (abandon and abandon.is_set()):
+        pass
+    if not done.is_set():
+        run.error = run.error or ("abandoned" if abandon and abandon.is_set() else f"no final response in {timeout:.0f} s")
     client.stop_stream(cancel_requests=not done.is_set())
     client.close()
     return run
@@ -310,6 +315,7 @@ class Victims:
         self.runs: list[VictimRun] = []
         self._current: Optional[VictimRun] = None
         self._stop = threading.Event()
+        self._abandon = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="victims", daemon=True)
 
     def start(self) -> "Victims":
@@ -324,16 +330,25 @@ class Victims:
         while not self._stop.is_set():
             run = VictimRun()
             self._current = run
-            victim_stream(self.server, self.tokens, run=run)
+            victim_stream(self.server, self.tokens, run=run, abandon=self._abandon)
+            if self._abandon.is_set():
+                return
             self.runs.append(run)
             self._current = None
             if run.error:  # the engine may be restarting: the next victim waits for it
                 settle(self.server)
 
-    def stop(self) -> list[VictimRun]:
+    def stop(self, abandon: bool = False) -> list[VictimRun]:
+        """Stop after the running victim (checked like the others), or (abandon) cancel it unchecked."""
         self._stop.set()
+        if abandon:
+            self._abandon.set()
         self._thread.join(timeout=900)
         return self.runs
+
+    def progress(self) -> str:
+        current = self._current
+        return f"{len(self.runs)} done" + (f", the current one at {len(current.ids)} tokens" if current else "")
 
     def harmed(self) -> list[tuple[int, VictimRun, str]]:
         """(index, run, why) of each victim whose answer is not the solo run's."""
@@ -426,8 +441,21 @@ class Tally:
     max_gap_case: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    in_flight: dict[int, tuple[float, str]] = field(default_factory=dict)
+
+    def began(self, case: Case) -> None:
+        with self.lock:
+            self.in_flight[id(case)] = (time.perf_counter(), case.describe(300))
+
+    def slow(self, older_than: float) -> list[str]:
+        """The requests in flight for more than `older_than` seconds."""
+        now = time.perf_counter()
+        with self.lock:
+            return [f"{now - t0:.0f} s: {d}" for t0, d in self.in_flight.values() if now - t0 > older_than]
+
     def add(self, case: Case, out: Outcome, gap: Optional[float]) -> None:
         with self.lock:
+            self.in_flight.pop(id(case), None)
             self.per_target[case.target] += 1
             self.verdicts[out.verdict] += 1
             self.classes[out.error_class() if out.verdict != OK else OK] += 1

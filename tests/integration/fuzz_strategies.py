@@ -641,7 +641,9 @@ def triton_case(draw, model: str) -> Case:
     if model == VLLM and "sampling_parameters" not in names and draw(st.integers(0, 3)):
         names.append("sampling_parameters")
     guide_names = ("guided_decoding_guide_type", "guided_decoding_guide")
-    paired = model != VLLM and any(n in names for n in guide_names) and draw(st.integers(0, 3)) > 0
+    if model != VLLM and draw(st.integers(0, 2)) == 0:  # a guide in a third of the requests
+        names += list(guide_names)
+    paired = model != VLLM and any(n in names for n in guide_names) and draw(st.integers(0, 5)) > 0
     out: dict[str, np.ndarray] = {}
     if paired:  # a type and its guide, sane or hostile, as a client sends them
         gtype, text = draw(guides())
@@ -816,7 +818,9 @@ def openai_case(draw, chat: Optional[bool] = None) -> Case:
             st.sampled_from([p.decode() for p in SANE_PROMPTS]))}]
     else:
         d["prompt"] = draw(prompts) if draw(hostile) else draw(st.sampled_from([p.decode() for p in SANE_PROMPTS]))
-    d["max_tokens"] = cheap(draw(st.one_of(lengths, json_scalars))) if draw(hostile) else draw(st.integers(1, 8))
+    # (null is OpenAI's "as many as fit": up to max_seq_len here; sent as 8)
+    d["max_tokens"] = cheap(draw(st.one_of(lengths, json_scalars.filter(lambda v: v is not None)))) \
+        if draw(hostile) else draw(st.integers(1, 8))
     fields = ["n", "stop", "logit_bias", "response_format", "temperature", "top_p", "top_k", "min_p", "seed",
               "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
               "bad_words", "ignore_eos", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -828,7 +832,7 @@ def openai_case(draw, chat: Optional[bool] = None) -> Case:
     for f in draw(st.lists(st.sampled_from(fields), max_size=5, unique=True)):
         d[f] = draw(openai_hostile(f)) if draw(hostile) else draw(openai_sane(f, chat))
     if "max_completion_tokens" in d:
-        d["max_completion_tokens"] = cheap(d["max_completion_tokens"])
+        d["max_completion_tokens"] = cheap(d["max_completion_tokens"]) if d["max_completion_tokens"] is not None else 8
     stream = d.get("stream") is True
     return Case(target, path=path, body=json.dumps(d, allow_nan=True).encode("utf-8", "surrogatepass"), stream=stream)
 
