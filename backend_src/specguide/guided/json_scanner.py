@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from . import client_regex
 from .regex_completion import TooLong, Unknown, again, shortest_match
 from .schema_completion import Schemas, count, json_text, shortest_string
 
@@ -71,7 +72,11 @@ class Scanner:
         if key in props:
             return props[key]
         for pat, sub in (node.get("patternProperties") or {}).items():
-            if re.search(pat, key):
+            try:
+                hit = client_regex.search(pat, key)  # RE2: linear in the key, whatever the client's pattern
+            except client_regex.ClientRegexError as e:
+                raise Unknown(str(e)) from None
+            if hit:
                 return sub
         extra = node.get("additionalProperties", {})
         return extra if isinstance(extra, (dict, bool)) else {}

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from urllib.parse import quote
 
 from ..request import InvalidRequestError, UndeclaredKeys
+from . import client_regex
 
 ANY_JSON_SCHEMA = {"type": ["object", "array"]}  # guide type `json`: an object or an array
 
@@ -103,15 +104,32 @@ def xgrammar_unenforced(schema: Any) -> list[str]:
     return out
 
 
+def check_patterns(schema: Any, what: str = "json_schema guide") -> None:
+    """InvalidRequestError naming the first `pattern` / `patternProperties` key of `schema` that
+    client_regex does not run (a backreference, an atomic group, invalid, ...) and where it is."""
+    for ptr, node in walk(schema):
+        pats = node.get("patternProperties")
+        found = ([("pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []) + \
+            ([("patternProperties", key) for key in pats] if isinstance(pats, dict) else [])
+        for kw, pattern in found:
+            try:
+                client_regex.compile(pattern)
+            except client_regex.ClientRegexError as e:
+                raise InvalidRequestError(f"invalid {what}: {e} (at {ptr}/{kw}); patterns run in RE2, a linear-time "
+                                          f"engine: no backreferences, atomic groups or possessive quantifiers") from None
+
+
 def json_schema_of(params: Any) -> Any:
     """The JSON schema a `json` / `json_schema` guide (GuidedDecodingParams) compiles, OpenAI strict
     applied, undeclared keys closed unless allowed (`declared_keys_only`); None for other guide
-    types. InvalidRequestError for the `false` schema."""
+    types. InvalidRequestError for the `false` schema, and for a `pattern` / `patternProperties`
+    key no linear-time engine runs (client_regex.py: a backreference, ...), whichever backend."""
     if params.guide_type not in ("json", "json_schema"):
         return None
     schema = ANY_JSON_SCHEMA if params.guide_type == "json" else json.loads(params.guide)
     if schema is False:
         raise InvalidRequestError("invalid json_schema guide: the schema is `false`: no JSON value is valid")
+    check_patterns(schema)
     if params.strict:
         return strictify(schema)
     return schema if UndeclaredKeys(params.undeclared_keys) == UndeclaredKeys.ALLOW else declared_keys_only(schema)

@@ -10,11 +10,12 @@ value is rejected and masked out, like a rejected draft token, and the sampler g
 another one (`[1, 1` cannot close with `]`, `, 2]` can). The whole document is checked again on
 the stop token: what no nested path reached is caught there. When nothing valid is left, the
 engine ends the request with an error naming the violation (`ValueCheckedMatcher.violation`).
+Client regexes (`pattern`, `patternProperties`, `format: regex`) run in RE2, linear time
+(client_regex.py; the validator's keywords: schema_regex.py).
 """
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Optional
 from urllib.parse import unquote
 
@@ -22,8 +23,10 @@ import numpy as np
 import torch
 
 from ..request import InvalidRequestError
+from . import client_regex
 from .backend import Encode, Matcher, fill_by_class
 from .schema import walk
+from .schema_regex import format_checker, validator_class
 from .value_scan import OPEN_ARRAY, START, State, TokenTable, child_path, scan
 
 _NEWER = ("prefixItems", "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "$defs")
@@ -34,7 +37,9 @@ _MAPS = ("dependentSchemas", "dependencies")
 def make_validator(schema: Any) -> Any:
     """A jsonschema validator with format checks: the schema's `$schema` draft, else 2020-12 when it
     uses a 2019+ keyword, else draft 7 (MaskBench-style schemas use `dependencies`, tuple `items`).
-    jsonschema.SchemaError when the schema itself is not valid."""
+    Its regex keywords run client_regex (schema_regex.validator_class), and so does the meta-schema's
+    `format: regex` on the schema's own patterns. jsonschema.SchemaError when the schema itself is
+    not valid."""
     import jsonschema
 
     text = json.dumps(schema)
@@ -44,7 +49,8 @@ def make_validator(schema: Any) -> Any:
         cls = jsonschema.Draft202012Validator
     else:
         cls = jsonschema.Draft7Validator
-    cls.check_schema(schema)
+    cls.check_schema(schema, format_checker=format_checker(cls))
+    cls = validator_class(cls)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
@@ -149,10 +155,10 @@ class ValueChecker:
             pats = node.get("patternProperties")
             for pat, sub in pats.items() if isinstance(pats, dict) else ():
                 try:
-                    if re.search(pat, step):
+                    if client_regex.search(pat, step):
                         out.append(sub)
-                except re.error:
-                    pass
+                except client_regex.ClientRegexError:
+                    pass  # not known to apply: the whole-document check still runs
             return out or [node.get("additionalProperties")]
         if not isinstance(step, int):
             return []  # a key that did not decode
