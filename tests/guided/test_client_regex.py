@@ -11,7 +11,8 @@ import re
 import pytest
 
 from specguide.guided import client_regex
-from specguide.guided.json_scanner import Scanner
+from specguide.guided.json_scanner import Scanner, _escape_end
+from specguide.guided.params import looks_like_lark
 from specguide.guided.schema import json_schema_of
 from specguide.guided.schema_completion import Schemas
 from specguide.guided.value_check import ValueChecker, make_validator
@@ -154,3 +155,14 @@ def test_lookaround_past_its_work_bound_is_not_accepted():
     (msg,) = errors({"type": "string", "pattern": patrn}, "a" * client_regex.MAX_WORK)
     assert "cannot be checked against" in msg
     assert ValueChecker._children({"patternProperties": {patrn: {"type": "integer"}}}, "a" * client_regex.MAX_WORK) == [None]
+
+
+@pytest.mark.timeout(60)
+def test_fixed_patterns_on_client_text_stay_linear():
+    """Our own regexes applied to client text: a half-written `\\u` escape at a string's end (was a
+    search that rescanned each run of backslashes: quadratic) and the Lark `start:` sniff of a grammar
+    guide (`^\\s*` rescanned every blank line after each: quadratic in a 256 KB guide)."""
+    assert _escape_end(b"\\" * 200_000 + b"x") == ""
+    assert _escape_end(b"ab\\u1") == "000" and _escape_end(b"\\\\u1") == "" and _escape_end(b"\\\\\\u") == "0000"
+    assert looks_like_lark("\n" * 262_144 + "x") is False
+    assert looks_like_lark("\n\n  ?start: a") and looks_like_lark("x\n start :") and not looks_like_lark("a ::= b\nstart: c")

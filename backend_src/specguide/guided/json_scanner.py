@@ -16,6 +16,7 @@ from .regex_completion import TooLong, Unknown, again, shortest_match
 from .schema_completion import Schemas, count, json_text, shortest_string
 
 _WS = b" \t\n\r"
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 _JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
@@ -375,9 +376,12 @@ def _escape_end(buf: bytes) -> str:
     body = buf.rstrip(b"\\")
     if (len(buf) - len(body)) % 2:
         return "\\"  # a lone backslash: make it an escaped backslash
-    m = re.search(rb"(\\+)u([0-9a-fA-F]{0,3})$", buf)
-    if m and len(m.group(1)) % 2:
-        return "0" * (4 - len(m.group(2)))
+    tail = buf[-4:]
+    digits = len(tail) - len(tail.rstrip(_HEX_DIGITS))
+    if digits <= 3 and buf[:len(buf) - digits].endswith(b"u"):  # `\u` and up to 3 hex digits at the end
+        head = buf[:len(buf) - digits - 1]
+        if (len(head) - len(head.rstrip(b"\\"))) % 2:  # the `u` is escaped (a regex here rescanned each run)
+            return "0" * (4 - digits)
     return ""
 
 

@@ -235,7 +235,9 @@ def ebnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-_LARK_START = re.compile(r"^\s*\??start\s*:", re.MULTILINE)
+# `start:` at a line's start: [^\S\n]* (not \s*) so that no match attempt runs past its own line
+# (with \s*, each of n blank lines rescanned all those after it: quadratic in a client's grammar)
+_LARK_START = re.compile(r"^[^\S\n]*\??start\s*:", re.MULTILINE)
 
 
 def looks_like_lark(grammar: str) -> bool:
