@@ -62,7 +62,7 @@ def build(source: str, march: str, out: Path) -> ctypes.CDLL:
     src.write_text(source)
     subprocess.run(["gcc", *kernels.FLAGS, *f"-march={march}".split(), "-DRB=4", "-shared", "-fPIC", str(src), "-o",
                     str(out), "-lm"], check=True)
-    lib = kernels._declare(_Lenient(str(out)))
+    lib = kernels.bindings.declare(_Lenient(str(out)))
     lib.set_prefetch(2)
     return lib
 
@@ -153,7 +153,7 @@ def compare_forward(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -> 
         times: dict[str, list[float]] = {n: [] for n in libs}
         for _ in range(rounds):
             for n, lib in libs.items():
-                kernels._lib = lib  # the stack calls kernels.library()
+                kernels.build._lib = lib  # the stack calls kernels.library(), which hands out this
                 kc, vc = kc0.clone(), vc0.clone()
                 t0 = time.perf_counter()
                 outs[n] = fused(x, (*tables, *tables), kc, vc, slots, pos)

@@ -51,6 +51,7 @@ PHASES = [  # (owner, attribute, label): the order they are printed in
     (draft_head.DraftHead, "attach", "  draft head attach (packs it)"),
     (kernels, "pack_exact", "[pack_exact: all callers]"),
     (kernels, "pack_weight", "[pack_weight: all callers]"),
+    (kernels.quantize, "pack_weight", "[pack_weight: all callers]"),  # pack_exact's own calls
 ]
 
 
@@ -98,7 +99,7 @@ def main() -> None:
     print(f"{'':44s} {'wall':>8s} {'share':>6s} {'CPU':>8s}")
     print(f"{'imports before Engine() (torch, specguide)':44s} {IMPORT_S:6.2f} s")
     print(f"{'Engine() in all':44s} {total:6.2f} s {100:5.1f}% {cpu:6.2f} s")
-    for _, _, label in PHASES:
+    for label in dict.fromkeys(label for _, _, label in PHASES):
         if CALLS[label]:
             print(f"{label:44s} {TIMES[label]:6.2f} s {100 * TIMES[label] / total:5.1f}% {CPU[label]:6.2f} s"
                   f"  ({CALLS[label]} calls)")

@@ -325,14 +325,14 @@ def _queries(qkv, cos, sin_signed, pos, nh):
 def test_rows_per_pass_never_changes_a_bit(monkeypatch):
     """The tuner's choice (RB rows per pass, kernels/tune.py) changes speed only: every candidate
     gives the default build's bits, for every weight format, in-register and scratch paths."""
-    from specguide.kernels import tune
+    from specguide.kernels import build, tune
 
     g = torch.Generator().manual_seed(3)
     W, x = torch.randn(130, 96, generator=g), torch.randn(20, 96, generator=g)
     packs = {fmt: kernels.pack_weight(W, fmt) for fmt in kernels.FORMATS}
     ref = {(fmt, n): kernels.gemv(x[:n], *packs[fmt], 130) for fmt in packs for n in (1, 3, 20)}
     for rb in tune.CANDIDATES:
-        monkeypatch.setattr(kernels, "_lib", kernels.variant(rb))
+        monkeypatch.setattr(build, "_lib", kernels.variant(rb))  # what library() hands every op
         for (fmt, n), want in ref.items():
             assert torch.equal(kernels.gemv(x[:n], *packs[fmt], 130), want), (rb, fmt, n)
 
@@ -356,7 +356,7 @@ def test_the_tuned_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
 def test_prefetch_never_changes_a_bit():
     """The tuned prefetch distance (ops.c set_prefetch) changes when weights arrive, never a result:
     every candidate gives the bits of no prefetch, block formats in-register and widened."""
-    from specguide.kernels import tune
+    from specguide.kernels import build, tune
 
     lib = kernels.library()
     g = torch.Generator().manual_seed(4)
@@ -370,7 +370,7 @@ def test_prefetch_never_changes_a_bit():
             for (fmt, n), want in ref.items():
                 assert torch.equal(kernels.gemv(x[:n], *packs[fmt], 200), want), (pf, fmt, n)
     finally:
-        lib.set_prefetch(tune.prefetch_blocks(*kernels._target()[:2], lib, torch.get_num_threads()))
+        lib.set_prefetch(tune.prefetch_blocks(*build._target()[:2], lib, torch.get_num_threads()))
 
 
 def test_the_prefetch_distance_is_measured_once_and_cached_beside_rows_per_pass(tmp_path, monkeypatch):

@@ -13,7 +13,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import KV_KINDS, WEIGHT_KINDS, kv_row_width, library
+from .bindings import KV_KINDS, WEIGHT_KINDS
+from .build import library
+from .ops import kv_row_width
 
 _P = ctypes.c_void_p
 ACTS = {"silu": 0, "gelu_tanh": 1}

@@ -20,9 +20,9 @@ is gone. The
 key holds what changes the packed bytes: each weight file's path, size and mtime, config.json,
 weight_dtype, integer_dot (EngineConfig.activation_dtype resolved against the build's integer
 path: it picks the integer-dot layouts), this format's VERSION, the packing code (the source of
-kernels/__init__.py, linear.py, loader.py and this file) and the torch version. The packed layout
-does not depend on the CPU: the kernels read the same 64-wide tiles on every vector path (AVX-512,
-AVX2, portable C), and packing is plain torch code.
+kernels/quantize.py, kernels/bindings.py, linear.py, loader.py and this file) and the torch version.
+The packed layout does not depend on the CPU: the kernels read the same 64-wide tiles on every
+vector path (AVX-512, AVX2, portable C), and packing is plain torch code.
 
 Writes go to a temporary file renamed into place, so concurrent servers never read half a file;
 an unreadable or inconsistent file (shapes, dtypes, names) is logged and packed again."""
@@ -49,7 +49,8 @@ from .linear import InvariantLinear
 log = logging.getLogger("specguide")
 VERSION = 1  # of what a file holds (bump when the layout of the blob changes)
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE.parent / "kernels" / "__init__.py", HERE / "linear.py", HERE / "loader.py", Path(__file__).resolve())
+SOURCES = (HERE.parent / "kernels" / "quantize.py", HERE.parent / "kernels" / "bindings.py", HERE / "linear.py",
+           HERE / "loader.py", Path(__file__).resolve())
 STALE_TMP_S = 3600.0  # a temporary file this old is a crashed writer's: removed by the next save
 KEEP = 2  # keys kept per checkpoint folder and format (the most recently used)
 KEY_SUFFIX = len(".0123456789abcdef.pt")
