@@ -4,6 +4,7 @@ and the OpenAI server beside victim streams, with counts.
     python bench/bench_fuzz.py [--count 10000] [--seed 0] [--concurrency 2] [--victim-tokens 400]
                                [--targets specguide,specguide_unary,specguide_vllm,http,openai_completions,openai_chat]
                                [--settings key=value,...] [--no-known] [--json out.json] [--failures out.jsonl]
+                               [--logs DIR]
 
 Starts `scripts/tritonserver.py serve` (under specguide.supervisor, which restarts a server whose
 stub died and counts it in specguide_server_restarts_total) on free ports with a copy of
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--no-known", action="store_true", help="leave out issue 75's measured attacks (sent first)")
     ap.add_argument("--json", type=Path, help="write the counts here")
     ap.add_argument("--failures", type=Path, help="write every finding here (one JSON object a line)")
+    ap.add_argument("--logs", type=Path, help="copy the server's and the OpenAI server's logs into this folder")
     args = ap.parse_args()
     targets = tuple(t for t in args.targets.split(",") if t)
     settings_ = dict(kv.split("=", 1) for kv in args.settings.split(",") if kv)
@@ -78,6 +80,10 @@ def main() -> None:
             _stop(server.proc)
             server_log = server.log.read_text(errors="replace")
             api_log = api.log.read_text(errors="replace")
+            if args.logs:
+                args.logs.mkdir(parents=True, exist_ok=True)
+                (args.logs / "server.log").write_text(server_log)
+                (args.logs / "api.log").write_text(api_log)
     result["server_log_tracebacks"] = server_log.count("Traceback")
     result["openai_log_tracebacks"] = api_log.count("Traceback")
     print(f"tracebacks in the logs: server {result['server_log_tracebacks']}, OpenAI server {result['openai_log_tracebacks']}")

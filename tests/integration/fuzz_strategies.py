@@ -67,7 +67,7 @@ class Case:
                 head = [_short(v) for v in flat[:4]]
                 more = f"+{flat.size - 4}" if flat.size > 4 else ""
                 parts.append(f"{name}:{arr.dtype}{list(arr.shape)}={head}{more}")
-            text = f"{self.target} id={self.request_id!r} " + " ".join(parts)
+            text = f"{self.target} id={_short(self.request_id, 24)} " + " ".join(parts)
         else:
             text = f"{self.target} {self.path} stream={self.stream} body={_short(self.body, limit)}"
         return text if len(text) <= limit else text[:limit] + f"...(+{len(text) - limit})"
@@ -282,7 +282,8 @@ def guides(hostile: bool = True) -> st.SearchStrategy[tuple[str, str]]:
     """(guide type, guide text): a shipped sample, a small sane guide, or (hostile) a bad one of any type."""
     sane = st.one_of(st.sampled_from(SAMPLES), st.sampled_from([
         ("json", ""), ("regex", "[0-9]{3}-[0-9]{4}"), ("choice", '["yes", "no"]'), ("json_schema", '{"type": "integer"}'),
-        ("ebnf_grammar", 'root ::= "yes" | "no"'), ("regex", "(cat|dog)s?")]))
+        ("ebnf_grammar", 'root ::= "yes" | "no"'), ("regex", "(cat|dog)s?"), ("choice", '["oui", "peut-\u00eatre"]'),
+        ("regex", "(\u00e9t\u00e9|hiver)"), ("json_schema", '{"enum": ["\u00e9t\u00e9", "\u4e2d\u6587"]}')]))
     if not hostile:
         return sane
     bad = st.one_of(
@@ -844,11 +845,12 @@ def cases(targets: tuple[str, ...] = TARGETS) -> st.SearchStrategy[Case]:
     return st.one_of(*[by[t] for t in targets])
 
 
-# ------------------------------------------------------------------------------ the measured attacks
+# ------------------------------------------------------------------------------ the measured attacks and the fuzzer's finds
 
 def known_attacks(victim_first_token: int, victim_prompt: str) -> list[Case]:
-    """Issue 75's measured attacks and code-read findings, as cases (run before the drawn ones): each
-    must get a clear error or a valid answer and harm no victim, like any other."""
+    """Issue 75's measured attacks and code-read findings, and what the fuzzer found (FOUND), as cases
+    (run before the drawn ones): each must get a clear error or a valid answer and harm no victim,
+    like any other."""
     quotes = escaped_quotes(24000)  # 48 KB: the depth scan held the GIL for seconds (quadratic)
     one = lambda v, dt=np.int32: np.array([[v]], dtype=dt)  # noqa: E731
     return [
@@ -879,4 +881,25 @@ def known_attacks(victim_first_token: int, victim_prompt: str) -> list[Case]:
         Case(ENGINE, {"text_input": one(b"Say a.", np.object_), "max_tokens": one(8),
                       "guided_decoding_guide_type": one(b"regex", np.object_),
                       "guided_decoding_guide": one(b"(a{4000}){4000}", np.object_)}),
-    ]
+    ] + FOUND
+
+
+def _guided(prompt: bytes, gtype: str, guide: str, max_tokens: int = 8) -> Case:
+    one = lambda v, dt=np.object_: np.array([[v]], dtype=dt)  # noqa: E731
+    return Case(ENGINE, {"text_input": one(prompt), "max_tokens": one(max_tokens, np.int32),
+                         "guided_decoding_guide_type": one(gtype.encode()), "guided_decoding_guide": one(guide.encode())})
+
+
+# what bench_fuzz found (bench/RESULTS.md, "Fuzzing"); each once answered with an internal error
+FOUND = [
+    # xgrammar's jump-forward string cut inside a UTF-8 character (the drafter's forced tokens):
+    # "decode failed (UnicodeDecodeError; the server log has the details)"
+    _guided(b"Hi", "regex", "\u00c1\u00fb\u00f2\x15k_"),
+    _guided(b"Hi", "regex", "\u00c1\u00fb"),
+    _guided(b"Hi", "choice", '["\u00c1\u00fb\u00f2"]'),  # any non-ASCII literal an xgrammar guide forces
+    _guided(b"Hi", "ebnf_grammar", 'root ::= "\u00c1\u00fb\u00f2"'),
+    _guided(b"Hi", "regex", "\u4e2d\u6587\u5b57"),
+    Case("openai_chat", path="/v1/chat/completions", body=json.dumps(  # 500 there
+        {"model": "specguide", "messages": [{"role": "user", "content": "Pick."}], "max_tokens": 8,
+         "guided_choice": ["\u00e9t\u00e9", "hiver"]}).encode()),
+]
