@@ -78,7 +78,12 @@ class XgrammarMatcher(Matcher):
             return []
         # NOTE: trailing whitespace stays undrafted: the model writes it fused to the next word
         # (`": "` + ` true`), so a lone-space token would be rejected and end the drafts
-        text = self.m.find_jump_forward_string().rstrip()
+        try:
+            text = self.m.find_jump_forward_string().rstrip()
+        except UnicodeDecodeError:
+            # NOTE: inside a multi-byte character (a byte-level token ended mid-character) xgrammar
+            # hands back bytes that are no UTF-8 text: nothing whole to draft (drafts are optional)
+            return []
         if not text:
             return []
         fork, out = self.m.fork(), []
