@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -100,6 +101,25 @@ def run(server, api, args, targets) -> dict:
     slots = threading.Semaphore(args.concurrency)
     t_start = time.perf_counter()
     sent = [0]
+    stopping = threading.Event()  # SIGINT / SIGTERM: stop drawing, finish what is in flight, print the counts
+
+    class Interrupted(Exception):
+        pass
+
+    def on_signal(signum, frame) -> None:
+        print(f"  signal {signum}: stopping after the requests in flight", flush=True)
+        stopping.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+    def take_slot() -> None:
+        while not slots.acquire(timeout=1.0):
+            if stopping.is_set():
+                raise Interrupted
+        if stopping.is_set():
+            slots.release()
+            raise Interrupted
 
     def one(case) -> None:
         tally.began(case)
@@ -117,7 +137,7 @@ def run(server, api, args, targets) -> dict:
               suppress_health_check=list(HealthCheck), print_blob=False)
     @given(cases(targets))
     def draw(case) -> None:
-        slots.acquire()
+        take_slot()
         pool.submit(one, case)
         sent[0] += 1
         if sent[0] % 500 == 0:
@@ -138,13 +158,15 @@ def run(server, api, args, targets) -> dict:
         if not args.no_known:
             for case in known_attacks(victims.solo.ids[0], VICTIM_PROMPT):  # issue 75's measured attacks first
                 if case.target in targets:
-                    slots.acquire()
+                    take_slot()
                     pool.submit(one, case)
         if args.count:
             draw()
-        pool.shutdown(wait=True)
-        finished = True
+    except Interrupted:
+        pass
     finally:
+        pool.shutdown(wait=True)
+        finished = not stopping.is_set()
         done.set()
         victims.stop(abandon=not finished)
     elapsed = time.perf_counter() - t_start
@@ -155,6 +177,8 @@ def run(server, api, args, targets) -> dict:
     after_health = engine_state(server)
 
     total = sum(tally.per_target.values())
+    if not finished:
+        print(f"\nINTERRUPTED after {sent[0]} drawn requests (a signal): the counts below are partial")
     print(f"\n{total} hostile requests in {elapsed:.0f} s ({total / elapsed:.1f}/s; load average {os.getloadavg()[0]:.1f} "
           f"at the end)")
     print("per target: " + ", ".join(f"{t} {n}" for t, n in sorted(tally.per_target.items())))
@@ -197,7 +221,8 @@ def run(server, api, args, targets) -> dict:
         "victim_gap_p50_s": statistics.median(gaps) if gaps else None, "victim_gap_max_s": tally.max_gap,
         "victim_gap_max_case": tally.max_gap_case, "engine_restarts": restarts["engine"],
         "server_restarts": restarts["server"], "health_problems": problems,
-        "all_good": not tally.failures and not harmed and not problems and not any(restarts.values())
+        "interrupted": not finished,
+        "all_good": finished and not tally.failures and not harmed and not problems and not any(restarts.values())
         and all(v in GOOD for v in tally.verdicts),
     }
 
