@@ -4,7 +4,7 @@ and the OpenAI server beside victim streams, with counts.
     python bench/bench_fuzz.py [--count 10000] [--seed 0] [--concurrency 2] [--victim-tokens 400]
                                [--targets specguide,specguide_unary,specguide_vllm,http,openai_completions,openai_chat]
                                [--settings key=value,...] [--no-known] [--json out.json] [--failures out.jsonl]
-                               [--logs DIR]
+                               [--logs DIR] [--record FILE | --replay FILE [--range a:b]]
 
 Starts `scripts/tritonserver.py serve` (under specguide.supervisor, which restarts a server whose
 stub died and counts it in specguide_server_restarts_total) on free ports with a copy of
@@ -14,6 +14,9 @@ another on `specguide` for the whole run; each is compared with the solo run tak
 draws `--count` cases from tests/integration/fuzz_strategies.py (`--seed` picks the draw; the same
 seed draws the same cases), after issue 75's measured attacks (`known_attacks`, unless `--no-known`), sent `--concurrency` at a time and judged as tests/integration/fuzz.py
 says (ok / refused: a valid answer or a clear error; internal / hang / malformed: a finding).
+
+`--record` writes every request in the order sent; `--replay` sends them again (a slice of them with
+`--range`), to find which one a crash or a harmed victim followed.
 
 Prints: the CPU, requests per target, verdicts, error classes (the message with its numbers and
 quoted values cut), each finding (first of its class, with the request), victims run and harmed
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import signal
 import statistics
 import sys
@@ -62,6 +66,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the counts here")
     ap.add_argument("--failures", type=Path, help="write every finding here (one JSON object a line)")
     ap.add_argument("--logs", type=Path, help="copy the server's and the OpenAI server's logs into this folder")
+    ap.add_argument("--record", type=Path, help="write every request, in the order sent, here (pickle) for --replay")
+    ap.add_argument("--replay", type=Path, help="send the requests a --record run wrote (its --range a:b) instead of drawing")
+    ap.add_argument("--range", default=":", help="with --replay: which of the recorded requests, as a Python slice a:b")
     args = ap.parse_args()
     targets = tuple(t for t in args.targets.split(",") if t)
     settings_ = dict(kv.split("=", 1) for kv in args.settings.split(",") if kv)
@@ -90,6 +97,19 @@ def main() -> None:
     print(f"tracebacks in the logs: server {result['server_log_tracebacks']}, OpenAI server {result['openai_log_tracebacks']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+
+
+def replayed(path: Path, where: str) -> list:
+    """The requests a --record run sent, sliced by `where` ("a:b")."""
+    cases = []
+    with open(path, "rb") as f:
+        while True:
+            try:
+                cases.append(pickle.load(f))
+            except EOFError:
+                break
+    a, _, b = where.partition(":")
+    return cases[int(a) if a else None:int(b) if b else None]
 
 
 def run(server, api, args, targets) -> dict:
@@ -132,13 +152,21 @@ def run(server, api, args, targets) -> dict:
         finally:
             slots.release()
 
+    record = open(args.record, "wb") if args.record else None
+
+    def submit(case) -> None:
+        take_slot()
+        if record is not None:
+            pickle.dump(case, record)
+            record.flush()
+        pool.submit(one, case)
+
     @seed(args.seed)
     @settings(max_examples=max(args.count, 1), deadline=None, derandomize=False, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck), print_blob=False)
     @given(cases(targets))
     def draw(case) -> None:
-        take_slot()
-        pool.submit(one, case)
+        submit(case)
         sent[0] += 1
         if sent[0] % 500 == 0:
             el = time.perf_counter() - t_start
@@ -155,17 +183,23 @@ def run(server, api, args, targets) -> dict:
     threading.Thread(target=monitor, daemon=True).start()
     finished = False
     try:
-        if not args.no_known:
-            for case in known_attacks(victims.solo.ids[0], VICTIM_PROMPT):  # issue 75's measured attacks first
-                if case.target in targets:
-                    take_slot()
-                    pool.submit(one, case)
-        if args.count:
-            draw()
+        if args.replay:
+            for case in replayed(args.replay, args.range):
+                submit(case)
+                sent[0] += 1
+        else:
+            if not args.no_known:
+                for case in known_attacks(victims.solo.ids[0], VICTIM_PROMPT):  # issue 75's measured attacks first
+                    if case.target in targets:
+                        submit(case)
+            if args.count:
+                draw()
     except Interrupted:
         pass
     finally:
         pool.shutdown(wait=True)
+        if record is not None:
+            record.close()
         finished = not stopping.is_set()
         done.set()
         victims.stop(abandon=not finished)

@@ -34,6 +34,22 @@ from hypothesis import strategies as st
 from specguide.triton.interfaces import INTERFACES, Spec
 from specguide.training.prompts import data_dir
 
+def _pin_constants() -> None:
+    """Draws that depend on the seed alone. Hypothesis mixes into its draws constants it reads from
+    the project's modules loaded at the time (hypothesis.internal.conjecture.providers
+    `_get_local_constants`): a run of one test file and `make test` load different modules, and every
+    commit changes them, so the same seed drew different cases. Hypothesis is pinned
+    (requirements-test.txt); without that function this does nothing."""
+    from hypothesis.internal.conjecture import providers
+    from hypothesis.internal.constants_ast import Constants
+
+    if hasattr(providers, "_get_local_constants"):
+        none = Constants()
+        providers._get_local_constants = lambda: none
+
+
+_pin_constants()
+
 VOCAB = 49152  # the default model's vocabulary (SmolLM2-135M-Instruct); ids at or past it are out of it
 EOS = 2
 PROMPT_BYTES_CAP = 32768  # max_prompt_bytes default (16 x max_seq_len)
