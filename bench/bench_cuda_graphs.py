@@ -120,7 +120,7 @@ def main() -> None:
         sys.exit("bench_cuda_graphs.py measures CUDA graphs and needs a CUDA GPU; none is visible here "
                  "(run it on a GPU host: python bench/bench_cuda_graphs.py).")
     from specguide.config import EngineConfig
-    from specguide.engine import Engine
+    from specguide.engine.loop import Engine
 
     batches = [int(b) for b in args.batches.split(",")]
     threads = [int(t) for t in args.mask_threads.split(",")]

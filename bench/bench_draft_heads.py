@@ -23,7 +23,7 @@ from bench_speculative import run, schema_prompts  # noqa: E402
 from machine import cpu_header  # noqa: E402
 
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 
 

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "backend_src"))
 from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
-from specguide.engine_process import EngineProcess  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
+from specguide.process.engine_process import EngineProcess  # noqa: E402
 from specguide.request import Request, SamplingParams  # noqa: E402
 from specguide.triton.interfaces import engine_parameters  # noqa: E402
 

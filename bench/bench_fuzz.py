@@ -6,7 +6,7 @@ and the OpenAI server beside victim streams, with counts.
                                [--settings key=value,...] [--no-known] [--json out.json] [--failures out.jsonl]
                                [--logs DIR] [--record FILE | --replay FILE [--range a:b]]
 
-Starts `scripts/tritonserver.py serve` (under specguide.supervisor, which restarts a server whose
+Starts `scripts/tritonserver.py serve` (under specguide.process.supervisor, which restarts a server whose
 stub died and counts it in specguide_server_restarts_total) on free ports with a copy of
 model_repository/ (`--settings` applied to specguide's config.pbtxt), and an OpenAI server in front of
 it. Victim streams (greedy, one fixed prompt, `--victim-tokens` long, EOS suppressed) run one after

@@ -44,7 +44,7 @@ held = create_app(Settings(triton_url="127.0.0.1:8001"))
     "engine": """
 from pathlib import Path
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.triton.interfaces import engine_parameters
 held = Engine(EngineConfig.from_parameters(engine_parameters(Path(ROOT) / "model_repository")))
 """,
@@ -58,7 +58,7 @@ xgr = _import_xgrammar_compiler()
 
 TIMED = """
 import gc, json, statistics, time
-from specguide.heap import freeze_startup_heap
+from specguide.util.heap import freeze_startup_heap
 def full(n):
     out = []
     for _ in range(n):

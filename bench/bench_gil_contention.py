@@ -119,7 +119,7 @@ def main() -> None:
     if args.served:
         return served_main(args)
     from specguide.config import EngineConfig
-    from specguide.engine import Engine
+    from specguide.engine.loop import Engine
 
     print(cpu_header(), flush=True)
     eng = Engine(EngineConfig(device=args.device, max_slots=8, max_seq_len=512, prefill_chunk=128, spec_max_rows=0,

@@ -49,7 +49,7 @@ sys.path.insert(0, str(BENCH))
 
 import bench_guided_compile as bgc  # noqa: E402
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
 from specguide.guided import GrammarCompilerService  # noqa: E402
 from specguide.models.loader import resolve_model_dir  # noqa: E402
 from specguide.request import GuidedDecodingParams, InvalidRequestError, Request, SamplingParams  # noqa: E402

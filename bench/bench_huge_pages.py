@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import cpu_header  # noqa: E402
-from specguide.kv_cache import huge_zeros  # noqa: E402
-from specguide.memory import huge_page_kb  # noqa: E402
+from specguide.engine.kv_cache import huge_zeros  # noqa: E402
+from specguide.util.memory import huge_page_kb  # noqa: E402
 from specguide.models.loader import load_model, resolve_model_dir  # noqa: E402
 
 STEPS = ((1, 1, 60), (8, 1, 20), (1, 4, 40), (8, 4, 8))  # (sequences, queries each, calls a round)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_interfaces import Server  # noqa: E402
 from bench_openai import cpu_seconds, wait  # noqa: E402
 from machine import cpu_header  # noqa: E402
-from specguide.supervisor import descendants  # noqa: E402
+from specguide.process.supervisor import descendants  # noqa: E402
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ POS = 200
 CHILD = """
 import json, sys, time, torch
 from specguide import kernels
-from specguide.kv_cache import KVCache
+from specguide.engine.kv_cache import KVCache
 from specguide.models.loader import load_model, resolve_model_dir
 torch.set_num_threads(int(sys.argv[1]))
 out = {"path": kernels.integer_dot_path()}

@@ -51,7 +51,7 @@ def rss_mib(pid: int) -> dict[str, float]:
         return next(int(ln.split()[1]) for ln in Path(f"/proc/{p}/status").read_text().splitlines()
                     if ln.startswith("VmRSS:")) / 1024
     out = {"tritonserver": rss(pid)}
-    from specguide.supervisor import descendants
+    from specguide.process.supervisor import descendants
 
     for child in descendants(pid):
         cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
@@ -108,7 +108,7 @@ class Server:
 
     def beside_pid(self, fragment: str) -> int:
         """The pid of the process started beside tritonserver whose command line holds `fragment`."""
-        from specguide.supervisor import descendants
+        from specguide.process.supervisor import descendants
 
         return next(int(c) for c in descendants(self.proc.pid)
                     if fragment.encode() in Path(f"/proc/{c}/cmdline").read_bytes())

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from machine import cpu_header  # noqa: E402
 
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
 from specguide.guided.value_check import make_validator  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 from specguide.training.prompts import load_schemas, schema_message  # noqa: E402

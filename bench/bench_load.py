@@ -25,9 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 
 import torch  # noqa: E402
 
-from specguide import engine_core, kernels  # noqa: E402
+from specguide.engine import core
+
+from specguide import kernels  # noqa: E402
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
 from specguide.models import llama, loader, packed_cache  # noqa: E402
 from specguide.speculative import draft_head  # noqa: E402
 from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)

@@ -49,7 +49,7 @@ from machine import cpu_header, cpu_model  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from client.common import GrpcStream, chat_prompt, load_chat_template  # noqa: E402
-from specguide.memory import rss_bytes  # noqa: E402
+from specguide.util.memory import rss_bytes  # noqa: E402
 
 LABELS = {"triton": "Triton gRPC (tritonclient)", "openai": "OpenAI server (openai SDK)",
           "http": "OpenAI server (plain HTTP client)"}

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_header  # noqa: E402
 
 from specguide.config import WEIGHT_DTYPES, EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
 from specguide.models.loader import resolve_model_dir  # noqa: E402
 from specguide.request import Request, SamplingParams  # noqa: E402
 from specguide.training.prompts import load_schemas, schema_message  # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import cpu_header  # noqa: E402
 
-from specguide.kv_cache import KVCache  # noqa: E402
+from specguide.engine.kv_cache import KVCache  # noqa: E402
 from specguide.models.loader import load_model, resolve_model_dir  # noqa: E402
 
 

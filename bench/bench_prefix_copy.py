@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
 from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 

@@ -44,8 +44,8 @@ def metric(url: str, name: str) -> float:
 
 def stub_rss_mib(server_pid: int) -> float:
     """The engine model's stub and its engine process (engine_process.py): the memory that holds the model."""
-    from specguide.memory import rss_bytes
-    from specguide.supervisor import descendants
+    from specguide.util.memory import rss_bytes
+    from specguide.process.supervisor import descendants
 
     for child in descendants(server_pid):
         if b"triton_python_backend_stub" in Path(f"/proc/{child}/cmdline").read_bytes():

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from specguide import kernels  # noqa: E402
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 
 from bench_speculative import run, schema_prompts  # noqa: E402

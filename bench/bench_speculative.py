@@ -35,7 +35,7 @@ from statistics import mean
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 
 from specguide.training.prompts import CHAT_BENCH as CHAT, load_schemas, schema_message  # noqa: E402

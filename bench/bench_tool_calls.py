@@ -31,7 +31,7 @@ from bench_json_quality import generate  # noqa: E402
 from machine import cpu_header  # noqa: E402
 
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
 from specguide.guided.value_check import make_validator  # noqa: E402
 from specguide.openai_api.schemas import NamedToolChoice, Tool, ToolChoiceMode  # noqa: E402
 from specguide.openai_api.tools import parse_all, tool_guide, tools_system_prompt  # noqa: E402

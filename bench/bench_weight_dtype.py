@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 
 from specguide.config import EngineConfig  # noqa: E402
-from specguide.engine import Engine  # noqa: E402
-from specguide.kv_cache import KVCache  # noqa: E402
+from specguide.engine.loop import Engine  # noqa: E402
+from specguide.engine.kv_cache import KVCache  # noqa: E402
 from specguide.models.linear import InvariantLinear  # noqa: E402
 from specguide.request import GuidedDecodingParams, Request, SamplingParams  # noqa: E402
 from specguide.training.prompts import CHAT_BENCH, load_schemas, schema_message  # noqa: E402

@@ -1,7 +1,7 @@
 """Set up and start a real `tritonserver` from the `nvidia-pytriton` wheel (no container needed).
 
     python scripts/tritonserver.py setup            # copy the server + Python backend into .work/
-    python scripts/tritonserver.py serve [ARGS...]  # start it on 127.0.0.1 under specguide.supervisor
+    python scripts/tritonserver.py serve [ARGS...]  # start it on 127.0.0.1 under specguide.process.supervisor
                                                     # (extra ARGS go to tritonserver)
     python scripts/tritonserver.py run [ARGS...]    # the same without the supervisor (exec's tritonserver)
     python scripts/tritonserver.py env              # print the environment it runs with
@@ -113,9 +113,9 @@ def main(argv: list[str]) -> int:
     if cmd in ("serve", "run"):
         setup()
         args = server_command(extra=argv[1:])
-        if cmd == "serve":  # restarts the server if a Python backend stub dies (specguide/supervisor.py)
+        if cmd == "serve":  # restarts the server if a Python backend stub dies (specguide/process/supervisor.py)
             http = f"{os.environ.get('TRITON_ADDRESS', '127.0.0.1')}:{os.environ.get('TRITON_HTTP_PORT', 8000)}"
-            args = [sys.executable, "-m", "specguide.supervisor", "--http", http, "--", *args]
+            args = [sys.executable, "-m", "specguide.process.supervisor", "--http", http, "--", *args]
         print("+", " ".join(args), flush=True)
         os.execve(args[0], args, server_env())
     print(__doc__)

@@ -252,7 +252,7 @@ class Request:
     num_draft_tokens: Optional[int] = None  # None = the configured K; 0 = no speculation
     request_id: str = ""  # the client's id, echoed in logs
     timeout_s: Optional[float] = None  # None = EngineConfig.request_timeout_s; 0 = no limit
-    fault: Optional[str] = None  # injected fault (specguide.faults; honoured only when enabled)
+    fault: Optional[str] = None  # injected fault (specguide.engine.faults; honoured only when enabled)
 
 
 @dataclass

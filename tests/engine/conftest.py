@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.models.loader import resolve_model_dir
 
 from ..guided.helpers import save_random_head

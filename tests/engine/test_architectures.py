@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specguide import kernels
-from specguide.kv_cache import KVCache
+from specguide.engine.kv_cache import KVCache
 from specguide.models.loader import load_model
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -170,7 +170,7 @@ def test_engine_serves_the_architecture_greedy_as_transformers_and_lossless(kind
     import transformers as tf
 
     from specguide.config import EngineConfig
-    from specguide.engine import Engine
+    from specguide.engine.loop import Engine
     from specguide.models.default_model import prepare_default_model
     from specguide.request import Request, SamplingParams
 

@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead, default_head_path
 from specguide.training.prompts import load_schemas, schema_message

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import Request, SamplingParams
 from specguide.speculative.step_cost import StepCosts
 from specguide.guided.decoder import GuidedDecoder

@@ -12,10 +12,12 @@ import time
 
 import pytest
 
-from specguide import faults, ipc, restarts
+from specguide.engine import faults
+
+from specguide.process import ipc, restarts
 from specguide.config import CPU_SLOTS, EngineConfig
-from specguide.engine_process import EngineProcess, describe_exit
-from specguide.restarts import backoff_s
+from specguide.process.engine_process import EngineProcess, describe_exit
+from specguide.process.restarts import backoff_s
 from specguide.request import EngineDeadError, InvalidRequestError, Request, RequestOutput, SamplingParams
 
 from .conftest import thread_nices

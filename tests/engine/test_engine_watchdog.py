@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from specguide import faults
+from specguide.engine import faults
 from specguide.config import EngineConfig
-from specguide.engine_process import EngineProcess
+from specguide.process.engine_process import EngineProcess
 from specguide.request import EngineDeadError
 
 from .test_engine_process import Collector, request, wait_alive

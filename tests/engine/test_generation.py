@@ -317,7 +317,7 @@ def test_bad_requests_are_clear_errors(engine, kwargs, match):
 
 def test_shutdown_drains_in_flight_requests():
     from specguide.config import EngineConfig
-    from specguide.engine import Engine
+    from specguide.engine.loop import Engine
 
     # a quick engine (float32 weights load in ~3 s; the served weights' exact block recovery takes ~10)
     eng = Engine(EngineConfig(max_slots=2, max_seq_len=128, warmup=False, weight_dtype="float32"))

@@ -203,7 +203,7 @@ def test_cancel_while_grammar_compiles_and_guided_max_tokens(engine):
 def engine_k4():
     """K=4, grammar-forced then n-gram drafts (each backend's forced tokens), fixed K."""
     from specguide.config import EngineConfig
-    from specguide.engine import Engine
+    from specguide.engine.loop import Engine
 
     eng = Engine(EngineConfig(max_slots=4, max_seq_len=512, prefill_chunk=64, num_draft_tokens=4, drafter="grammar",
                               adaptive_k=False, cost_aware_k=False))

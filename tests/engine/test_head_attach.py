@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from specguide import engine as engine_module
+from specguide.engine import loop as engine_module
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import Request, SamplingParams
 from specguide.speculative.draft_head import default_head_path
 

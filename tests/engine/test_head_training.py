@@ -14,9 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specguide.config import EngineConfig
-from specguide.engine import Engine
-from specguide.head_training import PREFIX, BackgroundTraining
-from specguide.ipc import child_env
+from specguide.engine.loop import Engine
+from specguide.process.head_training import PREFIX, BackgroundTraining
+from specguide.process.ipc import child_env
 
 from .conftest import thread_nices
 
@@ -81,7 +81,7 @@ def test_the_training_dies_with_the_server(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from specguide.config import EngineConfig
-        from specguide.head_training import BackgroundTraining
+        from specguide.process.head_training import BackgroundTraining
         bt = BackgroundTraining(EngineConfig(drafter="hybrid", draft_head_path={str(out)!r}), {str(out)!r},
                                 lambda level, text: None, quick=True)
         print(bt.proc.pid, flush=True)

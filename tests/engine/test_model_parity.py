@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specguide.kv_cache import KVCache
+from specguide.engine.kv_cache import KVCache
 from specguide.models.embedding import Q8Rows
 from specguide.models.loader import cpu_bf16_matmuls, load_model
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead, default_head_path
 from specguide.triton.interfaces import engine_parameters

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specguide import kernels
-from specguide.kv_cache import KVCache
+from specguide.engine.kv_cache import KVCache
 from specguide.models import packed_cache
 from specguide.models.linear import InvariantLinear
 from specguide.models.loader import load_model

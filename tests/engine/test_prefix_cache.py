@@ -14,10 +14,10 @@ import threading
 import pytest
 import torch
 
-from specguide import faults
+from specguide.engine import faults
 from specguide.config import EngineConfig
-from specguide.engine import Engine
-from specguide.kv_cache import KVCache
+from specguide.engine.loop import Engine
+from specguide.engine.kv_cache import KVCache
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
 from .conftest import placed_in, stale_draft_rows, stale_kept_prefixes

@@ -1,7 +1,7 @@
 """Reliability inside the engine: a fault in one request's row fails that request only; cancel at
 every stage; time limits; a full queue; a crashed loop fails everything with UNAVAILABLE.
 
-Faults come from specguide.faults (enabled here through the environment)."""
+Faults come from specguide.engine.faults (enabled here through the environment)."""
 from __future__ import annotations
 
 import queue
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from specguide import faults
+from specguide.engine import faults
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import EngineDeadError, GuidedDecodingParams, QueueFullError, Request, SamplingParams
 
 from .conftest import run_alone

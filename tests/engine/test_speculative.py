@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
 from .conftest import run_alone

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import InvalidRequestError, Request, SamplingParams
 
 from .conftest import PROMPTS

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from specguide.kv_cache import KVCache
+from specguide.engine.kv_cache import KVCache
 from specguide.request import Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead
 from specguide.training import precision, train_head

@@ -9,7 +9,7 @@ import torch
 
 from specguide import kernels
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.models.linear import InvariantLinear
 from specguide.request import Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead
@@ -259,7 +259,7 @@ def test_an_int8_kv_cache_holds_half_the_bytes_and_keeps_outputs_invariant(integ
 
 
 def test_a_narrow_kv_cache_needs_the_attention_kernel():
-    from specguide.kv_cache import KVCache
+    from specguide.engine.kv_cache import KVCache
 
     for store in (torch.float16, torch.int8):
         with pytest.raises(ValueError, match="C attention kernel"):

@@ -19,7 +19,7 @@ import torch
 
 from specguide.config import EngineConfig
 from specguide.cuda import hostfunc
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
 from ..guided.helpers import check_output, load_guided_samples, save_random_head

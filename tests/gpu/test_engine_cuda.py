@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import Request, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -52,7 +52,7 @@ def test_cuda_max_slots_0_sizes_the_kv_cache_from_free_memory():
     """max_slots 0 on CUDA: slots from kv_cache_memory_fraction of the free memory, and the KV cache
     allocated stays within that share."""
     from specguide.config import EngineConfig
-    from specguide.engine import Engine
+    from specguide.engine.loop import Engine
 
     free_before, _ = torch.cuda.mem_get_info()
     eng = Engine(EngineConfig(device="cuda", max_slots=0, max_seq_len=512, kv_cache_memory_fraction=0.05,

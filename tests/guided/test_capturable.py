@@ -16,12 +16,12 @@ from specguide.config import EngineConfig
 from specguide.cuda import hostfunc
 from specguide.cuda.graphs import StepGraphs
 from specguide.cuda.hostfunc import HostFuncError, InlineStream, WorkerStream
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.guided import GuidedDecoder
 from specguide.guided.capturable import CapturableGuidedDecoder
 from specguide.guided.grammar_worker import NO_LIMIT, GuidedStep
 from specguide.request import Request, SamplingParams
-from specguide.step_layout import Drafting
+from specguide.engine.step_layout import Drafting
 
 from .conftest import VOCAB
 from .helpers import load_guided_samples

@@ -22,8 +22,8 @@ import specguide
 from specguide.guided import GrammarCompilerService
 from specguide.guided.compile_pool import _WALL_FACTOR, AbandonableFuture
 from specguide.guided.limits import GuideLimits
-from specguide.ipc import process_identity
-from specguide.memory import cpu_seconds
+from specguide.process.ipc import process_identity
+from specguide.util.memory import cpu_seconds
 from specguide.request import GuidedDecodingParams as G
 from specguide.request import InvalidRequestError
 

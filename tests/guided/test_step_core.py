@@ -8,7 +8,7 @@ import pytest
 
 from specguide.config import EngineConfig
 from specguide.cuda.graphs import StepGraphs
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 
 from .helpers import save_random_head
 from .test_capturable import GUIDES, MIXED_K, _requests, _run

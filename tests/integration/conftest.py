@@ -17,8 +17,8 @@ from typing import Optional
 
 import pytest
 
-from specguide import supervisor
-from specguide.memory import rss_bytes
+from specguide.process import supervisor
+from specguide.util.memory import rss_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "specguide"
@@ -134,7 +134,7 @@ def repository_with(tmp: Path, settings: dict[str, str]) -> Path:
 def launch(log: Path, model_repository: Path, extra_args: tuple[str, ...] = (), env: Optional[dict] = None,
            command: str = "run") -> Server:
     """Start tritonserver on free ports and wait until it is ready (fails the test if it is not).
-    `command` "serve" runs it under specguide.supervisor, as `make serve` does."""
+    `command` "serve" runs it under specguide.process.supervisor, as `make serve` does."""
     subprocess.run([sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "setup"], check=True,
                    stdout=subprocess.DEVNULL)
     http, grpc, metrics = _free_ports(3)

@@ -23,10 +23,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.common import GrpcStream, grpc_inputs, http_generate_stream
-from specguide import health_probe
-from specguide.ipc import process_identity
-from specguide.memory import rss_bytes
-from specguide.supervisor import descendants
+from specguide.process import health_probe
+from specguide.process.ipc import process_identity
+from specguide.util.memory import rss_bytes
+from specguide.process.supervisor import descendants
 
 from .conftest import MODEL, ROOT, Server, _stop, launch, stop_and_check
 from .helpers import tensor_inputs

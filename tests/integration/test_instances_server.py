@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from specguide.supervisor import descendants, stubs
+from specguide.process.supervisor import descendants, stubs
 
 from .conftest import MODEL, Server, launch, repository_with, stop_and_check
 from .helpers import B, I, S, raw_stream, tensor_inputs

@@ -34,8 +34,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from specguide.memory import rss_bytes
-from specguide.supervisor import descendants
+from specguide.util.memory import rss_bytes
+from specguide.process.supervisor import descendants
 
 from .conftest import MODEL, Server, launch, repository_with, stop_and_check
 from .helpers import B, I, S, raw_stream, tensor_inputs

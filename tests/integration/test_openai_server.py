@@ -152,7 +152,7 @@ def test_token_id_prompts(client):
     """`prompt` as token ids (one list, or a list of lists: what lm-eval's local-completions sends)
     answers as the same text does, echoed as the model's text of them; ids outside the vocabulary are
     the model's 400."""
-    from specguide.paths import cache_dir
+    from specguide.util.paths import cache_dir
     from specguide.tokenizer import TokenizerFile
 
     tok = TokenizerFile(cache_dir() / "models" / "smollm2-135m-instruct")
@@ -177,7 +177,7 @@ def test_token_id_prompts(client):
 
 
 def test_vllm_extras_stop_token_ids_bad_words_and_continuous_usage(client):
-    from specguide.paths import cache_dir
+    from specguide.util.paths import cache_dir
     from specguide.tokenizer import TokenizerFile
 
     tok = TokenizerFile(cache_dir() / "models" / "smollm2-135m-instruct")
@@ -200,7 +200,7 @@ def test_echo_with_logprobs_scores_the_prompt(client, server):
     """What lm-eval's loglikelihood requests send (token ids, echo, logprobs 1, max_tokens 1): every
     prompt token's log prob (null for the first) and top entry, then the generated one's; the same
     numbers streamed, and as the model's prompt_logprobs over Triton; text prompts alike."""
-    from specguide.paths import cache_dir
+    from specguide.util.paths import cache_dir
     from specguide.tokenizer import TokenizerFile
 
     tok = TokenizerFile(cache_dir() / "models" / "smollm2-135m-instruct")

@@ -25,7 +25,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.common import Chunk, _chunk_from_result, grpc_inputs
-from specguide import faults
+from specguide.engine import faults
 
 from .conftest import MODEL, ROOT, Server, launch, repository_with, stop_and_check
 from .test_conformance import _stream

@@ -40,7 +40,7 @@ def config_parameters() -> dict:
 def reference():
     """Greedy outputs of an in-process Engine with the served configuration: prompt -> (ids, text, reason)."""
     from specguide.config import EngineConfig
-    from specguide.engine import Engine
+    from specguide.engine.loop import Engine
     from specguide.request import Request, SamplingParams
 
     cfg = EngineConfig.from_parameters({**config_parameters(), "warmup": "false"})

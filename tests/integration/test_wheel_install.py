@@ -21,7 +21,7 @@ import json, sys
 import jsonschema
 import specguide
 from specguide.config import EngineConfig
-from specguide.engine import Engine
+from specguide.engine.loop import Engine
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
 assert specguide.__file__.startswith(sys.prefix), specguide.__file__  # the installed wheel, not the checkout

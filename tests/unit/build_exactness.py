@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specguide import kernels
-from specguide.kv_cache import KVCache
+from specguide.engine.kv_cache import KVCache
 from specguide.models.loader import load_model
 
 

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from specguide.sampling import sample
+from specguide.engine.sampler import sample
 from specguide.speculative.acceptance import accept
 from specguide.speculative.ngram import NgramDrafter
 

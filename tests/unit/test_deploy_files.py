@@ -53,7 +53,7 @@ def test_entrypoint_starts_tritonserver_on_the_copied_repository():
     assert os.access(ep, os.X_OK)
     text = ep.read_text()
     # under the supervisor, which starts the server again if a Python backend stub dies
-    assert "exec python3 -m specguide.supervisor" in text and "-- tritonserver" in text and "/models" in text
+    assert "exec python3 -m specguide.process.supervisor" in text and "-- tritonserver" in text and "/models" in text
     assert (ROOT / "model_repository" / "specguide" / "config.pbtxt").exists()
     assert (ROOT / "model_repository" / "specguide" / "1" / "model.py").exists()
 
@@ -121,7 +121,7 @@ def test_kubernetes_fleet_has_replicas_behind_a_service_with_readiness():
     # readiness is a real 1-token inference through each served name (Triton 2.51 reports a model
     # ready while its engine restarts); the probe is the installed package's module
     ready, live = container["readinessProbe"]["exec"]["command"], container["livenessProbe"]["exec"]["command"]
-    assert ready[:3] == live[:3] == ["python3", "-m", "specguide.health_probe"] and "--liveness" in live
+    assert ready[:3] == live[:3] == ["python3", "-m", "specguide.process.health_probe"] and "--liveness" in live
     import importlib
 
     assert callable(importlib.import_module(ready[2]).main)
@@ -240,7 +240,7 @@ def test_kubernetes_probes_and_resources():
     container = dep["spec"]["template"]["spec"]["containers"][0]
     # readiness: Triton's health endpoint first (health_probe.server_ready), then an inference
     assert container["startupProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
-    assert container["readinessProbe"]["exec"]["command"][:3] == ["python3", "-m", "specguide.health_probe"]
+    assert container["readinessProbe"]["exec"]["command"][:3] == ["python3", "-m", "specguide.process.health_probe"]
     assert "--liveness" in container["livenessProbe"]["exec"]["command"]
     resources = container["resources"]
     assert resources["requests"]["cpu"] and resources["requests"]["memory"] and resources["limits"]["memory"]
@@ -266,7 +266,7 @@ def test_the_readiness_probe_fails_while_triton_is_not_ready():
     import http.server
     import threading
 
-    from specguide import health_probe
+    from specguide.process import health_probe
 
     asked: list[str] = []
 

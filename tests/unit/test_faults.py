@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specguide import faults
+from specguide.engine import faults
 from specguide.request import InvalidRequestError
 
 

@@ -12,7 +12,7 @@ import specguide
 
 PROBE = """
 import gc, json, weakref
-from specguide.heap import freeze_startup_heap
+from specguide.util.heap import freeze_startup_heap
 held = [[i] for i in range(50000)]  # the start-up heap: alive for good
 walked_before = len(gc.get_objects())
 frozen = freeze_startup_heap()

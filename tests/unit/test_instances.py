@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specguide import supervisor
-from specguide.supervisor import instance_count
+from specguide.process import supervisor
+from specguide.triton.instance import instance_count
 from specguide.triton import peer_metrics as pm
 from specguide.triton.instance import Instance
 

@@ -77,7 +77,7 @@ def test_the_measured_bad_words_list_is_refused_naming_the_field_and_the_value()
 def test_the_engines_intake_refuses_it_too():
     """Defense in depth: a request that reaches the engine without the stub's parsing (the engine's
     own API) is refused at intake, before any step: the same check, through SamplingParams.validate."""
-    from specguide.intake import Intake
+    from specguide.engine.intake import Intake
 
     intake = Intake(EngineConfig(device="cpu"), None, VOCAB, frozenset({2}), compiler=None, faults=None)
 

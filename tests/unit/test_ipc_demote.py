@@ -13,7 +13,7 @@ import pytest
 # and prints its own session's autogroup nice once the helper is done, then the helper's
 LEADER = r"""
 import os, subprocess, sys
-helper = ("import os, sys; from specguide import ipc; ipc.demote('SPECGUIDE_TEST_PARENT'); "
+helper = ("import os, sys; from specguide.process import ipc; ipc.demote('SPECGUIDE_TEST_PARENT'); "
           "print(open('/proc/self/autogroup').read().split()[-1], os.getsid(0) == os.getpid())")
 with open("/proc/self/autogroup", "w") as f:
     f.write("0")

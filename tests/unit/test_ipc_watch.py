@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from specguide import ipc
+from specguide.process import ipc
 
 
 def _sleeper() -> subprocess.Popen:

@@ -402,7 +402,7 @@ def test_a_prefix_copy_moves_whole_positions_with_their_scales(store):
     """KVCache.copy_rows between slots of the kernel layout, from and to the middle of key blocks:
     the copied positions read back as the source's (an int8 key's scale lives in its block's last
     rows, in the key's column), and the positions around them are left as they were."""
-    from specguide.kv_cache import KVCache
+    from specguide.engine.kv_cache import KVCache
 
     g = torch.Generator().manual_seed(5)
     nh, kvh, hd, N = 4, 2, 32, 50
@@ -430,8 +430,8 @@ def test_the_cpu_kv_cache_is_zeroed_and_backed_by_huge_pages_where_the_kernel_of
     import os
     from pathlib import Path
 
-    from specguide.kv_cache import KVCache
-    from specguide.memory import HUGE_PAGE, advise_huge_pages, huge_page_kb
+    from specguide.engine.kv_cache import KVCache
+    from specguide.util.memory import HUGE_PAGE, advise_huge_pages, huge_page_kb
 
     kv = KVCache(30, 8, 3, 512, 64, torch.float32, store=torch.float16, kernel_layout=True)  # 2 x 45 MiB
     assert not kv.k.any() and not kv.v.any()

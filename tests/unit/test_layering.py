@@ -1,9 +1,9 @@
 """Imports inside backend_src/specguide go one way, down the layers below, and never in a cycle.
 
-Units are the top-level modules and subpackages. A unit may import only units of a strictly lower
-layer (and its own modules); modules may not import each other in a cycle. Imports under
-`if TYPE_CHECKING:` never run, so they do not count (a low layer's dataclass may name a type of a
-higher one for its readers and type checkers)."""
+Units are the top-level modules and subpackages, and each module of the packages in SPLIT. A unit
+may import only units of a strictly lower layer (and its own modules); modules may not import each
+other in a cycle. Imports under `if TYPE_CHECKING:` never run, so they do not count (a low layer's
+dataclass may name a type of a higher one for its readers and type checkers)."""
 from __future__ import annotations
 
 import ast
@@ -14,26 +14,32 @@ PACKAGE = Path(__file__).resolve().parents[2] / "backend_src" / "specguide"
 
 LAYERS = {
     # plain data, settings and helpers that import nothing of ours
-    "request": 0, "config": 0, "step_layout": 0, "paths": 0, "progress": 0, "memory": 0, "heap": 0, "ipc": 0, "health_probe": 0, "restarts": 0, "supervisor": 1,
-    "head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
+    "request": 0, "config": 0, "engine.step_layout": 0,
+    "util.paths": 0, "util.progress": 0, "util.memory": 0, "util.heap": 0,
+    "process.ipc": 0, "process.health_probe": 0, "process.restarts": 0,
+    "process.head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
     # per-request state (Sequence) and small services every layer above reads
-    "sequence_state": 0,  # the non-scheduler parts of a Sequence: plain data (its imports are type-only)
-    "faults": 1, "scheduler": 1, "tokenizer": 1, "kernels": 1,  # kernels: the C kernels (import nothing of ours)
-    "sampling": 2, "cuda": 2,  # cuda: host functions, and graphs of any step body
-    "slot_sampling": 3,
-    "kv_cache": 3,  # in the attention kernel's layout where the kernel serves the model
+    "engine.sequence_state": 0,  # the non-scheduler parts of a Sequence: plain data (its imports are type-only)
+    "engine.faults": 1, "engine.scheduler": 1, "tokenizer": 1, "kernels": 1,  # kernels: the C kernels (import nothing of ours)
+    "engine.sampler": 2, "cuda": 2,  # cuda: host functions, and graphs of any step body
+    "engine.slot_params": 3,
+    "engine.kv_cache": 3,  # in the attention kernel's layout where the kernel serves the model
     "models": 3,
-    "guided": 4, "speculative": 4, "token_outputs": 4,
-    "step": 5,
-    "runner": 6,
-    "intake": 7, "outputs": 7,
-    "engine_core": 8,  # one iteration and what it owns
-    "engine": 9,  # its loop thread and thread-safe API
-    "engine_process": 10, "training": 10,  # nothing in serving imports training
-    "engine_process_child": 11,  # the engine process's own side: runs an Engine (engine_process.py starts it by name)
+    "guided": 4, "speculative": 4, "engine.step_extras": 4,
+    "engine.step": 5,
+    "engine.runner": 6,
+    "engine.intake": 7, "engine.output_processor": 7,
+    "engine.core": 8,  # one iteration and what it owns
+    "engine.loop": 9,  # its loop thread and thread-safe API
+    "process.engine_process": 10, "training": 10,  # nothing in serving imports training
+    "process.child": 11,  # the engine process's own side: runs an Engine (engine_process.py starts it by name)
     "triton": 11,
     "openai_api": 12,  # its own process (no model): the Triton interface's checks, over gRPC
+    "process.supervisor": 12,  # the CLI that runs and restarts tritonserver: reads model configs as triton/ does
 }
+# Packages whose modules sit on different layers (the engine's parts interleave with `guided`,
+# `speculative` and `models`): each of their modules is a unit of its own.
+SPLIT = ("engine", "process", "util")
 
 
 def _modules() -> dict[str, Path]:
@@ -83,11 +89,12 @@ def _edges() -> dict[tuple[str, str], str]:
 
 
 def _unit(mod: str) -> str:
-    return mod.split(".")[0]
+    parts = mod.split(".")
+    return ".".join(parts[:2]) if parts[0] in SPLIT and len(parts) > 1 else parts[0]
 
 
 def test_every_unit_has_a_layer():
-    missing = sorted({_unit(m) for m in _modules() if m} - set(LAYERS))
+    missing = sorted({_unit(m) for m in _modules() if m and m not in SPLIT} - set(LAYERS))
     assert not missing, f"give these a layer in LAYERS: {missing}"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from specguide.progress import Progress, fmt_s
+from specguide.util.progress import Progress, fmt_s
 
 
 def test_progress_reports_counts_rate_and_eta_and_throttles(caplog):

@@ -9,7 +9,7 @@ import torch
 
 from specguide import kernels
 from specguide.speculative import acceptance
-from specguide.step import nonfinite_rows
+from specguide.engine.step import nonfinite_rows
 
 
 def rows(V: int) -> torch.Tensor:

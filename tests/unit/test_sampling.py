@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from specguide.sampling import SamplingBatch, filter_logits, sample, uniform
+from specguide.engine.sampler import SamplingBatch, filter_logits, sample, uniform
 
 
 def batch(B, temperature=1.0, top_k=0, top_p=1.0, greedy=False, seed=0, counter=None, min_p=0.0):

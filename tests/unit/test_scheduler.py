@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specguide.request import SamplingParams
-from specguide.scheduler import PrefixCopy, Scheduler, Sequence, Status
+from specguide.engine.scheduler import PrefixCopy, Scheduler, Sequence, Status
 
 
 def seq(i, n_prompt=10, **kw):

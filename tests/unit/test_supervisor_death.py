@@ -11,15 +11,15 @@ import time
 from pathlib import Path
 
 import specguide
-from specguide.ipc import process_identity
-from specguide.supervisor import descendants
+from specguide.process.ipc import process_identity
+from specguide.process.supervisor import descendants
 
 
 def test_the_server_ends_when_the_supervisor_is_killed():
     env = {**os.environ, "PYTHONPATH": str(Path(specguide.__file__).parents[1])}
     # the "server": a process that ignores nothing and would run for 10 minutes (nothing answers
     # the supervisor's health polls on port 1: it just keeps waiting)
-    sup = subprocess.Popen([sys.executable, "-m", "specguide.supervisor", "--http", "127.0.0.1:1", "--",
+    sup = subprocess.Popen([sys.executable, "-m", "specguide.process.supervisor", "--http", "127.0.0.1:1", "--",
                             "sleep", "600"], env=env, stderr=subprocess.DEVNULL)
     server = None
     try:

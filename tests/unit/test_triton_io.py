@@ -739,9 +739,9 @@ def model(monkeypatch):
     )
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb)
     monkeypatch.delitem(sys.modules, "specguide.triton.adapter", raising=False)
-    import specguide.engine_process
+    import specguide.process.engine_process
 
-    monkeypatch.setattr(specguide.engine_process, "EngineProcess", FakeEngine)
+    monkeypatch.setattr(specguide.process.engine_process, "EngineProcess", FakeEngine)
     adapter = importlib.import_module("specguide.triton.adapter")
     m = adapter.TritonPythonModel()
     m.initialize({"model_config": json.dumps({"model_transaction_policy": {"decoupled": True},
@@ -915,7 +915,7 @@ def test_timeout_s_maps_and_is_checked():
 
 
 def test_fault_parameter_only_with_fault_injection_enabled(monkeypatch):
-    from specguide import faults
+    from specguide.engine import faults
 
     params = json.dumps({"specguide_fault": "nan_logits"})
     monkeypatch.delenv(faults.ENV, raising=False)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..scheduler import Sequence
+from ..engine.scheduler import Sequence
 from . import hostfunc
 
 log = logging.getLogger("specguide.graphs")

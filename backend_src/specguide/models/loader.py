@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from .. import kernels
-from ..paths import cache_dir
-from ..progress import Progress
+from ..util.paths import cache_dir
+from ..util.progress import Progress
 from . import gemma, packed_cache
 from .default_model import convert_gguf, prepare_default_model
 from .llama import LlamaModel, ModelConfig

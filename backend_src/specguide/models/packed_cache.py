@@ -43,7 +43,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import WEIGHT_DTYPES
-from ..paths import cache_dir
+from ..util.paths import cache_dir
 from .linear import InvariantLinear
 
 log = logging.getLogger("specguide")

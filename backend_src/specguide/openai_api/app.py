@@ -55,7 +55,7 @@ class Settings:
 
 
 def _default_template_dir(params: dict[str, str]) -> Path:
-    from ..paths import cache_dir
+    from ..util.paths import cache_dir
 
     model_dir = params.get("model_dir", "")
     if model_dir and Path(model_dir).is_dir():

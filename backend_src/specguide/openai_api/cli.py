@@ -87,7 +87,7 @@ def caps_of(args: argparse.Namespace) -> Caps:
 def main(argv: Optional[list[str]] = None) -> int:
     import uvicorn
 
-    from ..heap import freeze_startup_heap
+    from ..util.heap import freeze_startup_heap
     from .app import Settings, create_app
 
     args = parse_args(argv)

@@ -22,8 +22,8 @@ from .. import kernels
 from ..models.embedding import Q8Rows
 from ..models.linear import invariant_available, make_head, prepare_linears
 from ..models.llama import AttnContext, DecoderLayer, LlamaModel, ModelConfig, fused_stack, rms_norm
-from ..kv_cache import KVCache
-from ..paths import cache_dir
+from ..engine.kv_cache import KVCache
+from ..util.paths import cache_dir
 
 FORMAT_VERSION = 1
 

@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from ..kv_cache import KVCache
+from ..engine.kv_cache import KVCache
 from ..models.llama import LlamaModel
-from ..scheduler import Sequence
+from ..engine.scheduler import Sequence
 
 
 class DraftModel:

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..kv_cache import KVCache
-from ..scheduler import Sequence
+from ..engine.kv_cache import KVCache
+from ..engine.scheduler import Sequence
 from .draft_head import DraftHead
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..scheduler import Sequence
+    from ..engine.scheduler import Sequence
 
 
 @dataclass

@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from ..models.llama import AttnContext
-from ..scheduler import Sequence
-from ..step_layout import Drafting
+from ..engine.scheduler import Sequence
+from ..engine.step_layout import Drafting
 
 Ctx = Callable[[torch.Tensor, int], AttnContext]  # (positions [B, T], extra keys) -> attention context
 

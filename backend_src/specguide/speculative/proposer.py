@@ -10,10 +10,10 @@ from typing import Callable, Optional
 import torch
 
 from ..config import EngineConfig
-from ..kv_cache import KVCache, kv_store
+from ..engine.kv_cache import KVCache, kv_store
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_model_dir
-from ..scheduler import PrefixCopy, Sequence, SlotOwner
+from ..engine.scheduler import PrefixCopy, Sequence, SlotOwner
 from .draft_head import DraftHead, default_head_path
 from .draft_model import DraftModel
 from .early_exit import EarlyExitDrafter

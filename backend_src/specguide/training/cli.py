@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Iterator
 
 from ..config import EngineConfig
-from ..engine import Engine
-from ..head_training import PARENT_ENV
-from ..ipc import demote
+from ..engine.loop import Engine
+from ..process.head_training import PARENT_ENV
+from ..process.ipc import demote
 from ..models.loader import resolve_model_dir
 from ..speculative.draft_head import default_head_path
 from .precision import CHOICES

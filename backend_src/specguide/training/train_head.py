@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from ..config import EngineConfig
-from ..engine import Engine
+from ..engine.loop import Engine
 from ..models.llama import LlamaModel, apply_rope, rms_norm
-from ..progress import Progress
+from ..util.progress import Progress
 from ..request import GuidedDecodingParams, Request, SamplingParams, UndeclaredKeys
-from ..scheduler import PrefixCopy, Sequence
+from ..engine.scheduler import PrefixCopy, Sequence
 from ..speculative.draft_head import DraftHead
 from .precision import training_autocast
 from .prompts import (CHAT_TRAIN, MAX_SCHEMA_CHARS, SCHEMA_TEMPLATES, data_dir, load_schemas, load_subschemas,

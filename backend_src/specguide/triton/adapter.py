@@ -26,9 +26,9 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig
-from ..memory import trim
+from ..util.memory import trim
 from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput
-from ..supervisor import instance_count
+from .instance import instance_count
 from . import io
 from .groups import Group, Seq, shaped
 from .instance import Instance
@@ -66,7 +66,7 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("specguide needs `model_transaction_policy { decoupled: true }`")
-        from ..engine_process import EngineProcess  # the engine runs (and is restarted) in a process of its own
+        from ..process.engine_process import EngineProcess  # the engine runs (and is restarted) in a process of its own
 
         self.model_name, self.model_version = args.get("model_name", "specguide"), str(args.get("model_version", "1"))
         # each instance (instance_group) is a stub with an engine of its own, on the instance's device

@@ -55,3 +55,14 @@ class Instance:
             raise ValueError(f"instance {self.name} is KIND_GPU on GPU {self.device_id} but the setting device is "
                              f"{device!r}: set device to auto (each instance then runs on its own GPU)")
         return own
+
+
+def instance_count(model_config: dict) -> int:
+    """How many instances (one stub each) Triton makes of a model from its config's `instance_group`:
+    `count` per group, per listed GPU for KIND_GPU; 1 without a group."""
+    total = 0
+    for group in model_config.get("instance_group") or []:
+        count = int(group.get("count", 1) or 1)
+        gpus = group.get("gpus") or []
+        total += count * (len(gpus) if str(group.get("kind", "")).endswith("GPU") and gpus else 1)
+    return max(total, 1)

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import faults
+from ..engine import faults
 from ..guided.limits import check_guide_text, check_json_text
 from ..guided.params import resolve_guided
 from ..request import InvalidRequestError, Request, SamplingParams, check_token_ids
@@ -40,7 +40,7 @@ from .responses import (  # noqa: F401  (re-exported: the adapter and the tests 
 INPUTS: tuple[Spec, ...] = TRTLLM_INPUTS  # the `specguide` model's inputs (the union of the interfaces)
 OUTPUTS: tuple[Spec, ...] = TRTLLM_OUTPUTS
 INPUT_NAMES = tuple(s.name for s in INPUTS)
-FAULT_PARAMETER = "specguide_fault"  # request parameter naming an injected fault (specguide.faults)
+FAULT_PARAMETER = "specguide_fault"  # request parameter naming an injected fault (specguide.engine.faults)
 CLIENT_PARAMETERS = "specguide_client_parameters"  # a proxy's client's parameters, as a JSON string
 # request parameters every interface accepts: internal ones, and the `Streaming` flag that
 # TensorRT-LLM's inflight_batcher_llm_client sends beside its tensors (ignored there as here)

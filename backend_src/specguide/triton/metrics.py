@@ -6,7 +6,7 @@
     specguide_engine_restarts_total                engine processes started again after the last one died
     specguide_draft_head_loaded                    gauge: 1 once the trained draft head drafts ("head" / "hybrid"),
                                                    0 while the engine drafts without it (it trains in the background)
-    specguide_server_restarts_total                tritonserver restarts by specguide.supervisor (a stub died)
+    specguide_server_restarts_total                tritonserver restarts by specguide.process.supervisor (a stub died)
     specguide_prompt_tokens_total                  prompt tokens of admitted sequences
     specguide_generation_tokens_total              generated tokens
     specguide_prefix_cache_query_tokens_total      prompt tokens looked up in the prefix cache (prefix_caching on)
@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..supervisor import RESTARTS_ENV
+from ..process.restarts import RESTARTS_ENV
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
@@ -96,7 +96,7 @@ class Metrics:
         self.engine_restarts = counter("specguide_engine_restarts_total",
                                        "Engine processes started again after the last one died")
         self.server_restarts = counter("specguide_server_restarts_total",
-                                       "tritonserver restarts by specguide.supervisor after a Python backend stub died")
+                                       "tritonserver restarts by specguide.process.supervisor after a Python backend stub died")
         self.server_restarts.increment(float(os.environ.get(RESTARTS_ENV, "0") or 0))
         canc = family("specguide_cancellations_total", "Cancelled sequences, by the stage they were in", MF.COUNTER)
         self._families.append(canc)

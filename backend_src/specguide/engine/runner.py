@@ -8,19 +8,19 @@ from typing import Callable, Optional
 
 import torch
 
-from .config import EngineConfig
-from .cuda import hostfunc
-from .cuda.graphs import StepGraphs
-from .guided.capturable import CapturableGuidedDecoder
-from .guided.decoder import GuidedDecoder
+from ..config import EngineConfig
+from ..cuda import hostfunc
+from ..cuda.graphs import StepGraphs
+from ..guided.capturable import CapturableGuidedDecoder
+from ..guided.decoder import GuidedDecoder
 from .kv_cache import KVCache, kv_store
-from .models.llama import LlamaModel
+from ..models.llama import LlamaModel
 from .scheduler import PrefillChunk, PrefixCopy, Sequence
-from .slot_sampling import SlotSampling
-from .speculative.plan import DraftPlan
+from .slot_params import SlotSampling
+from ..speculative.plan import DraftPlan
 from .step import StepCore
 from .step_layout import Drafting
-from .token_outputs import prompt_logprobs
+from .step_extras import prompt_logprobs
 
 Result = tuple[list[int], int, int]  # tokens to append, drafts verified, drafts accepted
 

@@ -15,21 +15,23 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import faults, kernels, memory
-from .config import CPU_SLOTS, EngineConfig
-from .cuda.hostfunc import HostFuncError
-from .guided.compiler import GrammarCompilerService
-from .guided.limits import GuideLimits
+from . import faults
+from .. import kernels
+from ..util import memory
+from ..config import CPU_SLOTS, EngineConfig
+from ..cuda.hostfunc import HostFuncError
+from ..guided.compiler import GrammarCompilerService
+from ..guided.limits import GuideLimits
 from .intake import Intake
 from .kv_cache import slot_bytes, slots_for_memory
-from .models.loader import load_model, resolve_model_dir
-from .outputs import Finish, OutputProcessor
-from .request import InvalidRequestError, Request, RequestOutput, error_code
+from ..models.loader import load_model, resolve_model_dir
+from .output_processor import Finish, OutputProcessor
+from ..request import InvalidRequestError, Request, RequestOutput, error_code
 from .runner import Runner
 from .scheduler import PrefillChunk, PrefixCopy, Scheduler, Sequence, Status, StepPlan
-from .speculative.head_drafter import HeadDrafter
-from .speculative.proposer import Proposer
-from .tokenizer import Tokenizer
+from ..speculative.head_drafter import HeadDrafter
+from ..speculative.proposer import Proposer
+from ..tokenizer import Tokenizer
 
 log = logging.getLogger("specguide")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

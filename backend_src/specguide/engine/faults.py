@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .request import InvalidRequestError
+from ..request import InvalidRequestError
 
 ENV = "SPECGUIDE_FAULT_INJECTION"
 KINDS = ("nan_logits", "matcher_error", "compile_delay", "prefill_delay", "crash_engine", "step_error",

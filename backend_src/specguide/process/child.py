@@ -13,9 +13,9 @@ import threading
 import time
 
 from .engine_process import EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_IDLE_S, STATS_S, Callback, EngineInfo
-from .heap import freeze_startup_heap
+from ..util.heap import freeze_startup_heap
 from .ipc import die_with_parent, read_msg, renice, wait_until_gone, write_msg
-from .request import RequestOutput
+from ..request import RequestOutput
 
 
 def child_main() -> None:
@@ -43,7 +43,7 @@ def child_main() -> None:
     config = read_msg(inp)
     renice(config.engine_nice)  # before the engine's threads start (they inherit it)
     try:
-        from .engine import Engine
+        from ..engine.loop import Engine
 
         engine = Engine(config)
         engine.compiler.scheduler.start()  # compile worker processes warm before the first big guide
@@ -51,7 +51,7 @@ def child_main() -> None:
         logging.exception("the engine failed to load")
         send(("failed", f"{type(e).__name__}: {e}"))
         os._exit(2)
-    from .tokenizer import probe
+    from ..tokenizer import probe
 
     frozen = freeze_startup_heap()  # the model, torch, transformers: never walked by a collection again
     send(("ready", EngineInfo(os.getpid(), engine.config, str(engine.model_dir), engine.drafter,

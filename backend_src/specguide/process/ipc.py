@@ -48,7 +48,7 @@ def python_executable() -> str:
 
 def child_env(parent_var: str) -> dict[str, str]:
     """The environment for a helper process: this package importable, the parent's pid in `parent_var`."""
-    pkg_root = str(Path(__file__).resolve().parents[1])  # the folder holding `specguide`
+    pkg_root = str(Path(__file__).resolve().parents[2])  # the folder holding `specguide`
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
     env[parent_var] = str(os.getpid())

@@ -11,7 +11,7 @@ import threading
 from dataclasses import asdict
 from typing import Callable, Optional
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .ipc import child_env, python_executable
 
 Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)

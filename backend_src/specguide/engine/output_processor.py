@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from .request import RequestOutput
+from ..request import RequestOutput
 from .scheduler import Sequence, Status
 
 log = logging.getLogger("specguide")

@@ -9,10 +9,10 @@ from typing import Callable, Optional
 
 import torch
 
-from .request import PromptLogprob
-from .sampling import log_probs
+from ..request import PromptLogprob
+from .sampler import log_probs
 from .scheduler import Sequence
-from .slot_sampling import SlotSampling
+from .slot_params import SlotSampling
 
 NEG_INF = float("-inf")
 

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-from .request import RequestOutput, SamplingParams
+from ..request import RequestOutput, SamplingParams
 from .sequence_state import GuideState, OutputState, SeqStats
 
 if TYPE_CHECKING:

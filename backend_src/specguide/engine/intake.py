@@ -9,19 +9,19 @@ import math
 import random
 from typing import Any, Callable, Iterable
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .faults import Injector
-from .guided.budget import completion_cap, within_budget
-from .guided.json_scanner import Scanner
-from .guided.params import normalize_structural_tag
-from .guided.regex_completion import RegexScanner
-from .guided.schema_completion import Schemas
-from .guided.tag_completion import TagScanner
-from .guided.reasoning import Reasoning
-from .request import InvalidRequestError, ListLimits, Request, RequestOutput, check_token_ids, error_code
+from ..guided.budget import completion_cap, within_budget
+from ..guided.json_scanner import Scanner
+from ..guided.params import normalize_structural_tag
+from ..guided.regex_completion import RegexScanner
+from ..guided.schema_completion import Schemas
+from ..guided.tag_completion import TagScanner
+from ..guided.reasoning import Reasoning
+from ..request import InvalidRequestError, ListLimits, Request, RequestOutput, check_token_ids, error_code
 from .scheduler import Sequence
 from .sequence_state import GuideState, OutputState
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("specguide")
 

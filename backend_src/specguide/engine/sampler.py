@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from .. import kernels
 
 M32 = 0xFFFFFFFF
 U_MAX = 1.0 - 2.0 ** -24  # the largest float32 below 1

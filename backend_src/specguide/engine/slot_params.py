@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .request import MAX_LOGIT_BIAS
-from .sampling import SamplingBatch
+from ..request import MAX_LOGIT_BIAS
+from .sampler import SamplingBatch
 from .scheduler import Sequence
 
 

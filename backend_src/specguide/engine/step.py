@@ -26,21 +26,21 @@ from typing import Callable, Optional
 
 import torch
 
-from .guided.capturable import CapturableGuidedDecoder
-from .guided.grammar_worker import GuidedStep
-from .guided.stepper import GuidedStepper
-from . import kernels
-from .kernels import TILE
+from ..guided.capturable import CapturableGuidedDecoder
+from ..guided.grammar_worker import GuidedStep
+from ..guided.stepper import GuidedStepper
+from .. import kernels
+from ..kernels import TILE
 from .kv_cache import KVCache
-from .models.llama import AttnContext, LlamaModel, sparse_head
-from .sampling import sample
+from ..models.llama import AttnContext, LlamaModel, sparse_head
+from .sampler import sample
 from .scheduler import Sequence
-from .slot_sampling import SlotSampling
-from .speculative import acceptance
-from .speculative.hybrid import HEAD_UNSURE
-from .speculative.plan import DraftPlan, Drafter
+from .slot_params import SlotSampling
+from ..speculative import acceptance
+from ..speculative.hybrid import HEAD_UNSURE
+from ..speculative.plan import DraftPlan, Drafter
 from .step_layout import Drafting, StepInputs, StepOutputs
-from .token_outputs import StepExtras
+from .step_extras import StepExtras
 
 BAD_TOKEN = -1  # the next token of a row whose logits hold NaN or +inf: the engine fails that request
 SPARSE_HEAD_AT_MOST = (3, 4)  # a sparse LM head when its masks leave at most 3/4 of the output tiles

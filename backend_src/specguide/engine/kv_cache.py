@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from specguide import kernels
-from specguide.memory import advise_huge_pages
+from specguide.util.memory import advise_huge_pages
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .models.llama import LlamaModel
+    from ..config import EngineConfig
+    from ..models.llama import LlamaModel
 
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:

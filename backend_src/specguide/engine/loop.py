@@ -9,10 +9,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import memory
-from .config import EngineConfig
-from .engine_core import Callback, EngineCore, log
-from .request import EngineDeadError, QueueFullError, Request, RequestOutput
+from ..util import memory
+from ..config import EngineConfig
+from .core import Callback, EngineCore, log
+from ..request import EngineDeadError, QueueFullError, Request, RequestOutput
 from .scheduler import Sequence, Status
 
 IDLE_WAIT_S = 0.005

@@ -1,6 +1,6 @@
 """Keeps tritonserver serving when one of its Python backend stubs dies.
 
-    python3 -m specguide.supervisor [--http 127.0.0.1:8000] -- tritonserver ARGS...
+    python3 -m specguide.process.supervisor [--http 127.0.0.1:8000] -- tritonserver ARGS...
 
 The engine's own crashes are handled inside the `specguide` stub (engine_process.py: clients
 told at once, a new engine in seconds). What is left is a stub itself dying: Triton 2.51 never
@@ -37,13 +37,13 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from ..triton.instance import instance_count
 from .ipc import parent_death_signal
-from .restarts import Backoff, sleep_unless
+from .restarts import RESTARTS_ENV, Backoff, sleep_unless
 
 POLL_S = 0.5
 SHM = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region"
-RESTARTS_ENV = "SPECGUIDE_SERVER_RESTARTS"
 
 
 def log(text: str) -> None:
@@ -77,17 +77,6 @@ def stubs(server_pid: int) -> dict[str, list[int]]:
         if b"triton_python_backend_stub" in cmd[0] and len(cmd) > 1 and state != "Z":
             out.setdefault(Path(cmd[1].decode(errors="replace")).parents[1].name, []).append(pid)
     return out
-
-
-def instance_count(model_config: dict) -> int:
-    """How many instances (one stub each) Triton makes of a model from its config's `instance_group`:
-    `count` per group, per listed GPU for KIND_GPU; 1 without a group."""
-    total = 0
-    for group in model_config.get("instance_group") or []:
-        count = int(group.get("count", 1) or 1)
-        gpus = group.get("gpus") or []
-        total += count * (len(gpus) if str(group.get("kind", "")).endswith("GPU") and gpus else 1)
-    return max(total, 1)
 
 
 def model_instances(http: str, model: str) -> int:

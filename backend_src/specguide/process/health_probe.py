@@ -1,6 +1,6 @@
 """Readiness as a client sees it: a 1-token inference through each served model name.
 
-    python3 -m specguide.health_probe [--url 127.0.0.1:8000] [--timeout 10] [--liveness] [MODEL ...]
+    python3 -m specguide.process.health_probe [--url 127.0.0.1:8000] [--timeout 10] [--liveness] [MODEL ...]
 
 Readiness (the default): exits 0 when Triton's health endpoint (`/v2/health/ready`) says ready and
 every name answers with a token, 1 otherwise (naming what failed). Triton 2.51 keeps reporting a

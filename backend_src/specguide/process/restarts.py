@@ -9,6 +9,7 @@ from typing import Callable
 
 STABLE_S = 300.0  # a process up this long has its failure counted as the first again
 MAX_BACKOFF_S = 60.0  # the longest wait before a restart
+RESTARTS_ENV = "SPECGUIDE_SERVER_RESTARTS"  # how many times the supervisor restarted tritonserver (for the metric)
 
 
 def backoff_s(failures: int) -> float:

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     import torch
 
-    from .guided.backend import CompiledGuide
-    from .guided.compiler import CompileHandle
-    from .request import GuidedDecodingParams
-    from .tokenizer import IncrementalDetokenizer
+    from ..guided.backend import CompiledGuide
+    from ..guided.compiler import CompileHandle
+    from ..request import GuidedDecodingParams
+    from ..tokenizer import IncrementalDetokenizer
 
 
 @dataclass(eq=False, slots=True)
