@@ -82,9 +82,9 @@ def measure(engine, batch, guided, k, max_tokens) -> dict:
             steps[0] += 1
             steps[1] += time.perf_counter() - t
     run_batch(engine, requests(engine, batch, guided, k, max_tokens))  # warm-up: captures this shape
-    g = engine.step_graphs
+    g = engine.core.step_graphs
     st0 = (g.stats.steps, g.stats.wait_s) if g else (0, 0.0)
-    cb0 = engine.guided.stepper.worker.callback_s
+    cb0 = engine.core.guided.stepper.worker.callback_s
     engine.step = step
     try:
         tokens, wall = run_batch(engine, requests(engine, batch, guided, k, max_tokens))
@@ -98,7 +98,7 @@ def measure(engine, batch, guided, k, max_tokens) -> dict:
     return {"batch": batch, "guided": guided, "K": k, "tokens": tokens, "wall_s": wall,
             "tok_s": tokens / wall, "steps": steps[0], "graph_steps": graph_steps,
             "step_ms": 1e3 * steps[1] / n, "exposed_cpu_ms_per_step": 1e3 * exposed,
-            "callback_ms_per_step": 1e3 * (engine.guided.stepper.worker.callback_s - cb0) / n}
+            "callback_ms_per_step": 1e3 * (engine.core.guided.stepper.worker.callback_s - cb0) / n}
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ def measure(head: str, k: int, max_tokens: int) -> dict:
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=1024, drafter=drafter, draft_head_path=head,
                               adaptive_k=False, cost_aware_k=False, spec_max_rows=8 * (k + 1)))
     try:
-        assert (eng.head_drafter is not None) == bool(head), f"{head}: the head did not load"
+        assert (eng.core.head_drafter is not None) == bool(head), f"{head}: the head did not load"
         prompts = schema_prompts(eng, 10_000)
         reqs = [Request(prompt=p, guided=GuidedDecodingParams("json_schema", s), num_draft_tokens=k,
                         params=SamplingParams(max_tokens=max_tokens, temperature=0.0)) for p, s in prompts]

@@ -136,8 +136,8 @@ def main() -> None:
                 spin = threading.Thread(target=lambda: [sum(range(200)) for _ in iter(stop.is_set, True)], daemon=True)
                 spin.start()
             sys.setswitchinterval(interval)
-            graphs = eng.step_graphs
-            s0, w0, h0 = eng.num_steps, graphs.stats.wait_s if graphs else 0.0, host_function_runs()
+            graphs = eng.core.step_graphs
+            s0, w0, h0 = eng.core.num_steps, graphs.stats.wait_s if graphs else 0.0, host_function_runs()
             t0 = time.perf_counter()
             try:
                 run_round(eng, requests(eng, args.max_tokens))
@@ -147,7 +147,7 @@ def main() -> None:
                 stop.set()
                 if spin:
                     spin.join()
-            steps = eng.num_steps - s0
+            steps = eng.core.num_steps - s0
             row = dict(mode=name, switch_interval_ms=interval * 1e3, steps=steps, wall_s=round(wall, 2),
                        ms_per_step=round(wall / max(steps, 1) * 1e3, 2),
                        host_functions_per_step=round((host_function_runs() - h0) / max(steps, 1), 1),
@@ -157,7 +157,7 @@ def main() -> None:
     finally:
         eng.shutdown()
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"\n{where}, {eng.drafter} drafter, torch {torch.__version__}, K=3, 8 requests, max_tokens {args.max_tokens}")
+    print(f"\n{where}, {eng.core.drafter} drafter, torch {torch.__version__}, K=3, 8 requests, max_tokens {args.max_tokens}")
     print("| mode | switch interval ms | steps | ms/step | host functions/step | host wait ms/step |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:

@@ -86,7 +86,7 @@ def pick_schemas(schemas: list[tuple[str, str]], engine: Engine, n: int, max_sch
                     continue
                 try:
                     for backend in ("xgrammar", "llguidance"):  # the same schemas for either --backend
-                        g = engine.compiler.compile(GuidedDecodingParams("json_schema", text, backend=backend))
+                        g = engine.core.compiler.compile(GuidedDecodingParams("json_schema", text, backend=backend))
                 except InvalidRequestError:
                     continue
                 if value_checked and not g.checked:
@@ -113,7 +113,7 @@ class StepTimers:
     def __init__(self, engine: Engine):
         self.on = False
         self.calls: dict[str, list[tuple[int, float]]] = defaultdict(list)  # name -> [(rows, seconds)]
-        g, r = engine.guided, engine.runner
+        g, r = engine.core.guided, engine.core.runner
         self._wrap(g.inner, "fill", lambda a: len(a[0]))
         self._wrap(g.stepper, "apply_rows", lambda a: int(a[1].numel()), "apply")
         self._wrap(g, "advance", lambda a: 1)
@@ -252,12 +252,12 @@ def run_hf(model_dir: Path, engine: Engine, prompts: list[list[int]], picked: li
     from transformers import LlamaForCausalLM, LogitsProcessorList
 
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = sorted(engine.eos_token_ids)
+    eos = sorted(engine.core.eos_token_ids)
     outs = []
     with torch.inference_mode():
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=eos[0])  # warm-up
         for ids, p in zip(prompts, picked):
-            compiled = engine.compiler.compile(GuidedDecodingParams("json_schema", p["schema_text"], backend="xgrammar"))
+            compiled = engine.core.compiler.compile(GuidedDecodingParams("json_schema", p["schema_text"], backend="xgrammar"))
             proc = xgr.contrib.hf.LogitsProcessor(compiled.grammar)  # one per generate() call
             t0 = time.perf_counter()
             out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,

@@ -147,10 +147,10 @@ def main() -> None:
         config = dataclasses.replace(config, kv_cache_dtype=args.kv_cache_dtype)
     engine = Engine(config)
     try:
-        print(f"engine: drafter {engine.drafter}, K={config.num_draft_tokens}, weight_dtype {config.weight_dtype}, "
+        print(f"engine: drafter {engine.core.drafter}, K={config.num_draft_tokens}, weight_dtype {config.weight_dtype}, "
               f"kv_cache_dtype {config.kv_cache_dtype}", flush=True)
         prompts = [(engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_message(s)}]), s)
-                   for s in load_schemas("heldout", engine.compiler)[: args.schemas]]
+                   for s in load_schemas("heldout", engine.core.compiler)[: args.schemas]]
         print(f"{len(prompts)} held-out schemas, max_tokens {args.max_tokens}, greedy, batch 1\n")
         print("| mode | valid | cut at max_tokens | refused | complete but invalid | tokens | tokens per step | tok/s |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)

@@ -36,7 +36,7 @@ from specguide.training.prompts import load_schemas, schema_message  # noqa: E40
 def texts(engine: Engine) -> list[list[int]]:
     tok = engine.tokenizer
     out = [tok.apply_chat_template([{"role": "user", "content": schema_message(t)}])
-           for t in load_schemas("heldout", engine.compiler)[:8]]
+           for t in load_schemas("heldout", engine.core.compiler)[:8]]
     return [tok.encode(t) for t in out] + [tok.encode((ROOT / "README.md").read_text())]
 
 
@@ -88,8 +88,8 @@ def ttft(engine: Engine, prompt: list[int]) -> float:
 
 
 def logits_of(engine: Engine, ids: list[int]) -> torch.Tensor:
-    m = engine.model
-    own = engine.runner.kv.like(1, len(ids) + 16)
+    m = engine.core.model
+    own = engine.core.runner.kv.like(1, len(ids) + 16)
     ctx = m.make_context(torch.tensor([0]), torch.arange(len(ids))[None], [0], len(ids))
     with torch.no_grad():
         return m.logits(m(torch.tensor([ids]), ctx, own))[0]
@@ -112,7 +112,7 @@ def main() -> None:
                for k in kinds}
     ids = texts(engines[kinds[0]])
     for k, e in engines.items():
-        print(f"kv_cache_dtype {k}: KV cache {e.runner.kv.nbytes / 2**20:.0f} MiB ({args.streams} slots x {S})")
+        print(f"kv_cache_dtype {k}: KV cache {e.core.runner.kv.nbytes / 2**20:.0f} MiB ({args.streams} slots x {S})")
     print(f"\n| context | {' | '.join(f'{k} decode tok/s' for k in kinds)} | int8 / float16 | "
           f"{' | '.join(f'{k} TTFT alone (ms)' for k in kinds)} | int8 / float16 |")
     print("| ---: | " + " | ".join("---:" for _ in kinds) + " | ---: | " + " | ".join("---:" for _ in kinds) + " | ---: |")

@@ -39,17 +39,17 @@ TIMES: dict[str, float] = collections.defaultdict(float)
 CPU: dict[str, float] = collections.defaultdict(float)  # process CPU time (all threads): less noisy on a shared machine
 CALLS: collections.Counter = collections.Counter()
 PHASES = [  # (owner, attribute, label): the order they are printed in
-    (engine_core, "Tokenizer", "tokenizer (and transformers' imports)"),
-    (engine_core, "load_model", "load_model"),
+    (core, "Tokenizer", "tokenizer (and transformers' imports)"),
+    (core, "load_model", "load_model"),
     (loader, "_remap", "  _remap (fused q|k|v, gate|up)"),
     (packed_cache.PackedCache, "load", "  packed cache: read"),
     (llama.LlamaModel, "finalize", "  finalize"),
     (llama, "make_head", "    make_head (LM head)"),
     (llama, "prepare_linears", "    prepare_linears (layers)"),
     (packed_cache.PackedCache, "save", "  packed cache: write"),
-    (engine_core, "GrammarCompilerService", "grammar compiler service"),
-    (engine_core, "Runner", "runner (KV cache, step)"),
-    (engine_core, "Proposer", "proposer"),
+    (core, "GrammarCompilerService", "grammar compiler service"),
+    (core, "Runner", "runner (KV cache, step)"),
+    (core, "Proposer", "proposer"),
     (draft_head.DraftHead, "attach", "  draft head attach (packs it)"),
     (kernels, "pack_exact", "[pack_exact: all callers]"),
     (kernels, "pack_weight", "[pack_weight: all callers]"),
@@ -97,7 +97,7 @@ def main() -> None:
     total, cpu = time.perf_counter() - t, time.process_time() - c
     print(cpu_header())
     print(f"weight_dtype {args.weight_dtype}, activation_dtype {args.activation_dtype} (integer dot: "
-          f"{engine.model.integer_dot}), packed cache {args.packed}, {torch.get_num_threads()} threads")
+          f"{engine.core.model.integer_dot}), packed cache {args.packed}, {torch.get_num_threads()} threads")
     print(f"{'':44s} {'wall':>8s} {'share':>6s} {'CPU':>8s}")
     print(f"{'imports before Engine() (torch, specguide)':44s} {IMPORT_S:6.2f} s")
     print(f"{'Engine() in all':44s} {total:6.2f} s {100:5.1f}% {cpu:6.2f} s")
@@ -105,7 +105,7 @@ def main() -> None:
         if CALLS[label]:
             print(f"{label:44s} {TIMES[label]:6.2f} s {100 * TIMES[label] / total:5.1f}% {CPU[label]:6.2f} s"
                   f"  ({CALLS[label]} calls)")
-    print(f"{'warmup (one forward)':44s} {engine.warmup_s:6.2f} s {100 * engine.warmup_s / total:5.1f}%")
+    print(f"{'warmup (one forward)':44s} {engine.core.warmup_s:6.2f} s {100 * engine.core.warmup_s / total:5.1f}%")
     print(f"packed cache entry: {entry.path} ({entry.path.stat().st_size / 2**20:.0f} MiB)"
           if entry.path.exists() else "packed cache entry: none")
     engine.shutdown()

@@ -38,7 +38,7 @@ CITIES = ["Paris", "Lyon", "Berlin", "Oslo", "Madrid", "Rome", "Vienna", "Prague
 
 
 def workload(engine: Engine, n: int, shared: bool, max_tokens: int) -> list[Request]:
-    schemas = [s for s in load_schemas("heldout", engine.compiler) if 900 <= len(s) <= 2200]
+    schemas = [s for s in load_schemas("heldout", engine.core.compiler) if 900 <= len(s) <= 2200]
     reqs = []
     for i in range(n):
         schema = schemas[0] if shared else schemas[i % len(schemas)]

@@ -44,7 +44,7 @@ def main() -> None:
     print(cpu_header(), flush=True)
     engine = Engine(EngineConfig(max_slots=8, max_seq_len=2048, prefill_chunk=args.chunk, num_draft_tokens=0,
                                  weight_dtype=args.weight_dtype, warmup=False))
-    model, kv = engine.model, engine.runner.kv
+    model, kv = engine.core.model, engine.core.runner.kv
     feats = torch.zeros(8, kv.max_seq_len, model.cfg.hidden_size)  # the draft head's per-slot features
     ids = torch.randint(100, model.cfg.vocab_size, (1, 2048))
     try:

@@ -49,8 +49,8 @@ def main() -> None:
         return real(x, packed, scale, out_features, sel, weight_dtype)
     kernels.gemv_tiles = counted
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=2048, prefix_caching=False))
-    core = eng.runner.core
-    total_tiles = eng.model.head.out_features // kernels.TILE
+    core = eng.core.runner.core
+    total_tiles = eng.core.model.head.out_features // kernels.TILE
     items = [(p, GuidedDecodingParams("json_schema", s)) for p, s in schema_prompts(eng, args.schemas)]
     rows = []
     for k in (int(x) for x in args.ks.split(",")):

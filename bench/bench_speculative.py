@@ -45,7 +45,7 @@ from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as
 def schema_prompts(engine: Engine, n: int) -> list[tuple[str, str]]:
     """(prompt, schema) for the first n held-out schemas that compile."""
     return [(engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_message(t)}]), t)
-            for t in load_schemas("heldout", engine.compiler)[:n]]
+            for t in load_schemas("heldout", engine.core.compiler)[:n]]
 
 
 def run(engine: Engine, reqs: list[Request], concurrent: bool) -> dict:
@@ -132,7 +132,7 @@ def main() -> None:
                                   weight_dtype=wd, activation_dtype=ad, kv_cache_dtype=kd,
                                   cost_aware_k=bool(args.cost_aware_k),
                                   draft_head_weight_dtype=hd, draft_head_path=args.draft_head))
-        if eng.drafter != drafter:
+        if eng.core.drafter != drafter:
             sys.exit(f"drafter {drafter!r} is not available (no trained head? run scripts/train_draft_head.py)")
         guided = schema_prompts(eng, args.schemas)
         work = {
@@ -167,8 +167,8 @@ def main() -> None:
                     if k == 0:
                         baseline[key] = r
                     base = baseline[key]
-                    row = dict(weight_dtype=wd, activation_dtype=ad, integer_dot=eng.model.integer_dot,
-                               kv_cache_dtype=kd, kv_store=str(eng.runner.kv.store).removeprefix("torch."),
+                    row = dict(weight_dtype=wd, activation_dtype=ad, integer_dot=eng.core.model.integer_dot,
+                               kv_cache_dtype=kd, kv_store=str(eng.core.runner.kv.store).removeprefix("torch."),
                                cost_aware_k=bool(args.cost_aware_k), adaptive_k=bool(args.adaptive_k),
                                draft_head_weight_dtype=hd if drafter in ("head", "hybrid") and k else None,
                                workload=wname, batch=batch, drafter="off" if k == 0 else drafter,

@@ -102,8 +102,8 @@ def main() -> None:
     engine = Engine(config)
     results = []
     try:
-        tools = tools_for(load_schemas("heldout", engine.compiler))[: args.schemas]
-        print(f"engine: drafter {engine.drafter}, K={config.num_draft_tokens}; {len(tools)} held-out object "
+        tools = tools_for(load_schemas("heldout", engine.core.compiler))[: args.schemas]
+        print(f"engine: drafter {engine.core.drafter}, K={config.num_draft_tokens}; {len(tools)} held-out object "
               f"schemas as one function each, max_tokens {args.max_tokens}, greedy, batch 1\n")
         print("| tool_choice, budget | whole and valid | cut at max_tokens | ended invalid | refused | calls per answer "
               "| tokens | tok/s |")

@@ -40,20 +40,20 @@ def answers(engine: Engine, work: list[tuple[str, GuidedDecodingParams | None]],
 def scratch_kv(engine: Engine) -> KVCache:
     """A one-slot KV cache shaped like the engine's: direct forwards must not write the engine's own
     (a free slot keeps its prompt's rows for prefix caching; the answers below would reuse them)."""
-    return engine.runner.kv.like(1)
+    return engine.core.runner.kv.like(1)
 
 
 @torch.no_grad()
 def logits_along(engine: Engine, ids: list[int]) -> torch.Tensor:
     """Teacher-forced logits [T, vocab] (prefill-sized forward, a scratch cache)."""
-    m = engine.model
+    m = engine.core.model
     ctx = m.make_context(torch.tensor([0]), torch.arange(len(ids))[None], [0], len(ids))
     return m.logits(m(torch.tensor([ids]), ctx, scratch_kv(engine)))[0]
 
 
 @torch.no_grad()
 def forward_ms(engine: Engine, rows: int, reps: int = 30) -> float:
-    m, kv = engine.model, scratch_kv(engine)
+    m, kv = engine.core.model, scratch_kv(engine)
     pos = torch.arange(400, 400 + rows)[None]
     ctx = m.make_context(torch.tensor([0]), pos, [0], 400 + rows)
     ids = torch.randint(0, 1000, (1, rows))
@@ -80,14 +80,14 @@ def main() -> None:
     tok = ref.tokenizer
     work = {"guided_json": [(tok.apply_chat_template([{"role": "user", "content": schema_message(s)}]),
                              GuidedDecodingParams("json_schema", s))
-                            for s in load_schemas("heldout", ref.compiler)[: args.schemas]],
+                            for s in load_schemas("heldout", ref.core.compiler)[: args.schemas]],
             "chat": [(tok.apply_chat_template([{"role": "user", "content": c}]), None)
                      for c in CHAT_BENCH[: args.schemas]]}
     ref_answers = {w: answers(ref, items, args.max_tokens) for w, items in work.items()}
     rows = []
     for wd, eng in engines.items():
         row = dict(weight_dtype=wd,
-                   packed_mib=round(sum(m.packed.numel() * m.packed.element_size() for m in eng.model.modules()
+                   packed_mib=round(sum(m.packed.numel() * m.packed.element_size() for m in eng.core.model.modules()
                                         if isinstance(m, InvariantLinear)) / 2 ** 20, 1),
                    forward_ms_1_row=round(forward_ms(eng, 1), 2), forward_ms_4_rows=round(forward_ms(eng, 4), 2))
         for w, items in work.items():

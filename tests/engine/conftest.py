@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specguide.config import EngineConfig
+from specguide.engine import faults
 from specguide.engine.loop import Engine
 from specguide.models.loader import resolve_model_dir
 
@@ -37,7 +38,7 @@ def hf_model(model_dir):
 @pytest.fixture(scope="session")
 def random_head(tmp_path_factory, engine):
     """An untrained head over a pruned vocabulary (every 3rd id): lossless whatever it proposes."""
-    return save_random_head(tmp_path_factory.mktemp("head") / "random.pt", engine.model.cfg)
+    return save_random_head(tmp_path_factory.mktemp("head") / "random.pt", engine.core.model.cfg)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +48,19 @@ def engine():
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, prefill_chunk=64))
     yield eng
     eng.shutdown()
-    assert not eng._thread.is_alive()
+    eng.join(timeout=0)
+    assert not eng.is_alive()
+
+
+@pytest.fixture
+def inject_faults(monkeypatch):
+    """`inject_faults(*engines)`: until the test ends, injection is on (the environment) and each
+    engine has a FaultInjector, so requests that name a fault get it."""
+    monkeypatch.setenv(faults.ENV, "1")
+    installed: list[faults.FaultInjector] = []
+    yield lambda *engines: installed.extend(faults.FaultInjector(e.core).install() for e in engines)
+    for injector in reversed(installed):
+        injector.remove()
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +84,7 @@ def run_alone(engine: Engine, request):
 def placed_in(engine: Engine, slot: int):
     """Requests admitted meanwhile (one at a time: `slot` must be free) take `slot`, as if it were
     the only free slot: reuse from it, or a copy into it from another slot, as the scheduler picks."""
-    sched = engine.scheduler
+    sched = engine.core.scheduler
     pick = sched._pick_slot
 
     def forced(seq):
@@ -95,10 +108,10 @@ def stale_kept_prefixes(engine: Engine) -> list[int]:
     """Free slots whose kept rows (prefix caching) are not, bit for bit, what prefilling the
     tokens they stand for computes (call with the engine idle). A chunk-invariant model is checked
     against another split than the engine's chunks (a first chunk of 7 tokens)."""
-    m, kv, chunk = engine.model, engine.runner.kv, engine.config.prefill_chunk
+    m, kv, chunk = engine.core.model, engine.core.runner.kv, engine.config.prefill_chunk
     bad = []
-    for slot in sorted(engine.scheduler.free_slots):
-        tokens = engine.scheduler.slot_tokens[slot]
+    for slot in sorted(engine.core.scheduler.free_slots):
+        tokens = engine.core.scheduler.slot_tokens[slot]
         if not tokens:
             continue
         own = kv.like(1)
@@ -117,14 +130,14 @@ def stale_draft_rows(engine: Engine) -> list[int]:
     """Free slots whose drafter rows that a new sequence sharing the slot's kept tokens would reuse
     (the draft head's K/V rows and the target features it reads; a draft model's K/V rows) are not,
     bit for bit, what computing them from scratch over those tokens gives (call with the engine idle)."""
-    m, head, dm = engine.model, engine.proposer.head, engine.proposer.draft_model
+    m, head, dm = engine.core.model, engine.core.proposer.head, engine.core.proposer.draft_model
     bad = []
-    for slot in sorted(engine.scheduler.free_slots):
-        tokens = engine.scheduler.slot_tokens[slot]
+    for slot in sorted(engine.core.scheduler.free_slots):
+        tokens = engine.core.scheduler.slot_tokens[slot]
         n, ok = len(tokens), True
         rows = min(head.valid[slot], n - 1) if head is not None else 0
         if rows > 0:  # row p: (f_p, x_{p+1})
-            kv = engine.runner.kv.like(1, n)  # the target's features as the engine computes them
+            kv = engine.core.runner.kv.like(1, n)  # the target's features as the engine computes them
             feats = m(torch.tensor([tokens]), m.make_context(torch.tensor([0]), torch.arange(n)[None], [0], n), kv)
             own = head.kv.like(1)
             ctx = m.make_context(torch.tensor([0]), torch.arange(rows)[None], [0], rows)

@@ -35,14 +35,14 @@ def default_head(model_dir) -> Path:
 
 
 def test_the_default_head_records_the_projects_recipe_and_loads_onto_the_default_model(engine, model_dir, default_head):
-    head = DraftHead.load(default_head, engine.model)
+    head = DraftHead.load(default_head, engine.core.model)
     meta = head.meta
     assert meta["train_config"] == asdict(TrainConfig()), (
         f"{default_head} was trained with another recipe; delete it and run `make draft-head`")
     assert Path(meta["model"]).name == Path(model_dir).name
     report = meta["report"]  # epochs by what the matmuls ran in: 8 in bf16, 4 in fp32
     assert report["epochs"] == AUTO_EPOCHS[report["matmul_dtype"]] and TrainConfig().epochs == 0
-    assert head.cfg.hidden_size == engine.model.cfg.hidden_size and head.draft_vocab_size == TrainConfig.draft_vocab
+    assert head.cfg.hidden_size == engine.core.model.cfg.hidden_size and head.draft_vocab_size == TrainConfig.draft_vocab
     assert meta["report"]["vocab_coverage"] > 0.99 and meta["report"]["val_accuracy"][0] > 0.45, meta["report"]
 
 
@@ -52,7 +52,7 @@ def held_out_requests(engine: Engine, k: int, n: Optional[int] = 6, max_tokens: 
     return [Request(prompt=tok.apply_chat_template([{"role": "user", "content": schema_message(s)}]),
                     guided=GuidedDecodingParams("json_schema", s), num_draft_tokens=k,
                     params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
-            for s in load_schemas("heldout", engine.compiler)[:n]]
+            for s in load_schemas("heldout", engine.core.compiler)[:n]]
 
 
 def tokens_per_step(finals) -> float:
@@ -68,7 +68,7 @@ def test_the_default_head_beats_drafting_without_it_on_held_out_schemas(engine, 
         eng = Engine(EngineConfig(max_slots=8, max_seq_len=1024, drafter=drafter, draft_head_path=str(default_head),
                                   adaptive_k=False, cost_aware_k=False))
         try:
-            assert (eng.head_drafter is not None) == (drafter == "hybrid")
+            assert (eng.core.head_drafter is not None) == (drafter == "hybrid")
             runs = run_many(eng, held_out_requests(eng, 3))
         finally:
             eng.shutdown()

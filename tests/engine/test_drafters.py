@@ -34,14 +34,14 @@ def test_greedy_with_each_drafter_equals_speculation_off(engine, random_head, dr
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter=drafter,
                               draft_head_path=str(random_head), cost_aware_k=False))  # every step drafts
     try:
-        assert eng.drafter == drafter
+        assert eng.core.drafter == drafter
         got, finals = outputs(eng, reqs(3))
         assert got == off
         drafted = sum(f.total_draft_tokens for f in finals)
         accepted = sum(f.total_accepted_draft_tokens for f in finals)
         assert drafted > 0 and accepted > 0, (drafted, accepted)  # forced JSON punctuation is accepted
         for s in range(8):
-            assert not eng.guided.is_guided(s)
+            assert not eng.core.guided.is_guided(s)
     finally:
         eng.shutdown()
 
@@ -58,7 +58,7 @@ def test_cost_aware_k_is_lossless_and_measured(engine, random_head):
         assert one_by_one == off[:3]
         got, finals = outputs(eng, reqs(3))
         assert got == off
-        measured = eng.proposer.step_costs.seconds
+        measured = eng.core.proposer.step_costs.seconds
         assert {(1, 0), (1, 3)} <= set(measured), measured  # a lone slot explored drafting and plain
         assert all(t > 0 for t in measured.values())
         assert sum(f.total_draft_tokens for f in finals) > 0
@@ -75,7 +75,7 @@ def test_missing_head_falls_back_to_grammar_drafter(tmp_path):
     eng = Engine(EngineConfig(max_slots=2, max_seq_len=256, drafter="hybrid", warmup=False,
                               draft_head_path=str(tmp_path / "none.pt")))
     try:
-        assert eng.drafter == "grammar" and eng.head_drafter is None
+        assert eng.core.drafter == "grammar" and eng.core.head_drafter is None
     finally:
         eng.shutdown()
 
@@ -86,13 +86,13 @@ def test_forced_tokens_are_always_accepted_by_the_matcher(engine, backend):
     accepted in order by a fresh matcher fed the history, and the slot's matcher is untouched.
     They spell a prefix of the jump-forward string without its trailing whitespace (the model
     fuses that to the next word: `": "` + ` true`; xgrammar). llguidance drafts its fast-forward tokens."""
-    dec = GuidedDecoder(1, 3, engine.runner.vocab_size)
+    dec = GuidedDecoder(1, 3, engine.core.runner.vocab_size)
     checked = proposed = trailing = 0
     for sample in load_guided_samples():
         if sample.kind not in ("json_schema", "regex", "ebnf"):
             continue
         try:
-            compiled = engine.compiler.compile(dataclasses.replace(sample.params, backend=backend))
+            compiled = engine.core.compiler.compile(dataclasses.replace(sample.params, backend=backend))
         except Exception:
             continue  # unsupported samples are covered by the compile tests
         dec.add(0, compiled)
@@ -118,7 +118,7 @@ def test_forced_tokens_are_always_accepted_by_the_matcher(engine, backend):
                 fed += forced
             else:  # take an allowed token: the first one that is not a stop token
                 dec.fill([(0, 0)])
-                allowed = [t for t in dec.allowed_tokens(0).tolist() if t not in engine.eos_token_ids][:1]
+                allowed = [t for t in dec.allowed_tokens(0).tolist() if t not in engine.core.eos_token_ids][:1]
                 if not allowed:
                     break
                 assert dec.advance(0, allowed[0])
@@ -130,26 +130,26 @@ def test_forced_tokens_are_always_accepted_by_the_matcher(engine, backend):
 def test_adaptive_k_shrinks_with_low_acceptance(engine):
     eng = engine
     req = requests(eng, lambda i: 3)[0]
-    s = eng._make_sequence(req, lambda o: None)
+    s = eng.core.make_sequence(req, lambda o: None)
     s.slot = 0
-    eng.proposer.accept_rate[0] = 1.0
-    assert eng.proposer.budget(s) == 3
-    eng.proposer.accept_rate[0] = 0.5
-    assert eng.proposer.budget(s) == 2  # 0.5, 0.25 >= 0.15 > 0.125
-    eng.proposer.accept_rate[0] = 0.2
-    assert eng.proposer.budget(s) == 1
-    eng.proposer.accept_rate[0] = 1.0
+    eng.core.proposer.accept_rate[0] = 1.0
+    assert eng.core.proposer.budget(s) == 3
+    eng.core.proposer.accept_rate[0] = 0.5
+    assert eng.core.proposer.budget(s) == 2  # 0.5, 0.25 >= 0.15 > 0.125
+    eng.core.proposer.accept_rate[0] = 0.2
+    assert eng.core.proposer.budget(s) == 1
+    eng.core.proposer.accept_rate[0] = 1.0
 
 
 def test_each_kind_keeps_its_recent_acceptance_and_a_new_sequence_starts_from_its_kinds(engine):
     """Chat drafts are mostly rejected, JSON ones mostly accepted: each kind's recent acceptance is
     kept apart, and a new sequence starts from its kind's (a chat request does not verify, nor have
     the draft head catch its prompt up, at its first steps)."""
-    p = engine.proposer
+    p = engine.core.proposer
     saved = dict(p.accept_prior), list(p.slot_guided), list(p.accept_rate), dict(p.prior_judged), list(p.judged)
     guided, chat = requests(engine, lambda i: 3)[:2]  # prompts() alternates guided, unguided
     assert chat.guided is None and guided.guided is not None
-    chat_seq = engine._make_sequence(chat, lambda o: None)
+    chat_seq = engine.core.make_sequence(chat, lambda o: None)
     try:
         p.accept_prior.update({False: 1.0, True: 1.0})
         p.admit(0, chat_seq)
@@ -170,9 +170,9 @@ def test_each_kind_keeps_its_recent_acceptance_and_a_new_sequence_starts_from_it
 def test_a_recurring_ngram_counts_as_sure_drafts(engine):
     """sure_ngram: what followed the latest earlier occurrence of the last 4 tokens (what the n-gram
     drafters propose), indexed as the sequence grows, across the prompt / output boundary."""
-    p = engine.proposer
+    p = engine.core.proposer
     saved = dict(p.accept_prior), list(p.accept_rate)
-    s = engine._make_sequence(Request(prompt="x", num_draft_tokens=3), lambda o: None)
+    s = engine.core.make_sequence(Request(prompt="x", num_draft_tokens=3), lambda o: None)
     try:
         s.prompt_ids = [5, 6, 7, 8, 9, 1, 2, 3]
         s.slot = 0
@@ -202,7 +202,7 @@ def test_a_repetitive_prompt_drafts_when_chat_drafts_are_rarely_accepted(engine)
     """With the unguided acceptance estimate low (chat), a new sequence starts there and drafts
     nothing it is unsure of, but a repetitive prompt's recurring n-grams still get verified at once
     and accepted (the n-gram continuation is what the model says)."""
-    p = engine.proposer
+    p = engine.core.proposer
     saved = dict(p.accept_prior), p.step_costs
     try:
         p.accept_prior[False] = 0.05
@@ -221,9 +221,9 @@ def test_a_repetitive_prompt_drafts_when_chat_drafts_are_rarely_accepted(engine)
 
 
 def test_grammar_forced_drafts_set_a_floor_under_k_and_stay_out_of_the_acceptance_estimate(engine):
-    p = engine.proposer
+    p = engine.core.proposer
     saved = dict(p.accept_prior), list(p.accept_rate), dict(p.prior_judged), list(p.judged)
-    s = engine._make_sequence(requests(engine, lambda i: 3)[1], lambda o: None)  # unguided
+    s = engine.core.make_sequence(requests(engine, lambda i: 3)[1], lambda o: None)  # unguided
     s.slot = 0
     try:
         p.accept_rate[0], p.judged[0] = 0.2, 1.0
@@ -243,9 +243,9 @@ def test_the_acceptance_estimate_is_the_chance_a_draft_is_accepted_after_accepte
     """Verifications of 3 drafts, each accepted with p = 0.7 when the ones before it were: the slot's
     and its kind's estimates find p (what the step cost's geometric sum and adaptive K take), not
     accepted / drafted (0.51, which kept K at 2 and had cost_aware_k stop drafting where it paid)."""
-    p = engine.proposer
+    p = engine.core.proposer
     saved = dict(p.accept_prior), dict(p.prior_judged), list(p.accept_rate), list(p.judged), list(p.slot_guided)
-    s = engine._make_sequence(requests(engine, lambda i: 3)[1], lambda o: None)
+    s = engine.core.make_sequence(requests(engine, lambda i: 3)[1], lambda o: None)
     s.slot = 0
     rng = random.Random(0)
     try:
@@ -291,7 +291,7 @@ def test_tiny_trained_head_beats_chance_and_runs_in_the_step(engine, tmp_path):
     eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, num_draft_tokens=3, drafter="head",
                               draft_head_path=str(path), adaptive_k=False))
     try:
-        assert eng.head_drafter is not None and eng.head_drafter.head.draft_vocab_size == 4096
+        assert eng.core.head_drafter is not None and eng.core.head_drafter.head.draft_vocab_size == 4096
         got, finals = outputs(eng, reqs(3))
         assert got == off
         accepted = sum(f.total_accepted_draft_tokens for f in finals)

@@ -65,13 +65,13 @@ def test_a_request_streams_its_first_token_before_the_next_prefill_of_its_step(e
     """Requests prefilled in one step: each one's first token is sent when its own prompt is in,
     not after the other prompts' prefills (with 8 arrivals, the first would wait for 8 prefills)."""
     events: list[tuple[str, int]] = []
-    prefill = engine.runner.prefill
+    prefill = engine.core.runner.prefill
 
     def recorded(chunk):
         events.append(("prefill", chunk.seq.seq_id))
         return prefill(chunk)
 
-    monkeypatch.setattr(engine.runner, "prefill", recorded)
+    monkeypatch.setattr(engine.core.runner, "prefill", recorded)
     done = threading.Semaphore(0)
 
     def callback(o):
@@ -101,7 +101,7 @@ def test_a_request_that_arrives_during_a_prefill_joins_that_step_before_its_deco
     alone, _, _ = run_alone(engine, late_req)
     events: list[tuple[str, int]] = []
     got: dict[str, list[int]] = {"late": []}
-    prefill = engine.runner.prefill
+    prefill = engine.core.runner.prefill
     armed = threading.Event()
     done = threading.Semaphore(0)
 
@@ -121,7 +121,7 @@ def test_a_request_that_arrives_during_a_prefill_joins_that_step_before_its_deco
             engine.submit(late_req, tracker("late"))
         return out
 
-    monkeypatch.setattr(engine.runner, "prefill", submitting)
+    monkeypatch.setattr(engine.core.runner, "prefill", submitting)
     running = Request(prompt=PROMPTS[0], params=SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
     engine.submit(running, tracker("running"))
     deadline = time.monotonic() + 120
@@ -219,7 +219,7 @@ def test_stop_word_cuts_text_exactly(engine):
 
 def test_eos_and_end_id_stop(engine):
     toks, _, final = run_alone(engine, Request(prompt=PROMPTS[2], params=greedy(200)))
-    assert final.finish_reason == "stop" and toks[-1] in engine.eos_token_ids
+    assert final.finish_reason == "stop" and toks[-1] in engine.core.eos_token_ids
     _, full, _ = run_alone(engine, Request(prompt=PROMPTS[0], params=greedy(10, ignore_eos=True)))
     first = engine.tokenizer.encode(full)[2]
     toks, _, final = run_alone(engine, Request(prompt=PROMPTS[0], params=greedy(10, end_id=first)))
@@ -272,7 +272,7 @@ def test_cancel_frees_the_slot(engine):
     assert sum(o.finished for o in events) == 1
     time.sleep(0.05)
     assert engine.stats()["active_slots"] == 0
-    engine.scheduler.check_integrity()
+    engine.core.scheduler.check_integrity()
     toks, _, _ = run_alone(engine, Request(prompt=PROMPTS[0], params=greedy(3)))
     assert len(toks) == 3
 
@@ -288,7 +288,7 @@ def test_cancel_while_queued(engine):
     assert ev.wait(120)
     assert finals[small + 1].finish_reason == "cancelled" and finals[small + 1].num_output_tokens == 0
     assert all(finals[i].finish_reason == "length" for i in range(small + 1))
-    engine.scheduler.check_integrity()
+    engine.core.scheduler.check_integrity()
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -35,9 +35,9 @@ def fresh_state_checker(engine):
 
     def step():
         worked = original()
-        for slot, seq in list(engine.scheduler.running.items()):
-            if seq.guide.grammar is not None and engine.guided.is_guided(slot):
-                err = engine.guided.check_fresh(slot, seq.output_ids)
+        for slot, seq in list(engine.core.scheduler.running.items()):
+            if seq.guide.grammar is not None and engine.core.guided.is_guided(slot):
+                err = engine.core.guided.check_fresh(slot, seq.output_ids)
                 checked[0] += 1
                 if err:
                     problems.append(f"seq {seq.seq_id}: {err}")
@@ -78,7 +78,7 @@ def test_all_guided_samples_give_valid_output(engine, fresh_state_checker):
     finished_by_grammar = 0
     for sample, (toks, text, final) in zip(samples, results):
         assert final.finish_reason in ("stop", "length"), (sample.name, final.error)
-        compiled = engine.compiler.compile(sample.params)
+        compiled = engine.core.compiler.compile(sample.params)
         matcher = compiled.matcher()
         assert all(matcher.accept(t) for t in toks), sample.name  # every token was grammar-valid
         if final.finish_reason == "stop":
@@ -90,8 +90,8 @@ def test_all_guided_samples_give_valid_output(engine, fresh_state_checker):
     assert finished_by_grammar >= 0.75 * len(samples), f"{finished_by_grammar}/{len(samples)} ended by grammar"
     assert not problems, problems[:5]
     assert checked[0] > 100
-    engine.scheduler.check_integrity()
-    assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))
+    engine.core.scheduler.check_integrity()
+    assert not any(engine.core.guided.is_guided(s) for s in range(engine.config.max_slots))
 
 
 def test_mixed_guided_and_unguided_batch_equals_alone(engine):
@@ -133,7 +133,7 @@ def test_the_sparse_lm_head_changes_no_token(engine, monkeypatch):
     every tile computed, and the sparse head really ran on a small share of the tiles."""
     from specguide import kernels
 
-    if not engine.runner.core.sparse_lm_head or not hasattr(engine.model.head, "forward_tiles"):
+    if not engine.core.runner.core.sparse_lm_head or not hasattr(engine.core.model.head, "forward_tiles"):
         pytest.skip("the LM head is not a C-kernel head here")
     used = []
     real = kernels.gemv_tiles
@@ -143,8 +143,8 @@ def test_the_sparse_lm_head_changes_no_token(engine, monkeypatch):
                     params=SamplingParams(max_tokens=48, temperature=t, top_p=0.95, seed=3))
             for who in ("Alice", "a pilot") for k in (0, 3) for t in (0.0, 1.0)]
     sparse = [run_alone(engine, r) for r in reqs] + run_many(engine, reqs)
-    assert used and sum(used) / len(used) < 0.5 * engine.model.head.out_features / kernels.TILE, used[:20]
-    monkeypatch.setattr(engine.runner.core, "sparse_lm_head", False)
+    assert used and sum(used) / len(used) < 0.5 * engine.core.model.head.out_features / kernels.TILE, used[:20]
+    monkeypatch.setattr(engine.core.runner.core, "sparse_lm_head", False)
     calls = len(used)
     full = [run_alone(engine, r) for r in reqs] + run_many(engine, reqs)
     assert len(used) == calls  # every tile, every step
@@ -175,8 +175,8 @@ def test_bad_guides_fail_only_their_request(engine, guide_type, guide, match):
         assert match.lower() in final.error.lower(), final.error
         results = [results[0], results[2]]
     assert all(r[2].finish_reason == "length" and len(r[0]) == 6 for r in results)
-    engine.scheduler.check_integrity()
-    assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))
+    engine.core.scheduler.check_integrity()
+    assert not any(engine.core.guided.is_guided(s) for s in range(engine.config.max_slots))
 
 
 def test_cancel_while_grammar_compiles_and_guided_max_tokens(engine):
@@ -195,8 +195,8 @@ def test_cancel_while_grammar_compiles_and_guided_max_tokens(engine):
     toks, text, final = run_alone(engine, Request(prompt=chat(engine, "Describe a person as JSON."),
                                                   params=SamplingParams(max_tokens=3, temperature=0.0), guided=guide))
     assert final.finish_reason == "length" and len(toks) == 3
-    engine.scheduler.check_integrity()
-    assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))
+    engine.core.scheduler.check_integrity()
+    assert not any(engine.core.guided.is_guided(s) for s in range(engine.config.max_slots))
 
 
 @pytest.fixture(scope="module")
@@ -288,14 +288,14 @@ def test_a_guide_past_llguidance_limits_fails_alone_with_its_reason(engine):
     assert "too complex for the llguidance backend" in final.error and "max is 2000" in final.error
     assert "<grammar>" not in final.error  # llguidance's diagnostic dump stays out of the message
     assert results[0][0] == results[2][0] == alone[0]
-    engine.scheduler.check_integrity()
-    assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))
+    engine.core.scheduler.check_integrity()
+    assert not any(engine.core.guided.is_guided(s) for s in range(engine.config.max_slots))
 
 
 def test_auto_routes_objects_wider_than_llguidance_takes_to_xgrammar(engine):
     from specguide.guided.compiler import LLG_MAX_OBJECT_PROPERTIES
 
-    svc = engine.compiler
+    svc = engine.core.compiler
     narrow = GuidedDecodingParams("json_schema", _wide_schema(LLG_MAX_OBJECT_PROPERTIES))
     nested = json.dumps({"type": "object", "properties": {"inner": json.loads(_wide_schema(600))}})
     assert svc.backend_for(narrow) == "llguidance"

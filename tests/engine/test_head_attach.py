@@ -41,15 +41,15 @@ def test_a_head_written_while_serving_is_attached_and_changes_no_output(tmp_path
     eng = Engine(EngineConfig(drafter="hybrid", draft_head_path=str(path), num_draft_tokens=3, max_slots=4,
                               max_seq_len=512, prefill_chunk=64, cost_aware_k=False))
     try:
-        assert eng.drafter == "grammar" and eng.head_drafter is None and eng.stats()["draft_head"] == 0
-        attach, running_at_attach = eng.proposer.attach_head, []
+        assert eng.core.drafter == "grammar" and eng.core.head_drafter is None and eng.stats()["draft_head"] == 0
+        attach, running_at_attach = eng.core.proposer.attach_head, []
 
         def spy() -> bool:  # on the loop thread, between steps
             ok = attach()
             if ok:
-                running_at_attach.append(len(eng.scheduler.running))
+                running_at_attach.append(len(eng.core.scheduler.running))
             return ok
-        eng.proposer.attach_head = spy
+        eng.core.proposer.attach_head = spy
         texts = ["Count from one to forty in words.", "Write a limerick about a cat."]
         want = {(t, s): _tokens(eng, _request(t, 0, 128, s)) for t in texts for s in (False, True)}
 
@@ -76,19 +76,19 @@ def test_a_head_written_while_serving_is_attached_and_changes_no_output(tmp_path
         os.replace(tmp, path)  # the trainer's atomic save
         for t in threads:
             t.join(timeout=300)
-        assert eng.head_drafter is not None and eng.drafter == "hybrid" and eng.stats()["draft_head"] == 1
+        assert eng.core.head_drafter is not None and eng.core.drafter == "hybrid" and eng.stats()["draft_head"] == 1
         assert running_at_attach == [2]  # attached while both ran
         for k in keys:
             assert got[k] == want[k], k  # across the switch: the same tokens
 
         # after the switch the head drafts (its per-slot rows fill) and still changes nothing
-        head = eng.head_drafter
+        head = eng.core.head_drafter
         assert max(head.valid) == 0  # the requests that ran across the switch never used it
         for text, seeded in [("List five fruits, one per line.", False), ("Describe a sunset in two lines.", True)]:
             drafted = _tokens(eng, _request(text, 3, 64, seeded))  # a new prompt: the head has all its features
             assert drafted == _tokens(eng, _request(text, 0, 64, seeded)), text
         assert max(head.valid) > 0
-        eng.scheduler.check_integrity()
+        eng.core.scheduler.check_integrity()
     finally:
         eng.shutdown()
 
@@ -102,6 +102,6 @@ def test_a_head_file_that_fails_to_load_leaves_the_engine_drafting_without_it(tm
         path.write_bytes(b"not a draft head")
         want = _tokens(eng, _request("Name three rivers.", 0, 24, False))
         assert _tokens(eng, _request("Name three rivers.", 3, 24, False)) == want
-        assert eng.head_drafter is None and eng.drafter == "grammar" and eng.stats()["draft_head"] == 0
+        assert eng.core.head_drafter is None and eng.core.drafter == "grammar" and eng.stats()["draft_head"] == 0
     finally:
         eng.shutdown()

@@ -70,7 +70,7 @@ def test_background_training_writes_the_head_at_the_least_cpu_share(tmp_path):
             bt.proc.kill()
     eng = Engine(EngineConfig(drafter="hybrid", draft_head_path=str(out), max_slots=2, max_seq_len=256, warmup=False))
     try:
-        assert eng.head_drafter is not None and eng.drafter == "hybrid"
+        assert eng.core.head_drafter is not None and eng.core.drafter == "hybrid"
     finally:
         eng.shutdown()
 

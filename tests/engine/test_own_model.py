@@ -91,9 +91,9 @@ def test_the_head_is_trained_for_the_served_model_and_only_found_for_it(own_mode
     small = dict(max_slots=2, max_seq_len=512, adaptive_k=False, cost_aware_k=False)
     eng = Engine(replace(served, **small))
     try:
-        assert eng.head_drafter is not None and eng.drafter == "hybrid"
-        assert DraftHead.load(head, eng.model).meta["model"] == str(mine)
-        assert eng.model.cfg.hidden_size == 64
+        assert eng.core.head_drafter is not None and eng.core.drafter == "hybrid"
+        assert DraftHead.load(head, eng.core.model).meta["model"] == str(mine)
+        assert eng.core.model.cfg.hidden_size == 64
         tok = eng.tokenizer
 
         def requests(k: int) -> list[Request]:
@@ -109,7 +109,7 @@ def test_the_head_is_trained_for_the_served_model_and_only_found_for_it(own_mode
         eng.shutdown()
     eng = Engine(replace(served, **small, model_dir=str(other)))
     try:  # the other "hf" has no head of its own: no drafting with one trained for another model
-        assert eng.head_drafter is None and eng.drafter == "grammar"
+        assert eng.core.head_drafter is None and eng.core.drafter == "grammar"
     finally:
         eng.shutdown()
 
@@ -156,7 +156,7 @@ def test_generation_configs_end_of_turn_ids_end_the_answer(own_model, tmp_path):
     def answer(folder):
         eng = Engine(EngineConfig(model_dir=str(folder), max_slots=1, max_seq_len=256, num_draft_tokens=0))
         try:
-            return eng.eos_token_ids, run_alone(eng, Request(prompt="Count: one two", params=SamplingParams(
+            return eng.core.eos_token_ids, run_alone(eng, Request(prompt="Count: one two", params=SamplingParams(
                 max_tokens=12, temperature=0.0)))
         finally:
             eng.shutdown()

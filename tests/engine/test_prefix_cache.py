@@ -14,7 +14,6 @@ import threading
 import pytest
 import torch
 
-from specguide.engine import faults
 from specguide.config import EngineConfig
 from specguide.engine.loop import Engine
 from specguide.engine.kv_cache import KVCache
@@ -70,8 +69,8 @@ def _run(engine: Engine, reqs: list[Request], alone: bool):
 def test_a_prompt_prefilled_in_any_chunk_split_gives_the_same_kv_and_logits(engine):
     """The forward of a 150-token prompt in one chunk, in the engine's chunks, in uneven chunks and
     one token at a time (decode steps): bit-identical K/V in every layer and logits at every position."""
-    m = engine.model
-    assert m.chunk_invariant and engine.scheduler.any_prefix
+    m = engine.core.model
+    assert m.chunk_invariant and engine.core.scheduler.any_prefix
     ids = engine.tokenizer.encode(_requests(engine, SYSTEM + " " + SYSTEM)[0].prompt)[:150]
     N = len(ids)
     assert N == 150
@@ -93,7 +92,7 @@ def test_a_prompt_prefilled_in_any_chunk_split_gives_the_same_kv_and_logits(engi
 @pytest.mark.parametrize("alone", [True, False], ids=["batch1", "batch3"])
 def test_outputs_with_reuse_equal_outputs_without(engines, alone, monkeypatch):
     on, off = engines
-    head = on.proposer.head
+    head = on.core.proposer.head
     assert head.reuse
     starts = []  # head rows a new sequence starts with (its own cache's reused prefix)
     admit = head.admit
@@ -106,7 +105,7 @@ def test_outputs_with_reuse_equal_outputs_without(engines, alone, monkeypatch):
     assert sum(1 for g in got if g[4] > 0) >= len(got) - on.config.max_slots  # the first of each slot computes
     assert any(g[5] % on.config.prefill_chunk for g in got)  # prefixes that end inside a chunk
     assert all(g[1] in ("stop", "length") for g in got)
-    on.scheduler.check_integrity()
+    on.core.scheduler.check_integrity()
 
 
 def _own_rows(engine, drafter) -> list[tuple[torch.Tensor, ...]]:
@@ -134,7 +133,7 @@ def test_the_draft_heads_reused_rows_are_those_it_computes_from_scratch(engines)
     """The head's own K/V rows and the features it reads, after each request (which reused its
     prefix, rows included): bit for bit those of the engine without prefix caching."""
     on, off = engines
-    _same_rows(_own_rows(on, on.proposer.head), _own_rows(off, off.proposer.head), on)
+    _same_rows(_own_rows(on, on.core.proposer.head), _own_rows(off, off.core.proposer.head), on)
 
 
 def _same_rows(got, want, engine) -> None:
@@ -162,7 +161,7 @@ def test_a_prompt_diverging_inside_a_chunk_reuses_up_to_the_first_differing_toke
         req = _requests(on, system)[i:i + 1]
         a, b = on.tokenizer.encode(base[0].prompt), on.tokenizer.encode(req[0].prompt)
         common = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        held = max(_common(on.scheduler.slot_tokens[s], b) for s in on.scheduler.free_slots)
+        held = max(_common(on.core.scheduler.slot_tokens[s], b) for s in on.core.scheduler.free_slots)
         got = _run(on, req, alone=True)
         assert [g[:4] for g in got] == [w[:4] for w in _run(off, _requests(off, system)[i:i + 1], alone=True)]
         assert got[0][5] == held >= common, (system == late, i)
@@ -209,9 +208,9 @@ def test_a_prefix_held_by_a_busy_slot_is_copied_exactly(engines, monkeypatch):
     on, off = engines
     system = "Copy test. " + SYSTEM  # no free slot holds it: any reuse is a copy from the busy slot
     copies = []
-    orig = on.runner.copy_prefix
-    monkeypatch.setattr(on.runner, "copy_prefix", lambda c: (copies.append(c), orig(c)))
-    head, head_rows = on.proposer.head, []  # the head's own rows come along (its catch-up ran in the donor's steps)
+    orig = on.core.runner.copy_prefix
+    monkeypatch.setattr(on.core.runner, "copy_prefix", lambda c: (copies.append(c), orig(c)))
+    head, head_rows = on.core.proposer.head, []  # the head's own rows come along (its catch-up ran in the donor's steps)
     head_copy = head.copy_prefix
     monkeypatch.setattr(head, "copy_prefix", lambda *a: (head_copy(*a), head_rows.append(head.valid[a[1]])))
     got, want = [], []
@@ -235,7 +234,7 @@ def test_a_prefix_held_by_a_busy_slot_is_copied_exactly(engines, monkeypatch):
     assert [g[:5] for g in got] == [w[:5] for w in want]
     assert max(head_rows) > 2 * chunk
     assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
-    on.scheduler.check_integrity()
+    on.core.scheduler.check_integrity()
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -274,7 +273,7 @@ def test_the_draft_models_cache_starts_right_after_reuse(draft_model_engines, mo
     of the reused prefix (its forwards are chunk-invariant too; copied along with the target's):
     the same tokens and the same accepted drafts as without, and its catch-up starts past row 0."""
     on, off = draft_model_engines
-    dm = on.proposer.draft_model
+    dm = on.core.proposer.draft_model
     assert dm.reuse
     starts = []
     admit = dm.admit
@@ -286,7 +285,7 @@ def test_the_draft_models_cache_starts_right_after_reuse(draft_model_engines, mo
     assert sum(1 for s in starts if s > 0) >= len(got) - on.config.max_slots
     monkeypatch.undo()
     # its rows after each request: those it computes without reuse
-    _same_rows(_own_rows(on, dm), _own_rows(off, off.proposer.draft_model), on)
+    _same_rows(_own_rows(on, dm), _own_rows(off, off.core.proposer.draft_model), on)
     assert stale_draft_rows(on) == []
 
 
@@ -294,7 +293,7 @@ def test_the_draft_models_rows_come_with_a_copy_from_a_busy_slot(draft_model_eng
     """A prefix copied from a busy slot whose draft model has caught up: its rows are copied too,
     and the outputs and accepted drafts are those without reuse."""
     on, off = draft_model_engines
-    dm, rows = on.proposer.draft_model, []
+    dm, rows = on.core.proposer.draft_model, []
     copy = dm.copy_prefix
     monkeypatch.setattr(dm, "copy_prefix", lambda *a: (copy(*a), rows.append(dm.cached[a[1]])))
     got, want = [], []
@@ -333,12 +332,12 @@ def _dirty(engine: Engine) -> None:
     assert done.wait(120)
 
 
-def test_a_greedy_output_is_the_same_whichever_free_slot_it_gets(engines, monkeypatch):
+def test_a_greedy_output_is_the_same_whichever_free_slot_it_gets(engines, inject_faults):
     """After traffic that dirties every slot, the same greedy requests (reusing a kept prefix, or
     a copy of it, or none) placed in each free slot in turn: the same tokens, log probs and drafts
     as without prefix caching; every free slot's kept rows are what a prefill computes."""
-    monkeypatch.setenv(faults.ENV, "1")
     on, off = engines
+    inject_faults(on, off)
 
     def run(engine):  # per probe: tokens, log probs, finish reason, drafts proposed / accepted, cached tokens
         out = []
@@ -362,4 +361,4 @@ def test_a_greedy_output_is_the_same_whichever_free_slot_it_gets(engines, monkey
         assert got[0][5] > 0 and got[1][5] > 0  # the first two reuse the kept system prompt (or a copy)
         assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
     assert sum(w[3] for w in want) > 0  # drafts were proposed (their counts compare the head's state)
-    on.scheduler.check_integrity()
+    on.core.scheduler.check_integrity()

@@ -55,28 +55,28 @@ def windows(reasoning_engine):
     drafts proposed by the host or None). After every engine step each guided slot's matcher equals a
     fresh one fed its accepted tokens (invariant 3)."""
     eng, seen = reasoning_engine, []
-    original, engine_step = eng.runner.step, eng.step
+    original, engine_step = eng.core.runner.step, eng.step
 
     def checked_step():
         worked = engine_step()
-        for slot, seq in list(eng.scheduler.running.items()):
-            if seq.guide.grammar is not None and eng.guided.is_guided(slot):
-                err = eng.guided.check_fresh(slot, seq.output_ids)
+        for slot, seq in list(eng.core.scheduler.running.items()):
+            if seq.guide.grammar is not None and eng.core.guided.is_guided(slot):
+                err = eng.core.guided.check_fresh(slot, seq.output_ids)
                 assert err is None, err
         return worked
 
     def step(seqs, plan):
         before = [list(s.output_ids[-4:]) for s in seqs]
         out = original(seqs, plan)
-        drafts = eng.runner.core.out_host.drafts.numpy()
+        drafts = eng.core.runner.core.out_host.drafts.numpy()
         for b, (_, n, a) in enumerate(out):
             host = list(plan.drafts[b]) if plan.drafting == "host" else None
             seen.append((before[b], drafts[:n, b].tolist(), a, host))
         return out
 
-    eng.runner.step, eng.step = step, checked_step
+    eng.core.runner.step, eng.step = step, checked_step
     yield seen
-    del eng.runner.step, eng.step
+    del eng.core.runner.step, eng.step
 
 
 def split(text: str) -> tuple[str, str]:
@@ -96,7 +96,7 @@ def test_the_guide_applies_after_the_think_block_only(engine, reasoning_engine, 
     thought, answer = split(text)
     assert thought == "Carol is 25." and json.loads(answer) == {"name": "Carol", "age": 25}
     jsonschema.validate(json.loads(answer), SCHEMA)
-    assert not eng.compiler.compile(req.guided).matcher().accept(toks[0])  # the guide would refuse the block
+    assert not eng.core.compiler.compile(req.guided).matcher().accept(toks[0])  # the guide would refuse the block
     _, plain, _ = run_alone(engine, req)  # the same request on an engine without reasoning_markers
     assert plain.startswith("{") and END not in plain
 
@@ -122,7 +122,7 @@ def test_lossless_across_the_boundary(reasoning_engine, windows, backend):
     end_ids = eng.tokenizer.encode(END)
     crossing = [w for w in windows if _ends_inside(w[0], w[1], end_ids)]
     assert any(_ends_inside(before, d[: a - 1], end_ids) for before, d, a, _ in crossing), crossing  # accepted past it
-    if eng.drafter == "ngram":  # `\n` after `</think>` proposed by the n-gram, refused by the guide: cut there
+    if eng.core.drafter == "ngram":  # `\n` after `</think>` proposed by the n-gram, refused by the guide: cut there
         assert any(host is not None and len(host) > len(d) for _, d, _, host in crossing), crossing
 
 
@@ -139,7 +139,7 @@ def test_no_stop_token_inside_the_think_block(reasoning_engine):
     chat = eng.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}]) + "<think>"
     params = SamplingParams(max_tokens=40, temperature=0.0)
     free, _, free_final = run_alone(eng, Request(prompt=chat, params=params))
-    assert free_final.finish_reason == "stop" and free[-1] in eng.eos_token_ids and len(free) < 40
+    assert free_final.finish_reason == "stop" and free[-1] in eng.core.eos_token_ids and len(free) < 40
     guided, text, final = run_alone(eng, Request(prompt=chat, params=params, guided=guide("llguidance")))
     assert final.finish_reason == "length" and len(guided) == 40 and END not in text
-    assert guided[: len(free) - 1] == free[:-1] and not set(guided) & eng.eos_token_ids
+    assert guided[: len(free) - 1] == free[:-1] and not set(guided) & eng.core.eos_token_ids

@@ -24,8 +24,9 @@ PHONE = GuidedDecodingParams("regex", "[0-9]{3}-[0-9]{4} and [0-9]{3}-[0-9]{4}",
 
 
 @pytest.fixture(autouse=True)
-def fault_injection(monkeypatch):
-    monkeypatch.setenv(faults.ENV, "1")
+def fault_injection(inject_faults, request):
+    """Every engine a test here uses injects faults (the session's `engine`, the module's `small`)."""
+    inject_faults(*(request.getfixturevalue(n) for n in ("engine", "small") if n in request.fixturenames))
 
 
 def greedy(prompt: str, n: int = 16, k: int = 3, guided=None, fault=None, timeout_s=None) -> Request:
@@ -53,9 +54,9 @@ def assert_clean(engine: Engine) -> None:
     while engine.stats()["active_slots"] or engine.stats()["queue_depth"]:
         assert time.monotonic() < deadline, engine.stats()
         time.sleep(0.01)
-    engine.scheduler.check_integrity()
-    engine.guided.synchronize()
-    assert all(m is None for m in engine.guided.inner.matchers), "a grammar matcher leaked"
+    engine.core.scheduler.check_integrity()
+    engine.core.guided.synchronize()
+    assert all(m is None for m in engine.core.guided.inner.matchers), "a grammar matcher leaked"
     assert engine.is_alive()
 
 
@@ -88,13 +89,13 @@ def test_a_matcher_that_raises_fails_only_its_request(engine, k):
 def recoveries(engine, monkeypatch) -> list[int]:
     """The batch size of every decode step that raised (EngineCore._recover's calls)."""
     sizes: list[int] = []
-    recover = engine._recover
+    recover = engine.core._recover
 
     def counted(seqs, exc):
         sizes.append(len(seqs))
         return recover(seqs, exc)
 
-    monkeypatch.setattr(engine, "_recover", counted)
+    monkeypatch.setattr(engine.core, "_recover", counted)
     return sizes
 
 
@@ -128,8 +129,8 @@ def test_an_out_of_vocabulary_bad_word_past_intake_fails_only_its_request(engine
     victims = [greedy(p, k=3) for p in PROMPTS]
     alone = [run_alone(engine, r) for r in victims]
     first = alone[1][0][0]  # the culprit's prompt is PROMPTS[1]: its first token starts the bad word
-    assert 999999 >= engine.runner.vocab_size
-    make = engine.intake.sequence
+    assert 999999 >= engine.core.runner.vocab_size
+    make = engine.core.intake.sequence
 
     def past_intake(request, callback):
         seq = make(request, callback)
@@ -137,7 +138,7 @@ def test_an_out_of_vocabulary_bad_word_past_intake_fails_only_its_request(engine
             seq.params.bad_words_ids = [[first, 999999]]
         return seq
 
-    monkeypatch.setattr(engine.intake, "sequence", past_intake)
+    monkeypatch.setattr(engine.core.intake, "sequence", past_intake)
     bad = Request(prompt=PROMPTS[1], params=SamplingParams(max_tokens=16, temperature=0.0, bad_words_ids=[[first, 1]]))
     got = run_together(engine, [victims[0], bad, victims[1], victims[2]])
     ids, _, last = got.pop(1)
@@ -262,7 +263,8 @@ def test_a_crashed_loop_fails_everything_with_unavailable_and_refuses_new_reques
     assert not small.is_alive() and small.stats()["alive"] == 0
     with pytest.raises(EngineDeadError):
         small.submit(greedy(PROMPTS[1], n=4))
-    assert not small._thread.is_alive()
+    small.join(timeout=60)
+    assert not small.is_alive() and small.failure is not None
 
 
 def test_faulty_matcher_raises_everywhere():

@@ -70,15 +70,15 @@ def recorded_runs(ngram_engine):
     """Record every verification step's emitted runs of the n-gram engine: [(tokens, accepted)]."""
     engine = ngram_engine
     runs = []
-    original = engine.runner.step
+    original = engine.core.runner.step
 
     def step(*args, **kw):
         out = original(*args, **kw)
         runs.extend((toks, a) for toks, d, a in out if d)
         return out
-    engine.runner.step = step
+    engine.core.runner.step = step
     yield runs
-    del engine.runner.step
+    del engine.core.runner.step
 
 
 def _staggered(engine, reqs):
@@ -105,10 +105,10 @@ def _staggered(engine, reqs):
 def test_greedy_with_speculation_equals_without(request, monkeypatch, drafter):
     eng = request.getfixturevalue({"hybrid": "engine", "ngram": "ngram_engine", "early_exit": "early_exit_engine",
                                    "draft_model": "draft_model_engine"}[drafter])  # hybrid: the served engine
-    assert eng.drafter == drafter
+    assert eng.core.drafter == drafter
     # every step with K > 0 drafts: the served engine's cost_aware_k judges from step times it measured
     # (on a loaded machine it once drafted in none of these steps); test_drafters checks it is lossless
-    monkeypatch.setattr(eng.proposer, "step_costs", None)
+    monkeypatch.setattr(eng.core.proposer, "step_costs", None)
     plain = [run_alone(eng, r)[0] for r in requests(eng, k_of=lambda i: 0)]
     spec, finals = _staggered(eng, requests(eng, k_of=lambda i: (3, 1, 2, 3, 0, 3, 2, 3)[i]))
     assert spec == plain
@@ -123,7 +123,7 @@ def test_greedy_with_speculation_equals_without(request, monkeypatch, drafter):
             import jsonschema
 
             jsonschema.validate(json.loads(eng.tokenizer.decode(toks)), SCHEMA)
-    eng.scheduler.check_integrity()
+    eng.core.scheduler.check_integrity()
 
 
 def test_stops_inside_an_accepted_run(ngram_engine, recorded_runs):
@@ -170,27 +170,27 @@ def test_grammar_dead_end_in_drafts_is_not_an_error(ngram_engine):
     stops at the first token the grammar rejects, and the output equals plain decoding."""
     engine = ngram_engine
     fed_log = []
-    original = engine.guided.inner.fill_verify_rows
+    original = engine.core.guided.inner.fill_verify_rows
 
     def fill_verify_rows(drafts):
         fed = original(drafts)
         fed_log.extend((len(drafts[s]), n) for s, n in fed.items())
         return fed
-    engine.guided.inner.fill_verify_rows = fill_verify_rows
+    engine.core.guided.inner.fill_verify_rows = fill_verify_rows
     try:
         reqs = requests(engine, k_of=lambda i: 3)[0::2]
         spec = run_many(engine, reqs)
         plain = run_many(engine, [Request(prompt=r.prompt, params=r.params, guided=r.guided, num_draft_tokens=0)
                                   for r in reqs])
     finally:
-        del engine.guided.inner.fill_verify_rows
+        del engine.core.guided.inner.fill_verify_rows
     assert [s[0] for s in spec] == [p[0] for p in plain]
     assert all(f.finish_reason in ("stop", "length") for _, _, f in spec)
     assert any(n < k for k, n in fed_log), "no draft was cut by the grammar"
 
 
 def test_sampled_speculation_is_reproducible_and_batch_independent(engine, monkeypatch):
-    monkeypatch.setattr(engine.proposer, "step_costs", None)  # every K > 0 step drafts (see above)
+    monkeypatch.setattr(engine.core.proposer, "step_costs", None)  # every K > 0 step drafts (see above)
     prompt = prompts(engine)[1][0]
     p = SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True)
     a = run_alone(engine, Request(prompt=prompt, params=p))

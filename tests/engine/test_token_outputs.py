@@ -158,7 +158,7 @@ def test_logprobs_follow_penalties_and_min_tokens(eng, hf_model):
         row = torch.where(seen, torch.where(row > 0, row / 1.3, row * 1.3), row)
         row = row - 0.4 * counts - 0.5 * (counts > 0).float()
         if j < 12:
-            row[torch.tensor(sorted(eng.eos_token_ids))] = float("-inf")
+            row[torch.tensor(sorted(eng.core.eos_token_ids))] = float("-inf")
         want.append(row.log_softmax(-1)[t].item())
     for got in (alone, beside):
         assert max(abs(a - b) for a, b in zip(got[1], want)) < 2e-3, (got[1], want)
@@ -220,9 +220,9 @@ def test_generation_and_context_logits(eng, hf_model, k):
     toks = [t for o in events for t in o.token_ids]
     assert events[0].context_logits is not None and all(o.context_logits is None for o in events[1:])
     ctx = torch.from_numpy(events[0].context_logits)
-    assert ctx.shape == (len(ids), eng.runner.vocab_size) and ctx.dtype == torch.float32
+    assert ctx.shape == (len(ids), eng.core.runner.vocab_size) and ctx.dtype == torch.float32
     gen = [o.generation_logits for o in events]
-    assert all(g.shape == (len(o.token_ids), eng.runner.vocab_size) for g, o in zip(gen, events))
+    assert all(g.shape == (len(o.token_ids), eng.core.runner.vocab_size) for g, o in zip(gen, events))
     gen = torch.cat([torch.from_numpy(g) for g in gen])
     assert gen.argmax(-1).tolist() == toks
     assert torch.equal(ctx[-1], gen[0])  # the last prompt position produced the first token
@@ -265,13 +265,13 @@ def test_prompt_logprobs_are_the_models_over_every_chunk(eng, hf_model):
 def test_stop_token_seqs_are_kept_and_end_inside_an_accepted_run(eng):
     prompt = spec_prompts(eng)[1][0]  # "repeat three times": long accepted runs
     runs = []  # tokens of each decode step, in order
-    step = eng.runner.step
-    eng.runner.step = lambda *a, **kw: (lambda out: (runs.extend(t for t, _, _ in out), out)[1])(step(*a, **kw))
+    step = eng.core.runner.step
+    eng.core.runner.step = lambda *a, **kw: (lambda out: (runs.extend(t for t, _, _ in out), out)[1])(step(*a, **kw))
     try:
         full = joined(collect(eng, [Request(prompt=prompt, num_draft_tokens=K,
                                             params=SamplingParams(max_tokens=64, temperature=0.0))])[0])[0]
     finally:
-        del eng.runner.step
+        del eng.core.runner.step
     assert sum(len(t) for t in runs) >= len(full) - 1
     # candidate ends: inside a multi-token run, where a 2-token stop sequence first occurs
     pos, ends = 1, []  # the first token comes from the prefill
@@ -295,7 +295,7 @@ def test_stop_token_seqs_are_kept_and_end_inside_an_accepted_run(eng):
 
 
 def test_stop_token_seqs_validation(eng):
-    for bad in ([[]], [[eng.runner.vocab_size]]):
+    for bad in ([[]], [[eng.core.runner.vocab_size]]):
         with pytest.raises(InvalidRequestError):
             eng.submit(Request(prompt="hi", params=SamplingParams(stop_token_seqs=bad)))
     with pytest.raises(InvalidRequestError):
@@ -307,7 +307,7 @@ def test_timestamps_are_monotone_and_kv_blocks_follow_the_length(eng):
     ids = eng.tokenizer.encode(spec_prompts(eng)[0][0])
     reqs = [Request(prompt_ids=ids, request_id="same", num_draft_tokens=k,
                     params=SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)) for k in (0, K)]
-    per_block = eng.runner.kv.tokens_per_block
+    per_block = eng.core.runner.kv.tokens_per_block
     for events in collect(eng, reqs):  # two sequences with one request id: both complete
         assert events[-1].finished and events[-1].finish_reason == "length"
         n, last = 0, 0

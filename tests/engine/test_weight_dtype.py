@@ -33,7 +33,7 @@ def teacher_forced_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """Logits [T, vocab] of one sequence through the engine's model (positions 0..T-1), on a KV cache
     of its own: the engine's cache is the engine's (a free slot keeps its prompt's rows for prefix
     caching; writing slot 0 behind the scheduler's back changed later outputs that reused it)."""
-    m, kv = engine.model, engine.runner.kv
+    m, kv = engine.core.model, engine.core.runner.kv
     own = kv.like(1)
     positions = torch.arange(len(ids))[None]
     ctx = m.make_context(torch.tensor([0]), positions, [0], len(ids))
@@ -69,10 +69,10 @@ def test_teacher_forcing_leaves_the_engines_kept_prefixes_alone(engine):
     req = Request(prompt=prompt, params=SamplingParams(max_tokens=24, temperature=0.0), num_draft_tokens=0)
     with placed_in(engine, 0):
         want, _, _ = run_alone(engine, req)
-        assert engine.scheduler.slot_tokens[0]
+        assert engine.core.scheduler.slot_tokens[0]
         teacher_forced_logits(engine, engine.tokenizer.encode(TEXT))
         assert stale_kept_prefixes(engine) == []
-        kept = len(engine.scheduler.slot_tokens[0])
+        kept = len(engine.core.scheduler.slot_tokens[0])
         got, _, final = run_alone(engine, req)
     # slot 0's rows were reused: all it kept, or all the prompt but its last token
     assert final.num_cached_tokens == min(kept, len(engine.tokenizer.encode(prompt)) - 1) > 0
@@ -94,7 +94,7 @@ def quantized(random_head):
 def test_weights_shrink_and_stay_close_to_fp32(fp32_engine, quantized, wd, ratio):
     engine, q = fp32_engine, quantized[wd]
     assert q.model.head.weight_dtype == wd and q.model.layers[0].gate_up.weight_dtype == wd
-    full, small = packed_bytes(engine.model), packed_bytes(q.model)
+    full, small = packed_bytes(engine.core.model), packed_bytes(q.model)
     assert small <= ratio * full * 1.001, (small, full)
     ids = engine.tokenizer.encode(TEXT)
     ref, got = teacher_forced_logits(engine, ids), teacher_forced_logits(q, ids)
@@ -143,7 +143,7 @@ def test_auto_serves_the_gguf_at_its_shipped_precision_with_the_fp32_logits(fp32
     def nbytes(model):  # noqa: E306
         return sum(x.packed.numel() * x.packed.element_size() + (0 if x.scale is None else x.scale.numel() * 4)
                    for x in model.modules() if isinstance(x, InvariantLinear))
-    assert nbytes(m) < 0.22 * nbytes(engine.model), (nbytes(m), nbytes(engine.model))
+    assert nbytes(m) < 0.22 * nbytes(engine.core.model), (nbytes(m), nbytes(engine.core.model))
     ids = engine.tokenizer.encode(TEXT)
     assert torch.equal(teacher_forced_logits(shipped, ids), teacher_forced_logits(engine, ids))
 
@@ -205,11 +205,11 @@ def test_draft_head_weights_follow_their_own_setting(fp32_engine, random_head):
     """draft_head_weight_dtype: the head's linears and its LM-head slice are held as asked ("" = the
     target's float32) and compute close to the float32 head (drafts only: output never changes)."""
     engine = fp32_engine  # the head's "" follows the target's float32 weights
-    heads = {wd: DraftHead.load(random_head, engine.model, wd) for wd in ("", "bfloat16", "int8")}
+    heads = {wd: DraftHead.load(random_head, engine.core.model, wd) for wd in ("", "bfloat16", "int8")}
     linears = lambda h: [h.lm, h.fc, h.layer.qkv, h.layer.o, h.layer.gate_up, h.layer.down]  # noqa: E731
     assert {m.weight_dtype for m in linears(heads[""])} == {"float32"}
     torch.manual_seed(1)
-    H = engine.model.cfg.hidden_size
+    H = engine.core.model.cfg.hidden_size
     g, attn = torch.randn(64, H), torch.randn(64, H)
     ref_top = heads[""].logits(g).argmax(-1)
     ref_mlp = heads[""].layer.out_mlp(g, attn)
@@ -229,9 +229,9 @@ def test_the_served_draft_head_multiplies_int8_activations_like_the_target(fp32_
     head = integer.proposer.head.head
     linears = [head.lm, head.fc, head.layer.qkv, head.layer.o, head.layer.gate_up, head.layer.down]
     assert {m.weight_dtype for m in linears} == {"q8_0_q8"}
-    ref = DraftHead.load(random_head, fp32_engine.model, "")
+    ref = DraftHead.load(random_head, fp32_engine.core.model, "")
     torch.manual_seed(2)
-    g = torch.randn(64, fp32_engine.model.cfg.hidden_size)
+    g = torch.randn(64, fp32_engine.core.model.cfg.hidden_size)
     assert (head.logits(g).argmax(-1) == ref.logits(g).argmax(-1)).float().mean() >= 0.9
     assert not torch.equal(head.logits(g), ref.logits(g))
 
@@ -245,7 +245,7 @@ def test_an_int8_kv_cache_holds_half_the_bytes_and_keeps_outputs_invariant(integ
                             activation_dtype="int8", kv_cache_dtype="int8", drafter="head",
                             draft_head_path=str(random_head), cost_aware_k=False))  # every step drafts
     try:
-        kv, half = e.runner.kv, integer.runner.kv
+        kv, half = e.core.runner.kv, integer.runner.kv
         assert kv.k.dtype == kv.v.dtype == torch.int8 and half.k.dtype == torch.float16
         assert kv.nbytes / half.nbytes == pytest.approx((64 + 4) / (2 * 64), rel=0.01)
         assert_same_alone_batched_and_speculated(e)

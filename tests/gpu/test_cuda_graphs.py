@@ -138,14 +138,14 @@ def test_guided_outputs_stay_valid_under_graphs(drafter, random_head):
         results = _run_many(eng, reqs)
         for s, (toks, text, final) in zip(samples, results):
             assert final.finish_reason in ("stop", "length"), (s.name, final.error)
-            m = eng.compiler.compile(s.params).matcher()
+            m = eng.core.compiler.compile(s.params).matcher()
             assert all(m.accept(t) for t in toks), s.name
             if final.finish_reason == "stop":
                 assert m.is_terminated(), s.name
                 check_output(s, text)
-        assert eng.step_graphs.stats.steps > 0
-        assert any(k.guided and k.T > 1 for k in eng.step_graphs.graphs)  # guided speculative replays
-        eng.scheduler.check_integrity()
+        assert eng.core.step_graphs.stats.steps > 0
+        assert any(k.guided and k.T > 1 for k in eng.core.step_graphs.graphs)  # guided speculative replays
+        eng.core.scheduler.check_integrity()
     finally:
         eng.shutdown()
 
@@ -249,12 +249,12 @@ def test_two_thousand_hybrid_graph_steps_with_a_competing_thread_do_not_hang(ran
             return [r for _ in range(4) for r in pair()]
 
         t0 = time.perf_counter()
-        while eng.step_graphs.stats.steps < 2_000:
-            _progress("hybrid graph steps", eng.step_graphs.stats.steps, t0)
+        while eng.core.step_graphs.stats.steps < 2_000:
+            _progress("hybrid graph steps", eng.core.step_graphs.stats.steps, t0)
             for toks, text, final in _run_many(eng, reqs(), timeout=300):
                 assert final.finish_reason in ("stop", "length"), final.error
-        assert any(k.pick and k.guided for k in eng.step_graphs.graphs)
-        eng.scheduler.check_integrity()
+        assert any(k.pick and k.guided for k in eng.core.step_graphs.graphs)
+        eng.core.scheduler.check_integrity()
     finally:
         stop.set()
         spin.join()

@@ -58,8 +58,8 @@ def test_cuda_max_slots_0_sizes_the_kv_cache_from_free_memory():
     eng = Engine(EngineConfig(device="cuda", max_slots=0, max_seq_len=512, kv_cache_memory_fraction=0.05,
                               drafter="ngram", warmup=False))
     try:
-        assert 1 <= eng.config.max_slots <= 256 and eng.scheduler.max_slots == eng.config.max_slots
-        kv = eng.runner.kv
+        assert 1 <= eng.config.max_slots <= 256 and eng.core.scheduler.max_slots == eng.config.max_slots
+        kv = eng.core.runner.kv
         assert kv.k.shape[1] == eng.config.max_slots
         assert 2 * kv.k.numel() * kv.k.element_size() <= 0.05 * free_before
     finally:
@@ -80,7 +80,7 @@ def test_a_tiny_head_trains_on_cuda_and_drafts_there(tmp_path):
         cfg = TrainConfig(seed=0, epochs=2, num_schemas=6, num_chat=6, max_tokens_json=48, max_tokens_chat=32,
                           draft_vocab=4096, depth=2, val_fraction=0.25)
         head, report, _ = run(cfg, engine=eng, schemas=schemas)
-        assert eng.runner.core.feature_sink is None  # the recording detached again
+        assert eng.core.runner.core.feature_sink is None  # the recording detached again
         assert report.matmul_dtype == ("bfloat16" if torch.cuda.is_bf16_supported() else "float32")
         assert report.samples >= 10 and report.val_accuracy[0] > 0.05, report
         path = tmp_path / "head.pt"
@@ -91,7 +91,7 @@ def test_a_tiny_head_trains_on_cuda_and_drafts_there(tmp_path):
     on = Engine(EngineConfig(device="cuda", max_slots=4, max_seq_len=512, num_draft_tokens=3, drafter="head",
                              draft_head_path=str(path), adaptive_k=False))
     try:
-        assert on.head_drafter is not None
+        assert on.core.head_drafter is not None
         for p in PROMPTS:  # cuBLAS may round a verification row unlike a single step: the start must agree
             assert _greedy(on, p)[:8] == _greedy(off, p)[:8], p
         assert on.stats()["active_slots"] == 0

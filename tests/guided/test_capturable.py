@@ -239,10 +239,10 @@ def plain_engine():
 @pytest.fixture(scope="module")
 def worker_engine():
     eng = _engine(guided_executor="worker")
-    eng.guided.stepper.configured.delay_s = 2e-4  # widen any window in which the host reads too early
+    eng.core.guided.stepper.configured.delay_s = 2e-4  # widen any window in which the host reads too early
     yield eng
     eng.shutdown()
-    assert not eng.guided.stepper.configured.thread.is_alive()
+    assert not eng.core.guided.stepper.configured.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -291,15 +291,15 @@ def test_worker_and_inline_executors_give_the_plain_tokens_with_ngram_speculatio
         worker_engine.guided.stepper.configured = worker_stream
     assert _prefix_of(got, plain) and sum(g[3] for g in got) > 0
     for eng in (plain_engine, worker_engine):
-        eng.scheduler.check_integrity()
-        assert not any(eng.guided.is_guided(s) for s in range(8))
+        eng.core.scheduler.check_integrity()
+        assert not any(eng.core.guided.is_guided(s) for s in range(8))
 
 
 def _dry_run_graphs(eng) -> StepGraphs:
     """StepGraphs on CPU: `replay` runs the captured step's body eagerly (no CUDA), so its static
     buffers, padding rows, key-length buckets, in-body grammar callbacks and acceptance run here."""
-    eng.step_graphs = StepGraphs(eng.runner.core)
-    return eng.step_graphs
+    eng.core.step_graphs = StepGraphs(eng.core.runner.core)
+    return eng.core.step_graphs
 
 
 def test_step_graph_body_dry_run_gives_the_plain_tokens(plain_engine, worker_engine):
@@ -320,7 +320,7 @@ def test_worker_executor_with_masked_early_exit_drafts(reference):
     kw = dict(drafter="early_exit", draft_layers=20)
     plain, worker = _engine(guided_executor="inline", **kw), _engine(guided_executor="worker", **kw)
     try:
-        worker.guided.stepper.configured.delay_s = 2e-4
+        worker.core.guided.stepper.configured.delay_s = 2e-4
         a = _run(plain, _requests(plain, k_of=lambda i: MIXED_K[i], max_tokens=16))
         b = _run(worker, _requests(worker, k_of=lambda i: MIXED_K[i], max_tokens=16))
         graphs = _dry_run_graphs(worker)  # K draft forwards + verification as one step body

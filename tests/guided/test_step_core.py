@@ -32,9 +32,9 @@ def _engine(drafter: str, head: str, executor: str) -> Engine:
 def test_graph_body_with_worker_callbacks_equals_the_plain_engine(drafter, random_head):
     plain, worker = _engine(drafter, random_head, "inline"), _engine(drafter, random_head, "worker")
     try:
-        worker.guided.stepper.configured.delay_s = 2e-4  # widen any window in which the host reads too early
-        graphs = worker.step_graphs = StepGraphs(worker.runner.core)  # CPU: replay runs the body eagerly
-        assert plain.drafter == worker.drafter == drafter
+        worker.core.guided.stepper.configured.delay_s = 2e-4  # widen any window in which the host reads too early
+        graphs = worker.core.step_graphs = StepGraphs(worker.core.runner.core)  # CPU: replay runs the body eagerly
+        assert plain.core.drafter == worker.core.drafter == drafter
         reqs = lambda e: _requests(e, k_of=lambda i: MIXED_K[i], max_tokens=20, sampled=SAMPLED)  # noqa: E731
         want = _run(plain, reqs(plain))  # batch 8 (and the 9th request joins as others finish)
         got = _run(worker, reqs(worker))
@@ -43,9 +43,9 @@ def test_graph_body_with_worker_callbacks_equals_the_plain_engine(drafter, rando
         got1 = [_run(worker, [reqs(worker)[i]])[0] for i in alone]
         keys = set(graphs.graphs)
         for eng in (plain, worker):
-            eng.scheduler.check_integrity()
-            eng.guided.synchronize()
-            assert all(m is None for m in eng.guided.inner.matchers)
+            eng.core.scheduler.check_integrity()
+            eng.core.guided.synchronize()
+            assert all(m is None for m in eng.core.guided.inner.matchers)
     finally:
         plain.shutdown()
         worker.shutdown()

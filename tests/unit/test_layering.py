@@ -32,7 +32,7 @@ LAYERS = {
     "engine.core": 8,  # one iteration and what it owns
     "engine.loop": 9,  # its loop thread and thread-safe API
     "process.engine_process": 10, "training": 10,  # nothing in serving imports training
-    "process.child": 11,  # the engine process's own side: runs an Engine (engine_process.py starts it by name)
+    "process.engine_process_child": 11,  # the engine process's own side: runs an Engine (engine_process.py starts it by name)
     "triton": 11,
     "openai_api": 12,  # its own process (no model): the Triton interface's checks, over gRPC
     "process.supervisor": 12,  # the CLI that runs and restarts tritonserver: reads model configs as triton/ does

@@ -1,7 +1,7 @@
-"""EngineCore: one engine iteration on the loop thread (schedule, prefill chunks, one batched
-speculative decode step, outputs), and everything it owns: the model, the runner and its step,
-the proposer, the scheduler, the grammar compiler, intake and the output processor. No threads
-here: `engine.Engine` runs it on its loop thread behind a thread-safe submit / cancel / shutdown.
+"""EngineCore: one engine iteration (schedule, prefill chunks, one batched speculative decode
+step, outputs), and everything it owns: the model, the runner and its step, the proposer, the
+scheduler, the grammar compiler, intake and the output processor. No threads here: `loop.Engine`
+builds it and runs it on its loop thread behind a thread-safe submit / cancel / shutdown.
 A failure inside the iteration fails the request it belongs to (`_guarded`, `_recover`)."""
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import faults
 from .. import kernels
 from ..util import memory
 from ..config import CPU_SLOTS, EngineConfig
@@ -40,9 +39,24 @@ Callback = Callable[[RequestOutput], None]
 
 
 def _detail(exc: BaseException) -> str:
-    """What a client may read of an exception: our injected faults' words, else only its type."""
+    """What a client may read of an exception: its words where it says they are for clients
+    (`client_readable`, e.g. an injected fault's), else only its type."""
     exc = _cause(exc)
-    return str(exc) if isinstance(exc, faults.InjectedFault) else type(exc).__name__
+    return str(exc) if getattr(exc, "client_readable", False) else type(exc).__name__
+
+
+def _memory_bytes(device: torch.device) -> dict[str, int]:
+    """The engine process's memory, by where it lives: resident host memory, device memory its
+    tensors hold, pinned host memory (torch's caching allocators' own counters: no device sync)."""
+    gpu = pinned = 0
+    if device.type == "cuda":
+        gpu = int(torch.cuda.memory_allocated(device))
+        stats = getattr(torch.cuda, "host_memory_stats", None)
+        try:
+            pinned = int(stats().get("allocated_bytes.current", 0)) if stats is not None else 0
+        except RuntimeError:
+            pinned = 0
+    return {"cpu_mem_bytes": memory.rss_bytes(), "gpu_mem_bytes": gpu, "pinned_mem_bytes": pinned}
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -51,9 +65,12 @@ def _cause(exc: BaseException) -> BaseException:
 
 
 class EngineCore:
-    """The engine's state and one iteration (`step`); called on one thread only (Engine's loop)."""
+    """The engine's state and one iteration (`step`); used on one thread only (Engine's loop).
+    `arrivals` hands over the requests submitted since the iteration began (`step` lets them join
+    its prefills within the chunk budget)."""
 
-    def _build(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, arrivals: Callable[[], list[Sequence]] = list):
+        self._arrivals = arrivals
         self.config = config
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
@@ -86,8 +103,7 @@ class EngineCore:
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
             timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend,
             limits=GuideLimits.from_config(config), undeclared_keys=config.guided_undeclared_keys)
-        self.faults = faults.injector()
-        self.runner = Runner(self.model, config, self.device, poison=self.faults.poison)
+        self.runner = Runner(self.model, config, self.device)
         self.guided = self.runner.guided
         self.proposer = Proposer(config, self.model, self.runner.kv, self.guided, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
@@ -97,9 +113,8 @@ class EngineCore:
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant)
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
-        self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler,
-                             self.faults)
-        self._seqs: dict[int, Sequence] = {}  # loop thread only
+        self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler)
+        self.seqs: dict[int, Sequence] = {}  # every request in flight, by id
         self.num_steps = 0
         # the latest iteration, for the TensorRT-LLM metric families: (prefill chunks, decoding
         # sequences, prompt tokens in the chunks, wall clock in microseconds); plain ints, set by the
@@ -156,9 +171,88 @@ class EngineCore:
             self.runner.core.feature_sink, self.runner.graphs = sink, graphs
             self.slot_state = tuple(o for o in self.slot_state if o is not owner)
 
-    def _make_sequence(self, request: Request, callback: Callback) -> Sequence:
-        """Validate the request and build its sequence (Intake); raises InvalidRequestError."""
+    def make_sequence(self, request: Request, callback: Callback) -> Sequence:
+        """Validate the request and build its sequence (Intake); raises InvalidRequestError. Any
+        thread: it touches no state of the iteration."""
         return self.intake.sequence(request, callback)
+
+    def add(self, seq: Sequence) -> None:
+        """A submitted request joins the waiting queue."""
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.waiting.append(seq)
+
+    def cancel(self, seq_id: int) -> None:
+        """Stop a request (unknown or finished ids are ignored); its final event says "cancelled"."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            seq.cancelled = True
+            self.finish(seq, "cancelled")
+
+    def cancel_all(self) -> None:
+        for seq in list(self.seqs.values()):
+            self.finish(seq, "cancelled")
+
+    def expire(self, now: float) -> None:
+        """Finish requests past their deadline (`timeout_s`) with finish_reason "timeout"."""
+        for seq in [s for s in self.seqs.values() if s.deadline is not None and now >= s.deadline]:
+            self.finish(seq, "timeout")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def fail_all(self, extra: list[Sequence], message: str, code: str) -> None:
+        """The engine is dying: end every request in flight and `extra` (taken, never added) with
+        an error; where the state is too broken to finish one, its callback is told directly."""
+        for seq in list(self.seqs.values()) + extra:
+            try:
+                self.finish(seq, "error", message, code)
+            except Exception:
+                seq.status = Status.FINISHED
+                try:
+                    seq.callback(RequestOutput(seq_id=seq.seq_id, finished=True, finish_reason="error",
+                                               error=message, error_code=code))
+                except Exception:
+                    pass
+        self.seqs.clear()
+
+    def attach_head(self) -> bool:
+        """Attach the configured draft head if its file is written now (the background training);
+        graphs captured without its feature recording are dropped (recaptured on use)."""
+        t0 = time.monotonic()
+        if not self.proposer.attach_head():
+            return False
+        self.runner.core.feature_sink = self.proposer.feature_sink
+        if self.runner.graphs is not None:
+            self.runner.graphs.close()
+        log.info("specguide: draft head %s attached while serving (%.2f s): drafter %r for requests "
+                 "admitted from now on", self.proposer.head_path, time.monotonic() - t0, self.drafter)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """Active slots, steps run, the draft head, and the batch and KV-cache figures the
+        TensorRT-LLM metric families report (triton/peer_metrics.py). Any thread: it reads Python
+        ints the loop thread keeps (a snapshot of the running sequences, the latest step's counts)
+        and the allocators' own counters; nothing here waits on the device or on the loop."""
+        sched, kv = self.scheduler, self.runner.kv
+        running = list(sched.running.values())  # one C-level copy: the loop thread may change the dict
+        prefills, decodes, prompt_tokens, step_us = self.last_step
+        if not running:  # the latest step is over and nothing runs: no request is scheduled now
+            prefills = decodes = prompt_tokens = 0
+        return {"active_slots": len(running), "steps": self.num_steps,
+                "draft_head": int(self.proposer.head is not None),
+                "max_slots": sched.max_slots,
+                "context_requests": prefills, "generation_requests": decodes,
+                "context_tokens": prompt_tokens, "step_time_us": step_us,
+                "kv_tokens_per_block": kv.tokens_per_block,
+                "kv_blocks_max": sched.max_slots * kv.blocks(self.config.max_seq_len),
+                "kv_blocks_used": sum(kv.blocks(s.num_tokens) for s in running),
+                "kv_blocks_reused": sched.reused_blocks,
+                **_memory_bytes(self.device)}
+
+    def close(self) -> None:
+        """Stop the compile workers and release the runner's resources (after the last step)."""
+        self.compiler.shutdown()
+        self.runner.close()
 
     # ---- one iteration (loop thread) ------------------------------------------------------
     def step(self) -> bool:
@@ -179,7 +273,10 @@ class EngineCore:
             seq = self._prefill_chunk(prefills.popleft())
             if seq is not None and seq.status is not Status.FINISHED:
                 self._emit(seq)
-            if not prefills and budget > 0 and self._take_arrivals():
+            arrived = self._arrivals() if not prefills and budget > 0 else []
+            for seq in arrived:
+                self.add(seq)
+            if arrived:
                 # requests that came during the prefills join them, within the step's budget, rather
                 # than wait for the decode of the batch already running
                 more = self.scheduler.schedule_more(budget, {c.seq.seq_id for c in plan.prefills}, ready)
@@ -192,11 +289,6 @@ class EngineCore:
             if seq.status is not Status.FINISHED:
                 self._emit(seq)
         return True
-
-    def _take_arrivals(self) -> bool:
-        """Move requests submitted since the step began into the waiting queue; True if any came
-        (the engine's inbox; none here)."""
-        return False
 
     def _count(self, plan: StepPlan) -> None:
         """The iteration's figures for stats() (read from another thread: plain ints)."""
@@ -257,7 +349,7 @@ class EngineCore:
     def _poll_compiles(self) -> None:
         """Move finished grammar compiles onto their sequences; a failed one fails its request."""
         for seq, message, code in self.intake.poll_compiles(self.scheduler.waiting):
-            self._finish(seq, "error", message, code)
+            self.finish(seq, "error", message, code)
 
     def _prefill(self, chunk: PrefillChunk) -> Optional[int]:
         """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""
@@ -265,7 +357,6 @@ class EngineCore:
         if chunk.start == seq.num_reused:  # the first chunk (after a reused prefix)
             for owner in self.slot_state:
                 owner.admit(seq.slot, seq)
-        self.faults.before_prefill(seq)
         return self.runner.prefill(chunk)
 
     def _guarded(self, seq: Sequence, fn: Callable[[], Optional[int]]) -> Optional[int]:
@@ -274,10 +365,10 @@ class EngineCore:
             return fn()
         except Exception as exc:
             if isinstance(_cause(exc), InvalidRequestError):  # its own guide hit a library limit: its message
-                self._finish(seq, "error", str(_cause(exc)), error_code(_cause(exc)))
+                self.finish(seq, "error", str(_cause(exc)), error_code(_cause(exc)))
                 return None
             log.exception("request %s failed", seq.seq_id)
-            self._finish(seq, "error", f"this request failed in the engine ({_detail(exc)}; "
+            self.finish(seq, "error", f"this request failed in the engine ({_detail(exc)}; "
                                        f"the server log has the details)")
             return None
 
@@ -293,9 +384,9 @@ class EngineCore:
             broken = seqs  # it raised alone: the fault is its own
         for seq in broken:
             if isinstance(_cause(exc), InvalidRequestError):  # a guide past a grammar library's limits
-                self._finish(seq, "error", str(_cause(exc)), error_code(_cause(exc)))
+                self.finish(seq, "error", str(_cause(exc)), error_code(_cause(exc)))
             else:
-                self._finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
+                self.finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
         live = [s for s in seqs if s.status is not Status.FINISHED]
         for seq in live:
             self._guarded(seq, lambda: self._restore(seq))
@@ -334,12 +425,10 @@ class EngineCore:
         """Append a step's tokens (OutputProcessor); finish the request when they end it."""
         end: Optional[Finish] = self.outputs.append(seq, tokens)
         if end is not None:
-            self._finish(seq, *end)
-        else:
-            self.faults.after_append(seq, self.guided)
+            self.finish(seq, *end)
 
-    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None,
-                error_code: Optional[str] = None) -> None:
+    def finish(self, seq: Sequence, reason: str, error: Optional[str] = None,
+               error_code: Optional[str] = None) -> None:
         """End a request: release its compile, grammar state and slot; send its final event."""
         if seq.status is Status.FINISHED:
             return
@@ -349,14 +438,14 @@ class EngineCore:
             for owner in self.slot_state:
                 owner.free(seq.slot)
         self.scheduler.finish(seq, reason, error)
-        self._seqs.pop(seq.seq_id, None)
+        self.seqs.pop(seq.seq_id, None)
         self.outputs.emit(seq, finished=True)
 
     def _emit(self, seq: Sequence) -> None:
         """Send a running request's new output; a callback that raises cancels its request."""
         if not self.outputs.emit(seq, finished=False):
             seq.cancelled = True
-            self._finish(seq, "cancelled")
+            self.finish(seq, "cancelled")
 
 
 def size_slots(config: EngineConfig, cfg: Any, device: torch.device, free_bytes: Optional[int] = None) -> EngineConfig:

@@ -14,17 +14,23 @@ A request names its fault in `Request.fault` (through Triton: the request parame
     stall_engine:<s>    the engine loop blocks for <s> seconds as it takes the request (the watchdog,
                         `engine_stall_s`, restarts such an engine)
 
-The engine calls one `Injector` (one method per hook); `Injector()` does nothing, and the engine's,
-`injector()`, is switched on by the environment, read as each request arrives.
+A `FaultInjector` installed on a built EngineCore injects them by wrapping a few of its parts'
+methods (instance attributes; `remove` puts them back): the engine's own code has no fault branch.
+The engine process installs one when the environment enables injection as it starts; a test may
+install one on an engine it built. A request names a fault only while the environment enables
+injection as the request arrives.
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..request import InvalidRequestError
+
+if TYPE_CHECKING:
+    from .core import EngineCore
 
 ENV = "SPECGUIDE_FAULT_INJECTION"
 KINDS = ("nan_logits", "matcher_error", "compile_delay", "prefill_delay", "crash_engine", "step_error",
@@ -45,7 +51,9 @@ class Fault:
 
 
 class InjectedFault(RuntimeError):
-    """Raised by an injected fault."""
+    """Raised by an injected fault; its words reach the client (the engine's error detail)."""
+
+    client_readable = True
 
 
 class InjectedStepError(InjectedFault):
@@ -63,8 +71,15 @@ def _parse(text: str) -> Fault:
 
 
 def parse(text: Optional[str]) -> Optional[Fault]:
-    """`kind` or `kind:<seconds>`; None when absent or when injection is off."""
+    """`kind` or `kind:<seconds>`; None when absent or when injection is off. A bad name raises
+    InvalidRequestError."""
     return _parse(text) if text and enabled() else None
+
+
+def checked(text: Optional[str]) -> Optional[str]:
+    """The fault text to carry on a request (checked now, so that a bad name is INVALID_ARG at
+    intake); None when absent or when injection is off."""
+    return text if parse(text) is not None else None
 
 
 class FaultyMatcher:
@@ -75,76 +90,101 @@ class FaultyMatcher:
         raise InjectedFault("injected matcher fault")
 
 
-def poison(logits: Any, seqs: list) -> None:
-    """NaN the logits rows ([B, V] or [B, T, V]) of requests with a `nan_logits` fault past their first token."""
-    for b, seq in enumerate(seqs):
-        f = getattr(seq, "fault", None)
-        if f is not None and f.kind == "nan_logits" and seq.output_ids:
-            logits[b] = float("nan")
+class FaultInjector:
+    """Injects each request's fault into `core` (see the module's list): `install` wraps intake
+    (which requests have one; compiles held back), the loop's `add` (crash, stall), the runner's
+    prefill (delay) and step (the batch), the step's LM head (NaN rows, a raising step) and the
+    output processor's append (a broken matcher). Requests are matched to their fault by id."""
 
+    def __init__(self, core: "EngineCore", switch: Callable[[], bool] = enabled):
+        self.core, self._switch = core, switch
+        self.faults: dict[int, Fault] = {}  # seq_id -> its fault, while it runs
+        self._batch: list = []  # the decode step's sequences, while it runs (row b = _batch[b])
+        self._saved: list[tuple[Any, str, Any]] = []
 
-def _kind(seq: Any, kind: str) -> Optional[Fault]:
-    f = getattr(seq, "fault", None)
-    return f if f is not None and f.kind == kind else None
+    def install(self) -> "FaultInjector":
+        c = self.core
+        for obj, name, hook in ((c.intake, "sequence", self._sequence), (c.intake, "poll_compiles", self._poll_compiles),
+                                (c, "add", self._add), (c, "finish", self._finish),
+                                (c.runner, "prefill", self._prefill), (c.runner, "step", self._step),
+                                (c.runner.core, "logits", self._logits), (c.outputs, "append", self._append)):
+            self._saved.append((obj, name, vars(obj).get(name)))
+            setattr(obj, name, _wrapped(getattr(obj, name), hook))
+        return self
 
+    def remove(self) -> None:
+        """Put every wrapped method back."""
+        for obj, name, own in reversed(self._saved):
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
+        self._saved.clear()
 
-class Injector:
-    """The engine's fault hooks, one method per site. A request gets a fault only while `switch()`
-    is true as it arrives (the default: never, so every hook does nothing); the other hooks act
-    only on requests that have one."""
+    def of(self, seq: Any, kind: str) -> Optional[Fault]:
+        f = self.faults.get(seq.seq_id)
+        return f if f is not None and f.kind == kind else None
 
-    def __init__(self, switch: Callable[[], bool] = lambda: False):
-        self._switch = switch
+    # ---- hooks: each gets the wrapped method first ------------------------------------------
+    def _sequence(self, inner: Callable, request: Any, callback: Any) -> Any:
+        fault = _parse(request.fault) if request.fault and self._switch() else None
+        seq = inner(request, callback)
+        if fault is not None:
+            self.faults[seq.seq_id] = fault
+        return seq
 
-    @property
-    def active(self) -> bool:
-        """Whether requests may name faults now."""
-        return self._switch()
+    def _poll_compiles(self, inner: Callable, waiting: Any) -> Any:
+        """`compile_delay`: the request's compiled grammar is not taken before its time."""
+        now = time.monotonic()
+        held = lambda s: (f := self.of(s, "compile_delay")) is not None and now < s.stats.arrival + f.seconds  # noqa: E731
+        return inner([s for s in waiting if not held(s)])
 
-    def parse(self, text: Optional[str]) -> Optional[Fault]:
-        """The request's fault (None when it names none or injection is off); a bad name raises
-        InvalidRequestError."""
-        return _parse(text) if text and self.active else None
-
-    def checked(self, text: Optional[str]) -> Optional[str]:
-        """The fault text to carry on a request (checked now, so a bad name is INVALID_ARG early)."""
-        return text if self.parse(text) is not None else None
-
-    def on_submit(self, seq: Any) -> None:
-        """`crash_engine`: the loop raises as it takes the request; `stall_engine`: it blocks."""
-        if _kind(seq, "crash_engine"):
+    def _add(self, inner: Callable, seq: Any) -> None:
+        """`crash_engine`: the loop raises as it takes the request; `stall_engine`: it blocks.
+        (The request is in the core's hands first: the dying loop fails it with the others.)"""
+        inner(seq)
+        if self.of(seq, "crash_engine"):
             raise InjectedFault("injected engine crash")
-        f = _kind(seq, "stall_engine")
-        if f is not None:
+        if (f := self.of(seq, "stall_engine")) is not None:
             time.sleep(f.seconds)
 
-    def holds_compile(self, seq: Any) -> bool:
-        """`compile_delay`: True while the request's compiled grammar must not be used yet."""
-        f = _kind(seq, "compile_delay")
-        return f is not None and time.monotonic() < seq.stats.arrival + f.seconds
+    def _finish(self, inner: Callable, seq: Any, *args: Any, **kw: Any) -> None:
+        inner(seq, *args, **kw)
+        self.faults.pop(seq.seq_id, None)
 
-    def before_prefill(self, seq: Any) -> None:
+    def _prefill(self, inner: Callable, chunk: Any) -> Any:
         """`prefill_delay`: sleep before each prefill chunk."""
-        f = _kind(seq, "prefill_delay")
-        if f is not None:
+        if (f := self.of(chunk.seq, "prefill_delay")) is not None:
             time.sleep(f.seconds)
+        return inner(chunk)
 
-    def after_append(self, seq: Any, guided: Any) -> None:
-        """`matcher_error`: the request's grammar matcher raises from now on (guided requests)."""
-        if _kind(seq, "matcher_error") and seq.guide.grammar is not None:
-            getattr(guided, "synchronize", lambda: None)()  # no callback of the step still running
-            getattr(guided, "inner", guided).matchers[seq.slot] = FaultyMatcher()
+    def _step(self, inner: Callable, seqs: list, plan: Any) -> Any:
+        self._batch = seqs
+        try:
+            return inner(seqs, plan)
+        finally:
+            self._batch = []
 
-    def poison(self, logits: Any, seqs: list) -> None:
-        """The step's logits hook (only steps holding a request with a fault call it): `nan_logits`
-        NaNs the logits rows ([B, V] or [B, T, V]) of faulty requests past their first token;
-        `step_error` makes the whole step raise past the request's first token."""
-        if self.active:
-            poison(logits, seqs)
-            if any(_kind(s, "step_error") and s.output_ids for s in seqs):
+    def _logits(self, inner: Callable, key: Any, hidden: Any) -> Any:
+        """The decode step's logits [B, T, V]: `nan_logits` NaNs its request's row past its first
+        token; `step_error` makes the whole step raise past its request's first token."""
+        logits = inner(key, hidden)
+        for b, seq in enumerate(self._batch):
+            if seq.output_ids and self.of(seq, "step_error"):
                 raise InjectedStepError("injected step fault")
+            if seq.output_ids and self.of(seq, "nan_logits"):
+                logits[b] = float("nan")
+        return logits
+
+    def _append(self, inner: Callable, seq: Any, tokens: list[int]) -> Any:
+        """`matcher_error`: once its tokens are appended, the request's grammar matcher raises."""
+        end = inner(seq, tokens)
+        if end is None and self.of(seq, "matcher_error") and seq.guide.grammar is not None:
+            guided = self.core.guided
+            guided.synchronize()  # no callback of the step still running
+            guided.inner.matchers[seq.slot] = FaultyMatcher()
+        return end
 
 
-def injector() -> Injector:
-    """The engine's injector: on while SPECGUIDE_FAULT_INJECTION=1 (read per request)."""
-    return Injector(enabled)
+def _wrapped(inner: Callable, hook: Callable) -> Callable:
+    return lambda *args, **kw: hook(inner, *args, **kw)

@@ -10,7 +10,6 @@ import random
 from typing import Any, Callable, Iterable
 
 from ..config import EngineConfig
-from .faults import Injector
 from ..guided.budget import completion_cap, within_budget
 from ..guided.json_scanner import Scanner
 from ..guided.params import normalize_structural_tag
@@ -31,13 +30,12 @@ class Intake:
 starts, then collects, their grammar compiles."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, vocab_size: int,
-                 eos_token_ids: frozenset[int], compiler: Any, faults: Injector):
+                 eos_token_ids: frozenset[int], compiler: Any):
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.compiler = compiler  # starts a guided request's grammar compile
-        self.faults = faults
         self.lists = ListLimits.from_config(config)  # the per-token lists' caps (the stub checks them first)
         self._ids = itertools.count(1)
         markers = config.reasoning()  # reasoning models: guides wait for the end marker
@@ -81,7 +79,7 @@ starts, then collects, their grammar compiles."""
             seq_id=next(self._ids), prompt_ids=ids, params=p,
             seed=p.seed if p.seed is not None else random.getrandbits(64), callback=callback,
             stop_ids=frozenset(stop_ids), num_draft_tokens=cfg.num_draft_tokens if k is None else k,
-            request_id=request.request_id, fault=self.faults.parse(request.fault),
+            request_id=request.request_id,
             out=OutputState(detok=IncrementalDetokenizer(self.tokenizer)), guide=GuideState(params=request.guided))
         if timeout > 0:
             seq.deadline = seq.stats.arrival + timeout
@@ -121,7 +119,7 @@ starts, then collects, their grammar compiles."""
         failed = []
         for seq in [q for q in waiting if q.guide.compile is not None]:
             state, handle = seq.guide, seq.guide.compile
-            if not (handle.ready() or handle.timed_out()) or self.faults.holds_compile(seq):
+            if not (handle.ready() or handle.timed_out()):
                 continue
             try:
                 state.grammar = handle.result(timeout=0)

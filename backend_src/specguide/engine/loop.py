@@ -1,5 +1,5 @@
 """Engine: thread-safe submit / cancel / shutdown around one background loop thread, which
-builds the EngineCore (engine_core.py) and runs its iterations."""
+builds the EngineCore (core.py) and runs its iterations."""
 from __future__ import annotations
 
 import queue
@@ -7,44 +7,36 @@ import threading
 import time
 from typing import Iterator, Optional
 
-import torch
-
-from ..util import memory
 from ..config import EngineConfig
-from .core import Callback, EngineCore, log
 from ..request import EngineDeadError, QueueFullError, Request, RequestOutput
-from .scheduler import Sequence, Status
+from .core import Callback, EngineCore, log
+from .scheduler import Sequence
 
 IDLE_WAIT_S = 0.005
 HEAD_POLL_S = 2.0  # how often a missing draft head's file is looked for (one stat)
 
 
-def _memory_bytes(device: torch.device) -> dict[str, int]:
-    """The engine process's memory, by where it lives: resident host memory, device memory its
-    tensors hold, pinned host memory (torch's caching allocators' own counters: no device sync)."""
-    gpu = pinned = 0
-    if device.type == "cuda":
-        gpu = int(torch.cuda.memory_allocated(device))
-        stats = getattr(torch.cuda, "host_memory_stats", None)
-        try:
-            pinned = int(stats().get("allocated_bytes.current", 0)) if stats is not None else 0
-        except RuntimeError:
-            pinned = 0
-    return {"cpu_mem_bytes": memory.rss_bytes(), "gpu_mem_bytes": gpu, "pinned_mem_bytes": pinned}
-
-
-class Engine(EngineCore):
+class Engine:
     """In-flight batched generation. `submit` returns at once; events arrive on the callback
-    from the loop thread: one per step with new text, and exactly one with `finished=True`."""
+    from the loop thread: one per step with new text, and exactly one with `finished=True`.
+    `core` is the EngineCore the loop runs: read its parts (tokenizer, config, scheduler ...)
+    from any thread, change them only from the loop's."""
 
     def __init__(self, config: EngineConfig):
-        # NOTE: the engine builds itself on its loop thread and runs every torch op and C kernel
-        # there. libgomp keeps a pool of worker threads per thread that starts parallel regions,
-        # and once it manages more threads than CPUs it stops spin-waiting between regions: with
-        # the model loaded on the caller's thread and stepped on this one, every decode step paid
-        # futex wake-ups at each of its ~300 barriers (9.5 ms instead of 5.1 on 2 cores).
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []  # ("submit", Sequence) | ("cancel", seq id)
+        self._pending_submits = 0
+        self._stopping = False
+        self._drain = True
+        self._dead: Optional[BaseException] = None
+        self._next_head_poll = 0.0
+        self.turns = 0  # loop iterations: the engine process's watchdog sees the loop move (stats)
         self._ready = threading.Event()
         self._init_error: Optional[BaseException] = None
+        # NOTE: the core is built on the loop thread, which then runs every torch op and C kernel.
+        # libgomp keeps a pool of worker threads per thread that starts parallel regions, and once
+        # it manages more threads than CPUs it stops spin-waiting between regions: a model loaded
+        # on one thread and stepped on another pays futex wake-ups at each of a step's barriers.
         self._thread = threading.Thread(target=self._run, args=(config,), name="specguide-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -55,7 +47,7 @@ class Engine(EngineCore):
     def _run(self, config: EngineConfig) -> None:
         """The loop thread: build, then serve until shutdown."""
         try:
-            self._build(config)
+            self.core = EngineCore(config, arrivals=self._take_arrivals)
         except BaseException as exc:  # re-raised by __init__ on the caller's thread
             self._init_error = exc
             return
@@ -63,29 +55,18 @@ class Engine(EngineCore):
             self._ready.set()
         self._loop()
 
-    def _build(self, config: EngineConfig) -> None:
-        super()._build(config)
-        self._inbox: list[tuple[str, object]] = []
-        self._cv = threading.Condition()
-        self._pending_submits = 0
-        self._stopping = False
-        self._drain = True
-        self._dead: Optional[BaseException] = None
-        self._next_head_poll = 0.0
-        self.turns = 0  # loop iterations: the engine process's watchdog sees the loop move (stats)
-
     # ---- public API (any thread) ------------------------------------------------------------
     def submit(self, request: Request, callback: Optional[Callback] = None) -> int:
         """Validate and queue a request; returns its sequence id. Raises InvalidRequestError,
         QueueFullError or EngineDeadError; never blocks on generation."""
-        seq = self._make_sequence(request, callback or (lambda out: None))
+        seq = self.core.make_sequence(request, callback or (lambda out: None))
         with self._cv:
             if self._dead is not None or not self._thread.is_alive():
                 raise EngineDeadError(self._dead_message())
             if self._stopping:
                 raise EngineDeadError("the engine is shutting down")
-            if self.scheduler.num_waiting + self._pending_submits >= self.config.max_queue:
-                raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} requests)")
+            if self.core.scheduler.num_waiting + self._pending_submits >= self.core.config.max_queue:
+                raise QueueFullError(f"the waiting queue is full ({self.core.config.max_queue} requests)")
             self._pending_submits += 1
             self._inbox.append(("submit", seq))
             self._cv.notify()
@@ -108,34 +89,34 @@ class Engine(EngineCore):
             self._cv.notify()
 
     def stats(self) -> dict[str, int]:
-        """Active slots, queue depth, steps run, loop turns (the watchdog's sign of life) and
-        liveness (for metrics and readiness), and the
-        batch and KV-cache figures the TensorRT-LLM metric families report (triton/peer_metrics.py).
+        """The core's figures (EngineCore.stats), the queue depth, loop turns (the watchdog's sign
+        of life) and liveness, for metrics and readiness. Any thread; never waits on the loop."""
+        return {**self.core.stats(), "queue_depth": self.core.scheduler.num_waiting + self._pending_submits,
+                "loop_turns": self.turns, "alive": int(self.is_alive())}
 
-        Called from another thread (the engine process's stats thread): it reads Python ints the
-        loop thread keeps (a snapshot of the running sequences, the latest step's counts) and the
-        allocators' own counters; nothing here waits on the device or on the loop."""
-        sched, kv = self.scheduler, self.runner.kv
-        running = list(sched.running.values())  # one C-level copy: the loop thread may change the dict
-        prefills, decodes, prompt_tokens, step_us = self.last_step
-        if not running:  # the latest step is over and nothing runs: no request is scheduled now
-            prefills = decodes = prompt_tokens = 0
-        return {"active_slots": len(running),
-                "queue_depth": sched.num_waiting + self._pending_submits,
-                "steps": self.num_steps, "loop_turns": self.turns, "alive": int(self.is_alive()),
-                "draft_head": int(self.proposer.head is not None),
-                "max_slots": sched.max_slots,
-                "context_requests": prefills, "generation_requests": decodes,
-                "context_tokens": prompt_tokens, "step_time_us": step_us,
-                "kv_tokens_per_block": kv.tokens_per_block,
-                "kv_blocks_max": sched.max_slots * kv.blocks(self.config.max_seq_len),
-                "kv_blocks_used": sum(kv.blocks(s.num_tokens) for s in running),
-                "kv_blocks_reused": sched.reused_blocks,
-                **_memory_bytes(self.device)}
+    @property
+    def config(self) -> EngineConfig:
+        """The settings as the engine resolved them (e.g. max_slots sized to memory)."""
+        return self.core.config
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (for building requests and reading outputs)."""
+        return self.core.tokenizer
 
     def is_alive(self) -> bool:
         """False once the loop thread has died (its process then ends: engine_process starts a new one)."""
         return self._dead is None and self._thread.is_alive()
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """What killed the loop thread (None while it lives or after a clean shutdown)."""
+        return self._dead
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the loop thread to end (after a shutdown or its death: by then every request
+        in flight has had its final event)."""
+        self._thread.join(timeout)
 
     def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         """Stop the loop: finish in-flight requests first when `drain`, else cancel them.
@@ -150,30 +131,29 @@ class Engine(EngineCore):
                 self._drain = False
                 self._cv.notify()
             self._thread.join()
-        self.compiler.shutdown()
-        self.runner.close()
+        self.core.close()
 
     # ---- loop thread ------------------------------------------------------------------------
     def _loop(self) -> None:
+        core = self.core
         try:
             while True:
                 with self._cv:
-                    while not (self._inbox or self._stopping or self.scheduler.has_work()):
-                        if not self._cv.wait(HEAD_POLL_S if self.proposer.awaits_head else None):
+                    while not (self._inbox or self._stopping or core.has_work()):
+                        if not self._cv.wait(HEAD_POLL_S if core.proposer.awaits_head else None):
                             break  # idle, awaiting a draft head: look for its file
                     inbox, self._inbox = self._inbox, []
                     self._pending_submits -= sum(1 for kind, _ in inbox if kind == "submit")
                     stopping, drain = self._stopping, self._drain
                 self.turns += 1
                 self._apply(inbox)
-                self._expire()
+                core.expire(time.monotonic())
                 self._poll_head()
                 if stopping and not drain:
-                    for seq in list(self._seqs.values()):
-                        self._finish(seq, "cancelled")
-                if stopping and not self.scheduler.has_work():
+                    core.cancel_all()
+                if stopping and not core.has_work():
                     return
-                if self.scheduler.has_work() and not self.step():
+                if core.has_work() and not core.step():
                     with self._cv:  # only grammar compiles are pending: doze instead of spinning
                         self._cv.wait(IDLE_WAIT_S)
         except BaseException as exc:  # the loop must never die silently
@@ -186,66 +166,34 @@ class Engine(EngineCore):
             self._dead = exc
             inbox, self._inbox = self._inbox, []
             self._pending_submits = 0
-        victims = list(self._seqs.values()) + [s for kind, s in inbox if kind == "submit"]
-        message = self._dead_message()
-        for seq in victims:
-            assert isinstance(seq, Sequence)
-            try:
-                self._finish(seq, "error", message, EngineDeadError.code)
-            except Exception:  # the state may be broken: tell the client directly
-                seq.status = Status.FINISHED
-                try:
-                    seq.callback(RequestOutput(seq_id=seq.seq_id, finished=True, finish_reason="error",
-                                               error=message, error_code=EngineDeadError.code))
-                except Exception:
-                    pass
-        self._seqs.clear()
+        taken = [s for kind, s in inbox if kind == "submit"]
+        self.core.fail_all(taken, self._dead_message(), EngineDeadError.code)  # type: ignore[arg-type]
 
     def _dead_message(self) -> str:
         return f"the engine stopped ({type(self._dead).__name__}; see the server log); a new engine is starting"
 
-    def _expire(self) -> None:
-        """Finish requests past their deadline (`timeout_s`) with finish_reason "timeout"."""
-        now = time.monotonic()
-        for seq in [s for s in self._seqs.values() if s.deadline is not None and now >= s.deadline]:
-            self._finish(seq, "timeout")
-
-    def _take_arrivals(self) -> bool:
-        """Mid-step: the inbox's submissions into the waiting queue (cancels wait for the loop: a
-        sequence of this step's decode batch must not finish under it)."""
+    def _take_arrivals(self) -> list[Sequence]:
+        """Mid-step: the inbox's submissions, for the core's waiting queue (cancels wait for the
+        loop: a sequence of this step's decode batch must not finish under it)."""
         with self._cv:
             arrived = [x for x in self._inbox if x[0] == "submit"]
             if self._stopping or not arrived:
-                return False
+                return []
             self._inbox = [x for x in self._inbox if x[0] != "submit"]
             self._pending_submits -= len(arrived)
-        self._apply(arrived)
-        return True
+        return [seq for _, seq in arrived]  # type: ignore[misc]
 
     def _apply(self, inbox: list[tuple[str, object]]) -> None:
         for kind, item in inbox:
             if kind == "submit":
                 assert isinstance(item, Sequence)
-                self._seqs[item.seq_id] = item
-                self.scheduler.waiting.append(item)
-                self.faults.on_submit(item)
+                self.core.add(item)
             elif kind == "cancel":
-                seq = self._seqs.get(item)  # type: ignore[arg-type]
-                if seq is not None:
-                    seq.cancelled = True
-                    self._finish(seq, "cancelled")
+                self.core.cancel(item)  # type: ignore[arg-type]
 
     def _poll_head(self) -> None:
-        """Every HEAD_POLL_S while a configured draft head is missing: attach it once its file
-        is written (by the background training); graphs captured without its feature recording
-        are dropped (recaptured on use)."""
+        """Every HEAD_POLL_S while a configured draft head is missing: attach it once its file is written."""
         now = time.monotonic()
-        if not self.proposer.awaits_head or now < self._next_head_poll:
-            return
-        self._next_head_poll = now + HEAD_POLL_S
-        if self.proposer.attach_head():
-            self.runner.core.feature_sink = self.proposer.feature_sink
-            if self.runner.graphs is not None:
-                self.runner.graphs.close()
-            log.info("specguide: draft head %s attached while serving (%.2f s): drafter %r for requests "
-                     "admitted from now on", self.proposer.head_path, time.monotonic() - now, self.drafter)
+        if self.core.proposer.awaits_head and now >= self._next_head_poll:
+            self._next_head_poll = now + HEAD_POLL_S
+            self.core.attach_head()

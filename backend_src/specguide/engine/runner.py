@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -39,8 +39,7 @@ def resolve_executor(config: EngineConfig, device: torch.device) -> str:
 class Runner:
     """Owns the model, the KV cache, the slot sampling buffers and the step core."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, device: torch.device,
-                 poison: Optional[Callable] = None):
+    def __init__(self, model: LlamaModel, config: EngineConfig, device: torch.device):
         cfg = model.cfg
         self.model, self.device, self.vocab_size = model, device, cfg.vocab_size
         K, S = config.num_draft_tokens, config.max_slots
@@ -50,7 +49,7 @@ class Runner:
         self.params = SlotSampling(S, cfg.vocab_size, device)
         inner = GuidedDecoder(S, K, cfg.vocab_size, num_threads=config.guided_mask_threads)
         self.guided = CapturableGuidedDecoder(inner, hostfunc.make_stream(resolve_executor(config, device)), device)
-        self.core = StepCore(model, self.kv, self.params, self.guided, config.max_seq_len, poison=poison,
+        self.core = StepCore(model, self.kv, self.params, self.guided, config.max_seq_len,
                              sparse_lm_head=config.sparse_lm_head)
         self.graphs = StepGraphs(self.core) if device.type == "cuda" and config.cuda_graphs else None
 

@@ -7,13 +7,10 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from ..request import RequestOutput, SamplingParams
 from .sequence_state import GuideState, OutputState, SeqStats
-
-if TYPE_CHECKING:
-    from .faults import Fault
 
 
 class Status(enum.Enum):
@@ -49,7 +46,6 @@ class Sequence:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     deadline: Optional[float] = None  # time.monotonic() past which the request finishes with "timeout"
-    fault: Optional[Fault] = None  # tests only
     out: OutputState = field(default_factory=OutputState)
     guide: GuideState = field(default_factory=GuideState)
     stats: SeqStats = field(default_factory=SeqStats)

@@ -80,7 +80,6 @@ class StepCore:
     guided: CapturableGuidedDecoder  # which slots are guided; its stepper runs the step's grammar work
     max_seq_len: int
     feature_sink: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = None
-    poison: Optional[Callable[[torch.Tensor, list[Sequence]], None]] = None  # injected faults (tests)
     sparse_lm_head: bool = True  # EngineConfig.sparse_lm_head; False where the head is not a C-kernel one
     drafter: Optional[Drafter] = field(default=None, init=False)  # this step's in-step drafter
     extras: Optional[StepExtras] = field(default=None, init=False)  # this eager step's extras
@@ -115,8 +114,7 @@ class StepCore:
     def _needs_extras(self, s: Sequence) -> bool:
         p = s.params
         return bool(p.wants_logprobs or p.return_generation_logits or p.penalized or p.bad_words_ids
-                    or (len(s.output_ids) < p.min_tokens and not self.guided.is_guided(s.slot))
-                    or (self.poison is not None and s.fault is not None))
+                    or (len(s.output_ids) < p.min_tokens and not self.guided.is_guided(s.slot)))
 
     def stage(self, seqs: list[Sequence], plan: DraftPlan, key: StepKey) -> None:
         """Write the step's inputs (pinned staging, then the static buffers) and queue its grammar
@@ -138,7 +136,7 @@ class StepCore:
             self.drafts_in[: self.K].copy_(self.out_host.drafts, non_blocking=nb)
         self.drafter = plan.drafter if key.drafting.in_step else None
         self.slot_list = None if key.captured else [s.slot for s in seqs]
-        self.extras = (StepExtras(seqs, self.params, self.guided.is_guided, self.poison) if key.extras else None)
+        self.extras = (StepExtras(seqs, self.params, self.guided.is_guided) if key.extras else None)
         if key.guided or key.pick:
             self.grammar.select_stream(key.captured)
         if seqs and (key.guided or key.pick):

@@ -1,5 +1,5 @@
 """StepExtras: the eager-only part of a step, for the rows that ask for it: raw generation logits,
-log probabilities, stop-token / bad-word bans, penalties and injected logit faults.
+log probabilities, stop-token / bad-word bans and penalties.
 
 Steps with extras never run as CUDA graphs (their work depends on host lists). The tensors ride
 along with the tokens; the host reads them in `deliver`, after the step's wait."""
@@ -39,9 +39,8 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], start: int, n: 
 class StepExtras:
     """Per-token work of one eager step over `seqs` (batch row b = seqs[b])."""
 
-    def __init__(self, seqs: list[Sequence], params: SlotSampling, is_guided: Callable[[int], bool],
-                 poison: Optional[Callable[[torch.Tensor, list[Sequence]], None]] = None):
-        self.seqs, self.params, self.poison = seqs, params, poison
+    def __init__(self, seqs: list[Sequence], params: SlotSampling, is_guided: Callable[[int], bool]):
+        self.seqs, self.params = seqs, params
         self.raw_idx = [b for b, s in enumerate(seqs) if s.params.return_generation_logits]
         self.lp_idx = [b for b, s in enumerate(seqs) if s.params.wants_logprobs]
         self.penalized = any(s.slot in params.penalized for s in seqs)
@@ -68,11 +67,9 @@ class StepExtras:
         return (rows, toks) if rows else None
 
     def before(self, logits: torch.Tensor) -> None:
-        """logits [B, T, V] straight from the model: keep raw copies; inject faults (tests)."""
+        """logits [B, T, V] straight from the model: keep raw copies."""
         if self.raw_idx:
             self.raw = logits[torch.tensor(self.raw_idx, device=logits.device)]  # advanced indexing: a copy
-        if self.poison is not None:
-            self.poison(logits, self.seqs)
 
     def process(self, first: torch.Tensor, slots: torch.Tensor) -> None:
         """Penalties and bans on position 0 logits [B, V] in place (rows with extras never speculate)."""

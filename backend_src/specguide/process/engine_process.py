@@ -57,7 +57,7 @@ SUBMIT_WAIT_S = 60.0  # without the watchdog: how long a submit waits for the en
 WATCH_S = 1.0  # how often the watchdog looks (at most)
 DUMP_WAIT_S = 1.0  # a stuck engine process's time to write its threads' stacks before it is killed
 EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
-_CHILD_MAIN = "from specguide.process.child import child_main; child_main()"
+_CHILD_MAIN = "from specguide.process.engine_process_child import child_main; child_main()"
 PARENT_ENV = "SPECGUIDE_ENGINE_PARENT"
 SERVER_ENV = "SPECGUIDE_ENGINE_SERVER"  # the server (ipc.process_identity) whose end ends the stub and engine
 

@@ -136,11 +136,11 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
     with its features f_p at every position but the last; `schemas` replaces the train split's
     schema texts."""
     tok = engine.tokenizer
-    texts = (schemas if schemas is not None else load_schemas("train", engine.compiler))[: cfg.num_schemas]
+    texts = (schemas if schemas is not None else load_schemas("train", engine.core.compiler))[: cfg.num_schemas]
     if cfg.num_schemas and not texts:  # a head trained on chat alone drafts JSON poorly: say so, do not train it
         raise FileNotFoundError(f"no training schemas (compilable, at most {MAX_SCHEMA_CHARS} characters) under "
                                 f"{data_dir()}")
-    subs = load_subschemas(engine.compiler)[: cfg.num_subschemas] if cfg.num_subschemas else []
+    subs = load_subschemas(engine.core.compiler)[: cfg.num_subschemas] if cfg.num_subschemas else []
     n_phrasings = len(SCHEMA_TEMPLATES)
 
     def guide(schema: str) -> GuidedDecodingParams:  # the recipe's corpus: the model's own continuations,
@@ -157,10 +157,10 @@ def generate_corpus(engine: Engine, cfg: TrainConfig, schemas: Optional[list[str
     progress = Progress("generate (the target answers the training prompts)", len(reqs), "answers")
     done = threading.Semaphore(0)
     window = threading.Semaphore(2 * engine.config.max_slots)  # bounded: the queue has a limit
-    ec, H = engine.config, engine.model.cfg.hidden_size
+    ec, H = engine.config, engine.core.model.cfg.hidden_size
     recorder = FeatureRecorder(ec.max_slots, ec.max_seq_len + ec.num_draft_tokens + 1, H,
-                               engine.model.dtype, engine.device)
-    with engine.feature_recording(recorder):
+                               engine.core.model.dtype, engine.core.device)
+    with engine.core.feature_recording(recorder):
         for i, r in enumerate(reqs):
             window.acquire()
             ids = tok.encode(r.prompt)
@@ -388,6 +388,6 @@ def run(cfg: TrainConfig, engine: Optional[Engine] = None, schemas: Optional[lis
     report.output_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
     report.seconds["generate"] = time.perf_counter() - t0
     t2 = time.perf_counter()
-    head = train_head(engine.model, samples, cfg, report, sorted(engine.eos_token_ids))
+    head = train_head(engine.core.model, samples, cfg, report, sorted(engine.core.eos_token_ids))
     report.seconds["train"] = time.perf_counter() - t2
     return head, report, engine

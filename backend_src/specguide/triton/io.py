@@ -44,7 +44,6 @@ FAULT_PARAMETER = "specguide_fault"  # request parameter naming an injected faul
 CLIENT_PARAMETERS = "specguide_client_parameters"  # a proxy's client's parameters, as a JSON string
 # request parameters every interface accepts: internal ones, and the `Streaming` flag that
 # TensorRT-LLM's inflight_batcher_llm_client sends beside its tensors (ignored there as here)
-FAULTS = faults.injector()  # on only with SPECGUIDE_FAULT_INJECTION=1
 _KNOWN_PARAMETERS = frozenset({FAULT_PARAMETER, INTERFACE_PARAMETER, CLIENT_PARAMETERS, ERROR_OUTPUT_PARAMETER,
                                SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER, "Streaming"})
 
@@ -252,7 +251,7 @@ def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
     if timeout is not None and not (0.0 <= timeout < math.inf):
         raise InvalidRequestError(f"timeout_s must be a finite number >= 0 (0 = none), got {timeout}")
     base.timeout_s = timeout
-    base.fault = FAULTS.checked(row.parameters.get(FAULT_PARAMETER))  # tests; a bad name is INVALID_ARG
+    base.fault = faults.checked(row.parameters.get(FAULT_PARAMETER))  # tests; a bad name is INVALID_ARG
 
     shape = _response_shape(row, ctx, vllm_params)
     n = row.int("num_return_sequences")

@@ -43,10 +43,14 @@ def child_main() -> None:
     config = read_msg(inp)
     renice(config.engine_nice)  # before the engine's threads start (they inherit it)
     try:
+        from ..engine import faults
         from ..engine.loop import Engine
 
         engine = Engine(config)
-        engine.compiler.scheduler.start()  # compile worker processes warm before the first big guide
+        core = engine.core
+        if faults.enabled():  # reliability tests: each request may name a fault
+            faults.FaultInjector(core).install()
+        core.compiler.scheduler.start()  # compile worker processes warm before the first big guide
     except Exception as e:
         logging.exception("the engine failed to load")
         send(("failed", f"{type(e).__name__}: {e}"))
@@ -54,9 +58,9 @@ def child_main() -> None:
     from ..tokenizer import probe
 
     frozen = freeze_startup_heap()  # the model, torch, transformers: never walked by a collection again
-    send(("ready", EngineInfo(os.getpid(), engine.config, str(engine.model_dir), engine.drafter,
-                              engine.head_drafter is not None, probe(engine.tokenizer), engine.warmup_s,
-                              str(engine.proposer.head_path) if engine.proposer.awaits_head else "", frozen)))
+    send(("ready", EngineInfo(os.getpid(), core.config, str(core.model_dir), core.drafter,
+                              core.head_drafter is not None, probe(core.tokenizer), core.warmup_s,
+                              str(core.proposer.head_path) if core.proposer.awaits_head else "", frozen)))
     seq_of: dict[int, int] = {}  # parent key -> engine seq_id, while the request runs
     seq_lock = threading.Lock()
 
@@ -73,8 +77,8 @@ def child_main() -> None:
         while True:
             time.sleep(period)
             if not engine.is_alive():
-                engine._thread.join()  # its dying words (every request's error) are sent first
-                send(("dead", f"the engine loop failed ({type(engine._dead).__name__}; the server log has "
+                engine.join()  # its dying words (every request's error) are sent first
+                send(("dead", f"the engine loop failed ({type(engine.failure).__name__}; the server log has "
                               f"the traceback)"))
                 out.flush()
                 os._exit(EXIT_LOOP_DIED)
