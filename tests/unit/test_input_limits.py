@@ -11,7 +11,7 @@ from specguide.guided.limits import GuideLimits, check_guide, json_depth, measur
 from specguide.request import GuidedDecodingParams as G
 from specguide.request import InvalidRequestError, SamplingParams
 from specguide.triton import io
-from specguide.triton.limits import InputLimits
+from specguide.triton.input_limits import InputLimits
 
 
 class CountingTokenizer:

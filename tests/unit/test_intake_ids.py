@@ -2,8 +2,8 @@
 vocabulary size; the engine's intake again, through the same function), TensorRT-LLM word lists'
 offsets are read as TensorRT-LLM reads them, and the lists the engine scans on every token are capped.
 
-Measured before: `bad_words_list` [[[29, 999999], [2, -1]]] passed intake; once a stream wrote 29 the
-step banned token 999999 and failed with an IndexError, ending every stream of that step."""
+The attack: a `bad_words_list` [[[29, 999999], [2, -1]]] past intake would, once a stream wrote 29,
+make the step ban token 999999 and fail with an IndexError, ending every stream of that step."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from specguide.config import EngineConfig
 from specguide.request import InvalidRequestError, ListLimits, Request, SamplingParams
 from specguide.triton import io
-from specguide.triton.limits import InputLimits, model_vocab_size
+from specguide.triton.input_limits import InputLimits, model_vocab_size
 
 VOCAB = 49152  # the default model's (its config.json)
 
@@ -66,7 +66,7 @@ def word_list(*words):
     return np.array([[flat + [0] * (pad - len(flat)), ends + [-1] * (pad - len(ends))]], np.int32)
 
 
-# ------------------------------------------------------------------ the measured attack
+# ------------------------------------------------------------------ the attack: an id past the vocabulary
 
 
 def test_the_measured_bad_words_list_is_refused_naming_the_field_and_the_value():
@@ -148,7 +148,7 @@ def test_ids_inside_the_vocabulary_pass():
 
 def test_a_dense_embedding_bias_takes_one_value_per_token_id_of_the_model():
     """TensorRT-LLM refuses an embedding_bias whose length is not the vocabulary size ("The embedding
-    bias shape is not as expected"); longer used to bias ids past the vocabulary. The ensemble sends
+    bias shape is not as expected"); a longer one would bias ids past the vocabulary. The ensemble sends
     [B, 0] when it has no bias words: no bias."""
     for n in (VOCAB - 1, VOCAB + 1, 300):
         msg = error({"text_input": s("Hi"), "embedding_bias": np.zeros((1, n), np.float32)})

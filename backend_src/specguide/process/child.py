@@ -46,7 +46,7 @@ def child_main() -> None:
         from ..engine.loop import Engine
 
         engine = Engine(config)
-        engine.compiler.scheduler.start()  # compile worker processes warm before the first big guide
+        engine.compiler.lanes.start()  # compile worker processes warm before the first big guide
     except Exception as e:
         logging.exception("the engine failed to load")
         send(("failed", f"{type(e).__name__}: {e}"))

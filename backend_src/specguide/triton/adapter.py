@@ -30,10 +30,10 @@ from ..util.memory import trim
 from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput
 from .instance import instance_count
 from . import io
-from .groups import Group, Seq, shaped
+from .groups import Group, GroupMember, shaped
 from .instance import Instance
 from .interfaces import INTERFACES, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
-from .limits import BIG_REQUEST_BYTES, InputLimits, model_vocab_size, request_bytes
+from .input_limits import BIG_REQUEST_BYTES, InputLimits, model_vocab_size, request_bytes
 from .metrics import Metrics
 from .peer_metrics import PeerMetrics, Served
 from .stop_board import StopBoard
@@ -89,7 +89,7 @@ class TritonPythonModel:
         # with several instances a stop request may reach one that does not run the request
         self._stops = StopBoard(self.model_name, os.getppid()) if several else None
         self._outbox: "queue.Queue[Any]" = queue.Queue()
-        self._live: set[Seq] = set()
+        self._live: set[GroupMember] = set()
         self._live_lock = threading.Lock()
         self._closing = False
         self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
@@ -147,7 +147,8 @@ class TritonPythonModel:
                        via_proxy=interface != "trtllm" or error_output)
         served = self._served(parameters, interface)
         per_row = Counter(p.batch_index for p in parsed)  # a prompt's num_return_sequences
-        seqs = [Seq(group, i, p, t_arrival, self.tokenizer, served, per_row[p.batch_index]) for i, p in enumerate(parsed)]
+        seqs = [GroupMember(group, i, p, t_arrival, self.tokenizer, served, per_row[p.batch_index])
+                for i, p in enumerate(parsed)]
         with self._live_lock:
             self._live.update(seqs)
         try:
@@ -190,7 +191,7 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ engine loop thread
 
-    def _on_output(self, seq: Seq, out: RequestOutput) -> None:
+    def _on_output(self, seq: GroupMember, out: RequestOutput) -> None:
         self._outbox.put((seq, out, time.perf_counter()))
 
     # ------------------------------------------------------------------ response thread
@@ -214,7 +215,7 @@ class TritonPythonModel:
             except Exception as e:  # never let the response thread die
                 pb_utils.Logger.log_error(f"specguide: response thread: {e!r}")
 
-    def _deliver(self, seq: Seq, out: RequestOutput, t: float) -> None:
+    def _deliver(self, seq: GroupMember, out: RequestOutput, t: float) -> None:
         if seq.done:
             return
         if seq.seq_id is None:
@@ -271,7 +272,7 @@ class TritonPythonModel:
         elif seq.parsed.stream:
             self._check_cancel(seq)
 
-    def _cancel_siblings(self, seq: Seq) -> None:
+    def _cancel_siblings(self, seq: GroupMember) -> None:
         """A unary request failed in one sequence: its answer is sent, the other sequences stop."""
         with self._live_lock:
             others = [s for s in self._live if s.group is seq.group and s is not seq]
@@ -282,7 +283,7 @@ class TritonPythonModel:
             with self._live_lock:
                 self._live.discard(s)
 
-    def _check_cancel(self, seq: Seq) -> None:
+    def _check_cancel(self, seq: GroupMember) -> None:
         if seq.cancel_sent or seq.seq_id is None:
             return
         g = seq.group

@@ -1,6 +1,6 @@
 """The response side's state of one Triton request (`Group`: its sender, its sequences still
 running, FINAL sent once; a unary request's sequences merged into one response) and of each of
-its engine sequences (`Seq`: response shaping, timings, metric counters). The Triton module is
+its engine sequences (`GroupMember`: response shaping, timings, metric counters). The Triton module is
 passed in as `pb`, as in io."""
 from __future__ import annotations
 
@@ -80,8 +80,9 @@ def shaped(pb: Any, response: Any, as_output: bool) -> Any:
     return pb.InferenceResponse(output_tensors=[pb.Tensor(PROXY_ERROR, value)])
 
 
-class Seq:
-    """One engine sequence: its response shaping, its timings."""
+class GroupMember:
+    """One engine sequence of a Group (one row's return sequence): its response shaping, timings
+    and metric counters."""
 
     def __init__(self, group: Group, index: int, parsed: io.ParsedRequest, t_arrival: float, tokenizer: Any,
                  served: Served, n: int = 1):

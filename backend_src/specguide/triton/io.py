@@ -4,7 +4,7 @@ Inputs follow the TensorRT-LLM ensemble (`text_input`, `max_tokens`, `temperatur
 vLLM backend's `sampling_parameters` JSON string. The guide (`guided_decoding_guide_type` /
 `guided_decoding_guide`, or vLLM's `structured_outputs` / `guided_decoding`) is read and checked by
 `specguide.guided.params`, the one mapping of guides. Typed tensor access and value checks are in
-`values`, the vLLM JSON in `vllm_sampling`, responses in `responses`. Every function here is pure:
+`values`, the vLLM JSON in `vllm_params`, responses in `responses`. Every function here is pure:
 the Triton module (`triton_python_backend_utils`) is passed in as `pb` where a Triton object must be
 built, so the unit tests run with a tiny fake of it.
 
@@ -28,9 +28,9 @@ from ..guided.params import resolve_guided
 from ..request import InvalidRequestError, Request, SamplingParams, check_token_ids
 from .interfaces import ALIASES, ERROR_OUTPUT_PARAMETER, INTERFACE_PARAMETER, SERVED_MODEL_PARAMETER, \
     SERVED_VERSION_PARAMETER, TRTLLM_INPUT_NAMES, TRTLLM_INPUTS, TRTLLM_OUTPUTS, VLLM_INPUT_NAMES, Spec
-from .limits import InputLimits, check_inputs
+from .input_limits import InputLimits, check_inputs
 from .values import DEFAULT_JSON_DEPTH, Row, as_int, check_neutral, encode_words, parse_json_object
-from .vllm_sampling import PENALTIES, VLLM_MAX_LOGPROBS, VLLM_SAMPLING_KEYS, sampling_from_vllm
+from .vllm_params import PENALTIES, VLLM_MAX_LOGPROBS, VLLM_SAMPLING_KEYS, sampling_from_vllm
 from .responses import (  # noqa: F401  (re-exported: the adapter and the tests use io.*)
     VLLM_ERROR_PREFIX, Payload, SequenceStream, UnsupportedError, error_code, error_response, event_error_code, merge_payloads,
     safe_send, to_response,
