@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from specguide.config import EngineConfig
-from specguide.request import InvalidRequestError, ListLimits, Request, SamplingParams
-from specguide.triton import io
+from specguide.request import InvalidRequestError, ListLimits, Request, SamplingParams, error_code
 from specguide.triton.input_limits import InputLimits, model_vocab_size
+from specguide.triton.interfaces import INTERFACE_PARAMETER
+from specguide.triton.request_parser import parse_request
 
 VOCAB = 49152  # the default model's (its config.json)
 
@@ -46,14 +47,14 @@ def limits(vocab=VOCAB, **settings):
 
 
 def parse(inputs, tok=None, lim=None, parameters=None):
-    return io.parse_request(inputs, parameters or {}, tokenizer=tok or CountingTokenizer(), max_tokens_limit=2048,
-                            limits=lim or limits())
+    return parse_request(inputs, parameters or {}, tokenizer=tok or CountingTokenizer(), max_tokens_limit=2048,
+                         limits=lim or limits())
 
 
 def error(inputs, **kw) -> str:
     with pytest.raises(InvalidRequestError) as e:
         parse(inputs, **kw)
-    assert io.error_code(e.value) == "INVALID_ARG"
+    assert error_code(e.value) == "INVALID_ARG"
     return str(e.value)
 
 
@@ -131,7 +132,7 @@ def test_ids_tokenized_from_words_are_checked_against_the_models_vocabulary():
 
 
 def test_the_vllm_interface_checks_its_ids_too():
-    vllm = {io.INTERFACE_PARAMETER: "vllm"}
+    vllm = {INTERFACE_PARAMETER: "vllm"}
     msg = error({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"stop_token_ids": [VOCAB]}))},
                 parameters=vllm)
     assert msg.startswith("stop_token_ids") and str(VOCAB) in msg

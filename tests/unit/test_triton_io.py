@@ -1,4 +1,5 @@
-"""specguide.triton.io against a tiny fake of triton_python_backend_utils (no server needed)."""
+"""specguide.triton's request reading, parsing and responses against a tiny fake of
+triton_python_backend_utils (no server needed)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from specguide.request import InvalidRequestError, QueueFullError, RequestOutput
-from specguide.triton import io
+from specguide.request import InvalidRequestError, QueueFullError, RequestOutput, error_code
+from specguide.triton import request_parser
+from specguide.triton.interfaces import INTERFACE_PARAMETER, TRTLLM_INPUTS, TRTLLM_OUTPUTS
+from specguide.triton.request_inputs import CLIENT_PARAMETERS, interface_of, is_stop_request, read_parameters, read_tensors
+from specguide.triton.request_parser import parse_request
+from specguide.triton.responses import Payload, SequenceStream, UnsupportedError, error_response, event_error_code, \
+    merge_payloads, to_response
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +106,7 @@ def parse(inputs, parameters="{}", **kw):
     req = FakeRequest(inputs, parameters)
     kw.setdefault("tokenizer", TOK)
     kw.setdefault("max_tokens_limit", 2048)
-    return io.parse_request(io.read_tensors(pb, req), io.read_parameters(req), **kw)
+    return parse_request(read_tensors(pb, req), read_parameters(req), **kw)
 
 
 def one(inputs, **kw):
@@ -217,7 +223,7 @@ def test_vllm_sampling_parameters_with_string_values_and_vllm_defaults():
                          (dict(logit_bias=[1]), "logit_bias must be")):
         with pytest.raises(InvalidRequestError, match=message) as e:
             parse({"text_input": s("Hi"), "sampling_parameters": s(json.dumps(bad))})
-        assert io.error_code(e.value) == "INVALID_ARG"
+        assert error_code(e.value) == "INVALID_ARG"
 
 
 def test_penalties_map_from_tensors_and_vllm_json():
@@ -273,18 +279,18 @@ BAD_PENALTIES = [
 def test_bad_penalties_are_invalid_arg(inputs, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)) as e:
         parse({"text_input": s("a"), **inputs})
-    assert not isinstance(e.value, io.UnsupportedError)
-    assert io.error_code(e.value) == "INVALID_ARG"
+    assert not isinstance(e.value, UnsupportedError)
+    assert error_code(e.value) == "INVALID_ARG"
 
 
 def test_beam_width_and_length_penalty_unchanged():
-    with pytest.raises(io.UnsupportedError, match="beam_width=4") as e:
+    with pytest.raises(UnsupportedError, match="beam_width=4") as e:
         parse({"text_input": s("a"), "beam_width": np.array([[4]], np.int32)})
-    assert io.error_code(e.value) == "UNSUPPORTED"
+    assert error_code(e.value) == "UNSUPPORTED"
     one({"text_input": s("a"), "beam_width": np.array([[1]], np.int32), "length_penalty": f32(0.3)})  # ignored
-    with pytest.raises(io.UnsupportedError, match="length_penalty=2.0"):
+    with pytest.raises(UnsupportedError, match="length_penalty=2.0"):
         parse({"text_input": s("a"), "sampling_parameters": vllm(length_penalty=2.0)})
-    with pytest.raises(io.UnsupportedError, match="use_beam_search=True"):
+    with pytest.raises(UnsupportedError, match="use_beam_search=True"):
         parse({"text_input": s("a"), "sampling_parameters": vllm(use_beam_search=True)})
 
 
@@ -331,7 +337,7 @@ BAD_INPUTS = [
 def test_bad_inputs_raise_clear_invalid_request_errors(inputs, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)) as e:
         parse(inputs, max_tokens_limit=1024)
-    assert io.error_code(e.value) in ("INVALID_ARG", "UNSUPPORTED")
+    assert error_code(e.value) in ("INVALID_ARG", "UNSUPPORTED")
 
 
 def test_guided_inputs_map_to_params():
@@ -358,7 +364,7 @@ def test_guided_inputs_map_to_params():
 
 
 def test_guided_mapping_is_guided_params():
-    """io has no guided mapping of its own: what it returns is guided.params.resolve_guided's answer."""
+    """The parser has no guided mapping of its own: what it returns is guided.params.resolve_guided's answer."""
     from specguide.guided import params as gp
 
     cases = [
@@ -405,7 +411,7 @@ BAD_GUIDES = [
 def test_bad_guides_are_invalid_arg_with_guided_params_messages(inputs, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)) as e:
         parse({"text_input": s("a"), **inputs})
-    assert io.error_code(e.value) == "INVALID_ARG"
+    assert error_code(e.value) == "INVALID_ARG"
 
 
 def test_vllm_sampling_still_maps_with_a_guide():
@@ -416,11 +422,11 @@ def test_vllm_sampling_still_maps_with_a_guide():
 
 
 def test_error_codes():
-    assert io.error_code(InvalidRequestError("x")) == "INVALID_ARG"
-    assert io.error_code(io.UnsupportedError("x")) == "UNSUPPORTED"
-    assert io.error_code(QueueFullError("x")) == "UNAVAILABLE"
-    assert io.error_code(RuntimeError("x")) == "INTERNAL"
-    resp = io.error_response(pb, "bad", "INVALID_ARG")
+    assert error_code(InvalidRequestError("x")) == "INVALID_ARG"
+    assert error_code(UnsupportedError("x")) == "UNSUPPORTED"
+    assert error_code(QueueFullError("x")) == "UNAVAILABLE"
+    assert error_code(RuntimeError("x")) == "INTERNAL"
+    resp = error_response(pb, "bad", "INVALID_ARG")
     assert resp.err.code() == FakeTritonError.INVALID_ARG and resp.err.message() == "bad"
 
 
@@ -439,7 +445,7 @@ def texts(payload):
 def test_streaming_sends_one_delta_per_event_and_final_last():
     p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "return_num_output_tokens": np.array([[True]]),
              "return_num_input_tokens": np.array([[True]])})
-    st = io.SequenceStream(p)
+    st = SequenceStream(p)
     a = st.on_output(out("He", [1, 2], n_out=2))
     assert st.on_output(out("", [], n_out=2)) is None  # nothing new: nothing sent
     b = st.on_output(out("llo", [3], finished=True, reason="length", n_out=3))
@@ -458,16 +464,16 @@ def test_num_cached_tokens_comes_with_num_input_tokens():
     o = out("a", [1], finished=True, reason="length")
     o.num_cached_tokens = 256
     asked = one({"text_input": s("Hi"), "return_num_input_tokens": np.array([[True]])})
-    got = io.SequenceStream(asked).on_output(o).outputs
+    got = SequenceStream(asked).on_output(o).outputs
     assert got["num_cached_tokens"].tolist() == [[256]] and got["num_cached_tokens"].dtype == np.uint32
-    assert "num_cached_tokens" not in io.SequenceStream(one({"text_input": s("Hi")})).on_output(o).outputs
+    assert "num_cached_tokens" not in SequenceStream(one({"text_input": s("Hi")})).on_output(o).outputs
     v = vparse({"text_input": vtext("Hi"), "return_num_input_tokens": np.array([True])})[0]
-    assert "num_cached_tokens" not in io.SequenceStream(v).on_output(o).outputs  # vLLM's outputs exactly
+    assert "num_cached_tokens" not in SequenceStream(v).on_output(o).outputs  # vLLM's outputs exactly
 
 
 def test_non_streaming_accumulates_into_exactly_one_payload_with_echo():
     p = one({"text_input": s("Hi"), "return_num_output_tokens": np.array([[True]])})
-    st = io.SequenceStream(p)
+    st = SequenceStream(p)
     assert st.on_output(out(" there", [1, 2], n_out=2)) is None
     final = st.on_output(out("!", [3], finished=True, reason="stop", n_out=3))
     assert texts(final) == "Hi there!"
@@ -480,18 +486,18 @@ def test_non_streaming_accumulates_into_exactly_one_payload_with_echo():
 def test_a_stream_never_repeats_the_prompt_even_with_exclude_false():
     # TensorRT-LLM never streams the prompt (its client's `-S --check-outputs` expects only new text)
     p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "exclude_input_in_output": np.array([[False]])})
-    st = io.SequenceStream(p)
+    st = SequenceStream(p)
     assert texts(st.on_output(out("a", [1]))) == "a"
     assert texts(st.on_output(out("b", [2], finished=True, reason="stop"))) == "b"
 
 
 def test_error_and_cancel_events_become_error_payloads():
     p = one({"text_input": s("Hi"), "stream": np.array([[True]])})
-    e = io.SequenceStream(p).on_output(out("", [], finished=True, reason="error", error="boom"))
+    e = SequenceStream(p).on_output(out("", [], finished=True, reason="error", error="boom"))
     assert e.error == "boom" and e.error_code == "INTERNAL" and e.finished
-    c = io.SequenceStream(p).on_output(out("", [], finished=True, reason="cancelled"))
+    c = SequenceStream(p).on_output(out("", [], finished=True, reason="cancelled"))
     assert c.error_code == "CANCELLED" and c.finished
-    resp = io.to_response(pb, c)
+    resp = to_response(pb, c)
     assert resp.err.code() == FakeTritonError.CANCELLED
 
 
@@ -503,9 +509,9 @@ def test_error_event_code_comes_from_the_engine_event(code, expected):
     p = one({"text_input": s("Hi"), "stream": np.array([[True]])})
     o = out("", [], finished=True, reason="error", error="grammar compile failed: bad regex")
     o.error_code = code
-    e = io.SequenceStream(p).on_output(o)
+    e = SequenceStream(p).on_output(o)
     assert e.error == "grammar compile failed: bad regex" and e.error_code == expected and e.finished
-    resp = io.to_response(pb, e)
+    resp = to_response(pb, e)
     assert resp.err.code() == getattr(FakeTritonError, expected) and resp.err.message() == e.error
 
 
@@ -513,10 +519,10 @@ def test_perf_metrics_outputs_when_asked():
     p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "return_perf_metrics": np.array([[True]])})
     o = out("a", [1], finished=True, reason="stop")
     o.total_draft_tokens, o.total_accepted_draft_tokens = 6, 3
-    pl = io.SequenceStream(p).on_output(o)
+    pl = SequenceStream(p).on_output(o)
     assert pl.outputs["total_draft_tokens"].tolist() == [[6]]
     assert pl.outputs["acceptance_rate"].tolist() == [[0.5]]
-    resp = io.to_response(pb, pl)
+    resp = to_response(pb, pl)
     assert set(resp.tensors) == {"text_output", "output_ids", "sequence_length", "finish_reason", "batch_index",
                                  "sequence_index", "total_draft_tokens", "total_accepted_draft_tokens",
                                  "acceptance_rate", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
@@ -526,7 +532,7 @@ def test_perf_metrics_outputs_when_asked():
 
 def test_batch_index_output():
     rows = parse({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_), "stream": np.array([[True], [True]])})
-    pl = io.SequenceStream(rows[1]).on_output(out("x", [1]))
+    pl = SequenceStream(rows[1]).on_output(out("x", [1]))
     assert pl.outputs["batch_index"].tolist() == [[1]]
 
 
@@ -549,9 +555,9 @@ def _pbtxt_entries(section):
 def test_config_pbtxt_declares_exactly_the_io_specs():
     text, inputs = _pbtxt_entries("input")
     _, outputs = _pbtxt_entries("output")
-    assert {k: v[:2] for k, v in inputs.items()} == {sp.name: (sp.dtype, sp.dims) for sp in io.INPUTS}
+    assert {k: v[:2] for k, v in inputs.items()} == {sp.name: (sp.dtype, sp.dims) for sp in TRTLLM_INPUTS}
     assert all(opt for _, _, opt in inputs.values()), "every input is optional"
-    assert {k: v[:2] for k, v in outputs.items()} == {sp.name: (sp.dtype, sp.dims) for sp in io.OUTPUTS}
+    assert {k: v[:2] for k, v in outputs.items()} == {sp.name: (sp.dtype, sp.dims) for sp in TRTLLM_OUTPUTS}
     assert re.search(r"decoupled:\s*true", text)
     assert int(re.search(r"max_batch_size:\s*(\d+)", text).group(1)) > 0
     assert 'backend: "python"' in text
@@ -572,9 +578,9 @@ def test_config_pbtxt_parameters_build_an_engine_config():
 
 def test_the_interfaces_doc_documents_every_input_and_output():
     doc = (ROOT / "docs" / "interfaces.md").read_text()
-    for sp in io.INPUTS:
+    for sp in TRTLLM_INPUTS:
         assert f"`{sp.name}`" in doc, sp.name
-    for sp in io.OUTPUTS:
+    for sp in TRTLLM_OUTPUTS:
         assert f"`{sp.name}`" in doc, sp.name
 
 
@@ -591,8 +597,8 @@ def test_client_sends_the_declared_dtypes():
     from client.common import INPUT_TYPES
 
     triton = {"TYPE_STRING": "BYTES"}
-    assert set(INPUT_TYPES) == {sp.name for sp in io.INPUTS if not sp.vllm_only}
-    for sp in io.INPUTS:
+    assert set(INPUT_TYPES) == {sp.name for sp in TRTLLM_INPUTS if not sp.vllm_only}
+    for sp in TRTLLM_INPUTS:
         if sp.vllm_only:
             continue
         assert INPUT_TYPES[sp.name][1] == triton.get(sp.dtype, sp.dtype[5:]), sp.name
@@ -787,7 +793,7 @@ def test_adapter_labels_the_peer_metrics_with_the_model_the_traffic_came_through
     direct = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[3]], np.int32),
                                 "stream": np.array([[True]]), "num_return_sequences": np.array([[2]], np.int32)})
     proxied = FakeTritonRequest({"text_input": s("Hi")},
-                                json.dumps({io.INTERFACE_PARAMETER: "vllm", io.CLIENT_PARAMETERS: '{"max_tokens": 4}',
+                                json.dumps({INTERFACE_PARAMETER: "vllm", CLIENT_PARAMETERS: '{"max_tokens": 4}',
                                             "specguide_served_model": "specguide_vllm",
                                             "specguide_served_version": "1"}))
     model.execute([direct, proxied])
@@ -942,7 +948,7 @@ def test_adapter_dead_engine_refuses_at_once_with_unavailable_and_is_not_ready(m
 
 def test_adapter_engine_death_event_is_unavailable_and_cancels_count_by_stage(model):
     out = RequestOutput(seq_id=1, finished=True, finish_reason="error", error="the engine stopped", error_code="UNAVAILABLE")
-    assert io.event_error_code(out) == "UNAVAILABLE"
+    assert event_error_code(out) == "UNAVAILABLE"
     req = FakeTritonRequest({"text_input": s("Hi"), "max_tokens": np.array([[500]], np.int32), "stream": np.array([[True]])})
     model.execute([req])
     wait_for(lambda: len(req.sender.sent) >= 1)
@@ -964,7 +970,7 @@ def test_adapter_finalize_uses_the_drain_timeout(model):
 
 def vparse(inputs, parameters=None, **kw):
     """A request as specguide_vllm passes it on: [1]-shaped inputs given a batch dim, interface named."""
-    params = {io.INTERFACE_PARAMETER: "vllm", io.CLIENT_PARAMETERS: json.dumps(parameters or {})}
+    params = {INTERFACE_PARAMETER: "vllm", CLIENT_PARAMETERS: json.dumps(parameters or {})}
     return parse({k: np.asarray(v)[None] for k, v in inputs.items()}, json.dumps(params), **kw)
 
 
@@ -997,7 +1003,7 @@ def test_vllm_interface_errors_are_named_and_worded_like_vllm():
         vparse({"text_input": vtext("Hi")}, {"tempratur": 0})
     with pytest.raises(InvalidRequestError, match="input 'max_tokens' is not part of this model's interface"):
         vparse({"text_input": vtext("Hi"), "max_tokens": np.array([3], np.int32)})
-    with pytest.raises(io.UnsupportedError, match="lora_name"):
+    with pytest.raises(UnsupportedError, match="lora_name"):
         vparse({"text_input": vtext("Hi"), "sampling_parameters": vtext('{"lora_name": "x"}')})
     with pytest.raises(InvalidRequestError, match="logprobs must be in"):
         vparse({"text_input": vtext("Hi"), "sampling_parameters": vtext('{"logprobs": 21}')})
@@ -1009,7 +1015,7 @@ def test_vllm_outputs_are_1d_and_only_when_asked():
                 "return_num_input_tokens": np.array([True]), "return_num_output_tokens": np.array([True]),
                 "sampling_parameters": vtext('{"logprobs": 1, "temperature": 0}')})[0]
     assert p.request.params.return_log_probs and p.request.params.top_logprobs == 1
-    st = io.SequenceStream(p, TOK)
+    st = SequenceStream(p, TOK)
     o = out("ab", [97, 98], n_out=2)
     o.logprobs, o.top_logprobs = [-0.5, -0.25], [[(97, -0.5)], [(120, -0.1)]]
     a = st.on_output(o).outputs
@@ -1028,10 +1034,10 @@ def test_vllm_outputs_are_1d_and_only_when_asked():
     p = vparse({"text_input": vtext("Hi"), "return_logprobs": np.array([True])})[0]
     o = out("a", [97], finished=True, reason="length")
     o.logprobs = [-0.5]
-    assert json.loads(io.SequenceStream(p, TOK).on_output(o).outputs["logprobs"][0]) is None
-    e = io.SequenceStream(p).on_output(out("", [], finished=True, reason="error", error="boom"))
+    assert json.loads(SequenceStream(p, TOK).on_output(o).outputs["logprobs"][0]) is None
+    e = SequenceStream(p).on_output(out("", [], finished=True, reason="error", error="boom"))
     assert e.error == "Error generating stream: boom"
-    c = io.SequenceStream(p).on_output(out("", [], finished=True, reason="cancelled"))
+    c = SequenceStream(p).on_output(out("", [], finished=True, reason="cancelled"))
     assert c.error == "Request was cancelled" and c.error_code == "CANCELLED"
 
 
@@ -1043,14 +1049,14 @@ def test_trtllm_return_logprobs_sends_vllms_json_of_the_generated_tokens():
     assert p.interface == "trtllm" and p.return_logprobs and p.request.params.top_logprobs == 1
     o = out("ab", [97, 98], finished=True, reason="stop", n_out=2)
     o.logprobs, o.top_logprobs = [-0.5, -0.25], [[(97, -0.5)], [(120, -0.1)]]
-    doc = json.loads(io.SequenceStream(p, TOK).on_output(o).outputs["logprobs"][0])
+    doc = json.loads(SequenceStream(p, TOK).on_output(o).outputs["logprobs"][0])
     assert doc[0] == {"97": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}
     assert doc[1]["98"]["rank"] == 2 and doc[1]["120"]["rank"] == 1
     p = one({"text_input": s("Hi"), "return_logprobs": np.array([[True]]), "stream": np.array([[True]])})
     assert p.request.params.return_log_probs and p.request.params.top_logprobs == 0
     o = out("a", [97], n_out=1)
     o.logprobs = [-0.5]
-    assert json.loads(io.SequenceStream(p, TOK).on_output(o).outputs["logprobs"][0]) == [
+    assert json.loads(SequenceStream(p, TOK).on_output(o).outputs["logprobs"][0]) == [
         {"97": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}]
 
 
@@ -1090,7 +1096,7 @@ def test_num_return_sequences_and_output_requests():
 def test_trtllm_log_probs_and_logits_shapes():
     p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "return_log_probs": np.array([[True]]),
              "return_generation_logits": np.array([[True]]), "return_context_logits": np.array([[True]])})
-    st = io.SequenceStream(p)
+    st = SequenceStream(p)
     o = out("ab", [1, 2])
     o.logprobs, o.generation_logits = [-0.5, -0.25], np.ones((2, 7), np.float32)
     o.context_logits = np.zeros((3, 7), np.float32)
@@ -1105,25 +1111,25 @@ def test_trtllm_log_probs_and_logits_shapes():
 
 
 def test_unary_interface_refuses_streaming_and_merges_rows():
-    params = json.dumps({io.INTERFACE_PARAMETER: "unary"})
+    params = json.dumps({INTERFACE_PARAMETER: "unary"})
     with pytest.raises(InvalidRequestError, match="stream=true needs a decoupled model"):
         parse({"text_input": s("Hi"), "stream": np.array([[True]])}, params)
     rows = parse({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_), "exclude_input_in_output":
                   np.array([[True], [True]])}, params)
-    pays = [io.SequenceStream(r).on_output(out(t, ids, finished=True, reason="length"))
+    pays = [SequenceStream(r).on_output(out(t, ids, finished=True, reason="length"))
             for r, (t, ids) in zip(rows, [("xy", [1, 2]), ("z", [3])])]
-    m = io.merge_payloads(pays)
+    m = merge_payloads(pays)
     assert m.outputs["text_output"].tolist() == [b"xy", b"z"]
     assert m.outputs["output_ids"].tolist() == [[[1, 2]], [[3, 0]]] and m.outputs["sequence_length"].tolist() == [[2], [1]]
     assert m.outputs["batch_index"].tolist() == [[0], [1]]
-    err = io.Payload(error="boom", error_code="INVALID_ARG", finished=True)
-    assert io.merge_payloads([pays[0], err]).error == "boom"
+    err = Payload(error="boom", error_code="INVALID_ARG", finished=True)
+    assert merge_payloads([pays[0], err]).error == "boom"
 
 
 def test_stop_request_and_unknown_interface():
-    assert io.is_stop_request({"stop": np.array([[True]])}) and not io.is_stop_request({"stop": np.array([[False]])})
+    assert is_stop_request({"stop": np.array([[True]])}) and not is_stop_request({"stop": np.array([[False]])})
     with pytest.raises(InvalidRequestError, match="unknown specguide_interface"):
-        io.interface_of({io.INTERFACE_PARAMETER: "openai"})
+        interface_of({INTERFACE_PARAMETER: "openai"})
 
 
 def test_adapter_stop_request_cancels_the_request_with_that_id(model):
@@ -1141,7 +1147,7 @@ def test_adapter_unary_request_gets_one_response_for_all_rows(model):
     req = FakeTritonRequest({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_),
                              "max_tokens": np.array([[2], [3]], np.int32), "exclude_input_in_output": np.array([[True], [True]]),
                              "num_return_sequences": np.array([[2], [1]], np.int32)},
-                            parameters=json.dumps({io.INTERFACE_PARAMETER: "unary"}))
+                            parameters=json.dumps({INTERFACE_PARAMETER: "unary"}))
     model.execute([req])
     wait_for(req.sender.finished)
     assert len(req.sender.sent) == 1 and req.sender.sent[0][1] == 1
@@ -1155,7 +1161,7 @@ def test_adapter_unexpected_errors_never_show_python_exception_text(model, monke
     def boom(*a, **k):
         raise RecursionError("maximum recursion depth exceeded while decoding a JSON object")
 
-    monkeypatch.setattr(io, "parse_request", boom)
+    monkeypatch.setattr(request_parser, "parse_request", boom)
     req = FakeTritonRequest({"text_input": s("Hi")})
     model.execute([req])
     (resp, flags), = req.sender.sent
@@ -1177,7 +1183,7 @@ def test_adapter_refuses_a_huge_prompt_by_bytes_before_tokenizing(model, monkeyp
 def test_prompt_logprobs_go_out_once_on_the_first_payload_after_the_prefill():
     p = one({"text_input": s("Hi"), "stream": np.array([[True]]), "sampling_parameters": vllm(prompt_logprobs=1)})
     assert p.request.params.prompt_logprobs == 1
-    st = io.SequenceStream(p)
+    st = SequenceStream(p)
     o = out("a", [1])
     o.prompt_logprobs = [(3, None, []), (5, -0.5, [(7, -0.25)])]
     first = st.on_output(o).outputs
@@ -1190,7 +1196,7 @@ def test_prompt_logprobs_go_out_once_on_the_first_payload_after_the_prefill():
     v = vparse({"text_input": vtext("Hi"), "sampling_parameters": np.array([json.dumps({"prompt_logprobs": 0}).encode()],
                                                                             np.object_)})[0]
     assert v.request.params.prompt_logprobs is None
-    with pytest.raises(io.UnsupportedError, match="prompt_logprobs"):
+    with pytest.raises(UnsupportedError, match="prompt_logprobs"):
         vparse({"text_input": vtext("Hi"), "sampling_parameters": np.array([json.dumps({"prompt_logprobs": 2}).encode()],
                                                                             np.object_)})
 
@@ -1206,7 +1212,7 @@ def test_tensorrt_llm_embedding_bias_becomes_the_logit_bias():
     assert sp.logit_bias == {ord("a"): 1.5, ord("b"): 3.5, 7: -100.0, 200: 2.5}
     with pytest.raises(InvalidRequestError, match="go in pairs") as e:
         parse({"text_input": s("Hi"), "embedding_bias_words": s("a", "b"), "embedding_bias_weights": f32(1.0)})
-    assert io.error_code(e.value) == "INVALID_ARG"
+    assert error_code(e.value) == "INVALID_ARG"
     with pytest.raises(InvalidRequestError, match="finite"):
         parse({"text_input": s("Hi"), "embedding_bias": np.array([[np.nan]], np.float32)})
     too_many = np.ones((1, 301), np.float32)

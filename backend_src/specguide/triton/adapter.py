@@ -1,8 +1,9 @@
 """TritonPythonModel: decoupled requests in, engine sequences, streamed responses out.
 
 Threads:
-- Triton's execute thread maps each request (triton/io), submits its rows to the engine and
-  returns at once. A bad request gets one error response + FINAL and touches nothing else.
+- Triton's execute thread reads each request (request_inputs.py), maps it to engine requests
+  (request_parser.py), submits its rows to the engine and returns at once. A bad request gets one
+  error response + FINAL and touches nothing else.
 - The engine loop thread calls `_on_output` once per step per sequence; it only enqueues.
 - The response thread builds and sends responses, records metrics, and every few
   milliseconds checks cancellation (`response_sender.is_cancelled()`), engine health and the
@@ -27,15 +28,17 @@ import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig
 from ..util.memory import trim
-from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput
+from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput, error_code
 from .instance import instance_count
-from . import io
+from . import request_parser
 from .groups import Group, GroupMember, shaped
 from .instance import Instance
 from .interfaces import INTERFACES, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
 from .input_limits import BIG_REQUEST_BYTES, InputLimits, model_vocab_size, request_bytes
 from .metrics import Metrics
 from .peer_metrics import PeerMetrics, Served
+from .request_inputs import interface_of, is_stop_request, read_parameters, read_tensors, wants_error_output
+from .responses import VLLM_ERROR_PREFIX, Payload, error_response, safe_send
 from .stop_board import StopBoard
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -53,7 +56,7 @@ def _message(exc: BaseException, interface: str) -> str:
         where = "".join(traceback.format_tb(exc.__traceback__))
         pb_utils.Logger.log_error(f"specguide: unexpected error reading a request: {type(exc).__name__}: {exc}\n{where}")
     text = str(exc) if isinstance(exc, CLIENT_ERRORS) else UNEXPECTED
-    return (io.VLLM_ERROR_PREFIX if interface == "vllm" else "") + text
+    return (VLLM_ERROR_PREFIX if interface == "vllm" else "") + text
 
 
 def _log(level: str, text: str) -> None:
@@ -115,19 +118,19 @@ class TritonPythonModel:
         tensors: dict = {}
         error_output = False
         try:
-            parameters = io.read_parameters(request, self.limits)
-            error_output = io.wants_error_output(parameters)
-            interface = io.interface_of(parameters)
-            tensors = io.read_tensors(pb_utils, request)
-            if io.is_stop_request(tensors):
+            parameters = read_parameters(request, self.limits)
+            error_output = wants_error_output(parameters)
+            interface = interface_of(parameters)
+            tensors = read_tensors(pb_utils, request)
+            if is_stop_request(tensors):
                 self._stop(request.request_id())
-                io.safe_send(pb_utils, sender, None, FINAL)
+                safe_send(pb_utils, sender, None, FINAL)
                 return
             if self._closing:
                 raise EngineDeadError("the model is shutting down")
             if not self.engine.is_alive():
                 raise EngineDeadError(self.engine.down_reason() or "the engine is not running")
-            parsed = io.parse_request(
+            parsed = request_parser.parse_request(
                 tensors,
                 parameters,
                 default_max_tokens=self.config.default_max_tokens,
@@ -159,7 +162,7 @@ class TritonPythonModel:
                 seq.done = True
                 if seq.seq_id is not None:
                     self.engine.cancel(seq.seq_id)  # its final event is swallowed: the group is closed
-            if group.fail(io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))):
+            if group.fail(error_response(pb_utils, _message(exc, interface), error_code(exc))):
                 self.metrics.finished("rejected")
             with self._live_lock:
                 self._live.difference_update(seqs)
@@ -173,8 +176,8 @@ class TritonPythonModel:
         return self.peer_metrics.served(name, str(parameters.get(SERVED_VERSION_PARAMETER) or "1"))
 
     def _reject(self, sender: Any, exc: Exception, interface: str, error_output: bool = False) -> None:
-        response = io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))
-        io.safe_send(pb_utils, sender, shaped(pb_utils, response, error_output), FINAL)
+        response = error_response(pb_utils, _message(exc, interface), error_code(exc))
+        safe_send(pb_utils, sender, shaped(pb_utils, response, error_output), FINAL)
         self.metrics.finished("rejected")
 
     def _stop(self, request_id: str) -> None:
@@ -250,7 +253,7 @@ class TritonPythonModel:
             payload = seq.stream.on_output(out)
         except Exception as e:  # a response that cannot be built fails its request, nothing else
             pb_utils.Logger.log_error(f"specguide: building a response: {e!r}")
-            payload = io.Payload(error=f"could not build the response: {e}", error_code="INTERNAL", finished=True)
+            payload = Payload(error=f"could not build the response: {e}", error_code="INTERNAL", finished=True)
             if not out.finished and seq.seq_id is not None:
                 self.engine.cancel(seq.seq_id)
             out = RequestOutput(seq_id=out.seq_id, finished=True, finish_reason="error", error=payload.error)
@@ -333,7 +336,7 @@ class TritonPythonModel:
             live, self._live = list(self._live), set()
         for seq in live:
             seq.done = True
-            if seq.group.fail(io.error_response(pb_utils, message, EngineDeadError.code)):
+            if seq.group.fail(error_response(pb_utils, message, EngineDeadError.code)):
                 self.metrics.finished("error")
 
     # ------------------------------------------------------------------ shutdown
