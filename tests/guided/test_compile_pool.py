@@ -56,7 +56,7 @@ def is_xgrammar(guide) -> bool:
 def svc(hf_tokenizer):
     s = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=2, timeout_s=TIMEOUT_S,
                                limits=GuideLimits(max_properties=0))
-    assert s.scheduler.wait_started(60)
+    assert s.lanes.wait_started(60)
     yield s
     s.shutdown()
 
@@ -97,9 +97,9 @@ def test_bombs_time_out_free_their_workers_and_never_delay_small_guides(svc):
         # does not depend on the CPU's speed)
         assert took < TIMEOUT_S * _WALL_FACTOR + 2.0
     t1 = time.monotonic()
-    while svc.scheduler.kills < 2 and time.monotonic() - t1 < 3:  # the probe threads notice at the deadline too
+    while svc.lanes.kills < 2 and time.monotonic() - t1 < 3:  # the probe threads notice at the deadline too
         time.sleep(0.02)
-    assert svc.scheduler.kills >= 2
+    assert svc.lanes.kills >= 2
     # the killed workers were replaced: a guide that needs a worker compiles, within the timeout
     after = svc.submit(medium("z"), AMPLE_S)
     wait(after)
@@ -155,10 +155,10 @@ def test_workers_take_the_least_cpu_share_in_a_session_of_their_own(svc):
     its own at autogroup nice 0) beside a decoding engine starved every other process for seconds
     (bench/probe_stalls.py). Each worker gets its own session at autogroup nice 19."""
     t0 = time.monotonic()  # both lanes' workers up (a lane whose bomb was killed starts its replacement)
-    while not all(w is not None and w.alive() for w in svc.scheduler._workers):
+    while not all(w is not None and w.alive() for w in svc.lanes._workers):
         assert time.monotonic() - t0 < 60, "a compile worker never came back"
         time.sleep(0.05)
-    for w in svc.scheduler._workers:
+    for w in svc.lanes._workers:
         assert os.getsid(w.proc.pid) == w.proc.pid != os.getsid(0)
         assert os.getpriority(os.PRIO_PROCESS, w.proc.pid) >= 5
         if os.path.exists(f"/proc/{w.proc.pid}/autogroup"):
@@ -171,10 +171,10 @@ def test_workers_compile_without_loading_torch(svc):
     each worker ~150 MB of anonymous memory and a second of start-up for nothing a compile uses."""
     svc.submit(medium("notorch")).result(timeout=60)  # proven in a worker, then compiled here
     t0 = time.monotonic()
-    while not all(w is not None and w.alive() for w in svc.scheduler._workers):
+    while not all(w is not None and w.alive() for w in svc.lanes._workers):
         assert time.monotonic() - t0 < 60, "a compile worker never came back"
         time.sleep(0.05)
-    for w in svc.scheduler._workers:
+    for w in svc.lanes._workers:
         with open(f"/proc/{w.proc.pid}/maps") as f:
             libraries = {line.split()[-1].rsplit("/", 1)[-1] for line in f if ".so" in line}
         assert "libxgrammar_bindings.so" in libraries
@@ -216,13 +216,13 @@ from specguide.models.loader import resolve_model_dir
 from specguide.request import GuidedDecodingParams as G
 s = GrammarCompilerService(AutoTokenizer.from_pretrained(str(resolve_model_dir())), {vocab}, max_workers=1,
                            timeout_s=600, limits=GuideLimits(max_properties=0))
-assert s.scheduler.wait_started(60)
+assert s.lanes.wait_started(60)
 props = {{f"p{{i}}": {{"type": "integer"}} for i in range(3000)}}
 s.submit(G("json_schema", json.dumps({{"type": "object", "properties": props, "additionalProperties": True}}),
            backend="xgrammar"))
-while not s.scheduler._running:
+while not s.lanes._running:
     time.sleep(0.01)
-print(s.scheduler._workers[0].proc.pid, flush=True)
+print(s.lanes._workers[0].proc.pid, flush=True)
 time.sleep(600)
 """
 
@@ -245,12 +245,12 @@ def test_a_worker_dies_with_the_serving_process():
     assert process_identity(pid) is None, "the compile worker outlived the serving process"
 
 
-def running_worker(scheduler, limit: float = 30.0) -> int:
+def running_worker(pool, limit: float = 30.0) -> int:
     """The pid of the worker running a job (waits for one, and for its process: a lane whose worker
     was replaced starts the new one after taking the job)."""
     t0 = time.monotonic()
     while True:
-        lanes = [scheduler._workers[i] for i in list(scheduler._running)]
+        lanes = [pool._workers[i] for i in list(pool._running)]
         if lanes and lanes[0] is not None:
             return lanes[0].proc.pid
         assert time.monotonic() - t0 < limit, "no worker took the job"
@@ -265,9 +265,9 @@ def test_the_timeout_counts_the_workers_cpu_time_up_to_a_wall_clock_cap(hf_token
     s = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=1, timeout_s=AMPLE_S,
                                limits=GuideLimits(max_properties=0))
     try:
-        assert s.scheduler.wait_started(60)
+        assert s.lanes.wait_started(60)
         wait(s.submit(medium(f"warm{compiles}")))  # the worker's first compile (its tokenizer set-up)
-        pid = s.scheduler._workers[0].proc.pid
+        pid = s.lanes._workers[0].proc.pid
         cpu0 = cpu_seconds(pid)
         wait(s.submit(medium(f"cost{compiles}")))
         cost = cpu_seconds(pid) - cpu0  # what one more such guide costs this worker
@@ -277,7 +277,7 @@ def test_the_timeout_counts_the_workers_cpu_time_up_to_a_wall_clock_cap(hf_token
         # before the test saw it running (the worker is idle until then, so its CPU clock is the same)
         os.kill(pid, signal.SIGSTOP)
         h = s.submit(medium(f"s{compiles}"), timeout_s)
-        assert running_worker(s.scheduler) == pid
+        assert running_worker(s.lanes) == pid
         time.sleep(stopped_s)
         try:
             os.kill(pid, signal.SIGCONT)

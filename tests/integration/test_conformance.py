@@ -150,7 +150,7 @@ def test_embedding_bias_of_the_ensemble_and_of_tensorrt_llm(server):
                                         "embedding_bias_words": np.array([[b" zebra"]], np.object_),
                                         "embedding_bias_weights": np.array([[100.0]], np.float32)})
     assert got[-1][0].as_numpy("text_output")[0].decode() == " zebra" * 4
-    from specguide.triton.limits import model_vocab_size
+    from specguide.triton.input_limits import model_vocab_size
 
     dense = np.zeros((1, model_vocab_size(_model_dir())), np.float32)  # one value per token id, as TensorRT-LLM takes it
     dense[0, ids[0]] = -100.0
@@ -176,7 +176,7 @@ def test_tensorrt_llm_core_names_over_grpc_and_http(server):
     assert streamed == ids and all(r.as_numpy("output_ids").ndim == 3 for r, _ in got)
     assert [int(r.as_numpy("sequence_length")[0][0]) for r, _ in got] == [r.as_numpy("output_ids").shape[2] for r, _ in got]
     assert tok_ids == ids[:1]
-    # over HTTP a scalar request_output_len is honoured (it used to be ignored as a parameter)
+    # over HTTP a scalar request_output_len is honoured, not ignored as a request parameter
     body = json.dumps({"text_input": PROMPT, "request_output_len": 3, "exclude_input_in_output": True}).encode()
     with urllib.request.urlopen(f"http://{server.http}/v2/models/specguide/generate", data=body, timeout=120) as r:
         d = json.loads(r.read())

@@ -5,9 +5,10 @@ SPECGUIDE_FAULT_INJECTION=1 (faults arrive as the request parameter `specguide_f
 The tests run in file order: the engine crash and the stuck engine come last (the engine comes back
 by itself).
 
-Codes: the engine's errors carry UNAVAILABLE / INTERNAL (checked in tests/unit/test_triton_io.py),
-but Triton 2.51 shows none of them to clients: gRPC stream errors carry only the message, and
-HTTP generate answers every error a Python model sends with 400. So the messages are checked."""
+Codes: the engine's errors carry UNAVAILABLE / INTERNAL (checked in tests/unit/test_triton_responses.py
+and test_triton_adapter.py), but Triton 2.51 shows none of them to clients: gRPC stream errors
+carry only the message, and HTTP generate answers every error a Python model sends with 400. So
+the messages are checked."""
 from __future__ import annotations
 
 import json

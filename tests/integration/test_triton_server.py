@@ -191,7 +191,7 @@ BAD = [
 
 @pytest.mark.parametrize("inputs,message", BAD, ids=[m for _, m in BAD])
 def test_bad_input_gets_its_error_and_the_server_keeps_serving(server, inputs, message):
-    # (gRPC stream errors carry only the message; the codes are checked in tests/unit/test_triton_io.py)
+    # (gRPC stream errors carry only the message; the codes are checked in tests/unit/test_triton_requests.py)
     rejected = server.metric("specguide_requests_total", finish_reason="rejected")
     got = raw_stream(server, inputs)
     assert len(got) == 1

@@ -9,9 +9,10 @@ import pytest
 from specguide.config import EngineConfig
 from specguide.guided.limits import GuideLimits, check_guide, json_depth, measure
 from specguide.request import GuidedDecodingParams as G
-from specguide.request import InvalidRequestError, SamplingParams
-from specguide.triton import io
-from specguide.triton.limits import InputLimits
+from specguide.request import InvalidRequestError, SamplingParams, error_code
+from specguide.triton.input_limits import InputLimits
+from specguide.triton.request_inputs import read_parameters
+from specguide.triton.request_parser import parse_request
 
 
 class CountingTokenizer:
@@ -35,13 +36,13 @@ def s(v):
 
 def parse(inputs, tok=None, **kw):
     kw.setdefault("max_tokens_limit", 2048)
-    return io.parse_request(inputs, {}, tokenizer=tok or CountingTokenizer(), **kw)
+    return parse_request(inputs, {}, tokenizer=tok or CountingTokenizer(), **kw)
 
 
 def error(inputs, **kw) -> str:
     with pytest.raises(InvalidRequestError) as e:
         parse(inputs, **kw)
-    assert io.error_code(e.value) == "INVALID_ARG"
+    assert error_code(e.value) == "INVALID_ARG"
     return str(e.value)
 
 
@@ -84,7 +85,7 @@ def test_request_parameters_are_capped_by_bytes():
             return json.dumps({"temperature": 0.5, "pad": "x" * 5000})
 
     with pytest.raises(InvalidRequestError, match="the request parameters has 50.. bytes.*max_sampling_parameters_bytes"):
-        io.read_parameters(Req(), InputLimits(max_json_bytes=4096))
+        read_parameters(Req(), InputLimits(max_json_bytes=4096))
 
 
 def test_a_guide_tensor_is_capped_by_bytes():

@@ -2,8 +2,8 @@
 vocabulary size; the engine's intake again, through the same function), TensorRT-LLM word lists'
 offsets are read as TensorRT-LLM reads them, and the lists the engine scans on every token are capped.
 
-Measured before: `bad_words_list` [[[29, 999999], [2, -1]]] passed intake; once a stream wrote 29 the
-step banned token 999999 and failed with an IndexError, ending every stream of that step."""
+The attack: a `bad_words_list` [[[29, 999999], [2, -1]]] past intake would, once a stream wrote 29,
+make the step ban token 999999 and fail with an IndexError, ending every stream of that step."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from specguide.config import EngineConfig
-from specguide.request import InvalidRequestError, ListLimits, Request, SamplingParams
-from specguide.triton import io
-from specguide.triton.limits import InputLimits, model_vocab_size
+from specguide.request import InvalidRequestError, ListLimits, Request, SamplingParams, error_code
+from specguide.triton.input_limits import InputLimits, model_vocab_size
+from specguide.triton.interfaces import INTERFACE_PARAMETER
+from specguide.triton.request_parser import parse_request
 
 VOCAB = 49152  # the default model's (its config.json)
 
@@ -46,14 +47,14 @@ def limits(vocab=VOCAB, **settings):
 
 
 def parse(inputs, tok=None, lim=None, parameters=None):
-    return io.parse_request(inputs, parameters or {}, tokenizer=tok or CountingTokenizer(), max_tokens_limit=2048,
-                            limits=lim or limits())
+    return parse_request(inputs, parameters or {}, tokenizer=tok or CountingTokenizer(), max_tokens_limit=2048,
+                         limits=lim or limits())
 
 
 def error(inputs, **kw) -> str:
     with pytest.raises(InvalidRequestError) as e:
         parse(inputs, **kw)
-    assert io.error_code(e.value) == "INVALID_ARG"
+    assert error_code(e.value) == "INVALID_ARG"
     return str(e.value)
 
 
@@ -66,7 +67,7 @@ def word_list(*words):
     return np.array([[flat + [0] * (pad - len(flat)), ends + [-1] * (pad - len(ends))]], np.int32)
 
 
-# ------------------------------------------------------------------ the measured attack
+# ------------------------------------------------------------------ the attack: an id past the vocabulary
 
 
 def test_the_measured_bad_words_list_is_refused_naming_the_field_and_the_value():
@@ -131,7 +132,7 @@ def test_ids_tokenized_from_words_are_checked_against_the_models_vocabulary():
 
 
 def test_the_vllm_interface_checks_its_ids_too():
-    vllm = {io.INTERFACE_PARAMETER: "vllm"}
+    vllm = {INTERFACE_PARAMETER: "vllm"}
     msg = error({"text_input": s("Hi"), "sampling_parameters": s(json.dumps({"stop_token_ids": [VOCAB]}))},
                 parameters=vllm)
     assert msg.startswith("stop_token_ids") and str(VOCAB) in msg
@@ -148,7 +149,7 @@ def test_ids_inside_the_vocabulary_pass():
 
 def test_a_dense_embedding_bias_takes_one_value_per_token_id_of_the_model():
     """TensorRT-LLM refuses an embedding_bias whose length is not the vocabulary size ("The embedding
-    bias shape is not as expected"); longer used to bias ids past the vocabulary. The ensemble sends
+    bias shape is not as expected"); a longer one would bias ids past the vocabulary. The ensemble sends
     [B, 0] when it has no bias words: no bias."""
     for n in (VOCAB - 1, VOCAB + 1, 300):
         msg = error({"text_input": s("Hi"), "embedding_bias": np.zeros((1, n), np.float32)})

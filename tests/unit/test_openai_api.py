@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from specguide.openai_api import guides, sampling
+from specguide.openai_api import guides, request_params
 from specguide.openai_api.chat import ChatTemplate, render_chat
 from specguide.openai_api.errors import ApiError, from_triton, from_validation
 from specguide.openai_api.outputs import CompletionLogprobs, chat_logprobs, finish_reason
@@ -182,18 +182,18 @@ def test_non_text_content_parts_are_refused_saying_why():
 def test_sampling_fields_map_to_the_models_inputs():
     req = chat_req(temperature=0.5, top_p=0.9, min_p=0.05, seed=-1, stop="END", n=2, presence_penalty=1.0,
                    num_draft_tokens=0)
-    t = sampling.build(req, "prompt", None, 10, 100, 3, sampling.Limits(2048))
+    t = request_params.build(req, "prompt", None, 10, 100, 3, request_params.Limits(2048))
     assert t.sampling == {"max_tokens": 10, "temperature": 0.5, "top_p": 0.9, "min_p": 0.05, "presence_penalty": 1.0,
                           "seed": 2**64 - 1, "stop": ["END"], "logprobs": 3}
     with pytest.raises(ValidationError):
         chat_req(min_p=1.5)
-    biased = sampling.build(chat_req(logit_bias={"42": -100}, stop_token_ids=[7], bad_words=["no"]), "p", None, 4, 100,
-                            None, sampling.Limits())
+    biased = request_params.build(chat_req(logit_bias={"42": -100}, stop_token_ids=[7], bad_words=["no"]), "p", None,
+                                  4, 100, None, request_params.Limits())
     assert (biased.sampling["logit_bias"], biased.sampling["stop_token_ids"], biased.sampling["bad_words"]) == \
         ({"42": -100}, [7], ["no"])
     for bad in ({"42": 101}, {"x": 1}):
         with pytest.raises(ApiError) as e:
-            sampling.build(chat_req(logit_bias=bad), "p", None, 4, 100, None, sampling.Limits())
+            request_params.build(chat_req(logit_bias=bad), "p", None, 4, 100, None, request_params.Limits())
         assert e.value.status == 400 and e.value.param == "logit_bias"
     assert (t.n, t.num_draft_tokens, t.logprobs) == (2, 0, True)
     msg = build_request(t, "r1")
@@ -201,16 +201,18 @@ def test_sampling_fields_map_to_the_models_inputs():
                                             "num_draft_tokens", "return_logprobs"}
     assert msg.parameters["specguide_error_output"].bool_param
     with pytest.raises(ApiError) as e:
-        sampling.build(chat_req(max_completion_tokens=5000), "p", None, 5000, 100, None, sampling.Limits(2048))
+        request_params.build(chat_req(max_completion_tokens=5000), "p", None, 5000, 100, None,
+                             request_params.Limits(2048))
     assert e.value.param == "max_completion_tokens"
     with pytest.raises(ApiError) as e:
-        sampling.build(CompletionRequest(model="m", prompt="x", best_of=3), "p", None, None, 16, None, sampling.Limits())
+        request_params.build(CompletionRequest(model="m", prompt="x", best_of=3), "p", None, None, 16, None,
+                             request_params.Limits())
     assert e.value.param == "best_of" and e.value.code == "unsupported_parameter"
     # vLLM's detokenizer options at their defaults (what vLLM clients send) pass; the others are refused
-    sampling.build(chat_req(skip_special_tokens=True, spaces_between_special_tokens=True), "p", None, 4, 100, None,
-                   sampling.Limits())
+    request_params.build(chat_req(skip_special_tokens=True, spaces_between_special_tokens=True), "p", None, 4, 100,
+                         None, request_params.Limits())
     with pytest.raises(ApiError) as e:
-        sampling.build(chat_req(skip_special_tokens=False), "p", None, 4, 100, None, sampling.Limits())
+        request_params.build(chat_req(skip_special_tokens=False), "p", None, 4, 100, None, request_params.Limits())
     assert e.value.param == "skip_special_tokens" and e.value.code == "unsupported_parameter"
 
 
@@ -348,7 +350,8 @@ def test_token_id_prompts_go_to_the_model_as_input_ids():
         assert e.value.status == 400 and e.value.param == "prompt"
     with pytest.raises(ValidationError):
         CompletionRequest(model="m", prompt=[1, "a"])
-    t = sampling.build(CompletionRequest(model="m", prompt=[5, 6]), [5, 6], None, None, 16, None, sampling.Limits())
+    t = request_params.build(CompletionRequest(model="m", prompt=[5, 6]), [5, 6], None, None, 16, None,
+                             request_params.Limits())
     msg = build_request(t, "r1")
     names = [i.name for i in msg.inputs]
     assert "text_input" not in names

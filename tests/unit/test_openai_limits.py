@@ -12,7 +12,7 @@ from typing import Any, Optional
 import pytest
 
 from specguide.openai_api import app as app_module
-from specguide.openai_api import sampling
+from specguide.openai_api import request_params
 from specguide.openai_api.app import INLINE_BODY_BYTES, Settings, create_app
 from specguide.openai_api.caps import Caps
 from specguide.openai_api.cli import caps_of, is_loopback, parse_args
@@ -70,7 +70,7 @@ def server(caps: Caps = Caps(), ready: bool = True) -> tuple[Any, FakeTriton]:
 
 
 def test_twenty_thousand_prompts_are_refused_before_any_triton_request():
-    """The measured attack: 20,000 one-character prompts were 20,000 gRPC streams."""
+    """The attack: 20,000 one-character prompts would be 20,000 gRPC streams."""
     app, triton = server()
     status, got = call(app, "POST", "/v1/completions", {"model": MODEL, "prompt": ["a"] * 20000, "max_tokens": 1})
     assert status == 400, got
@@ -161,7 +161,7 @@ def test_a_large_body_is_parsed_and_prepared_off_the_event_loop(monkeypatch):
     """The depth scan, json.loads, validation and the Triton requests' building of a body past
     INLINE_BODY_BYTES run in a worker thread; a small body's stay in the loop (no thread hop)."""
     seen: dict[str, list[bool]] = {"depth": [], "build": []}
-    depth, build = app_module.json_depth, sampling.build
+    depth, build = app_module.json_depth, request_params.build
 
     def recording_depth(text: str) -> int:
         seen["depth"].append(_on_loop())
@@ -172,7 +172,7 @@ def test_a_large_body_is_parsed_and_prepared_off_the_event_loop(monkeypatch):
         return build(*a, **kw)
 
     monkeypatch.setattr(app_module, "json_depth", recording_depth)
-    monkeypatch.setattr(sampling, "build", recording_build)
+    monkeypatch.setattr(request_params, "build", recording_build)
     app, triton = server()
     big = {"model": MODEL, "prompt": "a" * (INLINE_BODY_BYTES + 1), "max_tokens": 1}
     status, got = call(app, "POST", "/v1/completions", big)

@@ -139,7 +139,7 @@ def _lower_priority() -> None:
         pass
 
 
-class CompileScheduler:
+class CompileLanes:
     """Runs `compile_fn(params)` for each guide in the right lane; see the module docstring."""
 
     def __init__(self, compile_fn: Callable[[GuidedDecodingParams], Any], tokenizer_info: Any, *,
@@ -193,7 +193,7 @@ class CompileScheduler:
                 fut: Future = Future()
                 fut.set_exception(InvalidRequestError(refused))
                 return fut
-            # llguidance compiles lazily and fast (p99 ~20 ms on MaskBench) and enforces its own limits
+            # llguidance compiles lazily and fast and enforces its own limits: no worker needed
             if backend != "xgrammar" or size.small() or key in self._cached:
                 return self.fast.submit(self._in_process, key, params)
             if key in self._proven:

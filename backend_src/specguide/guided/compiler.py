@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 from ..request import GuidedDecodingParams, InvalidRequestError, UndeclaredKeys
 from .backend import BACKENDS, CompiledGuide, GrammarBackend, canonical_backend
-from .compile_pool import CompileScheduler, timeout_message  # noqa: F401 (re-exported)
+from .compile_pool import CompileLanes, timeout_message
 from .limits import GuideLimits, check_guide
 from .llguidance_backend import LlguidanceBackend
 from .params import validate_guided
@@ -142,8 +142,8 @@ class GrammarCompilerService:
         self.limits = limits or GuideLimits()  # admission limits, checked at submit (guided/limits.py)
         # lanes: llguidance, small or cached guides in-process; other xgrammar guides proven first in
         # killable worker processes (compile_pool.py)
-        self.scheduler = CompileScheduler(self._compile, self.xgrammar.tokenizer_info, workers=max_workers,
-                                          route=self.backend_for)
+        self.lanes = CompileLanes(self._compile, self.xgrammar.tokenizer_info, workers=max_workers,
+                                  route=self.backend_for)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -159,14 +159,14 @@ class GrammarCompilerService:
         """Validate now (InvalidRequestError at once for a malformed guide), compile in the pool."""
         params = self._with_defaults(validate_guided(params))
         size = check_guide(params, self.limits)  # InvalidRequestError naming the limit and its setting
-        # resolved once (an unknown backend fails at once; `auto` reads the schema): the scheduler,
+        # resolved once (an unknown backend fails at once; `auto` reads the schema): the lanes,
         # the probe and the compile see the backend by name
         params = dataclasses.replace(params, backend=self.backend_for(params))
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._closed:
                 raise RuntimeError("the grammar compiler is shut down")
-            future = self.scheduler.submit(params, size, timeout_s)
+            future = self.lanes.submit(params, size, timeout_s)
         return CompileHandle(future, timeout_s)
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
@@ -216,4 +216,4 @@ class GrammarCompilerService:
         """Stop taking compiles; pending ones are cancelled, running ones finish in the background."""
         with self._lock:
             self._closed = True
-        self.scheduler.shutdown()
+        self.lanes.shutdown()

@@ -29,7 +29,7 @@ from .chat import ChatTemplate
 from .caps import Caps
 from .errors import ApiError, ErrorType, bad_request, from_validation
 from .event_stream import EventStream
-from .sampling import Limits
+from .request_params import Limits
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .triton_client import MODEL, TritonClient
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from ..config import ReasoningMarkers
-from . import caps, guides, sampling
+from . import caps, guides, request_params
 from .chat import render_chat
 from .errors import bad_request, unsupported
 from .handlers import Answer, Context, UsageInStream, check_stream_options, guarded, primed, sse
@@ -45,8 +45,8 @@ def prepare(ctx: Context, req: ChatCompletionRequest) -> ChatPlan:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     top = (req.top_logprobs or 0) if req.logprobs else None
     prompt = render_chat(ctx.template, req.messages, req.tools if tools_on else None, req.chat_template_kwargs)
-    treq = sampling.build(req, prompt, guide, req.max_completion_tokens or req.max_tokens, ctx.default_chat_max_tokens,
-                          top, ctx.limits)
+    treq = request_params.build(req, prompt, guide, req.max_completion_tokens or req.max_tokens,
+                                ctx.default_chat_max_tokens, top, ctx.limits)
     return ChatPlan(treq, top, tools_on, usage_in, req.prompt_logprobs, bool(req.stream))
 
 

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
-from . import caps, guides, sampling
+from . import caps, guides, request_params
 from .errors import bad_request
 from .handlers import Answer, Context, UsageInStream, check_stream_options, guarded, primed, sse
 from .outputs import CompletionLogprobs, UsageCounter, finish_reason, merge, vllm_prompt_logprobs
@@ -41,8 +41,8 @@ def prepare(ctx: Context, req: CompletionRequest) -> CompletionPlan:
     scoring = req.max_tokens == 0  # the prompt scored, nothing generated (OpenAI's legacy echo + max_tokens 0)
     if scoring and not req.echo:
         raise bad_request("max_tokens 0 scores the prompt: it needs echo: true", "max_tokens")
-    treqs = [sampling.build(req, p, guide, 1 if scoring else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
-                            req.logprobs, ctx.limits) for p in prompts]
+    treqs = [request_params.build(req, p, guide, 1 if scoring else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                                  req.logprobs, ctx.limits) for p in prompts]
     if req.echo and (req.logprobs is not None or any(isinstance(p, list) for p in prompts)):
         for t in treqs:  # the model sends the prompt's tokens (and their log probs) back
             t.sampling["prompt_logprobs"] = max(req.logprobs or 0, req.prompt_logprobs or 0)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
 from ..config import ReasoningMarkers
-from . import sampling
+from . import request_params
 from .caps import Caps
 from .chat import ChatTemplate
 from .errors import ApiError, bad_request
@@ -23,7 +23,7 @@ class Context:
     client: Optional[TritonClient]
     template: Optional[ChatTemplate]
     model_name: str
-    limits: sampling.Limits = field(default_factory=sampling.Limits)
+    limits: request_params.Limits = field(default_factory=request_params.Limits)
     default_chat_max_tokens: int = 2048  # OpenAI: up to the context; the model's max_tokens_limit
     reasoning: Optional[ReasoningMarkers] = None  # the model's reasoning_markers: its thinking goes in reasoning_content
     caps: Caps = field(default_factory=Caps)  # counts per request (the --max-* options)

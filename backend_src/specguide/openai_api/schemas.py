@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI request bodies this server accepts.
 
 Every model forbids unknown keys, so a field we do not know is a 400 that names it. Fields that we
-know but do not serve are declared too and refused in `sampling.py` with a message saying why
+know but do not serve are declared too and refused in `request_params.py` with a message saying why
 (rather than a generic "extra field"). Ranges follow OpenAI's documentation.
 """
 from __future__ import annotations
@@ -175,7 +175,7 @@ class _Sampling(_Strict):
     response_format: Optional[ResponseFormat] = Field(default=None, discriminator="type")
     # SpecGuide: draft tokens per step (0 turns speculation off), as the Triton input of that name
     num_draft_tokens: Optional[int] = Field(default=None, ge=0)
-    # known OpenAI / vLLM fields that are refused (see sampling.REFUSED)
+    # known OpenAI / vLLM fields that are refused (see request_params.REFUSED)
     best_of: Optional[int] = None
     service_tier: Optional[str] = None
     store: Optional[bool] = None
@@ -193,7 +193,7 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[ToolChoiceMode, NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
-    # refused (see sampling.REFUSED)
+    # refused (see request_params.REFUSED)
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     modalities: Optional[list[str]] = None

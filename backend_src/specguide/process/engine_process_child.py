@@ -50,7 +50,7 @@ def child_main() -> None:
         core = engine.core
         if faults.enabled():  # reliability tests: each request may name a fault
             faults.FaultInjector(core).install()
-        core.compiler.scheduler.start()  # compile worker processes warm before the first big guide
+        core.compiler.lanes.start()  # compile worker processes warm before the first big guide
     except Exception as e:
         logging.exception("the engine failed to load")
         send(("failed", f"{type(e).__name__}: {e}"))

@@ -1,8 +1,9 @@
 """TritonPythonModel: decoupled requests in, engine sequences, streamed responses out.
 
 Threads:
-- Triton's execute thread maps each request (triton/io), submits its rows to the engine and
-  returns at once. A bad request gets one error response + FINAL and touches nothing else.
+- Triton's execute thread reads each request (request_inputs.py), maps it to engine requests
+  (request_parser.py), submits its rows to the engine and returns at once. A bad request gets one
+  error response + FINAL and touches nothing else.
 - The engine loop thread calls `_on_output` once per step per sequence; it only enqueues.
 - The response thread builds and sends responses, records metrics, and every few
   milliseconds checks cancellation (`response_sender.is_cancelled()`), engine health and the
@@ -27,15 +28,17 @@ import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig
 from ..util.memory import trim
-from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput
+from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput, error_code
 from .instance import instance_count
-from . import io
-from .groups import Group, Seq, shaped
+from . import request_parser
+from .groups import Group, GroupMember, shaped
 from .instance import Instance
 from .interfaces import INTERFACES, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
-from .limits import BIG_REQUEST_BYTES, InputLimits, model_vocab_size, request_bytes
+from .input_limits import BIG_REQUEST_BYTES, InputLimits, model_vocab_size, request_bytes
 from .metrics import Metrics
 from .peer_metrics import PeerMetrics, Served
+from .request_inputs import interface_of, is_stop_request, read_parameters, read_tensors, wants_error_output
+from .responses import VLLM_ERROR_PREFIX, Payload, error_response, safe_send
 from .stop_board import StopBoard
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -53,7 +56,7 @@ def _message(exc: BaseException, interface: str) -> str:
         where = "".join(traceback.format_tb(exc.__traceback__))
         pb_utils.Logger.log_error(f"specguide: unexpected error reading a request: {type(exc).__name__}: {exc}\n{where}")
     text = str(exc) if isinstance(exc, CLIENT_ERRORS) else UNEXPECTED
-    return (io.VLLM_ERROR_PREFIX if interface == "vllm" else "") + text
+    return (VLLM_ERROR_PREFIX if interface == "vllm" else "") + text
 
 
 def _log(level: str, text: str) -> None:
@@ -89,7 +92,7 @@ class TritonPythonModel:
         # with several instances a stop request may reach one that does not run the request
         self._stops = StopBoard(self.model_name, os.getppid()) if several else None
         self._outbox: "queue.Queue[Any]" = queue.Queue()
-        self._live: set[Seq] = set()
+        self._live: set[GroupMember] = set()
         self._live_lock = threading.Lock()
         self._closing = False
         self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
@@ -115,19 +118,19 @@ class TritonPythonModel:
         tensors: dict = {}
         error_output = False
         try:
-            parameters = io.read_parameters(request, self.limits)
-            error_output = io.wants_error_output(parameters)
-            interface = io.interface_of(parameters)
-            tensors = io.read_tensors(pb_utils, request)
-            if io.is_stop_request(tensors):
+            parameters = read_parameters(request, self.limits)
+            error_output = wants_error_output(parameters)
+            interface = interface_of(parameters)
+            tensors = read_tensors(pb_utils, request)
+            if is_stop_request(tensors):
                 self._stop(request.request_id())
-                io.safe_send(pb_utils, sender, None, FINAL)
+                safe_send(pb_utils, sender, None, FINAL)
                 return
             if self._closing:
                 raise EngineDeadError("the model is shutting down")
             if not self.engine.is_alive():
                 raise EngineDeadError(self.engine.down_reason() or "the engine is not running")
-            parsed = io.parse_request(
+            parsed = request_parser.parse_request(
                 tensors,
                 parameters,
                 default_max_tokens=self.config.default_max_tokens,
@@ -147,7 +150,8 @@ class TritonPythonModel:
                        via_proxy=interface != "trtllm" or error_output)
         served = self._served(parameters, interface)
         per_row = Counter(p.batch_index for p in parsed)  # a prompt's num_return_sequences
-        seqs = [Seq(group, i, p, t_arrival, self.tokenizer, served, per_row[p.batch_index]) for i, p in enumerate(parsed)]
+        seqs = [GroupMember(group, i, p, t_arrival, self.tokenizer, served, per_row[p.batch_index])
+                for i, p in enumerate(parsed)]
         with self._live_lock:
             self._live.update(seqs)
         try:
@@ -158,7 +162,7 @@ class TritonPythonModel:
                 seq.done = True
                 if seq.seq_id is not None:
                     self.engine.cancel(seq.seq_id)  # its final event is swallowed: the group is closed
-            if group.fail(io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))):
+            if group.fail(error_response(pb_utils, _message(exc, interface), error_code(exc))):
                 self.metrics.finished("rejected")
             with self._live_lock:
                 self._live.difference_update(seqs)
@@ -172,8 +176,8 @@ class TritonPythonModel:
         return self.peer_metrics.served(name, str(parameters.get(SERVED_VERSION_PARAMETER) or "1"))
 
     def _reject(self, sender: Any, exc: Exception, interface: str, error_output: bool = False) -> None:
-        response = io.error_response(pb_utils, _message(exc, interface), io.error_code(exc))
-        io.safe_send(pb_utils, sender, shaped(pb_utils, response, error_output), FINAL)
+        response = error_response(pb_utils, _message(exc, interface), error_code(exc))
+        safe_send(pb_utils, sender, shaped(pb_utils, response, error_output), FINAL)
         self.metrics.finished("rejected")
 
     def _stop(self, request_id: str) -> None:
@@ -190,7 +194,7 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ engine loop thread
 
-    def _on_output(self, seq: Seq, out: RequestOutput) -> None:
+    def _on_output(self, seq: GroupMember, out: RequestOutput) -> None:
         self._outbox.put((seq, out, time.perf_counter()))
 
     # ------------------------------------------------------------------ response thread
@@ -214,7 +218,7 @@ class TritonPythonModel:
             except Exception as e:  # never let the response thread die
                 pb_utils.Logger.log_error(f"specguide: response thread: {e!r}")
 
-    def _deliver(self, seq: Seq, out: RequestOutput, t: float) -> None:
+    def _deliver(self, seq: GroupMember, out: RequestOutput, t: float) -> None:
         if seq.done:
             return
         if seq.seq_id is None:
@@ -249,7 +253,7 @@ class TritonPythonModel:
             payload = seq.stream.on_output(out)
         except Exception as e:  # a response that cannot be built fails its request, nothing else
             pb_utils.Logger.log_error(f"specguide: building a response: {e!r}")
-            payload = io.Payload(error=f"could not build the response: {e}", error_code="INTERNAL", finished=True)
+            payload = Payload(error=f"could not build the response: {e}", error_code="INTERNAL", finished=True)
             if not out.finished and seq.seq_id is not None:
                 self.engine.cancel(seq.seq_id)
             out = RequestOutput(seq_id=out.seq_id, finished=True, finish_reason="error", error=payload.error)
@@ -271,7 +275,7 @@ class TritonPythonModel:
         elif seq.parsed.stream:
             self._check_cancel(seq)
 
-    def _cancel_siblings(self, seq: Seq) -> None:
+    def _cancel_siblings(self, seq: GroupMember) -> None:
         """A unary request failed in one sequence: its answer is sent, the other sequences stop."""
         with self._live_lock:
             others = [s for s in self._live if s.group is seq.group and s is not seq]
@@ -282,7 +286,7 @@ class TritonPythonModel:
             with self._live_lock:
                 self._live.discard(s)
 
-    def _check_cancel(self, seq: Seq) -> None:
+    def _check_cancel(self, seq: GroupMember) -> None:
         if seq.cancel_sent or seq.seq_id is None:
             return
         g = seq.group
@@ -332,7 +336,7 @@ class TritonPythonModel:
             live, self._live = list(self._live), set()
         for seq in live:
             seq.done = True
-            if seq.group.fail(io.error_response(pb_utils, message, EngineDeadError.code)):
+            if seq.group.fail(error_response(pb_utils, message, EngineDeadError.code)):
                 self.metrics.finished("error")
 
     # ------------------------------------------------------------------ shutdown

@@ -1,7 +1,7 @@
 """The response side's state of one Triton request (`Group`: its sender, its sequences still
 running, FINAL sent once; a unary request's sequences merged into one response) and of each of
-its engine sequences (`Seq`: response shaping, timings, metric counters). The Triton module is
-passed in as `pb`, as in io."""
+its engine sequences (`GroupMember`: response shaping, timings, metric counters). The Triton
+module is passed in as `pb`, as in responses."""
 from __future__ import annotations
 
 import threading
@@ -9,9 +9,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import io
 from .interfaces import PROXY_ERROR
 from .peer_metrics import Served
+from .request_parser import ParsedRequest
+from .responses import Payload, SequenceStream, merge_payloads, safe_send, to_response
 
 
 class Group:
@@ -24,24 +25,24 @@ class Group:
         self.request = request  # held until the group is done
         self.sender, self.remaining, self.closed = sender, n, False
         self.request_id, self.unary, self.via_proxy = request_id, unary, via_proxy
-        self.parts: list[Optional[io.Payload]] = [None] * n  # unary: each sequence's final payload
+        self.parts: list[Optional[Payload]] = [None] * n  # unary: each sequence's final payload
         self.cancel_seen = False
         self.lock = threading.Lock()
 
-    def deliver(self, index: int, payload: io.Payload) -> bool:
+    def deliver(self, index: int, payload: Payload) -> bool:
         """Send (or, unary, collect) one sequence's payload; True when that ended the request with an error."""
         if not self.unary:
-            self.send(io.to_response(self.pb, payload), payload.finished)
+            self.send(to_response(self.pb, payload), payload.finished)
             return False
         if payload.error is not None:
-            return self.fail(io.to_response(self.pb, payload))
+            return self.fail(to_response(self.pb, payload))
         if not payload.finished:
             return False
         with self.lock:
             self.parts[index] = payload
             done = all(p is not None for p in self.parts)
         if done:
-            self.send(io.to_response(self.pb, io.merge_payloads(self.parts)), True, all_done=True)
+            self.send(to_response(self.pb, merge_payloads(self.parts)), True, all_done=True)
         return False
 
     def send(self, response: Any, seq_finished: bool, all_done: bool = False) -> None:
@@ -54,7 +55,7 @@ class Group:
                 self.remaining -= 1
             final = seq_finished and self.remaining == 0
             self.closed = final
-            io.safe_send(self.pb, self.sender, self._shaped(response), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            safe_send(self.pb, self.sender, self._shaped(response), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
             if final:
                 self.request = None
 
@@ -63,7 +64,7 @@ class Group:
             if self.closed:
                 return False
             self.closed = True
-            io.safe_send(self.pb, self.sender, self._shaped(response), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            safe_send(self.pb, self.sender, self._shaped(response), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             self.request = None
             return True
 
@@ -80,16 +81,17 @@ def shaped(pb: Any, response: Any, as_output: bool) -> Any:
     return pb.InferenceResponse(output_tensors=[pb.Tensor(PROXY_ERROR, value)])
 
 
-class Seq:
-    """One engine sequence: its response shaping, its timings."""
+class GroupMember:
+    """One engine sequence of a Group (one row's return sequence): its response shaping, timings
+    and metric counters."""
 
-    def __init__(self, group: Group, index: int, parsed: io.ParsedRequest, t_arrival: float, tokenizer: Any,
+    def __init__(self, group: Group, index: int, parsed: ParsedRequest, t_arrival: float, tokenizer: Any,
                  served: Served, n: int = 1):
         self.group, self.index, self.parsed = group, index, parsed
         self.served = served  # the vLLM / TensorRT-LLM series of the model its request came through
         self.n = n  # sequences of its prompt (num_return_sequences), counted once a prompt
         self.generated = 0  # tokens it has generated so far
-        self.stream = io.SequenceStream(parsed, tokenizer)
+        self.stream = SequenceStream(parsed, tokenizer)
         self.seq_id: Optional[int] = None
         self.t_arrival = t_arrival
         self.t_last: Optional[float] = None

@@ -6,7 +6,7 @@ Three names share one engine (one copy of the weights, one in-flight batch):
   model's names (`request_output_len`, `streaming`, `runtime_top_k`, ...; two spellings of one
   setting in one request are an error), plus ours (`num_draft_tokens`, `sampling_parameters`, ...).
   It hosts the engine. It also declares the vLLM-only tensors so that `specguide_vllm` can pass
-  them on; `io` refuses them unless the request came through that name.
+  them on; `request_inputs` refuses them unless the request came through that name.
 - `specguide_unary`: the same tensors, not decoupled: one response per request (`ModelInfer`,
   `client.infer()`, HTTP `/infer`).
 - `specguide_vllm`: the vLLM backend's auto-completed config exactly (`max_batch_size: 0`, `[1]`

@@ -5,7 +5,7 @@ imports numpy and the Triton utilities only, ~40 MB). Each client request become
 BLS request to the engine model, on a thread of its own (BLS calls block), carrying:
 - its input tensors (a batch dimension added for `specguide_vllm`, whose inputs are unbatched);
 - the BLS parameter `specguide_interface` (`unary` | `vllm`): the engine model then parses and
-  shapes responses the way this interface's clients expect (`specguide.triton.io` / `responses`);
+  shapes responses the way this interface's clients expect (`request_parser`, `responses`);
 - the client's own request parameters, as one JSON string.
 Responses come back already shaped and are forwarded. A unary request gets the engine's one
 merged response with FINAL. A client that cancels is noticed by a poll of `is_cancelled()`, and a
@@ -28,7 +28,7 @@ from .responses import safe_send
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 POLL_S = 0.05  # cancellation poll period
-CLIENT_PARAMETERS = "specguide_client_parameters"  # = io.CLIENT_PARAMETERS (io imports the engine side)
+CLIENT_PARAMETERS = "specguide_client_parameters"  # = request_inputs.CLIENT_PARAMETERS; the proxy stays light
 
 
 class _Live:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..request import InvalidRequestError, RequestOutput, error_code  # noqa: F401  (error_code: io.error_code)
+from ..request import InvalidRequestError, RequestOutput
 
 VLLM_ERROR_PREFIX = "Error generating stream: "  # the vLLM backend's text for every request error
 _PERF_INT32 = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
@@ -46,7 +46,7 @@ class SequenceStream:
 
     Streaming: one payload per event (the delta), the last one on the finishing event.
     Not streaming: nothing until the finishing event, then one payload with all of it.
-    `parsed` is an io.ParsedRequest; `tokenizer` decodes single tokens for vLLM's `logprobs`.
+    `parsed` is a request_parser.ParsedRequest; `tokenizer` decodes single tokens for vLLM's `logprobs`.
     """
 
     def __init__(self, parsed: Any, tokenizer: Any = None):

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..guided.limits import check_json_text
 from ..request import InvalidRequestError, ListLimits, check_token_ids
-from .limits import InputLimits
+from .input_limits import InputLimits
 from .responses import UnsupportedError
 
 

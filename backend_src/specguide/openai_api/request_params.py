@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ..request import InvalidRequestError
-from ..triton.vllm_sampling import sampling_from_vllm
+from ..triton.vllm_params import sampling_from_vllm
 from .errors import bad_request, unsupported
 from .guides import Guide
 from .schemas import ChatCompletionRequest, CompletionRequest
