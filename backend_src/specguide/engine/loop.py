@@ -1,5 +1,5 @@
 """Engine: thread-safe submit / cancel / shutdown around one background loop thread, which
-builds the EngineCore (engine_core.py) and runs its iterations."""
+builds the EngineCore (core.py) and runs its iterations."""
 from __future__ import annotations
 
 import queue

@@ -1,8 +1,8 @@
 """Input caps, checked on the raw tensors before anything is decoded, parsed or tokenized.
 
-A multi-megabyte `text_input` used to be tokenized (twice) on Triton's request thread under the
-tokenizer lock the engine's detokenizer needs, stalling every stream before the prompt was
-refused for its token count. Bytes bound tokens, so a byte cap derived from `max_seq_len` refuses
+Tokenizing a multi-megabyte `text_input` on Triton's request thread holds the tokenizer lock the
+engine's detokenizer needs and stalls every stream for as long, only to refuse the prompt for its
+token count. Bytes bound tokens, so a byte cap derived from `max_seq_len` refuses
 it in microseconds; what passes tokenizes in a few milliseconds.
 """
 from __future__ import annotations
