@@ -1,5 +1,5 @@
 """Garbage-collector pauses in the serving processes: a full collection before and after the
-start-up heap is frozen (heap.py), and every collection each process makes under load.
+start-up heap is frozen (util/heap.py), and every collection each process makes under load.
 
     python bench/bench_gc_pauses.py [--repeats 5] [--load-seconds 90] [--json out.json]
 
@@ -11,7 +11,7 @@ imports it); a full collection (`gc.collect()`) is timed
 process carries for that long.
 
 Part 2 (`--load-seconds` > 0), twice: with `gc.freeze` made a no-op in every process (as before
-heap.py), then as served. The served stack (tritonserver + the OpenAI server, as
+util/heap.py), then as served. The served stack (tritonserver + the OpenAI server, as
 `bench_openai.py` starts it) under load: bursts of 8 streams through the OpenAI server, 64 tokens
 each. Every Python process of the stack logs each collection (a
 `sitecustomize` on PYTHONPATH with a `gc.callbacks` hook): per process the collections of each
@@ -118,7 +118,7 @@ def under_load(seconds: float, freeze: bool) -> dict:
     logs = Path(tempfile.mkdtemp(prefix="gc_pauses_"))
     site = logs / "site"
     site.mkdir()
-    # without the freeze: gc.freeze made a no-op in every process of the stack (the code before heap.py)
+    # without the freeze: gc.freeze made a no-op in every process of the stack (the code before util/heap.py)
     off = "" if freeze else "gc.freeze = lambda: None\n"
     (site / "sitecustomize.py").write_text(f"LOGS = {str(logs)!r}\n" + HOOK + off)
     saved = os.environ.get("PYTHONPATH")

@@ -43,7 +43,7 @@ def metric(url: str, name: str) -> float:
 
 
 def stub_rss_mib(server_pid: int) -> float:
-    """The engine model's stub and its engine process (engine_process.py): the memory that holds the model."""
+    """The engine model's stub and its engine process (process/engine_process.py): the memory that holds the model."""
     from specguide.util.memory import rss_bytes
     from specguide.process.supervisor import descendants
 

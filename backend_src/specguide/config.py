@@ -64,8 +64,8 @@ class EngineConfig:
     # decode step reads (attention at 8 streams and a few hundred positions reads more K/V than
     # weights; K/V rounded to fp16 once when written, every step reads the same values: still
     # batch-invariant); "int8": a quarter of fp32's bytes plus a scale per position and KV head (about
-    # half of fp16's memory; decode at 8 streams 1.05-1.34x, a long prompt's prefill about as fast
-    # (1.01-1.02x on Zen 3), logits ~1.2-1.5x fp16's KL from float32's: opt in for many slots at
+    # half of fp16's memory; faster decode at many streams, a long prompt's prefill about as fast,
+    # logits further from float32's than fp16's: bench/bench_kv_cache.py; opt in for many slots at
     # long contexts); "float32": the float32 model's logits bit for bit; "auto": float16 with int8
     # activations (activation_dtype), else float32
     packed_weights_cache: bool = True  # CPU (C kernels): keep each checkpoint's packed weights (tiles, and
@@ -77,14 +77,13 @@ class EngineConfig:
     gil_switch_interval_ms: float = 0.1  # the engine process's sys.setswitchinterval (Python's default is
     # 5 ms): every torch op and C kernel call releases the GIL, and while another Python thread is busy
     # the loop thread waits this long to take it back, after each (a CUDA grammar host function too).
-    # With one busy thread a step took 161x its time at 5 ms, 4.8x at 0.1 (H100, K=3 hybrid; 2-core
-    # CPU: 10.7x, 3.2x; bench/bench_gil_contention.py). Served, the engine process's request reader
-    # waits for the GIL too: TTFT p50 at 8 streams 72-74 ms against 97-146 at 5 ms; 0 = leave Python's
+    # With one busy thread beside it a step takes many times its own time at 5 ms, a few times at 0.1
+    # (most where steps are short, on CUDA; bench/bench_gil_contention.py). Served, the engine process's
+    # request reader waits for the GIL too: TTFT is longer at 5 ms; 0 = leave Python's default
     engine_nice: int = 5  # the engine process runs this much nicer than the server (os.nice): Triton's
     # front ends, the Python backend stubs and the OpenAI server (all light, latency-bound) then take a
-    # core from the engine as soon as they wake instead of waiting their fair turn. Served on 2 cores,
-    # 5 vs 0 in four A/B runs (bench/HISTORY.md, 2026-11-27): tokens/s 1.06-1.10x at 8 streams through
-    # the OpenAI server, 0.98-1.09x over Triton gRPC, 1.00-1.16x at one stream; TTFT p50 lower in most.
+    # core from the engine as soon as they wake instead of waiting their fair turn: served on 2 cores,
+    # 5 against 0 gives as many tokens/s or more and a lower TTFT (bench/bench_openai.py measures both).
     # NOTE: a CPU-bound process in the server's own cgroup or session at nice 0 then gets 3x the
     # engine's share; 0 = the server's
     max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU (set here for
@@ -118,12 +117,12 @@ class EngineConfig:
     # (scripts/train_draft_head.py writes it; while missing, "head"/"hybrid" draft as "grammar" and the
     # engine attaches the file between steps once it is written)
     draft_head_training: str = "background"  # "background": a served engine whose head is missing has it
-    # trained by a process of its own at the least CPU share (head_training.py); "off": it waits for
+    # trained by a process of its own at the least CPU share (process/head_training.py); "off": it waits for
     # scripts/train_draft_head.py
     draft_head_weight_dtype: str = "q8_0"  # CPU (C kernels): how the draft head's linear weights are
     # held, as weight_dtype. Drafts never change the output, only acceptance: 8-bit drafts as well as
     # fp32 at less cost, and Q8_0 blocks take int8 activations in integer dot products where the target
-    # does (bench/HISTORY.md). "" = the target's weight_dtype (always so without the C kernels)
+    # does (bench/bench_speculative.py). "" = the target's weight_dtype (always so without the C kernels)
     adaptive_k: bool = True  # per-slot K from its recent acceptance (K stays <= num_draft_tokens)
     cost_aware_k: bool = True  # CPU: a step drafts only while the measured cost of its extra rows is
     # repaid by the expected accepted tokens (speculative/step_cost.py; while it is not, a probe step

@@ -1,4 +1,4 @@
-"""StepGraphs: the step (step.py's `StepCore.body`) as one CUDA-graph replay per `StepKey`.
+"""StepGraphs: the step (engine/step.py's `StepCore.body`) as one CUDA-graph replay per `StepKey`.
 
 Graphs are captured lazily on first use (warm-up runs first, on all-padding inputs) into one
 shared memory pool. With guided rows or the hybrid drafter, the grammar callbacks (fetch, fill,

@@ -250,8 +250,8 @@ class Scheduler:
         """Free slots to overwrite first: empty ones, then the fewest hits, then least recently freed
         (without prefix caching: the lowest, which keeps the batch's rows packed). NOTE: which free
         slot a request gets never changes its output (test_prefix_cache places the same greedy
-        requests in each slot after dirtying traffic); a test helper that wrote slot 0's KV behind
-        the scheduler once made it look so, and had this preference reverted for a while."""
+        requests in each slot after dirtying traffic); a test helper that writes a slot's KV behind
+        the scheduler's back can make it look so: the fault is the helper's, not this order."""
         if not self.prefix_caching:
             return (slot,)
         return bool(self.slot_tokens[slot]), self.slot_hits[slot], self.slot_freed[slot], slot

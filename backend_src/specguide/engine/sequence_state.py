@@ -1,8 +1,8 @@
 """The parts of a `scheduler.Sequence` that the scheduler does not own, one dataclass per owner:
 
 - `OutputState` (`seq.out`): what the request has produced and been told. Written by
-  `outputs.OutputProcessor`, which takes the per-token values the step leaves in `step_*`
-  (`token_outputs.TokenOutputs.deliver`) and the prefill's raw logits (`runner.Runner.prefill`);
+  `output_processor.OutputProcessor`, which takes the per-token values the step leaves in `step_*`
+  (`step_extras.StepExtras.deliver`) and the prefill's raw logits (`runner.Runner.prefill`);
   `intake.Intake` gives it its detokenizer.
 - `GuideState` (`seq.guide`): the request's guide, its compile and the compiled grammar. Written by
   `intake.Intake` only (start, collect, cancel the compile).
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False, slots=True)
 class OutputState:
-    """Owned by outputs.OutputProcessor: text, per-token values, and what was sent to the callback."""
+    """Owned by output_processor.OutputProcessor: text, per-token values, and what was sent to the callback."""
 
     detok: Optional[IncrementalDetokenizer] = None  # set by Intake when it builds the sequence
     text: str = ""  # text emitted so far (after stop-string handling)
@@ -35,7 +35,7 @@ class OutputState:
     delta: str = ""  # emitted text not yet reported to the callback
     ids_sent: int = 0  # output tokens already reported
     # per-token outputs for requests that ask: the step leaves this step's values in step_* (aligned
-    # with the tokens it returned: TokenOutputs.deliver); append keeps those of the tokens it appends
+    # with the tokens it returned: StepExtras.deliver); append keeps those of the tokens it appends
     step_logprobs: Optional[list[float]] = None
     step_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     step_logits: Optional[torch.Tensor] = None  # [tokens, vocab] raw logits, float32 on the CPU

@@ -7,7 +7,7 @@
   `GrammarWorker` (guided/grammar_worker.py)  the callbacks on the grammar stream and the state
                                           they own: the snapshot, pinned buffers, commit counts.
 
-One protocol for every step that masks logits; the step body (step.py) calls the stepper the same
+One protocol for every step that masks logits; the step body (engine/step.py) calls the stepper the same
 way whether it runs eagerly or is captured in a CUDA graph (TensorRT-LLM's CapturableGuidedDecoder):
   host            `begin(GuidedStep)` queues a snapshot: the only request state a callback reads;
   grammar stream  `launch_begin`: fetch the snapshot, fill row 0 (or walk host-known drafts read

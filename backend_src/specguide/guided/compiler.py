@@ -52,7 +52,7 @@ def widest_object(schema: Any) -> int:
 
 
 def auto_backend(params: GuidedDecodingParams) -> str:
-    """`auto`: JSON (schema or any) -> llguidance (spec-true, fast compiles; bench/RESULTS.md),
+    """`auto`: JSON (schema or any) -> llguidance (spec-true, fast compiles; bench/bench_jsonschema.py),
     unless one object lists more properties than llguidance's parser takes; xgrammar EBNF and
     structural tags -> xgrammar (its syntax); regex and choice -> xgrammar (both serve them;
     xgrammar keeps the forced-token drafts the speculative tests were tuned on)."""

@@ -18,7 +18,7 @@ from . import client_regex
 ANY_JSON_SCHEMA = {"type": ["object", "array"]}  # guide type `json`: an object or an array
 
 # keywords xgrammar 0.2.8 accepts but does not (or not surely) enforce; `format: date` takes
-# 2024-02-30, `oneOf` is `anyOf`, `not` and `if` are ignored, `allOf` drops a later part's
+# a February 30th, `oneOf` is `anyOf`, `not` and `if` are ignored, `allOf` drops a later part's
 # `required` (measured); all formats are refused
 XGRAMMAR_IGNORES = ("uniqueItems", "oneOf", "allOf", "dependencies", "dependentRequired", "dependentSchemas",
                     "if", "then", "else", "not", "contains", "minContains", "maxContains", "propertyNames",

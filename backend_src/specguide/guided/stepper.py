@@ -22,7 +22,7 @@ from .grammar_worker import NO_LIMIT, NONE, GrammarWorker, GuidedStep
 
 class GuidedStepper:
     """Launches a `GrammarWorker`'s callbacks on `stream` (the `configured` one when captured) for
-    the step body (step.py), stages their results to the device and hands the commit to the host
+    the step body (engine/step.py), stages their results to the device and hands the commit to the host
     (`take_committed`)."""
 
     def __init__(self, inner: GuidedDecoder, stream: hostfunc.HostStream, device: torch.device):

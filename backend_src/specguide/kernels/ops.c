@@ -30,9 +30,10 @@
 #endif
 
 /* NOTE: vectors of the CPU's own width (16 floats with AVX-512, 8 with AVX2, 4 otherwise). GCC
- * lowers wider generic vectors through the stack: a 16-float vector type built for AVX2 ran the
- * GEMM 35x slower than the AVX-512 build on the same CPU. Each output lane's sums are the same
- * operations whatever the width, so the width changes speed, never a row's result within a build. */
+ * lowers wider generic vectors through the stack: a 16-float vector type built for AVX2 runs the
+ * GEMM an order of magnitude slower than the AVX-512 build on the same CPU. Each output lane's sums
+ * are the same operations whatever the width, so the width changes speed, never a row's result
+ * within a build. */
 #if defined(__AVX512F__)
 #define VW 16
 #elif defined(__AVX2__)
@@ -600,7 +601,7 @@ typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
 #define QNS 4 /* AVX-VNNI (int32 sums, no int16 ones beside them): 4 vectors x 2 rows a pass were 1.1-1.2x */
 #endif
 #ifndef QRB
-#define QRB 2 /* faster at 16 rows than 2 x 4, 2 x 6 or 4 x 3 (bench/HISTORY.md), as fast at 256 */
+#define QRB 2 /* faster at 16 rows than 2 x 4, 2 x 6 or 4 x 3 (bench/bench_kernels.py), as fast at 256 */
 #endif
 #elif VW == 8
 #ifndef QNS

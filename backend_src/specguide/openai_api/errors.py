@@ -92,7 +92,7 @@ _CODES = {
     "RESOURCE_EXHAUSTED": (429, ErrorType.RATE_LIMIT),
     "DEADLINE_EXCEEDED": (503, ErrorType.UNAVAILABLE),
 }
-QUEUE_FULL = "waiting queue is full"  # engine.py's QueueFullError text (UNAVAILABLE)
+QUEUE_FULL = "waiting queue is full"  # engine/loop.py's QueueFullError text (UNAVAILABLE)
 _NOT_SERVING = ("is not ready", "unknown model", "not found", "unavailable")  # Triton's own, uncoded
 
 

@@ -13,8 +13,8 @@ class EventStream(Response):
 
     NOTE: Starlette's StreamingResponse does the same under ASGI 2.3 (uvicorn's) with an anyio task
     group per answer: a cancel scope, a second task and a repr of the task when it cancels, about an
-    eighth of the server's CPU per streamed request (bench/HISTORY.md, twenty-third session). Here
-    the listener is one plain task."""
+    eighth of the server's CPU per streamed request (bench/bench_openai.py). Here the listener is
+    one plain task."""
 
     media_type = "text/event-stream"
 

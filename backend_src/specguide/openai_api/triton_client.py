@@ -9,8 +9,7 @@ for by a request parameter), so a bad request, a full queue and a fault can be t
 gRPC through grpclib (HTTP/2 in the event loop's own thread), not grpc.aio: with no connection
 grpclib connects when a request comes, where a grpc.aio channel that lost Triton retries on its
 own backoff (up to 2 minutes) and fails requests meanwhile, though Triton is back; and it spends
-~8% less CPU per streamed token here (no C-core threads and poller between the loop and the
-socket; `bench/HISTORY.md`).
+less CPU per streamed token (no C-core threads and poller between the loop and the socket).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ takes no answer to within `engine_stall_s` gets it killed (after it dumps every 
 the log, SIGUSR1) and restarted. No wait here on the engine process is without a limit: its ready
 message (`engine_start_timeout_s`), a submit's answer, the end of a shutdown.
 
-The child's side is engine_process_child.py (its command line names it, so tools and tests find the
+The child's side is child.py (its command line names it, so tools and tests find the
 engine process by "engine_process"). Messages are length-prefixed pickles over the child's stdin
 / stdout (compile_worker's framing).
 Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", key) |
@@ -74,7 +74,7 @@ class EngineInfo:
     probes: dict  # tokenizer.PROBES through the engine's tokenizer (the stub's light one must agree)
     warmup_s: float
     awaited_head: str = ""  # the draft head file the engine attaches once written ("" = none awaited)
-    frozen_objects: int = 0  # its start-up heap, frozen out of full collections (heap.py)
+    frozen_objects: int = 0  # its start-up heap, frozen out of full collections (util/heap.py)
 
 
 def describe_exit(returncode: Optional[int], dead_message: str = "") -> str:
@@ -219,7 +219,7 @@ class EngineProcess:
 
     @property
     def frozen_objects(self) -> int:
-        """The engine process's start-up heap, frozen out of full collections (heap.py)."""
+        """The engine process's start-up heap, frozen out of full collections (util/heap.py)."""
         return self.info.frozen_objects
 
     @property

@@ -2,7 +2,7 @@
 token the target itself emits at its position.
 
 The target's token at each verified position is what a step without drafts would emit there:
-the argmax (greedy rows) or `sampling.sample`, whose noise is a hash of the request's seed and the
+the argmax (greedy rows) or `engine.sampler.sample`, whose noise is a hash of the request's seed and the
 token's index in the request (sampled rows). So the output is the speculation-off output token
 for token, greedy or seeded, whatever K, drafter, cost-aware choice or batch the step had: each
 emitted token is drawn from the target's (masked, filtered) distribution, never from a draft's.

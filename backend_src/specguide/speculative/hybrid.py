@@ -1,7 +1,7 @@
 """The hybrid drafter's host side: per row and draft position, the token that wins outright
 (grammar-forced, else a trusted n-gram chain) and the n-gram fallback the step picks when the head
 is unsure. Called from the grammar stream's callbacks after each draft (guided/grammar_worker.py); the
-pick itself is a device-side select in the step (step.py)."""
+pick itself is a device-side select in the step (engine/step.py)."""
 from __future__ import annotations
 
 from typing import Callable, Optional

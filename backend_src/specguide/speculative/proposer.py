@@ -68,7 +68,7 @@ class Proposer(SlotOwner):
         self.judged = [1.0] * config.max_slots  # the moving count of judged drafts behind accept_rate
         # the recent acceptance of each kind (guided or not): with cost_aware_k a new sequence starts
         # from it and a slot that does not verify drifts back to it. Chat drafts are rarely accepted, so a
-        # chat request no longer verifies (and has the head catch its prompt up) at its first steps;
+        # chat request does not verify (nor have the head catch its prompt up) at its first steps;
         # a repetitive one still drafts at once: its recurring n-grams count as sure (`sure_ngram`)
         self.accept_prior = {False: 1.0, True: 1.0}  # unguided, guided
         self.prior_judged = {False: 1.0, True: 1.0}

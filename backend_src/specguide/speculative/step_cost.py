@@ -43,8 +43,8 @@ class StepCosts:
         old = self.seconds.get(key)
         # NOTE: a sample below the average replaces it; one above moves it by 1 - decay. Noise on a
         # shared CPU only adds time, and a shape's first step pays one-time costs (the first
-        # verification after start-up: 35 ms for an 11 ms step): averaged in, one such sample kept
-        # drafting off through several probes (hundreds of steps) where it paid 1.2-1.3x
+        # verification after start-up takes several steps' time): averaged in, one such sample would
+        # keep drafting off through several probes (hundreds of steps) where drafting pays
         self.samples[key] = self.samples.get(key, 0) + 1
         self.seconds[key] = seconds if old is None or seconds < old else self.decay * old + (1 - self.decay) * seconds
 

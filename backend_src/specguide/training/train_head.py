@@ -59,9 +59,9 @@ class TrainConfig:
     matmul_dtype: str = "auto"  # auto | float32 | bfloat16: autocast of the training matmuls (precision.py)
 
 
-# Epochs by matmul dtype (2-core AMD EPYC, 24 held-out schemas, hybrid tokens per step; bench/HISTORY.md):
-# bf16 8 epochs 2.841 in 260 s of training (4: 2.796); fp32 4 epochs 2.818 in 215 s, where 8 would
-# take 435 s (2.895) and put `make serve` past 10 minutes on a CPU without bf16 dot products.
+# Epochs by matmul dtype (hybrid tokens per step on the held-out schemas: bench/bench_draft_heads.py):
+# bf16's 8 epochs take little longer than fp32's 4 and draft better than 4; fp32 stops at 4, since
+# 8 would double its training and put `make serve` past 10 minutes on a CPU without bf16 dot products.
 AUTO_EPOCHS = {"bfloat16": 8, "float32": 4}
 
 

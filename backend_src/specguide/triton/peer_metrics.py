@@ -1,10 +1,10 @@
 """The metric families the vLLM and TensorRT-LLM Triton backends export, filled from this engine.
 
 Names, kinds, descriptions, label names and buckets are those of the backends' own sources, so a
-fleet's dashboards, alerts and autoscalers keep working. Matched (read 2026-11):
+fleet's dashboards, alerts and autoscalers keep working. Matched against:
 
 - vLLM backend: triton-inference-server/vllm_backend `src/utils/metrics.py` at main 8de0c148
-  (2026-01-09; the same families since r25.01), plus `vllm:request_params_best_of` of r24.09-r24.12
+  (the same families since r25.01), plus `vllm:request_params_best_of` of r24.09-r24.12
   (r24.10 = b71088af, the release of our tritonserver 2.51). vLLM v1's stat semantics (what main's
   logger reads: `IterationStats`, `FinishedRequestStats`). No version of that backend exports
   vLLM's gauges (`vllm:num_requests_running`, ...) or `vllm:request_success_total`.
