@@ -80,7 +80,7 @@ def test_the_engines_intake_refuses_it_too():
     own API) is refused at intake, before any step: the same check, through SamplingParams.validate."""
     from specguide.engine.intake import Intake
 
-    intake = Intake(EngineConfig(device="cpu"), None, VOCAB, frozenset({2}), compiler=None, faults=None)
+    intake = Intake(EngineConfig(device="cpu"), None, VOCAB, frozenset({2}), compiler=None)
 
     def refused(**params) -> str:
         with pytest.raises(InvalidRequestError) as e:
