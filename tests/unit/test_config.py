@@ -95,7 +95,7 @@ def test_max_slots_0_is_8_on_cpu_and_sized_from_free_memory_on_cuda(caplog):
 
     import torch
 
-    from specguide.engine.core import size_slots
+    from specguide.engine.kv_cache import size_slots
     from specguide.engine.kv_cache import slot_bytes, slots_for_memory
 
     assert EngineConfig(device="cpu").max_slots == 8 and EngineConfig(max_slots=0, device="cpu").max_slots == 8

@@ -22,7 +22,7 @@ from ..cuda.hostfunc import HostFuncError
 from ..guided.compiler import GrammarCompilerService
 from ..guided.limits import GuideLimits
 from .intake import Intake
-from .kv_cache import slot_bytes, slots_for_memory
+from .kv_cache import size_slots
 from ..models.loader import load_model, resolve_model_dir
 from .output_processor import Finish, OutputProcessor
 from ..request import InvalidRequestError, Request, RequestOutput, error_code
@@ -43,20 +43,6 @@ def _detail(exc: BaseException) -> str:
     (`client_readable`, e.g. an injected fault's), else only its type."""
     exc = _cause(exc)
     return str(exc) if getattr(exc, "client_readable", False) else type(exc).__name__
-
-
-def _memory_bytes(device: torch.device) -> dict[str, int]:
-    """The engine process's memory, by where it lives: resident host memory, device memory its
-    tensors hold, pinned host memory (torch's caching allocators' own counters: no device sync)."""
-    gpu = pinned = 0
-    if device.type == "cuda":
-        gpu = int(torch.cuda.memory_allocated(device))
-        stats = getattr(torch.cuda, "host_memory_stats", None)
-        try:
-            pinned = int(stats().get("allocated_bytes.current", 0)) if stats is not None else 0
-        except RuntimeError:
-            pinned = 0
-    return {"cpu_mem_bytes": memory.rss_bytes(), "gpu_mem_bytes": gpu, "pinned_mem_bytes": pinned}
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -228,27 +214,6 @@ class EngineCore:
                  "admitted from now on", self.proposer.head_path, time.monotonic() - t0, self.drafter)
         return True
 
-    def stats(self) -> dict[str, int]:
-        """Active slots, steps run, the draft head, and the batch and KV-cache figures the
-        TensorRT-LLM metric families report (triton/peer_metrics.py). Any thread: it reads Python
-        ints the loop thread keeps (a snapshot of the running sequences, the latest step's counts)
-        and the allocators' own counters; nothing here waits on the device or on the loop."""
-        sched, kv = self.scheduler, self.runner.kv
-        running = list(sched.running.values())  # one C-level copy: the loop thread may change the dict
-        prefills, decodes, prompt_tokens, step_us = self.last_step
-        if not running:  # the latest step is over and nothing runs: no request is scheduled now
-            prefills = decodes = prompt_tokens = 0
-        return {"active_slots": len(running), "steps": self.num_steps,
-                "draft_head": int(self.proposer.head is not None),
-                "max_slots": sched.max_slots,
-                "context_requests": prefills, "generation_requests": decodes,
-                "context_tokens": prompt_tokens, "step_time_us": step_us,
-                "kv_tokens_per_block": kv.tokens_per_block,
-                "kv_blocks_max": sched.max_slots * kv.blocks(self.config.max_seq_len),
-                "kv_blocks_used": sum(kv.blocks(s.num_tokens) for s in running),
-                "kv_blocks_reused": sched.reused_blocks,
-                **_memory_bytes(self.device)}
-
     def close(self) -> None:
         """Stop the compile workers and release the runner's resources (after the last step)."""
         self.compiler.shutdown()
@@ -374,12 +339,12 @@ class EngineCore:
 
     def _recover(self, seqs: list[Sequence], exc: Exception) -> list[Sequence]:
         """A batched decode raised: fail the requests whose state is broken (a matcher that raises),
-        put every other row's state back to its appended tokens (`_restore`), then run those rows
+        put every other row's state back to its appended tokens (`Runner.restore`), then run those rows
         again: together when a culprit was failed, else in halves, each half split again while it
         raises. A row that raises alone fails alone; the others append what their step gave (each
         row's tokens are the same in any batch: batch invariance, lossless speculation). Returns
         the sequences appended to."""
-        broken = [s for s in seqs if not self._healthy(s)]
+        broken = [s for s in seqs if not self.runner.healthy(s)]
         if not broken and len(seqs) == 1:
             broken = seqs  # it raised alone: the fault is its own
         for seq in broken:
@@ -389,7 +354,7 @@ class EngineCore:
                 self.finish(seq, "error", f"decode failed ({_detail(exc)}; the server log has the details)")
         live = [s for s in seqs if s.status is not Status.FINISHED]
         for seq in live:
-            self._guarded(seq, lambda: self._restore(seq))
+            self._guarded(seq, lambda: self.runner.restore(seq))
         live = [s for s in live if s.status is not Status.FINISHED]
         if not live:
             return []
@@ -397,28 +362,6 @@ class EngineCore:
             return self._decode_batch(live)
         half = len(live) // 2 or 1  # (rows sorted by slot: each part stays sorted)
         return self._decode_batch(live[:half]) + self._decode_batch(live[half:])
-
-    def _restore(self, seq: Sequence) -> None:
-        """A failed step's row back to the state of its appended tokens, so that running it again
-        gives what the step would have: its grammar matcher, and its penalty counts (the step may
-        have counted its token). Its KV rows past its tokens are rewritten by the next step; the
-        drafters re-feed their rows (`HeadDrafter.prepare`); sampling is keyed by token index."""
-        if seq.guide.grammar is not None:
-            self.guided.restore(seq.slot, len(seq.output_ids))
-        params = self.runner.params
-        if seq.slot in params.penalized:  # counts: the output's tokens; seen: the prompt's and the output's
-            out = torch.tensor(seq.output_ids, dtype=torch.int64, device=params.counts.device)
-            params.counts[seq.slot] = torch.bincount(out, minlength=params.counts.shape[1]).to(params.counts.dtype)
-            params.seen[seq.slot] = False
-            params.seen[seq.slot, torch.tensor(seq.prompt_ids + seq.output_ids, device=params.seen.device)] = True
-
-    def _healthy(self, seq: Sequence) -> bool:
-        try:
-            if seq.guide.grammar is not None:
-                self.guided.is_terminated(seq.slot)
-            return True
-        except Exception:
-            return False
 
     # ---- outputs ---------------------------------------------------------------------------
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
@@ -446,17 +389,3 @@ class EngineCore:
         if not self.outputs.emit(seq, finished=False):
             seq.cancelled = True
             self.finish(seq, "cancelled")
-
-
-def size_slots(config: EngineConfig, cfg: Any, device: torch.device, free_bytes: Optional[int] = None) -> EngineConfig:
-    """`config` with max_slots from `kv_cache_memory_fraction` of the device's free memory (read
-    after the weights are loaded, or `free_bytes`), logged."""
-    if free_bytes is None:
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-    positions = config.max_seq_len + config.num_draft_tokens + 1
-    per_slot = slot_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, positions,
-                          torch.finfo(DTYPES[config.dtype]).bits // 8)
-    n = slots_for_memory(free_bytes, config.kv_cache_memory_fraction, per_slot)
-    log.info("max_slots %d: %d slots x %d positions = %.2f GiB of %.2f GiB free (kv_cache_memory_fraction %.2f)",
-             n, n, positions, n * per_slot / 2**30, free_bytes / 2**30, config.kv_cache_memory_fraction)
-    return dataclasses.replace(config, max_slots=n)

@@ -1,12 +1,17 @@
 """Static per-slot KV cache, allocated once."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from specguide import kernels
 from specguide.util.memory import advise_huge_pages
+
+log = logging.getLogger("specguide")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by EngineConfig.dtype
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -135,3 +140,17 @@ def slots_for_memory(free_bytes: int, fraction: float, per_slot: int, cap: int =
     """Slots that `fraction` of `free_bytes` holds at `per_slot` bytes each: in [1, cap]."""
     assert 0 < fraction <= 1 and per_slot > 0
     return max(1, min(cap, int(free_bytes * fraction) // per_slot))
+
+
+def size_slots(config: "EngineConfig", cfg: Any, device: torch.device, free_bytes: Optional[int] = None) -> "EngineConfig":
+    """`config` with max_slots from `kv_cache_memory_fraction` of the device's free memory (read
+    after the weights are loaded, or `free_bytes`), logged."""
+    if free_bytes is None:
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    positions = config.max_seq_len + config.num_draft_tokens + 1
+    per_slot = slot_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, positions,
+                          DTYPE_BYTES[config.dtype])
+    n = slots_for_memory(free_bytes, config.kv_cache_memory_fraction, per_slot)
+    log.info("max_slots %d: %d slots x %d positions = %.2f GiB of %.2f GiB free (kv_cache_memory_fraction %.2f)",
+             n, n, positions, n * per_slot / 2**30, free_bytes / 2**30, config.kv_cache_memory_fraction)
+    return dataclasses.replace(config, max_slots=n)

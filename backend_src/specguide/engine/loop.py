@@ -7,13 +7,30 @@ import threading
 import time
 from typing import Iterator, Optional
 
+import torch
+
 from ..config import EngineConfig
+from ..util import memory
 from ..request import EngineDeadError, QueueFullError, Request, RequestOutput
 from .core import Callback, EngineCore, log
 from .scheduler import Sequence
 
 IDLE_WAIT_S = 0.005
 HEAD_POLL_S = 2.0  # how often a missing draft head's file is looked for (one stat)
+
+
+def _memory_bytes(device: torch.device) -> dict[str, int]:
+    """The engine process's memory, by where it lives: resident host memory, device memory its
+    tensors hold, pinned host memory (torch's caching allocators' own counters: no device sync)."""
+    gpu = pinned = 0
+    if device.type == "cuda":
+        gpu = int(torch.cuda.memory_allocated(device))
+        stats = getattr(torch.cuda, "host_memory_stats", None)
+        try:
+            pinned = int(stats().get("allocated_bytes.current", 0)) if stats is not None else 0
+        except RuntimeError:
+            pinned = 0
+    return {"cpu_mem_bytes": memory.rss_bytes(), "gpu_mem_bytes": gpu, "pinned_mem_bytes": pinned}
 
 
 class Engine:
@@ -89,10 +106,29 @@ class Engine:
             self._cv.notify()
 
     def stats(self) -> dict[str, int]:
-        """The core's figures (EngineCore.stats), the queue depth, loop turns (the watchdog's sign
-        of life) and liveness, for metrics and readiness. Any thread; never waits on the loop."""
-        return {**self.core.stats(), "queue_depth": self.core.scheduler.num_waiting + self._pending_submits,
-                "loop_turns": self.turns, "alive": int(self.is_alive())}
+        """Active slots, queue depth, steps run, loop turns (the watchdog's sign of life) and
+        liveness (for metrics and readiness), and the batch and KV-cache figures the TensorRT-LLM
+        metric families report (triton/peer_metrics.py).
+
+        Any thread (the engine process's stats thread): it reads Python ints the loop thread keeps
+        (a snapshot of the running sequences, the latest step's counts) and the allocators' own
+        counters; nothing here waits on the device or on the loop."""
+        core = self.core
+        sched, kv = core.scheduler, core.runner.kv
+        running = list(sched.running.values())  # one C-level copy: the loop thread may change the dict
+        prefills, decodes, prompt_tokens, step_us = core.last_step
+        if not running:  # the latest step is over and nothing runs: no request is scheduled now
+            prefills = decodes = prompt_tokens = 0
+        return {"active_slots": len(running), "queue_depth": sched.num_waiting + self._pending_submits,
+                "steps": core.num_steps, "loop_turns": self.turns, "alive": int(self.is_alive()),
+                "draft_head": int(core.proposer.head is not None), "max_slots": sched.max_slots,
+                "context_requests": prefills, "generation_requests": decodes,
+                "context_tokens": prompt_tokens, "step_time_us": step_us,
+                "kv_tokens_per_block": kv.tokens_per_block,
+                "kv_blocks_max": sched.max_slots * kv.blocks(core.config.max_seq_len),
+                "kv_blocks_used": sum(kv.blocks(s.num_tokens) for s in running),
+                "kv_blocks_reused": sched.reused_blocks,
+                **_memory_bytes(core.device)}
 
     @property
     def config(self) -> EngineConfig:

@@ -126,6 +126,29 @@ class Runner:
         return out
 
     @torch.inference_mode()
+    def restore(self, seq: Sequence) -> None:
+        """A failed step's row back to the state of its appended tokens, so that running it again
+        gives what the step would have: its grammar matcher, and its penalty counts (the step may
+        have counted its token). Its KV rows past its tokens are rewritten by the next step; the
+        drafters re-feed their rows (`HeadDrafter.prepare`); sampling is keyed by token index."""
+        if seq.guide.grammar is not None:
+            self.guided.restore(seq.slot, len(seq.output_ids))
+        params = self.params
+        if seq.slot in params.penalized:  # counts: the output's tokens; seen: the prompt's and the output's
+            out = torch.tensor(seq.output_ids, dtype=torch.int64, device=params.counts.device)
+            params.counts[seq.slot] = torch.bincount(out, minlength=params.counts.shape[1]).to(params.counts.dtype)
+            params.seen[seq.slot] = False
+            params.seen[seq.slot, torch.tensor(seq.prompt_ids + seq.output_ids, device=params.seen.device)] = True
+
+    def healthy(self, seq: Sequence) -> bool:
+        """False when the row's grammar matcher raises (its state is broken: the request fails)."""
+        try:
+            if seq.guide.grammar is not None:
+                self.guided.is_terminated(seq.slot)
+            return True
+        except Exception:
+            return False
+
     def warmup(self) -> None:
         """One tiny forward so the first request does not pay for lazy initialisation."""
         slots = torch.tensor([0], device=self.device)

@@ -293,10 +293,6 @@ class Scheduler:
         return None
 
     @property
-    def num_active(self) -> int:
-        return len(self.running)
-
-    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 

@@ -88,7 +88,7 @@ class StepCore:
         S, K = self.kv.k.shape[1], self.guided.inner.max_draft_tokens
         self.grammar: GuidedStepper = self.guided.stepper  # the step protocol: launches, masks, commit
         dev, pin = self.kv.k.device, self.kv.k.device.type == "cuda"
-        self.K, self.R = K, self.guided.rows_per_slot
+        self.max_drafts, self.rows_per_slot = K, self.guided.rows_per_slot
         self.inp_host = StepInputs(torch.zeros(StepInputs.ROWS, S, dtype=torch.int64, pin_memory=pin))
         self.inp = StepInputs(torch.zeros(StepInputs.ROWS, S, dtype=torch.int64, device=dev))
         self.drafts_in = torch.zeros(max(K, 1), S, dtype=torch.int64, device=dev)  # [K, B] host drafts
@@ -133,7 +133,7 @@ class StepCore:
         nb = key.captured
         self.inp.buf.copy_(self.inp_host.buf, non_blocking=nb)
         if key.drafting is Drafting.HOST:
-            self.drafts_in[: self.K].copy_(self.out_host.drafts, non_blocking=nb)
+            self.drafts_in[: self.max_drafts].copy_(self.out_host.drafts, non_blocking=nb)
         self.drafter = plan.drafter if key.drafting.in_step else None
         self.slot_list = None if key.captured else [s.slot for s in seqs]
         self.extras = (StepExtras(seqs, self.params, self.guided.is_guided) if key.extras else None)
@@ -203,7 +203,7 @@ class StepCore:
         every tile)."""
         if key.guided and not key.captured and not key.extras and self.sparse_lm_head:
             B, T = hidden.shape[:2]
-            rows = (self.inp.slot[:B, None] * self.R + self.arange[:T]).reshape(-1)
+            rows = (self.inp.slot[:B, None] * self.rows_per_slot + self.arange[:T]).reshape(-1)
             V = self.model.head.out_features
             tiles = self.grammar.mask_tiles(rows, V)
             if tiles is not None and tiles.numel() * SPARSE_HEAD_AT_MOST[1] <= SPARSE_HEAD_AT_MOST[0] * V // TILE:
@@ -224,7 +224,7 @@ class StepCore:
         for i in range(key.T - 1):
             logits = d.draft(i, cur, pos0, slots, lambda p, e: self.ctx(key, slots, p, e))  # [B, Vd]
             if masked:
-                g.apply_rows(logits, slots * self.R + i, d.d2t)
+                g.apply_rows(logits, slots * self.rows_per_slot + i, d.d2t)
             tok = self._pick(key, i, logits, masked or key.pick)
             if masked or key.pick:
                 g.launch_draft_advance(i)
@@ -307,7 +307,7 @@ class StepCore:
         if key.biased:
             self.params.add_bias(logits, slots)
         if key.guided:
-            g.apply_rows(logits.view(B * T, V), (slots[:, None] * self.R + self.arange[:T]).reshape(-1))
+            g.apply_rows(logits.view(B * T, V), (slots[:, None] * self.rows_per_slot + self.arange[:T]).reshape(-1))
         if ex is not None:
             ex.process(logits[:, 0], slots)
         num = self._num_drafts(key, B)
