@@ -223,7 +223,7 @@ def test_a_sharded_half_precision_checkpoint_is_read_through_its_index(dtype, tm
     ours = load_model(tmp_path, torch.float32)
     assert sorted(read) == shards
     ref = tf.MistralForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert ref.core.model.embed_tokens.weight.dtype == torch.float32
+    assert ref.model.embed_tokens.weight.dtype == torch.float32
     ids = torch.randint(0, 290, (1, 40), generator=torch.Generator().manual_seed(1))
     ctx = ours.make_context(torch.tensor([0]), torch.arange(40)[None], [0], 40)
     got = ours.logits(ours(ids, ctx, KVCache(2, 1, 2, 64, ours.cfg.head_dim, torch.float32)))[0]

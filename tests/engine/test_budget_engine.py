@@ -22,7 +22,7 @@ MAX_TOKENS = 48  # far below what these answers take: the budget closes most of 
 def held_out(engine):
     """(prompt, schema) for 5 held-out JSONSchemaBench schemas (never trained on, not the tests')."""
     out = []
-    for text in load_schemas("heldout", engine.compiler)[:5]:
+    for text in load_schemas("heldout", engine.core.compiler)[:5]:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_message(text)}])
         out.append((prompt, text))
     return out
@@ -69,8 +69,8 @@ def test_a_budget_that_cannot_hold_the_shortest_document_is_refused_up_front(eng
     assert "max_tokens 6 cannot hold a valid answer: the shortest one this guide accepts takes" in refused.error
     assert ok.finish_reason == "stop"
     jsonschema.validate(json.loads(text), schema)
-    engine.scheduler.check_integrity()
-    assert not any(engine.guided.is_guided(s) for s in range(engine.config.max_slots))
+    engine.core.scheduler.check_integrity()
+    assert not any(engine.core.guided.is_guided(s) for s in range(engine.config.max_slots))
 
 
 def test_a_regex_answer_closes_within_max_tokens(engine):
@@ -135,15 +135,15 @@ def test_guides_that_expand_too_far_are_refused_at_intake_and_bounded_past_it(en
         with pytest.raises(InvalidRequestError, match=r"expands to \d+ repetitions.*the limit is 1048576 "
                                                       r"\(the setting guided_max_expansion"):
             engine.submit(req)
-    limits = engine.compiler.limits
-    engine.compiler.limits = dataclasses.replace(limits, max_expansion=0, max_repetition=0)
+    limits = engine.core.compiler.limits
+    engine.core.compiler.limits = dataclasses.replace(limits, max_expansion=0, max_repetition=0)
     try:
         ok = Request(prompt="The capital of France is", params=SamplingParams(max_tokens=4, temperature=0.0))
         *refused, (toks, _, fine) = run_many(engine, reqs + [ok])
     finally:
-        engine.compiler.limits = limits
+        engine.core.compiler.limits = limits
     for _, _, final in refused:
         assert final.finish_reason == "error" and final.error_code == "INVALID_ARG", final
         assert "max_tokens 16 cannot hold a valid answer" in final.error
     assert fine.finish_reason == "length" and len(toks) == 4
-    engine.scheduler.check_integrity()
+    engine.core.scheduler.check_integrity()

@@ -56,7 +56,7 @@ def test_a_freed_slots_bias_does_not_reach_its_next_request(eng):
     alone, _, _ = run_alone(eng, req(eng, "Name a fruit.", max_tokens=12))
     with placed_in(eng, 0):
         run_alone(eng, req(eng, "Say hello.", bias={zebra: 100}, max_tokens=4))
-    sched = eng.scheduler
+    sched = eng.core.scheduler
     pick, picked = sched._pick_slot, []
 
     def first_in_slot_0(seq):  # the first request admitted takes slot 0 (as placed_in), the next any other

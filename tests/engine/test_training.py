@@ -54,10 +54,10 @@ def test_the_corpus_comes_with_the_features_a_teacher_forced_pass_computes(engin
     samples = generate_corpus(engine, cfg, schemas)
     assert len(samples) == 9
     assert copies, "no prompt prefix was reused: the copy path went untested"
-    assert engine.runner.core.feature_sink is None or engine.head_drafter is not None  # detached again
+    assert engine.core.runner.core.feature_sink is None or engine.core.head_drafter is not None  # detached again
     for s in samples:
-        assert s.feats.shape == (len(s.tokens) - 1, engine.model.cfg.hidden_size)
-        ref = teacher_forced(engine.model, s.tokens, engine.runner.kv)[:-1]
+        assert s.feats.shape == (len(s.tokens) - 1, engine.core.model.cfg.hidden_size)
+        ref = teacher_forced(engine.core.model, s.tokens, engine.core.runner.kv)[:-1]
         err = (s.feats - ref).abs().max() / ref.abs().max()
         assert err < 1e-4, (err, len(s.tokens), s.prompt_len)
 
@@ -65,7 +65,7 @@ def test_the_corpus_comes_with_the_features_a_teacher_forced_pass_computes(engin
 def test_the_loss_reads_no_prompt_query_and_equals_the_full_unroll(engine):
     """Unrolling only from the first position a loss reads (keys/values of the prompt kept)
     gives the same losses, accuracies and gradients as unrolling every position."""
-    model = engine.model
+    model = engine.core.model
     H, V = model.cfg.hidden_size, model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     d2t = torch.arange(0, V, 7)
@@ -106,7 +106,7 @@ def test_auto_picks_bf16_only_where_a_measured_gemm_is_clearly_faster(monkeypatc
 def test_bf16_autocast_losses_track_fp32_and_keep_fp32_gradients(engine):
     """Autocast changes the matmuls' precision, not the recipe: the losses stay within 2% and the
     master weights and their gradients stay fp32."""
-    model = engine.model
+    model = engine.core.model
     H, V = model.cfg.hidden_size, model.cfg.vocab_size
     gen = torch.Generator().manual_seed(1)
     d2t = torch.arange(0, V, 5)
@@ -129,7 +129,7 @@ def test_bf16_autocast_losses_track_fp32_and_keep_fp32_gradients(engine):
 def test_no_training_schemas_is_an_error_not_a_chat_only_head(engine, monkeypatch, tmp_path):
     """Without the shipped schemas (a data folder that lost them) the corpus refuses to be made:
     a head trained on chat prompts alone would draft JSON poorly, silently."""
-    assert train_head.load_schemas("train", engine.compiler)  # the shipped data has them
+    assert train_head.load_schemas("train", engine.core.compiler)  # the shipped data has them
     monkeypatch.setenv("SPECGUIDE_DATA_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no training schemas"):
         generate_corpus(engine, TrainConfig(num_schemas=4, num_chat=2))
@@ -139,12 +139,12 @@ def test_no_training_schemas_is_an_error_not_a_chat_only_head(engine, monkeypatc
 def test_epochs_0_trains_as_many_as_the_matmul_dtype_affords(engine, matmul_dtype):
     """TrainConfig.epochs 0: 8 epochs with bf16 matmuls, 4 in fp32 (fp32 at 8 would put a fresh
     `make serve` past 10 minutes); an explicit count wins."""
-    model = engine.model
+    model = engine.core.model
     gen = torch.Generator().manual_seed(2)
     samples = [Sample(torch.randint(0, 3000, (40,), generator=gen).tolist(), 30,
                       torch.randn(39, model.cfg.hidden_size, generator=gen)) for _ in range(3)]
     for epochs, want in [(0, train_head.AUTO_EPOCHS[matmul_dtype]), (1, 1)]:
         report = train_head.TrainReport()
         cfg = TrainConfig(epochs=epochs, matmul_dtype=matmul_dtype, draft_vocab=512, val_fraction=0.0)
-        train_head.train_head(model, samples, cfg, report, sorted(engine.eos_token_ids))
+        train_head.train_head(model, samples, cfg, report, sorted(engine.core.eos_token_ids))
         assert (report.epochs, report.matmul_dtype) == (want, matmul_dtype)

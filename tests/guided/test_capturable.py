@@ -260,9 +260,9 @@ def test_worker_executor_gives_the_plain_tokens_without_speculation(worker_engin
 
     def step():  # invariant 3 after every step, read once the callbacks are done
         worked = original()
-        for slot, seq in list(worker_engine.scheduler.running.items()):
-            if seq.guide.grammar is not None and worker_engine.guided.is_guided(slot):
-                err = worker_engine.guided.check_fresh(slot, seq.output_ids)
+        for slot, seq in list(worker_engine.core.scheduler.running.items()):
+            if seq.guide.grammar is not None and worker_engine.core.guided.is_guided(slot):
+                err = worker_engine.core.guided.check_fresh(slot, seq.output_ids)
                 if err:
                     problems.append(err)
         return worked
@@ -283,12 +283,12 @@ def test_worker_and_inline_executors_give_the_plain_tokens_with_ngram_speculatio
     assert _prefix_of(worker, reference)
     assert worker == plain  # same drafts proposed and accepted, not just the same tokens
     assert sum(w[2] for w in worker) > 0 and sum(w[3] for w in worker) > 0
-    worker_engine.guided.synchronize()  # then the same engine with callbacks run inline
-    worker_stream, worker_engine.guided.stepper.configured = worker_engine.guided.stepper.configured, InlineStream()
+    worker_engine.core.guided.synchronize()  # then the same engine with callbacks run inline
+    worker_stream, worker_engine.core.guided.stepper.configured = worker_engine.core.guided.stepper.configured, InlineStream()
     try:  # shorter: tokens are a prefix of the plain run's
         got = _run(worker_engine, _requests(worker_engine, k_of=lambda i: MIXED_K[i], max_tokens=12))
     finally:
-        worker_engine.guided.stepper.configured = worker_stream
+        worker_engine.core.guided.stepper.configured = worker_stream
     assert _prefix_of(got, plain) and sum(g[3] for g in got) > 0
     for eng in (plain_engine, worker_engine):
         eng.core.scheduler.check_integrity()
@@ -309,7 +309,7 @@ def test_step_graph_body_dry_run_gives_the_plain_tokens(plain_engine, worker_eng
     try:
         got = _run(worker_engine, reqs(worker_engine))
     finally:
-        worker_engine.step_graphs = None
+        worker_engine.core.step_graphs = None
     assert got == want  # tokens, finish reasons, drafts and acceptance (greedy and sampled rows)
     keys = set(graphs.graphs)
     assert graphs.stats.steps > 0 and any(k.drafting == "host" and k.guided for k in keys)
