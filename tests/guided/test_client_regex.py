@@ -11,8 +11,9 @@ import re
 import pytest
 
 from specguide.guided import client_regex
-from specguide.guided.json_scanner import Scanner, _escape_end
+from specguide.guided.json_scanner import Scanner
 from specguide.guided.params import looks_like_lark
+from specguide.guided.partial_scalar import escape_end
 from specguide.guided.schema import json_schema_of
 from specguide.guided.schema_completion import Schemas
 from specguide.guided.value_check import ValueChecker, make_validator
@@ -102,7 +103,7 @@ def test_ecma_syntax_and_classes():
              (r"^[\b]$", "\b", True), (r"^\s$", "\u00a0", True), (r"^\s$", "\u2003", True), (r"^\S$", "\u3000", False),
              (r"^\d$", "\u0663", False),  # ECMA's \d and \w are ASCII, as llguidance reads them (Python's re:
              (r"^[\w.-]+$", "été", False), (r"^\w+$", "_a1", True),  # Unicode; \s is Unicode in all three)
-             (r"^a$", "a\n", False),  # ECMA's $ is the end (Python's re also matched before a final newline)
+             (r"^a$", "a\n", False),  # ECMA's $ is the end (Python's re also matches before a final newline)
              (r"a\Z", "ba", True), (r"^[a[]+$", "a[", True), (r"^[]a]+$", "]a", True), (r"\/", "a/b", True)]
     for patrn, text, want in cases:
         assert client_regex.search(patrn, text) is want, (patrn, text)
@@ -159,10 +160,11 @@ def test_lookaround_past_its_work_bound_is_not_accepted():
 
 @pytest.mark.timeout(60)
 def test_fixed_patterns_on_client_text_stay_linear():
-    """Our own regexes applied to client text: a half-written `\\u` escape at a string's end (was a
-    search that rescanned each run of backslashes: quadratic) and the Lark `start:` sniff of a grammar
-    guide (`^\\s*` rescanned every blank line after each: quadratic in a 256 KB guide)."""
-    assert _escape_end(b"\\" * 200_000 + b"x") == ""
-    assert _escape_end(b"ab\\u1") == "000" and _escape_end(b"\\\\u1") == "" and _escape_end(b"\\\\\\u") == "0000"
+    """Our own regexes applied to client text stay linear in it: a half-written `\\u` escape at a
+    string's end (a search that rescans each run of backslashes would be quadratic) and the Lark
+    `start:` sniff of a grammar guide (`^\\s*` rescanning every blank line after each would be
+    quadratic in a 256 KB guide)."""
+    assert escape_end(b"\\" * 200_000 + b"x") == ""
+    assert escape_end(b"ab\\u1") == "000" and escape_end(b"\\\\u1") == "" and escape_end(b"\\\\\\u") == "0000"
     assert looks_like_lark("\n" * 262_144 + "x") is False
     assert looks_like_lark("\n\n  ?start: a") and looks_like_lark("x\n start :") and not looks_like_lark("a ::= b\nstart: c")

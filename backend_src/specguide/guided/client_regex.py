@@ -6,11 +6,11 @@ against `"aaaa...ab"` would otherwise hold the engine loop for hours).
 linear-time automaton). JSON Schema's regexes are ECMA-262's; what of that syntax RE2 lacks is
 translated first: `\\uXXXX` / `\\u{X}` (surrogate pairs joined), `\\cX`, `\\s` (ECMA's Unicode
 whitespace; RE2's is ASCII), `[\\b]` (backspace), `\\p{Script=X}` / `\\p{gc=X}`, and Python's `\\Z`.
-`\\d`, `\\w`, `\\b` are ASCII, as in ECMA-262 (Python's `re` read them as Unicode).
+`\\d`, `\\w`, `\\b` are ASCII, as in ECMA-262 (Python's `re` reads them as Unicode).
 
 What RE2 cannot express:
-- lookaround (`(?=`, `(?!`, `(?<=`, `(?<!`): the pattern is read with Python's regex syntax (as
-  before RE2) and run by `_Nfa` below, an automaton of our own whose lookarounds are position sets
+- lookaround (`(?=`, `(?!`, `(?<=`, `(?<!`): the pattern is read with Python's regex syntax
+  (regex_syntax.py) and run by `_Nfa` below, an automaton of our own whose lookarounds are position sets
   computed in one pass each: linear in the text too, at most MAX_STATES states and MAX_WORK
   characters x states per search (past that, TextTooCostly: the value is not accepted);
 - backreferences (`\\1`, `\\k<n>`, `(?P=n)`), conditionals `(?(1)...)`, atomic groups `(?>...)`,
@@ -22,24 +22,19 @@ Compiled patterns are cached (CACHE entries, least recently used first out), ref
 """
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Union
 
 import re2
 
-try:  # the regex parser and compiler re uses (the lookaround fallback reads Python's syntax)
-    from re import _compiler as sre_compile  # type: ignore[attr-defined]
-    from re import _constants as sre_constants  # type: ignore[attr-defined]
-    from re import _parser as sre_parse  # type: ignore[attr-defined]
-except ImportError:  # Python 3.10
-    import sre_compile  # type: ignore[no-redef]
-    import sre_constants  # type: ignore[no-redef]
-    import sre_parse  # type: ignore[no-redef]
+from .regex_syntax import RegexSyntaxError, Unsupported, parse
+from .regex_tree import Anchor, Branch, Char, Group, Look, Node, Repeat
 
 CACHE = 1024  # compiled patterns kept
 MAX_STATES = 4096  # lookaround fallback: program states (its lookarounds' programs included)
-MAX_WORK = 100_000  # lookaround fallback: (characters + 1) x states one search may step through (~50 ms)
+MAX_WORK = 100_000  # lookaround fallback: (characters + 1) x states one search may step through
 
 # ECMA-262 WhiteSpace and LineTerminator (what `\s` matches there and, near enough, in Python's re)
 _WS = r"\t\n\x{B}\f\r \x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}"
@@ -244,21 +239,13 @@ class _Re2:
 
 
 # -- the lookaround fallback ------------------------------------------------------------------------
-_ATOMS = {sre_constants.LITERAL, sre_constants.NOT_LITERAL, sre_constants.ANY, sre_constants.IN}
-_REPEATS = {sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT}
-_UNSUPPORTED = {"GROUPREF": "a backreference", "GROUPREF_IGNORE": "a backreference",
-                "GROUPREF_LOC_IGNORE": "a backreference", "GROUPREF_UNI_IGNORE": "a backreference",
-                "GROUPREF_EXISTS": "a conditional group", "ATOMIC_GROUP": "an atomic group",
-                "POSSESSIVE_REPEAT": "a possessive quantifier"}
-
-
 class _Program:
     """A Thompson NFA: per state a kind ("atom": one character, "at": an anchor, "look": a
     lookaround, "split", "match"), its argument (a one-character or zero-width compiled Python
     pattern; (lookaround, negated)) and its successors. `reverse`: built right to left (a
     lookahead's, scanned from the end of the text)."""
 
-    def __init__(self, tree: Any, flags: int, reverse: bool, budget: list[int]):
+    def __init__(self, tree: list[Node], flags: int, reverse: bool, budget: list[int]):
         self.kind: list[str] = []
         self.arg: list[Any] = []
         self.out: list[list[int]] = []
@@ -275,25 +262,24 @@ class _Program:
         self.out.append(out)
         return len(self.kind) - 1
 
-    def _seq(self, items: Any, nxt: int, flags: int) -> int:
-        for op, av in (list(items) if self.reverse else list(items)[::-1]):
-            nxt = self._node(op, av, nxt, flags)
+    def _seq(self, items: list[Node], nxt: int, flags: int) -> int:
+        for node in (items if self.reverse else items[::-1]):
+            nxt = self._node(node, nxt, flags)
         return nxt
 
-    def _node(self, op: Any, av: Any, nxt: int, flags: int) -> int:
-        if op in _ATOMS:
-            return self._add("atom", _mini(op, av, flags), [nxt])
-        if op == sre_constants.AT:
-            return self._add("at", _mini(op, av, flags), [nxt])
-        if op == sre_constants.BRANCH:
-            return self._add("split", None, [self._seq(alt, nxt, flags) for alt in av[1]])
-        if op == sre_constants.SUBPATTERN:
-            _, add, remove, sub = av
-            return self._seq(sub, nxt, (flags | add) & ~remove)
-        if op in _REPEATS:
-            lo, hi, sub = av
+    def _node(self, node: Node, nxt: int, flags: int) -> int:
+        if isinstance(node, Char):
+            return self._add("atom", _mini(node, flags), [nxt])
+        if isinstance(node, Anchor):
+            return self._add("at", _mini(node, flags), [nxt])
+        if isinstance(node, Branch):
+            return self._add("split", None, [self._seq(alt, nxt, flags) for alt in node.alternatives])
+        if isinstance(node, Group):
+            return self._seq(node.body, nxt, (flags | node.add) & ~node.remove)
+        if isinstance(node, Repeat) and node.mode != "possessive":
+            lo, hi, sub = node.lo, node.hi, node.body
             s = nxt
-            if hi == sre_constants.MAXREPEAT:
+            if hi is None:
                 loop = s = self._add("split", None, [])
                 self.out[loop] += [self._seq(sub, loop, flags), nxt]
             else:
@@ -302,13 +288,12 @@ class _Program:
             for _ in range(lo):
                 s = self._seq(sub, s, flags)
             return s
-        if op in (sre_constants.ASSERT, sre_constants.ASSERT_NOT):
-            direction, sub = av
-            look = _Look(_Program(sub, flags, direction > 0, self.budget), ahead=direction > 0)
+        if isinstance(node, Look):
+            look = _Look(_Program(node.body, flags, not node.behind, self.budget), ahead=not node.behind)
             self.looks.append(look)
-            return self._add("look", (look, op == sre_constants.ASSERT_NOT), [nxt])
-        feature = _UNSUPPORTED.get(getattr(op, "name", str(op)), f"the regex construct {op}")
-        raise UnsupportedPattern(f"uses {feature}, which no linear-time regex engine runs")
+            return self._add("look", (look, node.negate), [nxt])
+        raise UnsupportedPattern(  # a possessive repeat: it gives back nothing, which a Thompson NFA cannot say
+            "uses a possessive quantifier, which no linear-time regex engine runs")
 
     def scan(self, text: str, memo: dict, first: bool) -> Any:
         """Forward (backward for a reversed program), a thread started at every position: whether
@@ -361,29 +346,29 @@ class _Look:
         return got
 
 
-def _mini(op: Any, av: Any, flags: int) -> Any:
-    """A compiled Python pattern of one character class or anchor: O(1) per position."""
-    state = sre_parse.State()
-    state.flags = flags
-    return sre_compile.compile(sre_parse.SubPattern(state, [(op, av)]))
+def _mini(node: Union[Char, Anchor], flags: int) -> Any:
+    """A compiled Python pattern of one character class or anchor, under the flags where it
+    stands: O(1) per position."""
+    return re.compile(node.source(), flags)
 
 
 class _Nfa:
-    """A lookaround pattern, Python's syntax and classes (as re.search read it before RE2), run by
+    """A lookaround pattern, Python's syntax and classes (re.search's reading of it), run by
     Thompson NFAs; each lookaround is the set of positions where it holds, one pass over the text."""
 
     engine = "lookaround"
 
     def __init__(self, pattern: str):
-        import re
-
         try:
-            tree = sre_parse.parse(pattern)
-        except (re.error, RecursionError, OverflowError) as e:
+            tree = parse(pattern)
+        except Unsupported as e:
+            raise UnsupportedPattern(f"pattern {_short(pattern)}: uses {e.feature}, which no linear-time regex "
+                                     "engine runs") from None
+        except (RegexSyntaxError, RecursionError) as e:
             raise UnsupportedPattern(f"pattern {_short(pattern)}: {e}") from None
         budget = [MAX_STATES]
         try:
-            self.program = _Program(tree, tree.state.flags, False, budget)
+            self.program = _Program(tree.items, tree.flags, False, budget)
         except UnsupportedPattern as e:
             raise UnsupportedPattern(f"pattern {_short(pattern)}: {e}") from None
         except RecursionError:

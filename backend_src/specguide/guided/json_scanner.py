@@ -1,23 +1,21 @@
 """Where in a JSON document the accepted bytes are (`Scanner`: State -> State against a schema),
 and the shortest text that completes a valid document from there (`Scanner.completion`) and the
-most one free token can add to it (`Scanner.growth`): the token budget's view (budget.py).
-A completion longer than the schemas' `max_bytes` is never built (TooLong): its length is
-known before its text is."""
+most one free token can add to it (`Scanner.growth`): the token budget's view (budget.py). The
+end of a scalar being written comes from partial_scalar.py. A completion longer than the
+schemas' `max_bytes` is never built (TooLong): its length is known before its text is."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import client_regex
-from .regex_completion import TooLong, Unknown, again, shortest_match
-from .schema_completion import Schemas, count, json_text, shortest_string
+from .partial_scalar import decoded_prefix, escape_end, finish_scalar
+from .regex_completion import Unknown, again
+from .schema_completion import Schemas, count, json_text
 
 _WS = b" \t\n\r"
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
-_JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -200,7 +198,7 @@ class Scanner:
                 stack.append(dataclasses.replace(top, keys=top.keys + (key,), phase="more"))
             else:
                 scalar = stack.pop()
-                out.append(_finish_scalar(kind, buf, self.s.resolve(scalar.schema), self.s.max_bytes))
+                out.append(finish_scalar(kind, buf, self.s.resolve(scalar.schema), self.s.max_bytes))
                 _value_done(stack)
         out.append(self._closing(stack))
         self.s.fits(sum(map(len, out)), "the completion")
@@ -236,9 +234,9 @@ class Scanner:
         node = self.s.resolve(top.schema)
         node = node if isinstance(node, dict) else {}
         props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
-        if _escape_end(buf):
+        if escape_end(buf):
             raise Unknown("a half-written escape in a key")
-        done, prefix, required = set(top.keys), _decoded_prefix(buf), set(_required(node))
+        done, prefix, required = set(top.keys), decoded_prefix(buf), set(_required(node))
         later: list[str] = []
         for k in list(props)[self._next_index(top, props):]:
             if k not in done:
@@ -325,15 +323,6 @@ class Scanner:
         return text + "".join("," + p for p in pairs) + "}"
 
 
-def _in_bounds(v: float, node: dict) -> bool:
-    def num(k: str) -> Optional[float]:
-        x = node.get(k)
-        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-    lo, hi, xlo, xhi = num("minimum"), num("maximum"), num("exclusiveMinimum"), num("exclusiveMaximum")
-    return ((lo is None or v >= lo) and (hi is None or v <= hi) and (xlo is None or v > xlo)
-            and (xhi is None or v < xhi))
-
-
 def _required(node: dict) -> list[str]:
     """A schema's `required` keys (strings only)."""
     req = node.get("required")
@@ -369,69 +358,3 @@ def _string_closed(buf: bytes, c: int) -> bool:
         return False
     backslashes = len(buf) - len(buf.rstrip(b"\\"))
     return backslashes % 2 == 0
-
-
-def _escape_end(buf: bytes) -> str:
-    """What completes a half-written escape at the end of a string's bytes ('' when none)."""
-    body = buf.rstrip(b"\\")
-    if (len(buf) - len(body)) % 2:
-        return "\\"  # a lone backslash: make it an escaped backslash
-    tail = buf[-4:]
-    digits = len(tail) - len(tail.rstrip(_HEX_DIGITS))
-    if digits <= 3 and buf[:len(buf) - digits].endswith(b"u"):  # `\u` and up to 3 hex digits at the end
-        head = buf[:len(buf) - digits - 1]
-        if (len(head) - len(head.rstrip(b"\\"))) % 2:  # the `u` is escaped (a regex here rescanned each run)
-            return "0" * (4 - digits)
-    return ""
-
-
-def _decoded_prefix(buf: bytes) -> str:
-    """The characters of a partial JSON string (a half-written escape dropped)."""
-    for cut in range(len(buf), max(-1, len(buf) - 7), -1):
-        try:
-            return json.loads(b'"' + buf[:cut] + b'"')
-        except ValueError:
-            continue
-    raise Unknown("undecodable string prefix")
-
-
-def _finish_scalar(kind: str, buf: bytes, node: Any, max_bytes: int) -> str:
-    node = node if isinstance(node, dict) else {}
-    if kind == "literal":
-        for word in ("true", "false", "null"):
-            if word.encode().startswith(buf):
-                return word[len(buf):]
-        raise Unknown("not a literal")
-    if kind == "number":  # the fewest digits that make it a number within the schema's bounds
-        text = buf.decode()
-        for tail in ("", "0", "00", "000", "0000", "00000", "000000"):
-            if not _JSON_NUMBER.fullmatch(text + tail):
-                continue
-            v = float(text + tail)
-            if _in_bounds(v, node) and (node.get("type") != "integer" or v.is_integer()):
-                return tail
-        raise Unknown(f"no short end for the number {text!r}")
-    # a string value: enum / const / pattern / format need a matching end
-    escape = _escape_end(buf)
-    if escape:
-        buf += escape.encode()
-    prefix = _decoded_prefix(buf)
-    values = [node["const"]] if "const" in node else node.get("enum") if isinstance(node.get("enum"), list) else None
-    if values is not None:
-        fits = [v for v in values if isinstance(v, str) and v.startswith(prefix)]
-        if not fits:
-            raise Unknown("no enum value with this prefix")
-        return json_text(min(fits, key=len))[1:][len(json_text(prefix)[1:-1]):]
-    if isinstance(node.get("format"), str):
-        if prefix:
-            raise Unknown("a string with a format half written")
-        return json_text(shortest_string(node, max_bytes))[1:]
-    if isinstance(node.get("pattern"), str):
-        end = shortest_match(node["pattern"], prefix, max_bytes)
-        if len(prefix + end) < count(node.get("minLength")):
-            raise Unknown("pattern and minLength")
-        return escape + json_text(end)[1:]
-    missing = max(0, count(node.get("minLength")) - len(prefix))
-    if missing + 2 > max_bytes:
-        raise TooLong("the rest of the minLength string", max_bytes)
-    return escape + "a" * missing + '"'

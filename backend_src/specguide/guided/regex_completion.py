@@ -4,23 +4,19 @@ scanner of a regex guide's token budget, budget.py). `Unknown` is raised by ever
 where it cannot tell the shortest completion (the budget then does nothing); `TooLong` where the
 completion is longer than the scanner's byte cap (it cannot fit the budget: issue 75).
 
+The pattern is read by regex_syntax.py (Python's syntax; inline flags are read and not applied).
 Every size here is bounded, whatever the client writes: an NFA holds at most MAX_STATES states
-(`(a{4000}){4000}` is refused before it is built, from sre's width), and the shortest end comes
+(`(a{4000}){4000}` is refused before it is built, from the tree's width), and the shortest end comes
 from distances to the accepting state computed once per NFA (one pass over its edges), so a
 completion costs its own length, never a search of the automaton."""
 from __future__ import annotations
 
 import functools
-import re
 from collections import deque
 from typing import Any, Optional
 
-try:  # the regex parser re uses (its old top-level names are deprecated since 3.11)
-    from re import _constants as sre_constants  # type: ignore[attr-defined]
-    from re import _parser as sre_parse  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - Python < 3.11
-    import sre_constants  # type: ignore[no-redef]
-    import sre_parse  # type: ignore[no-redef]
+from .regex_syntax import RegexSyntaxError, parse
+from .regex_tree import ANY, Anchor, Branch, Char, Group, Item, Node, Repeat, min_width
 
 
 class Unknown(Exception):
@@ -87,28 +83,25 @@ _PICKS = "a0A_-. "  # representative characters tried first for a character clas
 
 
 class Nfa:
-    """Thompson NFA of a regex (sre_parse's tree) over characters: just enough for the shortest end.
+    """Thompson NFA of a regex (regex_syntax's tree) over characters: just enough for the shortest end.
     `full`: the whole text must match (a regex guide); else a search (JSON Schema's `pattern`).
     `_TooBig` (an Unknown) past `max_states` states."""
 
     def __init__(self, pattern: str, full: bool = False, max_states: int = MAX_STATES):
         try:
-            tree = sre_parse.parse(pattern)
-            min_width = tree.getwidth()[0]  # saturating, from the tree: nothing is expanded
-        except (re.error, RecursionError, OverflowError, ValueError) as e:
+            items = parse(pattern).items
+            width = min_width(items)  # saturating, from the tree: nothing is expanded
+        except (RegexSyntaxError, RecursionError) as e:
             raise Unknown(f"pattern {pattern[:40]!r}: {e}") from None
-        self.max_states, self.min_width = max_states, min_width
-        if min_width >= max_states:  # at least one state per character of the shortest match
-            raise _TooBig(min_width)
+        self.max_states, self.min_width = max_states, width
+        if width >= max_states:  # at least one state per character of the shortest match
+            raise _TooBig(width)
         self.eps: list[list[int]] = []
         self.moves: list[list[tuple[Any, int]]] = []  # (predicate, target)
         self._dist: Optional[tuple[list[int], list[tuple[int, str]]]] = None  # _distances, once
         self._picks: dict[int, Optional[str]] = {}  # id(predicate) -> the character it is walked with
-        items = list(tree)
-        anchored_start = full or (bool(items) and items[0][0] == sre_constants.AT
-                                  and items[0][1] == sre_constants.AT_BEGINNING)
-        anchored_end = full or (bool(items) and items[-1][0] == sre_constants.AT and items[-1][1] in (
-            sre_constants.AT_END, sre_constants.AT_END_STRING))
+        anchored_start = full or (bool(items) and items[0] == Anchor("^"))
+        anchored_end = full or (bool(items) and items[-1] in (Anchor("$"), Anchor("\\Z")))
         self.start = self._state()
         s = self.start
         if not anchored_start:
@@ -129,34 +122,28 @@ class Nfa:
         self.moves[s].append((lambda c: True, s))
         return s
 
-    def _seq(self, items: Any, s: int) -> int:
-        for op, av in items:
-            s = self._one(op, av, s)
+    def _seq(self, items: list[Node], s: int) -> int:
+        for node in items:
+            s = self._one(node, s)
         return s
 
-    def _one(self, op: Any, av: Any, s: int) -> int:
-        if op == sre_constants.LITERAL:
-            return self._move(s, lambda c, v=av: ord(c) == v)
-        if op == sre_constants.NOT_LITERAL:
-            return self._move(s, lambda c, v=av: ord(c) != v)
-        if op == sre_constants.ANY:
-            return self._move(s, lambda c: c != "\n")
-        if op == sre_constants.IN:
-            return self._move(s, lambda c, items=av: _in_set(c, items))
-        if op == sre_constants.SUBPATTERN:
-            return self._seq(av[-1], s)
-        if op == sre_constants.AT:
+    def _one(self, node: Node, s: int) -> int:
+        if isinstance(node, Char):
+            return self._move(s, _predicate(node))
+        if isinstance(node, Group):
+            return self._seq(node.body, s)
+        if isinstance(node, Anchor):  # only a leading ^ and a trailing $ / \Z mean anything here
             return s
-        if op == sre_constants.BRANCH:
+        if isinstance(node, Branch):
             end = self._state()
-            for alt in av[1]:
+            for alt in node.alternatives:
                 self.eps[self._seq(alt, s)].append(end)
             return end
-        if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, getattr(sre_constants, "POSSESSIVE_REPEAT", None)):
-            lo, hi, sub = av
+        if isinstance(node, Repeat):  # lazy and possessive ones built as greedy (the texts they may match)
+            lo, hi, sub = node.lo, node.hi, node.body
             for _ in range(lo):
                 s = self._seq(sub, s)
-            if hi == sre_constants.MAXREPEAT or hi - lo > _MAX_COPIES:
+            if hi is None or hi - lo > _MAX_COPIES:
                 loop = self._state()
                 self.eps[s].append(loop)
                 self.eps[self._seq(sub, loop)].append(loop)
@@ -167,7 +154,7 @@ class Nfa:
                 s = self._seq(sub, s)
             self.eps[s].append(end)
             return end
-        raise Unknown(f"regex op {op}")
+        raise Unknown(f"regex construct {type(node).__name__}")  # a lookaround
 
     def _move(self, s: int, pred: Any) -> int:
         t = self._state()
@@ -258,23 +245,26 @@ def _pick(pred: Any) -> Optional[str]:
     return None
 
 
-def _in_set(c: str, items: Any) -> bool:
-    """Whether character c is in a character class (sre_parse IN items)."""
-    hit, negate = False, False
-    for op, av in items:
-        if op == sre_constants.NEGATE:
-            negate = True
-        elif op == sre_constants.LITERAL:
-            hit = hit or ord(c) == av
-        elif op == sre_constants.RANGE:
-            hit = hit or av[0] <= ord(c) <= av[1]
-        elif op == sre_constants.CATEGORY:
-            hit = hit or {sre_constants.CATEGORY_DIGIT: c.isdigit(), sre_constants.CATEGORY_NOT_DIGIT: not c.isdigit(),
-                          sre_constants.CATEGORY_WORD: c.isalnum() or c == "_",
-                          sre_constants.CATEGORY_NOT_WORD: not (c.isalnum() or c == "_"),
-                          sre_constants.CATEGORY_SPACE: c.isspace(),
-                          sre_constants.CATEGORY_NOT_SPACE: not c.isspace()}.get(av, False)
-    return hit != negate
+def _predicate(node: Char) -> Any:
+    """Whether a character is the node's (`.`: any but a newline); a fresh function per move."""
+    items, negate = node.items, node.negate
+    if items == (ANY,):
+        return lambda c: c != "\n"
+    if len(items) == 1 and items[0][0] == "lit":
+        return (lambda c, v=items[0][1]: ord(c) != v) if negate else (lambda c, v=items[0][1]: ord(c) == v)
+    return lambda c: _in_set(c, items) != negate
+
+
+def _in_set(c: str, items: tuple[Item, ...]) -> bool:
+    """Whether character c is one of a class's items."""
+    for it in items:
+        if it[0] == "lit" and ord(c) == it[1] or it[0] == "range" and it[1] <= ord(c) <= it[2]:
+            return True
+        if it[0] == "cat" and {"d": c.isdigit(), "D": not c.isdigit(), "w": c.isalnum() or c == "_",
+                               "W": not (c.isalnum() or c == "_"), "s": c.isspace(),
+                               "S": not c.isspace()}[it[1]]:
+            return True
+    return False
 
 
 class RegexScanner:
