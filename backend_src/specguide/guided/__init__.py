@@ -12,7 +12,7 @@ _WHERE = {
     "from_sampling_parameters": "params", "from_tensors": "params", "from_vllm": "params",
     "resolve_guided": "params", "validate_guided": "params",
     "CompiledGuide": "backend", "GrammarBackend": "backend", "Matcher": "backend",
-    "CompileHandle": "compiler", "GrammarCompilerService": "compiler", "build_tokenizer_info": "compiler",
+    "CompileHandle": "compiler", "GrammarCompilerService": "compiler", "build_tokenizer_info": "xgrammar_backend",
     "GuidedDecoder": "decoder",
 }
 __all__ = sorted(_WHERE)

@@ -23,7 +23,7 @@ from .compile_pool import CompileLanes, timeout_message
 from .limits import GuideLimits, check_guide
 from .llguidance_backend import LlguidanceBackend
 from .params import validate_guided
-from .xgrammar_backend import XgrammarBackend, build_tokenizer_info, xgrammar_message  # noqa: F401 (re-exported)
+from .xgrammar_backend import XgrammarBackend
 
 DEFAULT_CACHE_LIMIT_BYTES = 512 << 20
 LLG_CACHE_ENTRIES = 256  # compiled llguidance guides kept (xgrammar keeps its own byte-limited cache)
