@@ -28,10 +28,10 @@ def prompt_for(engine, sample) -> str:
 
 @pytest.fixture
 def fresh_state_checker(engine):
-    """Wrap engine.step: after every step, each guided slot's matcher equals a fresh one fed its tokens."""
+    """Wrap engine.core.step: after every step, each guided slot's matcher equals a fresh one fed its tokens."""
     problems: list[str] = []
     checked = [0]
-    original = engine.step
+    original = engine.core.step
 
     def step():
         worked = original()
@@ -43,9 +43,9 @@ def fresh_state_checker(engine):
                     problems.append(f"seq {seq.seq_id}: {err}")
         return worked
 
-    engine.step = step
+    engine.core.step = step
     yield problems, checked
-    del engine.step
+    del engine.core.step
 
 
 def run_many(engine, requests, timeout=600):

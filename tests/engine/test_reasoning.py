@@ -55,7 +55,7 @@ def windows(reasoning_engine):
     drafts proposed by the host or None). After every engine step each guided slot's matcher equals a
     fresh one fed its accepted tokens (invariant 3)."""
     eng, seen = reasoning_engine, []
-    original, engine_step = eng.core.runner.step, eng.step
+    original, engine_step = eng.core.runner.step, eng.core.step
 
     def checked_step():
         worked = engine_step()
@@ -74,9 +74,9 @@ def windows(reasoning_engine):
             seen.append((before[b], drafts[:n, b].tolist(), a, host))
         return out
 
-    eng.core.runner.step, eng.step = step, checked_step
+    eng.core.runner.step, eng.core.step = step, checked_step
     yield seen
-    del eng.core.runner.step, eng.step
+    del eng.core.runner.step, eng.core.step
 
 
 def split(text: str) -> tuple[str, str]:

@@ -256,7 +256,7 @@ MIXED_K = (3, 0, 3, 2, 3, 2, 3, 0, 1)  # per request: speculation on / off insid
 
 def test_worker_executor_gives_the_plain_tokens_without_speculation(worker_engine, reference):
     problems = []
-    original = worker_engine.step
+    original = worker_engine.core.step
 
     def step():  # invariant 3 after every step, read once the callbacks are done
         worked = original()
@@ -266,11 +266,11 @@ def test_worker_executor_gives_the_plain_tokens_without_speculation(worker_engin
                 if err:
                     problems.append(err)
         return worked
-    worker_engine.step = step
+    worker_engine.core.step = step
     try:
         got = _run(worker_engine, _requests(worker_engine, k_of=lambda i: 0))
     finally:
-        del worker_engine.step
+        del worker_engine.core.step
     assert [g[:2] for g in got] == [r[:2] for r in reference]
     assert not problems, problems[:3]
     assert sum(1 for toks, reason, _, _ in got[: len(GUIDES)] if reason == "stop") >= 2  # grammars end
