@@ -72,7 +72,7 @@ def run_batch(engine, reqs) -> tuple[int, float]:
 
 def measure(engine, batch, guided, k, max_tokens) -> dict:
     steps = [0, 0.0]
-    original = engine.step
+    original = engine.core.step
 
     def step():
         t = time.perf_counter()
@@ -85,11 +85,11 @@ def measure(engine, batch, guided, k, max_tokens) -> dict:
     g = engine.core.step_graphs
     st0 = (g.stats.steps, g.stats.wait_s) if g else (0, 0.0)
     cb0 = engine.core.guided.stepper.worker.callback_s
-    engine.step = step
+    engine.core.step = step
     try:
         tokens, wall = run_batch(engine, requests(engine, batch, guided, k, max_tokens))
     finally:
-        del engine.step
+        del engine.core.step
     n = max(steps[0], 1)
     graph_steps = g.stats.steps - st0[0] if g else 0
     # graphs: everything but the wait for the replayed step is host time with the GPU idle
