@@ -48,7 +48,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from tests.integration.conftest import _stop, launch, repository_with  # noqa: E402
 from tests.integration.fuzz import GOOD, VICTIM_PROMPT, Tally, Victims, engine_state, healthy, send, settle  # noqa: E402
 from tests.integration.fuzz_strategies import TARGETS, cases, known_attacks  # noqa: E402
-from tests.integration.test_openai_server import Api  # noqa: E402
+from tests.integration.openai_helpers import Api  # noqa: E402
 
 from machine import cpu_header, cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
 

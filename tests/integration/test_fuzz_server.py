@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from .conftest import ROOT, Server, launch, stop_and_check
 from .fuzz import GOOD, HANG, INTERNAL, VICTIM_PROMPT, Tally, Victims, engine_state, healthy, send, settle
 from .fuzz_strategies import cases, known_attacks
-from .test_openai_server import Api
+from .openai_helpers import Api
 
 FUZZ_EXAMPLES = int(os.environ.get("SPECGUIDE_FUZZ_EXAMPLES", "300"))
 VICTIM_TOKENS = 160  # one victim after another for the whole run; each compared with the solo run
