@@ -11,7 +11,7 @@ stub died and counts it in specguide_server_restarts_total) on free ports with a
 model_repository/ (`--settings` applied to specguide's config.pbtxt), and an OpenAI server in front of
 it. Victim streams (greedy, one fixed prompt, `--victim-tokens` long, EOS suppressed) run one after
 another on `specguide` for the whole run; each is compared with the solo run taken first. Hypothesis
-draws `--count` cases from tests/integration/fuzz_strategies.py (`--seed` picks the draw; the same
+draws `--count` cases from tests/integration/fuzz_strategies/ (`--seed` picks the draw; the same
 seed draws the same cases), after issue 75's measured attacks (`known_attacks`, unless `--no-known`), sent `--concurrency` at a time and judged as tests/integration/fuzz.py
 says (ok / refused: a valid answer or a clear error; internal / hang / malformed: a finding).
 

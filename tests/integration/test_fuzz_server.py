@@ -2,7 +2,7 @@
 
 One real tritonserver (model_repository as shipped) and an OpenAI server in front of it. Victim
 streams (greedy, one fixed prompt, EOS suppressed) run one after another on `specguide` while
-hypothesis draws hostile requests (tests/integration/fuzz_strategies.py: raw tensors for the three
+hypothesis draws hostile requests (tests/integration/fuzz_strategies/: raw tensors for the three
 served names, Triton HTTP bodies, OpenAI bodies; sampling_parameters and guides of every type) and
 sends them one at a time, after issue 75's measured attacks (`known_attacks`). Then:
 
