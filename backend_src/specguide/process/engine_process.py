@@ -18,10 +18,10 @@ takes no answer to within `engine_stall_s` gets it killed (after it dumps every 
 the log, SIGUSR1) and restarted. No wait here on the engine process is without a limit: its ready
 message (`engine_start_timeout_s`), a submit's answer, the end of a shutdown.
 
-Here: `EngineProcess`, the engine's interface, and its reader thread (the engine's messages).
+Here: `EngineProcess`, the engine's interface, its reader thread (the engine's messages) and its
+supervisor thread (restarts, the watchdog).
 Elsewhere: the messages and EngineInfo (engine_protocol.py), one engine process and its pipes
-(engine_handle.py), the restarts and the watchdog (engine_supervision.py), the child's own side
-(engine_process_child.py).
+(engine_handle.py), the child's own side (engine_process_child.py).
 
 Given the server's pid (the Triton stub's parent), the engine process also ends when the server
 does, and ends the stub first: Triton 2.51's stub never finishes exiting after its server was
@@ -32,30 +32,34 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import subprocess
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ..config import EngineConfig
 from .engine_handle import EngineHandle
 from .engine_protocol import Callback, EngineInfo, describe_exit
-from .engine_supervision import WATCH_S, EngineSupervision, Log
 from .head_training import BackgroundTraining
 from .ipc import process_identity, read_msg
 from ..request import EngineDeadError, Request, RequestOutput
-from .restarts import Backoff
+from .restarts import Backoff, sleep_unless
+
+Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
 
 SUBMIT_WAIT_S = 60.0  # without the watchdog: how long a submit waits for the engine's answer
+WATCH_S = 1.0  # how often the watchdog looks (at most)
+DUMP_WAIT_S = 1.0  # a stuck engine process's time to write its threads' stacks before it is killed
 
 
-class EngineProcess(EngineSupervision):
+class EngineProcess:
     """The engine's interface (`submit`, `cancel`, `stats`, `is_alive`, `shutdown`) over an engine
     process that is restarted when it dies. Callbacks run on this object's reader thread.
 
     The first start happens in the constructor and raises if the engine cannot load. `server_pid`:
     the server process (a Triton stub's parent) whose end ends this process and the engine's.
-    Restarts and the watchdog run on the supervisor thread (EngineSupervision)."""
+    Restarts and the watchdog run on the supervisor thread (`_supervise`)."""
 
     def __init__(self, config: EngineConfig, log: Optional[Log] = None, server_pid: Optional[int] = None):
         self._log = log or (lambda level, text: logging.getLogger("specguide").log(
@@ -295,3 +299,75 @@ class EngineProcess(EngineSupervision):
             self._log("error", f"specguide: {cause}; {len(callbacks)} request(s) failed with UNAVAILABLE; "
                                f"restarting the engine (crash {self._backoff.failures} in a row)")
             self._wake.set()
+
+    # ---- the watchdog ------------------------------------------------------------------------
+    def _watch_period(self) -> Optional[float]:
+        stall = self._config.engine_stall_s
+        return min(WATCH_S, stall / 4) if stall > 0 else None
+
+    def _watch(self) -> None:
+        """Kill the engine process when, with requests in flight, its loop has not moved for
+        `engine_stall_s` (the reader then fails its requests and the supervisor restarts it)."""
+        stall = self._config.engine_stall_s
+        if stall <= 0:
+            return
+        with self._lock:
+            now, child = time.monotonic(), self._child
+            if not self._callbacks or self._down is not None:  # idle: nothing is owed
+                self._progress_at = now
+            idle = now - self._progress_at
+        if idle >= stall:
+            self._stalled(child, f"no step for {idle:.0f} s with requests in flight; engine_stall_s {stall:g}")
+
+    def _stalled(self, child: EngineHandle, why: str) -> None:
+        """The engine process is stuck: it writes every thread's stack to the log (SIGUSR1:
+        faulthandler), then is killed; its reader reports the death (cause: `child.stalled`)."""
+        with self._lock:
+            if child.stalled or child is not self._child or self._down is not None:
+                return
+            child.stalled = f"the engine was stuck ({why}) and was killed"
+        self._log("error", f"specguide: {child.stalled}; its threads' stacks follow in the log")
+        try:
+            child.proc.send_signal(signal.SIGUSR1)  # (Popen's: never a reaped pid)
+            child.proc.wait(DUMP_WAIT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        child.proc.kill()
+
+    # ---- supervisor thread: restarts, and the watchdog ---------------------------------------
+    def _supervise(self) -> None:
+        while True:
+            self._wake.wait(self._watch_period())
+            self._wake.clear()
+            if self._closing:
+                return
+            if self._down is None:
+                self._watch()
+                continue
+            delay = self._restart_delay
+            if delay > 0:
+                self._log("warn", f"specguide: waiting {delay:g} s before restarting the engine "
+                                  f"(crash {self._backoff.failures} in a row)")
+                if sleep_unless(delay, lambda: self._closing):
+                    return
+            t0 = time.monotonic()
+            self._backoff.started()
+            try:
+                child = EngineHandle(self._config, self._server)
+            except Exception as e:
+                self._restart_delay = self._backoff.failed()
+                with self._lock:
+                    self._down = f"the engine failed to restart ({e}); retrying"
+                self._log("error", f"specguide: {self._down}")
+                self._wake.set()
+                continue
+            with self._lock:
+                if self._closing:
+                    child.kill()
+                    return
+                self._child, self._down, self.info = child, None, child.info
+                self.restarts += 1
+                self._stats, self._turns, self._progress_at = {}, -1, time.monotonic()
+            self._reader = self._start_reader(child)
+            self._log("info", f"specguide: engine restarted in {time.monotonic() - t0:.1f} s "
+                              f"(restart {self.restarts}, pid {child.info.pid})")

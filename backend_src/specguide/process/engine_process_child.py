@@ -28,7 +28,7 @@ def child_main() -> None:
     # server shuts the engine down itself as it unloads the model. Taken here, the SIGINT killed the
     # engine first and its stub restarted it in the middle of the shutdown ("crash 1 in a row").
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # the watchdog (engine_supervision.py) asks a stuck engine where its threads are before killing it
+    # the watchdog (engine_process.py) asks a stuck engine where its threads are before killing it
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="specguide engine: %(levelname)s %(message)s")
     if os.environ.get(SERVER_ENV):
