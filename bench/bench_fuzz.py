@@ -11,7 +11,7 @@ stub died and counts it in specguide_server_restarts_total) on free ports with a
 model_repository/ (`--settings` applied to specguide's config.pbtxt), and an OpenAI server in front of
 it. Victim streams (greedy, one fixed prompt, `--victim-tokens` long, EOS suppressed) run one after
 another on `specguide` for the whole run; each is compared with the solo run taken first. Hypothesis
-draws `--count` cases from tests/integration/fuzz_strategies.py (`--seed` picks the draw; the same
+draws `--count` cases from tests/integration/fuzz_strategies/ (`--seed` picks the draw; the same
 seed draws the same cases), after issue 75's measured attacks (`known_attacks`, unless `--no-known`), sent `--concurrency` at a time and judged as tests/integration/fuzz.py
 says (ok / refused: a valid answer or a clear error; internal / hang / malformed: a finding).
 
@@ -48,7 +48,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from tests.integration.conftest import _stop, launch, repository_with  # noqa: E402
 from tests.integration.fuzz import GOOD, VICTIM_PROMPT, Tally, Victims, engine_state, healthy, send, settle  # noqa: E402
 from tests.integration.fuzz_strategies import TARGETS, cases, known_attacks  # noqa: E402
-from tests.integration.test_openai_server import Api  # noqa: E402
+from tests.integration.openai_helpers import Api  # noqa: E402
 
 from machine import cpu_header, cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
 

@@ -16,7 +16,8 @@ from specguide.engine import faults
 
 from specguide.process import ipc, restarts
 from specguide.config import CPU_SLOTS, EngineConfig
-from specguide.process.engine_process import EngineProcess, describe_exit
+from specguide.process.engine_process import EngineProcess
+from specguide.process.engine_protocol import describe_exit
 from specguide.process.restarts import backoff_s
 from specguide.request import EngineDeadError, InvalidRequestError, Request, RequestOutput, SamplingParams
 

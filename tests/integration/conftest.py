@@ -174,6 +174,27 @@ def server(tmp_path_factory) -> Server:
     stop_and_check(srv)
 
 
+@pytest.fixture(scope="module")
+def api(server, tmp_path_factory):
+    """An OpenAI server process (openai_helpers.Api) in front of the session's tritonserver, one per
+    test module; its log must hold no traceback once it stops."""
+    from .openai_helpers import Api  # (openai_helpers imports this module)
+
+    a = Api(server.grpc, tmp_path_factory.mktemp("openai") / "api.log")
+    deadline = time.monotonic() + 60  # the server reads the model's settings from Triton once it answers
+    while "configured from Triton" not in a.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    yield a
+    a.stop()
+    assert "Traceback" not in a.log.read_text(), a.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    """The `openai` SDK's client of `api`."""
+    return api.client()
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)  # graceful: the model's finalize drains and stops the engine

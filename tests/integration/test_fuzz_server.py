@@ -2,7 +2,7 @@
 
 One real tritonserver (model_repository as shipped) and an OpenAI server in front of it. Victim
 streams (greedy, one fixed prompt, EOS suppressed) run one after another on `specguide` while
-hypothesis draws hostile requests (tests/integration/fuzz_strategies.py: raw tensors for the three
+hypothesis draws hostile requests (tests/integration/fuzz_strategies/: raw tensors for the three
 served names, Triton HTTP bodies, OpenAI bodies; sampling_parameters and guides of every type) and
 sends them one at a time, after issue 75's measured attacks (`known_attacks`). Then:
 
@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from .conftest import ROOT, Server, launch, stop_and_check
 from .fuzz import GOOD, HANG, INTERNAL, VICTIM_PROMPT, Tally, Victims, engine_state, healthy, send, settle
 from .fuzz_strategies import cases, known_attacks
-from .test_openai_server import Api
+from .openai_helpers import Api
 
 FUZZ_EXAMPLES = int(os.environ.get("SPECGUIDE_FUZZ_EXAMPLES", "300"))
 VICTIM_TOKENS = 160  # one victim after another for the whole run; each compared with the solo run

@@ -1,4 +1,4 @@
-"""The fuzzing suite's generators (tests/integration/fuzz_strategies.py), without a server: every
+"""The fuzzing suite's generators (tests/integration/fuzz_strategies/), without a server: every
 target and guide type is drawn, and every length a drawn request asks for is cheap to serve (at
 most 8 tokens) or one the server must refuse."""
 from __future__ import annotations

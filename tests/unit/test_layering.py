@@ -18,6 +18,8 @@ LAYERS = {
     "util.paths": 0, "util.progress": 0, "util.memory": 0, "util.heap": 0,
     "process.ipc": 0, "process.health_probe": 0, "process.restarts": 0,
     "process.head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
+    "process.engine_protocol": 1,  # the engine process's messages and EngineInfo: plain data over config / request
+    "process.engine_handle": 2,  # one engine process and its pipes (starts engine_process_child by name)
     # per-request state (Sequence) and small services every layer above reads
     "engine.sequence_state": 0,  # the non-scheduler parts of a Sequence: plain data (its imports are type-only)
     "engine.faults": 1, "engine.scheduler": 1, "tokenizer": 1, "kernels": 1,  # kernels: the C kernels (import nothing of ours)

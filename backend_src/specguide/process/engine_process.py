@@ -18,13 +18,10 @@ takes no answer to within `engine_stall_s` gets it killed (after it dumps every 
 the log, SIGUSR1) and restarted. No wait here on the engine process is without a limit: its ready
 message (`engine_start_timeout_s`), a submit's answer, the end of a shutdown.
 
-The child's side is child.py (its command line names it, so tools and tests find the
-engine process by "engine_process"). Messages are length-prefixed pickles over the child's stdin
-/ stdout (compile_worker's framing).
-Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", key) |
-("shutdown", drain, timeout). Child -> parent: ("ready", EngineInfo) | ("failed", text), then
-("out", key, RequestOutput) | ("refused", key, exception) | ("stats", dict) | ("dead", text).
-`key` is the parent's id for a request: the seq_id `submit` returns and outputs carry.
+Here: `EngineProcess`, the engine's interface, its reader thread (the engine's messages) and its
+supervisor thread (restarts, the watchdog).
+Elsewhere: the messages and EngineInfo (engine_protocol.py), one engine process and its pipes
+(engine_handle.py), the child's own side (engine_process_child.py).
 
 Given the server's pid (the Triton stub's parent), the engine process also ends when the server
 does, and ends the stub first: Triton 2.51's stub never finishes exiting after its server was
@@ -39,116 +36,21 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..config import EngineConfig
+from .engine_handle import EngineHandle
+from .engine_protocol import Callback, EngineInfo, describe_exit
 from .head_training import BackgroundTraining
-from .ipc import child_env, process_identity, python_executable, read_msg, write_msg
+from .ipc import process_identity, read_msg
 from ..request import EngineDeadError, Request, RequestOutput
 from .restarts import Backoff, sleep_unless
 
-Callback = Callable[[RequestOutput], None]
 Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
 
-STATS_S = 0.05  # how often the engine process sends its stats while they change (and checks its loop thread)
-STATS_IDLE_S = 0.5  # its period while they do not (an idle engine): unchanged stats are not sent again
 SUBMIT_WAIT_S = 60.0  # without the watchdog: how long a submit waits for the engine's answer
 WATCH_S = 1.0  # how often the watchdog looks (at most)
 DUMP_WAIT_S = 1.0  # a stuck engine process's time to write its threads' stacks before it is killed
-EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
-_CHILD_MAIN = "from specguide.process.engine_process_child import child_main; child_main()"
-PARENT_ENV = "SPECGUIDE_ENGINE_PARENT"
-SERVER_ENV = "SPECGUIDE_ENGINE_SERVER"  # the server (ipc.process_identity) whose end ends the stub and engine
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the engine process reports once loaded."""
-
-    pid: int
-    config: EngineConfig  # as the engine resolved it (slots sized, ...)
-    model_dir: str  # the model folder (its tokenizer)
-    drafter: str
-    head: bool  # a trained draft head is in use
-    probes: dict  # tokenizer.PROBES through the engine's tokenizer (the stub's light one must agree)
-    warmup_s: float
-    awaited_head: str = ""  # the draft head file the engine attaches once written ("" = none awaited)
-    frozen_objects: int = 0  # its start-up heap, frozen out of full collections (util/heap.py)
-
-
-def describe_exit(returncode: Optional[int], dead_message: str = "") -> str:
-    """Why the engine process ended, in words for clients and the log."""
-    if dead_message:
-        return dead_message
-    if returncode is None:
-        return "the engine process stopped answering"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        why = " (the kernel's OOM killer sends it when memory runs out)" if name == "SIGKILL" else ""
-        return f"the engine process was killed by {name}{why}"
-    return f"the engine process exited with code {returncode}"
-
-
-class _Child:
-    """One engine process and the pipes to it."""
-
-    def __init__(self, config: EngineConfig, server: Optional[str] = None):
-        env = child_env(PARENT_ENV)
-        env.pop(SERVER_ENV, None)
-        if server:
-            env[SERVER_ENV] = server
-        self.proc = subprocess.Popen([python_executable(), "-c", _CHILD_MAIN], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, close_fds=True)
-        self.write_lock = threading.Lock()
-        self.stalled = ""  # why the watchdog killed it ("" unless it did)
-        limit, late = config.engine_start_timeout_s, threading.Event()
-
-        def expire() -> None:  # ends the read below
-            late.set()
-            self.proc.kill()
-
-        timer = threading.Timer(limit, expire) if limit > 0 else None
-        if timer is not None:
-            timer.daemon = True
-            timer.start()
-        try:
-            self.send(config)
-            reply = read_msg(self.proc.stdout)
-        finally:
-            if timer is not None:
-                timer.cancel()
-        if not (isinstance(reply, tuple) and reply[0] == "ready"):
-            self.kill()
-            if isinstance(reply, tuple) and reply[0] == "failed":
-                detail = reply[1]
-            elif late.is_set():
-                detail = f"not loaded within engine_start_timeout_s ({limit:g} s); killed"
-            else:
-                detail = describe_exit(self.proc.returncode)
-            raise RuntimeError(f"the engine did not start: {detail}")
-        self.info: EngineInfo = reply[1]
-
-    def send(self, msg: object) -> bool:
-        try:
-            with self.write_lock:
-                write_msg(self.proc.stdin, msg)
-            return True
-        except (OSError, ValueError):  # the process is gone: its reader thread reports it
-            return False
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
 
 
 class EngineProcess:
@@ -156,7 +58,8 @@ class EngineProcess:
     process that is restarted when it dies. Callbacks run on this object's reader thread.
 
     The first start happens in the constructor and raises if the engine cannot load. `server_pid`:
-    the server process (a Triton stub's parent) whose end ends this process and the engine's."""
+    the server process (a Triton stub's parent) whose end ends this process and the engine's.
+    Restarts and the watchdog run on the supervisor thread (`_supervise`)."""
 
     def __init__(self, config: EngineConfig, log: Optional[Log] = None, server_pid: Optional[int] = None):
         self._log = log or (lambda level, text: logging.getLogger("specguide").log(
@@ -176,7 +79,7 @@ class EngineProcess:
         self._wake = threading.Event()
         self._progress_at = time.monotonic()  # the engine's last sign of progress, or when work began (the watchdog)
         self._turns = -1  # its loop's turns as last reported
-        self._child = _Child(config, self._server)
+        self._child = EngineHandle(config, self._server)
         self._reader = self._start_reader(self._child)
         self._supervisor = threading.Thread(target=self._supervise, name="specguide-engine-supervisor", daemon=True)
         self._supervisor.start()
@@ -250,7 +153,7 @@ class EngineProcess:
             raise result[0]
         return key
 
-    def _unanswered(self, child: _Child, key: int, done: threading.Event) -> None:
+    def _unanswered(self, child: EngineHandle, key: int, done: threading.Event) -> None:
         """A submit got no answer in time: with the watchdog on, the engine process is stuck (killed
         and restarted; the submit fails with the others); without it the request is given up."""
         with self._lock:
@@ -315,12 +218,12 @@ class EngineProcess:
         self._supervisor.join(timeout=10.0)
 
     # ---- reader thread: the engine's messages ------------------------------------------------
-    def _start_reader(self, child: _Child) -> threading.Thread:
+    def _start_reader(self, child: EngineHandle) -> threading.Thread:
         t = threading.Thread(target=self._read, args=(child,), name="specguide-engine-reader", daemon=True)
         t.start()
         return t
 
-    def _read(self, child: _Child) -> None:
+    def _read(self, child: EngineHandle) -> None:
         dead = ""
         while True:
             try:
@@ -371,7 +274,7 @@ class EngineProcess:
             result.append(error)
             done.set()
 
-    def _on_exit(self, child: _Child, cause: str) -> None:
+    def _on_exit(self, child: EngineHandle, cause: str) -> None:
         """The engine process ended: fail what it held, then (unless closing) restart it."""
         with self._lock:
             closing = self._closing
@@ -416,7 +319,7 @@ class EngineProcess:
         if idle >= stall:
             self._stalled(child, f"no step for {idle:.0f} s with requests in flight; engine_stall_s {stall:g}")
 
-    def _stalled(self, child: _Child, why: str) -> None:
+    def _stalled(self, child: EngineHandle, why: str) -> None:
         """The engine process is stuck: it writes every thread's stack to the log (SIGUSR1:
         faulthandler), then is killed; its reader reports the death (cause: `child.stalled`)."""
         with self._lock:
@@ -450,7 +353,7 @@ class EngineProcess:
             t0 = time.monotonic()
             self._backoff.started()
             try:
-                child = _Child(self._config, self._server)
+                child = EngineHandle(self._config, self._server)
             except Exception as e:
                 self._restart_delay = self._backoff.failed()
                 with self._lock:

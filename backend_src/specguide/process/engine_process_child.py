@@ -1,7 +1,7 @@
 """The engine process's own side (`child_main`): load the Engine, report it (EngineInfo), then
-serve the parent's messages (engine_process.py: the protocol and the parent's side) until shutdown;
-its stats go up every STATS_S while they change, and its loop thread's death ends the process
-(EXIT_LOOP_DIED); the server's end (SERVER_ENV) ends the parent stub and the process."""
+serve the parent's messages (engine_protocol.py: the protocol; engine_process.py: the parent's
+side) until shutdown; its stats go up every STATS_S while they change, and its loop thread's death
+ends the process (EXIT_LOOP_DIED); the server's end (SERVER_ENV) ends the parent stub and the process."""
 from __future__ import annotations
 
 import faulthandler
@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from .engine_process import EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_IDLE_S, STATS_S, Callback, EngineInfo
+from .engine_protocol import EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_IDLE_S, STATS_S, Callback, EngineInfo
 from ..util.heap import freeze_startup_heap
 from .ipc import die_with_parent, read_msg, renice, wait_until_gone, write_msg
 from ..request import RequestOutput
