@@ -93,8 +93,8 @@ def quantized(random_head):
 @pytest.mark.parametrize("wd, ratio", [("bfloat16", 0.5), ("int8", 0.25)])
 def test_weights_shrink_and_stay_close_to_fp32(fp32_engine, quantized, wd, ratio):
     engine, q = fp32_engine, quantized[wd]
-    assert q.model.head.weight_dtype == wd and q.model.layers[0].gate_up.weight_dtype == wd
-    full, small = packed_bytes(engine.core.model), packed_bytes(q.model)
+    assert q.core.model.head.weight_dtype == wd and q.core.model.layers[0].gate_up.weight_dtype == wd
+    full, small = packed_bytes(engine.core.model), packed_bytes(q.core.model)
     assert small <= ratio * full * 1.001, (small, full)
     ids = engine.tokenizer.encode(TEXT)
     ref, got = teacher_forced_logits(engine, ids), teacher_forced_logits(q, ids)
@@ -137,7 +137,7 @@ def test_auto_serves_the_gguf_at_its_shipped_precision_with_the_fp32_logits(fp32
     """weight_dtype auto on the default model (a dequantized Q4_1 GGUF): every layer's linears are
     held as Q4_1 blocks and the tied head as Q8_0, exactly; the logits are the float32 path's, bit
     for bit (the same fp32 sums in the same order), at under a fifth of the bytes."""
-    engine, m = fp32_engine, shipped.model
+    engine, m = fp32_engine, shipped.core.model
     assert m.head.weight_dtype == "q8_0"
     assert {lin.weight_dtype for lin in m.layers.modules() if isinstance(lin, InvariantLinear)} == {"q4_1"}
     def nbytes(model):  # noqa: E306
@@ -162,10 +162,10 @@ def test_integer_dot_holds_the_same_blocks_and_stays_close_to_fp32(fp32_engine, 
     fp32's top two logits are 0.5 apart (its median gap is 0.8). Overall agreement moves with the
     last bits of any kernel: 0.98 or 0.93 on TEXT's 60 tokens (1 or 4 near-ties, gaps 0.04-0.21,
     flipped by a reordered fp32 sum), 0.948 either way on 500 README tokens."""
-    engine, m = fp32_engine, integer.model
+    engine, m = fp32_engine, integer.core.model
     assert m.integer_dot and m.head.weight_dtype == "q8_0_q8"
     assert {lin.weight_dtype for lin in m.layers.modules() if isinstance(lin, InvariantLinear)} == {"q4_1_q8"}
-    assert packed_bytes(m) == packed_bytes(shipped.model)
+    assert packed_bytes(m) == packed_bytes(shipped.core.model)
     ids = engine.tokenizer.encode(TEXT)
     ref, got = teacher_forced_logits(engine, ids), teacher_forced_logits(integer, ids)
     agree, kl = agreement(ref, got)
@@ -226,7 +226,7 @@ def test_the_served_draft_head_multiplies_int8_activations_like_the_target(fp32_
     LM-head slice take the integer-dot path as the target's layers do (its prompt catch-up 2.5x
     cheaper on Zen 3 than the widened int8 path: bench/HISTORY.md), and its drafts stay the float32
     head's."""
-    head = integer.proposer.head.head
+    head = integer.core.proposer.head.head
     linears = [head.lm, head.fc, head.layer.qkv, head.layer.o, head.layer.gate_up, head.layer.down]
     assert {m.weight_dtype for m in linears} == {"q8_0_q8"}
     ref = DraftHead.load(random_head, fp32_engine.core.model, "")
@@ -245,7 +245,7 @@ def test_an_int8_kv_cache_holds_half_the_bytes_and_keeps_outputs_invariant(integ
                             activation_dtype="int8", kv_cache_dtype="int8", drafter="head",
                             draft_head_path=str(random_head), cost_aware_k=False))  # every step drafts
     try:
-        kv, half = e.core.runner.kv, integer.runner.kv
+        kv, half = e.core.runner.kv, integer.core.runner.kv
         assert kv.k.dtype == kv.v.dtype == torch.int8 and half.k.dtype == torch.float16
         assert kv.nbytes / half.nbytes == pytest.approx((64 + 4) / (2 * 64), rel=0.01)
         assert_same_alone_batched_and_speculated(e)

@@ -110,7 +110,7 @@ def test_graph_replay_equals_eager_step(drafter, random_head):
     kw = dict(drafter=drafter, draft_layers=20, draft_head_path=random_head)
     eager, graphs = _engine(cuda_graphs=False, **kw), _engine(cuda_graphs=True, **kw)
     try:
-        assert eager.step_graphs is None and graphs.step_graphs is not None
+        assert eager.core.step_graphs is None and graphs.core.step_graphs is not None
         for k in (0, 3):
             a = [r[0] for r in _run_many(eager, _greedy_requests(eager, k))]
             b = [r[0] for r in _run_many(graphs, _greedy_requests(graphs, k))]
@@ -118,10 +118,10 @@ def test_graph_replay_equals_eager_step(drafter, random_head):
             # late in a sequence, never the start
             assert all(x[:16] == y[:16] for x, y in zip(a, b)), (k, a, b)
             assert sum(x == y for x, y in zip(a, b)) >= len(a) - 1, (k, a, b)
-        st = graphs.step_graphs.stats
+        st = graphs.core.step_graphs.stats
         assert st.steps > 0 and st.captures > 0
         if drafter == "hybrid":  # the default drafter's speculative steps are graph replays
-            assert any(key.pick and key.drafting == "model" for key in graphs.step_graphs.graphs)
+            assert any(key.pick and key.drafting == "model" for key in graphs.core.step_graphs.graphs)
     finally:
         eager.shutdown()
         graphs.shutdown()

@@ -29,7 +29,7 @@ class HeadDrafter:
         self.head = head
         self.device = device
         self.chunk = chunk
-        self.K = K
+        self.max_drafts = K
         dtype = head.target.dtype
         self.kv = KVCache(1, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim, dtype, device, spare=K + 1)
         self.feats = torch.zeros(max_slots, max_seq_len + K + 1, cfg.hidden_size, dtype=dtype, device=device)
@@ -80,16 +80,16 @@ class HeadDrafter:
             self.cached[s.slot] = max(0, min(self.valid[s.slot], s.num_tokens - 2))
             toks = s.prompt_ids + s.output_ids
             history.append(toks)
-            while (left := s.num_tokens - 1 - self.cached[s.slot]) > self.K + 1:
+            while (left := s.num_tokens - 1 - self.cached[s.slot]) > self.max_drafts + 1:
                 a = self.cached[s.slot]  # a new prompt: chunks of its own, leaving <= K+1 rows for the batch
-                n = min(self.chunk, left - self.K - 1)
+                n = min(self.chunk, left - self.max_drafts - 1)
                 self._run([s.slot], [list(range(a, a + n))], [toks[a + 1: a + 1 + n]])
                 self.cached[s.slot] = self.valid[s.slot] = a + n
             rows.append(list(range(self.cached[s.slot], s.num_tokens - 1)))
         self.catchup_s += time.perf_counter() - t0
-        T = self.K + 1 if key.captured else max(len(r) for r in rows)
+        T = self.max_drafts + 1 if key.captured else max(len(r) for r in rows)
         P, X, L = self.pos_host.numpy(), self.tok_host.numpy(), self.last_host.numpy()
-        P[:] = self.max_seq_len + np.arange(self.K + 1)[None, :]  # padding rows: dead positions
+        P[:] = self.max_seq_len + np.arange(self.max_drafts + 1)[None, :]  # padding rows: dead positions
         X[:] = 0
         L[:] = 0
         for b, (s, r, toks) in enumerate(zip(seqs, rows, history)):
