@@ -301,3 +301,14 @@ def test_auto_routes_objects_wider_than_llguidance_takes_to_xgrammar(engine):
     assert svc.backend_for(narrow) == "llguidance"
     assert svc.backend_for(GuidedDecodingParams("json_schema", nested)) == "xgrammar"
     assert svc.backend_for(GuidedDecodingParams("json_schema", nested, backend="llguidance")) == "llguidance"
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_grammar_with_no_way_to_end_is_refused_before_its_first_step(engine, backend):
+    """The fuzz suite's finding: such a grammar's first mask is empty, and the step answered with an
+    internal error after its first token; now it is INVALID_ARG before any token."""
+    req = Request(prompt=chat(engine, "Say yes."), params=SamplingParams(max_tokens=8, temperature=0.0),
+                  guided=GuidedDecodingParams("ebnf_grammar", "root ::= x\nx ::= y\ny ::= x", backend=backend))
+    ids, _, last = run_alone(engine, req)
+    assert (last.finish_reason, last.error_code, ids) == ("error", "INVALID_ARG", []), last
+    assert "grammar" in last.error

@@ -65,4 +65,10 @@ FOUND = [
     Case("openai_chat", path="/v1/chat/completions", body=json.dumps(  # 500 there
         {"model": "specguide", "messages": [{"role": "user", "content": "Pick."}], "max_tokens": 8,
          "guided_choice": ["\u00e9t\u00e9", "hiver"]}).encode()),
+    # a grammar with no way to end: its first mask is empty; answered 500 ("token 0 violates the
+    # grammar") after a step
+    _guided(b"Hi", "ebnf_grammar", "root ::= x\nx ::= y\ny ::= x"),
+    Case("openai_completions", path="/v1/completions", body=json.dumps(
+        {"model": "specguide", "prompt": "Say yes.", "max_tokens": 8,
+         "guided_grammar": "root ::= x\nx ::= y\ny ::= x"}).encode()),
 ]
