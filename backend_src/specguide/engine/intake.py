@@ -124,9 +124,6 @@ starts, then collects, their grammar compiles."""
             try:
                 state.grammar = handle.result(timeout=0)
                 state.compile = None
-                if not state.grammar.can_start():
-                    raise InvalidRequestError("the guide accepts no output: its grammar allows no first token "
-                                              "(a rule with no way to end, e.g. rules that only refer to each other)")
                 if self.reasoning is not None:
                     state.grammar = self.reasoning.wrap(state.grammar, seq.prompt_ids)
                 else:

@@ -10,7 +10,7 @@ makes it. A matcher class fills many rows in one batched call (`Matcher.fill_man
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -113,7 +113,6 @@ class CompiledGuide:
     checked: tuple[str, ...] = ()  # "keyword at /json/pointer" checked when its value closes (value_check.py)
     budget: Any = None  # budget.BudgetPlan: the document closes within max_tokens (set per request)
     schema: Any = None  # json / json_schema guides: the schema compiled (schema.json_schema_of), for the budget
-    _can_start: Optional[bool] = field(default=None, repr=False)  # can_start's answer, once asked
 
     def matcher(self) -> Matcher:
         return self.make_matcher()
@@ -121,15 +120,12 @@ class CompiledGuide:
     def can_start(self) -> bool:
         """Whether a fresh matcher allows some token or is already done. A grammar with no way to
         end (rules that only refer to each other) allows none: its first mask is empty. (A grammar
-        that starts and only later cannot end is not found here.) Checked once per compiled guide
-        (the compile cache shares it)."""
-        if self._can_start is None:
-            m = self.matcher()
-            bitmask = allocate_token_bitmask(1, self.vocab_size)
-            m.fill(bitmask, 0)
-            done = m.is_terminated()  # (where the library found the grammar broken: InvalidRequestError)
-            self._can_start = done or bool(bitmask.any())
-        return self._can_start
+        that starts and only later cannot end is not found here.)"""
+        m = self.matcher()
+        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        m.fill(bitmask, 0)
+        done = m.is_terminated()  # (where the library found the grammar broken: InvalidRequestError)
+        return done or bool(bitmask.any())
 
 
 class GrammarBackend(ABC):

@@ -184,16 +184,17 @@ class GrammarCompilerService:
         return params
 
     def _compile(self, params: GuidedDecodingParams) -> CompiledGuide:
+        """The compile lanes' work (off the engine loop): compile, refuse a guide that cannot start."""
         backend = self.backends[self.backend_for(params)]
         if backend.caches_compiles:
-            return backend.compile(params)
+            return _startable(backend.compile(params))
         key = params.cache_key(backend.name)  # the others' compiled guides are kept here, LRU
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        guide = backend.compile(params)
+        guide = _startable(backend.compile(params))
         with self._lock:
             self._cache[key] = guide
             while len(self._cache) > LLG_CACHE_ENTRIES:
@@ -217,3 +218,11 @@ class GrammarCompilerService:
         with self._lock:
             self._closed = True
         self.lanes.shutdown()
+
+
+def _startable(guide: CompiledGuide) -> CompiledGuide:
+    """`guide`, or InvalidRequestError when its grammar allows no first token (no way to end)."""
+    if not guide.can_start():
+        raise InvalidRequestError("the guide accepts no output: its grammar allows no first token "
+                                  "(a rule with no way to end, e.g. rules that only refer to each other)")
+    return guide
