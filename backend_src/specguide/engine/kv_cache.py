@@ -11,7 +11,6 @@ from specguide import kernels
 from specguide.util.memory import advise_huge_pages
 
 log = logging.getLogger("specguide")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by EngineConfig.dtype
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -149,7 +148,7 @@ def size_slots(config: "EngineConfig", cfg: Any, device: torch.device, free_byte
         free_bytes, _ = torch.cuda.mem_get_info(device)
     positions = config.max_seq_len + config.num_draft_tokens + 1
     per_slot = slot_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, positions,
-                          DTYPE_BYTES[config.dtype])
+                          torch.finfo(getattr(torch, config.dtype)).bits // 8)  # EngineConfig.dtype: a torch dtype's name
     n = slots_for_memory(free_bytes, config.kv_cache_memory_fraction, per_slot)
     log.info("max_slots %d: %d slots x %d positions = %.2f GiB of %.2f GiB free (kv_cache_memory_fraction %.2f)",
              n, n, positions, n * per_slot / 2**30, free_bytes / 2**30, config.kv_cache_memory_fraction)
