@@ -158,8 +158,8 @@ def test_gemma_decode_steps_match_transformers_and_are_invariant(kind, tmp_path)
         assert torch.equal(run([3], 20, 20)[0], steps)  # a 20-query prefill chunk: the decode steps' bits
         ours.invariant_attention = False  # the torch path (no C compiler, CUDA) masks alike, on the
         torch_kv = KVCache(2, 4, 2, 64, ours.cfg.head_dim, torch.float32, kernel_layout=False)  # same K/V
-        torch_kv.k.copy_(kernels.key_rows(kv.k)[:, :, :, : torch_kv.k.shape[3]])
-        torch_kv.v.copy_(kv.v[:, :, :, : torch_kv.v.shape[3]])
+        torch_kv.k.copy_(kv.k.transpose(-1, -2))  # the same blocks: keys' positions innermost
+        torch_kv.v.copy_(kv.v)
         assert (run([0, 3], 20, 4, torch_kv) - ref[20:24]).abs().max().item() < 1e-4
 
 

@@ -11,7 +11,7 @@ runs every build this CPU can execute). Prints "ok" when every check holds, else
   reference arithmetic's result with their integer sums at the largest;
 - the row scans (argmax, non-finite rows) give torch's answers;
 - attention: any chunk split of a prompt gives the same outputs and K/V (window, soft cap), with
-  an fp32, an fp16 and an int8 KV cache;
+  an fp32, an fp16 and an int8 KV cache, wherever the blocks of its paged cache lie;
 - whole models (random weights, real layer shapes: SmolLM2's attention geometry in q4_1 as the
   default model is served, and a Gemma 2 layer pair in fp32 / q8_0; each with its block formats widened and
   in integer dot products, the latter with the fp16 KV cache it is served with and with an int8 one): a decode step's logits are
@@ -30,6 +30,8 @@ import torch
 from specguide import kernels
 from specguide.engine.kv_cache import KVCache
 from specguide.models.loader import load_model
+
+from paged_cache import empty, unpaged
 
 
 def check_gemv(g: torch.Generator) -> None:
@@ -84,11 +86,11 @@ def check_attention(g: torch.Generator) -> None:
 
         def run(bounds, rows=(0, 1)):
             hw = kernels.kv_row_width(dtype, hd)
-            kc, vc = torch.zeros(3, kvh, S // 16, hw, 16, dtype=dtype), torch.zeros(3, kvh, S, hw, dtype=dtype)
+            kc, vc, table = empty(3, kvh, S, hw, dtype, seed=len(bounds))  # blocks placed anew for each split
             r = list(rows)
-            outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin, kc, vc, torch.tensor([2, 0])[r], pos[r, a:b],
-                                               nh, 0.2, window, cap) for a, b in zip(bounds, bounds[1:])]
-            return torch.cat(outs, 1), kc, vc
+            outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin, kc, vc, table, torch.tensor([2, 0])[r],
+                                               pos[r, a:b], nh, 0.2, window, cap) for a, b in zip(bounds, bounds[1:])]
+            return torch.cat(outs, 1), *unpaged(kc, vc, table)
 
         whole = run([0, N])
         for bounds, rows in (([0, 1, 18, 19, N], (0, 1)), (list(range(N + 1)), (0, 1)), ([0, 4, 8, N], (1,))):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specguide import kernels
+from paged_cache import empty, paged, unpaged
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"no C compiler: {kernels.unavailable_reason()}")
 
@@ -195,13 +196,13 @@ def test_attention_is_invariant_over_batch_and_queries():
     B, T, nh, kvh, S, hd = 3, 4, 9, 3, 64, 64
     qkv = torch.randn(B, T, nh + 2 * kvh, hd, generator=g)
     cos, sin_signed = _rope_tables(S, hd, g)
-    kc, vc = kernels.block_keys(torch.randn(5, kvh, S, hd, generator=g)), torch.randn(5, kvh, S, hd, generator=g)
+    kc, vc, table = paged(torch.randn(5, kvh, S, hd, generator=g), torch.randn(5, kvh, S, hd, generator=g))
     slots = torch.tensor([4, 0, 2])
     pos = torch.tensor([[10, 11, 12, 13], [0, 1, 2, 3], [40, 41, 42, 43]])
-    out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, slots, pos, nh)
+    out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, table, slots, pos, nh)
     for b in range(B):
         for t in range(T):  # one query alone (its K/V rewritten as they are) == the same query in the [B, T] call
-            one = kernels.rope_attention_f32(qkv[b:b + 1, t:t + 1], cos, sin_signed, kc, vc, slots[b:b + 1],
+            one = kernels.rope_attention_f32(qkv[b:b + 1, t:t + 1], cos, sin_signed, kc, vc, table, slots[b:b + 1],
                                              pos[b:b + 1, t:t + 1], nh)
             assert torch.equal(one, out[b:b + 1, t:t + 1])
 
@@ -219,10 +220,10 @@ def test_fused_rope_attention_matches_the_torch_path_and_writes_the_cache():
     slots, pos = torch.tensor([3, 1]), torch.tensor([[5, 6, 7], [0, 1, 2]])
     kc, vc = torch.randn(4, kvh, S, hd, generator=g), torch.randn(4, kvh, S, hd, generator=g)
     kc2, vc2 = kc.clone(), vc.clone()
-    blocked = kernels.block_keys(kc)  # the kernel's layout: 16 positions a block, dims outermost
-    assert torch.equal(kernels.key_rows(blocked), kc) and blocked[1, 0, 1, 3, 5] == kc[1, 0, 21, 3]
-    out = kernels.rope_attention_f32(qkv, cos, sin_signed, blocked, vc, slots, pos, nh)
-    kc = kernels.key_rows(blocked)
+    pk, pv, table = paged(kc, vc)  # the kernel's layout: 16 positions a block (keys: dims outermost), shuffled
+    assert torch.equal(unpaged(pk, pv, table)[0], kc) and pk[table[1, 1], 0, 3, 5] == kc[1, 0, 21, 3]
+    out = kernels.rope_attention_f32(qkv, cos, sin_signed, pk, pv, table, slots, pos, nh)
+    kc, vc = unpaged(pk, pv, table)
     # torch reference: rope, write, SDPA
     qk = apply_rope(qkv[:, :, : nh + kvh], cos[pos].unsqueeze(2), sin_signed[pos].unsqueeze(2))
     kc2[slots[:, None], :, pos] = qk[:, :, nh:]
@@ -242,18 +243,18 @@ def test_sliding_window_and_soft_capped_attention_match_torch_and_stay_invariant
     B, T, nh, kvh, S, hd, W, cap, scale = 2, 3, 4, 2, 32, 32, 4, 2.0, 0.3
     qkv = torch.randn(B, T, nh + 2 * kvh, hd, generator=g)
     cos, sin_signed = _rope_tables(S, hd, g)
-    kc, vc = kernels.block_keys(torch.randn(4, kvh, S, hd, generator=g)), torch.randn(4, kvh, S, hd, generator=g)
+    kc, vc, table = paged(torch.randn(4, kvh, S, hd, generator=g), torch.randn(4, kvh, S, hd, generator=g))
     slots, pos = torch.tensor([3, 1]), torch.tensor([[10, 11, 12], [0, 1, 2]])
-    out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, slots, pos, nh, scale, W, cap)
+    out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, table, slots, pos, nh, scale, W, cap)
     q = apply_rope(qkv[:, :, :nh], cos[pos].unsqueeze(2), sin_signed[pos].unsqueeze(2)).transpose(1, 2)
-    k, v = (c[slots][:, :, :13].repeat_interleave(nh // kvh, 1) for c in (kernels.key_rows(kc), vc))  # [B, nh, 13, hd]
+    k, v = (c[slots][:, :, :13].repeat_interleave(nh // kvh, 1) for c in unpaged(kc, vc, table))  # [B, nh, 13, hd]
     s = torch.tanh((q @ k.transpose(-1, -2)) * scale / cap) * cap
     kpos, qpos = torch.arange(13)[None, None, :], pos[:, :, None]
     s = s.masked_fill(~((kpos <= qpos) & (kpos > qpos - W)).unsqueeze(1), float("-inf"))
     assert torch.allclose(out, (s.softmax(-1) @ v).transpose(1, 2), atol=1e-5)
     for b in range(B):
         for t in range(T):
-            one = kernels.rope_attention_f32(qkv[b:b + 1, t:t + 1], cos, sin_signed, kc, vc, slots[b:b + 1],
+            one = kernels.rope_attention_f32(qkv[b:b + 1, t:t + 1], cos, sin_signed, kc, vc, table, slots[b:b + 1],
                                              pos[b:b + 1, t:t + 1], nh, scale, W, cap)
             assert torch.equal(one, out[b:b + 1, t:t + 1])
 
@@ -290,14 +291,14 @@ def test_attention_gives_the_same_bits_for_any_chunk_split(nh, kvh, hd, window, 
 
     def run(bounds, rows=(0, 1), dtype=dtype):
         hw = kernels.kv_row_width(dtype, hd)
-        kc, vc = torch.zeros(3, kvh, S // 16, hw, 16, dtype=dtype), torch.zeros(3, kvh, S, hw, dtype=dtype)
+        kc, vc, table = empty(3, kvh, S, hw, dtype, seed=len(bounds))  # blocks placed anew for each split
         r = list(rows)
-        outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin_signed, kc, vc, slots[r], pos[r, a:b], nh, scale,
-                                           window, cap) for a, b in zip(bounds, bounds[1:])]
-        return torch.cat(outs, 1), kernels.key_rows(kc), vc
+        outs = [kernels.rope_attention_f32(qkv[r, a:b], cos, sin_signed, kc, vc, table, slots[r], pos[r, a:b], nh,
+                                           scale, window, cap) for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(outs, 1), *unpaged(kc, vc, table)
 
     whole, kc, vc = run([0, N])
-    k, v = kernels.kv_values(kernels.block_keys(kc), vc, hd)  # the values the kernel computes with
+    k, v = kernels.kv_values(kc.transpose(-1, -2), vc, hd)  # the values the kernel computes with
     ref = _attention_reference(_queries(qkv, cos, sin_signed, pos, nh), k[slots][:, :, : N + 7],
                                v[slots][:, :, : N + 7], pos, scale, window, cap)
     assert torch.allclose(whole, ref, atol=2e-6, rtol=1e-5)
@@ -411,7 +412,7 @@ def test_a_prefix_copy_moves_whole_positions_with_their_scales(store):
     for slot, scale in ((0, 1.0), (1, 3.0)):  # slot 1 holds other values before the copy
         qkv = torch.randn(1, N, nh + 2 * kvh, hd, generator=g) * scale
         for layer in range(2):
-            kernels.rope_attention_f32(qkv, cos, sin_signed, kv.k[layer], kv.v[layer], torch.tensor([slot]),
+            kernels.rope_attention_f32(qkv, cos, sin_signed, kv.k[layer], kv.v[layer], kv.table, torch.tensor([slot]),
                                        torch.arange(N)[None], nh)
     before = kv.rows(1)
     kv.copy_rows(0, 1, 5, 37)

@@ -56,7 +56,7 @@ class StepGraphs:
 
     def __init__(self, core: Any, capture: bool = True):
         self.core = core
-        self.buckets = batch_buckets(core.kv.k.shape[1])
+        self.buckets = batch_buckets(core.kv.max_slots)
         self.capture = capture and core.kv.k.device.type == "cuda"  # False: the CPU dry run
         self.graphs: dict[Any, Any] = {}
         self.handles: dict[Any, set[int]] = {}  # captured host-function user data per graph

@@ -1,4 +1,4 @@
-"""Static per-slot KV cache, allocated once."""
+"""The paged KV cache: blocks of 16 positions, a block table per slot, allocated once."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,29 +29,30 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.d
 
 
 class KVCache:
-    """K and V of every layer, slot, KV head and position, allocated once.
+    """K and V of every layer in blocks of `BLOCK` (16) positions, and a block table per slot.
 
-    Two layouts: torch's, K and V [layers, max_slots, kv_heads, S, head_dim]; and the C attention
-    kernel's (`kernel_layout`: CPU, fp32, kernels.serves_attention), where K holds its positions in
-    blocks of 16, dims outermost, [layers, max_slots, kv_heads, S / 16, hw, 16] (a decode query
-    reads 16 keys' dim i as one vector), V [layers, max_slots, kv_heads, S, hw], both in `store`:
-    float32, float16 (half the bytes a decode step reads) or int8 (a quarter, plus a scale per
-    position and KV head: hw = head_dim + 4, `kernels.kv_row_width`). Every query reads the same
-    stored values whatever the step, so the batch and chunk invariance hold as with fp32.
-    S = max_seq_len + spare (rounded up to 16). `rows` reads either layout back as fp32
-    [layers, kv_heads, n, head_dim].
+    Position p of slot s lives in block table[s, p // 16], at p % 16 in it. Two layouts of a
+    block: torch's, K and V [layers, blocks, kv_heads, 16, head_dim]; and the C attention kernel's
+    (`kernel_layout`: CPU, fp32, kernels.serves_attention), K [layers, blocks, kv_heads, hw, 16]
+    (dims outermost: a decode query reads 16 keys' dim i as one vector), V [layers, blocks,
+    kv_heads, 16, hw], both in `store`: float32, float16 (half the bytes a decode step reads) or
+    int8 (a quarter, plus a scale per position and KV head: hw = head_dim + 4,
+    `kernels.kv_row_width`). Every query reads the same stored values whatever the step and
+    wherever its blocks lie, so the batch, chunk and paging invariance hold as with fp32. `rows`
+    reads a slot back as fp32 [layers, kv_heads, n, head_dim].
 
-    `spare` positions past max_seq_len absorb the padded draft positions of a verification step.
+    Each slot owns `blocks_per_seq` blocks, max_seq_len + spare positions rounded up to 16
+    (`spare` positions absorb the padded draft positions of a verification step); block 0 is
+    no slot's (padding rows' dead writes may land there).
 
-    On the CPU both live in memory advised for huge pages (huge_zeros): a decode step
-    streams its sequences' K and V.
+    On the CPU both live in memory advised for huge pages (huge_zeros): a decode step streams
+    its sequences' K and V.
 
     A slot's valid length lives in the scheduler; entries past it are dead and overwritten later,
-    so rejecting draft tokens needs no cache work.
+    so rejecting draft tokens needs no cache work."""
 
-    For reporting (TRT-LLM perf metrics) a slot's positions count in blocks of `tokens_per_block`."""
-
-    tokens_per_block = 32
+    BLOCK = kernels.KEY_BLOCK
+    tokens_per_block = BLOCK  # what a reported block counts (TRT-LLM perf metrics)
 
     def __init__(self, num_layers: int, max_slots: int, num_kv_heads: int, max_seq_len: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu", spare: int = 0,
@@ -62,17 +63,17 @@ class KVCache:
         if store != dtype and not (kernel_layout and store in kernels.KV_KINDS):
             raise ValueError(f"a {store} KV cache needs the C attention kernel (CPU, dtype float32)")
         self.kernel_layout, self.store, self.head_dim = kernel_layout, store, head_dim
-        S = max_seq_len + spare
+        B = self.BLOCK
+        self.blocks_per_seq = mb = -(-(max_seq_len + spare) // B)
+        num_blocks = 1 + max_slots * mb
         hw = kernels.kv_row_width(store, head_dim)
-        if kernel_layout:
-            B = kernels.KEY_BLOCK
-            S = -(-S // B) * B
-            self.k = huge_zeros((num_layers, max_slots, num_kv_heads, S // B, hw, B), store, device)
-        else:
-            self.k = huge_zeros((num_layers, max_slots, num_kv_heads, S, hw), store, device)
-        self.v = huge_zeros((num_layers, max_slots, num_kv_heads, S, hw), store, device)
+        shape = (num_layers, num_blocks, num_kv_heads)
+        self.k = huge_zeros((*shape, hw, B) if kernel_layout else (*shape, B, hw), store, device)
+        self.v = huge_zeros((*shape, B, hw), store, device)
+        # [slots, blocks_per_seq] int32: slot s's blocks, 1 + s * mb ..
+        self.table = (1 + torch.arange(max_slots * mb, dtype=torch.int32, device=device)).view(max_slots, mb)
         self.max_slots, self.dtype = max_slots, dtype  # dtype: the model's (`like` passes it on)
-        self.max_seq_len = max_seq_len + spare  # positions the cache holds
+        self.max_seq_len = max_seq_len + spare  # positions a slot holds
 
     def like(self, max_slots: int, positions: Optional[int] = None) -> KVCache:
         """An empty cache of this one's layout, storage and device (`positions`: default this one's)."""
@@ -82,26 +83,23 @@ class KVCache:
 
     def copy_rows(self, src: int, dst: int, start: int, end: int) -> None:
         """Positions [start, end) of every layer from slot src into slot dst."""
-        self.v[:, dst, :, start:end] = self.v[:, src, :, start:end]
-        if not self.kernel_layout:
-            self.k[:, dst, :, start:end] = self.k[:, src, :, start:end]
-            return
-        B = kernels.KEY_BLOCK
-        first, last = -(-start // B), end // B  # whole blocks first .. last - 1
-        if first < last:
-            self.k[:, dst, :, first:last] = self.k[:, src, :, first:last]
-        for b in {start // B, (end - 1) // B}:  # the blocks the range starts and ends in, in part
-            lo, hi = max(start - b * B, 0), min(end - b * B, B)
-            if lo < hi and not first <= b < last:
-                self.k[:, dst, :, b, :, lo:hi] = self.k[:, src, :, b, :, lo:hi]
+        p = torch.arange(start, end, device=self.table.device)
+        bs, bd, off = self.table[src, p // self.BLOCK], self.table[dst, p // self.BLOCK], p % self.BLOCK
+        self.v[:, bd, :, off] = self.v[:, bs, :, off]
+        if self.kernel_layout:
+            self.k[:, bd, :, :, off] = self.k[:, bs, :, :, off]
+        else:
+            self.k[:, bd, :, off] = self.k[:, bs, :, off]
 
     def rows(self, slot: int, start: int = 0, end: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, end) of `slot`, every layer: fp32 copies [layers, kv_heads, n, head_dim]."""
-        if not self.kernel_layout:
-            return (self.k[:, slot, :, start:end].to(torch.float32, copy=True),
-                    self.v[:, slot, :, start:end].to(torch.float32, copy=True))
-        k, v = kernels.kv_values(self.k[:, slot], self.v[:, slot], self.head_dim)
-        return k[:, :, start:end].contiguous(), v[:, :, start:end].contiguous()
+        ids = self.table[slot]
+        k, v = self.k[:, ids], self.v[:, ids]  # [layers, mb, kvh, ..]
+        if self.kernel_layout:
+            k, v = kernels.kv_values(k, v, self.head_dim)
+        L, mb, kvh, B, hd = v.shape[0], v.shape[1], v.shape[2], self.BLOCK, self.head_dim
+        return tuple(x.float().transpose(1, 2).reshape(L, kvh, mb * B, hd)[:, :, start:end].contiguous()
+                     for x in (k, v))
 
     def blocks(self, positions: int) -> int:
         """Blocks covering `positions` token positions."""

@@ -85,7 +85,7 @@ class StepCore:
     extras: Optional[StepExtras] = field(default=None, init=False)  # this eager step's extras
 
     def __post_init__(self) -> None:
-        S, K = self.kv.k.shape[1], self.guided.inner.max_draft_tokens
+        S, K = self.kv.max_slots, self.guided.inner.max_draft_tokens
         self.grammar: GuidedStepper = self.guided.stepper  # the step protocol: launches, masks, commit
         dev, pin = self.kv.k.device, self.kv.k.device.type == "cuda"
         self.max_drafts, self.rows_per_slot = K, self.guided.rows_per_slot

@@ -8,7 +8,7 @@ import torch
 
 TILE = 64  # ops.c TILE: outputs per packed weight tile
 QBLK = 32  # ops.c QBLK: inputs per GGUF block
-KEY_BLOCK = 16  # ops.c KB: the kernels' key cache holds positions in blocks of 16, dims outermost
+KEY_BLOCK = 16  # ops.c KB: positions a KV cache block holds (the kernels' keys: dims outermost in a block)
 KV_SCALE_BYTES = 4  # ops.c KV_SB: an int8 cache position's fp32 scale, after its head_dim values
 KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # ops.c KV_*: what a kernel cache holds
 WEIGHT_KINDS = {"float32": 0, "int8": 1, "bfloat16": 2, "q4_1": 3, "q8_0": 4, "q4_1_q8": 5, "q8_0_q8": 6}  # ops.c W_*
@@ -28,7 +28,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.rope_attn_f32.restype = None
-    lib.rope_attn_f32.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
+    lib.rope_attn_f32.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                                  + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
                                   + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     lib.int_dot_path.restype = ctypes.c_int
     lib.int_dot_path.argtypes = []

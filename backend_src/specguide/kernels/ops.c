@@ -1,4 +1,4 @@
-/* Batch-invariant fp32 kernels: GEMV/GEMM and attention over the slot cache (decode, verification
+/* Batch-invariant fp32 kernels: GEMV/GEMM and attention over the paged KV cache (decode, verification
  * and prefill chunks).
  *
  * y[b, o] = sum_i x[b, i] * W[o, i] (+ r[b, o]), W row-major [O, I].
@@ -860,13 +860,14 @@ void gemv_q8_0_q8(const float *x, const int8_t *Wp, const uint16_t *aux, const f
     gemv_any(W_Q8_0_Q8, x, Wp, aux, r, y, B, I, O, threads);
 }
 
-/* Causal attention over the per-slot KV cache, for every query count: decode, verification and
+/* Causal attention over the paged KV cache, for every query count: decode, verification and
  * prefill chunks alike.
  *   q    [B, T, nh, hd]      queries after RoPE
- *   kc   [slots, kvh, S/KB, hw, KB] this layer's key cache, in blocks of KB positions (key_at;
- *        already holding the queries' own keys)
- *   vc   [slots, kvh, S, hw]     both fp32, both fp16, or both int8 (kvk: KV_*; hw = kv_w(kvk, hd))
- *   slot [B], pos [B, T]     cache row and absolute position of each query
+ *   kc   [blocks, kvh, hw, KB] this layer's key cache, KB positions a block (key_at; already
+ *        holding the queries' own keys)
+ *   vc   [blocks, kvh, KB, hw] both fp32, both fp16, or both int8 (kvk: KV_*; hw = kv_w(kvk, hd))
+ *   table [slots, mb]        block ids: position j of row slot[b] is in block table[slot[b]][j / KB]
+ *   slot [B], pos [B, T]     block-table row and absolute position of each query
  *   out  [B, T, nh, hd]
  * Query (b, t, h) attends to keys 0..pos[b, t] of its slot (only the last `window` of them when
  * window > 0: sliding-window layers), KV head h / (nh / kvh). Scores are q.k * scale, soft-capped
@@ -915,11 +916,11 @@ static inline __attribute__((always_inline)) vf vtanh(vf x) {
     return (vf)((vi32)((1.0f - e) / (1.0f + e)) | sign);
 }
 
-/* The key cache holds each (slot, KV head)'s keys in blocks of KB positions, dims outermost:
-   [S/KB][hd][KB] (S % KB == 0), so KB keys' dim i are one vector (lanes over keys: decode). */
+/* The key cache holds each KV head's keys in blocks of KB positions, dims outermost: [hw][KB], so
+   KB keys' dim i are one vector (lanes over keys: decode). */
 #define KB 16
 
-/* What the slot cache holds (kvk): fp32; fp16 (half the bytes a decode step reads); or int8 with a
+/* What the KV cache holds (kvk): fp32; fp16 (half the bytes a decode step reads); or int8 with a
    scale per position and KV head (a quarter of them, plus the scale): q = round(x * 127 / max|x|)
    over the head's hd values, dequantized as q * (max|x| / 127). Each value is stored once, when
    written, and every later query reads the same stored values whatever the step, batch or chunk,
@@ -932,10 +933,28 @@ enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
 static inline int kv_es(int kvk) { return kvk == KV_F16 ? 2 : kvk == KV_I8 ? 1 : 4; } /* bytes an element */
 static inline int kv_w(int kvk, int hd) { return kvk == KV_I8 ? hd + KV_SB : hd; }   /* elements a position */
 
-/* Offset of key j's dim 0 in its (slot, KV head) block of the key cache (hw elements a key); dim i
-   is at + i * KB. */
-static inline __attribute__((always_inline)) int64_t key_at(int64_t j, int hw) {
-    return (j / KB) * hw * KB + j % KB;
+/* The caches are paged: a layer's keys [blocks][kvh][hw][KB] and values [blocks][kvh][KB][hw]; a
+   sequence's position j lives in block tb[j / KB] of its row of the block table, column (keys) or
+   row (values) j % KB. pages_t: that row, the elements a block takes (kvh * hw * KB) and its KV
+   head's offset in a block (g * hw * KB). */
+typedef struct {
+    const int32_t *tb;
+    int64_t bs, go;
+} pages_t;
+
+static inline __attribute__((always_inline)) pages_t pages(const int32_t *table, int mb, int64_t slot, int kvh,
+                                                           int g, int hw) {
+    return (pages_t){table + slot * mb, (int64_t)kvh * hw * KB, (int64_t)g * hw * KB};
+}
+
+/* Offset of key j's dim 0 in the key cache; dim i is at + i * KB. */
+static inline __attribute__((always_inline)) int64_t key_at(pages_t pg, int64_t j) {
+    return pg.tb[j / KB] * pg.bs + pg.go + j % KB;
+}
+
+/* Offset of value row j (hw elements) in the value cache. */
+static inline __attribute__((always_inline)) int64_t val_at(pages_t pg, int64_t j, int hw) {
+    return pg.tb[j / KB] * pg.bs + pg.go + (j % KB) * hw;
 }
 
 /* VW cached values from element idx, widened to fp32 (int8: the stored q, unscaled). */
@@ -985,7 +1004,7 @@ static inline __attribute__((always_inline)) void store_kv(void *c, int64_t idx,
 #define QS (VW == 16 ? 6 : 4)   /* queries per scores pass (at most) */
 #define SCV (VW == 16 ? 4 : 2)  /* key vectors per scores pass: QS x SCV FMA chains in flight */
 #define QV (VW == 16 ? 12 : 4)  /* queries per values pass (at most) */
-#define PFV 16                  /* value rows prefetched ahead */
+#define PFV KB                  /* value rows prefetched ahead: the next block's */
 
 /* Per-thread scratch that grows as needed (OpenMP threads persist between calls). */
 static __thread float *scratch_buf;
@@ -1013,9 +1032,9 @@ static float *scratch(size_t floats) {
    masked scores to S [qn][nk] and their maxes to m [qn]. Past the last vector, a pass repeats the
    last one (computed, never stored). int8: ksc [key - k0s] the keys' scales (NULL: read here). */
 static inline __attribute__((always_inline)) void scores_pass(
-        const int qn, const float *const *qe, const void *K, int kvk, int64_t k0s, int64_t last, int64_t nk,
-        int hd, int hw, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, int prefetch, float *S,
-        float *m, const float *ksc) {
+        const int qn, const float *const *qe, const void *K, pages_t pg, int kvk, int64_t k0s, int64_t last,
+        int64_t nk, int hd, int hw, float scale, float softcap, const int32_t *lfirst, const int32_t *lpos, int prefetch,
+        float *S, float *m, const float *ksc) {
     const vf ninf = splat(-INFINITY);
     const int es = kv_es(kvk);
     vi32 iota;
@@ -1024,25 +1043,28 @@ static inline __attribute__((always_inline)) void scores_pass(
     for (int e = 0; e < qn; e++) mx[e] = ninf;
     for (int64_t k0 = k0s; k0 <= last; k0 += SCV * VW) {
         int64_t kv[SCV];
-        for (int c = 0; c < SCV; c++) kv[c] = key_at(k0 + c * VW < last ? k0 + c * VW : last, hw);
-        /* NOTE: the next pass's keys (contiguous blocks: short streams the hardware prefetchers do
-           not ramp up on) requested ahead (a hint: it changes no result). AVX-512: a few lines a
-           dim as the dims go (a burst of 128 stalled the loop); AVX2: all at once (spread, they
-           cost more than they gained there) */
-        const char *next = prefetch && k0 + SCV * VW <= last ? (const char *)K + (kv[0] + (int64_t)SCV * VW * hw) * es
-                                                             : NULL;
-        const int lines = SCV * VW * hw * es / 64;
+        for (int c = 0; c < SCV; c++) kv[c] = key_at(pg, k0 + c * VW < last ? k0 + c * VW : last);
+        /* NOTE: the blocks of the next pass's keys (short streams the hardware prefetchers do not
+           ramp up on) requested ahead (a hint: it changes no result). AVX-512: a few lines a dim
+           as the dims go (a burst of 128 stalled the loop); AVX2: all at once (spread, they cost
+           more than they gained there) */
+        const char *next[SCV * VW / KB + 1];
+        int nnext = 0;
+        if (prefetch)
+            for (int64_t j = (k0 + SCV * VW) / KB * KB; j <= last && j < k0 + 2 * SCV * VW; j += KB)
+                next[nnext++] = (const char *)K + (pg.tb[j / KB] * pg.bs + pg.go) * es;
+        const int lines = hw * KB * es / 64; /* a block's */
 #if VW != 16
-        if (next)
-            for (int l = 0; l < lines; l++) __builtin_prefetch(next + l * 64, 0, 3);
+        for (int b = 0; b < nnext; b++)
+            for (int l = 0; l < lines; l++) __builtin_prefetch(next[b] + l * 64, 0, 3);
 #endif
         vf acc[12][SCV];
         for (int e = 0; e < qn; e++)
             for (int c = 0; c < SCV; c++) acc[e][c] = (vf){0};
         for (int i = 0; i < hd; i++) {
 #if VW == 16
-            if (next)
-                for (int l = i * lines / hd; l < (i + 1) * lines / hd; l++) __builtin_prefetch(next + l * 64, 0, 3);
+            for (int b = 0; b < nnext; b++)
+                for (int l = i * lines / hd; l < (i + 1) * lines / hd; l++) __builtin_prefetch(next[b] + l * 64, 0, 3);
 #endif
             vf k[SCV];
             for (int c = 0; c < SCV; c++) k[c] = load_kv(K, kv[c] + (int64_t)i * KB, kvk);
@@ -1078,13 +1100,13 @@ static inline __attribute__((always_inline)) void scores_pass(
    byte planes a key: prefill tiles of 16 queries took 1.18x the fp16 cache's time with them
    gathered per pass). One pass (decode) reads them as it goes: a pass of its own ahead of it
    waits on memory for the blocks' scale rows (8 decode streams 3-7% slower). */
-static void scores_keys(const float *q, const int64_t *row, int ne, const void *K, int kvk, int64_t k0s,
+static void scores_keys(const float *q, const int64_t *row, int ne, const void *K, pages_t pg, int kvk, int64_t k0s,
                         int64_t nk, int hd, int hw, float scale, float softcap, const int32_t *lfirst,
                         const int32_t *lpos, float *S, float *m, float *ksc) {
     const float *ks = NULL; /* the gathered scales, or NULL: each pass reads them */
     if (kvk == KV_I8 && ne > QS) { /* the keys' scales side by side, once a tile */
         for (int64_t j = 0; j < nk; j += VW) {
-            const vf sc = key_scales(K, key_at(k0s + j, hw), hd);
+            const vf sc = key_scales(K, key_at(pg, k0s + j), hd);
             memcpy(ksc + j, &sc, sizeof sc);
         }
         ks = ksc;
@@ -1093,7 +1115,7 @@ static void scores_keys(const float *q, const int64_t *row, int ne, const void *
         const int qn = ne - e0 < QS ? ne - e0 : QS;
         const float *qe[QS];
         for (int e = 0; e < qn; e++) qe[e] = q + row[e0 + e] * hd;
-#define SCORES(n) scores_pass(n, qe, K, kvk, k0s, k0s + nk - VW, nk, hd, hw, scale, softcap, lfirst + e0, lpos + e0, \
+#define SCORES(n) scores_pass(n, qe, K, pg, kvk, k0s, k0s + nk - VW, nk, hd, hw, scale, softcap, lfirst + e0, lpos + e0, \
                               e0 == 0, S + (int64_t)e0 * nk, m + e0, ks)
         BY_COUNT(qn, SCORES)
 #undef SCORES
@@ -1101,23 +1123,29 @@ static void scores_keys(const float *q, const int64_t *row, int ne, const void *
 }
 
 /* One values pass: qn queries' outputs, dims c0 * VW .. (ch vectors); P [qn][n] (row stride ps)
-   their probabilities of keys jmin .., inv [qn] 1 / their sums. */
+   their probabilities of keys jmin .. jmin + n - 1, inv [qn] 1 / their sums. */
 static inline __attribute__((always_inline)) void values_pass(
-        const int qn, const int ch, const float *P, int64_t ps, const float *inv, const void *V, int kvk,
-        int64_t n, int hd, int c0, int prefetch, const int64_t *row, float *out) {
+        const int qn, const int ch, const float *P, int64_t ps, const float *inv, const void *V, pages_t pg, int kvk,
+        int64_t jmin, int64_t n, int hd, int c0, int prefetch, const int64_t *row, float *out) {
     const int es = kv_es(kvk), hw = kv_w(kvk, hd);
     vf o[12][4];
     for (int e = 0; e < qn; e++)
         for (int c = 0; c < ch; c++) o[e][c] = (vf){0};
-    int64_t vr = (int64_t)c0 * VW;
-    for (int64_t j = 0; j < n; j++, vr += hw) {
-        if (prefetch)  /* NOTE: rows PFV ahead requested on a tile's first pass (a hint) */
-            for (int b = 0; b < hw * es; b += 64) __builtin_prefetch((const char *)V + (vr + PFV * hw) * es + b, 0, 3);
-        vf v[4];
-        for (int c = 0; c < ch; c++) v[c] = load_kv(V, vr + c * VW, kvk);
-        for (int e = 0; e < qn; e++) {
-            const vf pj = splat(P[e * ps + j]);
-            for (int c = 0; c < ch; c++) o[e][c] = vfma(pj, v[c], o[e][c]);
+    for (int64_t j = 0; j < n;) { /* the rows of one block at a time */
+        const int64_t p = jmin + j, seg = KB - p % KB < n - j ? KB - p % KB : n - j;
+        int64_t vr = val_at(pg, p, hw) + (int64_t)c0 * VW;
+        /* NOTE: rows PFV (a block) ahead requested on a tile's first pass (a hint) */
+        const char *pf = prefetch && p / KB < (jmin + n - 1) / KB ? (const char *)V + val_at(pg, p + PFV, hw) * es
+                                                                   : NULL;
+        for (int64_t r = 0; r < seg; r++, j++, vr += hw) {
+            if (pf)
+                for (int b = 0; b < hw * es; b += 64) __builtin_prefetch(pf + r * hw * es + b, 0, 3);
+            vf v[4];
+            for (int c = 0; c < ch; c++) v[c] = load_kv(V, vr + c * VW, kvk);
+            for (int e = 0; e < qn; e++) {
+                const vf pj = splat(P[e * ps + j]);
+                for (int c = 0; c < ch; c++) o[e][c] = vfma(pj, v[c], o[e][c]);
+            }
         }
     }
     for (int e = 0; e < qn; e++)
@@ -1129,23 +1157,23 @@ static inline __attribute__((always_inline)) void values_pass(
 
 /* values_pass with ch (4, 2 or 1) a constant in each call. */
 static inline __attribute__((always_inline)) void values_any(
-        const int qn, int ch, const float *P, int64_t ps, const float *inv, const void *V, int kvk, int64_t n, int hd,
-        int c0, int prefetch, const int64_t *row, float *out) {
-    if (ch == 4) values_pass(qn, 4, P, ps, inv, V, kvk, n, hd, c0, prefetch, row, out);
-    else if (ch == 2) values_pass(qn, 2, P, ps, inv, V, kvk, n, hd, c0, prefetch, row, out);
-    else values_pass(qn, 1, P, ps, inv, V, kvk, n, hd, c0, prefetch, row, out);
+        const int qn, int ch, const float *P, int64_t ps, const float *inv, const void *V, pages_t pg, int kvk,
+        int64_t jmin, int64_t n, int hd, int c0, int prefetch, const int64_t *row, float *out) {
+    if (ch == 4) values_pass(qn, 4, P, ps, inv, V, pg, kvk, jmin, n, hd, c0, prefetch, row, out);
+    else if (ch == 2) values_pass(qn, 2, P, ps, inv, V, pg, kvk, jmin, n, hd, c0, prefetch, row, out);
+    else values_pass(qn, 1, P, ps, inv, V, pg, kvk, jmin, n, hd, c0, prefetch, row, out);
 }
 
 /* Outputs of the tile's queries with lanes over dims: up to QV queries per pass, 4 output vectors
    a pass for up to QV / 2 queries (a whole row of a 64-dim head with AVX-512), else 2 (or 1). */
-static void values_dims(const float *P, int64_t ps, const float *inv, const void *V, int kvk, int64_t n, int hd,
-                        int ne, const int64_t *row, float *out) {
+static void values_dims(const float *P, int64_t ps, const float *inv, const void *V, pages_t pg, int kvk, int64_t jmin,
+                        int64_t n, int hd, int ne, const int64_t *row, float *out) {
     const int nv = hd / VW;
     for (int e0 = 0; e0 < ne; e0 += QV) {
         const int qn = ne - e0 < QV ? ne - e0 : QV, ch = qn <= QV / 2 && nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;
         for (int c0 = 0; c0 < nv; c0 += ch) {
-#define VALUES(k) values_any(k, ch, P + (int64_t)e0 * ps, ps, inv + e0, V, kvk, n, hd, c0, e0 == 0 && c0 == 0, \
-                             row + e0, out)
+#define VALUES(k) values_any(k, ch, P + (int64_t)e0 * ps, ps, inv + e0, V, pg, kvk, jmin, n, hd, c0, \
+                             e0 == 0 && c0 == 0, row + e0, out)
             BY_COUNT(qn, VALUES)
 #undef VALUES
         }
@@ -1154,9 +1182,9 @@ static void values_dims(const float *P, int64_t ps, const float *inv, const void
 
 /* One tile: queries e0 .. e0+ne-1 (ne <= TQ) of row b, KV head g (query e: t = e / group, head
    g * group + e % group): scores, probabilities, outputs. */
-static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, const int64_t *slot,
-                      const int64_t *pos, float *out, int b, int g, int e0, int ne, int T, int nh, int kvh, int S,
-                      int hd, float scale, int window, float softcap) {
+static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, const int32_t *table, int mb,
+                      const int64_t *slot, const int64_t *pos, float *out, int b, int g, int e0, int ne, int T, int nh,
+                      int kvh, int hd, float scale, int window, float softcap) {
     const int group = nh / kvh;
     int32_t lpos[TQ], lfirst[TQ];
     int64_t row[TQ]; /* (b, t, h) index of each query */
@@ -1171,12 +1199,12 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, c
         if (p > jmax) jmax = p;
     }
     const int hw = kv_w(kvk, hd), es = kv_es(kvk);
-    const int64_t base = ((slot[b] * kvh) + g) * (int64_t)S * hw;
+    const pages_t pg = pages(table, mb, slot[b], kvh, g, hw);
     /* keys k0s .. k0s + nk - 1: the tile's range in whole vectors */
     const int64_t k0s = jmin / VW * VW, nk = jmax / VW * VW + VW - k0s, n = jmax - jmin + 1, off = jmin - k0s;
     float *P = scratch((size_t)(ne + 1) * nk); /* [ne][nk]: scores, then probabilities (+ int8: [nk] value scales) */
     float m[TQ], inv[TQ];
-    scores_keys(q, row, ne, (const char *)kc + base * es, kvk, k0s, nk, hd, hw, scale, softcap, lfirst, lpos, P, m,
+    scores_keys(q, row, ne, kc, pg, kvk, k0s, nk, hd, hw, scale, softcap, lfirst, lpos, P, m,
                 P + (int64_t)ne * nk);
     /* l = sum_j p_j: lane i sums keys k0s + i, + VW, ... in order (key j in lane j % VW: the same
        lane whatever the tile, and a masked key adds an exact 0), then the lanes in order */
@@ -1194,7 +1222,7 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, c
                            vectors (a query at a time: each row's scale is read once, into vs) */
         float *vs = P + (int64_t)ne * nk; /* [n]: the rows' scales side by side */
         for (int64_t j = 0; j < n; j++)
-            memcpy(vs + j, (const int8_t *)vc + (base + (jmin + j) * hw) * es + hd, sizeof *vs);
+            memcpy(vs + j, (const int8_t *)vc + val_at(pg, jmin + j, hw) * es + hd, sizeof *vs);
         for (int e = 0; e < ne; e++) {
             float *pe = P + e * nk + off;
             int64_t j = 0;
@@ -1205,13 +1233,13 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, c
             for (; j < n; j++) pe[j] *= vs[j];
         }
     }
-    values_dims(P + off, nk, inv, (const char *)vc + (base + jmin * hw) * es, kvk, n, hd, ne, row, out);
+    values_dims(P + off, nk, inv, vc, pg, kvk, jmin, n, hd, ne, row, out);
 }
 
 /* Attention of every query as a worksharing loop (see gemv_for). */
-static void attn_for(const float *q, const void *kc, const void *vc, int kvk, const int64_t *slot,
-                     const int64_t *pos, float *out, int B, int T, int nh, int kvh, int S, int hd, float scale,
-                     int window, float softcap) {
+static void attn_for(const float *q, const void *kc, const void *vc, int kvk, const int32_t *table, int mb,
+                     const int64_t *slot, const int64_t *pos, float *out, int B, int T, int nh, int kvh, int hd,
+                     float scale, int window, float softcap) {
     const int per = T * (nh / kvh), tiles = (per + TQ - 1) / TQ;
     /* the last tiles (the most keys) first, so the dynamic schedule ends balanced */
     #pragma omp for collapse(3) schedule(dynamic, 1)
@@ -1219,7 +1247,7 @@ static void attn_for(const float *q, const void *kc, const void *vc, int kvk, co
         for (int g = 0; g < kvh; g++)
             for (int k = tiles - 1; k >= 0; k--) {
                 const int e0 = k * TQ, ne = per - e0 < TQ ? per - e0 : TQ;
-                attn_tile(q, kc, vc, kvk, slot, pos, out, b, g, e0, ne, T, nh, kvh, S, hd, scale, window,
+                attn_tile(q, kc, vc, kvk, table, mb, slot, pos, out, b, g, e0, ne, T, nh, kvh, hd, scale, window,
                           softcap);
             }
 }
@@ -1253,11 +1281,11 @@ static inline __attribute__((always_inline)) void rope_head(const float *x, cons
     }
 }
 
-/* RoPE on q (into qrot) and k, K and V written into the slot cache at their positions: a
+/* RoPE on q (into qrot) and k, K and V written into the paged cache at their positions: a
    worksharing loop (see gemv_for). */
 static void rope_write_for(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kvk,
-                           const int64_t *slot, const int64_t *pos, float *qrot, int B, int T, int nh, int kvh,
-                           int S, int hd) {
+                           const int32_t *table, int mb, const int64_t *slot, const int64_t *pos, float *qrot, int B,
+                           int T, int nh, int kvh, int hd) {
     const int H = nh + 2 * kvh, hw = kv_w(kvk, hd);
     /* NOTE: contiguous rows a thread (static): a block of KB keys shares its cache lines (the dims lie
        KB apart), so rows dealt out in turns had both threads writing the same lines */
@@ -1271,8 +1299,8 @@ static void rope_write_for(const float *qkv, const float *cos_t, const float *si
             float kr[MAX_HD]; /* one rotated key */
             for (int g = 0; g < kvh; g++) { /* keys to their block of the cache (dims KB apart), values to their row */
                 const float *v = row + (int64_t)(nh + kvh + g) * hd;
-                const int64_t kat = (slot[b] * kvh + g) * (int64_t)S * hw + key_at(p, hw);
-                const int64_t vat = ((slot[b] * kvh + g) * (int64_t)S + p) * hw;
+                const pages_t pg = pages(table, mb, slot[b], kvh, g, hw);
+                const int64_t kat = key_at(pg, p), vat = val_at(pg, p, hw);
                 rope_head(row + (int64_t)(nh + g) * hd, c, s, kr, hd);
                 if (kvk == KV_I8) {
                     store_q8(kc, kat, KB, kr, hd);
@@ -1288,21 +1316,20 @@ static void rope_write_for(const float *qkv, const float *cos_t, const float *si
         }
 }
 
-/* Fused attention block: RoPE on q and k, K/V written into the slot cache, causal attention - one
+/* Fused attention block: RoPE on q and k, K/V written into the paged cache, causal attention - one
  * call per layer instead of ~10 torch ops.
  *   qkv  [B, T, nh + 2 kvh, hd]  the fused projection (q heads, k heads, v heads)
  *   cos, sin [P, hd]             RoPE tables; sin carries the rotate_half sign (-sin | +sin)
  *   qrot [B, T, nh, hd]          scratch for the rotated queries
  * RoPE: x * cos + roll(x, hd / 2) * sin, as the torch path computes it. */
 void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kvk,
-                   const int64_t *slot, const int64_t *pos, float *qrot, float *out,
-                   int B, int T, int nh, int kvh, int S, int hd, float scale, int window, float softcap,
-                   int threads) {
+                   const int32_t *table, int mb, const int64_t *slot, const int64_t *pos, float *qrot, float *out,
+                   int B, int T, int nh, int kvh, int hd, float scale, int window, float softcap, int threads) {
     #pragma omp parallel num_threads(threads)
     {
         /* every key written before any query reads the cache: the loop's end is a barrier */
-        rope_write_for(qkv, cos_t, sin_t, kc, vc, kvk, slot, pos, qrot, B, T, nh, kvh, S, hd);
-        attn_for(qrot, kc, vc, kvk, slot, pos, out, B, T, nh, kvh, S, hd, scale, window, softcap);
+        rope_write_for(qkv, cos_t, sin_t, kc, vc, kvk, table, mb, slot, pos, qrot, B, T, nh, kvh, hd);
+        attn_for(qrot, kc, vc, kvk, table, mb, slot, pos, out, B, T, nh, kvh, hd, scale, window, softcap);
     }
 }
 
@@ -1324,10 +1351,11 @@ typedef struct {
 } layer_t;
 
 typedef struct {
-    int hidden, inter, nh, kvh, hd, S, window, act; /* act: 0 silu, 1 gelu (tanh) */
+    int hidden, inter, nh, kvh, hd, mb, window, act; /* act: 0 silu, 1 gelu (tanh); mb: the block table's columns */
     float eps, scale, softcap;
     const float *cos, *sin, *cos_local, *sin_local; /* RoPE tables [P, hd] */
-    void *kc, *vc;         /* this stack's caches [layers, slots, kvh, S, hd] (keys in blocks: key_at) */
+    void *kc, *vc;         /* this stack's caches [layers, blocks, kvh, ..] (pages_t) */
+    const int32_t *table;  /* [slots, mb] block ids: row slot[b] is the forward's row b's */
     int64_t layer_stride;  /* elements from one layer's cache to the next */
     int kvk;               /* what the caches hold (KV_*) */
     const float *final_norm; /* [hidden]: the model's norm after the last layer (NULL: none) */
@@ -1437,8 +1465,8 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
             }
         }
         const float *cs = l->local ? c->cos_local : c->cos, *sn = l->local ? c->sin_local : c->sin;
-        rope_write_for(qkv, cs, sn, kc, vc, c->kvk, slot, pos, qrot, B, T, c->nh, c->kvh, c->S, c->hd);
-        attn_for(qrot, kc, vc, c->kvk, slot, pos, att, B, T, c->nh, c->kvh, c->S, c->hd, c->scale,
+        rope_write_for(qkv, cs, sn, kc, vc, c->kvk, c->table, c->mb, slot, pos, qrot, B, T, c->nh, c->kvh, c->hd);
+        attn_for(qrot, kc, vc, c->kvk, c->table, c->mb, slot, pos, att, B, T, c->nh, c->kvh, c->hd, c->scale,
                  l->local ? c->window : 0, c->softcap);
         proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);

@@ -23,11 +23,12 @@ def _dequantized(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def kv_values(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A kernel cache's keys [..., S / 16, hw, 16] and values [..., S, hw] as fp32 [..., S, head_dim]
+    """Kernel-layout blocks, keys [..., hw, 16] and values [..., 16, hw], as fp32 [..., 16, head_dim]
     (int8: q times its position's scale, what the kernel computes with)."""
+    k = k.transpose(-1, -2)
     if v.dtype != torch.int8:
-        return key_rows(k).float(), v.float()
-    return _dequantized(key_rows(k), head_dim), _dequantized(v, head_dim)  # a key's scale: its last 4 columns
+        return k.float(), v.float()
+    return _dequantized(k, head_dim), _dequantized(v, head_dim)  # a key's scale: its last 4 columns
 
 
 def serves_attention(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -38,15 +39,9 @@ def serves_attention(device: torch.device | str, dtype: torch.dtype, head_dim: i
 
 
 def block_keys(k: torch.Tensor) -> torch.Tensor:
-    """Keys [..., S, hd] (S % 16 == 0) in the kernel layout [..., S / 16, hd, 16] (a copy)."""
-    *lead, S, hd = k.shape
-    return k.reshape(*lead, S // KEY_BLOCK, KEY_BLOCK, hd).transpose(-1, -2).contiguous()
-
-
-def key_rows(k: torch.Tensor) -> torch.Tensor:
-    """The kernel layout [..., S / 16, hd, 16] back to keys [..., S, hd] (a copy)."""
-    *lead, nb, hd, kb = k.shape
-    return k.transpose(-1, -2).reshape(*lead, nb * kb, hd)
+    """Keys [..., 16, hw] (a block's positions) in the kernel layout [..., hw, 16] (a copy)."""
+    assert k.shape[-2] == KEY_BLOCK
+    return k.transpose(-1, -2).contiguous()
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], out_features: int,
@@ -313,36 +308,39 @@ def mask_logits_rows(logits: torch.Tensor, words: torch.Tensor, token_mask: torc
 
 
 def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                       v_cache: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                        num_heads: int, scale: float | None = None, window: int = 0,
                        softcap: float = 0.0) -> torch.Tensor:
-    """qkv [B, T, nh + 2 kvh, hd] -> RoPE, K/V written to the slot cache at `positions`, causal
+    """qkv [B, T, nh + 2 kvh, hd] -> RoPE, K/V written to the paged cache at `positions`, causal
     attention -> [B, T, nh, hd]. Tables cos / sin_signed [P, hd]. Batch- and T-invariant. The cache:
-    k_cache [slots, kvh, S / 16, hw, 16] (`block_keys`), v_cache [slots, kvh, S, hw], both fp32, both
-    fp16 (stored rounded to nearest, saturated at +-65504) or both int8 (per position and KV head,
-    q = round(x * 127 / max|x|) and the scale's 4 bytes: hw = `kv_row_width`; `kv_values` reads it).
+    k_cache [blocks, kvh, hw, 16] (`block_keys`), v_cache [blocks, kvh, 16, hw]; position p of row
+    b lives in block block_table[slots[b], p // 16] (int32 [rows, mb]), column (keys) or row
+    (values) p % 16. Both fp32, both fp16 (stored rounded to nearest, saturated at +-65504) or both
+    int8 (per position and KV head, q = round(x * 127 / max|x|) and the scale's 4 bytes: hw =
+    `kv_row_width`; `kv_values` reads it).
 
     `scale` (default hd ** -0.5) multiplies q.k; `window` > 0 attends to the last `window` keys
     only (sliding-window layers); `softcap` > 0 caps scores to softcap * tanh(s / softcap)."""
     lib = library()
     assert lib is not None
     B, T, H, hd = qkv.shape
-    _, kvh, S, hw = v_cache.shape
+    _, kvh, kb, hw = v_cache.shape
     nh = num_heads
-    assert k_cache.shape == (v_cache.shape[0], kvh, S // KEY_BLOCK, hw, KEY_BLOCK) and S % KEY_BLOCK == 0
+    assert k_cache.shape == (v_cache.shape[0], kvh, hw, KEY_BLOCK) and kb == KEY_BLOCK
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_KINDS
     assert H == nh + 2 * kvh and hw == kv_row_width(v_cache.dtype, hd) and qkv.dtype == torch.float32
     assert hd % 16 == 0 and hd <= MAX_HEAD_DIM
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous()
     assert cos.dtype == sin_signed.dtype == torch.float32
+    assert block_table.dtype == torch.int32 and block_table.is_contiguous() and block_table.dim() == 2
     qkv = qkv.contiguous()
     slots = slots.to(torch.int64).contiguous()
     positions = positions.to(torch.int64).contiguous()
     qrot = torch.empty(B, T, nh, hd, dtype=torch.float32)
     out = torch.empty_like(qrot)
     lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                      KV_KINDS[k_cache.dtype], slots.data_ptr(), positions.data_ptr(), qrot.data_ptr(),
-                      out.data_ptr(),
-                      B, T, nh, kvh, S, hd, hd ** -0.5 if scale is None else scale, window, softcap,
+                      KV_KINDS[k_cache.dtype], block_table.data_ptr(), block_table.shape[1], slots.data_ptr(),
+                      positions.data_ptr(), qrot.data_ptr(), out.data_ptr(),
+                      B, T, nh, kvh, hd, hd ** -0.5 if scale is None else scale, window, softcap,
                       torch.get_num_threads())
     return out

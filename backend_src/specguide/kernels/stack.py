@@ -33,9 +33,9 @@ class StackStruct(ctypes.Structure):
     """ops.c `stack_t`: shapes, attention settings, RoPE tables and caches of one forward."""
 
     _fields_ = [("hidden", ctypes.c_int), ("inter", ctypes.c_int), ("nh", ctypes.c_int), ("kvh", ctypes.c_int),
-                ("hd", ctypes.c_int), ("S", ctypes.c_int), ("window", ctypes.c_int), ("act", ctypes.c_int),
+                ("hd", ctypes.c_int), ("mb", ctypes.c_int), ("window", ctypes.c_int), ("act", ctypes.c_int),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-                ("cos", _P), ("sin", _P), ("cos_local", _P), ("sin_local", _P), ("kc", _P), ("vc", _P),
+                ("cos", _P), ("sin", _P), ("cos_local", _P), ("sin_local", _P), ("kc", _P), ("vc", _P), ("table", _P),
                 ("layer_stride", ctypes.c_int64), ("kvk", ctypes.c_int), ("final_norm", _P)]
 
 
@@ -112,26 +112,28 @@ class FusedStack:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def _stack(self, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor) -> StackStruct:
+    def _stack(self, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor,
+               block_table: torch.Tensor) -> StackStruct:
         """The per-forward struct (a few us to build: not worth caching)."""
-        # kc [layers, slots, kvh, S / 16, hw, 16] (kernels.block_keys), vc [layers, slots, kvh, S, hw]
-        assert kc.is_contiguous() and vc.is_contiguous() and kc.dim() == 6 and vc.dim() == 5
-        assert kc.numel() == vc.numel() and kc.dtype == vc.dtype and kc.dtype in KV_KINDS
-        assert vc.shape[-1] == kv_row_width(vc.dtype, self.shape.hd)
+        # kc [layers, blocks, kvh, hw, 16], vc [layers, blocks, kvh, 16, hw], block_table [slots, mb] int32
+        assert kc.is_contiguous() and vc.is_contiguous() and kc.dim() == 5 and vc.dim() == 5
+        assert kc.shape == (*vc.shape[:3], vc.shape[4], vc.shape[3]) and kc.dtype == vc.dtype and kc.dtype in KV_KINDS
+        assert vc.shape[2] == self.shape.kvh and vc.shape[-1] == kv_row_width(vc.dtype, self.shape.hd)
+        assert block_table.dtype == torch.int32 and block_table.is_contiguous() and block_table.dim() == 2
         assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tables)
         sh = self.shape
-        s = StackStruct(hidden=sh.hidden, inter=sh.inter, nh=sh.nh, kvh=sh.kvh, hd=sh.hd, S=vc.shape[3],
+        s = StackStruct(hidden=sh.hidden, inter=sh.inter, nh=sh.nh, kvh=sh.kvh, hd=sh.hd, mb=block_table.shape[1],
                         window=sh.window, act=ACTS[sh.act], eps=sh.eps, scale=sh.scale, softcap=sh.softcap,
                         layer_stride=kc.stride(0), kvk=KV_KINDS[kc.dtype])
         s.cos, s.sin, s.cos_local, s.sin_local = (t.data_ptr() for t in tables)
-        s.kc, s.vc = kc.data_ptr(), vc.data_ptr()
+        s.kc, s.vc, s.table = kc.data_ptr(), vc.data_ptr(), block_table.data_ptr()
         return s
 
     def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor,
-                 slots: torch.Tensor, positions: torch.Tensor, num_layers: int = 0,
+                 block_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, num_layers: int = 0,
                  final_norm: Optional[torch.Tensor] = None, in_place: bool = False) -> torch.Tensor:
         """x [B, T, hidden] through the first `num_layers` (0: all) layers, caches kc / vc (KVCache's
-        kernel layout) written at (slots [B], positions [B, T]); tables: (cos, sin,
+        kernel layout, paged by `block_table` [slots, mb]) written at (slots [B], positions [B, T]); tables: (cos, sin,
         cos_local, sin_local) [P, hd] -> [B, T, hidden] (a new tensor), RMS-normed by `final_norm`
         [hidden] when given (in the same call: a torch norm after it ran with cold caches). `in_place`:
         x is the caller's own temporary, updated and returned (no copy)."""
@@ -146,7 +148,7 @@ class FusedStack:
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         assert positions.shape == (B, T) and slots.shape == (B,)
-        stack = self._stack(tables, kc, vc)  # NOTE: kept alive until the call returns
+        stack = self._stack(tables, kc, vc, block_table)  # NOTE: kept alive until the call returns
         stack.final_norm = _ptr(final_norm)
         lib.forward_f32(ctypes.addressof(self.array), nl, ctypes.addressof(stack), out.data_ptr(), slots.data_ptr(),
                         positions.data_ptr(), B, T, torch.get_num_threads())

@@ -120,23 +120,25 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "AttnContext",
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; this layer's paged caches [blocks, kvh, ..], block
+        table [slots, blocks_per_seq] (KVCache)."""
         cfg = self.cfg
         B, T, _ = x.shape
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.qkv_proj(x)  # [B, T, nh+2kvh, hd]
         if ctx.mask is None:  # one batch- and chunk-invariant C call (RoPE, cache write, attention)
-            attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, ctx.slots, ctx.positions, nh,
+            attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, table, ctx.slots, ctx.positions, nh,
                                               cfg.scale, self.window, cfg.attn_softcap)
         else:
-            if k_cache.dim() != 4:
+            if k_cache.shape[-2] != kernels.KEY_BLOCK or k_cache.shape[-1] != hd:
                 raise ValueError("the torch attention path needs a KV cache in torch's layout "
                                  "(KVCache(..., kernel_layout=False))")
             qk = apply_rope(qkv[:, :, : nh + kvh], cos, sin)  # [B, T, nh+kvh, hd]
             q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + kvh:]
-            ctx.write(k_cache, k)
-            ctx.write(v_cache, v)
-            keys, values = ctx.read(k_cache), ctx.read(v_cache)  # [B, kvh, L, hd]
+            ctx.write(k_cache, table, k)
+            ctx.write(v_cache, table, v)
+            keys, values = ctx.read(k_cache, table), ctx.read(v_cache, table)  # [B, kvh, L, hd]
             mask = ctx.window_mask if self.window else ctx.mask
             attn = attention(q.transpose(1, 2), keys, values, mask, cfg).transpose(1, 2)  # [B, T, nh, hd]
         return self.out_mlp(x, attn.reshape(B, T, nh * hd))
@@ -193,14 +195,19 @@ class AttnContext:
     slot_range: Optional[tuple[int, int]]  # (first, end) when slots are consecutive: views, no gather
     window_mask: torch.Tensor | None = None  # mask, and query position - key position < window
 
-    def write(self, cache: torch.Tensor, x: torch.Tensor) -> None:
-        # cache [slots, kvh, S, hd] <- x [B, T, kvh, hd] at (slot b, position positions[b, t])
-        cache[self.slots[:, None], :, self.positions] = x
+    def write(self, cache: torch.Tensor, table: torch.Tensor, x: torch.Tensor) -> None:
+        # cache [blocks, kvh, 16, hd] <- x [B, T, kvh, hd] at (slot b, position positions[b, t])
+        B = cache.shape[2]
+        cache[table[self.slots[:, None], self.positions // B], :, self.positions % B] = x
 
-    def read(self, cache: torch.Tensor) -> torch.Tensor:
-        if self.slot_range is not None:
-            return cache[self.slot_range[0]: self.slot_range[1], :, : self.length]
-        return cache.index_select(0, self.slots)[:, :, : self.length]
+    def read(self, cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Positions [0, length) of every row: [B, kvh, length, hd] (a gather of their blocks)."""
+        B = cache.shape[2]
+        nb = -(-self.length // B)
+        rows = (table[self.slot_range[0]: self.slot_range[1], :nb] if self.slot_range is not None
+                else table.index_select(0, self.slots)[:, :nb])  # [B, nb]
+        x = cache[rows]  # [B, nb, kvh, 16, hd]
+        return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], nb * B, x.shape[4])[:, :, : self.length]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -320,10 +327,10 @@ class LlamaModel(nn.Module):
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         if self.fused is not None and ctx.mask is None:  # the same kernels, one C call
-            return self.fused(x, (*tables[False], *tables[True]), kv.k, kv.v, ctx.slots, ctx.positions,
+            return self.fused(x, (*tables[False], *tables[True]), kv.k, kv.v, kv.table, ctx.slots, ctx.positions,
                               num_layers or 0, final_norm=self.norm, in_place=True)  # x: the embedding's copy
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
-            x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i])
+            x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i], kv.table)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def finalize(self, weight_dtype: str = "float32", integer_dot: bool = False) -> None:

@@ -78,9 +78,9 @@ class DraftHead(nn.Module):
         x = self.fc(x)
         cos, sin = t.rope(ctx, kv.max_seq_len)
         if c_path:
-            return self.fused(x, (cos, sin, cos, sin), kv.k, kv.v, ctx.slots, ctx.positions, final_norm=self.norm,
-                              in_place=True)  # x: fc's output
-        x = self.layer(x, cos, sin, ctx, kv.k[0], kv.v[0])
+            return self.fused(x, (cos, sin, cos, sin), kv.k, kv.v, kv.table, ctx.slots, ctx.positions,
+                              final_norm=self.norm, in_place=True)  # x: fc's output
+        x = self.layer(x, cos, sin, ctx, kv.k[0], kv.v[0], kv.table)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
