@@ -43,7 +43,9 @@ def main() -> None:
     model = load_model(resolve_model_dir(), torch.float32, "cpu", "auto", True)
     fused, cfg = model.fused, model.cfg
     L, kvh, hd = len(fused), cfg.num_kv_heads, cfg.head_dim
-    kshape, vshape = (L, SLOTS, kvh, MAX_SEQ // 16, hd, 16), (L, SLOTS, kvh, MAX_SEQ, hd)
+    MB = MAX_SEQ // 16  # the paged layout, each slot its own run of blocks (block 0: no slot's)
+    kshape, vshape = (L, 1 + SLOTS * MB, kvh, hd, 16), (L, 1 + SLOTS * MB, kvh, 16, hd)
+    table = (1 + torch.arange(SLOTS * MB, dtype=torch.int32)).view(SLOTS, MB)
     g = torch.Generator().manual_seed(0)
     k0, v0 = (torch.randn(kshape, generator=g) * 0.5).half(), (torch.randn(vshape, generator=g) * 0.5).half()
     caches = {"4 KiB": (torch.zeros(kshape, dtype=torch.float16), torch.zeros(vshape, dtype=torch.float16)),
@@ -68,7 +70,7 @@ def main() -> None:
                 kc, vc = caches[name]
                 for _ in range(n):
                     t0 = time.perf_counter()
-                    outs[name] = fused(x, (*tables, *tables), kc, vc, slots, pos)
+                    outs[name] = fused(x, (*tables, *tables), kc, vc, table, slots, pos)
                     times[name].append(time.perf_counter() - t0)
         same = torch.equal(outs["4 KiB"], outs["huge"])
         (a, b) = (sorted(times["4 KiB"]), sorted(times["huge"]))

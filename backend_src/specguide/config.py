@@ -6,7 +6,7 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-CPU_SLOTS = 8  # max_slots 0 on CPU: decode cost grows with the batch, 8 keeps steps short
+CPU_SLOTS = 64  # max_slots 0 on CPU: sequences that run together (max_batch_size); KV blocks bound their memory
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q8_0")  # how the C kernels hold a weight
 WEIGHT_DTYPES = WEIGHT_FORMATS + ("auto",)  # auto: each weight in the narrowest format that holds it exactly
@@ -86,11 +86,15 @@ class EngineConfig:
     # 5 against 0 gives as many tokens/s or more and a lower TTFT (bench/bench_openai.py measures both).
     # NOTE: a CPU-bound process in the server's own cgroup or session at nice 0 then gets 3x the
     # engine's share; 0 = the server's
-    max_slots: int = 0  # sequences decoded together (static KV cache rows); 0: 8 on CPU (set here for
+    max_slots: int = 0  # sequences running together (rows of the KV block table); 0: 64 on CPU (set here for
     # device "cpu", by the engine for "auto"), on CUDA as many
-    # as kv_cache_memory_fraction of the free memory (after the weights) holds, at most 256 (logged)
-    kv_cache_memory_fraction: float = 0.9  # CUDA with max_slots 0: the share of free GPU memory for KV caches
-    max_seq_len: int = 2048  # prompt + generated tokens per slot
+    # as kv_cache_memory_fraction of the free memory (after the weights) holds at max_seq_len, at most 256 (logged)
+    kv_cache_memory_fraction: float = 0.9  # the share of free memory for the KV blocks (CUDA: the GPU's after
+    # the weights, CPU: MemAvailable; CPU pages are taken as blocks are first used), at most what every slot
+    # at max_seq_len holds; fewer blocks than that: the newest sequence is preempted when they run out
+    kv_cache_bytes: int = 0  # bytes for the KV blocks instead of kv_cache_memory_fraction (0: the fraction)
+    max_seq_len: int = 0  # prompt + generated tokens per sequence; 0: the model's context (config.json
+    # max_position_embeddings, set by the engine), at most what the KV blocks hold
     prefill_chunk: int = 256  # prefill token budget per engine step
     prefix_caching: bool = True  # a free slot keeps its KV: a prompt starting with tokens a slot holds
     # reuses them (copied from a busy slot), outputs as from scratch: up to the first differing token
@@ -187,7 +191,8 @@ class EngineConfig:
                f"draft_head_weight_dtype must be '' or one of {WEIGHT_DTYPES}, got {self.draft_head_weight_dtype!r}")
         _check(self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:"),
                f"device must be cpu, cuda, cuda:<n> or auto, got {self.device!r}")
-        for name, low in (("max_slots", 0), ("max_seq_len", 16), ("prefill_chunk", 1), ("max_queue", 1),
+        _check(self.max_seq_len == 0 or self.max_seq_len >= 16, f"max_seq_len must be 0 or >= 16, got {self.max_seq_len!r}")
+        for name, low in (("max_slots", 0), ("prefill_chunk", 1), ("max_queue", 1),
                           ("default_max_tokens", 1), ("draft_layers", 1), ("ngram_max", 1),
                           ("ngram_trust", 1), ("spec_max_rows", 0), ("guided_compile_workers", 1),
                           ("guided_mask_threads", 1), ("guided_compile_timeout_s", 0), ("request_timeout_s", 0),
@@ -211,6 +216,7 @@ class EngineConfig:
                f"guided_undeclared_keys must be 'forbid' or 'allow', got {self.guided_undeclared_keys!r}")
         _check(self.guided_executor in GUIDED_EXECUTORS,
                f"unknown guided_executor {self.guided_executor!r} (one of {GUIDED_EXECUTORS})")
+        _check(self.kv_cache_bytes >= 0, f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes!r}")
         _check(0 < self.kv_cache_memory_fraction <= 1,
                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         if self.max_slots == 0 and self.device == "cpu":  # "auto": the engine decides (this imports no torch)
@@ -218,7 +224,7 @@ class EngineConfig:
         self.reasoning()  # ValueError for a bad reasoning_markers
         if self.max_sampling_parameters_bytes <= 0:
             self.max_sampling_parameters_bytes = (self.guided_max_guide_bytes or 1 << 20) + 65536
-        if self.max_prompt_bytes <= 0:
+        if self.max_prompt_bytes <= 0:  # (0 while max_seq_len is: the engine's resolved config has them)
             self.max_prompt_bytes = 16 * self.max_seq_len
         if self.max_tokens_limit <= 0:
             self.max_tokens_limit = self.max_seq_len

@@ -142,7 +142,7 @@ def stale_draft_rows(engine: Engine) -> list[int]:
             own = head.kv.like(1)
             ctx = m.make_context(torch.tensor([0]), torch.arange(rows)[None], [0], rows)
             head.head(feats[:, :rows], torch.tensor([tokens[1: rows + 1]]), ctx, own)
-            ok = (torch.equal(head.feats[slot, :rows], feats[0, :rows])
+            ok = (torch.equal(head.features(slot, 0, rows), feats[0, :rows])
                   and all(torch.equal(a, b) for a, b in zip(head.kv.rows(slot, 0, rows), own.rows(0, 0, rows))))
         rows = min(dm.cached[slot], n) if dm is not None else 0
         if rows > 0:

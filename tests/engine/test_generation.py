@@ -159,8 +159,10 @@ def test_stats_report_the_batch_and_kv_figures_the_trtllm_metrics_show(engine):
     assert s_first["context_tokens"] == n_first - 1  # the whole prompt in one chunk (prefill_chunk 64)
     _, n, s = seen[-1]
     assert (s["active_slots"], s["context_requests"], s["generation_requests"], s["context_tokens"]) == (1, 0, 1, 0)
+    K = engine.config.num_draft_tokens  # a decoding sequence holds blocks for its tokens and K draft positions
     assert s["kv_tokens_per_block"] == 16 and s["max_slots"] == 8
-    assert s["kv_blocks_max"] == 8 * (512 // 16) and s["kv_blocks_used"] == -(-n // 16)
+    assert s["kv_blocks_max"] == 8 * -(-(512 + K + 1) // 16) and -(-n // 16) <= s["kv_blocks_used"] <= -(-(n + K) // 16)
+    assert s["kv_blocks_used"] + s["kv_blocks_free"] <= s["kv_blocks_max"] and s["preempted"] == s["preemptions"] == 0
     assert s["steps"] - steps == len(seen) and s["step_time_us"] > 1e15  # one token a step; µs since the epoch
     assert s["cpu_mem_bytes"] > 100e6 and s["gpu_mem_bytes"] == 0 and s["pinned_mem_bytes"] == 0
     idle = engine.stats()

@@ -109,23 +109,26 @@ def test_outputs_with_reuse_equal_outputs_without(engines, alone, monkeypatch):
 
 
 def _own_rows(engine, drafter) -> list[tuple[torch.Tensor, ...]]:
-    """Run each request alone; after each, the drafter's rows of the slot it ran in (the draft head:
-    its K/V rows and the target features it read; a draft model: its K/V in every layer)."""
-    slots, rows = [], []
-    admit = drafter.admit
-    drafter.admit = lambda slot, seq: (slots.append(slot), admit(slot, seq))
+    """Run each request alone; as it ends (before its slot gives its blocks back), the drafter's rows
+    of its slot (the draft head: its K/V rows and the target features it read; a draft model: its
+    K/V in every layer)."""
+    rows = []
+    proposer = engine.core.proposer
+
+    def free(slot):
+        if hasattr(drafter, "feats"):
+            n = drafter.valid[slot]
+            rows.append((*drafter.kv.rows(slot, 0, n), drafter.features(slot, 0, n + 1)))
+        else:
+            n = drafter.cached[slot]
+            rows.append(drafter.kv.rows(slot, 0, n))
+
+    proposer.free = free
     try:
         for r in _requests(engine):
             run_many(engine, [r])
-            s = slots[-1]
-            if hasattr(drafter, "feats"):
-                n = drafter.valid[s]
-                rows.append((*drafter.kv.rows(s, 0, n), drafter.feats[s, : n + 1].clone()))
-            else:
-                n = drafter.cached[s]
-                rows.append(drafter.kv.rows(s, 0, n))
     finally:
-        del drafter.admit
+        del proposer.free
     return rows
 
 

@@ -180,12 +180,13 @@ def test_the_peer_backends_families_count_the_traffic_of_each_served_name(server
                 assert lab["model"] == MODEL, (n, lab)
     # the engine's figures once idle: nothing held, steps counted
     config = json.loads(urllib.request.urlopen(f"http://{server.http}/v2/models/{MODEL}/config", timeout=10).read())
-    max_seq_len = int(config["parameters"]["max_seq_len"]["string_value"])
+    max_seq_len = int(config["parameters"]["max_seq_len"]["string_value"]) or 8192  # 0: the model's context
     g = lambda fam, cat, v: value(after, fam, model=MODEL, **{cat: v})  # noqa: E731
     slots = g("nv_trt_llm_request_metrics", "request_type", "max")
     assert slots >= 1 and g("nv_trt_llm_request_metrics", "request_type", "waiting") == 0
     kv = "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type"
-    assert g(*kv, "tokens_per") == 32 and g(*kv, "max") == slots * -(-max_seq_len // 32)
+    # the paged cache's blocks of 16: at most every slot at max_seq_len (+ K + 1 positions), fewer where memory is short
+    assert g(*kv, "tokens_per") == 16 and 0 < g(*kv, "max") <= slots * -(-(max_seq_len + 16) // 16)
     assert g(*kv, "used") == 0 and g(*kv, "free") == g(*kv, "max") and g(*kv, "fraction") == 0
     assert counted(after) >= steps
     assert g("nv_trt_llm_general_metrics", "general_type", "timestamp") > 0

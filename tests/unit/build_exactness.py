@@ -190,7 +190,7 @@ def check_model(folder: Path, integer_dot: bool, store: torch.dtype | None) -> N
         kv2 = cache()
         parts = torch.cat([forward(kv2, [0], [prompt[a:b]], a)[0] for a, b in zip(bounds, bounds[1:])])
         assert torch.equal(parts, whole), (folder.name, bounds[:4])
-        assert torch.equal(kv2.k[:, 0], kv.k[:, 0]) and torch.equal(kv2.v[:, 0], kv.v[:, 0]), folder.name
+        assert all(torch.equal(a, b) for a, b in zip(kv2.rows(0, 0, 40), kv.rows(0, 0, 40))), folder.name
     for s in range(1, 6):
         forward(kv, [s], [prompt], 0)
     # a decode step alone == inside a batch of 6 / of 2

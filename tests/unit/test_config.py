@@ -14,7 +14,7 @@ from specguide.config import EngineConfig
     ({"max_slots": -1}, "max_slots must be >= 0, got -1"),
     ({"kv_cache_memory_fraction": 0.0}, r"kv_cache_memory_fraction must be in \(0, 1\], got 0.0"),
     ({"kv_cache_memory_fraction": 1.5}, r"kv_cache_memory_fraction must be in \(0, 1\], got 1.5"),
-    ({"max_seq_len": 8}, "max_seq_len must be >= 16, got 8"),
+    ({"max_seq_len": 8}, "max_seq_len must be 0 or >= 16, got 8"),
     ({"prefill_chunk": 0}, "prefill_chunk must be >= 1"),
     ({"max_queue": 0}, "max_queue must be >= 1"),
     ({"num_draft_tokens": 16}, r"num_draft_tokens must be in \[0, 15\], got 16"),
@@ -51,8 +51,18 @@ def test_bad_parameters_from_config_pbtxt_raise_value_error():
 
 
 def test_defaults_are_valid_and_derived_limits_are_filled():
+    """max_seq_len 0 (the model's context) leaves the limits derived from it open until the engine
+    resolves it: its config (a dataclasses.replace) derives them from the model's length."""
+    import dataclasses
+
     cfg = EngineConfig()
-    assert cfg.max_tokens_limit == cfg.max_seq_len and cfg.max_prompt_bytes == 16 * cfg.max_seq_len
+    assert cfg.max_seq_len == 0 and cfg.max_tokens_limit == 0 and cfg.max_prompt_bytes == 0
+    resolved = dataclasses.replace(cfg, max_seq_len=8192)
+    assert resolved.max_tokens_limit == 8192 and resolved.max_prompt_bytes == 16 * 8192
+    set_ = EngineConfig(max_seq_len=2048, max_prompt_bytes=1000)
+    assert set_.max_tokens_limit == 2048 and set_.max_prompt_bytes == 1000
+    with pytest.raises(ValueError, match="max_seq_len must be 0 or >= 16"):
+        EngineConfig(max_seq_len=8)
 
 
 def test_the_defaults_are_what_the_shipped_config_pbtxt_serves():
@@ -87,7 +97,7 @@ def test_reasoning_markers_parse():
     assert cfg.reasoning() == ReasoningMarkers("<think>", "</think>")
 
 
-def test_max_slots_0_is_8_on_cpu_and_sized_from_free_memory_on_cuda(caplog):
+def test_max_slots_0_is_64_on_cpu_and_sized_from_free_memory_on_cuda(caplog):
     """On CUDA, max_slots 0 becomes what kv_cache_memory_fraction of the free memory holds (TensorRT-LLM's
     kv_cache_free_gpu_mem_fraction): the sizing maths on the default model's shapes, without a GPU."""
     import logging
@@ -98,8 +108,8 @@ def test_max_slots_0_is_8_on_cpu_and_sized_from_free_memory_on_cuda(caplog):
     from specguide.engine.kv_cache import size_slots
     from specguide.engine.kv_cache import slot_bytes, slots_for_memory
 
-    assert EngineConfig(device="cpu").max_slots == 8 and EngineConfig(max_slots=0, device="cpu").max_slots == 8
-    # device auto (the default, as served): the engine decides (8 on CPU), without importing torch here
+    assert EngineConfig(device="cpu").max_slots == 64 and EngineConfig(max_slots=0, device="cpu").max_slots == 64
+    # device auto (the default, as served): the engine decides (64 on CPU), without importing torch here
     assert EngineConfig().max_slots == EngineConfig(device="auto").max_slots == 0
     assert EngineConfig(max_slots=3).max_slots == 3
     assert slots_for_memory(10 << 30, 0.5, 1 << 30) == 5 and slots_for_memory(1 << 20, 0.9, 1 << 30) == 1
@@ -148,3 +158,39 @@ def test_an_unknown_parameter_is_an_error_naming_the_nearest_setting():
         EngineConfig.from_parameters({"zzz": "1"})
     # Triton's and the Python backend's own keys (upper case: EXECUTION_ENV_PATH, ...) are theirs
     assert EngineConfig.from_parameters({"EXECUTION_ENV_PATH": {"string_value": "/env.tar.gz"}}) == EngineConfig()
+
+
+def test_the_kv_blocks_come_from_kv_cache_bytes_or_the_memory_fraction_and_cap_max_seq_len(caplog):
+    """size_blocks: every slot at max_seq_len when memory holds it; else what `kv_cache_bytes` (or
+    the fraction of the free memory) holds, with max_seq_len cut to what one sequence may hold in
+    all of them (logged); too few for one sequence: a clear error. block_bytes: the default model's
+    block in fp16 with the draft head's K/V and features in fp32."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from specguide.engine.kv_cache import block_bytes, size_blocks
+
+    smol = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, hidden_size=576)
+    per = block_bytes(smol, torch.float16, torch.float32, head=True)
+    assert per == 16 * (2 * 30 * 3 * 64 * 2 + (2 * 3 * 64 + 576) * 4)
+    assert block_bytes(smol, torch.int8, torch.float32, head=False) == 16 * 2 * 30 * 3 * (64 + 4)
+    cfg = EngineConfig(device="cpu", max_slots=8, max_seq_len=2048, num_draft_tokens=3)
+    per_seq = -(-(2048 + 4) // 16)
+    n, same = size_blocks(cfg, smol, torch.device("cpu"), per, free_bytes=80 << 30)
+    assert n == 1 + 8 * per_seq and same.max_seq_len == 2048  # all of it: every slot at max_seq_len
+    n, same = size_blocks(dataclasses_replace(cfg, kv_cache_bytes=200 * per), smol, torch.device("cpu"), per)
+    assert n == 200 and same.max_seq_len == 2048  # kv_cache_bytes, whatever is free
+    with caplog.at_level(logging.WARNING, logger="specguide"):
+        n, cut = size_blocks(dataclasses_replace(cfg, kv_cache_memory_fraction=0.5), smol, torch.device("cpu"), per,
+                             free_bytes=100 * per)
+    assert n == 50 and cut.max_seq_len == 49 * 16 - 4 and "max_seq_len 2048 -> 780" in caplog.text
+    with pytest.raises(ValueError, match="too few for one sequence"):
+        size_blocks(dataclasses_replace(cfg, kv_cache_bytes=per), smol, torch.device("cpu"), per)
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)

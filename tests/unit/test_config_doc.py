@@ -29,7 +29,7 @@ def test_the_table_has_every_setting_with_its_default():
     table = _script().table()
     for f in dataclasses.fields(EngineConfig):
         assert f"| `{f.name}` |" in table, f.name
-    assert '| `max_seq_len` | int | `2048` |' in table
+    assert '| `max_seq_len` | int | `0` |' in table
     assert '| `drafter` | str | `"hybrid"` | one of `ngram`' in table
 
 

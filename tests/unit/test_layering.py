@@ -22,6 +22,7 @@ LAYERS = {
     "process.engine_handle": 2,  # one engine process and its pipes (starts engine_process_child by name)
     # per-request state (Sequence) and small services every layer above reads
     "engine.sequence_state": 0,  # the non-scheduler parts of a Sequence: plain data (its imports are type-only)
+    "engine.block_pool": 0,  # which blocks each slot holds: numpy only
     "engine.faults": 1, "engine.scheduler": 1, "tokenizer": 1, "kernels": 1,  # kernels: the C kernels (import nothing of ours)
     "engine.sampler": 2, "cuda": 2,  # cuda: host functions, and graphs of any step body
     "engine.slot_params": 3,

@@ -223,3 +223,20 @@ def test_the_engine_gauges_are_set_only_when_their_values_change():
     m.engine_stats({**stats, "active_slots": 3})
     assert [series(n).sets for n in names] == [2, 1, 1, 1] and series(names[0]).value == 3.0
     registry.clear()
+
+
+def test_the_kv_block_gauges_and_the_preemption_count_follow_the_engine():
+    """specguide_kv_blocks_used / _free and specguide_preempted_sequences are the engine's figures;
+    specguide_preemptions_total adds what the engine counted since the last poll (an engine started
+    again counts from 0: its count is added whole)."""
+    from specguide.triton.metrics import Metrics
+
+    registry.clear()
+    m = Metrics(SimpleNamespace(MetricFamily=Family), "specguide", "1")
+    for n, used, preempted in ((2, 30, 1), (5, 40, 2), (5, 40, 0), (1, 3, 0)):  # (the last: a new engine)
+        m.engine_stats({"active_slots": 3, "kv_blocks_used": used, "kv_blocks_free": 100 - used,
+                        "preempted": preempted, "preemptions": n})
+    assert series("specguide_preemptions_total").value == 6
+    assert (series("specguide_kv_blocks_used").value, series("specguide_kv_blocks_free").value) == (3, 97)
+    assert series("specguide_preempted_sequences").value == 0
+    registry.clear()

@@ -137,11 +137,11 @@ def test_head_inputs_are_the_features_and_the_normed_embedding_bit_for_bit():
     g1 = kernels.head_inputs(feats[:, 1:2], E, ids[:, 1:2], w, 1e-5)  # a strided view: the same rows
     assert torch.equal(g1, got[:, 1:2])
     assert kernels.head_inputs(feats.double(), E, ids, w, 1e-5) is None
-    store = torch.randn(5, 9, 64, generator=g)  # features read in place: feats[slots[:, None], positions]
-    slots, pos = torch.tensor([4, 0, 2]), torch.tensor([[0, 8], [3, 3], [7, 1]])
-    got = kernels.head_inputs(store, E, ids[:, :2], w, 1e-5, at=(slots, pos))
-    assert torch.equal(got, torch.cat([store[slots[:, None], pos], kernels.rms_norm(E[ids[:, :2]], w, 1e-5)], dim=-1))
-    for bad in ((torch.tensor([5, 0, 2]), pos), (slots, torch.tensor([[0, 9], [3, 3], [7, 1]]))):
+    store = torch.randn(45, 64, generator=g)  # features read in place: store[at]
+    at = torch.tensor([[36, 8], [3, 3], [25, 1]])
+    got = kernels.head_inputs(store, E, ids[:, :2], w, 1e-5, at=at)
+    assert torch.equal(got, torch.cat([store[at], kernels.rms_norm(E[ids[:, :2]], w, 1e-5)], dim=-1))
+    for bad in (torch.tensor([[45, 8], [3, 3], [25, 1]]), torch.tensor([[36, 8], [-1, 3], [25, 1]])):
         with pytest.raises(IndexError):
             kernels.head_inputs(store, E, ids[:, :2], w, 1e-5, at=bad)
     with pytest.raises(IndexError):  # a token id outside the embedding
@@ -159,9 +159,9 @@ def test_head_inputs_read_q8_0_rows_as_the_fp32_table_they_equal():
     feats, ids = torch.randn(3, 4, 64, generator=g), torch.randint(0, 100, (3, 4), generator=g)
     got = kernels.head_inputs(feats, (q, d), ids, w, 1e-5)
     assert got is not None and torch.equal(got, kernels.head_inputs(feats, E, ids, w, 1e-5))
-    store, slots, pos = torch.randn(5, 9, 64, generator=g), torch.tensor([4, 0, 2]), torch.tensor([[0, 8], [3, 3], [7, 1]])
-    assert torch.equal(kernels.head_inputs(store, (q, d), ids[:, :2], w, 1e-5, at=(slots, pos)),
-                       kernels.head_inputs(store, E, ids[:, :2], w, 1e-5, at=(slots, pos)))
+    store, at = torch.randn(45, 64, generator=g), torch.tensor([[36, 8], [3, 3], [25, 1]])
+    assert torch.equal(kernels.head_inputs(store, (q, d), ids[:, :2], w, 1e-5, at=at),
+                       kernels.head_inputs(store, E, ids[:, :2], w, 1e-5, at=at))
     assert kernels.head_inputs(feats, (q, d.float()), ids, w, 1e-5) is None  # d must be fp16 bits
     with pytest.raises(IndexError):
         kernels.head_inputs(feats, (q, d), ids + 100, w, 1e-5)
@@ -177,20 +177,19 @@ def test_pick_rows_takes_each_batch_rows_own_row():
 
 def test_scatter_rows_is_an_index_put_and_checks_its_indices():
     g = torch.Generator().manual_seed(1)
-    dst = torch.randn(4, 10, 33, generator=g)
+    dst = torch.randn(40, 33, generator=g)
     src = torch.randn(3, 2, 33, generator=g)
-    slots, positions = torch.tensor([2, 0, 3]), torch.tensor([[4, 5], [0, 9], [7, 8]])
+    at = torch.tensor([[24, 25], [0, 9], [37, 38]])
     ref = dst.clone()
-    ref[slots[:, None], positions] = src
-    assert kernels.scatter_rows(dst, slots, positions, src)
+    ref[at] = src
+    assert kernels.scatter_rows(dst, at, src)
     assert torch.equal(dst, ref)
     before = dst.clone()
-    for bad_slots, bad_pos in ((torch.tensor([2, 4, 3]), positions), (slots, torch.tensor([[4, 5], [0, 10], [7, 8]])),
-                               (torch.tensor([-1, 0, 3]), positions)):
+    for bad in (torch.tensor([[24, 25], [0, 40], [37, 38]]), torch.tensor([[24, 25], [-1, 9], [37, 38]])):
         with pytest.raises(IndexError):
-            kernels.scatter_rows(dst, bad_slots, bad_pos, src)
+            kernels.scatter_rows(dst, bad, src)
         assert torch.equal(dst, before)  # nothing written
-    assert not kernels.scatter_rows(dst.double(), slots, positions, src.double())  # torch's then
+    assert not kernels.scatter_rows(dst.double(), at, src.double())  # torch's then
 
 
 def test_other_layouts_fall_back_to_torch():

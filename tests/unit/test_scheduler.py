@@ -67,6 +67,12 @@ def test_stop_conditions():
     assert s.check_stop_token(long) == "length"
 
 
+def computed(s, q, n):
+    """Pretend the forwards computed q's first n positions: its KV in the blocks they were given."""
+    q.num_cached = n
+    assert s.pool.grow(q.slot, n)
+
+
 def _prompt(i, shared, n):
     return Sequence(seq_id=i, prompt_ids=shared + [1000 + i] * n, params=SamplingParams(), seed=0,
                     callback=lambda o: None, stop_ids=frozenset({0}))
@@ -80,7 +86,8 @@ def test_prefix_caching_reuses_whole_chunks_of_the_longest_cached_prefix():
         s.waiting.append(q)
     s.schedule()
     assert (a.slot, a.num_reused, b.slot, b.num_reused) == (0, 0, 1, 0)  # nothing cached yet
-    a.num_cached, b.num_cached = 45, 50  # prompts prefilled (the KV of positions < num_cached)
+    computed(s, a, 45)  # prompts prefilled (the KV of positions < num_cached)
+    computed(s, b, 50)
     s.finish(a, "stop")
     s.finish(b, "stop")
     c = _prompt(3, shared, 7)
@@ -89,7 +96,7 @@ def test_prefix_caching_reuses_whole_chunks_of_the_longest_cached_prefix():
     # slot 0 holds 40 shared tokens (32 reusable), slot 1 only 20 (16): slot 0, from position 32
     assert (c.slot, c.num_reused, c.num_cached) == (0, 32, 32)
     assert [(p.start, p.end) for p in plan.prefills] == [(32, 47)]  # chunks stay [k*16, (k+1)*16)
-    assert s.reused_blocks == 1  # 32 reused positions: one whole reported KV block (metrics)
+    assert s.reused_blocks == 2  # 32 reused positions: two whole KV blocks of 16 (metrics)
     assert s.slot_tokens[0] == [] and s.slot_tokens[1] == b.prompt_ids[:48]  # whole chunks of the prompt
     s.check_integrity()
 
@@ -99,7 +106,7 @@ def test_prefix_caching_never_reuses_the_whole_prompt_or_for_context_logits():
     a = _prompt(1, list(range(1, 17)), 0)  # 16 tokens
     s.waiting.append(a)
     s.schedule()
-    a.num_cached = 16
+    computed(s, a, 16)
     s.finish(a, "stop")
     same = _prompt(2, list(range(1, 17)), 0)
     s.waiting.append(same)
@@ -124,7 +131,7 @@ def _run_to_end(s, q, num_cached=None):
     """Admit q alone, pretend its prompt (or num_cached tokens) was computed, finish it."""
     s.waiting.append(q)
     s.schedule()
-    q.num_cached = len(q.prompt_ids) if num_cached is None else num_cached
+    computed(s, q, len(q.prompt_ids) if num_cached is None else num_cached)
     s.finish(q, "stop")
     return q
 
@@ -157,7 +164,7 @@ def test_with_a_chunk_invariant_model_reuse_goes_to_the_first_differing_token():
     plan = s.schedule()
     assert (b.slot, b.num_reused) == (0, 25)
     assert [(p.start, p.end) for p in plan.prefills] == [(25, 33)]  # chunks from the reused position
-    b.num_cached = 33
+    computed(s, b, 33)
     c = _prompt(3, b.prompt_ids[:30], 4)  # its first 30 tokens are b's, whose slot has computed 33: copied
     s.waiting.append(c)
     plan = s.schedule()
@@ -208,7 +215,7 @@ def test_a_prefix_held_by_a_busy_slot_is_copied_into_the_new_slot():
     s.waiting.append(busy)
     s.schedule()
     assert (busy.slot, busy.num_reused) == (0, 16)  # same-slot reuse, then it runs in slot 0
-    busy.num_cached = 24  # three chunks prefilled so far
+    computed(s, busy, 24)  # three chunks prefilled so far
     c = _prompt(3, shared, 9)
     s.waiting.append(c)
     plan = s.schedule()
@@ -219,7 +226,7 @@ def test_a_prefix_held_by_a_busy_slot_is_copied_into_the_new_slot():
     # a free slot holding part of it: only the rest is copied
     s.finish(c, "stop")  # cancelled before its prefill: slot 1 keeps the 24 copied positions
     assert s.slot_tokens[1] == shared[:24]
-    busy.num_cached = 37
+    computed(s, busy, 37)
     d = _prompt(4, shared, 2)
     s.waiting.append(d)
     plan = s.schedule()

@@ -22,7 +22,8 @@ from ..cuda.hostfunc import HostFuncError
 from ..guided.compiler import GrammarCompilerService
 from ..guided.limits import GuideLimits
 from .intake import Intake
-from .kv_cache import size_slots
+from .block_pool import BlockPool
+from .kv_cache import block_bytes, kv_store, size_blocks, size_slots
 from ..models.loader import load_model, resolve_model_dir
 from .output_processor import Finish, OutputProcessor
 from ..request import InvalidRequestError, Request, RequestOutput, error_code
@@ -75,6 +76,8 @@ class EngineCore:
         if self.model.integer_dot:
             log.info("specguide: block-format weights x int8 activations (%s integer dot products)",
                      kernels.integer_dot_path())
+        if config.max_seq_len == 0:  # the model's whole context
+            config = self.config = dataclasses.replace(config, max_seq_len=self.model.cfg.max_position_embeddings)
         if config.max_seq_len > self.model.cfg.max_position_embeddings:  # RoPE past its trained range: noise
             raise ValueError(f"max_seq_len {config.max_seq_len} exceeds {folder.name}'s max_position_embeddings "
                              f"{self.model.cfg.max_position_embeddings} (config.json): lower max_seq_len")
@@ -89,14 +92,20 @@ class EngineCore:
             cache_limit_bytes=config.guided_cache_bytes, max_workers=config.guided_compile_workers,
             timeout_s=config.guided_compile_timeout_s or None, default_backend=config.guided_backend,
             limits=GuideLimits.from_config(config), undeclared_keys=config.guided_undeclared_keys)
-        self.runner = Runner(self.model, config, self.device)
+        store = kv_store(config, self.model) or self.model.dtype
+        per_block = block_bytes(self.model.cfg, store, self.model.dtype,
+                                config.drafter in ("head", "hybrid") and config.num_draft_tokens > 0)
+        num_blocks, config = size_blocks(config, self.model.cfg, self.device, per_block)
+        self.config = config
+        self.runner = Runner(self.model, config, self.device, num_blocks)
         self.guided = self.runner.guided
         self.proposer = Proposer(config, self.model, self.runner.kv, self.guided, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
         self.runner.core.feature_sink = self.proposer.feature_sink
         self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free / copy_prefix
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
-                                   config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant)
+                                   config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,
+                                   BlockPool(self.runner.table.numpy(), num_blocks), config.num_draft_tokens)
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
         self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler)
@@ -229,6 +238,10 @@ class EngineCore:
         if plan.empty:
             return False
         self._count(plan)
+        for seq in plan.preempted:
+            for owner in self.slot_state:
+                owner.drop_rows(seq.slot)
+        self.runner.blocks_changed()
         self._copy_prefixes(plan.copies)
         prefills = deque(plan.prefills)
         budget = self.scheduler.prefill_chunk - sum(c.end - c.start for c in plan.prefills)
@@ -245,6 +258,7 @@ class EngineCore:
                 # requests that came during the prefills join them, within the step's budget, rather
                 # than wait for the decode of the batch already running
                 more = self.scheduler.schedule_more(budget, {c.seq.seq_id for c in plan.prefills}, ready)
+                self.runner.blocks_changed()
                 self._copy_prefixes(more.copies)
                 plan.prefills += more.prefills
                 prefills.extend(more.prefills)
@@ -277,6 +291,8 @@ class EngineCore:
         if seq.status is Status.FINISHED:
             return None
         seq.num_cached = chunk.end
+        if chunk.resumes:  # a preempted sequence's tokens are back in its blocks
+            seq.status = Status.DECODE
         if tok is None:
             return None
         seq.status = Status.DECODE
@@ -319,9 +335,10 @@ class EngineCore:
     def _prefill(self, chunk: PrefillChunk) -> Optional[int]:
         """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""
         seq = chunk.seq
-        if chunk.start == seq.num_reused:  # the first chunk (after a reused prefix)
+        if not seq.bound:  # its first chunk (after a reused prefix; or, preempted before it ran, from 0)
             for owner in self.slot_state:
                 owner.admit(seq.slot, seq)
+            seq.bound = True
         return self.runner.prefill(chunk)
 
     def _guarded(self, seq: Sequence, fn: Callable[[], Optional[int]]) -> Optional[int]:

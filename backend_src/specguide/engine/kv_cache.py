@@ -8,7 +8,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from specguide import kernels
-from specguide.util.memory import advise_huge_pages
+from specguide.util.memory import advise_huge_pages, available_bytes
+
+from .block_pool import BLOCK
+
+assert BLOCK == kernels.KEY_BLOCK
 
 log = logging.getLogger("specguide")
 
@@ -17,14 +21,19 @@ if TYPE_CHECKING:
     from ..models.llama import LlamaModel
 
 
-def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
-    """torch.zeros; on the CPU in memory advised for huge pages before its first touch."""
+def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu",
+               touch: bool = True) -> torch.Tensor:
+    """torch.zeros; on the CPU in memory advised for huge pages before its first touch. `touch`
+    False (CPU): not written here, so its pages are only taken as they are first written (fresh
+    mappings read as zeros; a small tensor may reuse freed memory: only for callers that never
+    read a position before writing it)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype)
     advise_huge_pages(t.data_ptr(), t.nbytes)
-    t.zero_()
-    advise_huge_pages(t.data_ptr(), t.nbytes, collapse=True)  # what the faults could not get
+    if touch:
+        t.zero_()
+        advise_huge_pages(t.data_ptr(), t.nbytes, collapse=True)  # what the faults could not get
     return t
 
 
@@ -41,22 +50,26 @@ class KVCache:
     wherever its blocks lie, so the batch, chunk and paging invariance hold as with fp32. `rows`
     reads a slot back as fp32 [layers, kv_heads, n, head_dim].
 
-    Each slot owns `blocks_per_seq` blocks, max_seq_len + spare positions rounded up to 16
+    A slot holds up to `blocks_per_seq` blocks, max_seq_len + spare positions rounded up to 16
     (`spare` positions absorb the padded draft positions of a verification step); block 0 is
-    no slot's (padding rows' dead writes may land there).
+    no slot's (padding rows' dead writes may land there). `table` (and `num_blocks`): the engine's
+    block table, shared by its caches, whose blocks the scheduler hands out (block_pool.py); else
+    each slot owns its blocks, 1 + s * blocks_per_seq ...
 
     On the CPU both live in memory advised for huge pages (huge_zeros): a decode step streams
-    its sequences' K and V.
+    its sequences' K and V. The kernel layout's are not written here (the kernel never reads a
+    position before it is written): the pages of blocks are taken as they are first used.
 
     A slot's valid length lives in the scheduler; entries past it are dead and overwritten later,
     so rejecting draft tokens needs no cache work."""
 
-    BLOCK = kernels.KEY_BLOCK
+    BLOCK = BLOCK  # positions a block holds (block_pool.py; the kernels' KEY_BLOCK)
     tokens_per_block = BLOCK  # what a reported block counts (TRT-LLM perf metrics)
 
     def __init__(self, num_layers: int, max_slots: int, num_kv_heads: int, max_seq_len: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu", spare: int = 0,
-                 store: Optional[torch.dtype] = None, kernel_layout: Optional[bool] = None):
+                 store: Optional[torch.dtype] = None, kernel_layout: Optional[bool] = None,
+                 table: Optional[torch.Tensor] = None, num_blocks: int = 0):
         if kernel_layout is None:
             kernel_layout = kernels.serves_attention(device, dtype, head_dim)
         store = store or dtype
@@ -65,21 +78,28 @@ class KVCache:
         self.kernel_layout, self.store, self.head_dim = kernel_layout, store, head_dim
         B = self.BLOCK
         self.blocks_per_seq = mb = -(-(max_seq_len + spare) // B)
-        num_blocks = 1 + max_slots * mb
+        if table is None:  # [slots, blocks_per_seq] int32: slot s's blocks, 1 + s * mb ..
+            num_blocks = 1 + max_slots * mb
+            table = (1 + torch.arange(max_slots * mb, dtype=torch.int32, device=device)).view(max_slots, mb)
+        assert table.shape == (max_slots, mb) and table.dtype == torch.int32 and num_blocks >= 2
+        self.table, self.num_blocks = table, num_blocks
         hw = kernels.kv_row_width(store, head_dim)
         shape = (num_layers, num_blocks, num_kv_heads)
-        self.k = huge_zeros((*shape, hw, B) if kernel_layout else (*shape, B, hw), store, device)
-        self.v = huge_zeros((*shape, B, hw), store, device)
-        # [slots, blocks_per_seq] int32: slot s's blocks, 1 + s * mb ..
-        self.table = (1 + torch.arange(max_slots * mb, dtype=torch.int32, device=device)).view(max_slots, mb)
+        self.k = huge_zeros((*shape, hw, B) if kernel_layout else (*shape, B, hw), store, device, not kernel_layout)
+        self.v = huge_zeros((*shape, B, hw), store, device, not kernel_layout)
         self.max_slots, self.dtype = max_slots, dtype  # dtype: the model's (`like` passes it on)
         self.max_seq_len = max_seq_len + spare  # positions a slot holds
 
     def like(self, max_slots: int, positions: Optional[int] = None) -> KVCache:
-        """An empty cache of this one's layout, storage and device (`positions`: default this one's)."""
+        """An empty cache of this one's layout, storage and device, each slot its own blocks
+        (`positions`: default this one's)."""
         L, _, kvh = self.v.shape[:3]
         return KVCache(L, max_slots, kvh, positions or self.max_seq_len, self.head_dim, self.dtype,
                        self.v.device, store=self.store, kernel_layout=self.kernel_layout)
+
+    def block_bytes(self) -> int:
+        """Bytes one block takes in K and V, every layer."""
+        return self.nbytes // self.num_blocks
 
     def copy_rows(self, src: int, dst: int, start: int, end: int) -> None:
         """Positions [start, end) of every layer from slot src into slot dst."""
@@ -151,3 +171,41 @@ def size_slots(config: "EngineConfig", cfg: Any, device: torch.device, free_byte
     log.info("max_slots %d: %d slots x %d positions = %.2f GiB of %.2f GiB free (kv_cache_memory_fraction %.2f)",
              n, n, positions, n * per_slot / 2**30, free_bytes / 2**30, config.kv_cache_memory_fraction)
     return dataclasses.replace(config, max_slots=n)
+
+
+def block_bytes(cfg: Any, store: torch.dtype, dtype: torch.dtype, head: bool) -> int:
+    """Bytes one block of 16 positions takes in the caches that share the block table: the target's
+    K and V over every layer (held as `store`), and with `head` the draft head's one-layer K and V
+    and its features (`dtype`, the model's)."""
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * kernels.kv_row_width(store, cfg.head_dim) * store.itemsize
+    extra = (2 * cfg.num_kv_heads * cfg.head_dim + cfg.hidden_size) * dtype.itemsize if head else 0
+    return KVCache.BLOCK * (kv + extra)
+
+
+def size_blocks(config: "EngineConfig", cfg: Any, device: torch.device, per_block: int,
+                free_bytes: Optional[int] = None) -> tuple[int, "EngineConfig"]:
+    """(blocks of the KV caches, `config` with max_seq_len at most what one sequence may hold in
+    them), logged: `kv_cache_bytes`, else `kv_cache_memory_fraction` of the free memory (CUDA: the
+    device's after the weights; CPU: MemAvailable; or `free_bytes`), at most what every slot at
+    max_seq_len takes."""
+    spare = config.num_draft_tokens + 1  # KVCache's: the positions a slot's table row covers past max_seq_len
+    per_seq = -(-(config.max_seq_len + spare) // KVCache.BLOCK)
+    want = 1 + config.max_slots * per_seq
+    if config.kv_cache_bytes > 0:
+        budget, how = config.kv_cache_bytes, "kv_cache_bytes"
+    else:
+        if free_bytes is None:
+            free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_bytes()
+        budget = int(free_bytes * config.kv_cache_memory_fraction)
+        how = f"kv_cache_memory_fraction {config.kv_cache_memory_fraction:.2f} of {free_bytes / 2**30:.2f} GiB free"
+    n = min(want, budget // per_block)
+    one = (n - 1) * KVCache.BLOCK - spare  # positions one sequence may hold: all the blocks
+    if one < KVCache.BLOCK:
+        raise ValueError(f"the KV cache memory ({how}: {budget} bytes) holds {max(n, 0)} blocks of "
+                         f"{per_block} bytes, too few for one sequence: raise it")
+    if one < config.max_seq_len:
+        log.warning("max_seq_len %d -> %d: what the KV cache's %d blocks hold (%s)", config.max_seq_len, one, n, how)
+        config = dataclasses.replace(config, max_seq_len=one)
+    log.info("KV cache: %d blocks of 16 positions (%.2f GiB; every slot at max_seq_len takes %d; %s)",
+             n, n * per_block / 2**30, want, how)
+    return n, config

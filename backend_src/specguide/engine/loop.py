@@ -13,7 +13,7 @@ from ..config import EngineConfig
 from ..util import memory
 from ..request import EngineDeadError, QueueFullError, Request, RequestOutput
 from .core import Callback, EngineCore, log
-from .scheduler import Sequence
+from .scheduler import Sequence, Status
 
 IDLE_WAIT_S = 0.005
 HEAD_POLL_S = 2.0  # how often a missing draft head's file is looked for (one stat)
@@ -114,8 +114,9 @@ class Engine:
         (a snapshot of the running sequences, the latest step's counts) and the allocators' own
         counters; nothing here waits on the device or on the loop."""
         core = self.core
-        sched, kv = core.scheduler, core.runner.kv
+        sched, kv, pool = core.scheduler, core.runner.kv, core.scheduler.pool
         running = list(sched.running.values())  # one C-level copy: the loop thread may change the dict
+        held = [pool.held[s.slot] for s in running if s.slot is not None]
         prefills, decodes, prompt_tokens, step_us = core.last_step
         if not running:  # the latest step is over and nothing runs: no request is scheduled now
             prefills = decodes = prompt_tokens = 0
@@ -125,9 +126,12 @@ class Engine:
                 "context_requests": prefills, "generation_requests": decodes,
                 "context_tokens": prompt_tokens, "step_time_us": step_us,
                 "kv_tokens_per_block": kv.tokens_per_block,
-                "kv_blocks_max": sched.max_slots * kv.blocks(core.config.max_seq_len),
-                "kv_blocks_used": sum(kv.blocks(s.num_tokens) for s in running),
+                "kv_blocks_max": pool.num_blocks - 1,
+                "kv_blocks_used": sum(held),  # the running sequences' (free slots keep cached prefixes' too)
+                "kv_blocks_free": pool.num_free,
                 "kv_blocks_reused": sched.reused_blocks,
+                "preempted": sum(s.status is Status.PREEMPTED for s in running),
+                "preemptions": sched.num_preemptions,
                 **_memory_bytes(core.device)}
 
     @property

@@ -12,7 +12,8 @@ from ..request import RequestOutput
 from .scheduler import Sequence, Status
 
 log = logging.getLogger("specguide")
-STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode", Status.FINISHED: "finished"}
+STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode",
+          Status.PREEMPTED: "preempted", Status.FINISHED: "finished"}
 
 
 class Finish(NamedTuple):

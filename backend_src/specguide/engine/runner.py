@@ -15,7 +15,7 @@ from ..guided.capturable import CapturableGuidedDecoder
 from ..guided.decoder import GuidedDecoder
 from .kv_cache import KVCache, kv_store
 from ..models.llama import LlamaModel
-from .scheduler import PrefillChunk, PrefixCopy, Sequence
+from .scheduler import PrefillChunk, PrefixCopy, Sequence, SlotOwner
 from .slot_params import SlotSampling
 from ..speculative.plan import DraftPlan
 from .step import StepCore
@@ -36,16 +36,22 @@ def resolve_executor(config: EngineConfig, device: torch.device) -> str:
     return kind
 
 
-class Runner:
+class Runner(SlotOwner):
     """Owns the model, the KV cache, the slot sampling buffers and the step core."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, device: torch.device):
+    def __init__(self, model: LlamaModel, config: EngineConfig, device: torch.device, num_blocks: int):
         cfg = model.cfg
         self.model, self.device, self.vocab_size = model, device, cfg.vocab_size
         K, S = config.num_draft_tokens, config.max_slots
+        spare = K + 1  # +1: padding rows of captured steps
+        # the block table [slots, blocks_per_seq]: the scheduler's BlockPool writes it (host), the
+        # caches read it (on CUDA a copy on the device, refreshed by blocks_changed)
+        self.table = torch.zeros(S, -(-(config.max_seq_len + spare) // KVCache.BLOCK),
+                                 dtype=torch.int32, pin_memory=device.type == "cuda")
+        table = self.table.to(device) if device.type == "cuda" else self.table
         self.kv = KVCache(cfg.num_layers, S, cfg.num_kv_heads, config.max_seq_len, cfg.head_dim,
-                          model.dtype, device, spare=K + 1,  # +1: padding rows of captured steps
-                          store=kv_store(config, model))
+                          model.dtype, device, spare=spare, store=kv_store(config, model), table=table,
+                          num_blocks=num_blocks)
         self.params = SlotSampling(S, cfg.vocab_size, device)
         inner = GuidedDecoder(S, K, cfg.vocab_size, num_threads=config.guided_mask_threads)
         self.guided = CapturableGuidedDecoder(inner, hostfunc.make_stream(resolve_executor(config, device)), device)
@@ -62,6 +68,11 @@ class Runner:
         self.params.free(slot)
         self.guided.free(slot)
 
+    def blocks_changed(self) -> None:
+        """After the scheduler handed out or took back blocks: the device's table follows the host's."""
+        if self.kv.table is not self.table:
+            self.kv.table.copy_(self.table, non_blocking=True)  # NOTE: stream-ordered before the next forward
+
     def copy_prefix(self, c: PrefixCopy) -> None:
         """The target's K/V of positions [start, end), every layer, from slot src into slot dst."""
         self.kv.copy_rows(c.src, c.dst, c.start, c.end)
@@ -71,7 +82,8 @@ class Runner:
     def prefill(self, chunk: PrefillChunk) -> Optional[int]:
         """Run one prompt chunk; returns the first output token when the chunk ends the prompt."""
         seq, core = chunk.seq, self.core
-        ids = torch.tensor([seq.prompt_ids[chunk.start: chunk.end]], dtype=torch.int64, device=self.device)
+        toks = seq.prompt_ids if chunk.end <= len(seq.prompt_ids) else seq.prompt_ids + seq.output_ids  # (recompute)
+        ids = torch.tensor([toks[chunk.start: chunk.end]], dtype=torch.int64, device=self.device)
         positions = torch.arange(chunk.start, chunk.end, device=self.device)[None, :]
         slots = torch.tensor([seq.slot], device=self.device)
         plan = DraftPlan([0], drafts=[[]])
@@ -83,9 +95,11 @@ class Runner:
         if core.feature_sink is not None:
             core.feature_sink(slots, positions, hidden)
         p = seq.params
-        if p.return_context_logits or p.prompt_logprobs is not None:  # every prompt position, for this request only
+        if (p.return_context_logits or p.prompt_logprobs is not None) and not seq.output_ids:  # every prompt position
             full = self.model.logits(hidden[0])  # [n, V]
             if p.return_context_logits:
+                if chunk.start == 0:  # (a prompt prefilled again after a preemption starts over)
+                    seq.out.context_logits.clear()
                 seq.out.context_logits.append(full.to("cpu", torch.float32, copy=True))
             if p.prompt_logprobs is not None and seq.out.prompt_logprobs is not None:  # None: already sent
                 done = seq.out.prompt_logprobs if chunk.start else []  # a prompt prefilled again starts over
@@ -151,7 +165,7 @@ class Runner:
 
     def warmup(self) -> None:
         """One tiny forward so the first request does not pay for lazy initialisation."""
-        slots = torch.tensor([0], device=self.device)
+        slots = torch.tensor([0], device=self.device)  # (position 0 of slot 0: block 0 until a sequence holds it)
         ctx = self.model.make_context(slots, torch.zeros(1, 1, dtype=torch.int64, device=self.device), [0], 1)
         self.model.logits(self.model(torch.zeros(1, 1, dtype=torch.int64, device=self.device), ctx, self.kv))
 

@@ -1,4 +1,5 @@
-"""Slots, waiting queue, admission, chunked prefill under a token budget, finish conditions.
+"""Slots, KV blocks, waiting queue, admission, chunked prefill under a token budget, preemption,
+finish conditions.
 
 Pure Python: no torch. The runner turns a `StepPlan` into tensors."""
 from __future__ import annotations
@@ -9,7 +10,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
+
 from ..request import RequestOutput, SamplingParams
+from .block_pool import BLOCK, BlockPool
 from .sequence_state import GuideState, OutputState, SeqStats
 
 
@@ -17,6 +21,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     PREFILL = "prefill"
     DECODE = "decode"
+    PREEMPTED = "preempted"  # holds its slot, not its KV blocks: recomputed when blocks are free again
     FINISHED = "finished"
 
 
@@ -41,6 +46,8 @@ class Sequence:
     slot: Optional[int] = None
     num_cached: int = 0
     num_reused: int = 0  # prompt tokens whose KV the slot already held at admission (prefix caching)
+    preemptions: int = 0  # times it gave its KV blocks back (its slot's other state stays)
+    bound: bool = False  # the slot's owners admitted it (at its first chunk; a preemption keeps them)
     status: Status = Status.WAITING
     cancelled: bool = False
     finish_reason: Optional[str] = None
@@ -58,6 +65,12 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
+    @property
+    def prefill_end(self) -> int:
+        """Where its prefill ends: the prompt's end, or for a sequence recomputed after preemption
+        every token but its last (the next decode step feeds that)."""
+        return self.num_tokens - 1 if self.output_ids else len(self.prompt_ids)
+
 
 @dataclass
 class PrefillChunk:
@@ -67,7 +80,13 @@ class PrefillChunk:
 
     @property
     def is_last(self) -> bool:
-        return self.end == len(self.seq.prompt_ids)
+        """The chunk ends the prompt: its last position's logits give the first output token."""
+        return self.end == len(self.seq.prompt_ids) and not self.seq.output_ids
+
+    @property
+    def resumes(self) -> bool:
+        """The chunk ends the recompute of a preempted sequence's tokens: it decodes next."""
+        return bool(self.seq.output_ids) and self.end == self.seq.prefill_end
 
 
 @dataclass
@@ -94,12 +113,16 @@ class SlotOwner:
     def copy_prefix(self, c: PrefixCopy) -> None:
         pass
 
+    def drop_rows(self, slot: int) -> None:
+        """The slot's sequence was preempted: its KV blocks are gone (recomputed later)."""
+
 
 @dataclass
 class StepPlan:
     prefills: list[PrefillChunk]
     decodes: list[Sequence]  # sorted by slot
     copies: list[PrefixCopy] = field(default_factory=list)  # run first, in this order
+    preempted: list[Sequence] = field(default_factory=list)  # lost their blocks in this plan
 
     @property
     def empty(self) -> bool:
@@ -107,13 +130,21 @@ class StepPlan:
 
 
 class Scheduler:
-    """Owns the waiting queue and the slot free list; decides each step's work."""
+    """Owns the waiting queue, the slot free list and the KV blocks (`pool`); decides each step's work.
 
-    tokens_per_block = 32  # KV positions a reported block counts (the engine sets the cache's own)
+    Blocks: a running sequence holds blocks for the positions its next forward writes (a decoding
+    one: its tokens and `lookahead` draft positions, up to max_seq_len); a free slot keeps those of
+    its last sequence's reusable tokens (prefix caching) until blocks run short. When they do,
+    the newest running sequence is preempted: it keeps its slot, gives its blocks back and, once
+    blocks are free again, recomputes its tokens (a prefill, the same K/V bits with the
+    chunk-invariant kernels) and decodes on."""
+
+    tokens_per_block = 16  # KV positions a block holds (BlockPool's)
     copy_min_tokens = 1  # copying a prefix from a busy slot beats computing it from 1 token up (bench_prefix_copy)
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
-                 prefix_min_tokens: int = 1, any_prefix: bool = False):
+                 prefix_min_tokens: int = 1, any_prefix: bool = False, pool: Optional[BlockPool] = None,
+                 lookahead: int = 0):
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
@@ -134,40 +165,127 @@ class Scheduler:
         # serving lacks the features of rows computed before it, so their slots are not)
         self.reusable: Callable[[int], bool] = lambda slot: True
         self.reused_blocks = 0  # whole KV blocks of prompt prefixes reused at admission, all told (metrics)
-
+        self.lookahead = lookahead  # positions past a decoding sequence's tokens its step may write (drafts)
+        if pool is None:  # every slot can hold max_seq_len + lookahead + 1 positions at once
+            mb = BlockPool.blocks_for(max_seq_len + lookahead + 1)
+            pool = BlockPool(np.zeros((max_slots, mb), np.int32), 1 + max_slots * mb)
+        self.pool = pool
+        self.num_preemptions = 0  # all told (metrics)
+        self._pinned: set[int] = set()  # slots whose blocks this plan's copies read or write
     # ---- admission (the engine appends to `waiting`; it enforces max_queue) ------------------
     def schedule(self, ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
-        """Admit waiting sequences into free slots, then plan prefill chunks and the decode batch."""
+        """Blocks for the running sequences' next writes (preempting the newest where they run
+        short), preempted sequences back to their recompute, waiting sequences into free slots;
+        then the prefill chunks and the decode batch."""
+        preempted = self._grow_decodes()
+        self._resume()
         copies = self._admit(ready)
-        prefills = self._chunks(self.prefill_chunk, planned=set())
+        prefills = self._chunks(self.prefill_chunk, planned=set(), preempted=preempted)
         decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
-        return StepPlan(prefills, decodes, copies)
+        self._pinned.clear()
+        return StepPlan(prefills, decodes, copies, preempted)
 
     def schedule_more(self, budget: int, planned: set[int],
                       ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
         """Mid-step, after a prefill chunk: admit sequences that arrived since `schedule` and plan
         chunks of prefilling sequences not yet in this step (`planned`: their seq_ids) within the
-        `budget` tokens left; no decodes (the step's own batch runs after its prefills)."""
+        `budget` tokens left; no decodes (the step's own batch runs after its prefills). Nothing
+        is preempted for them: a chunk whose blocks are not free waits."""
         copies = self._admit(ready)
-        return StepPlan(self._chunks(budget, planned), [], copies)
+        prefills = self._chunks(budget, planned, preempted=None)
+        self._pinned.clear()
+        return StepPlan(prefills, [], copies)
+
+    def _decode_need(self, seq: Sequence) -> int:
+        """Positions a decoding sequence's next step may write: its tokens and its drafts."""
+        return min(seq.num_tokens + self.lookahead, self.max_seq_len)
+
+    def _grow_decodes(self) -> list[Sequence]:
+        """Blocks for every decoding sequence's next step, oldest first; where they run short, the
+        newest running sequences are preempted. Returns the preempted."""
+        preempted: list[Sequence] = []
+        for seq in sorted(self.running.values(), key=lambda s: s.seq_id):
+            while seq.status is Status.DECODE and not self._grow(seq.slot, self._decode_need(seq)):
+                victim = self._newest()
+                assert victim is not None, "a decoding sequence holds blocks"
+                self._preempt(victim)
+                preempted.append(victim)
+        return preempted
+
+    def _newest(self) -> Optional[Sequence]:
+        """The running sequence to preempt first: the newest one holding blocks (not the source of
+        a copy in this plan). NOTE: one sequence alone always fits the pool (the engine caps
+        max_seq_len to it), so a sequence short of blocks finds one, itself at worst."""
+        return max((s for s in self.running.values() if self.pool.held[s.slot] and s.slot not in self._pinned),
+                   key=lambda s: s.seq_id, default=None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pool.shrink(seq.slot, 0)
+        seq.status = Status.PREEMPTED
+        seq.num_cached = seq.num_reused = 0
+        seq.preemptions += 1
+        self.num_preemptions += 1
+
+    def _grow(self, slot: int, positions: int) -> bool:
+        """Blocks for the slot's positions [0, positions), taking free slots' kept blocks (least
+        useful first) when too few are free; False when even those do not make enough."""
+        need = self.pool.missing(slot, positions)
+        if need > self.pool.num_free:
+            for s in sorted(self.free_slots, key=self._evict_order):
+                if self.pool.num_free >= need:
+                    break
+                if self.pool.held[s] and s not in self._pinned:
+                    self.pool.shrink(s, 0)
+                    self.slot_tokens[s] = []
+        return self.pool.grow(slot, positions)
+
+    def _reserve(self) -> int:
+        """Blocks the decoding sequences' next steps may take: kept free for them at admission."""
+        return sum(self.pool.missing(s.slot, self._decode_need(s) + self.lookahead + 1)
+                   for s in self.running.values() if s.status is Status.DECODE)
+
+    def _fits(self, positions: int, slot: Optional[int] = None) -> bool:
+        """Whether positions [0, positions) of a (new or resumed) sequence fit beside the decoding
+        ones' growth, counting free slots' kept blocks as free."""
+        kept = sum(self.pool.held[s] for s in self.free_slots if s != slot and s not in self._pinned)
+        have = self.pool.held[slot] if slot is not None else 0
+        return BlockPool.blocks_for(positions) - have <= self.pool.num_free + kept - self._reserve()
+
+    def _resume(self) -> None:
+        """Preempted sequences, oldest first, back to prefilling while their first chunk fits."""
+        for seq in sorted((s for s in self.running.values() if s.status is Status.PREEMPTED), key=lambda s: s.seq_id):
+            if not self._fits(min(self.prefill_chunk, seq.prefill_end), seq.slot):
+                break
+            seq.status = Status.PREFILL
 
     def _admit(self, ready: Callable[[Sequence], bool]) -> list[PrefixCopy]:
-        """Waiting sequences into free slots (a prefix reused or copied where one is held); returns
-        the copies to run before any chunk."""
+        """Waiting sequences into free slots (a prefix reused or copied where one is held) while
+        their first chunk's blocks fit; returns the copies to run before any chunk."""
         blocked: list[Sequence] = []
         copies: list[PrefixCopy] = []
         while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
             if seq.cancelled:
+                self.waiting.popleft()
                 continue
             if not ready(seq):  # e.g. its grammar is still compiling
-                blocked.append(seq)
+                blocked.append(self.waiting.popleft())
                 continue
+            if any(s.status is Status.PREEMPTED for s in self.running.values()):
+                break  # the preempted go first
+            if not self._fits(min(self.prefill_chunk, len(seq.prompt_ids)) + 1):
+                break  # (+1: a whole-prompt reuse still leaves a token to compute)
+            self.waiting.popleft()
             seq.slot, seq.num_reused, copy = self._pick_slot(seq)
             seq.num_cached = seq.num_reused
             self.reused_blocks += seq.num_reused // self.tokens_per_block
+            self.pool.shrink(seq.slot, copy.start if copy is not None else seq.num_reused)
             if copy is not None:
-                copies.append(copy)
+                if self._grow(seq.slot, copy.end):
+                    copies.append(copy)
+                    self._pinned.update((copy.src, copy.dst))  # kept until the copy ran
+                else:  # no room for the copied rows: computed instead
+                    seq.num_cached = seq.num_reused = copy.start
             self.slot_tokens[seq.slot] = []
             seq.status = Status.PREFILL
             seq.stats.first_scheduled_time_ns = time.time_ns()
@@ -175,18 +293,30 @@ class Scheduler:
         self.waiting.extendleft(reversed(blocked))
         return copies
 
-    def _chunks(self, budget: int, planned: set[int]) -> list[PrefillChunk]:
-        """The next chunk of each prefilling sequence not in `planned`, oldest first, within `budget`."""
+    def _chunks(self, budget: int, planned: set[int], preempted: Optional[list[Sequence]]) -> list[PrefillChunk]:
+        """The next chunk of each prefilling sequence not in `planned`, oldest first, within `budget`
+        and with its blocks; `preempted` (None: nothing may be) collects the sequences preempted
+        to make room for a chunk."""
         # NOTE: a request's chunks are [r + k*chunk, r + (k+1)*chunk) after r reused tokens (r a
         # multiple of chunk unless `any_prefix`), whatever else is running, so its prompt's numerics
         # never depend on its neighbours; a chunk that does not fit the remaining budget waits for
         # the next step (a step's first one always fits: n <= prefill_chunk)
         prefills: list[PrefillChunk] = []
-        prefilling = (s for s in self.running.values() if s.status is Status.PREFILL and s.seq_id not in planned)
+        prefilling = [s for s in self.running.values() if s.status is Status.PREFILL and s.seq_id not in planned]
         for seq in sorted(prefilling, key=lambda s: s.seq_id):
-            n = min(self.prefill_chunk, len(seq.prompt_ids) - seq.num_cached)
+            if seq.status is not Status.PREFILL:  # preempted below for an older one's chunk
+                continue
+            n = min(self.prefill_chunk, seq.prefill_end - seq.num_cached)
             if n > budget:
                 break
+            while not self._grow(seq.slot, seq.num_cached + n):
+                victim = self._newest() if preempted is not None else None
+                if victim is None or victim.seq_id <= seq.seq_id:
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+            if self.pool.missing(seq.slot, seq.num_cached + n):
+                break  # waits for blocks (an older sequence's step frees them or a preemption does)
             prefills.append(PrefillChunk(seq, seq.num_cached, seq.num_cached + n))
             budget -= n
         return prefills
@@ -266,7 +396,10 @@ class Scheduler:
         seq.error = error
         if seq.slot is not None:
             assert self.running.get(seq.slot) is seq
-            self.slot_tokens[seq.slot] = self._kept(seq)  # what later prompts may reuse
+            # what later prompts may reuse (what its blocks hold of it)
+            kept = self._kept(seq)[: self.pool.held[seq.slot] * BLOCK] if self.prefix_caching else []
+            self.slot_tokens[seq.slot] = kept
+            self.pool.shrink(seq.slot, len(kept))
             del self.running[seq.slot]
             self._tick += 1
             self.slot_freed[seq.slot] = self._tick
@@ -280,6 +413,7 @@ class Scheduler:
         their rows)."""
         for slot in self.free_slots:
             self.slot_tokens[slot] = []
+            self.pool.shrink(slot, 0)
 
     def check_stop_token(self, seq: Sequence) -> Optional[str]:
         """Finish reason after the newest output token, or None to go on."""
@@ -306,3 +440,6 @@ class Scheduler:
         assert not held & free, f"slots both free and held: {held & free}"
         assert held | free == set(range(self.max_slots)), "a slot leaked"
         assert len(self.free_slots) == len(free), "a slot was freed twice"
+        self.pool.check_integrity()
+        for s in self.free_slots:
+            assert self.pool.held[s] == self.pool.blocks_for(len(self.slot_tokens[s])), f"free slot {s}'s blocks"

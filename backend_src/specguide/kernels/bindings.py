@@ -53,15 +53,15 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.draft_pick_rows.restype = None  # (logits, B, V, d2t, fixed, fallback, unsure, out, out2)
     lib.draft_pick_rows.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                     + [ctypes.c_void_p] * 2)
-    lib.head_inputs.restype = ctypes.c_int  # (feats, slots, pos, S, P, T, E, Q, Qd, V, ids, w, out, N, D, eps) -> 0, -1
-    lib.head_inputs.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    lib.head_inputs.restype = ctypes.c_int  # (feats, at, R, E, Q, Qd, V, ids, w, out, N, D, eps) -> 0, -1
+    lib.head_inputs.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                                 + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float])
     lib.q8_rows.restype = ctypes.c_int  # (Q, Qd, V, ids, out, N, D) -> 0, -1: an id out of range
     lib.q8_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
     lib.pick_rows.restype = ctypes.c_int  # (src, at, out, B, T, D) -> 0, -1: out of range
     lib.pick_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    lib.scatter_rows.restype = ctypes.c_int  # (dst, S, P, src, slots, positions, B, T, D) -> 0, -1: out of range
-    lib.scatter_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.scatter_rows.restype = ctypes.c_int  # (dst, R, src, at, N, D) -> 0, -1: out of range
+    lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.mask_logits_rows.restype = None  # (logits, R, Vp, words, W, token_mask, rows, vocab, d2t)
     lib.mask_logits_rows.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
                                      + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p])

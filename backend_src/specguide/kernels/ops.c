@@ -1606,19 +1606,13 @@ void draft_pick_rows(const float *logits, int64_t B, int64_t V, const int64_t *d
     }
 }
 
-/* dst [S][P][D] rows (slots[b], positions[b][t]) = src [B][T][D] rows (fp32; a forward's features
-   to their slots' positions): an index_put without torch's temporaries. Returns 0, or -1 with
-   nothing written when a slot is outside [0, S) or a position outside [0, P). */
-int scatter_rows(float *dst, int64_t S, int64_t P, const float *src, const int64_t *slots, const int64_t *positions,
-                 int64_t B, int64_t T, int64_t D) {
-    for (int64_t b = 0; b < B; b++) {
-        if (slots[b] < 0 || slots[b] >= S) return -1;
-        for (int64_t t = 0; t < T; t++)
-            if (positions[b * T + t] < 0 || positions[b * T + t] >= P) return -1;
-    }
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t t = 0; t < T; t++)
-            memcpy(dst + (slots[b] * P + positions[b * T + t]) * D, src + (b * T + t) * D, sizeof(float) * (size_t)D);
+/* dst [R][D] rows at[n] = src [N][D] rows (fp32; a forward's features to their positions' rows of a
+   paged store): an index_put without torch's temporaries. Returns 0, or -1 with nothing written
+   when a row is outside [0, R). */
+int scatter_rows(float *dst, int64_t R, const float *src, const int64_t *at, int64_t N, int64_t D) {
+    for (int64_t n = 0; n < N; n++)
+        if (at[n] < 0 || at[n] >= R) return -1;
+    for (int64_t n = 0; n < N; n++) memcpy(dst + at[n] * D, src + n * D, sizeof(float) * (size_t)D);
     return 0;
 }
 
@@ -1642,17 +1636,15 @@ int q8_rows(const int8_t *Q, const uint16_t *Qd, int64_t V, const int64_t *ids, 
 /* The draft head's input rows: out [N][2D] = [feats[n] ; rms_row(E[ids[n]], w)] (its features and its
    token's normed embedding, one call instead of the embedding, the norm and the concatenation). The
    embedding is E [V][D] fp32, or (E NULL) Q8_0 rows: Q [V][D] int8 times Qd [V][D/32] fp16 per block
-   of 32 (each value q * d in fp32: the fp32 table's bits). With slots (N = B * T rows), feats is a
-   store [S][P][D] and row b * T + t reads its (slots[b], pos[b][t]).
-   Returns 0, or -1 with nothing written when a slot, position or id is out of range. */
-int head_inputs(const float *feats, const int64_t *slots, const int64_t *pos, int64_t S, int64_t P, int64_t T,
-                const float *E, const int8_t *Q, const uint16_t *Qd, int64_t V, const int64_t *ids, const float *w,
-                float *out, int64_t N, int D, float eps) {
+   of 32 (each value q * d in fp32: the fp32 table's bits). With `at`, feats is a store [R][D] and
+   row n reads its row at[n].
+   Returns 0, or -1 with nothing written when a row or id is out of range. */
+int head_inputs(const float *feats, const int64_t *at, int64_t R, const float *E, const int8_t *Q, const uint16_t *Qd,
+                int64_t V, const int64_t *ids, const float *w, float *out, int64_t N, int D, float eps) {
     for (int64_t n = 0; n < N; n++)
-        if (ids[n] < 0 || ids[n] >= V || (slots && (slots[n / T] < 0 || slots[n / T] >= S || pos[n] < 0 || pos[n] >= P)))
-            return -1;
+        if (ids[n] < 0 || ids[n] >= V || (at && (at[n] < 0 || at[n] >= R))) return -1;
     for (int64_t n = 0; n < N; n++) {
-        const int64_t f = slots ? slots[n / T] * P + pos[n] : n;
+        const int64_t f = at ? at[n] : n;
         float *e = out + n * 2 * D + D;
         memcpy(out + n * 2 * D, feats + f * D, sizeof(float) * (size_t)D);
         if (E) {

@@ -202,39 +202,32 @@ def draft_pick(logits: torch.Tensor, d2t: Optional[torch.Tensor], proposals: Opt
 
 
 def head_inputs(feats: torch.Tensor, embed: torch.Tensor | tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
-                w: torch.Tensor, eps: float, at: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                ) -> Optional[torch.Tensor]:
+                w: torch.Tensor, eps: float, at: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """[feats ; rms_norm(embed[ids], w)] -> [..., 2D] for feats [..., D] and ids [...] (a draft head's
     input: one C call on CPU fp32 where the torch ops run with cold caches), None elsewhere.
     `embed`: fp32 [V, D], or Q8_0 rows (q [V, D] int8, d [V, D/32] fp16: models/embedding.Q8Rows).
-    `at` (slots [B], positions [B, T]): feats is a store [S, P, D] read at feats[slots[:, None], positions]."""
+    `at` [...]: feats is a store [R, D] read at its rows at[...]."""
     lib = library()
     D = feats.shape[-1]
-    rows = feats.shape[:-1] if at is None else at[1].shape
+    rows = feats.shape[:-1] if at is None else at.shape
     q8 = isinstance(embed, tuple)
     table = embed[0] if q8 else embed
-    if (lib is None or any(t.device.type != "cpu" for t in (feats, table, ids, w, *(at or ()))) or feats.requires_grad
-            or any(t.dtype != torch.float32 for t in (feats, w)) or table.dim() != 2 or table.shape[1] != D
-            or w.shape != (D,) or ids.shape != rows or not table.is_contiguous() or not w.is_contiguous()
+    if (lib is None or any(t.device.type != "cpu" for t in (feats, table, ids, w, *(() if at is None else (at,))))
+            or feats.requires_grad or any(t.dtype != torch.float32 for t in (feats, w)) or table.dim() != 2
+            or table.shape[1] != D or w.shape != (D,) or ids.shape != rows or not table.is_contiguous()
+            or not w.is_contiguous()
             or (table.dtype != torch.int8 or embed[1].dtype != torch.float16 or embed[1].shape != (len(table), D // QBLK)
                 or D % QBLK or not embed[1].is_contiguous() if q8 else table.dtype != torch.float32)
-            or (at is not None and (feats.dim() != 3 or not feats.is_contiguous() or at[0].shape != rows[:1]
-                                    or len(rows) != 2))):
+            or (at is not None and (feats.dim() != 2 or not feats.is_contiguous()))):
         return None
-    slots = pos = None
-    if at is None:
-        feats = feats.contiguous()
-    else:
-        slots, pos = (t.to(torch.int64).contiguous() for t in at)
+    feats = feats.contiguous()
+    at = None if at is None else at.to(torch.int64).contiguous()
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(*rows, 2 * D)
-    S, P, T = (feats.shape[0], feats.shape[1], rows[-1]) if at is not None else (0, 0, 1)
     E, Q, Qd = (None, table.data_ptr(), embed[1].data_ptr()) if q8 else (table.data_ptr(), None, None)
-    if lib.head_inputs(feats.data_ptr(), None if slots is None else slots.data_ptr(),
-                       None if pos is None else pos.data_ptr(), S, P, T, E, Q, Qd, table.shape[0],
-                       ids.data_ptr(), w.data_ptr(), out.data_ptr(), ids.numel(), D, eps):
-        raise IndexError(f"head_inputs: a token id, slot or position out of range ({tuple(table.shape)}, "
-                         f"{tuple(feats.shape)})")
+    if lib.head_inputs(feats.data_ptr(), None if at is None else at.data_ptr(), feats.shape[0], E, Q, Qd,
+                       table.shape[0], ids.data_ptr(), w.data_ptr(), out.data_ptr(), ids.numel(), D, eps):
+        raise IndexError(f"head_inputs: a token id or row out of range ({tuple(table.shape)}, {tuple(feats.shape)})")
     return out
 
 
@@ -268,21 +261,17 @@ def pick_rows(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def scatter_rows(dst: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, src: torch.Tensor) -> bool:
-    """dst[slots[:, None], positions] = src (dst [S, P, D], slots [B], positions [B, T], src [B, T, D]):
-    row copies in one C call on contiguous CPU fp32 (IndexError, nothing written, for an index out of
-    range). False (nothing done) elsewhere."""
+def scatter_rows(dst: torch.Tensor, at: torch.Tensor, src: torch.Tensor) -> bool:
+    """dst[at] = src (dst [R, D], at [...], src [..., D]): row copies in one C call on contiguous CPU
+    fp32 (IndexError, nothing written, for a row out of range). False (nothing done) elsewhere."""
     lib = library()
-    if (lib is None or any(t.device.type != "cpu" for t in (dst, slots, positions, src))
-            or dst.dtype != torch.float32 or src.dtype != torch.float32 or not dst.is_contiguous() or dst.dim() != 3
-            or src.dim() != 3 or src.shape[2] != dst.shape[2] or positions.shape != src.shape[:2]
-            or slots.shape != src.shape[:1]):
+    if (lib is None or any(t.device.type != "cpu" for t in (dst, at, src)) or dst.dtype != torch.float32
+            or src.dtype != torch.float32 or not dst.is_contiguous() or dst.dim() != 2
+            or src.shape != (*at.shape, dst.shape[1])):
         return False
-    src = src.contiguous()
-    slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-    if lib.scatter_rows(dst.data_ptr(), dst.shape[0], dst.shape[1], src.data_ptr(), slots.data_ptr(),
-                        positions.data_ptr(), src.shape[0], src.shape[1], src.shape[2]):
-        raise IndexError(f"scatter_rows: a slot or position outside {tuple(dst.shape[:2])}")
+    src, at = src.contiguous(), at.to(torch.int64).contiguous()
+    if lib.scatter_rows(dst.data_ptr(), dst.shape[0], src.data_ptr(), at.data_ptr(), at.numel(), dst.shape[1]):
+        raise IndexError(f"scatter_rows: a row outside [0, {dst.shape[0]})")
     return True
 
 

@@ -64,15 +64,15 @@ class DraftHead(nn.Module):
         return self
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, ctx: AttnContext, kv: KVCache,
-                at: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """feats [B, T, H] (f or g), tokens [B, T] (the next tokens) at ctx.positions -> g [B, T, H].
-        `at` (slots [B], positions [B, T]): feats is a store [S, P, H] read there."""
+        `at` [B, T]: feats is a store [R, H] read at those rows."""
         t, c_path = self.target, self.fused is not None and ctx.mask is None
         table = (t.embed.q, t.embed.d) if isinstance(t.embed, Q8Rows) else t.embed.weight
         x = kernels.head_inputs(feats, table, tokens, self.embed_norm, self.cfg.rms_norm_eps, at) if c_path else None
         if x is None:
             if at is not None:
-                feats = feats[at[0][:, None], at[1]]
+                feats = feats[at]
             e = (kernels.rms_norm if c_path else rms_norm)(t.embed(tokens), self.embed_norm, self.cfg.rms_norm_eps)
             x = torch.cat([feats.to(e.dtype), e], dim=-1)
         x = self.fc(x)

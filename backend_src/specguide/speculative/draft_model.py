@@ -25,13 +25,15 @@ class DraftModel:
     otherwise it refills from position 0."""
 
     def __init__(self, model: LlamaModel, max_slots: int, max_seq_len: int, K: int, chunk: int,
-                 device: torch.device, store: Optional[torch.dtype] = None):
+                 device: torch.device, store: Optional[torch.dtype] = None, table: Optional[torch.Tensor] = None,
+                 num_blocks: int = 0):
         cfg = model.cfg
         self.model = model
         self.device = device
         self.chunk = chunk
+        # the target's block table (`table`: the engine's blocks, the same positions as its cache)
         self.kv = KVCache(cfg.num_layers, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
-                          model.dtype, device, spare=K, store=store)
+                          model.dtype, device, spare=K + 1, store=store, table=table, num_blocks=num_blocks)
         self.cached = [0] * max_slots
         self.catchup_s = 0.0  # host time in catch_up since take_catchup_s
         self.reuse = model.chunk_invariant
@@ -41,6 +43,10 @@ class DraftModel:
     def admit(self, slot: int, seq: Sequence) -> None:
         """The slot's rows of its last sequence that the new one shares (its first num_reused tokens)."""
         self.cached[slot] = min(self.cached[slot], seq.num_reused) if self.reuse else 0
+
+    def drop_rows(self, slot: int) -> None:
+        """The slot's blocks are gone (preempted): refilled from position 0."""
+        self.cached[slot] = 0
 
     def copy_prefix(self, src: int, dst: int, start: int, end: int) -> None:
         """The target copies positions [start, end) from src into dst, whose first `start` tokens

@@ -3,12 +3,13 @@ KV cache, catch-up of verified positions, then K chained draft steps."""
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import numpy as np
 import torch
 
 from .. import kernels
-from ..engine.kv_cache import KVCache
+from ..engine.kv_cache import KVCache, huge_zeros
 from ..engine.scheduler import Sequence
 from .draft_head import DraftHead
 
@@ -24,15 +25,18 @@ class HeadDrafter:
     needs token p + 1), and copies follow the target's; otherwise it refills from position 0."""
 
     def __init__(self, head: DraftHead, max_slots: int, max_seq_len: int, K: int, chunk: int,
-                 device: torch.device):
+                 device: torch.device, table: Optional[torch.Tensor] = None, num_blocks: int = 0):
         cfg = head.cfg
         self.head = head
         self.device = device
         self.chunk = chunk
         self.max_drafts = K
         dtype = head.target.dtype
-        self.kv = KVCache(1, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim, dtype, device, spare=K + 1)
-        self.feats = torch.zeros(max_slots, max_seq_len + K + 1, cfg.hidden_size, dtype=dtype, device=device)
+        # the target's block table (`table`: the engine's blocks; the same positions as its cache)
+        self.kv = KVCache(1, max_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim, dtype, device, spare=K + 1,
+                          table=table, num_blocks=num_blocks)
+        B = KVCache.BLOCK  # [blocks * 16, H]: position p of slot s in row table[s, p // 16] * 16 + p % 16
+        self.feats = huge_zeros((self.kv.num_blocks * B, cfg.hidden_size), dtype, device, touch=False)
         self.cached = [0] * max_slots
         self.valid = [0] * max_slots
         self.reuse = head.target.chunk_invariant
@@ -48,19 +52,37 @@ class HeadDrafter:
         self.g: torch.Tensor = torch.zeros(0)
         self.catchup_s = 0.0  # host time in catch-up forwards since take_catchup_s (not the step's own cost)
 
+    def rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of `feats` [B, T] int64 of positions [B, T] of slots [B]."""
+        B = KVCache.BLOCK
+        return self.kv.table[slots[:, None], positions // B].to(torch.int64) * B + positions % B
+
+    def features(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """The slot's target features of positions [start, end): a copy [n, H]."""
+        p = torch.arange(start, end, device=self.device)[None]
+        return self.feats[self.rows(torch.tensor([slot], device=self.device), p)[0]]
+
     def record(self, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Target features: hidden [B, T, H] at positions [B, T] of slots [B]."""
-        if not kernels.scatter_rows(self.feats, slots, positions, hidden):
-            self.feats[slots[:, None], positions] = hidden.to(self.feats.dtype)
+        at = self.rows(slots, positions)
+        if not kernels.scatter_rows(self.feats, at, hidden):
+            self.feats[at] = hidden.to(self.feats.dtype)
 
     def admit(self, slot: int, seq: Sequence) -> None:
         """The slot's head rows of its last sequence that the new one shares."""
         self.cached[slot] = self.valid[slot] = max(0, min(self.valid[slot], seq.num_reused - 1)) if self.reuse else 0
 
+    def drop_rows(self, slot: int) -> None:
+        """The slot's blocks are gone (preempted): no head rows left; its features come back with
+        the target's recompute."""
+        self.cached[slot] = self.valid[slot] = 0
+
     def copy_prefix(self, src: int, dst: int, start: int, end: int) -> None:
         """The target copies positions [start, end) from src into dst, whose first `start` tokens
         already match: the features come with them; the head rows dst lacks, from src."""
-        self.feats[dst, start:end] = self.feats[src, start:end]
+        p = torch.arange(start, end, device=self.device)[None]
+        at = {s: self.rows(torch.tensor([s], device=self.device), p)[0] for s in (src, dst)}
+        self.feats[at[dst]] = self.feats[at[src]]
         if not self.reuse:
             return
         have, get = min(self.valid[dst], max(0, start - 1)), min(self.valid[src], end - 1)
@@ -108,7 +130,7 @@ class HeadDrafter:
         B = cur.shape[0]
         if i == 0:
             pos, tok = self.pos[:B, : self.T], self.tok[:B, : self.T]
-            g = self.head(self.feats, tok, ctx(pos, self.T - 1), self.kv, at=(slots, pos))  # [B, T, H]
+            g = self.head(self.feats, tok, ctx(pos, self.T - 1), self.kv, at=self.rows(slots, pos))  # [B, T, H]
             self.g = kernels.pick_rows(g, self.last[:B])
         else:
             pos = pos0[:, None] - 1 + i
@@ -133,4 +155,4 @@ class HeadDrafter:
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         model = self.head.target
         ctx = model.make_context(slot_t, pos, slots, max(max(p) for p in positions) + 1)
-        return self.head(self.feats, ids, ctx, self.kv, at=(slot_t, pos))  # the features at [B, T]
+        return self.head(self.feats, ids, ctx, self.kv, at=self.rows(slot_t, pos))  # the features at [B, T]

@@ -43,7 +43,7 @@ class Proposer(SlotOwner):
         self.draft_model: Optional[DraftModel] = None
         K = config.num_draft_tokens
         self.head_path: Optional[Path] = None  # the trained head's file ("head" / "hybrid")
-        self._model, self._device = model, device
+        self._model, self._device, self._kv = model, device, kv
         self._bad_head: Optional[float] = None  # mtime of a head file that failed to load
         if config.drafter in ("head", "hybrid") and K:
             self.head_path = Path(config.draft_head_path) if config.draft_head_path else default_head_path(folder)
@@ -61,7 +61,7 @@ class Proposer(SlotOwner):
                 raise ValueError(f"the draft model's vocabulary ({dm.cfg.vocab_size}) differs from the "
                                  f"target's ({model.cfg.vocab_size}); it must share the tokenizer")
             self.draft_model = DraftModel(dm, config.max_slots, config.max_seq_len, K, config.prefill_chunk, device,
-                                          kv_store(config, dm))
+                                          kv_store(config, dm), kv.table, kv.num_blocks)
         # per slot: p, the chance that a draft is accepted when the drafts before it were (what adaptive
         # K and the step cost's geometric sum take), as moving counts: accepted / judged drafts
         self.accept_rate = [1.0] * config.max_slots
@@ -90,7 +90,7 @@ class Proposer(SlotOwner):
         log.info("draft head %s (draft vocabulary %d, %s weights)", path, head.draft_vocab_size,
                  head.lm.weight_dtype if hasattr(head.lm, "weight_dtype") else "model dtype")
         return HeadDrafter(head, cfg.max_slots, cfg.max_seq_len, cfg.num_draft_tokens, cfg.prefill_chunk,
-                           self._device)
+                           self._device, self._kv.table, self._kv.num_blocks)
 
     @property
     def awaits_head(self) -> bool:
@@ -141,6 +141,12 @@ class Proposer(SlotOwner):
         for d in (self.head, self.draft_model):
             if d is not None:
                 d.admit(slot, seq)
+
+    def drop_rows(self, slot: int) -> None:
+        """The slot's KV blocks are gone (preempted): the drafters' rows there too."""
+        for d in (self.head, self.draft_model):
+            if d is not None:
+                d.drop_rows(slot)
 
     def copy_prefix(self, c: PrefixCopy) -> None:
         """A prefix copied between slots: the head's target features come with it, and the head's

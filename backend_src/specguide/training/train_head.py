@@ -27,7 +27,7 @@ from ..engine.loop import Engine
 from ..models.llama import LlamaModel, apply_rope, rms_norm
 from ..util.progress import Progress
 from ..request import GuidedDecodingParams, Request, SamplingParams, UndeclaredKeys
-from ..engine.scheduler import PrefixCopy, Sequence
+from ..engine.scheduler import PrefixCopy, Sequence, SlotOwner
 from ..speculative.draft_head import DraftHead
 from .precision import training_autocast
 from .prompts import (CHAT_TRAIN, MAX_SCHEMA_CHARS, SCHEMA_TEMPLATES, data_dir, load_schemas, load_subschemas,
@@ -98,7 +98,7 @@ class TrainReport:
     val_accept_per_step: float = 0.0  # 1 + expected accepted drafts at K=depth, from chained accuracies
 
 
-class FeatureRecorder:
+class FeatureRecorder(SlotOwner):
     """The engine's feature sink while the corpus is generated: f_p of every position of every
     slot (rows past the accepted tokens are rewritten by the next forward, as in HeadDrafter),
     copied out when a sequence leaves its slot. Saves a second, teacher-forced pass."""

@@ -16,6 +16,10 @@
     specguide_request_latency_seconds              histogram: arrival -> last response
     specguide_active_slots                         gauge: sequences in the running batch
     specguide_queue_depth                          gauge: sequences waiting for a slot
+    specguide_kv_blocks_used                       gauge: KV blocks (16 positions) the running sequences hold
+    specguide_kv_blocks_free                       gauge: KV blocks no running sequence holds
+    specguide_preempted_sequences                  gauge: running sequences waiting for blocks to be recomputed
+    specguide_preemptions_total                    sequences preempted because KV blocks ran short
     specguide_draft_tokens_total                   speculative draft tokens proposed
     specguide_accepted_draft_tokens_total          speculative draft tokens accepted
     specguide_tokens_per_step                      histogram: tokens a sequence gains per decode step
@@ -86,6 +90,13 @@ class Metrics:
                                  "Time from request arrival to its last response", LATENCY_BUCKETS)
         self.active_slots = gauge("specguide_active_slots", "Sequences in the running batch")
         self.queue_depth = gauge("specguide_queue_depth", "Sequences waiting for a slot")
+        self.kv_used = gauge("specguide_kv_blocks_used", "KV blocks (16 positions each) the running sequences hold")
+        self.kv_free = gauge("specguide_kv_blocks_free", "KV blocks no running sequence holds (free slots' cached "
+                                                         "prefixes count: they are given up first)")
+        self.preempted = gauge("specguide_preempted_sequences",
+                               "Running sequences that gave their KV blocks back, waiting to be recomputed")
+        self.preemptions = counter("specguide_preemptions_total", "Sequences preempted because KV blocks ran short")
+        self._preemptions = 0.0  # the engine's count at the last poll (a restarted engine counts from 0)
         self.draft_tokens = counter("specguide_draft_tokens_total", "Speculative draft tokens proposed")
         self.accepted_tokens = counter("specguide_accepted_draft_tokens_total", "Speculative draft tokens accepted")
         self.engine_alive = gauge("specguide_engine_alive", "1 while the engine serves; 0 while it is down (restarting)")
@@ -114,8 +125,14 @@ class Metrics:
 
     def engine_stats(self, stats: dict) -> None:
         """Set the gauges whose values changed (each set is a message to the server, every poll)."""
+        n = float(stats.get("preemptions", self._preemptions))
+        if n != self._preemptions:
+            self.preemptions.increment(n - self._preemptions if n > self._preemptions else n)
+            self._preemptions = n
         for gauge, key, default in ((self.active_slots, "active_slots", 0), (self.queue_depth, "queue_depth", 0),
-                                    (self.engine_alive, "alive", 1), (self.draft_head, "draft_head", 0)):
+                                    (self.engine_alive, "alive", 1), (self.draft_head, "draft_head", 0),
+                                    (self.kv_used, "kv_blocks_used", 0), (self.kv_free, "kv_blocks_free", 0),
+                                    (self.preempted, "preempted", 0)):
             value = float(stats.get(key, default))
             if self._set.get(key) != value:
                 gauge.set(value)

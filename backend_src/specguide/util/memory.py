@@ -64,6 +64,18 @@ def rss_bytes(pid: int | str = "self") -> int:
     return 0
 
 
+def available_bytes() -> int:
+    """Memory the system can give without swapping (/proc/meminfo MemAvailable; else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 

@@ -1,0 +1,126 @@
+"""BlockPool (the KV blocks' owner) and the scheduler's use of it: blocks handed out as sequences
+grow and taken back when they end; when they run short the newest sequence is preempted (it keeps
+its slot), recomputes its tokens once blocks are free again, and the waiting queue waits for it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specguide.engine.block_pool import BLOCK, BlockPool
+from specguide.engine.scheduler import Scheduler, Sequence, Status
+from specguide.request import SamplingParams
+
+
+def pool(slots: int = 3, per_seq: int = 4, blocks: int = 8) -> BlockPool:
+    return BlockPool(np.full((slots, per_seq), 7, np.int32), blocks)
+
+
+def test_blocks_are_handed_out_lowest_first_and_taken_back():
+    p = pool()
+    assert (p.table == 0).all() and p.num_free == 7 and p.num_used == 0
+    assert p.grow(0, 17) and p.table[0].tolist() == [1, 2, 0, 0]  # 17 positions: 2 blocks
+    assert p.grow(1, 1) and p.table[1].tolist() == [3, 0, 0, 0]
+    assert p.grow(0, 32) and p.held[0] == 2  # already covered
+    assert p.missing(0, 33) == 1 and p.missing(0, 10 * BLOCK) == 2  # at most the table's row
+    assert p.grow(0, 10 * BLOCK) and p.table[0].tolist() == [1, 2, 4, 5]
+    assert not p.grow(2, 3 * BLOCK) and p.held[2] == 0 and (p.table[2] == 0).all()  # 2 free: nothing given
+    p.shrink(0, 20)  # keeps the blocks of positions < 20
+    assert p.table[0].tolist() == [1, 2, 0, 0] and p.num_free == 4
+    assert p.grow(2, 3 * BLOCK) and sorted(p.table[2, :3].tolist()) == [4, 5, 6]
+    p.check_integrity()
+    p.shrink(2)
+    p.shrink(1)
+    p.shrink(0)
+    assert p.num_used == 0 and (p.table == 0).all()
+    p.check_integrity()
+
+
+def test_integrity_finds_a_block_held_twice():
+    p = pool()
+    p.grow(0, 16)
+    p.grow(1, 16)
+    p.table[1, 0] = p.table[0, 0]
+    with pytest.raises(AssertionError):
+        p.check_integrity()
+
+
+def seq(i: int, n: int = 20) -> Sequence:
+    return Sequence(seq_id=i, prompt_ids=list(range(1, n + 1)), params=SamplingParams(max_tokens=1000), seed=0,
+                    callback=lambda o: None, stop_ids=frozenset())
+
+
+def run_chunks(s: Scheduler, plan) -> None:
+    """What the engine does with a plan's chunks (its prefill ends with the first token)."""
+    for c in plan.prefills:
+        c.seq.num_cached = c.end
+        if c.is_last:
+            c.seq.output_ids.append(1)
+            c.seq.status = Status.DECODE
+        elif c.resumes:
+            c.seq.status = Status.DECODE
+
+
+def decode(plan, n: int = 1) -> None:
+    for q in plan.decodes:
+        q.num_cached = q.num_tokens
+        q.output_ids += [1] * n
+
+
+def test_the_newest_sequence_is_preempted_keeps_its_slot_and_is_recomputed_when_blocks_free():
+    K = 3  # draft positions a decoding sequence's step may write
+    s = Scheduler(max_slots=3, max_seq_len=128, prefill_chunk=64, pool=BlockPool(
+        np.zeros((3, BlockPool.blocks_for(128 + K + 1)), np.int32), 1 + 9), lookahead=K)
+    a, b, c = seq(1), seq(2), seq(3)
+    for q in (a, b, c):
+        s.waiting.append(q)
+    plan = s.schedule()
+    assert [ch.seq for ch in plan.prefills] == [a, b, c] and s.pool.num_used == 6  # 20 positions: 2 blocks each
+    run_chunks(s, plan)
+    preempted = []
+    for _ in range(40):
+        plan = s.schedule()
+        s.check_integrity()
+        preempted += plan.preempted
+        for q in s.running.values():
+            if q.status is Status.DECODE:  # its step's positions: its tokens and K drafts
+                assert s.pool.held[q.slot] == BlockPool.blocks_for(q.num_tokens + K)
+        if preempted:
+            break
+        decode(plan)
+    assert preempted == [c] and c.status is Status.PREEMPTED and s.pool.held[c.slot] == 0
+    assert s.running[c.slot] is c and c.num_cached == 0 and c.preemptions == 1 and s.num_preemptions == 1
+    d = seq(4)
+    s.waiting.append(d)
+    plan = s.schedule()
+    assert d.status is Status.WAITING and plan.prefills == []  # the preempted go first
+    s.finish(a, "stop")  # its blocks come back
+    s.finish(b, "stop")
+    plan = s.schedule()
+    (chunk,) = [ch for ch in plan.prefills if ch.seq is c]
+    assert (chunk.start, chunk.end) == (0, c.num_tokens - 1) and chunk.resumes and not chunk.is_last
+    run_chunks(s, plan)
+    assert c.status is Status.DECODE
+    plan = s.schedule()
+    assert c in plan.decodes and s.pool.held[c.slot] == BlockPool.blocks_for(c.num_tokens + K)
+    s.check_integrity()
+    s.finish(c, "stop")
+    s.finish(d, "stop")
+    s.check_integrity()
+    assert s.pool.num_used == sum(s.pool.held)  # only free slots' kept prefixes
+
+
+def test_a_free_slots_kept_prefix_gives_its_blocks_up_before_anything_is_preempted():
+    s = Scheduler(max_slots=2, max_seq_len=64, prefill_chunk=64, prefix_caching=True, any_prefix=True,
+                  pool=BlockPool(np.zeros((2, 5), np.int32), 1 + 5))
+    a = seq(1, 48)
+    s.waiting.append(a)
+    run_chunks(s, s.schedule())
+    s.finish(a, "stop")
+    assert s.pool.held[0] == 3 and len(s.slot_tokens[0]) == 48  # kept for reuse
+    b = seq(2, 40)
+    b.prompt_ids = [9] * 40  # shares nothing
+    s.waiting.append(b)
+    plan = s.schedule()
+    assert plan.prefills[0].seq is b and b.slot == 1 and not plan.preempted
+    assert s.pool.held[0] == 0 and s.slot_tokens[0] == []  # evicted for b's 3 blocks
+    s.check_integrity()
