@@ -5,7 +5,7 @@
 
 Checks `--against` out into a temporary git worktree and runs the benchmark script (the arguments
 after `--`, which must write its rows to `--json FILE` as a JSON list of objects) from each tree in
-turn, alternated `--rounds` times (old, new, old, new, ...), each in a process of its own that
+turn, alternated `--rounds` times (old, new, new, old, ...), each in a process of its own that
 imports the package of its own tree (the bench scripts put their tree's `backend_src` first on
 `sys.path`). Rows are matched on `--key`; prints each tree's mean `--metric` and new / old. The
 same machine, model and settings for both: only the code differs (issue 75's "throughput of normal
@@ -59,7 +59,8 @@ def main() -> None:
                        capture_output=True)
         try:
             for r in range(args.rounds):
-                for name, tree in (("old", old), ("new", ROOT)):
+                pair = (("old", old), ("new", ROOT))
+                for name, tree in (pair if r % 2 == 0 else pair[::-1]):  # each goes first in turn
                     rows = run_once(tree, script, Path(tmp) / f"{name}{r}.json")
                     for row in rows:
                         if row.get(args.metric) is not None:

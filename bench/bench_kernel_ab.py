@@ -98,9 +98,30 @@ ATTENTION = ((8, 1, 300), (8, 1, 1000), (1, 1, 300), (8, 4, 300), (8, 4, 1000), 
 NH, KVH, HD, LAYERS = 9, 3, 64, 30
 
 
-def compare_attention(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -> dict:
+OLD_ATTN = ([ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
+            + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])  # rope_attn_f32 before the paged cache
+
+
+def paged(kc: torch.Tensor, vc: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-slot caches [B, kvh, S/16, hd, 16] / [B, kvh, S, hd] as the paged kernel's blocks and table:
+    each sequence's blocks in a run, or dealt out in turns (as sequences decoding together grow)."""
+    B, kvh, nb, hd, kb = kc.shape
+    ids = torch.arange(B * nb).view(nb, B).t() if interleaved else torch.arange(B * nb).view(B, nb)
+    table = (1 + ids).to(torch.int32).contiguous()
+    kp = torch.zeros(1 + B * nb, kvh, hd, kb, dtype=kc.dtype)
+    vp = torch.zeros(1 + B * nb, kvh, kb, hd, dtype=vc.dtype)
+    kp[table.long()] = kc.permute(0, 2, 1, 3, 4)
+    vp[table.long()] = vc.view(B, kvh, nb, kb, hd).permute(0, 2, 1, 3, 4)
+    return kp, vp, table
+
+
+def compare_attention(libs: dict[str, ctypes.CDLL], rounds: int, threads: int, kinds: dict[str, str]) -> dict:
+    """kinds: each build's cache ("slots": per-slot, before the paged cache; "runs" / "turns": paged)."""
     g = torch.Generator().manual_seed(0)
     best: dict = {}
+    for n, lib in libs.items():
+        if kinds[n] == "slots":
+            lib.rope_attn_f32.argtypes = OLD_ATTN
     for dtype in (torch.float16, torch.float32):
         for B, T, p0 in ATTENTION:
             S = (p0 + T + 15) // 16 * 16
@@ -108,7 +129,8 @@ def compare_attention(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -
             cos, sin = torch.randn(S, HD, generator=g), torch.randn(S, HD, generator=g)
             base = [(torch.randn(B, KVH, S // 16, HD, 16, generator=g).to(dtype),
                      torch.randn(B, KVH, S, HD, generator=g).to(dtype)) for _ in range(LAYERS)]
-            caches = {n: [(k.clone(), v.clone()) for k, v in base] for n in libs}  # the same caches for both builds
+            caches = {n: [(k.clone(), v.clone()) if kinds[n] == "slots" else paged(k, v, kinds[n] == "turns")
+                          for k, v in base] for n in libs}  # the same values for every build
             first = next(iter(caches))
             slots = torch.arange(B, dtype=torch.int64)
             pos = (p0 + torch.arange(T, dtype=torch.int64)).expand(B, T).contiguous()
@@ -118,14 +140,20 @@ def compare_attention(libs: dict[str, ctypes.CDLL], rounds: int, threads: int) -
             for _ in range(rounds):
                 for n, lib in libs.items():
                     t0 = time.perf_counter()
-                    for kc, vc in caches[n]:
-                        lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
-                                          int(dtype == torch.float16), slots.data_ptr(), pos.data_ptr(),
-                                          qrot.data_ptr(), outs[n].data_ptr(), B, T, NH, KVH, S, HD, HD ** -0.5, 0,
-                                          0.0, threads)
+                    for c in caches[n]:
+                        kvk = int(dtype == torch.float16)
+                        if kinds[n] == "slots":
+                            lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), c[0].data_ptr(),
+                                              c[1].data_ptr(), kvk, slots.data_ptr(), pos.data_ptr(),
+                                              qrot.data_ptr(), outs[n].data_ptr(), B, T, NH, KVH, S, HD, HD ** -0.5, 0,
+                                              0.0, threads)
+                        else:
+                            lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), c[0].data_ptr(),
+                                              c[1].data_ptr(), kvk, c[2].data_ptr(), c[2].shape[1], slots.data_ptr(),
+                                              pos.data_ptr(), qrot.data_ptr(), outs[n].data_ptr(), B, T, NH, KVH, HD,
+                                              HD ** -0.5, 0, 0.0, threads)
                     times[n].append((time.perf_counter() - t0) / LAYERS)
-            same = all(torch.equal(o, outs[first]) for o in outs.values()) and all(
-                torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for n in libs for a, b in zip(caches[n], caches[first]))
+            same = all(torch.equal(o, outs[first]) for o in outs.values())
             best[(str(dtype).removeprefix("torch."), B, T, p0)] = ({n: min(t) for n, t in times.items()}, same)
     return best
 
@@ -176,13 +204,14 @@ def print_forward(res: dict, names: tuple[str, str], march: str, rounds: int) ->
               f"{t['tree'] / t[names[0]]:.2f} | {'yes' if same else 'NO'} |")
 
 
-def print_attention(res: dict, names: tuple[str, str], march: str, rounds: int) -> None:
+def print_attention(res: dict, names: tuple[str, ...], march: str, rounds: int) -> None:
     print(f"\n-march={march}: rope_attn_f32, us per layer (best of {rounds}; {LAYERS} layers' caches in turn)")
-    print(f"| KV cache | B | T | positions | {names[0]} us | tree us | tree / {names[0]} | same bits |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print(f"| KV cache | B | T | positions | " + " | ".join(f"{n} us" for n in names)
+          + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | same bits |")
+    print("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in range(2 * len(names) - 1)) + " | --- |")
     for (dt, B, T, p0), (t, same) in res.items():
-        print(f"| {dt} | {B} | {T} | {p0} | {t[names[0]] * 1e6:.1f} | {t['tree'] * 1e6:.1f} | "
-              f"{t['tree'] / t[names[0]]:.2f} | {'yes' if same else 'NO'} |")
+        print(f"| {dt} | {B} | {T} | {p0} | " + " | ".join(f"{t[n] * 1e6:.1f}" for n in names) + " | "
+              + " | ".join(f"{t[n] / t[names[0]]:.2f}" for n in names[1:]) + f" | {'yes' if same else 'NO'} |")
 
 
 def main() -> None:
@@ -202,8 +231,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for march in args.marches.split(","):
             libs = {n: build(s, march, Path(tmp) / f"{i}-{march}.so") for i, (n, s) in enumerate(zip(names, (old, new)))}
-            if args.what == "attention":
-                print_attention(compare_attention(libs, args.rounds, args.threads), names, march, args.rounds)
+            if args.what == "attention":  # the tree's paged cache: each sequence's blocks in a run, or dealt in turns
+                libs["tree, blocks dealt in turns"] = build(new, march, Path(tmp) / f"turns-{march}.so")
+                kinds = {args.against: "runs" if "pages_t" in old else "slots", "tree": "runs",
+                         "tree, blocks dealt in turns": "turns"}
+                print_attention(compare_attention(libs, args.rounds, args.threads, kinds), tuple(libs), march,
+                                args.rounds)
                 continue
             if args.what == "forward":
                 print_forward(compare_forward(libs, args.rounds, args.threads), names, march, args.rounds)
