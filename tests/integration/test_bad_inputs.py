@@ -57,7 +57,7 @@ CASES = [
     Case("max_tokens negative", {"max_tokens": -5}, "max_tokens must be a positive integer"),
     Case("max_tokens over the limit", {"max_tokens": 100000}, "exceeds the limit"),
     Case("empty prompt", {"text_input": ""}, "text_input is empty"),
-    Case("prompt longer than the context", {"text_input": "hello " * 3000}, "max_seq_len"),
+    Case("prompt longer than the context", {"text_input": "hello " * 9000}, "max_seq_len"),  # 8,192 (the model's)
     Case("num_draft_tokens negative", {"num_draft_tokens": -1}, "num_draft_tokens"),
     Case("num_draft_tokens too large", {"num_draft_tokens": 99}, "num_draft_tokens"),
     Case("temperature negative", {"temperature": -0.5}, "temperature"),

@@ -184,7 +184,7 @@ BAD = [
     ({"text_input": S("hi"), "top_p": I(1.5, np.float32)}, "top_p"),  # <= 0 is unset, as TRT-LLM
     ({"text_input": S("hi"), "num_draft_tokens": I(-2)}, "num_draft_tokens"),
     ({"text_input": S("hi"), "sampling_parameters": S("{oops")}, "not valid JSON"),
-    ({"text_input": S("hello " * 3000)}, "max_seq_len"),  # refused by the engine at submit
+    ({"text_input": S("hello " * 9000)}, "max_seq_len"),  # past the model's 8,192: refused by the engine at submit
     ({"input_ids": np.array([[1, 10**8]], np.int32)}, "out of range"),  # refused by the engine
 ]
 

@@ -43,7 +43,7 @@ def i32(*vals):
 
 
 def limits(vocab=VOCAB, **settings):
-    return InputLimits.from_config(EngineConfig(device="cpu", **settings), vocab)
+    return InputLimits.from_config(EngineConfig(**{"device": "cpu", "max_seq_len": 2048, **settings}), vocab)
 
 
 def parse(inputs, tok=None, lim=None, parameters=None):
@@ -80,7 +80,7 @@ def test_the_engines_intake_refuses_it_too():
     own API) is refused at intake, before any step: the same check, through SamplingParams.validate."""
     from specguide.engine.intake import Intake
 
-    intake = Intake(EngineConfig(device="cpu"), None, VOCAB, frozenset({2}), compiler=None)
+    intake = Intake(EngineConfig(device="cpu", max_seq_len=2048), None, VOCAB, frozenset({2}), compiler=None)
 
     def refused(**params) -> str:
         with pytest.raises(InvalidRequestError) as e:

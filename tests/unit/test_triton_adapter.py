@@ -92,6 +92,10 @@ class FakeEngine:
     def __init__(self, config, log=None, server_pid=None):
         import threading
 
+        import dataclasses
+
+        # as the engine resolves it: max_seq_len 0 is the model's context (2,048 for this fake model)
+        config = dataclasses.replace(config, max_seq_len=config.max_seq_len or 2048)
         self.config, self.tokenizer, self.server_pid = config, TOK, server_pid
         self.submitted, self.cancelled, self.shutdown_args = [], set(), None
         self.fail_with = None
