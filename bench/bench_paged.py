@@ -28,22 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend_src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kv_cache import prompt_of, texts  # noqa: E402
+from bench_kv_cache import prompt_of, texts, ttft  # noqa: E402
 from machine import cpu_header  # noqa: E402
 
 from specguide.config import EngineConfig  # noqa: E402
 from specguide.engine.block_pool import BlockPool  # noqa: E402
 from specguide.engine.loop import Engine  # noqa: E402
 from specguide.request import Request, SamplingParams  # noqa: E402
-
-
-def long_prompt(engine: Engine, prompt: list[int]) -> float:
-    """Seconds to the first token of one request alone."""
-    t0, done = time.perf_counter(), threading.Event()
-    engine.submit(Request(prompt_ids=prompt, params=SamplingParams(max_tokens=1, temperature=0.0)),
-                  lambda out: done.set() if out.finished else None)
-    assert done.wait(timeout=1800)
-    return time.perf_counter() - t0
 
 
 def concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -54,6 +45,7 @@ def concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dic
     done = threading.Semaphore(0)
     sched = engine.core.scheduler
     peak = {"held": 0, "need": 0, "running": 0}
+    preemptions = engine.stats()["preemptions"]
 
     def cb_for(i: int):
         def cb(out):  # on the loop thread, between steps
@@ -77,7 +69,7 @@ def concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dic
     wall = time.perf_counter() - t0
     q = statistics.quantiles(first, n=10)
     return {"p50": statistics.median(first), "p90": q[-1], "tps": sum(tokens) / wall, "wall": wall,
-            "preemptions": engine.stats()["preemptions"], **peak}
+            "preemptions": engine.stats()["preemptions"] - preemptions, **peak}
 
 
 def main() -> None:
@@ -98,7 +90,7 @@ def main() -> None:
     best = {n: float("inf") for n in lengths}
     for _ in range(args.rounds):
         for n in lengths:
-            best[n] = min(best[n], long_prompt(served, prompt_of(ids, n, 0)))
+            best[n] = min(best[n], ttft(served, prompt_of(ids, n, 0)))
     print("\n| prompt tokens | TTFT (s) | prefill tokens/s | vs the first |")
     print("| ---: | ---: | ---: | ---: |")
     for n in lengths:

@@ -7,6 +7,12 @@ import numpy as np
 BLOCK = 16  # positions a block holds (kernels.KEY_BLOCK; kv_cache.py checks they agree)
 
 
+def blocks_per_seq(max_seq_len: int, lookahead: int) -> int:
+    """Blocks of a slot's table row: max_seq_len positions and the `lookahead` (draft) positions
+    past them, + 1 (the padding rows of captured steps)."""
+    return BlockPool.blocks_for(max_seq_len + lookahead + 1)
+
+
 class BlockPool:
     """Blocks 1 .. num_blocks - 1 of every paged cache, handed to slots as their sequences grow.
 

@@ -115,7 +115,6 @@ class EngineCore:
         # sequences, prompt tokens in the chunks, wall clock in microseconds); plain ints, set by the
         # loop thread and read by stats() from another thread, never a device value
         self.last_step: tuple[int, int, int, int] = (0, 0, 0, 0)
-        self.scheduler.tokens_per_block = self.runner.kv.tokens_per_block
         self.scheduler.reusable = self.proposer.reusable
         t0 = time.perf_counter()
         if config.warmup:  # before the loop starts, so initialize() (and readiness) waits for it

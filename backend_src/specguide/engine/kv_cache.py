@@ -10,7 +10,7 @@ import torch
 from specguide import kernels
 from specguide.util.memory import advise_huge_pages, available_bytes
 
-from .block_pool import BLOCK
+from .block_pool import BLOCK, blocks_per_seq
 
 assert BLOCK == kernels.KEY_BLOCK
 
@@ -96,10 +96,6 @@ class KVCache:
         L, _, kvh = self.v.shape[:3]
         return KVCache(L, max_slots, kvh, positions or self.max_seq_len, self.head_dim, self.dtype,
                        self.v.device, store=self.store, kernel_layout=self.kernel_layout)
-
-    def block_bytes(self) -> int:
-        """Bytes one block takes in K and V, every layer."""
-        return self.nbytes // self.num_blocks
 
     def copy_rows(self, src: int, dst: int, start: int, end: int) -> None:
         """Positions [start, end) of every layer from slot src into slot dst."""
@@ -189,8 +185,7 @@ def size_blocks(config: "EngineConfig", cfg: Any, device: torch.device, per_bloc
     device's after the weights; CPU: MemAvailable; or `free_bytes`), at most what every slot at
     max_seq_len takes."""
     spare = config.num_draft_tokens + 1  # KVCache's: the positions a slot's table row covers past max_seq_len
-    per_seq = -(-(config.max_seq_len + spare) // KVCache.BLOCK)
-    want = 1 + config.max_slots * per_seq
+    want = 1 + config.max_slots * blocks_per_seq(config.max_seq_len, config.num_draft_tokens)
     if config.kv_cache_bytes > 0:
         budget, how = config.kv_cache_bytes, "kv_cache_bytes"
     else:

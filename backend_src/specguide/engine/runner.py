@@ -13,6 +13,7 @@ from ..cuda import hostfunc
 from ..cuda.graphs import StepGraphs
 from ..guided.capturable import CapturableGuidedDecoder
 from ..guided.decoder import GuidedDecoder
+from .block_pool import blocks_per_seq
 from .kv_cache import KVCache, kv_store
 from ..models.llama import LlamaModel
 from .scheduler import PrefillChunk, PrefixCopy, Sequence, SlotOwner
@@ -46,8 +47,8 @@ class Runner(SlotOwner):
         spare = K + 1  # +1: padding rows of captured steps
         # the block table [slots, blocks_per_seq]: the scheduler's BlockPool writes it (host), the
         # caches read it (on CUDA a copy on the device, refreshed by blocks_changed)
-        self.table = torch.zeros(S, -(-(config.max_seq_len + spare) // KVCache.BLOCK),
-                                 dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.table = torch.zeros(S, blocks_per_seq(config.max_seq_len, K), dtype=torch.int32,
+                                 pin_memory=device.type == "cuda")
         table = self.table.to(device) if device.type == "cuda" else self.table
         self.kv = KVCache(cfg.num_layers, S, cfg.num_kv_heads, config.max_seq_len, cfg.head_dim,
                           model.dtype, device, spare=spare, store=kv_store(config, model), table=table,

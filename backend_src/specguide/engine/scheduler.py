@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..request import RequestOutput, SamplingParams
-from .block_pool import BLOCK, BlockPool
+from .block_pool import BLOCK, BlockPool, blocks_per_seq
 from .sequence_state import GuideState, OutputState, SeqStats
 
 
@@ -139,7 +139,6 @@ class Scheduler:
     blocks are free again, recomputes its tokens (a prefill, the same K/V bits with the
     chunk-invariant kernels) and decodes on."""
 
-    tokens_per_block = 16  # KV positions a block holds (BlockPool's)
     copy_min_tokens = 1  # copying a prefix from a busy slot beats computing it from 1 token up (bench_prefix_copy)
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
@@ -167,7 +166,7 @@ class Scheduler:
         self.reused_blocks = 0  # whole KV blocks of prompt prefixes reused at admission, all told (metrics)
         self.lookahead = lookahead  # positions past a decoding sequence's tokens its step may write (drafts)
         if pool is None:  # every slot can hold max_seq_len + lookahead + 1 positions at once
-            mb = BlockPool.blocks_for(max_seq_len + lookahead + 1)
+            mb = blocks_per_seq(max_seq_len, lookahead)
             pool = BlockPool(np.zeros((max_slots, mb), np.int32), 1 + max_slots * mb)
         self.pool = pool
         self.num_preemptions = 0  # all told (metrics)
@@ -278,7 +277,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.slot, seq.num_reused, copy = self._pick_slot(seq)
             seq.num_cached = seq.num_reused
-            self.reused_blocks += seq.num_reused // self.tokens_per_block
+            self.reused_blocks += seq.num_reused // BLOCK
             self.pool.shrink(seq.slot, copy.start if copy is not None else seq.num_reused)
             if copy is not None:
                 if self._grow(seq.slot, copy.end):

@@ -97,7 +97,7 @@ class StepCore:
         self._stage_in = StepInputs(self.inp_host.buf.numpy())  # host views of the pinned staging
         self._stage_out = StepOutputs(self.out_host.buf.numpy())
         self.arange = torch.arange(K + 1, device=dev)
-        self.slot_list: Optional[list[int]] = None  # eager: host slots (consecutive slots use views)
+        self.slot_list: Optional[list[int]] = None  # eager: host slots (consecutive slots: a slice of the block table)
         self.sparse_lm_head = self.sparse_lm_head and sparse_head(self.model)
 
     # ---- host side -----------------------------------------------------------------------

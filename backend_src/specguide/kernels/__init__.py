@@ -11,7 +11,7 @@ from __future__ import annotations
 from .bindings import (INT_DOT_PATHS, KEY_BLOCK, KV_KINDS, KV_SCALE_BYTES, MAX_HEAD_DIM, QBLK, TILE,
                        WEIGHT_KINDS)
 from .build import FLAGS, HERE, integer_dot_path, library, unavailable_reason, use_integer_dot, variant
-from .ops import (argmax, block_keys, draft_pick, gemv, gemv_tiles, greedy_verify, head_inputs,
+from .ops import (argmax, draft_pick, gemv, gemv_tiles, greedy_verify, head_inputs,
                   kv_row_width, kv_values, mask_logits_rows, mask_tiles, nonfinite_rows, pick_rows, q8_rows,
                   rms_norm, rope_attention_f32, scatter_rows, serves_attention)
 from .quantize import (FORMATS, INT_DOT, dequantized, exact_format, int_dot, pack_exact, pack_weight,
@@ -19,7 +19,7 @@ from .quantize import (FORMATS, INT_DOT, dequantized, exact_format, int_dot, pac
 
 __all__ = [
     "FLAGS", "FORMATS", "HERE", "INT_DOT", "INT_DOT_PATHS", "KEY_BLOCK", "KV_KINDS", "KV_SCALE_BYTES",
-    "MAX_HEAD_DIM", "QBLK", "TILE", "WEIGHT_KINDS", "argmax", "block_keys", "dequantized", "draft_pick",
+    "MAX_HEAD_DIM", "QBLK", "TILE", "WEIGHT_KINDS", "argmax", "dequantized", "draft_pick",
     "exact_format", "gemv", "gemv_tiles", "greedy_verify", "head_inputs", "int_dot", "integer_dot_path",
     "kv_row_width", "kv_values", "library", "mask_logits_rows", "mask_tiles", "nonfinite_rows",
     "pack_exact", "pack_weight", "pick_rows", "q8_rows", "quantize_int8", "quantize_q4_1", "quantize_q8_0",

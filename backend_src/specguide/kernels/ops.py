@@ -33,15 +33,9 @@ def kv_values(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> tuple[torch.Te
 
 def serves_attention(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the C attention kernel serves a model (and so its KV caches take the kernel layout:
-    `block_keys`): CPU, fp32 activations, head_dim % 16 == 0 and <= 512, the kernels built."""
+    a block's keys dims outermost, KVCache): CPU, fp32 activations, head_dim % 16 == 0 and <= 512, the kernels built."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0
             and head_dim <= MAX_HEAD_DIM and library() is not None)
-
-
-def block_keys(k: torch.Tensor) -> torch.Tensor:
-    """Keys [..., 16, hw] (a block's positions) in the kernel layout [..., hw, 16] (a copy)."""
-    assert k.shape[-2] == KEY_BLOCK
-    return k.transpose(-1, -2).contiguous()
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], out_features: int,
@@ -302,8 +296,8 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
                        softcap: float = 0.0) -> torch.Tensor:
     """qkv [B, T, nh + 2 kvh, hd] -> RoPE, K/V written to the paged cache at `positions`, causal
     attention -> [B, T, nh, hd]. Tables cos / sin_signed [P, hd]. Batch- and T-invariant. The cache:
-    k_cache [blocks, kvh, hw, 16] (`block_keys`), v_cache [blocks, kvh, 16, hw]; position p of row
-    b lives in block block_table[slots[b], p // 16] (int32 [rows, mb]), column (keys) or row
+    k_cache [blocks, kvh, hw, 16] (a block's keys, dims outermost), v_cache [blocks, kvh, 16, hw];
+    position p of row b lives in block block_table[slots[b], p // 16] (int32 [rows, mb]), column (keys) or row
     (values) p % 16. Both fp32, both fp16 (stored rounded to nearest, saturated at +-65504) or both
     int8 (per position and KV head, q = round(x * 127 / max|x|) and the scale's 4 bytes: hw =
     `kv_row_width`; `kv_values` reads it).

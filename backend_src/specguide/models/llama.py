@@ -192,7 +192,7 @@ class AttnContext:
     positions: torch.Tensor  # [B, T] int64 absolute positions of the queries
     mask: Optional[torch.Tensor]  # [B, 1, T, L] bool: key position <= query position; None: C kernel
     length: int  # L: keys attended (max position + 1 over the batch)
-    slot_range: Optional[tuple[int, int]]  # (first, end) when slots are consecutive: views, no gather
+    slot_range: Optional[tuple[int, int]]  # (first, end) when slots are consecutive: their table rows a slice
     window_mask: torch.Tensor | None = None  # mask, and query position - key position < window
 
     def write(self, cache: torch.Tensor, table: torch.Tensor, x: torch.Tensor) -> None:

@@ -57,10 +57,14 @@ class HeadDrafter:
         B = KVCache.BLOCK
         return self.kv.table[slots[:, None], positions // B].to(torch.int64) * B + positions % B
 
+    def _slot_rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Rows of `feats` [n] of the slot's positions [start, end)."""
+        p = torch.arange(start, end, device=self.device)[None]
+        return self.rows(torch.tensor([slot], device=self.device), p)[0]
+
     def features(self, slot: int, start: int, end: int) -> torch.Tensor:
         """The slot's target features of positions [start, end): a copy [n, H]."""
-        p = torch.arange(start, end, device=self.device)[None]
-        return self.feats[self.rows(torch.tensor([slot], device=self.device), p)[0]]
+        return self.feats[self._slot_rows(slot, start, end)]
 
     def record(self, slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Target features: hidden [B, T, H] at positions [B, T] of slots [B]."""
@@ -80,9 +84,7 @@ class HeadDrafter:
     def copy_prefix(self, src: int, dst: int, start: int, end: int) -> None:
         """The target copies positions [start, end) from src into dst, whose first `start` tokens
         already match: the features come with them; the head rows dst lacks, from src."""
-        p = torch.arange(start, end, device=self.device)[None]
-        at = {s: self.rows(torch.tensor([s], device=self.device), p)[0] for s in (src, dst)}
-        self.feats[at[dst]] = self.feats[at[src]]
+        self.feats[self._slot_rows(dst, start, end)] = self.features(src, start, end)
         if not self.reuse:
             return
         have, get = min(self.valid[dst], max(0, start - 1)), min(self.valid[src], end - 1)
