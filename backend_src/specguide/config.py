@@ -95,7 +95,9 @@ class EngineConfig:
     kv_cache_bytes: int = 0  # bytes for the KV blocks instead of kv_cache_memory_fraction (0: the fraction)
     max_seq_len: int = 0  # prompt + generated tokens per sequence; 0: the model's context (config.json
     # max_position_embeddings, set by the engine), at most what the KV blocks hold
-    prefill_chunk: int = 256  # prefill token budget per engine step
+    prefill_chunk: int = 256  # token budget per engine step; on CPU (the C kernels) prompt chunks and decode
+    # rows share one forward: the decode rows (each with its drafts) first, prompt chunks the rest, at
+    # least a quarter; elsewhere prompt chunks only, each in a forward of its own
     prefix_caching: bool = True  # a free slot keeps its KV: a prompt starting with tokens a slot holds
     # reuses them (copied from a busy slot), outputs as from scratch: up to the first differing token
     # (prompt and output positions) where the forward is chunk-invariant (CPU, fp32, C kernels), else

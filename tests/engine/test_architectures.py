@@ -163,6 +163,45 @@ def test_gemma_decode_steps_match_transformers_and_are_invariant(kind, tmp_path)
         assert (run([0, 3], 20, 4, torch_kv) - ref[20:24]).abs().max().item() < 1e-4
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("kind", ["llama3", "qwen2_sw", "gemma3"])
+def test_rows_of_any_length_in_one_forward_have_each_rows_own_bits(kind, tmp_path):
+    """One token budget: a verification row, a prompt chunk and a decode row of three slots in one
+    forward (varlen rows) give every token the bits of its own row's forward and write the same
+    K/V, the whole stack in one C call and layer by layer (windows and local RoPE included)."""
+    _make(kind, tmp_path)
+    ours = load_model(tmp_path, torch.float32)
+    assert ours.chunk_invariant and kernels.library() is not None
+    ids = torch.randint(0, 290, (3, 60), generator=torch.Generator().manual_seed(4))
+    rows = [(0, 30, 4), (1, 20, 30), (2, 10, 1)]  # (slot, first position, tokens)
+
+    def forward(kv: KVCache, slot: int, start: int, n: int) -> torch.Tensor:
+        pos = torch.arange(start, start + n)[None]
+        return ours(ids[slot:slot + 1, start:start + n], ours.make_context(torch.tensor([slot]), pos, [slot], start + n),
+                    kv)[0]
+
+    for layerwise in (False, True):
+        fused = ours.fused
+        if layerwise:
+            ours.fused = None
+        try:
+            alone, together = (KVCache(2, 3, 2, 128, ours.cfg.head_dim, torch.float32) for _ in range(2))
+            for kv in (alone, together):
+                for slot, start, _ in rows:
+                    forward(kv, slot, 0, start)  # what each slot holds before
+            own = torch.cat([forward(alone, *row) for row in rows])
+            seg = torch.tensor([0, 4, 34, 35])
+            pos = torch.cat([torch.arange(start, start + n) for _, start, n in rows])[None]
+            x = torch.cat([ids[slot, start:start + n] for slot, start, n in rows])[None]
+            one = ours(x, ours.make_varlen_context(torch.tensor([0, 1, 2]), pos, seg), together)[0]
+        finally:
+            ours.fused = fused
+        assert torch.equal(one, own)
+        for slot, start, n in rows:
+            kv_alone, kv_together = alone.rows(slot, 0, start + n), together.rows(slot, 0, start + n)
+            assert all(torch.equal(a, b) for a, b in zip(kv_alone, kv_together))
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "phi3", "gemma2", "gemma3"])
 def test_engine_serves_the_architecture_greedy_as_transformers_and_lossless(kind, tmp_path):
     """Through the engine (the default model's tokenizer in the folder, random weights in the

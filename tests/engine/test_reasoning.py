@@ -65,9 +65,9 @@ def windows(reasoning_engine):
                 assert err is None, err
         return worked
 
-    def step(seqs, plan):
+    def step(seqs, plan, *rest):
         before = [list(s.output_ids[-4:]) for s in seqs]
-        out = original(seqs, plan)
+        out = original(seqs, plan, *rest)
         drafts = eng.core.runner.core.out_host.drafts.numpy()
         for b, (_, n, a) in enumerate(out):
             host = list(plan.drafts[b]) if plan.drafting == "host" else None

@@ -259,6 +259,34 @@ def test_sliding_window_and_soft_capped_attention_match_torch_and_stay_invariant
             assert torch.equal(one, out[b:b + 1, t:t + 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("window", [0, 5])
+def test_rows_of_any_length_in_one_call_equal_each_row_alone(dtype, window):
+    """Varlen (`seg`): a decode row, a prompt chunk longer than a tile and a one-token row of the
+    same slot's later position, in one call, give each token the bits of its row's own call and
+    write the same cache."""
+    g = torch.Generator().manual_seed(3)
+    nh, kvh, S, hd = 6, 2, 64, 32
+    lens, slots = [4, 37, 1, 9], torch.tensor([2, 0, 3, 1])
+    starts = [[20, 21, 22, 23], list(range(3, 40)), [50], list(range(9))]
+    qkv = torch.randn(1, sum(lens), nh + 2 * kvh, hd, generator=g)
+    cos, sin_signed = _rope_tables(S, hd, g)
+    kc, vc, table = empty(4, kvh, S, kernels.kv_row_width(dtype, hd), dtype, seed=3)
+    for b, row in enumerate(starts):  # earlier positions of each slot: its cache already holds them
+        if row[0]:
+            kernels.rope_attention_f32(torch.randn(1, row[0], nh + 2 * kvh, hd, generator=g), cos, sin_signed, kc, vc,
+                                       table, slots[b:b + 1], torch.arange(row[0])[None], nh)
+    kc2, vc2 = kc.clone(), vc.clone()
+    seg = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    pos = torch.tensor([p for row in starts for p in row])[None]
+    out = kernels.rope_attention_f32(qkv, cos, sin_signed, kc, vc, table, slots, pos, nh, window=window, seg=seg)
+    for b, (lo, hi) in enumerate(zip(seg[:-1].tolist(), seg[1:].tolist())):
+        one = kernels.rope_attention_f32(qkv[:, lo:hi], cos, sin_signed, kc2, vc2, table, slots[b:b + 1],
+                                         pos[:, lo:hi], nh, window=window)
+        assert torch.equal(one, out[:, lo:hi])
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 def _attention_reference(q, k, v, qpos, scale, window=0, cap=0.0):
     """q [B, T, nh, hd] (after RoPE), k / v [B, kvh, L, hd], qpos [B, T] -> [B, T, nh, hd], in float64."""
     g = q.shape[2] // k.shape[1]

@@ -43,6 +43,27 @@ def test_chunked_prefill_respects_the_token_budget():
     assert a.status is b.status is Status.DECODE
 
 
+def test_one_budget_counts_the_decode_rows_first_and_cuts_prompt_chunks_to_the_rest():
+    """Prompt chunks and decode rows in one forward: `prefill_chunk` tokens a step, each decoding
+    sequence's lookahead + 1 rows first; prompt chunks are cut to what is left, never below a quarter."""
+    s = Scheduler(max_slots=16, max_seq_len=1000, prefill_chunk=64, any_prefix=True, lookahead=3, one_budget=True)
+    runners = [seq(i, n_prompt=4) for i in range(14)]
+    for q in runners:
+        s.waiting.append(q)
+    for c in s.schedule().prefills:  # nothing decodes yet: all 14 four-token prompts in one step
+        computed(s, c.seq, c.end)
+        c.seq.status = Status.DECODE
+    assert all(q.status is Status.DECODE for q in runners)
+    long = seq(99, n_prompt=200)
+    s.waiting.append(long)
+    plan = s.schedule()  # 14 x 4 = 56 decode rows: 8 left, but never below 16
+    assert len(plan.decodes) == 14 and [(c.start, c.end) for c in plan.prefills] == [(0, 16)]
+    computed(s, long, 16)
+    for q in runners[4:]:  # ten end: 16 rows, the chunk takes the other 48
+        s.finish(q, "stop")
+    assert [(c.start, c.end) for c in s.schedule().prefills] == [(16, 64)]
+
+
 def test_not_ready_requests_wait():  # the queue limit is the engine's (test_reliability)
     s = Scheduler(max_slots=1, max_seq_len=100, prefill_chunk=100)
     a, b = seq(1), seq(2)

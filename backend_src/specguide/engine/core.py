@@ -27,7 +27,7 @@ from .kv_cache import block_bytes, kv_store, size_blocks, size_slots
 from ..models.loader import load_model, resolve_model_dir
 from .output_processor import Finish, OutputProcessor
 from ..request import InvalidRequestError, Request, RequestOutput, error_code
-from .runner import Runner
+from .runner import Riders, Runner
 from .scheduler import PrefillChunk, PrefixCopy, Scheduler, Sequence, Status, StepPlan
 from ..speculative.head_drafter import HeadDrafter
 from ..speculative.proposer import Proposer
@@ -105,7 +105,8 @@ class EngineCore:
         self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free / copy_prefix
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,
-                                   BlockPool(self.runner.table.numpy(), num_blocks), config.num_draft_tokens)
+                                   BlockPool(self.runner.table.numpy(), num_blocks), config.num_draft_tokens,
+                                   one_budget=self.runner.varlen)
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
         self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler)
@@ -242,6 +243,9 @@ class EngineCore:
                 owner.drop_rows(seq.slot)
         self.runner.blocks_changed()
         self._copy_prefixes(plan.copies)
+        if self.runner.varlen:
+            self._one_forward(plan)
+            return True
         prefills = deque(plan.prefills)
         budget = self.scheduler.prefill_chunk - sum(c.end - c.start for c in plan.prefills)
         while prefills:
@@ -268,6 +272,42 @@ class EngineCore:
                 self._emit(seq)
         return True
 
+    def _one_forward(self, plan: StepPlan) -> None:
+        """The step's prompt chunks and decode rows in one forward (one pass over the weights; a
+        long prompt's chunks no longer hold the running streams for a forward of their own); then
+        the decode's tokens, then each last chunk's first token. Where it raises, the chunks run again one by
+        one and the decode rows recover as a failed decode step does (K/V rewritten: the same bits)."""
+        chunks = []
+        for chunk in plan.prefills:
+            self._guarded(chunk.seq, lambda: self._bind(chunk.seq))
+            if chunk.seq.status is not Status.FINISHED:
+                chunks.append(chunk)
+        riders = self.runner.riders(chunks) if chunks else None
+        try:
+            if plan.decodes:
+                results = self._decode(plan.decodes, riders)
+            elif riders is not None:
+                self.runner.ride(riders)
+        except Exception as exc:
+            log.exception("step failed (%d prompt chunks, %d decode rows)", len(chunks), len(plan.decodes))
+            for chunk in chunks:
+                seq = self._prefill_chunk(chunk)
+                if seq is not None and seq.status is not Status.FINISHED:
+                    self._emit(seq)
+            for seq in self._recover(plan.decodes, exc) if plan.decodes else []:
+                if seq.status is not Status.FINISHED:
+                    self._emit(seq)
+            return
+        # NOTE: the decode's tokens first: they confirm what its grammar commit fed, which the next
+        # commit (a prompt's first token) replaces
+        for seq in self._appended(plan.decodes, results) if plan.decodes else []:
+            if seq.status is not Status.FINISHED:
+                self._emit(seq)
+        for i, chunk in enumerate(chunks):
+            seq = self._prefill_chunk(chunk, riders.rows(i))
+            if seq is not None and seq.status is not Status.FINISHED:
+                self._emit(seq)
+
     def _count(self, plan: StepPlan) -> None:
         """The iteration's figures for stats() (read from another thread: plain ints)."""
         self.num_steps += 1
@@ -283,10 +323,11 @@ class EngineCore:
             for owner in self.slot_state:
                 owner.copy_prefix(copy)
 
-    def _prefill_chunk(self, chunk: PrefillChunk) -> Optional[Sequence]:
-        """Run one prompt chunk; the last one's token starts the request's output (returned)."""
+    def _prefill_chunk(self, chunk: PrefillChunk, hidden: Optional[torch.Tensor] = None) -> Optional[Sequence]:
+        """Run one prompt chunk (`hidden`: its forward ran in the step's); the last one's token
+        starts the request's output (returned)."""
         seq = chunk.seq
-        tok = self._guarded(seq, lambda: self._prefill(chunk))
+        tok = self._guarded(seq, lambda: self._prefill(chunk, hidden))
         if seq.status is Status.FINISHED:
             return None
         seq.num_cached = chunk.end
@@ -309,6 +350,10 @@ class EngineCore:
         except Exception as exc:
             log.exception("decode step failed (%d rows)", len(seqs))
             return self._recover(seqs, exc)
+        return self._appended(seqs, results)
+
+    def _appended(self, seqs: list[Sequence], results: list[tuple[list[int], int, int]]) -> list[Sequence]:
+        """A decode step's tokens appended; returns the sequences appended to."""
         touched = []
         for seq, (toks, drafted, accepted) in zip(seqs, results):
             seq.num_cached = seq.num_tokens + accepted  # the last token and the accepted drafts
@@ -318,12 +363,14 @@ class EngineCore:
             touched.append(seq)
         return touched
 
-    def _decode(self, seqs: list[Sequence]) -> list[tuple[list[int], int, int]]:
-        """One decode step for every decoding sequence: speculative where drafts exist.
-        Returns (tokens to append, drafts verified, drafts accepted) per sequence."""
+    def _decode(self, seqs: list[Sequence], riders: Optional[Riders] = None) -> list[tuple[list[int], int, int]]:
+        """One decode step for every decoding sequence: speculative where drafts exist (`riders`:
+        prompt chunks in its forward). Returns (tokens to append, drafts verified, drafts accepted)
+        per sequence."""
         t0 = time.perf_counter()
-        out = self.runner.step(seqs, self.proposer.plan(seqs))
-        self.proposer.record(seqs, out, time.perf_counter() - t0)
+        out = self.runner.step(seqs, self.proposer.plan(seqs), riders)
+        # a step that carried prompt tokens says nothing of what drafting costs
+        self.proposer.record(seqs, out, None if riders is not None else time.perf_counter() - t0)
         return out
 
     def _poll_compiles(self) -> None:
@@ -331,14 +378,18 @@ class EngineCore:
         for seq, message, code in self.intake.poll_compiles(self.scheduler.waiting):
             self.finish(seq, "error", message, code)
 
-    def _prefill(self, chunk: PrefillChunk) -> Optional[int]:
-        """One prompt chunk; the first one binds the slot (sampling rows, grammar matcher)."""
-        seq = chunk.seq
-        if not seq.bound:  # its first chunk (after a reused prefix; or, preempted before it ran, from 0)
+    def _prefill(self, chunk: PrefillChunk, hidden: Optional[torch.Tensor] = None) -> Optional[int]:
+        """One prompt chunk (`hidden`: its forward ran already); the first one binds the slot."""
+        self._bind(chunk.seq)
+        return self.runner.prefill(chunk, hidden)
+
+    def _bind(self, seq: Sequence) -> None:
+        """A sequence's first chunk (after a reused prefix; or, preempted before it ran, from 0): its
+        slot's per-slot state (sampling rows, grammar matcher, drafters)."""
+        if not seq.bound:
             for owner in self.slot_state:
                 owner.admit(seq.slot, seq)
             seq.bound = True
-        return self.runner.prefill(chunk)
 
     def _guarded(self, seq: Sequence, fn: Callable[[], Optional[int]]) -> Optional[int]:
         """Run one request's part of the step; an exception fails that request only."""

@@ -152,16 +152,16 @@ class FaultInjector:
         inner(seq, *args, **kw)
         self.faults.pop(seq.seq_id, None)
 
-    def _prefill(self, inner: Callable, chunk: Any) -> Any:
-        """`prefill_delay`: sleep before each prefill chunk."""
+    def _prefill(self, inner: Callable, chunk: Any, *args: Any) -> Any:
+        """`prefill_delay`: sleep before each prefill chunk (its output, where its forward ran in the step's)."""
         if (f := self.of(chunk.seq, "prefill_delay")) is not None:
             time.sleep(f.seconds)
-        return inner(chunk)
+        return inner(chunk, *args)
 
-    def _step(self, inner: Callable, seqs: list, plan: Any) -> Any:
+    def _step(self, inner: Callable, seqs: list, plan: Any, *args: Any) -> Any:
         self._batch = seqs
         try:
-            return inner(seqs, plan)
+            return inner(seqs, plan, *args)
         finally:
             self._batch = []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -24,6 +25,25 @@ from .step_layout import Drafting
 from .step_extras import prompt_logprobs
 
 Result = tuple[list[int], int, int]  # tokens to append, drafts verified, drafts accepted
+
+
+@dataclass
+class Riders:
+    """Prompt chunks whose tokens go through one forward as rows of any length (the C kernels'
+    varlen rows), beside a decode step's rows or alone. `hidden` [1, n, H] after that forward."""
+
+    chunks: list[PrefillChunk]
+    ids: torch.Tensor  # [1, n] the chunks' tokens, one after another
+    positions: torch.Tensor  # [1, n]
+    slots: torch.Tensor  # [rows] each chunk's cache row
+    token_slots: torch.Tensor  # [n] each token's
+    starts: torch.Tensor  # [rows + 1] each chunk's first token (0, .., n)
+    hidden: Optional[torch.Tensor] = None
+
+    def rows(self, i: int) -> torch.Tensor:
+        """Chunk i's hidden states [1, len, H]."""
+        assert self.hidden is not None
+        return self.hidden[:, int(self.starts[i]): int(self.starts[i + 1])]
 
 
 def resolve_executor(config: EngineConfig, device: torch.device) -> str:
@@ -79,22 +99,56 @@ class Runner(SlotOwner):
         self.kv.copy_rows(c.src, c.dst, c.start, c.end)
 
     # ---- forward passes ---------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, chunk: PrefillChunk) -> Optional[int]:
-        """Run one prompt chunk; returns the first output token when the chunk ends the prompt."""
-        seq, core = chunk.seq, self.core
+    @property
+    def varlen(self) -> bool:
+        """Prompt chunks and decode rows share one forward (rows of any length: the C kernels)."""
+        return self.model.chunk_invariant
+
+    @staticmethod
+    def _tokens(chunk: PrefillChunk) -> list[int]:
+        seq = chunk.seq
         toks = seq.prompt_ids if chunk.end <= len(seq.prompt_ids) else seq.prompt_ids + seq.output_ids  # (recompute)
-        ids = torch.tensor([toks[chunk.start: chunk.end]], dtype=torch.int64, device=self.device)
-        positions = torch.arange(chunk.start, chunk.end, device=self.device)[None, :]
-        slots = torch.tensor([seq.slot], device=self.device)
+        return toks[chunk.start: chunk.end]
+
+    def riders(self, chunks: list[PrefillChunk]) -> Riders:
+        """The inputs of `chunks` as varlen rows of one forward."""
+        lens = [c.end - c.start for c in chunks]
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return Riders(chunks, longs([t for c in chunks for t in self._tokens(c)])[None],
+                      longs([p for c in chunks for p in range(c.start, c.end)])[None],
+                      longs([c.seq.slot for c in chunks]),
+                      longs([c.seq.slot for c, n in zip(chunks, lens) for _ in range(n)]),
+                      longs([0] + lens).cumsum(0))
+
+    @torch.inference_mode()
+    def ride(self, riders: Riders) -> None:
+        """The riders' forward alone (a step with no decode rows): K/V written, features recorded."""
+        ctx = self.model.make_varlen_context(riders.slots, riders.positions, riders.starts)
+        riders.hidden = hidden = self.model(riders.ids, ctx, self.kv)  # [1, n, H]
+        if self.core.feature_sink is not None:
+            n, H = hidden.shape[1:]
+            self.core.feature_sink(riders.token_slots, riders.positions.view(n, 1), hidden.view(n, 1, H))
+
+    @torch.inference_mode()
+    def prefill(self, chunk: PrefillChunk, hidden: Optional[torch.Tensor] = None) -> Optional[int]:
+        """Run one prompt chunk (`hidden` [1, n, H]: its forward ran already, riding in a step's);
+        returns the first output token when the chunk ends the prompt."""
+        seq, core = chunk.seq, self.core
         plan = DraftPlan([0], drafts=[[]])
         key = core.key([seq], plan) if chunk.is_last else None
         if key is not None:
             core.stage([seq], plan, key)
             core.open(key)  # the grammar fills row 0 during the forward
-        hidden = self.model(ids, self.model.make_context(slots, positions, [seq.slot], chunk.end), self.kv)
-        if core.feature_sink is not None:
-            core.feature_sink(slots, positions, hidden)
+        if hidden is None:
+            ids = torch.tensor([self._tokens(chunk)], dtype=torch.int64, device=self.device)
+            positions = torch.arange(chunk.start, chunk.end, device=self.device)[None, :]
+            slots = torch.tensor([seq.slot], device=self.device)
+            hidden = self.model(ids, self.model.make_context(slots, positions, [seq.slot], chunk.end), self.kv)
+            if core.feature_sink is not None:
+                core.feature_sink(slots, positions, hidden)
         p = seq.params
         if (p.return_context_logits or p.prompt_logprobs is not None) and not seq.output_ids:  # every prompt position
             full = self.model.logits(hidden[0])  # [n, V]
@@ -115,15 +169,19 @@ class Runner(SlotOwner):
         return core.results([seq], plan, key)[0][0][0]
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence], plan: DraftPlan) -> list[Result]:
+    def step(self, seqs: list[Sequence], plan: DraftPlan, riders: Optional[Riders] = None) -> list[Result]:
         """One decode step for `seqs` (sorted by slot): plain, or verification of the plan's drafts;
-        a CUDA-graph replay when the step is eligible."""
+        a CUDA-graph replay when the step is eligible. `riders`: prompt chunks whose tokens go in the
+        verification forward (eager steps; before a replayed one, in a forward of their own)."""
         core, graphs = self.core, self.graphs
         key = core.key(seqs, plan)
         if graphs is not None and not key.extras and len(seqs) <= graphs.buckets[-1]:
             key = dataclasses.replace(key, batch=graphs.bucket(len(seqs)), length=graphs.length(seqs, key.T),
                                       captured=True)
             graphs.ensure(key, plan)  # captured before this step's snapshot is queued
+        if riders is not None and key.captured:
+            self.ride(riders)
+            riders = None
         if plan.drafter is not None and key.drafting is not Drafting.NONE:
             plan.drafter.prepare(seqs, key)
         core.stage(seqs, plan, key)
@@ -133,7 +191,11 @@ class Runner(SlotOwner):
             core.finish(key)
             graphs.stats.wait_s += time.perf_counter() - t0  # host waiting for the replayed step
         else:
-            core.body(key)
+            core.riders = riders
+            try:
+                core.body(key)
+            finally:
+                core.riders = None
             core.finish(key)
         out = core.results(seqs, plan, key)
         if plan.drafter is not None and key.drafting is not Drafting.NONE:

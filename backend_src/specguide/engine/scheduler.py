@@ -143,7 +143,7 @@ class Scheduler:
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
                  prefix_min_tokens: int = 1, any_prefix: bool = False, pool: Optional[BlockPool] = None,
-                 lookahead: int = 0):
+                 lookahead: int = 0, one_budget: bool = False):
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
@@ -165,6 +165,11 @@ class Scheduler:
         self.reusable: Callable[[int], bool] = lambda slot: True
         self.reused_blocks = 0  # whole KV blocks of prompt prefixes reused at admission, all told (metrics)
         self.lookahead = lookahead  # positions past a decoding sequence's tokens its step may write (drafts)
+        # one_budget: prompt chunks and decode rows share one forward (Runner.varlen), and
+        # `prefill_chunk` tokens a step: the decode rows' (lookahead + 1 each) first, the prompts'
+        # chunks the rest (at least a quarter, so that waiting prompts always move), cut to fit
+        assert not one_budget or any_prefix, "chunks cut to the budget need chunk-invariant forwards"
+        self.one_budget = one_budget
         if pool is None:  # every slot can hold max_seq_len + lookahead + 1 positions at once
             mb = blocks_per_seq(max_seq_len, lookahead)
             pool = BlockPool(np.zeros((max_slots, mb), np.int32), 1 + max_slots * mb)
@@ -179,7 +184,7 @@ class Scheduler:
         preempted = self._grow_decodes()
         self._resume()
         copies = self._admit(ready)
-        prefills = self._chunks(self.prefill_chunk, planned=set(), preempted=preempted)
+        prefills = self._chunks(self._prefill_budget(), planned=set(), preempted=preempted)
         decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
         self._pinned.clear()
         return StepPlan(prefills, decodes, copies, preempted)
@@ -194,6 +199,13 @@ class Scheduler:
         prefills = self._chunks(budget, planned, preempted=None)
         self._pinned.clear()
         return StepPlan(prefills, [], copies)
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may take (see `one_budget`)."""
+        if not self.one_budget:
+            return self.prefill_chunk
+        rows = sum(self.lookahead + 1 for s in self.running.values() if s.status is Status.DECODE)
+        return max(self.prefill_chunk - rows, self.prefill_chunk // 4, 1)
 
     def _decode_need(self, seq: Sequence) -> int:
         """Positions a decoding sequence's next step may write: its tokens and its drafts."""
@@ -306,7 +318,9 @@ class Scheduler:
             if seq.status is not Status.PREFILL:  # preempted below for an older one's chunk
                 continue
             n = min(self.prefill_chunk, seq.prefill_end - seq.num_cached)
-            if n > budget:
+            if self.one_budget:  # cut to what is left (any split gives the same bits)
+                n = min(n, budget)
+            if n > budget or n <= 0:
                 break
             while not self._grow(seq.slot, seq.num_cached + n):
                 victim = self._newest() if preempted is not None else None

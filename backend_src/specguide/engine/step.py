@@ -22,7 +22,7 @@ GIL while waiting on the GPU would deadlock it (pytorch 163061 / 163062). The ho
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -83,6 +83,7 @@ class StepCore:
     sparse_lm_head: bool = True  # EngineConfig.sparse_lm_head; False where the head is not a C-kernel one
     drafter: Optional[Drafter] = field(default=None, init=False)  # this step's in-step drafter
     extras: Optional[StepExtras] = field(default=None, init=False)  # this eager step's extras
+    riders: Optional[Any] = field(default=None, init=False)  # runner.Riders: prompt chunks in this eager step's forward
 
     def __post_init__(self) -> None:
         S, K = self.kv.max_slots, self.guided.inner.max_draft_tokens
@@ -190,10 +191,29 @@ class StepCore:
             self.out.drafts[: T - 1, :B].copy_(self.drafts_in[: T - 1, :B])
         ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], dim=1)  # [B, T]
         positions = pos0[:, None] + self.arange[:T]
-        hidden = self.model(ids, self.ctx(key, slots, positions, T - 1), self.kv)
+        self.tail(key, self.logits(key, self._verify(key, ids, positions, slots)), drafts)
+
+    def _verify(self, key: StepKey, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The verification forward of ids [B, T] -> hidden [B, T, H]; the `riders`' prompt tokens go
+        through the same forward (one weight pass), as rows of their own length (eager CPU steps)."""
+        r = self.riders
+        if r is None:
+            hidden = self.model(ids, self.ctx(key, slots, positions, key.T - 1), self.kv)
+            if self.feature_sink is not None:
+                self.feature_sink(slots, positions, hidden)
+            return hidden
+        B, T = ids.shape
+        n = B * T
+        seg = torch.cat([torch.arange(0, n, T, device=ids.device), n + r.starts])  # [B + rows + 1]
+        pos = torch.cat([positions.reshape(1, n), r.positions], dim=1)
+        hidden = self.model(torch.cat([ids.reshape(1, n), r.ids], dim=1),
+                            self.model.make_varlen_context(torch.cat([slots, r.slots]), pos, seg), self.kv)  # [1, N, H]
         if self.feature_sink is not None:
-            self.feature_sink(slots, positions, hidden)
-        self.tail(key, self.logits(key, hidden), drafts)
+            H = hidden.shape[-1]
+            self.feature_sink(torch.cat([slots.repeat_interleave(T), r.token_slots]), pos.view(-1, 1),
+                              hidden.view(-1, 1, H))
+        r.hidden = hidden[:, n:]
+        return hidden[0, :n].view(B, T, -1)
 
     def logits(self, key: StepKey, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over hidden [B, T, H] -> [B, T, V]. An eager guided CPU step whose rows are all

@@ -29,14 +29,14 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.rope_attn_f32.restype = None
     lib.rope_attn_f32.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-                                  + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+                                  + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
                                   + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     lib.int_dot_path.restype = ctypes.c_int
     lib.int_dot_path.argtypes = []
     lib.set_prefetch.restype = None
     lib.set_prefetch.argtypes = [ctypes.c_int]
-    lib.forward_f32.restype = None  # (layers, nl, stack, x, slots, positions, B, T, threads): kernels/stack.py
-    lib.forward_f32.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.forward_f32.restype = None  # (layers, nl, stack, x, slots, positions, seg, B, T, threads): kernels/stack.py
+    lib.forward_f32.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
     lib.gemv_tiles.restype = None  # (kind, x, Wp, aux, y, B, I, O, sel, nsel, threads)
     lib.gemv_tiles.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p] \
         + [ctypes.c_int] * 2

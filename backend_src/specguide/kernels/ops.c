@@ -1180,21 +1180,21 @@ static void values_dims(const float *P, int64_t ps, const float *inv, const void
     }
 }
 
-/* One tile: queries e0 .. e0+ne-1 (ne <= TQ) of row b, KV head g (query e: t = e / group, head
-   g * group + e % group): scores, probabilities, outputs. */
+/* One tile: queries e0 .. e0+ne-1 (ne <= TQ) of row b (its tokens: flat rows r0 ..), KV head g
+   (query e: t = e / group, head g * group + e % group): scores, probabilities, outputs. */
 static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, const int32_t *table, int mb,
-                      const int64_t *slot, const int64_t *pos, float *out, int b, int g, int e0, int ne, int T, int nh,
-                      int kvh, int hd, float scale, int window, float softcap) {
+                      const int64_t *slot, const int64_t *pos, float *out, int b, int g, int e0, int ne, int64_t r0,
+                      int nh, int kvh, int hd, float scale, int window, float softcap) {
     const int group = nh / kvh;
     int32_t lpos[TQ], lfirst[TQ];
     int64_t row[TQ]; /* (b, t, h) index of each query */
     int64_t jmin = INT64_MAX, jmax = -1;
     for (int l = 0; l < ne; l++) {
         const int e = e0 + l, t = e / group, h = g * group + e % group;
-        const int64_t p = pos[(int64_t)b * T + t], f = window > 0 && p + 1 > window ? p + 1 - window : 0;
+        const int64_t p = pos[r0 + t], f = window > 0 && p + 1 > window ? p + 1 - window : 0;
         lpos[l] = (int32_t)p;
         lfirst[l] = (int32_t)f;
-        row[l] = ((int64_t)b * T + t) * nh + h;
+        row[l] = (r0 + t) * nh + h;
         if (f < jmin) jmin = f;
         if (p > jmax) jmax = p;
     }
@@ -1236,20 +1236,48 @@ static void attn_tile(const float *q, const void *kc, const void *vc, int kvk, c
     values_dims(P + off, nk, inv, vc, pg, kvk, jmin, n, hd, ne, row, out);
 }
 
-/* Attention of every query as a worksharing loop (see gemv_for). */
+/* Row b's first token: rows of T tokens (seg NULL), or of seg[b + 1] - seg[b] (varlen: seg [B + 1]
+   the rows' starts in the flat token order, seg[B] the tokens in all). */
+static inline int64_t row_start(const int64_t *seg, int b, int T) { return seg ? seg[b] : (int64_t)b * T; }
+
+/* The row of flat token n: the last b with row_start(b) <= n. */
+static inline int row_of(const int64_t *seg, int B, int T, int64_t n) {
+    if (!seg) return (int)(n / T);
+    int lo = 0, hi = B - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (seg[mid] <= n) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Attention of every query as a worksharing loop (see gemv_for). Rows of any length (seg): a
+   tile never spans two rows, so a query's tile, and its result, is the one it has alone. */
 static void attn_for(const float *q, const void *kc, const void *vc, int kvk, const int32_t *table, int mb,
-                     const int64_t *slot, const int64_t *pos, float *out, int B, int T, int nh, int kvh, int hd,
-                     float scale, int window, float softcap) {
-    const int per = T * (nh / kvh), tiles = (per + TQ - 1) / TQ;
-    /* the last tiles (the most keys) first, so the dynamic schedule ends balanced */
-    #pragma omp for collapse(3) schedule(dynamic, 1)
-    for (int b = 0; b < B; b++)
-        for (int g = 0; g < kvh; g++)
-            for (int k = tiles - 1; k >= 0; k--) {
-                const int e0 = k * TQ, ne = per - e0 < TQ ? per - e0 : TQ;
-                attn_tile(q, kc, vc, kvk, table, mb, slot, pos, out, b, g, e0, ne, T, nh, kvh, hd, scale, window,
-                          softcap);
-            }
+                     const int64_t *slot, const int64_t *pos, const int64_t *seg, float *out, int B, int T, int nh,
+                     int kvh, int hd, float scale, int window, float softcap) {
+    const int group = nh / kvh;
+    int64_t first[B + 1]; /* row b's first work item (kvh x its tiles) */
+    first[0] = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t per = (row_start(seg, b + 1, T) - row_start(seg, b, T)) * group;
+        first[b + 1] = first[b] + kvh * ((per + TQ - 1) / TQ);
+    }
+    /* per row and KV head, the last tiles (the most keys) first, so the dynamic schedule ends balanced */
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < first[B]; w++) {
+        int lo = 0, hi = B - 1; /* the row of item w */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (first[mid] <= w) lo = mid; else hi = mid - 1;
+        }
+        const int b = lo;
+        const int64_t r0 = row_start(seg, b, T), per = (row_start(seg, b + 1, T) - r0) * group;
+        const int64_t tiles = (first[b + 1] - first[b]) / kvh, rem = w - first[b];
+        const int g = (int)(rem / tiles), k = (int)(tiles - 1 - rem % tiles);
+        const int e0 = k * TQ, ne = per - e0 < TQ ? (int)(per - e0) : TQ;
+        attn_tile(q, kc, vc, kvk, table, mb, slot, pos, out, b, g, e0, ne, r0, nh, kvh, hd, scale, window, softcap);
+    }
 }
 
 #define MAX_HD 512 /* the longest head rope_write_for takes (kernels.MAX_HEAD_DIM) */
@@ -1284,52 +1312,54 @@ static inline __attribute__((always_inline)) void rope_head(const float *x, cons
 /* RoPE on q (into qrot) and k, K and V written into the paged cache at their positions: a
    worksharing loop (see gemv_for). */
 static void rope_write_for(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kvk,
-                           const int32_t *table, int mb, const int64_t *slot, const int64_t *pos, float *qrot, int B,
-                           int T, int nh, int kvh, int hd) {
+                           const int32_t *table, int mb, const int64_t *slot, const int64_t *pos,
+                           const int64_t *seg, float *qrot, int B, int T, int nh, int kvh, int hd) {
     const int H = nh + 2 * kvh, hw = kv_w(kvk, hd);
-    /* NOTE: contiguous rows a thread (static): a block of KB keys shares its cache lines (the dims lie
-       KB apart), so rows dealt out in turns had both threads writing the same lines */
-    #pragma omp for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            const int64_t bt = (int64_t)b * T + t, p = pos[bt];
-            const float *c = cos_t + p * hd, *s = sin_t + p * hd;
-            const float *row = qkv + bt * H * hd;
-            for (int h = 0; h < nh; h++) rope_head(row + (int64_t)h * hd, c, s, qrot + (bt * nh + h) * hd, hd);
-            float kr[MAX_HD]; /* one rotated key */
-            for (int g = 0; g < kvh; g++) { /* keys to their block of the cache (dims KB apart), values to their row */
-                const float *v = row + (int64_t)(nh + kvh + g) * hd;
-                const pages_t pg = pages(table, mb, slot[b], kvh, g, hw);
-                const int64_t kat = key_at(pg, p), vat = val_at(pg, p, hw);
-                rope_head(row + (int64_t)(nh + g) * hd, c, s, kr, hd);
-                if (kvk == KV_I8) {
-                    store_q8(kc, kat, KB, kr, hd);
-                    store_q8(vc, vat, 1, v, hd);
-                    continue;
-                }
-                for (int i = 0; i < hd; i++) store_kv(kc, kat + (int64_t)i * KB, kr[i], kvk);
-                if (kvk == KV_F16 && hd % VW == 0)
-                    for (int i = 0; i < hd; i += VW) store_h((uint16_t *)vc + vat + i, load(v + i));
-                else
-                    for (int i = 0; i < hd; i++) store_kv(vc, vat + i, v[i], kvk);
+    /* NOTE: contiguous tokens a thread (static): a block of KB keys shares its cache lines (the dims lie
+       KB apart), so tokens dealt out in turns had both threads writing the same lines */
+    #pragma omp for schedule(static)
+    for (int64_t bt = 0; bt < row_start(seg, B, T); bt++) {
+        const int b = row_of(seg, B, T, bt);
+        const int64_t p = pos[bt];
+        const float *c = cos_t + p * hd, *s = sin_t + p * hd;
+        const float *row = qkv + bt * H * hd;
+        for (int h = 0; h < nh; h++) rope_head(row + (int64_t)h * hd, c, s, qrot + (bt * nh + h) * hd, hd);
+        float kr[MAX_HD]; /* one rotated key */
+        for (int g = 0; g < kvh; g++) { /* keys to their block of the cache (dims KB apart), values to their row */
+            const float *v = row + (int64_t)(nh + kvh + g) * hd;
+            const pages_t pg = pages(table, mb, slot[b], kvh, g, hw);
+            const int64_t kat = key_at(pg, p), vat = val_at(pg, p, hw);
+            rope_head(row + (int64_t)(nh + g) * hd, c, s, kr, hd);
+            if (kvk == KV_I8) {
+                store_q8(kc, kat, KB, kr, hd);
+                store_q8(vc, vat, 1, v, hd);
+                continue;
             }
+            for (int i = 0; i < hd; i++) store_kv(kc, kat + (int64_t)i * KB, kr[i], kvk);
+            if (kvk == KV_F16 && hd % VW == 0)
+                for (int i = 0; i < hd; i += VW) store_h((uint16_t *)vc + vat + i, load(v + i));
+            else
+                for (int i = 0; i < hd; i++) store_kv(vc, vat + i, v[i], kvk);
         }
+    }
 }
 
 /* Fused attention block: RoPE on q and k, K/V written into the paged cache, causal attention - one
  * call per layer instead of ~10 torch ops.
- *   qkv  [B, T, nh + 2 kvh, hd]  the fused projection (q heads, k heads, v heads)
+ *   qkv  [B, T, nh + 2 kvh, hd]  the fused projection (q heads, k heads, v heads); varlen (seg: see
+ *                                row_start): [seg[B], nh + 2 kvh, hd], row b's tokens seg[b] ..
  *   cos, sin [P, hd]             RoPE tables; sin carries the rotate_half sign (-sin | +sin)
  *   qrot [B, T, nh, hd]          scratch for the rotated queries
  * RoPE: x * cos + roll(x, hd / 2) * sin, as the torch path computes it. */
 void rope_attn_f32(const float *qkv, const float *cos_t, const float *sin_t, void *kc, void *vc, int kvk,
-                   const int32_t *table, int mb, const int64_t *slot, const int64_t *pos, float *qrot, float *out,
-                   int B, int T, int nh, int kvh, int hd, float scale, int window, float softcap, int threads) {
+                   const int32_t *table, int mb, const int64_t *slot, const int64_t *pos, const int64_t *seg,
+                   float *qrot, float *out, int B, int T, int nh, int kvh, int hd, float scale, int window,
+                   float softcap, int threads) {
     #pragma omp parallel num_threads(threads)
     {
         /* every key written before any query reads the cache: the loop's end is a barrier */
-        rope_write_for(qkv, cos_t, sin_t, kc, vc, kvk, table, mb, slot, pos, qrot, B, T, nh, kvh, hd);
-        attn_for(qrot, kc, vc, kvk, table, mb, slot, pos, out, B, T, nh, kvh, hd, scale, window, softcap);
+        rope_write_for(qkv, cos_t, sin_t, kc, vc, kvk, table, mb, slot, pos, seg, qrot, B, T, nh, kvh, hd);
+        attn_for(qrot, kc, vc, kvk, table, mb, slot, pos, seg, out, B, T, nh, kvh, hd, scale, window, softcap);
     }
 }
 
@@ -1436,10 +1466,11 @@ static void proj_add_for(const layer_t *l, int p, const float *x, float *y, floa
 }
 
 /* x [B, T, hidden] (the residual stream, updated in place) through layers L[0..nl) at positions
-   pos [B, T] of cache rows slot [B], then the final norm (c->final_norm) in place. */
+   pos [B, T] of cache rows slot [B], then the final norm (c->final_norm) in place. Varlen (seg
+   [B + 1], see row_start): x [seg[B], hidden], pos [seg[B]]. */
 void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int64_t *slot, const int64_t *pos,
-                 int B, int T, int threads) {
-    const int64_t N = (int64_t)B * T;
+                 const int64_t *seg, int B, int T, int threads) {
+    const int64_t N = row_start(seg, B, T);
     const int H = c->nh + 2 * c->kvh, D = c->hidden, Q = c->nh * c->hd;
     const int64_t need = N * ((int64_t)D * 2 + (int64_t)H * c->hd + 2 * (int64_t)Q + 3 * (int64_t)c->inter);
     float *work = (float *)malloc(sizeof(float) * (size_t)need);
@@ -1465,9 +1496,10 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
             }
         }
         const float *cs = l->local ? c->cos_local : c->cos, *sn = l->local ? c->sin_local : c->sin;
-        rope_write_for(qkv, cs, sn, kc, vc, c->kvk, c->table, c->mb, slot, pos, qrot, B, T, c->nh, c->kvh, c->hd);
-        attn_for(qrot, kc, vc, c->kvk, c->table, c->mb, slot, pos, att, B, T, c->nh, c->kvh, c->hd, c->scale,
-                 l->local ? c->window : 0, c->softcap);
+        rope_write_for(qkv, cs, sn, kc, vc, c->kvk, c->table, c->mb, slot, pos, seg, qrot, B, T, c->nh, c->kvh,
+                       c->hd);
+        attn_for(qrot, kc, vc, c->kvk, c->table, c->mb, slot, pos, seg, att, B, T, c->nh, c->kvh, c->hd,
+                 c->scale, l->local ? c->window : 0, c->softcap);
         proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter, &qa);

@@ -293,7 +293,7 @@ def mask_logits_rows(logits: torch.Tensor, words: torch.Tensor, token_mask: torc
 def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                        num_heads: int, scale: float | None = None, window: int = 0,
-                       softcap: float = 0.0) -> torch.Tensor:
+                       softcap: float = 0.0, seg: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [B, T, nh + 2 kvh, hd] -> RoPE, K/V written to the paged cache at `positions`, causal
     attention -> [B, T, nh, hd]. Tables cos / sin_signed [P, hd]. Batch- and T-invariant. The cache:
     k_cache [blocks, kvh, hw, 16] (a block's keys, dims outermost), v_cache [blocks, kvh, 16, hw];
@@ -303,10 +303,18 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
     `kv_row_width`; `kv_values` reads it).
 
     `scale` (default hd ** -0.5) multiplies q.k; `window` > 0 attends to the last `window` keys
-    only (sliding-window layers); `softcap` > 0 caps scores to softcap * tanh(s / softcap)."""
+    only (sliding-window layers); `softcap` > 0 caps scores to softcap * tanh(s / softcap).
+
+    Rows of any length (`seg` int64 [B + 1]: row b is tokens seg[b] .. seg[b + 1] - 1): qkv
+    [1, seg[B], ..], positions [1, seg[B]], slots [B]; each token's result is the one it has in a
+    rectangular call."""
     lib = library()
     assert lib is not None
     B, T, H, hd = qkv.shape
+    if seg is not None:
+        seg = seg.to(torch.int64).contiguous()
+        assert B == 1 and seg.dim() == 1 and int(seg[-1]) == T and slots.numel() == seg.numel() - 1
+        B, T = seg.numel() - 1, 0
     _, kvh, kb, hw = v_cache.shape
     nh = num_heads
     assert k_cache.shape == (v_cache.shape[0], kvh, hw, KEY_BLOCK) and kb == KEY_BLOCK
@@ -319,11 +327,11 @@ def rope_attention_f32(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.T
     qkv = qkv.contiguous()
     slots = slots.to(torch.int64).contiguous()
     positions = positions.to(torch.int64).contiguous()
-    qrot = torch.empty(B, T, nh, hd, dtype=torch.float32)
+    qrot = torch.empty(*qkv.shape[:2], nh, hd, dtype=torch.float32)
     out = torch.empty_like(qrot)
     lib.rope_attn_f32(qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       KV_KINDS[k_cache.dtype], block_table.data_ptr(), block_table.shape[1], slots.data_ptr(),
-                      positions.data_ptr(), qrot.data_ptr(), out.data_ptr(),
+                      positions.data_ptr(), None if seg is None else seg.data_ptr(), qrot.data_ptr(), out.data_ptr(),
                       B, T, nh, kvh, hd, hd ** -0.5 if scale is None else scale, window, softcap,
                       torch.get_num_threads())
     return out

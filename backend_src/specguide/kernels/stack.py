@@ -131,12 +131,15 @@ class FusedStack:
 
     def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor,
                  block_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, num_layers: int = 0,
-                 final_norm: Optional[torch.Tensor] = None, in_place: bool = False) -> torch.Tensor:
+                 final_norm: Optional[torch.Tensor] = None, in_place: bool = False,
+                 seg: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [B, T, hidden] through the first `num_layers` (0: all) layers, caches kc / vc (KVCache's
         kernel layout, paged by `block_table` [slots, mb]) written at (slots [B], positions [B, T]); tables: (cos, sin,
         cos_local, sin_local) [P, hd] -> [B, T, hidden] (a new tensor), RMS-normed by `final_norm`
         [hidden] when given (in the same call: a torch norm after it ran with cold caches). `in_place`:
-        x is the caller's own temporary, updated and returned (no copy)."""
+        x is the caller's own temporary, updated and returned (no copy). Rows of any length (`seg`
+        int64 [rows + 1], their starts: ops.rope_attention_f32): x [1, seg[-1], hidden], positions
+        [1, seg[-1]], slots [rows]."""
         lib = library()
         assert lib is not None
         nl = num_layers or len(self.layers)
@@ -147,9 +150,14 @@ class FusedStack:
         out = x if in_place and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
-        assert positions.shape == (B, T) and slots.shape == (B,)
+        assert positions.shape == (B, T)
+        if seg is not None:
+            seg = seg.to(torch.int64).contiguous()
+            assert B == 1 and seg.dim() == 1 and int(seg[-1]) == T
+            B, T = seg.numel() - 1, 0
+        assert slots.shape == (B,)
         stack = self._stack(tables, kc, vc, block_table)  # NOTE: kept alive until the call returns
         stack.final_norm = _ptr(final_norm)
         lib.forward_f32(ctypes.addressof(self.array), nl, ctypes.addressof(stack), out.data_ptr(), slots.data_ptr(),
-                        positions.data_ptr(), B, T, torch.get_num_threads())
+                        positions.data_ptr(), None if seg is None else seg.data_ptr(), B, T, torch.get_num_threads())
         return out

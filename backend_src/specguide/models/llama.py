@@ -129,8 +129,9 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(x)  # [B, T, nh+2kvh, hd]
         if ctx.mask is None:  # one batch- and chunk-invariant C call (RoPE, cache write, attention)
             attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, table, ctx.slots, ctx.positions, nh,
-                                              cfg.scale, self.window, cfg.attn_softcap)
+                                              cfg.scale, self.window, cfg.attn_softcap, ctx.seg)
         else:
+            assert ctx.seg is None, "rows of any length need the C kernel (make_varlen_context)"
             if k_cache.shape[-2] != kernels.KEY_BLOCK or k_cache.shape[-1] != hd:
                 raise ValueError("the torch attention path needs a KV cache in torch's layout "
                                  "(KVCache(..., kernel_layout=False))")
@@ -194,6 +195,7 @@ class AttnContext:
     length: int  # L: keys attended (max position + 1 over the batch)
     slot_range: Optional[tuple[int, int]]  # (first, end) when slots are consecutive: their table rows a slice
     window_mask: torch.Tensor | None = None  # mask, and query position - key position < window
+    seg: torch.Tensor | None = None  # varlen [B + 1] int64: row b is tokens seg[b] .. of positions [1, N] (C kernel)
 
     def write(self, cache: torch.Tensor, table: torch.Tensor, x: torch.Tensor) -> None:
         # cache [blocks, kvh, 16, hd] <- x [B, T, kvh, hd] at (slot b, position positions[b, t])
@@ -316,6 +318,13 @@ class LlamaModel(nn.Module):
         rng = (slot_list[0], slot_list[0] + len(slot_list)) if consecutive else None
         return AttnContext(slots, positions, mask, length, rng, window)
 
+    def make_varlen_context(self, slots: torch.Tensor, positions: torch.Tensor, seg: torch.Tensor) -> AttnContext:
+        """Rows of any length in one forward (prompt chunks beside decode rows): tokens [1, N] at
+        positions [1, N], row b (cache row slots[b]) is tokens seg[b] .. seg[b + 1] - 1; each token's
+        result is the bits it has in its own row's forward. Only where `chunk_invariant`."""
+        assert self.chunk_invariant, "rows of any length need the C attention kernel for prompts"
+        return AttnContext(slots, positions, None, 0, None, seg=seg)
+
     def forward(self, input_ids: torch.Tensor, ctx: AttnContext, kv: KVCache,
                 num_layers: Optional[int] = None) -> torch.Tensor:
         """input_ids [B, T] at ctx.positions -> hidden [B, T, hidden] after the final norm.
@@ -328,7 +337,7 @@ class LlamaModel(nn.Module):
             x = x * self.embed_scale
         if self.fused is not None and ctx.mask is None:  # the same kernels, one C call
             return self.fused(x, (*tables[False], *tables[True]), kv.k, kv.v, kv.table, ctx.slots, ctx.positions,
-                              num_layers or 0, final_norm=self.norm, in_place=True)  # x: the embedding's copy
+                              num_layers or 0, final_norm=self.norm, in_place=True, seg=ctx.seg)  # x: a copy
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i], kv.table)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)

@@ -240,15 +240,16 @@ class Proposer(SlotOwner):
             return DraftPlan(ks, drafts=[self.chain(s, k) for s, k in zip(seqs, ks)])
         return DraftPlan(ks, drafts=[self.ngram_drafts(s, k) for s, k in zip(seqs, ks)])
 
-    def record(self, seqs: list[Sequence], results: list[tuple[list[int], int, int]], seconds: float) -> None:
-        """A step's outcome: acceptance per slot (adaptive K) and its cost."""
+    def record(self, seqs: list[Sequence], results: list[tuple[list[int], int, int]],
+               seconds: Optional[float]) -> None:
+        """A step's outcome: acceptance per slot (adaptive K) and its cost (None: not a measure of it)."""
         for s, (_, drafted, accepted) in zip(seqs, results):
             self.observe(s.slot, drafted, accepted, self.step_forced.get(s.slot, 0))
         # a drafter's catch-up (a new prompt's rows, or those of the plain steps since the sequence
         # last drafted) is paid once per token whenever drafting resumes, not by this step: left out,
         # or a step after plain ones looked up to twice its cost and drafting stopped where it pays
         caught_up = sum(d.take_catchup_s() for d in (self.head, self.draft_model) if d is not None)
-        if self.step_costs is not None:
+        if self.step_costs is not None and seconds is not None:
             self.step_costs.record(len(seqs), max(d for _, d, _ in results), max(0.0, seconds - caught_up))
 
     def ngram_drafts(self, seq: Sequence, k: int) -> list[int]:
