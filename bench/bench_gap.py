@@ -7,8 +7,8 @@ prefills, how long do the running streams wait between tokens, against their nor
 their normal step is the median gap between output events over `--settle` seconds. Then one
 `--long`-token prompt arrives (`max_tokens` 1). Per round: the streams' longest gap between
 events while it prefills (from its arrival to its token), that gap over the normal step, the long
-prompt's TTFT, and the streams' tokens/s meanwhile. `--budgets`: `prefill_chunk` values (the
-token budget of a step). `--against REV`: the same measurement on a git revision's tree, in a
+prompt's TTFT, and the streams' output events/s meanwhile. `--budgets`: values of the
+token budget of a step: `step_token_budget`, or `prefill_chunk` in a tree without it). `--against REV`: the same measurement on a git revision's tree, in a
 process of its own that imports that tree's package, rounds alternated (old, new, new, old, ...).
 """
 from __future__ import annotations
@@ -51,31 +51,39 @@ def measure(engine, prompts: list[list[int]], long_prompt: list[int], settle: fl
     time.sleep(0.5)  # the gap that ends after the prompt's token counts too
     for seq_id in ids:
         engine.cancel(seq_id)
-    longest, tokens = 0.0, 0
+    gaps, tokens = [], 0
     for ev in events:
         inside = [t for t in ev if t0 <= t <= t1]
         tokens += len(inside)
         marks = [max(t for t in ev if t < t0)] + inside + [min((t for t in ev if t > t1), default=t1)]
-        longest = max(longest, max(b - a for a, b in zip(marks, marks[1:])))
+        gaps += [b - a for a, b in zip(marks, marks[1:])]
+    longest, q = max(gaps), statistics.quantiles(gaps, n=100)
     deadline = time.perf_counter() + 600
     while engine.stats()["active_slots"]:
         assert time.perf_counter() < deadline
         time.sleep(0.01)
     return {"normal_ms": normal * 1e3, "longest_ms": longest * 1e3, "ratio": longest / normal,
+            "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
             "ttft_s": t1 - t0, "events_per_s": tokens / (t1 - t0)}
 
 
 def child(args: argparse.Namespace) -> None:
     """One tree's rounds: rows as JSON on stdout's last line."""
     sys.path.insert(0, str(Path(args.package).resolve()))
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_kv_cache import prompt_of, texts
+    import specguide  # that tree's package, before bench_kv_cache puts this tree's first on the path
     from specguide.config import EngineConfig
     from specguide.engine.loop import Engine
+    from specguide.request import Request  # noqa: F401 (measure's imports: the same package)
+
+    assert Path(specguide.__file__).resolve().is_relative_to(Path(args.package).resolve()), specguide.__file__
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_kv_cache import prompt_of, texts
 
     rows = []
     for budget in (int(b) for b in args.budgets.split(",")):
-        engine = Engine(EngineConfig(prefix_caching=False, prefill_chunk=budget))
+        # the step's token budget: step_token_budget (one forward a step), before it prefill_chunk
+        knob = "step_token_budget" if "step_token_budget" in EngineConfig.__dataclass_fields__ else "prefill_chunk"
+        engine = Engine(EngineConfig(prefix_caching=False, **{knob: budget}))
         ids = texts(engine)
         prompts = [prompt_of(ids, 300, i) for i in range(args.streams)]
         for r in range(args.round_count):
@@ -130,13 +138,14 @@ def main() -> None:
         if tmp:
             subprocess.run(["git", "worktree", "remove", "--force", tmp], cwd=ROOT, check=False)
     print(f"\n{args.streams} streams decoding, one {args.long}-token prompt arrives:")
-    print("| tree | prefill_chunk | normal step (ms) | longest gap (ms) | gap / step | long TTFT (s) | "
-          "stream events/s meanwhile |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| tree | budget | normal step (ms) | gaps meanwhile p50 / p99 (ms) | longest gap (ms) | longest / step "
+          "| long TTFT (s) | stream events/s meanwhile |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, rows in results.items():
         for row in rows:
-            print(f"| {name} | {row['budget']} | {row['normal_ms']:.0f} | {row['longest_ms']:.0f} | "
-                  f"{row['ratio']:.1f} | {row['ttft_s']:.2f} | {row['events_per_s']:.1f} |", flush=True)
+            print(f"| {name} | {row['budget']} | {row['normal_ms']:.0f} | {row['p50_ms']:.0f} / {row['p99_ms']:.0f} | "
+                  f"{row['longest_ms']:.0f} | {row['ratio']:.1f} | {row['ttft_s']:.2f} | {row['events_per_s']:.1f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -95,9 +95,11 @@ class EngineConfig:
     kv_cache_bytes: int = 0  # bytes for the KV blocks instead of kv_cache_memory_fraction (0: the fraction)
     max_seq_len: int = 0  # prompt + generated tokens per sequence; 0: the model's context (config.json
     # max_position_embeddings, set by the engine), at most what the KV blocks hold
-    prefill_chunk: int = 256  # token budget per engine step; on CPU (the C kernels) prompt chunks and decode
-    # rows share one forward: the decode rows (each with its drafts) first, prompt chunks the rest, at
-    # least a quarter; elsewhere prompt chunks only, each in a forward of its own
+    prefill_chunk: int = 256  # prompt tokens per engine step (all prompts' chunks together)
+    step_token_budget: int = 64  # CPU (the C kernels: prompt chunks and decode rows in one forward): tokens
+    # a step takes while sequences decode, their rows (each with its drafts) first, prompt chunks the rest
+    # (at least a quarter); smaller: running streams' tokens come evenly while a long prompt prefills,
+    # larger: that prompt's first token sooner; 0: prefill_chunk
     prefix_caching: bool = True  # a free slot keeps its KV: a prompt starting with tokens a slot holds
     # reuses them (copied from a busy slot), outputs as from scratch: up to the first differing token
     # (prompt and output positions) where the forward is chunk-invariant (CPU, fp32, C kernels), else
@@ -194,7 +196,7 @@ class EngineConfig:
         _check(self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:"),
                f"device must be cpu, cuda, cuda:<n> or auto, got {self.device!r}")
         _check(self.max_seq_len == 0 or self.max_seq_len >= 16, f"max_seq_len must be 0 or >= 16, got {self.max_seq_len!r}")
-        for name, low in (("max_slots", 0), ("prefill_chunk", 1), ("max_queue", 1),
+        for name, low in (("max_slots", 0), ("prefill_chunk", 1), ("step_token_budget", 0), ("max_queue", 1),
                           ("default_max_tokens", 1), ("draft_layers", 1), ("ngram_max", 1),
                           ("ngram_trust", 1), ("spec_max_rows", 0), ("guided_compile_workers", 1),
                           ("guided_mask_threads", 1), ("guided_compile_timeout_s", 0), ("request_timeout_s", 0),

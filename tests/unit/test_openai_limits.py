@@ -316,3 +316,15 @@ def test_loopback_needs_no_key(host, monkeypatch):
     assert is_loopback(host)
     assert parse_args(["--host", host]).api_key is None
     assert parse_args([]).host == "127.0.0.1"  # the default
+
+
+def test_max_tokens_limit_follows_the_models_context_when_max_seq_len_is_0(tmp_path):
+    """max_seq_len 0 (the served default) is the model's whole context, as the engine resolves it:
+    not the 2,048 the server assumed before; a setting wins, and 2,048 stays where nothing says."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    assert app_module.max_tokens_limit({"max_seq_len": "0", "max_tokens_limit": "0"}, tmp_path) == 8192
+    assert app_module.max_tokens_limit({"max_seq_len": "4096"}, tmp_path) == 4096
+    assert app_module.max_tokens_limit({"max_seq_len": "0", "max_tokens_limit": "1000"}, tmp_path) == 1000
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 32768}}))
+    assert app_module.max_tokens_limit({}, tmp_path) == 32768  # a multimodal checkpoint's text model
+    assert app_module.max_tokens_limit({}, tmp_path / "absent") == 2048

@@ -44,9 +44,10 @@ def test_chunked_prefill_respects_the_token_budget():
 
 
 def test_one_budget_counts_the_decode_rows_first_and_cuts_prompt_chunks_to_the_rest():
-    """Prompt chunks and decode rows in one forward: `prefill_chunk` tokens a step, each decoding
-    sequence's lookahead + 1 rows first; prompt chunks are cut to what is left, never below a quarter."""
-    s = Scheduler(max_slots=16, max_seq_len=1000, prefill_chunk=64, any_prefix=True, lookahead=3, one_budget=True)
+    """Prompt chunks and decode rows in one forward: while sequences decode, `step_budget` tokens a
+    step, each decoding sequence's lookahead + 1 rows first, prompt chunks cut to what is left (never
+    below a quarter); with nothing decoding, prompt chunks take `prefill_chunk`."""
+    s = Scheduler(max_slots=16, max_seq_len=1000, prefill_chunk=128, any_prefix=True, lookahead=3, step_budget=64)
     runners = [seq(i, n_prompt=4) for i in range(14)]
     for q in runners:
         s.waiting.append(q)
@@ -54,7 +55,7 @@ def test_one_budget_counts_the_decode_rows_first_and_cuts_prompt_chunks_to_the_r
         computed(s, c.seq, c.end)
         c.seq.status = Status.DECODE
     assert all(q.status is Status.DECODE for q in runners)
-    long = seq(99, n_prompt=200)
+    long = seq(99, n_prompt=300)
     s.waiting.append(long)
     plan = s.schedule()  # 14 x 4 = 56 decode rows: 8 left, but never below 16
     assert len(plan.decodes) == 14 and [(c.start, c.end) for c in plan.prefills] == [(0, 16)]
@@ -62,6 +63,31 @@ def test_one_budget_counts_the_decode_rows_first_and_cuts_prompt_chunks_to_the_r
     for q in runners[4:]:  # ten end: 16 rows, the chunk takes the other 48
         s.finish(q, "stop")
     assert [(c.start, c.end) for c in s.schedule().prefills] == [(16, 64)]
+    computed(s, long, 64)
+    for q in runners[:4]:  # nothing decodes: a whole prefill_chunk
+        s.finish(q, "stop")
+    assert [(c.start, c.end) for c in s.schedule().prefills] == [(64, 192)]
+
+
+def test_while_streams_decode_a_prompt_token_counts_its_attention_so_late_chunks_are_shorter():
+    """A token at position p is 1 + p * key_cost tokens' worth of work: a long prompt's chunks beside
+    a decoding stream shrink as its position grows, so no step holds the stream longer than its
+    first did; the decode rows count their positions too."""
+    s = Scheduler(max_slots=2, max_seq_len=4000, prefill_chunk=256, any_prefix=True, lookahead=3, step_budget=64,
+                  key_cost=1 / 100)
+    stream, long = seq(1, n_prompt=4), seq(2, n_prompt=2000)
+    s.waiting.append(stream)
+    for c in s.schedule().prefills:
+        computed(s, c.seq, c.end)
+        stream.status = Status.DECODE
+    s.waiting.append(long)
+    rows = 4 + (4 * 3 + 6) / 100  # the stream's last token and 3 drafts at positions 3 .. 6
+    assert [(c.start, c.end) for c in s.schedule().prefills] == [(0, 48)]  # 48 + 48 * 47 / 200 <= 64 - rows
+    assert s._cost(0, 49) > 64 - rows
+    computed(s, long, 1000)
+    assert [(c.start, c.end) for c in s.schedule().prefills] == [(1000, 1005)]  # ~11 a token at 1,000
+    s.finish(stream, "stop")  # nothing decodes: a whole prefill_chunk, whatever its position
+    assert [(c.start, c.end) for c in s.schedule().prefills] == [(1000, 1256)]
 
 
 def test_not_ready_requests_wait():  # the queue limit is the engine's (test_reliability)

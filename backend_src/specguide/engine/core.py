@@ -51,6 +51,14 @@ def _cause(exc: BaseException) -> BaseException:
     return exc.__cause__ if isinstance(exc, HostFuncError) and exc.__cause__ is not None else exc
 
 
+def key_cost(cfg) -> float:
+    """A key's attention work against a token's other work (its projections and MLP), in FLOPs:
+    how much more a token at position p costs a forward than one at 0 (Scheduler's `key_cost`)."""
+    per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
+        + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return 4 * cfg.num_heads * cfg.head_dim / (2 * per_layer)  # q.k and p.v: 2 FMAs a key and head dim
+
+
 class EngineCore:
     """The engine's state and one iteration (`step`); used on one thread only (Engine's loop).
     `arrivals` hands over the requests submitted since the iteration began (`step` lets them join
@@ -106,7 +114,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,
                                    BlockPool(self.runner.table.numpy(), num_blocks), config.num_draft_tokens,
-                                   one_budget=self.runner.varlen)
+                                   step_budget=(config.step_token_budget or config.prefill_chunk) if self.runner.varlen
+                                   else 0, key_cost=key_cost(self.model.cfg))
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
         self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler)

@@ -143,7 +143,7 @@ class Scheduler:
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
                  prefix_min_tokens: int = 1, any_prefix: bool = False, pool: Optional[BlockPool] = None,
-                 lookahead: int = 0, one_budget: bool = False):
+                 lookahead: int = 0, step_budget: int = 0, key_cost: float = 0.0):
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
@@ -165,11 +165,15 @@ class Scheduler:
         self.reusable: Callable[[int], bool] = lambda slot: True
         self.reused_blocks = 0  # whole KV blocks of prompt prefixes reused at admission, all told (metrics)
         self.lookahead = lookahead  # positions past a decoding sequence's tokens its step may write (drafts)
-        # one_budget: prompt chunks and decode rows share one forward (Runner.varlen), and
-        # `prefill_chunk` tokens a step: the decode rows' (lookahead + 1 each) first, the prompts'
-        # chunks the rest (at least a quarter, so that waiting prompts always move), cut to fit
-        assert not one_budget or any_prefix, "chunks cut to the budget need chunk-invariant forwards"
-        self.one_budget = one_budget
+        # step_budget > 0: prompt chunks and decode rows share one forward (Runner.varlen). While
+        # sequences decode, a step takes `step_budget` tokens' worth of work: the decode rows'
+        # (lookahead + 1 each) first, prompt chunks the rest (at least a quarter, so that waiting
+        # prompts always move), cut to fit; with nothing decoding, prompt chunks take
+        # `prefill_chunk` tokens. A token at position p is worth 1 + p * key_cost tokens (its
+        # attention: key_cost = a key's work / a token's other work), so that a long prompt's last
+        # chunks, each token attending to thousands of keys, hold the streams no longer than its first
+        assert not step_budget or any_prefix, "chunks cut to the budget need chunk-invariant forwards"
+        self.step_budget, self.key_cost = step_budget, key_cost
         if pool is None:  # every slot can hold max_seq_len + lookahead + 1 positions at once
             mb = blocks_per_seq(max_seq_len, lookahead)
             pool = BlockPool(np.zeros((max_slots, mb), np.int32), 1 + max_slots * mb)
@@ -184,7 +188,7 @@ class Scheduler:
         preempted = self._grow_decodes()
         self._resume()
         copies = self._admit(ready)
-        prefills = self._chunks(self._prefill_budget(), planned=set(), preempted=preempted)
+        prefills = self._chunks(*self._prefill_budget(), planned=set(), preempted=preempted)
         decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
         self._pinned.clear()
         return StepPlan(prefills, decodes, copies, preempted)
@@ -196,16 +200,30 @@ class Scheduler:
         `budget` tokens left; no decodes (the step's own batch runs after its prefills). Nothing
         is preempted for them: a chunk whose blocks are not free waits."""
         copies = self._admit(ready)
-        prefills = self._chunks(budget, planned, preempted=None)
+        prefills = self._chunks(budget, False, planned, preempted=None)
         self._pinned.clear()
         return StepPlan(prefills, [], copies)
 
-    def _prefill_budget(self) -> int:
-        """Prompt tokens this step may take (see `one_budget`)."""
-        if not self.one_budget:
-            return self.prefill_chunk
-        rows = sum(self.lookahead + 1 for s in self.running.values() if s.status is Status.DECODE)
-        return max(self.prefill_chunk - rows, self.prefill_chunk // 4, 1)
+    def _prefill_budget(self) -> tuple[float, bool]:
+        """(what this step's prompt chunks may take, whether in tokens' worth of work: see
+        `step_budget`; else in tokens)."""
+        decoding = [s for s in self.running.values() if s.status is Status.DECODE]
+        if not self.step_budget or not decoding:
+            return self.prefill_chunk, False
+        rows = sum(self._cost(s.num_tokens - 1, self.lookahead + 1) for s in decoding)
+        return max(self.step_budget - rows, self.step_budget / 4), True
+
+    def _cost(self, start: int, n: int) -> float:
+        """Tokens' worth of work of n tokens at positions start ..: sum of 1 + p * key_cost."""
+        return n + self.key_cost * (n * start + n * (n - 1) / 2)
+
+    def _fit(self, start: int, n: int, budget: float) -> int:
+        """The most of n tokens at positions start .. whose work fits `budget`."""
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._cost(start, mid) <= budget else (lo, mid - 1)
+        return lo
 
     def _decode_need(self, seq: Sequence) -> int:
         """Positions a decoding sequence's next step may write: its tokens and its drafts."""
@@ -304,10 +322,11 @@ class Scheduler:
         self.waiting.extendleft(reversed(blocked))
         return copies
 
-    def _chunks(self, budget: int, planned: set[int], preempted: Optional[list[Sequence]]) -> list[PrefillChunk]:
+    def _chunks(self, budget: float, weighted: bool, planned: set[int],
+                preempted: Optional[list[Sequence]]) -> list[PrefillChunk]:
         """The next chunk of each prefilling sequence not in `planned`, oldest first, within `budget`
-        and with its blocks; `preempted` (None: nothing may be) collects the sequences preempted
-        to make room for a chunk."""
+        (`weighted`: tokens' worth of work, chunks cut to fit) and with its blocks; `preempted`
+        (None: nothing may be) collects the sequences preempted to make room for a chunk."""
         # NOTE: a request's chunks are [r + k*chunk, r + (k+1)*chunk) after r reused tokens (r a
         # multiple of chunk unless `any_prefix`), whatever else is running, so its prompt's numerics
         # never depend on its neighbours; a chunk that does not fit the remaining budget waits for
@@ -318,9 +337,11 @@ class Scheduler:
             if seq.status is not Status.PREFILL:  # preempted below for an older one's chunk
                 continue
             n = min(self.prefill_chunk, seq.prefill_end - seq.num_cached)
-            if self.one_budget:  # cut to what is left (any split gives the same bits)
-                n = min(n, budget)
-            if n > budget or n <= 0:
+            if weighted:  # cut to what is left (any split gives the same bits); a step's first chunk moves
+                n = max(self._fit(seq.num_cached, n, budget), 0 if prefills else 1)
+            elif self.step_budget:
+                n = min(n, int(budget))
+            if n <= 0 or (not weighted and n > budget):
                 break
             while not self._grow(seq.slot, seq.num_cached + n):
                 victim = self._newest() if preempted is not None else None
@@ -331,7 +352,7 @@ class Scheduler:
             if self.pool.missing(seq.slot, seq.num_cached + n):
                 break  # waits for blocks (an older sequence's step frees them or a preemption does)
             prefills.append(PrefillChunk(seq, seq.num_cached, seq.num_cached + n))
-            budget -= n
+            budget -= self._cost(seq.num_cached, n) if weighted else n
         return prefills
 
     def _pick_slot(self, seq: Sequence) -> tuple[int, int, Optional[PrefixCopy]]:

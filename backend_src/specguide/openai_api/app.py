@@ -63,15 +63,30 @@ def _default_template_dir(params: dict[str, str]) -> Path:
     return cache_dir() / "models" / "smollm2-135m-instruct"  # the default model's converted folder
 
 
+def max_tokens_limit(params: dict[str, str], folder: Path) -> int:
+    """The model's max_tokens_limit as its engine resolves it: the setting, else max_seq_len, else
+    (0: the model's whole context) `max_position_embeddings` of the model folder's config.json;
+    2048 where none is known (e.g. a GGUF file)."""
+    for key in ("max_tokens_limit", "max_seq_len"):
+        if int(params.get(key) or 0) > 0:
+            return int(params[key])
+    try:
+        conf = json.loads((folder / "config.json").read_text())
+        return int((conf.get("text_config") or conf)["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 2048
+
+
 def create_app(settings: Settings, client: Optional[TritonClient] = None) -> FastAPI:
     """The app; `client` defaults to a TritonClient on settings.triton_url, made at start-up."""
     ctx = handlers.Context(client=client, template=None, model_name=settings.served_model_name, caps=settings.caps)
 
     def configure(params: dict[str, str]) -> None:
-        limit = int(params.get("max_tokens_limit") or 0) or int(params.get("max_seq_len") or 0) or 2048
+        model_folder = _default_template_dir(params)
+        limit = max_tokens_limit(params, model_folder)
         ctx.limits, ctx.default_chat_max_tokens = Limits(limit), limit
         ctx.reasoning = ReasoningMarkers.parse(params.get("reasoning_markers", ""))
-        folder = settings.chat_template_dir or _default_template_dir(params)
+        folder = settings.chat_template_dir or model_folder
         try:
             ctx.template = ChatTemplate(folder)
         except (OSError, ValueError) as e:
