@@ -96,10 +96,11 @@ class EngineConfig:
     max_seq_len: int = 0  # prompt + generated tokens per sequence; 0: the model's context (config.json
     # max_position_embeddings, set by the engine), at most what the KV blocks hold
     prefill_chunk: int = 256  # prompt tokens per engine step (all prompts' chunks together)
-    step_token_budget: int = 64  # CPU (the C kernels: prompt chunks and decode rows in one forward): tokens
-    # a step takes while sequences decode, their rows (each with its drafts) first, prompt chunks the rest
-    # (at least a quarter); smaller: running streams' tokens come evenly while a long prompt prefills,
-    # larger: that prompt's first token sooner; 0: prefill_chunk
+    step_token_budget: int = 96  # CPU (the C kernels: prompt chunks and decode rows in one forward): tokens'
+    # worth of work a step takes while sequences decode, their rows (each with its drafts) first, prompt
+    # chunks the rest (at least a quarter); a token at position p is worth 1 + p x (a key's attention
+    # work / a token's other work); smaller: running streams' tokens come evenly while a long prompt
+    # prefills, larger: that prompt's first token sooner (bench_gap.py); 0: prefill_chunk
     prefix_caching: bool = True  # a free slot keeps its KV: a prompt starting with tokens a slot holds
     # reuses them (copied from a busy slot), outputs as from scratch: up to the first differing token
     # (prompt and output positions) where the forward is chunk-invariant (CPU, fp32, C kernels), else
