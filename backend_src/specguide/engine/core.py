@@ -11,7 +11,7 @@ import sys
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -49,14 +49,6 @@ def _detail(exc: BaseException) -> str:
 def _cause(exc: BaseException) -> BaseException:
     """The exception a grammar callback raised (host streams wrap it in HostFuncError)."""
     return exc.__cause__ if isinstance(exc, HostFuncError) and exc.__cause__ is not None else exc
-
-
-def key_cost(cfg) -> float:
-    """A key's attention work against a token's other work (its projections and MLP), in FLOPs:
-    how much more a token at position p costs a forward than one at 0 (Scheduler's `key_cost`)."""
-    per_layer = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim \
-        + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    return 4 * cfg.num_heads * cfg.head_dim / (2 * per_layer)  # q.k and p.v: 2 FMAs a key and head dim
 
 
 class EngineCore:
@@ -115,7 +107,7 @@ class EngineCore:
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,
                                    BlockPool(self.runner.table.numpy(), num_blocks), config.num_draft_tokens,
                                    step_budget=(config.step_token_budget or config.prefill_chunk) if self.runner.varlen
-                                   else 0, key_cost=key_cost(self.model.cfg))
+                                   else 0, key_cost=self.model.cfg.key_cost)
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
         self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler)
@@ -276,9 +268,7 @@ class EngineCore:
                 prefills.extend(more.prefills)
                 budget -= sum(c.end - c.start for c in more.prefills)
                 self._note(plan)
-        for seq in self._decode_batch(plan.decodes):
-            if seq.status is not Status.FINISHED:
-                self._emit(seq)
+        self._emit_live(self._decode_batch(plan.decodes))
         return True
 
     def _one_forward(self, plan: StepPlan) -> None:
@@ -299,21 +289,18 @@ class EngineCore:
                 self.runner.ride(riders)
         except Exception as exc:
             log.exception("step failed (%d prompt chunks, %d decode rows)", len(chunks), len(plan.decodes))
-            for chunk in chunks:
-                seq = self._prefill_chunk(chunk)
-                if seq is not None and seq.status is not Status.FINISHED:
-                    self._emit(seq)
-            for seq in self._recover(plan.decodes, exc) if plan.decodes else []:
-                if seq.status is not Status.FINISHED:
-                    self._emit(seq)
+            self._emit_live(self._prefill_chunk(chunk) for chunk in chunks)
+            self._emit_live(self._recover(plan.decodes, exc) if plan.decodes else [])
             return
         # NOTE: the decode's tokens first: they confirm what its grammar commit fed, which the next
         # commit (a prompt's first token) replaces
-        for seq in self._appended(plan.decodes, results) if plan.decodes else []:
-            if seq.status is not Status.FINISHED:
-                self._emit(seq)
-        for i, chunk in enumerate(chunks):
-            seq = self._prefill_chunk(chunk, riders.rows(i))
+        self._emit_live(self._appended(plan.decodes, results) if plan.decodes else [])
+        self._emit_live(self._prefill_chunk(chunk, riders.rows(i)) for i, chunk in enumerate(chunks))
+
+    def _emit_live(self, seqs: Iterable[Optional[Sequence]]) -> None:
+        """Send the new output of each sequence still running (None: a chunk that produced none), each
+        as it comes (a generator of prompt chunks: a request's first token before the next chunk's)."""
+        for seq in seqs:
             if seq is not None and seq.status is not Status.FINISHED:
                 self._emit(seq)
 

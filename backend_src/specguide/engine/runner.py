@@ -32,7 +32,6 @@ class Riders:
     """Prompt chunks whose tokens go through one forward as rows of any length (the C kernels'
     varlen rows), beside a decode step's rows or alone. `hidden` [1, n, H] after that forward."""
 
-    chunks: list[PrefillChunk]
     ids: torch.Tensor  # [1, n] the chunks' tokens, one after another
     positions: torch.Tensor  # [1, n]
     slots: torch.Tensor  # [rows] each chunk's cache row
@@ -117,7 +116,7 @@ class Runner(SlotOwner):
         def longs(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-        return Riders(chunks, longs([t for c in chunks for t in self._tokens(c)])[None],
+        return Riders(longs([t for c in chunks for t in self._tokens(c)])[None],
                       longs([p for c in chunks for p in range(c.start, c.end)])[None],
                       longs([c.seq.slot for c in chunks]),
                       longs([c.seq.slot for c, n in zip(chunks, lens) for _ in range(n)]),

@@ -60,6 +60,14 @@ class ModelConfig:
     def scale(self) -> float:
         return self.attn_scale or self.head_dim ** -0.5
 
+    @property
+    def key_cost(self) -> float:
+        """A key's attention work against a token's other work (its projections and MLP), in FLOPs:
+        how much more a token at position p costs a forward than one at 0 (Scheduler's `key_cost`)."""
+        per_layer = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim \
+            + self.num_heads * self.head_dim * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+        return 4 * self.num_heads * self.head_dim / (2 * per_layer)  # q.k and p.v: 2 FMAs a key and head dim
+
     def plain_attention(self) -> ModelConfig:
         """This config with Llama's attention (full, head_dim ** -0.5, uncapped): draft heads."""
         return replace(self, attn_scale=0.0, attn_softcap=0.0, sliding_window=0, sliding=())
