@@ -28,7 +28,7 @@ SETTINGS = {"max_slots": "4", "guided_compile_timeout_s": "2", "guided_max_schem
 REGEX = "[0-9]{3}-[0-9]{4}"
 GT, G = "guided_decoding_guide_type", "guided_decoding_guide"
 N_BACKGROUND = 1200  # tokens of the stream that runs while big prompts are refused
-N_VICTIM = 400  # tokens of the stream that runs beside out-of-vocabulary ids
+N_VICTIM = 4000  # the most tokens of the stream that runs beside out-of-vocabulary ids (cancelled once they are refused)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,12 @@ class Stream:
         """The largest gap between the engine's token times (server clock), over the whole stream."""
         ts = self.server_ns
         return max((b - a for a, b in zip(ts, ts[1:])), default=float("inf")) / 1e9
+
+    def cancel(self) -> "Stream":
+        """End the stream from the client (the request is cancelled); what came before stays."""
+        self.client.stop_stream(cancel_requests=True)
+        self.client.close()
+        return self
 
     def wait(self, timeout: float = 120) -> "Stream":
         assert self.done.wait(timeout), "no final response"
@@ -209,11 +215,7 @@ def test_an_id_outside_the_vocabulary_is_refused_at_intake_and_the_stream_beside
     first = raw_stream(hostile, {"text_input": S(attack_prompt), "max_tokens": I(1), "stream": B(True)})
     assert first[0][1] is None, first[0][1].message()
     t = int(first[0][0].as_numpy("output_ids").reshape(-1)[0])
-    victim_values = {"text_input": PROMPT, "max_tokens": N_VICTIM, "min_tokens": N_VICTIM}
-    solo = Stream(hostile, victim_values).wait()
-    assert not solo.errors and solo.ntokens == N_VICTIM, solo.errors
-
-    victim = Stream(hostile, victim_values)
+    victim = Stream(hostile, {"text_input": PROMPT, "max_tokens": N_VICTIM, "min_tokens": N_VICTIM})
     deadline = time.monotonic() + 120
     while len(victim.times) < 3:
         assert time.monotonic() < deadline, "the victim stream never started"
@@ -225,14 +227,20 @@ def test_an_id_outside_the_vocabulary_is_refused_at_intake_and_the_stream_beside
                                     "sampling_parameters": S(json.dumps({"stop_token_ids": [999999], "min_tokens": 4,
                                                                          "temperature": 0}))})
     t_refused = time.perf_counter()
-    victim.wait()
+    while not victim.done.is_set() and not (victim.times and victim.times[-1] > t_refused):
+        assert time.monotonic() < deadline, "the victim stream stalled"
+        time.sleep(0.01)
     assert not victim.errors, victim.errors
-    assert victim.ntokens == N_VICTIM and victim.text == solo.text
+    assert victim.times[-1] > t_refused  # the refusals came while the victim was still streaming
+    victim.cancel()
+    n, text = victim.ntokens, victim.text  # the callbacks have stopped
     for got, field in ((bad, "bad_words_list"), (stop_ids, "stop_token_ids")):
         assert len(got) == 1 and got[0][1] is not None, f"{field}: answered instead of refused"
         message = got[0][1].message()
         assert field in message and "999999 is out of range" in message and "vocabulary" in message, message
-    assert victim.times[-1] > t_refused  # the refusals came while the victim was still streaming
+    solo = Stream(hostile, {"text_input": PROMPT, "max_tokens": n, "min_tokens": n}).wait()  # the victim's tokens alone
+    assert not solo.errors and solo.ntokens == n, solo.errors
+    assert solo.text.startswith(text) and len(text) >= len(solo.text) - 8, (text[-40:], solo.text[-40:])
     status, body = http(hostile, f"models/{MODEL}/generate", {"text_input": PROMPT, "max_tokens": 8})
     assert status == 200 and body["text_output"], body
 

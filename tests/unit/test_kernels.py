@@ -451,12 +451,28 @@ def test_a_prefix_copy_moves_whole_positions_with_their_scales(store):
         assert not torch.equal(old[:, :, 5:37], want[:, :, 5:37])
 
 
+def _vm_flags(lo: int, hi: int) -> list[set[str]]:
+    """smaps' VmFlags of each of this process's mappings that overlap [lo, hi)."""
+    import re
+
+    out, inside = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                inside = int(m[1], 16) < hi and int(m[2], 16) > lo
+            elif inside and line.startswith("VmFlags:"):
+                out.append(set(line.split()[1:]))
+    return out
+
+
 def test_the_cpu_kv_cache_takes_its_pages_as_blocks_are_used_and_in_huge_pages_where_the_kernel_offers_them():
     """KVCache's K and V (CPU, the kernel's layout) are not written when made: their memory is taken
     as blocks are first written (a 90 MiB cache holds next to nothing resident at first). Where
-    transparent huge pages are on ("always" or "madvise"), once written at least half of it is in
-    2 MiB pages (a decode step streams it; ~100% here, but a fragmented machine may not give every
-    page). Under "madvise" a plain `torch.zeros` cache has none: this fails with the advice removed."""
+    transparent huge pages are on ("always" or "madvise"), every whole 2 MiB page inside it is
+    advised for huge pages (smaps' VmFlags `hg`: a decode step streams it). Which pages the kernel
+    then hands out depends on how fragmented the machine's memory is (CI got 40 of 90 MiB, this
+    machine ~100%), so that is not asserted. Fails with the advice removed."""
     import os
     from pathlib import Path
 
@@ -472,8 +488,13 @@ def test_the_cpu_kv_cache_takes_its_pages_as_blocks_are_used_and_in_huge_pages_w
     mode = thp.read_text().split("[")[1].split("]")[0] if thp.exists() else "none"
     total_kb = (kv.k.nbytes + kv.v.nbytes) >> 10
     if mode in ("always", "madvise") and os.path.exists("/proc/self/smaps"):
-        k_kb, v_kb = huge_page_kb(kv.k.data_ptr(), kv.k.nbytes), huge_page_kb(kv.v.data_ptr(), kv.v.nbytes)
-        assert k_kb + v_kb >= 0.5 * total_kb, (mode, k_kb, v_kb, total_kb)
+        for t in (kv.k, kv.v):
+            lo = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+            hi = (t.data_ptr() + t.nbytes) // HUGE_PAGE * HUGE_PAGE
+            flags = _vm_flags(lo, hi)
+            assert flags and all("hg" in f for f in flags), (mode, flags)
+        print(f"{(huge_page_kb(kv.k.data_ptr(), kv.k.nbytes) + huge_page_kb(kv.v.data_ptr(), kv.v.nbytes)) >> 10} "
+              f"of {total_kb >> 10} MiB in huge pages")
     else:  # the whole huge pages inside the tensor advised, or none (no THP, not Linux)
         lo, hi = kv.v.data_ptr(), kv.v.data_ptr() + kv.v.nbytes
         inside = hi // HUGE_PAGE * HUGE_PAGE - -(-lo // HUGE_PAGE) * HUGE_PAGE
