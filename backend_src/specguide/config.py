@@ -101,6 +101,9 @@ class EngineConfig:
     # chunks the rest (at least a quarter); a token at position p is worth 1 + p x (a key's attention
     # work / a token's other work); smaller: running streams' tokens come evenly while a long prompt
     # prefills, larger: that prompt's first token sooner (bench_gap.py); 0: prefill_chunk
+    new_request_slots: int = -1  # the last free slots, kept for requests none of whose rows holds a slot:
+    # a request of many rows (a batch, n > 1) never takes them, so that one arriving after it starts at
+    # once instead of waiting for those rows to finish; -1: max_slots // 8 (8 of the CPU's 64), 0: none
     prefix_caching: bool = True  # a free slot keeps its KV: a prompt starting with tokens a slot holds
     # reuses them (copied from a busy slot), outputs as from scratch: up to the first differing token
     # (prompt and output positions) where the forward is chunk-invariant (CPU, fp32, C kernels), else
@@ -210,6 +213,7 @@ class EngineConfig:
                           ("max_bad_words", 0), ("max_word_tokens", 0),
                           ("engine_nice", 0)):
             _check(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)!r}")
+        _check(self.new_request_slots >= -1, f"new_request_slots must be >= -1, got {self.new_request_slots}")
         _check(self.engine_nice <= 19, f"engine_nice must be in [0, 19], got {self.engine_nice}")
         _check(0 <= self.num_draft_tokens <= 15, f"num_draft_tokens must be in [0, 15], got {self.num_draft_tokens}")
         _check(self.drafter in DRAFTERS, f"unknown drafter {self.drafter!r} (one of {DRAFTERS})")

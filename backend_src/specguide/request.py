@@ -251,6 +251,8 @@ class Request:
     guided: Optional[GuidedDecodingParams] = None
     num_draft_tokens: Optional[int] = None  # None = the configured K; 0 = no speculation
     request_id: str = ""  # the client's id, echoed in logs
+    group: Optional[int] = None  # the client request this is a row of (its batch rows and n share it): slots
+    # and decode rows are shared fairly between groups (Scheduler); None: a group of its own
     timeout_s: Optional[float] = None  # None = EngineConfig.request_timeout_s; 0 = no limit
     fault: Optional[str] = None  # injected fault (specguide.engine.faults; honoured only when enabled)
 

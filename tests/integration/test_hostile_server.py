@@ -10,6 +10,7 @@ small limits (compile timeout 2 s, no schema property limit, so compile bombs re
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from typing import Any
@@ -21,10 +22,11 @@ import tritonclient.grpc as grpcclient
 from client.common import _chunk_from_result, grpc_inputs
 
 from .conftest import MODEL, Server, launch, repository_with, stop_and_check
-from .helpers import B, I, S, raw_stream
+from .helpers import B, I, S, raw_stream, tensor_inputs
 from .test_resilience_server import PROMPT, http
 
-SETTINGS = {"max_slots": "4", "guided_compile_timeout_s": "2", "guided_max_schema_properties": "0"}
+SETTINGS = {"max_slots": "4", "guided_compile_timeout_s": "2", "guided_max_schema_properties": "0",
+            "new_request_slots": "1"}
 REGEX = "[0-9]{3}-[0-9]{4}"
 GT, G = "guided_decoding_guide_type", "guided_decoding_guide"
 N_BACKGROUND = 1200  # tokens of the stream that runs while big prompts are refused
@@ -243,6 +245,40 @@ def test_an_id_outside_the_vocabulary_is_refused_at_intake_and_the_stream_beside
     assert solo.text.startswith(text) and len(text) >= len(solo.text) - 8, (text[-40:], solo.text[-40:])
     status, body = http(hostile, f"models/{MODEL}/generate", {"text_input": PROMPT, "max_tokens": 8})
     assert status == 200 and body["text_output"], body
+
+
+def test_a_request_of_many_rows_leaves_a_slot_to_the_request_after_it(hostile):
+    """Issue 75, found by the fuzzing run: a 64-row request (max_tokens 4,096 each) took every slot
+    and a request sent after it waited minutes for one. Here 4 slots, new_request_slots 1: a 4-row
+    request runs 3 rows at once and keeps the last slot for others, so that a request sent while
+    its rows decode is answered before it (with every slot taken, it waited for the 4 rows to end)."""
+    rows, n = 4, 300
+    got: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(hostile.grpc)
+    client.start_stream(callback=lambda result, error: got.put((time.perf_counter(), result, error)))
+    values = {"text_input": np.array([[PROMPT.encode()]] * rows, np.object_), "max_tokens": np.full((rows, 1), n, np.int32),
+              "min_tokens": np.full((rows, 1), n, np.int32), "stream": np.full((rows, 1), True)}
+    client.async_stream_infer(MODEL, tensor_inputs(values), enable_empty_final_response=True)
+    tokens, arrivals = [0] * rows, []  # (time, batch tokens so far)
+    try:
+        t, result, error = got.get(timeout=120)  # the batch is decoding
+        late = Stream(hostile, {"text_input": "Hi", "max_tokens": 4}).wait()
+        while True:
+            assert error is None, error.message()
+            ids = result.as_numpy("output_ids")
+            if ids is not None:
+                tokens[int(result.as_numpy("batch_index").reshape(-1)[0])] += int((ids >= 0).sum())
+                arrivals.append((t, sum(tokens)))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+            t, result, error = got.get(timeout=120)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert tokens == [n] * rows
+    assert not late.errors and late.ntokens == 4, late.errors
+    before = max(k for t, k in arrivals if t < late.times[-1])
+    assert before < rows * n // 2, before  # answered while the batch's rows decode (it waited for all of them)
 
 
 def test_the_server_serves_on_after_the_hostile_run(hostile):

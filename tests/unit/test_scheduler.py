@@ -309,3 +309,45 @@ def test_requests_that_arrive_during_a_steps_prefills_join_them_within_its_budge
     assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills] == [(3, 8, 13), (4, 8, 17)]
     assert [q.seq_id for q in plan.decodes] == [9, 1, 2]
     s.check_integrity()
+
+
+def test_a_request_of_many_rows_leaves_the_last_free_slots_to_the_requests_after_it():
+    """Issue 75, found by the fuzzing run: a 64-row request (max_tokens 4,096 each) took all 64 slots,
+    and a request sent after it waited minutes for one. Now the last `new_request_slots` free slots go
+    only to requests none of whose rows holds a slot: the many-row request runs on the others, a
+    single-row request after it starts at once, and the held-back rows take slots as they come free
+    (first come, first served among them). With new_request_slots 0, the late request waits."""
+    def run(reserve: int):
+        s = Scheduler(max_slots=8, max_seq_len=100, prefill_chunk=1000, new_request_slots=reserve)
+        batch = [seq(i) for i in range(1, 11)]  # one request's 10 rows
+        for q in batch:
+            q.group = 1
+            s.waiting.append(q)
+        s.schedule()
+        late = seq(20)
+        late.group = 2
+        s.waiting.append(late)
+        s.schedule()
+        s.check_integrity()
+        return s, batch, late
+
+    s, batch, late = run(2)
+    assert [q.slot is not None for q in batch] == [True] * 6 + [False] * 4  # 2 slots kept free
+    assert late.slot is not None and late.status is Status.PREFILL
+    late2 = seq(21)
+    late2.group = 3
+    s.waiting.append(late2)
+    s.schedule()
+    assert late2.slot is not None and not s.free_slots  # the last free slot: it holds none
+    s.finish(batch[0], "length")
+    s.schedule()
+    assert batch[6].slot is None and len(s.free_slots) == 1  # one free: kept
+    s.finish(late, "length")
+    s.finish(late2, "length")
+    s.schedule()
+    assert batch[6].slot is not None and batch[7].slot is None  # the oldest waiting row, then 2 kept again
+    assert len(s.free_slots) == 2
+    s.check_integrity()
+
+    s, batch, late = run(0)
+    assert all(q.slot is not None for q in batch[:8]) and late.slot is None and late.status is Status.WAITING

@@ -107,7 +107,9 @@ class EngineCore:
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,
                                    BlockPool(self.runner.table.numpy(), num_blocks), config.num_draft_tokens,
                                    step_budget=(config.step_token_budget or config.prefill_chunk) if self.runner.varlen
-                                   else 0, key_cost=self.model.cfg.key_cost)
+                                   else 0, key_cost=self.model.cfg.key_cost,
+                                   new_request_slots=config.max_slots // 8 if config.new_request_slots < 0
+                                   else min(config.new_request_slots, config.max_slots - 1))
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
         self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler)

@@ -81,6 +81,7 @@ starts, then collects, their grammar compiles."""
             stop_ids=frozenset(stop_ids), num_draft_tokens=cfg.num_draft_tokens if k is None else k,
             request_id=request.request_id,
             out=OutputState(detok=IncrementalDetokenizer(self.tokenizer)), guide=GuideState(params=request.guided))
+        seq.group = request.group if request.group is not None else -seq.seq_id  # (<= 0: apart from the client's)
         if timeout > 0:
             seq.deadline = seq.stats.arrival + timeout
         if request.guided is not None:  # a malformed guide raises here; compile errors come later

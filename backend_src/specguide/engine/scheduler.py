@@ -42,6 +42,7 @@ class Sequence:
     stop_ids: frozenset[int]  # tokens that end the sequence (EOS, end_id, stop_token_ids)
     num_draft_tokens: int = 0
     request_id: str = ""
+    group: int = 0  # the client request it is a row of (Request.group): fair shares are per group
     output_ids: list[int] = field(default_factory=list)
     slot: Optional[int] = None
     num_cached: int = 0
@@ -143,7 +144,7 @@ class Scheduler:
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
                  prefix_min_tokens: int = 1, any_prefix: bool = False, pool: Optional[BlockPool] = None,
-                 lookahead: int = 0, step_budget: int = 0, key_cost: float = 0.0):
+                 lookahead: int = 0, step_budget: int = 0, key_cost: float = 0.0, new_request_slots: int = 0):
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
@@ -174,6 +175,9 @@ class Scheduler:
         # chunks, each token attending to thousands of keys, hold the streams no longer than its first
         assert not step_budget or any_prefix, "chunks cut to the budget need chunk-invariant forwards"
         self.step_budget, self.key_cost = step_budget, key_cost
+        # the last `new_request_slots` free slots go only to a request none of whose rows holds one: a
+        # request of many rows (a batch, n > 1) leaves them to the requests that come after it
+        self.new_request_slots = new_request_slots
         if pool is None:  # every slot can hold max_seq_len + lookahead + 1 positions at once
             mb = blocks_per_seq(max_seq_len, lookahead)
             pool = BlockPool(np.zeros((max_slots, mb), np.int32), 1 + max_slots * mb)
@@ -292,6 +296,7 @@ class Scheduler:
         their first chunk's blocks fit; returns the copies to run before any chunk."""
         blocked: list[Sequence] = []
         copies: list[PrefixCopy] = []
+        holding = {s.group for s in self.running.values()}  # requests with a row in a slot
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
             if seq.cancelled:
@@ -299,6 +304,9 @@ class Scheduler:
                 continue
             if not ready(seq):  # e.g. its grammar is still compiling
                 blocked.append(self.waiting.popleft())
+                continue
+            if seq.group in holding and len(self.free_slots) <= self.new_request_slots:
+                blocked.append(self.waiting.popleft())  # kept for a request that holds none
                 continue
             if any(s.status is Status.PREEMPTED for s in self.running.values()):
                 break  # the preempted go first
@@ -319,6 +327,7 @@ class Scheduler:
             seq.status = Status.PREFILL
             seq.stats.first_scheduled_time_ns = time.time_ns()
             self.running[seq.slot] = seq
+            holding.add(seq.group)
         self.waiting.extendleft(reversed(blocked))
         return copies
 

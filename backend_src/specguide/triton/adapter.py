@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import queue
@@ -94,6 +95,7 @@ class TritonPythonModel:
         self._outbox: "queue.Queue[Any]" = queue.Queue()
         self._live: set[GroupMember] = set()
         self._live_lock = threading.Lock()
+        self._groups = itertools.count(1)  # Request.group: one per Triton request (its rows share slots fairly)
         self._closing = False
         self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
         self._thread.start()
@@ -146,6 +148,9 @@ class TritonPythonModel:
             if tensors and request_bytes(tensors) > BIG_REQUEST_BYTES:
                 tensors = {}
                 trim(force=False)  # give a big request's freed heap back to the OS
+        key = next(self._groups)
+        for p in parsed:
+            p.request.group = key
         group = Group(pb_utils, request, sender, len(parsed), request.request_id(), unary=interface == "unary",
                        via_proxy=interface != "trtllm" or error_output)
         served = self._served(parameters, interface)
