@@ -2,7 +2,7 @@
 
 Each strategy draws a `Case`: one request to one target, cheap to serve unless the point is the size
 of an input (every valid `max_tokens` is <= 8; a drawn length past that is one the server must
-refuse, e.g. 2049 > max_seq_len). Targets:
+refuse, e.g. 8193 > max_seq_len). Targets:
 
 - `specguide` (gRPC stream), `specguide_unary` (gRPC infer), `specguide_vllm` (gRPC stream): raw
   tensors. Names: the declared inputs of each interface (`specguide.triton.interfaces`, the one

@@ -12,7 +12,7 @@ EOS = 2
 PROMPT_BYTES_CAP = 32768  # max_prompt_bytes default (16 x max_seq_len)
 GUIDE_BYTES_CAP = 262144  # guided_max_guide_bytes
 JSON_BYTES_CAP = 327680  # max_sampling_parameters_bytes default
-MAX_SEQ_LEN = 2048
+MAX_SEQ_LEN = 8192  # the served max_seq_len: the default model's whole context (max_position_embeddings)
 
 ENGINE, UNARY, VLLM = "specguide", "specguide_unary", "specguide_vllm"
 TARGETS = (ENGINE, UNARY, VLLM, "http", "openai_completions", "openai_chat")

@@ -21,7 +21,7 @@ ints32 = st.one_of(st.sampled_from(INT_EXTREMES), st.integers(INT32_MIN, INT32_M
 floats32 = st.one_of(st.sampled_from(FLOAT_EXTREMES), st.floats(width=32))
 uint64s = st.one_of(st.sampled_from([0, 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
 # a length a client asks for: small (cheap to serve), or one the server must refuse
-lengths = st.one_of(st.integers(0, 8), st.sampled_from([-1, -2, INT32_MIN, INT32_MAX, 2049, 4096, 10**6]))
+lengths = st.one_of(st.integers(0, 8), st.sampled_from([-1, -2, INT32_MIN, INT32_MAX, MAX_SEQ_LEN + 1, 2 * MAX_SEQ_LEN, 10**6]))
 small_counts = st.one_of(st.integers(0, 4), st.sampled_from([-1, 16, 17, 64, 65, 1000, INT32_MAX, INT32_MIN]))
 # tokens the model writes often (" the", ".", ",", " a", "\n", " and", " of", " is", " The", "-", ...): a word
 # list's prefix that matches what a sequence just wrote makes the engine look at the word's next id

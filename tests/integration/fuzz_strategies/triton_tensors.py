@@ -240,9 +240,10 @@ def triton_case(draw, model: str) -> Case:
         if name not in specs:
             continue
         b = batch
-        if b is not None and b > 3 and name == "text_input":
+        if b is not None and b > 3 and name in ("text_input", "input_ids"):
             # many rows are cheap only with short prompts
-            out[name] = _array([draw(texts(64, long=False))], np.object_, (b, 1))
+            out[name] = (_array([draw(texts(64, long=False))], np.object_, (b, 1)) if name == "text_input"
+                         else _array(draw(st.lists(token_ids, min_size=1, max_size=8)), np.int32, (b, 8)))
             continue
         out[name] = draw(tensor(name, specs[name], b))
     for name in draw(st.lists(st.sampled_from(UNKNOWN_NAMES), max_size=2, unique=True)) if draw(st.integers(0, 15)) == 0 else []:
