@@ -104,11 +104,12 @@ class EngineConfig:
     new_request_slots: int = -1  # the last free slots, kept for requests none of whose rows holds a slot:
     # a request of many rows (a batch, n > 1) never takes them, so that one arriving after it starts at
     # once instead of waiting for those rows to finish; -1: max_slots // 8 (8 of the CPU's 64), 0: none
-    prefix_caching: bool = True  # a free slot keeps its KV: a prompt starting with tokens a slot holds
-    # reuses them (copied from a busy slot), outputs as from scratch: up to the first differing token
-    # (prompt and output positions) where the forward is chunk-invariant (CPU, fp32, C kernels), else
-    # in whole prefill_chunks of the prompt
-    prefix_min_tokens: int = 1  # reuse only this many prompt tokens or more
+    prefix_caching: bool = True  # prefix sharing by block: every full KV block a sequence computed (prompt
+    # and output positions) is keyed by its tokens and the one after it, and shared by every later
+    # sequence that starts with them, while its owner runs and after (cached, least recently used taken
+    # first when blocks run short); outputs as from scratch. Where the forward is chunk-invariant (CPU,
+    # the C kernels) only: elsewhere off
+    prefix_min_tokens: int = 1  # share only this many prompt tokens or more
     max_queue: int = 256  # waiting requests before new ones are refused
     default_max_tokens: int = 64  # when a request gives no max_tokens
     max_tokens_limit: int = 0  # 0 = max_seq_len

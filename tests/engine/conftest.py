@@ -9,6 +9,7 @@ import torch
 
 from specguide.config import EngineConfig
 from specguide.engine import faults
+from specguide.engine.block_pool import BLOCK, block_keys
 from specguide.engine.loop import Engine
 from specguide.models.loader import resolve_model_dir
 
@@ -82,76 +83,45 @@ def run_alone(engine: Engine, request):
 
 @contextlib.contextmanager
 def placed_in(engine: Engine, slot: int):
-    """Requests admitted meanwhile (one at a time: `slot` must be free) take `slot`, as if it were
-    the only free slot: reuse from it, or a copy into it from another slot, as the scheduler picks."""
+    """Requests admitted meanwhile (one at a time: `slot` must be free) take `slot`."""
     sched = engine.core.scheduler
-    pick = sched._pick_slot
 
     def forced(seq):
         assert slot in sched.free_slots, (slot, sched.free_slots)
-        others = [s for s in sched.free_slots if s != slot]
-        sched.free_slots = [slot]
-        try:
-            return pick(seq)
-        finally:
-            sched.free_slots = others + sched.free_slots
+        sched.free_slots.remove(slot)
+        return slot
 
-    sched._pick_slot = forced
+    sched._take_slot = forced
     try:
         yield
     finally:
-        del sched._pick_slot
+        del sched._take_slot
 
 
 @torch.inference_mode()
-def stale_kept_prefixes(engine: Engine) -> list[int]:
-    """Free slots whose kept rows (prefix caching) are not, bit for bit, what prefilling the
-    tokens they stand for computes (call with the engine idle). A chunk-invariant model is checked
-    against another split than the engine's chunks (a first chunk of 7 tokens)."""
-    m, kv, chunk = engine.core.model, engine.core.runner.kv, engine.config.prefill_chunk
+def stale_blocks(engine: Engine, token_lists: list[list[int]]) -> list[int]:
+    """The token lists whose cached prefix blocks (those a prompt starting with them shares) do not
+    hold, bit for bit, what prefilling those tokens computes: the target's K/V in every layer, and
+    the target features the draft head reads (call with the engine idle: the blocks are read
+    through slot 0's row of the block table)."""
+    sched, m, kv, head = engine.core.scheduler, engine.core.model, engine.core.runner.kv, engine.core.proposer.head
+    assert not sched.running
     bad = []
-    for slot in sorted(engine.core.scheduler.free_slots):
-        tokens = engine.core.scheduler.slot_tokens[slot]
-        if not tokens:
+    for i, tokens in enumerate(token_lists):
+        blocks = sched.pool.match(block_keys(tokens, [], len(tokens)))
+        if not blocks:
             continue
-        own = kv.like(1)
-        starts = [0, *range(7, len(tokens), chunk)] if m.chunk_invariant else range(0, len(tokens), chunk)
-        for a, b in zip(starts, [*starts[1:], len(tokens)]):
-            ctx = m.make_context(torch.tensor([0]), torch.arange(a, b)[None], [0], b)
-            m(torch.tensor([tokens[a:b]]), ctx, own)
-        n = len(tokens)
-        if not all(torch.equal(a, b) for a, b in zip(kv.rows(slot, 0, n), own.rows(0, 0, n))):
-            bad.append(slot)
-    return bad
-
-
-@torch.inference_mode()
-def stale_draft_rows(engine: Engine) -> list[int]:
-    """Free slots whose drafter rows that a new sequence sharing the slot's kept tokens would reuse
-    (the draft head's K/V rows and the target features it reads; a draft model's K/V rows) are not,
-    bit for bit, what computing them from scratch over those tokens gives (call with the engine idle)."""
-    m, head, dm = engine.core.model, engine.core.proposer.head, engine.core.proposer.draft_model
-    bad = []
-    for slot in sorted(engine.core.scheduler.free_slots):
-        tokens = engine.core.scheduler.slot_tokens[slot]
-        n, ok = len(tokens), True
-        rows = min(head.valid[slot], n - 1) if head is not None else 0
-        if rows > 0:  # row p: (f_p, x_{p+1})
-            kv = engine.core.runner.kv.like(1, n)  # the target's features as the engine computes them
-            feats = m(torch.tensor([tokens]), m.make_context(torch.tensor([0]), torch.arange(n)[None], [0], n), kv)
-            own = head.kv.like(1)
-            ctx = m.make_context(torch.tensor([0]), torch.arange(rows)[None], [0], rows)
-            head.head(feats[:, :rows], torch.tensor([tokens[1: rows + 1]]), ctx, own)
-            ok = (torch.equal(head.features(slot, 0, rows), feats[0, :rows])
-                  and all(torch.equal(a, b) for a, b in zip(head.kv.rows(slot, 0, rows), own.rows(0, 0, rows))))
-        rows = min(dm.cached[slot], n) if dm is not None else 0
-        if rows > 0:
-            d = dm.model
-            own = dm.kv.like(1, rows)
-            d(torch.tensor([tokens[:rows]]), d.make_context(torch.tensor([0]), torch.arange(rows)[None], [0], rows), own)
-            ok = ok and all(torch.equal(a, b) for a, b in zip(dm.kv.rows(slot, 0, rows), own.rows(0, 0, rows)))
+        n = len(blocks) * BLOCK
+        own = kv.like(1, n)
+        feats = m(torch.tensor([tokens[:n]]), m.make_context(torch.tensor([0]), torch.arange(n)[None], [0], n), own)
+        sched.pool.table[0, : len(blocks)] = blocks
+        try:
+            ok = all(torch.equal(a, b) for a, b in zip(kv.rows(0, 0, n), own.rows(0, 0, n)))
+            ok = ok and (head is None or torch.equal(head.features(0, 0, n), feats[0]))
+        finally:
+            sched.pool.table[0] = 0
         if not ok:
-            bad.append(slot)
+            bad.append(i)
     return bad
 
 

@@ -57,26 +57,22 @@ def test_a_freed_slots_bias_does_not_reach_its_next_request(eng):
     with placed_in(eng, 0):
         run_alone(eng, req(eng, "Say hello.", bias={zebra: 100}, max_tokens=4))
     sched = eng.core.scheduler
-    pick, picked = sched._pick_slot, []
+    take, picked = sched._take_slot, []
 
     def first_in_slot_0(seq):  # the first request admitted takes slot 0 (as placed_in), the next any other
         if picked:
-            return pick(seq)
-        others = [s for s in sched.free_slots if s != 0]
-        sched.free_slots = [0]
-        try:
-            picked.append(pick(seq))
-        finally:
-            sched.free_slots = others + sched.free_slots
-        return picked[0]
+            return take(seq)
+        sched.free_slots.remove(0)
+        picked.append(0)
+        return 0
 
-    sched._pick_slot = first_in_slot_0
+    sched._take_slot = first_in_slot_0
     try:
         together = run_many(eng, [req(eng, "Name a fruit.", max_tokens=12),
                                   req(eng, "Say hello.", bias={eng.tokenizer.encode(" dog")[0]: 5}, max_tokens=12)])
     finally:
-        del sched._pick_slot
-    assert picked[0][0] == 0
+        del sched._take_slot
+    assert picked == [0]
     assert together[0][0] == alone and zebra not in together[0][0]
 
 

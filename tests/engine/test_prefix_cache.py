@@ -1,10 +1,11 @@
-"""Prefix caching: a free slot keeps its KV, and a prompt that starts with the same tokens prefills
-only the rest, up to the first differing token (the CPU forward is chunk-invariant: a prompt
-prefilled in any chunk split gives the same K/V and logits, bit for bit). Outputs equal those of
-the engine without reuse, token for token: greedy and seeded sampled, guided and unguided,
-speculative with the hybrid drafter (whose head reads the reused positions' features and reuses
-its own rows) or a draft model, alone and in a batch; reused prefixes end inside prefill chunks,
-and a chat's next turn reuses the answer that decode steps computed."""
+"""Prefix sharing by block (issue 77): every full KV block a sequence computed is keyed by its
+tokens (and the one after it) and shared by any later sequence that starts with them, while its
+owner runs or after it ended; that sequence prefills only the rest (the CPU forward is
+chunk-invariant: a prompt prefilled in any chunk split gives the same K/V and logits, bit for bit).
+Outputs equal those of the engine without sharing, token for token: greedy and seeded sampled,
+guided and unguided, speculative with the hybrid drafter (whose head reads the shared positions'
+features and computes its own rows again) or a draft model, alone and in a batch; shared prefixes
+end inside prefill chunks, and a chat's next turn shares the answer that decode steps computed."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,11 @@ import torch
 
 from specguide.config import EngineConfig
 from specguide.engine.loop import Engine
+from specguide.engine.block_pool import BLOCK
 from specguide.engine.kv_cache import KVCache
 from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
-from .conftest import placed_in, stale_draft_rows, stale_kept_prefixes
+from .conftest import placed_in, stale_blocks
 from .test_guided_engine import run_many
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -33,8 +35,9 @@ TEXTS = ["Alice is 30 and lives in Paris; she likes chess.", "Bob, 41, moved to 
 
 
 def _engine(head: str, caching: bool) -> Engine:
-    # cost_aware_k off: whether a step drafts follows no clock, so the draft counters compare across runs
-    return Engine(EngineConfig(max_slots=3, max_seq_len=512, prefill_chunk=32, num_draft_tokens=3, drafter="hybrid",
+    # cost_aware_k off: whether a step drafts follows no clock, so the draft counters compare across runs;
+    # chunks of 40 tokens: a prefix of whole 16-token blocks mostly ends inside one
+    return Engine(EngineConfig(max_slots=3, max_seq_len=512, prefill_chunk=40, num_draft_tokens=3, drafter="hybrid",
                                draft_head_path=head, spec_max_rows=0, prefix_caching=caching, cost_aware_k=False))
 
 
@@ -90,20 +93,16 @@ def test_a_prompt_prefilled_in_any_chunk_split_gives_the_same_kv_and_logits(engi
 
 
 @pytest.mark.parametrize("alone", [True, False], ids=["batch1", "batch3"])
-def test_outputs_with_reuse_equal_outputs_without(engines, alone, monkeypatch):
+def test_outputs_with_reuse_equal_outputs_without(engines, alone):
     on, off = engines
-    head = on.core.proposer.head
-    assert head.reuse
-    starts = []  # head rows a new sequence starts with (its own cache's reused prefix)
-    admit = head.admit
-    monkeypatch.setattr(head, "admit", lambda slot, seq: (admit(slot, seq), starts.append(head.cached[slot])))
     want = _run(off, _requests(off), alone)
     got = _run(on, _requests(on), alone)
     assert [g[:4] for g in got] == [w[:4] for w in want]  # tokens, and the drafts
-    assert any(starts)
     assert all(w[4] == 0 for w in want)
-    assert sum(1 for g in got if g[4] > 0) >= len(got) - on.config.max_slots  # the first of each slot computes
-    assert any(g[5] % on.config.prefill_chunk for g in got)  # prefixes that end inside a chunk
+    # the first computes the system prompt (as do those admitted in the same step), the others share it
+    assert sum(1 for g in got if g[4] > 0) >= len(got) - (1 if alone else on.config.max_slots)
+    assert all(g[5] == g[4] * BLOCK for g in got)  # whole blocks
+    assert max(g[5] for g in got) >= 2 * on.config.prefill_chunk  # the system prompt
     assert all(g[1] in ("stop", "length") for g in got)
     on.core.scheduler.check_integrity()
 
@@ -132,9 +131,10 @@ def _own_rows(engine, drafter) -> list[tuple[torch.Tensor, ...]]:
     return rows
 
 
-def test_the_draft_heads_reused_rows_are_those_it_computes_from_scratch(engines):
-    """The head's own K/V rows and the features it reads, after each request (which reused its
-    prefix, rows included): bit for bit those of the engine without prefix caching."""
+def test_the_draft_heads_rows_over_a_shared_prefix_are_those_it_computes_from_scratch(engines):
+    """The head's own K/V rows and the features it reads, after each request (which shared its
+    prefix's blocks, where it wrote its head rows again): bit for bit those of the engine without
+    prefix sharing."""
     on, off = engines
     _same_rows(_own_rows(on, on.core.proposer.head), _own_rows(off, off.core.proposer.head), on)
 
@@ -148,35 +148,40 @@ def _same_rows(got, want, engine) -> None:
         assert all(torch.equal(a[..., :n, :], b[..., :n, :]) for a, b in zip(g, w))
 
 
-def test_a_prompt_diverging_inside_a_chunk_reuses_up_to_the_first_differing_token(engines):
+def _shared(tokens: list[int], earlier: list[list[int]]) -> int:
+    """Tokens of `tokens` in whole blocks keyed by an earlier token list: blocks b whose positions and
+    the one after, [0, 16b + 17), it shares with that list."""
+    best = 0
+    for e in earlier:
+        common = next((j for j, (x, y) in enumerate(zip(e, tokens)) if x != y), min(len(e), len(tokens)))
+        best = max(best, (common - 1) // BLOCK * BLOCK)
+    return best
+
+
+def test_a_prompt_diverging_inside_a_chunk_shares_the_blocks_before_the_first_differing_token(engines):
     """Each request kind (greedy guided, seeded sampled + speculative, guided sampled + speculative,
-    greedy, ...) after a base prompt that it shares up to a token inside a chunk: it reuses exactly
-    the longest prefix a free slot holds (the base's, or an earlier variant's), and its outputs and
-    drafts are those without reuse."""
+    greedy, ...) after a base prompt that it shares up to a token inside a chunk: it shares exactly
+    the whole blocks before that token (of the base, or of an earlier variant), and its outputs and
+    drafts are those without sharing."""
     on, off = engines
     base = _requests(on)[:1]
     early = SYSTEM.replace("short texts", "brief notes")  # diverges in the first chunk
     late = SYSTEM.replace('"tags"', '"labels"')  # diverges inside a later chunk
     chunk = on.config.prefill_chunk
-    reused = []
+    reused, earlier = [], [on.tokenizer.encode(base[0].prompt)]
     for system, i in [(early, 0)] + [(late, i) for i in range(len(TEXTS))]:
-        _run(on, base, alone=True)  # the base prompt again: a free slot holds it (fully reusable)
+        _run(on, base, alone=True)  # the base prompt again: its blocks are cached
         req = _requests(on, system)[i:i + 1]
-        a, b = on.tokenizer.encode(base[0].prompt), on.tokenizer.encode(req[0].prompt)
+        a, b = earlier[0], on.tokenizer.encode(req[0].prompt)
         common = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        held = max(_common(on.core.scheduler.slot_tokens[s], b) for s in on.core.scheduler.free_slots)
         got = _run(on, req, alone=True)
         assert [g[:4] for g in got] == [w[:4] for w in _run(off, _requests(off, system)[i:i + 1], alone=True)]
-        assert got[0][5] == held >= common, (system == late, i)
+        assert got[0][5] == _shared(b, earlier) >= (common - 1) // BLOCK * BLOCK, (system == late, i)
+        earlier.append(b)
         reused.append((common, got[0][5]))
-    assert reused[0][1] < chunk < 2 * chunk < reused[1][0]  # the early variant in the first chunk, the late ones later
-    assert all(n % chunk for _, n in reused[1:])  # the late ones reuse prefixes ending inside a chunk
-    assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
-
-
-def _common(held: list[int], prompt: list[int]) -> int:
-    """Tokens a prompt shares with a slot's kept ones, leaving one to compute."""
-    return next((j for j, (x, y) in enumerate(zip(held, prompt[:-1])) if x != y), min(len(held), len(prompt) - 1))
+    assert reused[0][1] < chunk < reused[1][0]  # the early variant in the first chunk, the late ones later
+    assert all(n % chunk for _, n in reused[1:])  # the late ones share prefixes ending inside a chunk
+    assert stale_blocks(on, earlier) == []
 
 
 def _detailed(engine: Engine, reqs: list[Request], first: Request, after: int = 1) -> list[tuple]:
@@ -207,15 +212,12 @@ def _detailed(engine: Engine, reqs: list[Request], first: Request, after: int = 
             for toks, lps, f in results]
 
 
-def test_a_prefix_held_by_a_busy_slot_is_copied_exactly(engines, monkeypatch):
+def test_a_prefix_a_running_sequence_computed_is_shared_exactly(engines):
+    """Requests that arrive while the donor (their system prompt, then its own text) decodes share its
+    blocks up to the last whole one before their first differing token; the same tokens, exact log
+    probs and the same drafts as without sharing, and the shared blocks hold what a prefill computes."""
     on, off = engines
-    system = "Copy test. " + SYSTEM  # no free slot holds it: any reuse is a copy from the busy slot
-    copies = []
-    orig = on.core.runner.copy_prefix
-    monkeypatch.setattr(on.core.runner, "copy_prefix", lambda c: (copies.append(c), orig(c)))
-    head, head_rows = on.core.proposer.head, []  # the head's own rows come along (its catch-up ran in the donor's steps)
-    head_copy = head.copy_prefix
-    monkeypatch.setattr(head, "copy_prefix", lambda *a: (head_copy(*a), head_rows.append(head.valid[a[1]])))
+    system = "Share test. " + SYSTEM  # not cached yet: any sharing is of the donor's blocks
     got, want = [], []
     for engine, out in ((on, got), (off, want)):
         reqs = _requests(engine, system)
@@ -229,14 +231,13 @@ def test_a_prefix_held_by_a_busy_slot_is_copied_exactly(engines, monkeypatch):
     prompts = [on.tokenizer.encode(r.prompt) for r in _requests(on, system)[:4]]
     chunk = on.config.prefill_chunk
     common = [next(i for i, (x, y) in enumerate(zip(prompts[0], p)) if x != y) for p in prompts[1:]]
-    # the free slots share only the chat template's first tokens with these prompts
-    assert copies and copies[0].start < chunk and min(common) >= 2 * chunk
-    assert [g[5] for g in got[:3]] == common and any(c % chunk for c in common)  # up to the first differing token
+    assert min(common) >= 2 * chunk
+    assert [g[5] for g in got[:3]] == [(c - 1) // BLOCK * BLOCK for c in common]
+    assert any(g[5] % chunk for g in got[:3])
     assert [w[5] for w in want] == [0] * 4
     # tokens, exact log probs (a stale or shifted row would move them), the drafts (the head's features)
     assert [g[:5] for g in got] == [w[:5] for w in want]
-    assert max(head_rows) > 2 * chunk
-    assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
+    assert stale_blocks(on, prompts) == []
     on.core.scheduler.check_integrity()
 
 
@@ -257,8 +258,9 @@ def test_a_next_turn_reuses_the_answer_and_stays_exact(engines, k):
         out.append(([t for e in events for t in e.token_ids], [lp for e in events for lp in e.logprobs],
                     events[-1].num_cached_tokens, answer))
     assert got[0][:2] == want[0][:2] and got[0][3] == want[0][3]
-    assert got[0][2] == len(ids) + len(got[0][3]) - 1 and want[0][2] == 0  # all but the answer's last token
-    assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
+    # the blocks of all but the answer's last token (which has no K/V)
+    assert got[0][2] == (len(ids) + len(got[0][3]) - 1) // BLOCK * BLOCK > len(ids) and want[0][2] == 0
+    assert stale_blocks(on, [ids + got[0][3]]) == []
 
 
 @pytest.fixture(scope="module")
@@ -271,43 +273,24 @@ def draft_model_engines():
     off.shutdown()
 
 
-def test_the_draft_models_cache_starts_right_after_reuse(draft_model_engines, monkeypatch):
-    """The draft model (here the target itself: every right draft is accepted) keeps its own rows
-    of the reused prefix (its forwards are chunk-invariant too; copied along with the target's):
-    the same tokens and the same accepted drafts as without, and its catch-up starts past row 0."""
+def test_the_draft_model_over_a_shared_prefix_drafts_as_without(draft_model_engines):
+    """The draft model (here the target itself: every right draft is accepted) computes its rows of
+    a shared prefix again, in the shared blocks (its forwards are chunk-invariant: the bits already
+    there): the same tokens and the same accepted drafts as without sharing, alone, in a batch, and
+    beside a running donor; its rows after each request are those it computes without sharing."""
     on, off = draft_model_engines
-    dm = on.core.proposer.draft_model
-    assert dm.reuse
-    starts = []
-    admit = dm.admit
-    monkeypatch.setattr(dm, "admit", lambda slot, seq: (admit(slot, seq), starts.append(dm.cached[slot])))
     want = _run(off, _requests(off), alone=False) + _run(off, _requests(off), alone=True)
     got = _run(on, _requests(on), alone=False) + _run(on, _requests(on), alone=True)
     assert [g[:4] for g in got] == [w[:4] for w in want]
     assert sum(1 for g in got if g[4] > 0) >= len(got) - on.config.max_slots
-    assert sum(1 for s in starts if s > 0) >= len(got) - on.config.max_slots
-    monkeypatch.undo()
-    # its rows after each request: those it computes without reuse
-    _same_rows(_own_rows(on, dm), _own_rows(off, off.core.proposer.draft_model), on)
-    assert stale_draft_rows(on) == []
-
-
-def test_the_draft_models_rows_come_with_a_copy_from_a_busy_slot(draft_model_engines, monkeypatch):
-    """A prefix copied from a busy slot whose draft model has caught up: its rows are copied too,
-    and the outputs and accepted drafts are those without reuse."""
-    on, off = draft_model_engines
-    dm, rows = on.core.proposer.draft_model, []
-    copy = dm.copy_prefix
-    monkeypatch.setattr(dm, "copy_prefix", lambda *a: (copy(*a), rows.append(dm.cached[a[1]])))
     got, want = [], []
     for engine, out in ((on, got), (off, want)):
-        reqs = _requests(engine, "Draft copy test. " + SYSTEM)
+        reqs = _requests(engine, "Draft share test. " + SYSTEM)
         donor = dataclasses.replace(reqs[0], guided=None, num_draft_tokens=3,
                                     params=SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0))
         out += _detailed(engine, reqs[1:3], donor, after=5)
-    assert [g[:5] for g in got] == [w[:5] for w in want]
-    assert max(rows) > 2 * on.config.prefill_chunk
-    assert stale_draft_rows(on) == []
+    assert [g[:5] for g in got] == [w[:5] for w in want] and all(g[5] > 2 * on.config.prefill_chunk for g in got[:2])
+    _same_rows(_own_rows(on, on.core.proposer.draft_model), _own_rows(off, off.core.proposer.draft_model), on)
 
 
 def _dirty(engine: Engine) -> None:
@@ -336,9 +319,9 @@ def _dirty(engine: Engine) -> None:
 
 
 def test_a_greedy_output_is_the_same_whichever_free_slot_it_gets(engines, inject_faults):
-    """After traffic that dirties every slot, the same greedy requests (reusing a kept prefix, or
-    a copy of it, or none) placed in each free slot in turn: the same tokens, log probs and drafts
-    as without prefix caching; every free slot's kept rows are what a prefill computes."""
+    """After traffic that dirties every slot, the same greedy requests (sharing cached blocks, or
+    none) placed in each free slot in turn: the same tokens, log probs and drafts as without prefix
+    sharing; the cached blocks are what a prefill computes."""
     on, off = engines
     inject_faults(on, off)
 
@@ -356,12 +339,13 @@ def test_a_greedy_output_is_the_same_whichever_free_slot_it_gets(engines, inject
 
     want = run(off)
     _dirty(on)
-    assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
+    probes = [on.tokenizer.encode(r.prompt) for r in _requests(on) + _requests(on, "Fresh. " + SYSTEM)]
+    assert stale_blocks(on, probes) == []
     for slot in range(on.config.max_slots):
         with placed_in(on, slot):
             got = run(on)
         assert [g[:5] for g in got] == [w[:5] for w in want], slot
-        assert got[0][5] > 0 and got[1][5] > 0  # the first two reuse the kept system prompt (or a copy)
-        assert stale_kept_prefixes(on) == [] and stale_draft_rows(on) == []
+        assert got[0][5] > 0 and got[1][5] > 0  # the first two share the cached system prompt
+        assert stale_blocks(on, probes) == []
     assert sum(w[3] for w in want) > 0  # drafts were proposed (their counts compare the head's state)
     on.core.scheduler.check_integrity()

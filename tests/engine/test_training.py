@@ -27,19 +27,21 @@ def teacher_forced(model, tokens: list[int], like: KVCache) -> torch.Tensor:
 
 
 def test_the_corpus_comes_with_the_features_a_teacher_forced_pass_computes(engine, monkeypatch):
-    """Every sample's f_p (kept by the engine's feature sink through chunked prefill, prompt
-    prefixes copied between slots, and speculative steps whose drafts were partly rejected)
-    equals a fresh teacher-forced pass over the finished sequence."""
-    copies = []
-    copy = train_head.FeatureRecorder.copy_prefix
-    monkeypatch.setattr(train_head.FeatureRecorder, "copy_prefix", lambda self, c: (copies.append(c), copy(self, c)))
+    """Every sample's f_p (kept by the engine's feature sink through chunked prefill, and speculative
+    steps whose drafts were partly rejected) equals a fresh teacher-forced pass over the finished
+    sequence: no prompt shares blocks while features are recorded (a shared prefix would be fed to
+    none of them)."""
     schemas = [s.text for s in load_guided_samples() if s.kind == "json_schema" and "unsupported" not in s.name][:3]
     # a slot that already holds the chat template's prefix from before the recording (CI caught it)
     run_alone(engine, Request(prompt=engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}]),
                               params=SamplingParams(max_tokens=4, temperature=0.0)))
-    # NOTE: requests admitted in one step cannot copy from each other (no rows yet), and with their
-    # grammars already compiled (CI: earlier tests) all of them are: the first prompt's first chunk
-    # runs before the others arrive, so they copy the chat template's prefix from its busy slot
+    # NOTE: requests admitted in one step cannot share each other's blocks (none computed yet), and with
+    # their grammars already compiled (CI: earlier tests) all of them are: the first prompt's first chunk
+    # runs before the others arrive, so that they would share the chat template's blocks
+    shared = []
+    admit = train_head.FeatureRecorder.admit
+    monkeypatch.setattr(train_head.FeatureRecorder, "admit",
+                        lambda self, slot, seq: (admit(self, slot, seq), shared.append(seq.num_reused)))
     recorded = threading.Event()
     record = train_head.FeatureRecorder.record
     monkeypatch.setattr(train_head.FeatureRecorder, "record", lambda self, *a: (record(self, *a), recorded.set()))
@@ -53,7 +55,7 @@ def test_the_corpus_comes_with_the_features_a_teacher_forced_pass_computes(engin
     cfg = TrainConfig(num_schemas=3, schema_variants=2, num_chat=3, max_tokens_json=40, max_tokens_chat=24)
     samples = generate_corpus(engine, cfg, schemas)
     assert len(samples) == 9
-    assert copies, "no prompt prefix was reused: the copy path went untested"
+    assert len(shared) == 9 and not any(shared), shared
     assert engine.core.runner.core.feature_sink is None or engine.core.head_drafter is not None  # detached again
     for s in samples:
         assert s.feats.shape == (len(s.tokens) - 1, engine.core.model.cfg.hidden_size)

@@ -14,7 +14,7 @@ from specguide.models.linear import InvariantLinear
 from specguide.request import Request, SamplingParams
 from specguide.speculative.draft_head import DraftHead
 
-from .conftest import placed_in, run_alone, stale_kept_prefixes
+from .conftest import run_alone, stale_blocks
 from .test_drafters import outputs
 from .test_speculative import prompts, requests
 
@@ -61,21 +61,19 @@ def assert_same_alone_batched_and_speculated(engine: Engine) -> None:
         assert run_alone(engine, req)[0] == toks
 
 
-def test_teacher_forcing_leaves_the_engines_kept_prefixes_alone(engine):
+def test_teacher_forcing_leaves_the_engines_cached_prefixes_alone(engine):
     """The helper runs on a cache of its own. It used to write slot 0 of the engine's: with prefix
     caching, a request that then reused slot 0's kept prompt rows decoded from the helper's rows
     (the greedy outputs of the test below changed when slot 0 kept a prompt of theirs)."""
-    prompt, _ = prompts(engine)[0]  # slot 0 keeps its rows (a 64-token chunk and more)
+    prompt, _ = prompts(engine)[0]  # its blocks stay cached (a 64-token chunk and more)
+    ids = engine.tokenizer.encode(prompt)
     req = Request(prompt=prompt, params=SamplingParams(max_tokens=24, temperature=0.0), num_draft_tokens=0)
-    with placed_in(engine, 0):
-        want, _, _ = run_alone(engine, req)
-        assert engine.core.scheduler.slot_tokens[0]
-        teacher_forced_logits(engine, engine.tokenizer.encode(TEXT))
-        assert stale_kept_prefixes(engine) == []
-        kept = len(engine.core.scheduler.slot_tokens[0])
-        got, _, final = run_alone(engine, req)
-    # slot 0's rows were reused: all it kept, or all the prompt but its last token
-    assert final.num_cached_tokens == min(kept, len(engine.tokenizer.encode(prompt)) - 1) > 0
+    want, _, _ = run_alone(engine, req)
+    teacher_forced_logits(engine, engine.tokenizer.encode(TEXT))
+    assert stale_blocks(engine, [ids]) == []
+    got, _, final = run_alone(engine, req)
+    # its blocks were shared: all but the one holding its last token
+    assert final.num_cached_tokens == (len(ids) - 1) // 16 * 16 > 0
     assert got == want
 
 

@@ -109,18 +109,64 @@ def test_the_newest_sequence_is_preempted_keeps_its_slot_and_is_recomputed_when_
     assert s.pool.num_used == sum(s.pool.held)  # only free slots' kept prefixes
 
 
-def test_a_free_slots_kept_prefix_gives_its_blocks_up_before_anything_is_preempted():
+def test_cached_prefix_blocks_are_given_up_before_anything_is_preempted():
     s = Scheduler(max_slots=2, max_seq_len=64, prefill_chunk=64, prefix_caching=True, any_prefix=True,
                   pool=BlockPool(np.zeros((2, 5), np.int32), 1 + 5))
     a = seq(1, 48)
     s.waiting.append(a)
     run_chunks(s, s.schedule())
     s.finish(a, "stop")
-    assert s.pool.held[0] == 3 and len(s.slot_tokens[0]) == 48  # kept for reuse
+    assert s.pool.held[0] == 0 and len(s.pool.cached) == 3  # its 3 computed blocks (48 positions) are keyed
     b = seq(2, 40)
     b.prompt_ids = [9] * 40  # shares nothing
     s.waiting.append(b)
     plan = s.schedule()
-    assert plan.prefills[0].seq is b and b.slot == 1 and not plan.preempted
-    assert s.pool.held[0] == 0 and s.slot_tokens[0] == []  # evicted for b's 3 blocks
+    assert plan.prefills[0].seq is b and not plan.preempted
+    assert len(s.pool.cached) == 2  # the 2 free blocks, then a cached one for b's 3
+    s.check_integrity()
+
+
+def test_shared_blocks_count_their_holders_and_go_back_to_the_cache_with_the_last():
+    p = pool(slots=3, per_seq=4, blocks=9)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    assert p.grow(0, 40) and p.table[0, :3].tolist() == [1, 2, 3]
+    p.register(0, keys[:2])  # blocks 0 and 1 computed
+    assert p.match(keys) == [1, 2] and p.match([keys[0], b"y" * 16, keys[1]]) == [1]  # a run from the first
+    p.share(1, [1, 2])
+    assert p.grow(1, 33) and p.table[1, :3].tolist() == [1, 2, 4] and p.ref[1:5] == [2, 2, 1, 1]
+    assert p.num_used == 4
+    p.register(1, [keys[0], keys[1], b"x" * 16], 2)  # its own block 2
+    p.shrink(0)
+    assert p.ref[1:5] == [1, 1, 0, 1] and 3 in p.free and not p.cached  # block 3 unkeyed: free
+    p.shrink(1)
+    assert list(p.cached) == [4, 2, 1] and p.num_free == 8 and p.num_used == 0
+    p.check_integrity()
+    assert p.grow(2, 6 * 16 - 1) is False or p.held[2] == 4  # at most its row: 4 blocks
+    assert p.held[2] == 4 and list(p.cached) == [4, 2, 1]  # the 5 unkeyed free blocks went first
+    p.shrink(2)
+    p.forget()
+    assert not p.cached and not p.by_key and p.num_free == 8
+    p.check_integrity()
+
+
+def test_a_preempted_sequence_shares_its_own_cached_blocks_when_it_resumes():
+    K = 1
+    s = Scheduler(max_slots=2, max_seq_len=128, prefill_chunk=128, prefix_caching=True, any_prefix=True, lookahead=K,
+                  pool=BlockPool(np.zeros((2, BlockPool.blocks_for(128 + K + 1)), np.int32), 1 + 8))
+    a, b = seq(1, 40), seq(2, 40)
+    b.prompt_ids = [7] * 40
+    for q in (a, b):
+        s.waiting.append(q)
+    run_chunks(s, s.schedule())
+    preempted = []
+    while not preempted:
+        plan = s.schedule()
+        preempted += plan.preempted
+        decode(plan, 3)
+    assert preempted == [b] and b.num_cached == 0 and s.pool.held[b.slot] == 0
+    assert len(s.pool.cached) >= 2  # its computed blocks, cached
+    s.finish(a, "stop")
+    plan = s.schedule()
+    (chunk,) = plan.prefills
+    assert chunk.seq is b and chunk.start == b.num_reused > 0 and chunk.end == b.num_tokens - 1
     s.check_integrity()

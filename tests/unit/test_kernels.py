@@ -426,31 +426,6 @@ def test_the_prefetch_distance_is_measured_once_and_cached_beside_rows_per_pass(
     assert tune.prefetch_blocks(tmp_path, "k", lib, 2) == 6
 
 
-@pytest.mark.parametrize("store", [torch.float32, torch.float16, torch.int8])
-def test_a_prefix_copy_moves_whole_positions_with_their_scales(store):
-    """KVCache.copy_rows between slots of the kernel layout, from and to the middle of key blocks:
-    the copied positions read back as the source's (an int8 key's scale lives in its block's last
-    rows, in the key's column), and the positions around them are left as they were."""
-    from specguide.engine.kv_cache import KVCache
-
-    g = torch.Generator().manual_seed(5)
-    nh, kvh, hd, N = 4, 2, 32, 50
-    kv = KVCache(2, 3, kvh, 64, hd, torch.float32, store=store, kernel_layout=True)
-    cos, sin_signed = _rope_tables(64, hd, g)
-    for slot, scale in ((0, 1.0), (1, 3.0)):  # slot 1 holds other values before the copy
-        qkv = torch.randn(1, N, nh + 2 * kvh, hd, generator=g) * scale
-        for layer in range(2):
-            kernels.rope_attention_f32(qkv, cos, sin_signed, kv.k[layer], kv.v[layer], kv.table, torch.tensor([slot]),
-                                       torch.arange(N)[None], nh)
-    before = kv.rows(1)
-    kv.copy_rows(0, 1, 5, 37)
-    src, dst = kv.rows(0), kv.rows(1)
-    for got, want, old in zip(dst, src, before):
-        assert torch.equal(got[:, :, 5:37], want[:, :, 5:37])
-        assert torch.equal(got[:, :, :5], old[:, :, :5]) and torch.equal(got[:, :, 37:N], old[:, :, 37:N])
-        assert not torch.equal(old[:, :, 5:37], want[:, :, 5:37])
-
-
 def _vm_flags(lo: int, hi: int) -> list[set[str]]:
     """smaps' VmFlags of each of this process's mappings that overlap [lo, hi)."""
     import re

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from specguide.request import SamplingParams
-from specguide.engine.scheduler import PrefixCopy, Scheduler, Sequence, Status
+import numpy as np
+
+from specguide.engine.block_pool import BLOCK, BlockPool, block_keys
+from specguide.engine.scheduler import Scheduler, Sequence, Status
 
 
 def seq(i, n_prompt=10, **kw):
@@ -125,53 +128,90 @@ def _prompt(i, shared, n):
                     callback=lambda o: None, stop_ids=frozenset({0}))
 
 
-def test_prefix_caching_reuses_whole_chunks_of_the_longest_cached_prefix():
-    s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=16, prefix_caching=True)
-    shared = list(range(1, 41))  # 40 shared tokens: two whole chunks of 16
-    a, b = _prompt(1, shared, 5), _prompt(2, shared[:20], 30)
-    for q in (a, b):
-        s.waiting.append(q)
-    s.schedule()
-    assert (a.slot, a.num_reused, b.slot, b.num_reused) == (0, 0, 1, 0)  # nothing cached yet
-    computed(s, a, 45)  # prompts prefilled (the KV of positions < num_cached)
-    computed(s, b, 50)
-    s.finish(a, "stop")
-    s.finish(b, "stop")
-    c = _prompt(3, shared, 7)
-    s.waiting.append(c)
-    plan = s.schedule()
-    # slot 0 holds 40 shared tokens (32 reusable), slot 1 only 20 (16): slot 0, from position 32
-    assert (c.slot, c.num_reused, c.num_cached) == (0, 32, 32)
-    assert [(p.start, p.end) for p in plan.prefills] == [(32, 47)]  # chunks stay [k*16, (k+1)*16)
-    assert s.reused_blocks == 2  # 32 reused positions: two whole KV blocks of 16 (metrics)
-    assert s.slot_tokens[0] == [] and s.slot_tokens[1] == b.prompt_ids[:48]  # whole chunks of the prompt
+def _sharing(slots: int = 4, **kw) -> Scheduler:
+    return Scheduler(max_slots=slots, max_seq_len=1000, prefill_chunk=64, prefix_caching=True, any_prefix=True, **kw)
+
+
+def _admit(s, q):
+    s.waiting.append(q)
+    return s.schedule()
+
+
+def test_full_blocks_are_shared_by_every_sequence_whose_tokens_key_them():
+    """Issue 77: a computed full block is keyed by the hash chain of its tokens and the one after it;
+    a sequence admitted later (while its owner runs, or after it ended) whose tokens give the same
+    keys takes those blocks into its table row, computes from the first block it lacks, and every
+    shared block is held once however many sequences read it."""
+    s = _sharing()
+    shared = list(range(1, 41))  # 40 tokens: blocks 0 and 1 whole (block 1 keyed with token 32)
+    a = _prompt(1, shared, 5)
+    _admit(s, a)
+    assert a.num_reused == 0  # nothing cached yet
+    computed(s, a, 45)
+    a.output_ids, a.status = [1], Status.DECODE  # its prefill ran
+    b = _prompt(2, shared, 9)
+    plan = _admit(s, b)  # registers a's computed blocks, then admits b
+    assert (b.num_reused, b.num_cached) == (32, 32) and [(c.start, c.end) for c in plan.prefills] == [(32, 49)]
+    assert b.slot != a.slot and (s.pool.table[b.slot, :2] == s.pool.table[a.slot, :2]).all()
+    assert [s.pool.ref[int(x)] for x in s.pool.table[a.slot, :3]] == [2, 2, 1]
+    assert s.pool.num_used == 3 + 2  # a's 3 blocks (positions < 45) and b's own blocks 2 .. 3, each once
+    assert s.reused_blocks == 2  # (metrics)
+    c = _prompt(3, shared[:32] + [999], 0)  # the token after block 1 differs: block 1's key does too
+    _admit(s, c)
+    assert c.num_reused == 16
+    d = _prompt(4, shared[:33], 0)  # the token after block 1 matches: both blocks, one token left to compute
+    _admit(s, d)
+    assert d.num_reused == 32
+    s.check_integrity()
+    for q in (a, b, c, d):
+        s.finish(q, "stop")
+    assert s.pool.num_used == 0 and s.pool.num_free == s.pool.num_blocks - 1  # cached blocks count as free
+    e = _prompt(5, shared, 2)
+    _admit(s, e)
+    assert e.num_reused == 32  # from the cache, after its owners ended
     s.check_integrity()
 
 
-def test_prefix_caching_never_reuses_the_whole_prompt_or_for_context_logits():
-    s = Scheduler(max_slots=2, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
-    a = _prompt(1, list(range(1, 17)), 0)  # 16 tokens
-    s.waiting.append(a)
+def test_prompts_that_arrive_together_wait_for_the_first_to_compute_their_shared_prefix():
+    """16 requests with one system prompt, sent at once: the first computes the prefix, the others
+    wait while it does (other prompts go on) and then share it, instead of each computing it."""
+    s = _sharing(slots=8)
+    shared = list(range(1, 101))  # 100 tokens: 6 whole blocks
+    same = [_prompt(i, shared, 4) for i in range(1, 5)]
+    other = _prompt(9, [500 + i for i in range(30)], 0)
+    for q in same + [other]:
+        s.waiting.append(q)
+    plan = s.schedule()
+    assert [c.seq.seq_id for c in plan.prefills] == [1] and other.status is Status.PREFILL  # admitted: its turn comes
+    assert all(q.status is Status.WAITING for q in same[1:])
+    computed(s, same[0], 64)  # its first chunk
     s.schedule()
-    computed(s, a, 16)
-    s.finish(a, "stop")
-    same = _prompt(2, list(range(1, 17)), 0)
-    s.waiting.append(same)
-    s.schedule()
-    assert same.num_reused == 8  # one token at least is prefilled (its logits give the first token)
-    s.finish(same, "stop")
-    s.slot_tokens[0] = list(range(1, 17))
-    ctx = Sequence(seq_id=3, prompt_ids=list(range(1, 17)) + [5] * 9, params=SamplingParams(return_context_logits=True),
+    assert all(q.status is Status.WAITING for q in same[1:])
+    computed(s, same[0], 104)
+    same[0].output_ids, same[0].status = [1], Status.DECODE
+    plan = s.schedule()
+    assert [q.num_reused for q in same[1:]] == [96] * 3
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills][:3] == [(2, 96, 104), (3, 96, 104), (4, 96, 104)]
+    s.check_integrity()
+
+
+def test_a_shared_prefix_leaves_a_token_to_compute_and_is_not_taken_for_context_logits_or_when_off():
+    s = _sharing()
+    a = _run_to_end(s, _prompt(1, list(range(1, 33)), 0), num_cached=32)  # 32 tokens: blocks 0 and 1
+    same = _prompt(2, list(range(1, 33)), 0)
+    _admit(s, same)
+    assert same.num_reused == 16  # block 1's key needs token 32, past this prompt: its logits give the first token
+    ctx = Sequence(seq_id=3, prompt_ids=a.prompt_ids + [5] * 9, params=SamplingParams(return_context_logits=True),
                    seed=0, callback=lambda o: None, stop_ids=frozenset({0}))
-    s.waiting.append(ctx)
-    s.schedule()
+    _admit(s, ctx)
     assert ctx.num_reused == 0  # context logits need every prompt position computed
-    off = Scheduler(max_slots=1, max_seq_len=1000, prefill_chunk=8)
-    off.slot_tokens[0] = list(range(1, 17))
-    d = _prompt(4, list(range(1, 17)), 4)
-    off.waiting.append(d)
-    off.schedule()
-    assert d.num_reused == 0  # prefix_caching off
+    for kw in ({"prefix_caching": False, "any_prefix": True}, {"prefix_caching": True, "any_prefix": False}):
+        # off, or a forward whose K/V bits depend on the chunk split (a block is not the same from anyone)
+        off = Scheduler(max_slots=2, max_seq_len=1000, prefill_chunk=8, **kw)
+        _run_to_end(off, _prompt(4, list(range(1, 41)), 0))
+        d = _prompt(5, list(range(1, 41)), 4)
+        _admit(off, d)
+        assert d.num_reused == 0 and not off.pool.by_key
 
 
 def _run_to_end(s, q, num_cached=None):
@@ -183,131 +223,87 @@ def _run_to_end(s, q, num_cached=None):
     return q
 
 
-def test_a_slot_keeps_only_its_prompts_prefilled_whole_chunks():
-    s = Scheduler(max_slots=1, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
-    a = _prompt(1, list(range(1, 21)), 0)  # 20 prompt tokens: chunks [0, 8), [8, 16), [16, 20)
-    a.output_ids = [7] * 10
-    _run_to_end(s, a, num_cached=30)
-    # positions >= 16 were computed by a partial chunk or by decode steps: not what a prefill from
-    # scratch computes for a longer prompt, so never reused
-    assert s.slot_tokens[0] == a.prompt_ids[:16]
-    b = _prompt(2, a.prompt_ids + a.output_ids, 5)
-    s.waiting.append(b)
-    s.schedule()
-    assert b.num_reused == 16
-
-
-def test_with_a_chunk_invariant_model_reuse_goes_to_the_first_differing_token():
-    """any_prefix (the forward is chunk-invariant): a slot keeps every computed position, prompt and
-    output (all but the newest token), and reuse goes up to the first differing token, from a free
-    slot or copied from a busy one; chunks then start at the reused position."""
-    s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=8, prefix_caching=True, any_prefix=True)
-    a = _prompt(1, list(range(1, 21)), 0)  # 20 prompt tokens
-    a.output_ids = [7] * 10
-    _run_to_end(s, a, num_cached=29)  # the newest output token has no K/V yet
-    assert s.slot_tokens[0] == (a.prompt_ids + a.output_ids)[:29]
-    b = _prompt(2, a.prompt_ids + a.output_ids[:5] + [9], 12)  # a's prompt and 5 of its outputs, then not
-    s.waiting.append(b)
-    plan = s.schedule()
-    assert (b.slot, b.num_reused) == (0, 25)
-    assert [(p.start, p.end) for p in plan.prefills] == [(25, 33)]  # chunks from the reused position
-    computed(s, b, 33)
-    c = _prompt(3, b.prompt_ids[:30], 4)  # its first 30 tokens are b's, whose slot has computed 33: copied
-    s.waiting.append(c)
-    plan = s.schedule()
-    assert (c.slot, c.num_reused) == (1, 30) and plan.copies == [PrefixCopy(0, 1, 0, 30)]
-    whole = _prompt(4, list(range(1, 21)), 0)  # a prompt that a slot holds whole: one token left to compute
-    s.waiting.append(whole)
-    s.schedule()
-    assert whole.num_reused == 19
+def test_decoded_positions_are_shared_too_so_a_next_turn_reuses_the_answer():
+    """The forward is chunk-invariant: positions decode steps computed are the bits a prefill computes,
+    so a chat's next turn (the last prompt and answer, then more) shares them, up to the last block
+    whose positions and next token it has."""
+    s = _sharing()
+    a = _prompt(1, list(range(1, 21)), 0)
+    a.output_ids = [7] * 30
+    _run_to_end(s, a, num_cached=49)  # 50 tokens, the newest without K/V: blocks 0 .. 2 computed
+    turn = _prompt(2, a.prompt_ids + a.output_ids + [8, 9], 3)
+    _admit(s, turn)
+    assert turn.num_reused == 48
+    partial = _prompt(3, a.prompt_ids + a.output_ids[:20] + [9], 0)  # diverges at position 40
+    _admit(s, partial)
+    assert partial.num_reused == 32
     s.check_integrity()
 
 
-def test_without_reuse_the_least_useful_free_slot_is_overwritten():
-    s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
-    hot = list(range(1, 17))  # a shared system prompt: two whole chunks
-    _run_to_end(s, _prompt(1, hot, 4))  # slot 0
-    again = _run_to_end(s, _prompt(2, hot, 6))  # reuses slot 0: its prefix is hot
-    assert (again.slot, again.num_reused) == (None, 16) and s.slot_hits[0] == 1
-    one_off = Sequence(seq_id=3, prompt_ids=[500 + i for i in range(20)], params=SamplingParams(), seed=0,
-                       callback=lambda o: None, stop_ids=frozenset({0}))
-    s.waiting.append(one_off)
-    s.schedule()
-    assert one_off.slot == 1  # the lowest empty slot
-    s.finish(one_off, "stop")
-    old_one_off = _run_to_end(s, Sequence(seq_id=4, prompt_ids=[600 + i for i in range(20)], params=SamplingParams(),
-                                          seed=0, callback=lambda o: None, stop_ids=frozenset({0})))
-    assert s.slot_tokens[2] == old_one_off.prompt_ids[:16]  # slot 2, the last empty one; all hold tokens now
-    new = [Sequence(seq_id=5 + i, prompt_ids=[700 + 50 * i + j for j in range(20)], params=SamplingParams(), seed=0,
-                    callback=lambda o: None, stop_ids=frozenset({0})) for i in range(2)]
-    for q in new:
-        s.waiting.append(q)
-    s.schedule()
-    # no reuse for either: the one-offs' slots go first, least recently freed first (1, then 2);
-    # the hot prefix in slot 0 survives (the lowest free slot would have been 0)
-    assert [q.slot for q in new] == [1, 2] and s.slot_tokens[0] == (hot + [1002] * 6)[:16]
-    late = _prompt(9, hot, 3)
-    s.waiting.append(late)
-    s.finish(new[0], "stop")
-    s.schedule()
-    assert (late.slot, late.num_reused) == (0, 16)
+def test_cached_blocks_are_taken_last_least_recently_freed_first():
+    """Blocks nobody holds stay cached for later prompts; a sequence that needs blocks when no other is
+    free takes the least recently freed; what is left still matches."""
+    s = _sharing(slots=3, pool=BlockPool(np.zeros((3, 6), np.int32), 1 + 8))
+    old, new = [500 + i for i in range(40)], [600 + i for i in range(40)]
+    _run_to_end(s, _prompt(1, old, 0))  # 3 blocks, 2 of them keyed (block 2 holds positions 32 .. 39 only)
+    _run_to_end(s, _prompt(2, new, 0))
+    assert len(s.pool.cached) == 4 and s.pool.num_free == 8
+    big = _prompt(3, [700 + i for i in range(70)], 0)  # 5 blocks: the 4 free ones, then a cached one
+    _admit(s, big)
+    computed(s, big, 64)
+    s.schedule()  # its second chunk's block
+    assert s.pool.held[big.slot] == 5 and len(s.pool.cached) == 3
+    assert len(s.pool.match(block_keys(old, [], 40))) == 1  # old's last block went (its chain's tail first)
+    q = _prompt(4, new, 3)
+    _admit(s, q)
+    assert q.num_reused == 32
     s.check_integrity()
 
 
-def test_a_prefix_held_by_a_busy_slot_is_copied_into_the_new_slot():
-    s = Scheduler(max_slots=3, max_seq_len=1000, prefill_chunk=8, prefix_caching=True)
-    shared = list(range(1, 33))  # 4 chunks
-    _run_to_end(s, _prompt(1, shared[:16], 3))  # slot 0 keeps 2 chunks of the shared prefix
-    busy = _prompt(2, shared, 5)
-    s.waiting.append(busy)
-    s.schedule()
-    assert (busy.slot, busy.num_reused) == (0, 16)  # same-slot reuse, then it runs in slot 0
-    computed(s, busy, 24)  # three chunks prefilled so far
-    c = _prompt(3, shared, 9)
-    s.waiting.append(c)
-    plan = s.schedule()
-    # 24 prefilled tokens of the busy slot are reusable: copy them into a free slot, prefill the rest
-    assert (c.slot, c.num_reused, c.num_cached) == (1, 24, 24)
-    assert plan.copies == [PrefixCopy(src=0, dst=1, start=0, end=24)]
-    assert [(p.seq.seq_id, p.start, p.end) for p in plan.prefills] == [(2, 24, 32)]  # c's chunk waits for budget
-    # a free slot holding part of it: only the rest is copied
-    s.finish(c, "stop")  # cancelled before its prefill: slot 1 keeps the 24 copied positions
-    assert s.slot_tokens[1] == shared[:24]
-    computed(s, busy, 37)
-    d = _prompt(4, shared, 2)
-    s.waiting.append(d)
-    plan = s.schedule()
-    assert (d.slot, d.num_reused) == (1, 32) and plan.copies == [PrefixCopy(0, 1, 24, 32)]
-    assert s.slot_hits == [3, 3, 0]  # each reuse of the shared prefix counts for the slots holding it
+def test_a_sequence_running_when_prefixes_are_forgotten_never_shares_what_it_computes():
+    """forget_prefixes (a draft head attached: blocks computed before lack its features): nothing cached
+    is shared, nor what the sequences running then compute later."""
+    s = _sharing()
+    _run_to_end(s, _prompt(1, list(range(1, 41)), 0))
+    running = _prompt(2, [300 + i for i in range(40)], 0)
+    _admit(s, running)
+    s.forget_prefixes()
+    assert not s.pool.by_key and not s.pool.cached
+    computed(s, running, 40)
+    late = _prompt(3, list(range(1, 41)), 2)
+    _admit(s, late)
+    other = _prompt(4, running.prompt_ids, 2)
+    _admit(s, other)
+    assert late.num_reused == 0 and other.num_reused == 0
     s.check_integrity()
 
 
 def test_requests_that_arrive_during_a_steps_prefills_join_them_within_its_budget():
-    s = Scheduler(max_slots=5, max_seq_len=1000, prefill_chunk=16, prefix_caching=True, any_prefix=True)
-    shared = list(range(1, 9))  # 8 tokens every prompt starts with (any_prefix: reusable up to any token)
+    s = Scheduler(max_slots=5, max_seq_len=1000, prefill_chunk=64, prefix_caching=True, any_prefix=True)
+    shared = list(range(1, 34))  # 33 tokens every prompt starts with: 2 blocks and the token after them
     first, decoding = _prompt(1, shared, 2), seq(9, n_prompt=3)
     for q in (decoding, first):
         s.waiting.append(q)
     plan = s.schedule()
     decoding.num_cached, decoding.status = 3, Status.DECODE  # pretend: prefilled in an earlier step
-    plan = s.schedule()  # the step: `first` prefilled (10 tokens), `decoding` in its batch
-    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills] == [(1, 0, 10)] and plan.decodes == [decoding]
-    first.num_cached, first.status = 10, Status.DECODE  # its prefill ran; then these came
-    late = [_prompt(2, shared, 3), _prompt(3, shared, 5), _prompt(4, shared, 9)]
+    plan = s.schedule()  # the step: `first` prefilled (35 tokens), `decoding` in its batch
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills] == [(1, 0, 35)] and plan.decodes == [decoding]
+    first.num_cached, first.status = 35, Status.DECODE  # its prefill ran; then these came
+    late = [_prompt(2, shared, 3), _prompt(3, shared, 5), _prompt(4, shared, 29)]
     for q in late:
         s.waiting.append(q)
-    more = s.schedule_more(16 - 10, {1})
-    # all are admitted (slots free) and reuse `first`'s 8 shared tokens, copied from its busy slot;
-    # chunks in arrival order while they fit the 6 tokens left: 3, then 5 does not fit (no skipping)
-    assert [q.num_reused for q in late] == [8, 8, 8]
-    assert more.copies == [PrefixCopy(first.slot, q.slot, 0, 8) for q in late]
-    assert [(c.seq.seq_id, c.start, c.end) for c in more.prefills] == [(2, 8, 11)] and more.decodes == []
-    late[0].num_cached, late[0].status = 11, Status.DECODE
+    more = s.schedule_more(64 - 35, {1})
+    # all are admitted (slots free) and share `first`'s 2 blocks, which its prefill just computed;
+    # chunks in arrival order while they fit the 29 tokens left: 4 and 6, then 30 does not fit (no skipping)
+    assert [q.num_reused for q in late] == [32, 32, 32]
+    assert [(c.seq.seq_id, c.start, c.end) for c in more.prefills] == [(2, 32, 36), (3, 32, 38)] and more.decodes == []
+    late[0].num_cached, late[0].status = 36, Status.DECODE
+    late[1].num_cached, late[1].status = 38, Status.DECODE
     # nothing planned twice, and the next step's schedule takes the rest
-    assert s.schedule_more(3, {1, 2}).prefills == []
+    assert s.schedule_more(3, {1, 2, 3}).prefills == []
     plan = s.schedule()
-    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills] == [(3, 8, 13), (4, 8, 17)]
-    assert [q.seq_id for q in plan.decodes] == [9, 1, 2]
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills] == [(4, 32, 62)]
+    assert [q.seq_id for q in plan.decodes] == [9, 1, 2, 3]
     s.check_integrity()
 
 

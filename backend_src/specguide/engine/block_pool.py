@@ -1,6 +1,11 @@
-"""The paged KV caches' blocks: which blocks each slot holds (its row of the block table) and which
-are free. Pure Python and numpy; the runner's caches read the table (kv_cache.py)."""
+"""The paged KV caches' blocks: which blocks each slot holds (its row of the block table), which
+are free, and which full blocks hold a known prefix (shared by every sequence that starts with it).
+Pure Python and numpy; the runner's caches read the table (kv_cache.py)."""
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -13,21 +18,43 @@ def blocks_per_seq(max_seq_len: int, lookahead: int) -> int:
     return BlockPool.blocks_for(max_seq_len + lookahead + 1)
 
 
+def block_keys(tokens: Sequence[int], keys: list[bytes], limit: int) -> list[bytes]:
+    """Extend `keys` (block i's key, for the blocks already keyed) to every block b whose positions
+    and the one after, [0, 16b + 17), lie within tokens[:limit]. Key b is a hash chain over those
+    tokens: the block's K/V (a function of the tokens up to its last position) and the draft head's
+    rows in it (row p reads token p + 1) are the same for every sequence with the same key."""
+    while (b := len(keys)) * BLOCK + BLOCK < min(limit, len(tokens)):
+        h = hashlib.blake2b(keys[-1] if keys else b"", digest_size=16)
+        h.update(np.asarray(tokens[b * BLOCK: b * BLOCK + BLOCK + 1], np.int64).tobytes())
+        keys.append(h.digest())
+    return keys
+
+
 class BlockPool:
     """Blocks 1 .. num_blocks - 1 of every paged cache, handed to slots as their sequences grow.
 
     `table` [slots, blocks_per_seq] int32 is shared with the caches (on the CPU the same memory):
     slot s's position p lives in block table[s, p // 16]. Entries past a slot's blocks are 0, a
     block no slot holds, where only dead positions are ever written (padding rows, positions
-    past max_seq_len)."""
+    past max_seq_len).
+
+    Prefix sharing: a full block whose K/V is computed can be registered under its key
+    (`block_keys`); a sequence whose tokens have the same keys takes those blocks into its own table
+    row (`share`) instead of computing them, and never writes them (its writes start past them).
+    A block counts its holders (`ref`); when none is left a registered block stays cached (least
+    recently used first out) until a block is needed and no other is free."""
 
     def __init__(self, table: np.ndarray, num_blocks: int):
         assert table.dtype == np.int32 and table.ndim == 2 and num_blocks >= 2
         self.table = table
         self.table[:] = 0
         self.num_blocks = num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() hands out the lowest first
+        self.free: list[int] = list(range(num_blocks - 1, 0, -1))  # unkeyed, unheld: pop() hands out the lowest first
         self.held = [0] * table.shape[0]  # blocks each slot holds: table[s, :held[s]]
+        self.ref = [0] * num_blocks  # slots holding each block
+        self.key_of: list[Optional[bytes]] = [None] * num_blocks
+        self.by_key: dict[bytes, int] = {}  # registered blocks (held or cached)
+        self.cached: OrderedDict[int, None] = OrderedDict()  # registered blocks no slot holds, oldest first
 
     @staticmethod
     def blocks_for(positions: int) -> int:
@@ -36,40 +63,107 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        """Blocks a sequence can take: unused ones and cached ones (evicted on demand)."""
+        return len(self.free) + len(self.cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self.free)
+        """Blocks some slot holds."""
+        return self.num_blocks - 1 - self.num_free
 
     def missing(self, slot: int, positions: int) -> int:
         """Blocks the slot lacks to hold positions [0, positions)."""
         return max(0, min(self.blocks_for(positions), self.table.shape[1]) - self.held[slot])
 
+    def _take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        b, _ = self.cached.popitem(last=False)  # the least recently used prefix block
+        del self.by_key[self.key_of[b]]
+        self.key_of[b] = None
+        return b
+
+    def _release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            if self.key_of[b] is not None:
+                self.cached[b] = None
+            else:
+                self.free.append(b)
+
     def grow(self, slot: int, positions: int) -> bool:
         """Give the slot blocks up to positions [0, positions) (at most its table row); False, and
         nothing given, when too few are free."""
         n = self.missing(slot, positions)
-        if n > len(self.free):
+        if n > self.num_free:
             return False
         h = self.held[slot]
         for i in range(h, h + n):
-            self.table[slot, i] = self.free.pop()
+            b = self._take()
+            self.table[slot, i] = b
+            self.ref[b] = 1
         self.held[slot] = h + n
         return True
 
     def shrink(self, slot: int, positions: int = 0) -> None:
-        """The slot keeps only the blocks of positions [0, positions); the rest are free."""
+        """The slot keeps only the blocks of positions [0, positions); it lets go of the rest."""
         keep = self.blocks_for(positions)
         h = self.held[slot]
         if keep >= h:
             return
-        self.free.extend(int(b) for b in self.table[slot, keep:h][::-1])
+        for b in self.table[slot, keep:h][::-1]:
+            self._release(int(b))
         self.table[slot, keep:h] = 0
         self.held[slot] = keep
 
+    def match(self, keys: list[bytes]) -> list[int]:
+        """The registered blocks of the longest run of `keys` from the first."""
+        out = []
+        for k in keys:
+            b = self.by_key.get(k)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def share(self, slot: int, blocks: list[int]) -> None:
+        """The (empty) slot's first blocks are these registered ones."""
+        assert self.held[slot] == 0 and len(blocks) <= self.table.shape[1]
+        for i, b in enumerate(blocks):
+            if self.ref[b] == 0:
+                del self.cached[b]
+            self.ref[b] += 1
+            self.table[slot, i] = b
+        self.held[slot] = len(blocks)
+
+    def register(self, slot: int, keys: list[bytes], start: int = 0) -> None:
+        """The slot's blocks start .. len(keys) - 1 are computed: keyed by `keys` for sharing (a key
+        already held by another block keeps that one)."""
+        for i in range(start, min(len(keys), self.held[slot])):
+            b = int(self.table[slot, i])
+            if self.key_of[b] is None and keys[i] not in self.by_key:
+                self.key_of[b] = keys[i]
+                self.by_key[keys[i]] = b
+
+    def forget(self) -> None:
+        """No block is shared from now on: cached ones are free, held ones unkeyed."""
+        for b in self.by_key.values():
+            self.key_of[b] = None
+        self.by_key.clear()
+        self.free.extend(sorted(self.cached, reverse=True))
+        self.cached.clear()
+
     def check_integrity(self) -> None:
-        """Every block is free or held by exactly one slot, once."""
-        held = [int(b) for s, h in enumerate(self.held) for b in self.table[s, :h]]
+        """Every block is free, cached, or held; held blocks are counted once per holder."""
+        refs = [0] * self.num_blocks
+        for s, h in enumerate(self.held):
+            for b in self.table[s, :h]:
+                refs[int(b)] += 1
         assert all(not self.table[s, h:].any() for s, h in enumerate(self.held)), "a table entry past a slot's blocks"
-        assert sorted(held + self.free) == list(range(1, self.num_blocks)), "a block leaked or is held twice"
+        assert refs[1:] == self.ref[1:], "a block's holders miscounted"
+        held = [b for b in range(1, self.num_blocks) if refs[b]]
+        assert sorted(held + self.free + list(self.cached)) == list(range(1, self.num_blocks)), \
+            "a block leaked, or is both held and free"
+        assert all(self.key_of[b] is None for b in self.free), "a free block keeps a key"
+        assert all(self.by_key[self.key_of[b]] == b for b in self.cached), "a cached block lost its key"
+        assert all(self.key_of[b] == k for k, b in self.by_key.items()), "keys and blocks disagree"

@@ -28,7 +28,7 @@ from ..models.loader import load_model, resolve_model_dir
 from .output_processor import Finish, OutputProcessor
 from ..request import InvalidRequestError, Request, RequestOutput, error_code
 from .runner import Riders, Runner
-from .scheduler import PrefillChunk, PrefixCopy, Scheduler, Sequence, Status, StepPlan
+from .scheduler import PrefillChunk, Scheduler, Sequence, Status, StepPlan
 from ..speculative.head_drafter import HeadDrafter
 from ..speculative.proposer import Proposer
 from ..tokenizer import Tokenizer
@@ -102,7 +102,7 @@ class EngineCore:
         self.proposer = Proposer(config, self.model, self.runner.kv, self.guided, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
         self.runner.core.feature_sink = self.proposer.feature_sink
-        self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free / copy_prefix
+        self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,
                                    BlockPool(self.runner.table.numpy(), num_blocks), config.num_draft_tokens,
@@ -119,7 +119,6 @@ class EngineCore:
         # sequences, prompt tokens in the chunks, wall clock in microseconds); plain ints, set by the
         # loop thread and read by stats() from another thread, never a device value
         self.last_step: tuple[int, int, int, int] = (0, 0, 0, 0)
-        self.scheduler.reusable = self.proposer.reusable
         t0 = time.perf_counter()
         if config.warmup:  # before the loop starts, so initialize() (and readiness) waits for it
             self.runner.warmup()
@@ -148,12 +147,13 @@ class EngineCore:
 
     @contextmanager
     def feature_recording(self, owner: Any) -> Iterator[None]:
-        """While idle: `owner` (admit / free / copy_prefix, and `record`) joins the per-slot owners
+        """While idle: `owner` (admit / free, and `record`) joins the per-slot owners
         and gets (slots, positions, hidden) after every target forward, next to the draft head's
         sink, until the block ends (training keeps f_p this way). Steps run eagerly meanwhile: a
         CUDA graph captured before would not call it."""
         assert not self.scheduler.running and not self.scheduler.waiting, "feature_recording needs an idle engine"
         self.scheduler.forget_prefixes()  # rows computed before the owner joined are not in its buffers
+        sharing, self.scheduler.sharing = self.scheduler.sharing, False  # it records every position it is fed
         sink, graphs = self.runner.core.feature_sink, self.runner.graphs
 
         def both(slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -168,6 +168,7 @@ class EngineCore:
         finally:
             self.runner.core.feature_sink, self.runner.graphs = sink, graphs
             self.slot_state = tuple(o for o in self.slot_state if o is not owner)
+            self.scheduler.sharing = sharing
 
     def make_sequence(self, request: Request, callback: Callback) -> Sequence:
         """Validate the request and build its sequence (Intake); raises InvalidRequestError. Any
@@ -220,6 +221,7 @@ class EngineCore:
         if not self.proposer.attach_head():
             return False
         self.runner.core.feature_sink = self.proposer.feature_sink
+        self.scheduler.forget_prefixes()  # blocks computed so far lack the head's features
         if self.runner.graphs is not None:
             self.runner.graphs.close()
         log.info("specguide: draft head %s attached while serving (%.2f s): drafter %r for requests "
@@ -245,7 +247,6 @@ class EngineCore:
             for owner in self.slot_state:
                 owner.drop_rows(seq.slot)
         self.runner.blocks_changed()
-        self._copy_prefixes(plan.copies)
         if self.runner.varlen:
             self._one_forward(plan)
             return True
@@ -265,7 +266,6 @@ class EngineCore:
                 # than wait for the decode of the batch already running
                 more = self.scheduler.schedule_more(budget, {c.seq.seq_id for c in plan.prefills}, ready)
                 self.runner.blocks_changed()
-                self._copy_prefixes(more.copies)
                 plan.prefills += more.prefills
                 prefills.extend(more.prefills)
                 budget -= sum(c.end - c.start for c in more.prefills)
@@ -314,12 +314,6 @@ class EngineCore:
     def _note(self, plan: StepPlan) -> None:
         self.last_step = (len(plan.prefills), len(plan.decodes),
                           sum(c.end - c.start for c in plan.prefills), time.time_ns() // 1000)
-
-    def _copy_prefixes(self, copies: list[PrefixCopy]) -> None:
-        """Prefix rows from another slot, before any chunk overwrites a source."""
-        for copy in copies:
-            for owner in self.slot_state:
-                owner.copy_prefix(copy)
 
     def _prefill_chunk(self, chunk: PrefillChunk, hidden: Optional[torch.Tensor] = None) -> Optional[Sequence]:
         """Run one prompt chunk (`hidden`: its forward ran in the step's); the last one's token

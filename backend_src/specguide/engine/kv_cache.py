@@ -97,16 +97,6 @@ class KVCache:
         return KVCache(L, max_slots, kvh, positions or self.max_seq_len, self.head_dim, self.dtype,
                        self.v.device, store=self.store, kernel_layout=self.kernel_layout)
 
-    def copy_rows(self, src: int, dst: int, start: int, end: int) -> None:
-        """Positions [start, end) of every layer from slot src into slot dst."""
-        p = torch.arange(start, end, device=self.table.device)
-        bs, bd, off = self.table[src, p // self.BLOCK], self.table[dst, p // self.BLOCK], p % self.BLOCK
-        self.v[:, bd, :, off] = self.v[:, bs, :, off]
-        if self.kernel_layout:
-            self.k[:, bd, :, :, off] = self.k[:, bs, :, :, off]
-        else:
-            self.k[:, bd, :, off] = self.k[:, bs, :, off]
-
     def rows(self, slot: int, start: int = 0, end: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [start, end) of `slot`, every layer: fp32 copies [layers, kv_heads, n, head_dim]."""
         ids = self.table[slot]

@@ -116,7 +116,6 @@ class Engine:
         core = self.core
         sched, kv, pool = core.scheduler, core.runner.kv, core.scheduler.pool
         running = list(sched.running.values())  # one C-level copy: the loop thread may change the dict
-        held = [pool.held[s.slot] for s in running if s.slot is not None]
         prefills, decodes, prompt_tokens, step_us = core.last_step
         if not running:  # the latest step is over and nothing runs: no request is scheduled now
             prefills = decodes = prompt_tokens = 0
@@ -127,8 +126,9 @@ class Engine:
                 "context_tokens": prompt_tokens, "step_time_us": step_us,
                 "kv_tokens_per_block": kv.tokens_per_block,
                 "kv_blocks_max": pool.num_blocks - 1,
-                "kv_blocks_used": sum(held),  # the running sequences' (free slots keep cached prefixes' too)
-                "kv_blocks_free": pool.num_free,
+                "kv_blocks_used": pool.num_used,  # held by running sequences (a shared block once)
+                "kv_blocks_free": pool.num_free,  # free or cached (a prefix's blocks nobody holds)
+                "kv_blocks_cached": len(pool.by_key),  # keyed for sharing (held or not)
                 "kv_blocks_reused": sched.reused_blocks,
                 "preempted": sum(s.status is Status.PREEMPTED for s in running),
                 "preemptions": sched.num_preemptions,

@@ -17,7 +17,7 @@ from ..guided.decoder import GuidedDecoder
 from .block_pool import blocks_per_seq
 from .kv_cache import KVCache, kv_store
 from ..models.llama import LlamaModel
-from .scheduler import PrefillChunk, PrefixCopy, Sequence, SlotOwner
+from .scheduler import PrefillChunk, Sequence, SlotOwner
 from .slot_params import SlotSampling
 from ..speculative.plan import DraftPlan
 from .step import StepCore
@@ -92,10 +92,6 @@ class Runner(SlotOwner):
         """After the scheduler handed out or took back blocks: the device's table follows the host's."""
         if self.kv.table is not self.table:
             self.kv.table.copy_(self.table, non_blocking=True)  # NOTE: stream-ordered before the next forward
-
-    def copy_prefix(self, c: PrefixCopy) -> None:
-        """The target's K/V of positions [start, end), every layer, from slot src into slot dst."""
-        self.kv.copy_rows(c.src, c.dst, c.start, c.end)
 
     # ---- forward passes ---------------------------------------------------------------------
     @property

@@ -1,5 +1,5 @@
-"""Slots, KV blocks, waiting queue, admission, chunked prefill under a token budget, preemption,
-finish conditions.
+"""Slots, KV blocks (shared by prefix), waiting queue, admission, chunked prefill under a token
+budget, preemption, finish conditions.
 
 Pure Python: no torch. The runner turns a `StepPlan` into tensors."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..request import RequestOutput, SamplingParams
-from .block_pool import BLOCK, BlockPool, blocks_per_seq
+from .block_pool import BLOCK, BlockPool, block_keys, blocks_per_seq
 from .sequence_state import GuideState, OutputState, SeqStats
 
 
@@ -46,7 +46,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     slot: Optional[int] = None
     num_cached: int = 0
-    num_reused: int = 0  # prompt tokens whose KV the slot already held at admission (prefix caching)
+    num_reused: int = 0  # prompt tokens whose KV blocks it shares at admission (prefix caching)
+    block_keys: list[bytes] = field(default_factory=list)  # its full blocks' keys (block_pool.block_keys), so far
+    registered: int = 0  # its first blocks that are computed and registered for sharing (or shared)
+    shares: bool = True  # its computed blocks may be shared (not when computed without a state others need)
     preemptions: int = 0  # times it gave its KV blocks back (its slot's other state stays)
     bound: bool = False  # the slot's owners admitted it (at its first chunk; a preemption keeps them)
     status: Status = Status.WAITING
@@ -90,28 +93,15 @@ class PrefillChunk:
         return bool(self.seq.output_ids) and self.end == self.seq.prefill_end
 
 
-@dataclass
-class PrefixCopy:
-    """Copy the KV (and per-slot features) of positions [start, end) from slot src into slot dst."""
-
-    src: int
-    dst: int
-    start: int
-    end: int
-
-
 class SlotOwner:
     """Something that keeps per-slot state beside the scheduler (the runner, the proposer, a
-    feature recorder): told when a sequence takes a slot, when it leaves it, and when a prefix is
-    copied between slots. Each is a no-op unless the owner keeps such state."""
+    feature recorder): told when a sequence takes a slot and when it leaves it. Each is a no-op
+    unless the owner keeps such state."""
 
     def admit(self, slot: int, seq: Sequence) -> None:
         pass
 
     def free(self, slot: int) -> None:
-        pass
-
-    def copy_prefix(self, c: PrefixCopy) -> None:
         pass
 
     def drop_rows(self, slot: int) -> None:
@@ -122,25 +112,25 @@ class SlotOwner:
 class StepPlan:
     prefills: list[PrefillChunk]
     decodes: list[Sequence]  # sorted by slot
-    copies: list[PrefixCopy] = field(default_factory=list)  # run first, in this order
     preempted: list[Sequence] = field(default_factory=list)  # lost their blocks in this plan
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes and not self.copies
+        return not self.prefills and not self.decodes
 
 
 class Scheduler:
     """Owns the waiting queue, the slot free list and the KV blocks (`pool`); decides each step's work.
 
     Blocks: a running sequence holds blocks for the positions its next forward writes (a decoding
-    one: its tokens and `lookahead` draft positions, up to max_seq_len); a free slot keeps those of
-    its last sequence's reusable tokens (prefix caching) until blocks run short. When they do,
-    the newest running sequence is preempted: it keeps its slot, gives its blocks back and, once
-    blocks are free again, recomputes its tokens (a prefill, the same K/V bits with the
+    one: its tokens and `lookahead` draft positions, up to max_seq_len). Prefix sharing: each full
+    block a sequence has computed is registered under its key (the hash chain of its tokens and
+    the next one); a sequence admitted later whose tokens give the same keys shares those blocks
+    (`BlockPool.share`) and computes only the rest; blocks nobody holds stay cached until needed.
+    When blocks run short the newest running sequence is preempted: it keeps its slot, gives its
+    blocks back (its computed ones stay cached) and, once blocks are free again, shares what is
+    still cached of them, recomputes the rest (a prefill: the same K/V bits with the
     chunk-invariant kernels) and decodes on."""
-
-    copy_min_tokens = 1  # copying a prefix from a busy slot beats computing it from 1 token up (bench_prefix_copy)
 
     def __init__(self, max_slots: int, max_seq_len: int, prefill_chunk: int, prefix_caching: bool = False,
                  prefix_min_tokens: int = 1, any_prefix: bool = False, pool: Optional[BlockPool] = None,
@@ -150,20 +140,14 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.prefix_caching, self.prefix_min_tokens = prefix_caching, prefix_min_tokens
         # any_prefix: the model's forwards are chunk-invariant (LlamaModel.chunk_invariant: a position's
-        # K/V are the same bits whatever the chunk split, batch or query count, decode steps included),
-        # so every position a slot computed is reusable, up to the first differing token; else only a
-        # prompt's whole prefill chunks are (a prefill from scratch computes them with the same split)
+        # K/V, and the drafters' rows, are the same bits whatever the chunk split, batch or query count,
+        # decode steps included), so a block computed by any sequence is the block every other sequence
+        # with its tokens would compute. Blocks are shared only then (`sharing`).
         self.any_prefix = any_prefix
+        self.sharing = prefix_caching and any_prefix
         self.free_slots: list[int] = list(range(max_slots))
-        self.slot_tokens: list[list[int]] = [[] for _ in range(max_slots)]  # tokens whose KV a free slot holds
-        self.slot_hits = [0] * max_slots  # admissions that reused (a prefix of) the slot's tokens
-        self.slot_freed = [0] * max_slots  # when the slot was last freed (a tick): least recently used first
-        self._tick = 0
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
-        # whether a slot's rows may be reused at all (the engine: a draft head attached while
-        # serving lacks the features of rows computed before it, so their slots are not)
-        self.reusable: Callable[[int], bool] = lambda slot: True
         self.reused_blocks = 0  # whole KV blocks of prompt prefixes reused at admission, all told (metrics)
         self.lookahead = lookahead  # positions past a decoding sequence's tokens its step may write (drafts)
         # step_budget > 0: prompt chunks and decode rows share one forward (Runner.varlen). While
@@ -183,19 +167,19 @@ class Scheduler:
             pool = BlockPool(np.zeros((max_slots, mb), np.int32), 1 + max_slots * mb)
         self.pool = pool
         self.num_preemptions = 0  # all told (metrics)
-        self._pinned: set[int] = set()  # slots whose blocks this plan's copies read or write
     # ---- admission (the engine appends to `waiting`; it enforces max_queue) ------------------
     def schedule(self, ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
-        """Blocks for the running sequences' next writes (preempting the newest where they run
-        short), preempted sequences back to their recompute, waiting sequences into free slots;
-        then the prefill chunks and the decode batch."""
+        """The blocks the last step computed registered for sharing; blocks for the running sequences'
+        next writes (preempting the newest where they run short), preempted sequences back to their
+        recompute, waiting sequences into free slots; then the prefill chunks and the decode batch."""
+        for seq in self.running.values():
+            self._register(seq)
         preempted = self._grow_decodes()
         self._resume()
-        copies = self._admit(ready)
+        self._admit(ready)
         prefills = self._chunks(*self._prefill_budget(), planned=set(), preempted=preempted)
         decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
-        self._pinned.clear()
-        return StepPlan(prefills, decodes, copies, preempted)
+        return StepPlan(prefills, decodes, preempted)
 
     def schedule_more(self, budget: int, planned: set[int],
                       ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
@@ -203,10 +187,10 @@ class Scheduler:
         chunks of prefilling sequences not yet in this step (`planned`: their seq_ids) within the
         `budget` tokens left; no decodes (the step's own batch runs after its prefills). Nothing
         is preempted for them: a chunk whose blocks are not free waits."""
-        copies = self._admit(ready)
-        prefills = self._chunks(budget, False, planned, preempted=None)
-        self._pinned.clear()
-        return StepPlan(prefills, [], copies)
+        for seq in self.running.values():
+            self._register(seq)  # what this step's prefills computed
+        self._admit(ready)
+        return StepPlan(self._chunks(budget, False, planned, preempted=None), [])
 
     def _prefill_budget(self) -> tuple[float, bool]:
         """(what this step's prompt chunks may take, whether in tokens' worth of work: see
@@ -246,13 +230,13 @@ class Scheduler:
         return preempted
 
     def _newest(self) -> Optional[Sequence]:
-        """The running sequence to preempt first: the newest one holding blocks (not the source of
-        a copy in this plan). NOTE: one sequence alone always fits the pool (the engine caps
-        max_seq_len to it), so a sequence short of blocks finds one, itself at worst."""
-        return max((s for s in self.running.values() if self.pool.held[s.slot] and s.slot not in self._pinned),
-                   key=lambda s: s.seq_id, default=None)
+        """The running sequence to preempt first: the newest one holding blocks. NOTE: one sequence
+        alone always fits the pool (the engine caps max_seq_len to it), so a sequence short of
+        blocks finds one, itself at worst."""
+        return max((s for s in self.running.values() if self.pool.held[s.slot]), key=lambda s: s.seq_id, default=None)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._register(seq)  # what it computed stays cached: its recompute shares what is left of it
         self.pool.shrink(seq.slot, 0)
         seq.status = Status.PREEMPTED
         seq.num_cached = seq.num_reused = 0
@@ -260,16 +244,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _grow(self, slot: int, positions: int) -> bool:
-        """Blocks for the slot's positions [0, positions), taking free slots' kept blocks (least
-        useful first) when too few are free; False when even those do not make enough."""
-        need = self.pool.missing(slot, positions)
-        if need > self.pool.num_free:
-            for s in sorted(self.free_slots, key=self._evict_order):
-                if self.pool.num_free >= need:
-                    break
-                if self.pool.held[s] and s not in self._pinned:
-                    self.pool.shrink(s, 0)
-                    self.slot_tokens[s] = []
+        """Blocks for the slot's positions [0, positions) (cached prefix blocks nobody holds are
+        taken when no other is free); False when too few."""
         return self.pool.grow(slot, positions)
 
     def _reserve(self) -> int:
@@ -277,25 +253,24 @@ class Scheduler:
         return sum(self.pool.missing(s.slot, self._decode_need(s) + self.lookahead + 1)
                    for s in self.running.values() if s.status is Status.DECODE)
 
-    def _fits(self, positions: int, slot: Optional[int] = None) -> bool:
+    def _fits(self, positions: int) -> bool:
         """Whether positions [0, positions) of a (new or resumed) sequence fit beside the decoding
-        ones' growth, counting free slots' kept blocks as free."""
-        kept = sum(self.pool.held[s] for s in self.free_slots if s != slot and s not in self._pinned)
-        have = self.pool.held[slot] if slot is not None else 0
-        return BlockPool.blocks_for(positions) - have <= self.pool.num_free + kept - self._reserve()
+        ones' growth (cached prefix blocks count as free)."""
+        return BlockPool.blocks_for(positions) <= self.pool.num_free - self._reserve()
 
     def _resume(self) -> None:
-        """Preempted sequences, oldest first, back to prefilling while their first chunk fits."""
+        """Preempted sequences, oldest first, back to prefilling (what is still cached of their
+        blocks shared) while their first chunk fits."""
         for seq in sorted((s for s in self.running.values() if s.status is Status.PREEMPTED), key=lambda s: s.seq_id):
-            if not self._fits(min(self.prefill_chunk, seq.prefill_end), seq.slot):
+            if not self._fits(min(self.prefill_chunk, seq.prefill_end)):
                 break
+            self._share(seq, seq.prefill_end)
             seq.status = Status.PREFILL
 
-    def _admit(self, ready: Callable[[Sequence], bool]) -> list[PrefixCopy]:
-        """Waiting sequences into free slots (a prefix reused or copied where one is held) while
-        their first chunk's blocks fit; returns the copies to run before any chunk."""
+    def _admit(self, ready: Callable[[Sequence], bool]) -> None:
+        """Waiting sequences into free slots (the lowest first), sharing the cached blocks of their
+        prompt's prefix, while their first chunk's blocks fit."""
         blocked: list[Sequence] = []
-        copies: list[PrefixCopy] = []
         holding = {s.group for s in self.running.values()}  # requests with a row in a slot
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
@@ -311,25 +286,63 @@ class Scheduler:
             if any(s.status is Status.PREEMPTED for s in self.running.values()):
                 break  # the preempted go first
             if not self._fits(min(self.prefill_chunk, len(seq.prompt_ids)) + 1):
-                break  # (+1: a whole-prompt reuse still leaves a token to compute)
+                break
+            shares = self.sharing and not seq.params.return_context_logits and seq.params.prompt_logprobs is None
+            if shares and self._in_flight(seq):
+                blocked.append(self.waiting.popleft())  # shares it once computed instead of computing it too
+                continue
             self.waiting.popleft()
-            seq.slot, seq.num_reused, copy = self._pick_slot(seq)
-            seq.num_cached = seq.num_reused
+            seq.slot = self._take_slot(seq)
+            if shares:
+                self._share(seq, len(seq.prompt_ids))
             self.reused_blocks += seq.num_reused // BLOCK
-            self.pool.shrink(seq.slot, copy.start if copy is not None else seq.num_reused)
-            if copy is not None:
-                if self._grow(seq.slot, copy.end):
-                    copies.append(copy)
-                    self._pinned.update((copy.src, copy.dst))  # kept until the copy ran
-                else:  # no room for the copied rows: computed instead
-                    seq.num_cached = seq.num_reused = copy.start
-            self.slot_tokens[seq.slot] = []
             seq.status = Status.PREFILL
             seq.stats.first_scheduled_time_ns = time.time_ns()
             self.running[seq.slot] = seq
             holding.add(seq.group)
         self.waiting.extendleft(reversed(blocked))
-        return copies
+
+    def _take_slot(self, seq: Sequence) -> int:
+        """A free slot for the sequence: the lowest (which slot a sequence gets never changes its output)."""
+        slot = min(self.free_slots)
+        self.free_slots.remove(slot)
+        return slot
+
+    def _in_flight(self, seq: Sequence) -> bool:
+        """Whether a prefilling sequence is computing the next block of the waiting one's prompt
+        that is not cached yet (16 requests with one system prompt, arriving together: the first
+        computes it, the others then share it)."""
+        keys = block_keys(seq.prompt_ids, seq.block_keys, len(seq.prompt_ids))
+        n = len(self.pool.match(keys))
+        if n == len(keys):
+            return False
+        return any(r.status is Status.PREFILL and r.shares and n < len(r.block_keys) and r.block_keys[n] == keys[n]
+                   and r.num_cached < (n + 1) * BLOCK for r in self.running.values())
+
+    def _share(self, seq: Sequence, limit: int) -> None:
+        """The (blockless) sequence takes the cached blocks of its longest keyed prefix within
+        tokens[:limit] (each block's key reads the token after it: at least one token is left to
+        compute); it computes from there."""
+        seq.num_reused = seq.num_cached = seq.registered = 0
+        if not (self.sharing and seq.shares):
+            return
+        tokens = seq.prompt_ids + seq.output_ids if seq.output_ids else seq.prompt_ids
+        blocks = self.pool.match(block_keys(tokens, seq.block_keys, limit))
+        if not blocks or len(blocks) * BLOCK < self.prefix_min_tokens:
+            return
+        self.pool.share(seq.slot, blocks)
+        seq.num_reused = seq.num_cached = len(blocks) * BLOCK
+        seq.registered = len(blocks)
+
+    def _register(self, seq: Sequence) -> None:
+        """Key the sequence's computed full blocks for sharing: block b once its positions are
+        cached (num_cached >= 16b + 16; the token after it is then known)."""
+        n = min(seq.num_cached // BLOCK, self.pool.held[seq.slot]) if seq.slot is not None else 0
+        if n <= seq.registered or not (self.sharing and seq.shares):
+            return
+        keys = block_keys(seq.prompt_ids + seq.output_ids, seq.block_keys, seq.num_cached + 1)
+        self.pool.register(seq.slot, keys[:n], seq.registered)
+        seq.registered = n
 
     def _chunks(self, budget: float, weighted: bool, planned: set[int],
                 preempted: Optional[list[Sequence]]) -> list[PrefillChunk]:
@@ -364,71 +377,6 @@ class Scheduler:
             budget -= self._cost(seq.num_cached, n) if weighted else n
         return prefills
 
-    def _pick_slot(self, seq: Sequence) -> tuple[int, int, Optional[PrefixCopy]]:
-        """(slot, prompt tokens to reuse, rows to copy first). Reuse is the longest prefix of the
-        prompt that any slot holds (`_reusable`), leaving at least one token to prefill (cut to
-        whole prefill chunks unless `any_prefix`). A free slot holding it is taken; when a busy slot holds more, its rows
-        past what the taken slot holds are copied (far cheaper than computing them: bench_prefix_copy).
-        Without reuse, the free slot whose tokens are least useful is taken (`_evict_order`)."""
-        match = [0] * self.max_slots
-        if self.prefix_caching and not seq.params.return_context_logits and seq.params.prompt_logprobs is None:
-            for s in range(self.max_slots):
-                match[s] = self._common(self._reusable(s), seq.prompt_ids)
-        own = max(self.free_slots, key=lambda s: (match[s], -s))  # the best free slot, lowest on ties
-        src = max(range(self.max_slots), key=lambda s: (match[s], s in self.free_slots, -s))
-        least_useful = min(self.free_slots, key=self._evict_order)
-        copy = None
-        if match[src] >= self.prefix_min_tokens and match[src] - match[own] >= max(1, self.copy_min_tokens):
-            slot, reuse = (own, match[own]) if match[own] else (least_useful, 0)
-            copy, reuse = PrefixCopy(src, slot, reuse, match[src]), match[src]
-        elif match[own] and match[own] >= self.prefix_min_tokens:
-            slot, reuse = own, match[own]
-        else:
-            slot, reuse = least_useful, 0
-        self.free_slots.remove(slot)
-        self.slot_hits[slot] = (self.slot_hits[src if copy else slot] + 1) if reuse else 0
-        if copy is not None:
-            self.slot_hits[src] += 1
-        return slot, reuse, copy
-
-    def _reusable(self, slot: int) -> list[int]:
-        """Tokens whose KV the slot holds as a prefill from scratch computes it: a free slot's kept
-        tokens; a busy slot's (`_kept`)."""
-        if not self.reusable(slot):
-            return []
-        seq = self.running.get(slot)
-        return self.slot_tokens[slot] if seq is None else self._kept(seq)
-
-    def _kept(self, seq: Sequence) -> list[int]:
-        """The tokens whose K/V rows the sequence's slot holds exactly as a prefill of them computes
-        them: with `any_prefix` every cached position (prompt and output, `num_cached`: all but the
-        newest token), else the prompt positions prefilled so far in whole chunks (positions computed
-        by a partial chunk or by decode steps differ in the last bits from a prefill's)."""
-        if self.any_prefix:
-            return (seq.prompt_ids + seq.output_ids)[: seq.num_cached]
-        n = min(seq.num_cached, len(seq.prompt_ids))
-        return seq.prompt_ids[: n - n % self.prefill_chunk]
-
-    def _common(self, held: list[int], prompt: list[int]) -> int:
-        """Common prefix length, leaving >= 1 prompt token to compute (cut to whole prefill chunks
-        unless `any_prefix`)."""
-        n = 0
-        for a, b in zip(held[: len(prompt) - 1], prompt):
-            if a != b:
-                break
-            n += 1
-        return n if self.any_prefix else n - n % self.prefill_chunk
-
-    def _evict_order(self, slot: int) -> tuple[int, ...]:
-        """Free slots to overwrite first: empty ones, then the fewest hits, then least recently freed
-        (without prefix caching: the lowest, which keeps the batch's rows packed). NOTE: which free
-        slot a request gets never changes its output (test_prefix_cache places the same greedy
-        requests in each slot after dirtying traffic); a test helper that writes a slot's KV behind
-        the scheduler's back can make it look so: the fault is the helper's, not this order."""
-        if not self.prefix_caching:
-            return (slot,)
-        return bool(self.slot_tokens[slot]), self.slot_hits[slot], self.slot_freed[slot], slot
-
     # ---- bookkeeping -----------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
         """Mark finished and free the slot (idempotent)."""
@@ -439,24 +387,20 @@ class Scheduler:
         seq.error = error
         if seq.slot is not None:
             assert self.running.get(seq.slot) is seq
-            # what later prompts may reuse (what its blocks hold of it)
-            kept = self._kept(seq)[: self.pool.held[seq.slot] * BLOCK] if self.prefix_caching else []
-            self.slot_tokens[seq.slot] = kept
-            self.pool.shrink(seq.slot, len(kept))
+            self._register(seq)  # what later prompts may share
+            self.pool.shrink(seq.slot, 0)
             del self.running[seq.slot]
-            self._tick += 1
-            self.slot_freed[seq.slot] = self._tick
             self.free_slots.append(seq.slot)
             seq.slot = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
     def forget_prefixes(self) -> None:
-        """Free slots keep no reusable tokens (for a per-slot owner that joins now: it has none of
-        their rows)."""
-        for slot in self.free_slots:
-            self.slot_tokens[slot] = []
-            self.pool.shrink(slot, 0)
+        """No block computed so far is shared, nor any the running sequences compute from now on (for
+        a per-slot owner that joins now, e.g. a draft head: it has none of their rows)."""
+        self.pool.forget()
+        for seq in self.running.values():
+            seq.shares = False
 
     def check_stop_token(self, seq: Sequence) -> Optional[str]:
         """Finish reason after the newest output token, or None to go on."""
@@ -485,4 +429,4 @@ class Scheduler:
         assert len(self.free_slots) == len(free), "a slot was freed twice"
         self.pool.check_integrity()
         for s in self.free_slots:
-            assert self.pool.held[s] == self.pool.blocks_for(len(self.slot_tokens[s])), f"free slot {s}'s blocks"
+            assert self.pool.held[s] == 0, f"free slot {s} holds blocks"

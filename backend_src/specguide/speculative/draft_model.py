@@ -19,10 +19,9 @@ class DraftModel:
     accepted step); after verification `done` keeps only the positions whose tokens were
     accepted (the rest is dead, like the target's).
 
-    Prefix caching: when the draft model's forwards are chunk-invariant (`LlamaModel.chunk_invariant`)
-    a slot's rows stay valid for its last sequence's tokens after it ends, so a new sequence that
-    reuses r target positions starts with min(cached, r) rows (and copies follow the target's);
-    otherwise it refills from position 0."""
+    Its cache lives in the target's blocks (the same table). A sequence that shares a prefix's
+    blocks (Scheduler) computes its draft rows from position 0: in a shared block it writes the
+    bits already there (the forwards are chunk-invariant)."""
 
     def __init__(self, model: LlamaModel, max_slots: int, max_seq_len: int, K: int, chunk: int,
                  device: torch.device, store: Optional[torch.dtype] = None, table: Optional[torch.Tensor] = None,
@@ -36,27 +35,16 @@ class DraftModel:
                           model.dtype, device, spare=K + 1, store=store, table=table, num_blocks=num_blocks)
         self.cached = [0] * max_slots
         self.catchup_s = 0.0  # host time in catch_up since take_catchup_s
-        self.reuse = model.chunk_invariant
 
     d2t = None
 
     def admit(self, slot: int, seq: Sequence) -> None:
-        """The slot's rows of its last sequence that the new one shares (its first num_reused tokens)."""
-        self.cached[slot] = min(self.cached[slot], seq.num_reused) if self.reuse else 0
+        """A new sequence: its draft rows are computed from position 0 (catch-up)."""
+        self.cached[slot] = 0
 
     def drop_rows(self, slot: int) -> None:
         """The slot's blocks are gone (preempted): refilled from position 0."""
         self.cached[slot] = 0
-
-    def copy_prefix(self, src: int, dst: int, start: int, end: int) -> None:
-        """The target copies positions [start, end) from src into dst, whose first `start` tokens
-        already match: the draft rows dst lacks of those, from src."""
-        if not self.reuse:
-            return
-        have, get = min(self.cached[dst], start), min(self.cached[src], end)
-        if get > have:
-            self.kv.copy_rows(src, dst, have, get)
-        self.cached[dst] = max(have, get)
 
     def prepare(self, seqs: list[Sequence], key) -> None:
         t0 = time.perf_counter()

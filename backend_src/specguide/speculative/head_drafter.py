@@ -19,10 +19,10 @@ class HeadDrafter:
     and the head's KV cache, whose rows < `cached[slot]` hold real (f_p, x_{p+1}) inputs
     (`valid[slot]` of them computed for sure: the staged rows count once their step is done).
 
-    Prefix caching: when the forwards are chunk-invariant (the target's `chunk_invariant`; the head's
-    layer runs the same kernels) the rows stay valid for the slot's last sequence after it ends, so
-    a new sequence that reuses r target positions starts with min(valid, r - 1) head rows (row p
-    needs token p + 1), and copies follow the target's; otherwise it refills from position 0."""
+    Its cache and the features live in the target's blocks (the same table). A sequence that
+    shares a prefix's blocks (Scheduler) finds their features there, and computes the head's rows
+    from position 0: in a shared block it writes the bits already there (the forwards are
+    chunk-invariant, and a block's key reads the token its last row needs)."""
 
     def __init__(self, head: DraftHead, max_slots: int, max_seq_len: int, K: int, chunk: int,
                  device: torch.device, table: Optional[torch.Tensor] = None, num_blocks: int = 0):
@@ -39,7 +39,6 @@ class HeadDrafter:
         self.feats = huge_zeros((self.kv.num_blocks * B, cfg.hidden_size), dtype, device, touch=False)
         self.cached = [0] * max_slots
         self.valid = [0] * max_slots
-        self.reuse = head.target.chunk_invariant
         self.d2t = head.d2t
         self.max_seq_len = max_seq_len
         pin = device.type == "cuda"
@@ -73,24 +72,13 @@ class HeadDrafter:
             self.feats[at] = hidden.to(self.feats.dtype)
 
     def admit(self, slot: int, seq: Sequence) -> None:
-        """The slot's head rows of its last sequence that the new one shares."""
-        self.cached[slot] = self.valid[slot] = max(0, min(self.valid[slot], seq.num_reused - 1)) if self.reuse else 0
+        """A new sequence: its head rows are computed from position 0 (catch-up)."""
+        self.cached[slot] = self.valid[slot] = 0
 
     def drop_rows(self, slot: int) -> None:
         """The slot's blocks are gone (preempted): no head rows left; its features come back with
         the target's recompute."""
         self.cached[slot] = self.valid[slot] = 0
-
-    def copy_prefix(self, src: int, dst: int, start: int, end: int) -> None:
-        """The target copies positions [start, end) from src into dst, whose first `start` tokens
-        already match: the features come with them; the head rows dst lacks, from src."""
-        self.feats[self._slot_rows(dst, start, end)] = self.features(src, start, end)
-        if not self.reuse:
-            return
-        have, get = min(self.valid[dst], max(0, start - 1)), min(self.valid[src], end - 1)
-        if get > have:
-            self.kv.copy_rows(src, dst, have, get)
-        self.cached[dst] = self.valid[dst] = max(have, get)
 
     @torch.inference_mode()
     def prepare(self, seqs: list[Sequence], key) -> None:

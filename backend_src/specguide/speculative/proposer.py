@@ -13,7 +13,7 @@ from ..config import EngineConfig
 from ..engine.kv_cache import KVCache, kv_store
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_model_dir
-from ..engine.scheduler import PrefixCopy, Sequence, SlotOwner
+from ..engine.scheduler import Sequence, SlotOwner
 from .draft_head import DraftHead, default_head_path
 from .draft_model import DraftModel
 from .early_exit import EarlyExitDrafter
@@ -97,11 +97,6 @@ class Proposer(SlotOwner):
         """A head is configured but not loaded yet (`attach_head` looks for its file)."""
         return self.head is None and self.head_path is not None
 
-    def reusable(self, slot: int) -> bool:
-        """Whether the slot's KV rows may be reused by a new sequence: the head, if any, must hold
-        their features (the scheduler asks)."""
-        return self.head is None or self.head_ready[slot]
-
     def attach_head(self) -> bool:
         """Between steps: load the head if its file has appeared (saves are atomic renames). It
         drafts for sequences admitted from now on; the ones already running keep model-free
@@ -137,7 +132,7 @@ class Proposer(SlotOwner):
         self.accept_rate[slot] = self.accept_prior[self.slot_guided[slot]] if self.step_costs is not None else 1.0
         self.judged[slot] = 1.0
         self.suffixes[slot] = SuffixIndex(SURE_NGRAM)
-        self.head_ready[slot] = self.head is not None and (seq.num_reused == 0 or self.head_ready[slot])
+        self.head_ready[slot] = self.head is not None  # (blocks computed before it came are never shared)
         for d in (self.head, self.draft_model):
             if d is not None:
                 d.admit(slot, seq)
@@ -147,15 +142,6 @@ class Proposer(SlotOwner):
         for d in (self.head, self.draft_model):
             if d is not None:
                 d.drop_rows(slot)
-
-    def copy_prefix(self, c: PrefixCopy) -> None:
-        """A prefix copied between slots: the head's target features come with it, and the head's
-        and the draft model's own rows where their forwards are chunk-invariant (else they refill
-        from position 0 at admission: their catch-up chunks depend on the prompt's length)."""
-        self.head_ready[c.dst] = self.head_ready[c.src] and (c.start == 0 or self.head_ready[c.dst])
-        for d in (self.head, self.draft_model):
-            if d is not None:
-                d.copy_prefix(c.src, c.dst, c.start, c.end)
 
     def observe(self, slot: int, drafted: int, accepted: int, forced: int = 0) -> None:
         """One verification's outcome for the slot (adaptive K); its first `forced` drafts were sure

@@ -27,7 +27,7 @@ from ..engine.loop import Engine
 from ..models.llama import LlamaModel, apply_rope, rms_norm
 from ..util.progress import Progress
 from ..request import GuidedDecodingParams, Request, SamplingParams, UndeclaredKeys
-from ..engine.scheduler import PrefixCopy, Sequence, SlotOwner
+from ..engine.scheduler import Sequence, SlotOwner
 from ..speculative.draft_head import DraftHead
 from .precision import training_autocast
 from .prompts import (CHAT_TRAIN, MAX_SCHEMA_CHARS, SCHEMA_TEMPLATES, data_dir, load_schemas, load_subschemas,
@@ -118,9 +118,6 @@ class FeatureRecorder(SlotOwner):
         seq = self.seqs.pop(slot, None)
         if seq is not None:  # NOTE: runs before the final event, so the callback finds it
             self.done[seq.seq_id] = self.feats[slot, : seq.num_tokens].to("cpu", torch.float32, copy=True)
-
-    def copy_prefix(self, c: PrefixCopy) -> None:
-        self.feats[c.dst, c.start: c.end] = self.feats[c.src, c.start: c.end]
 
 
 def user_turn(tok, message: str) -> str:

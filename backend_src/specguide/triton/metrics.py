@@ -16,7 +16,7 @@
     specguide_request_latency_seconds              histogram: arrival -> last response
     specguide_active_slots                         gauge: sequences in the running batch
     specguide_queue_depth                          gauge: sequences waiting for a slot
-    specguide_kv_blocks_used                       gauge: KV blocks (16 positions) the running sequences hold
+    specguide_kv_blocks_used                       gauge: KV blocks (16 positions) the running sequences hold (a shared one once)
     specguide_kv_blocks_free                       gauge: KV blocks no running sequence holds
     specguide_preempted_sequences                  gauge: running sequences waiting for blocks to be recomputed
     specguide_preemptions_total                    sequences preempted because KV blocks ran short
@@ -91,8 +91,8 @@ class Metrics:
         self.active_slots = gauge("specguide_active_slots", "Sequences in the running batch")
         self.queue_depth = gauge("specguide_queue_depth", "Sequences waiting for a slot")
         self.kv_used = gauge("specguide_kv_blocks_used", "KV blocks (16 positions each) the running sequences hold")
-        self.kv_free = gauge("specguide_kv_blocks_free", "KV blocks no running sequence holds (free slots' cached "
-                                                         "prefixes count: they are given up first)")
+        self.kv_free = gauge("specguide_kv_blocks_free", "KV blocks no running sequence holds (cached prefix "
+                                                         "blocks count: they are taken last)")
         self.preempted = gauge("specguide_preempted_sequences",
                                "Running sequences that gave their KV blocks back, waiting to be recomputed")
         self.preemptions = counter("specguide_preemptions_total", "Sequences preempted because KV blocks ran short")
