@@ -174,24 +174,30 @@ def test_full_blocks_are_shared_by_every_sequence_whose_tokens_key_them():
 
 def test_prompts_that_arrive_together_wait_for_the_first_to_compute_their_shared_prefix():
     """16 requests with one system prompt, sent at once: the first computes the prefix, the others
-    wait while it does (other prompts go on) and then share it, instead of each computing it."""
+    wait while it does (other prompts go on) and then share it, instead of each computing it; once
+    fewer than `wait_min_blocks` of it are left to compute, they go on and compute those."""
     s = _sharing(slots=8)
-    shared = list(range(1, 101))  # 100 tokens: 6 whole blocks
+    shared = list(range(1, 201))  # 200 tokens: 12 whole blocks
     same = [_prompt(i, shared, 4) for i in range(1, 5)]
     other = _prompt(9, [500 + i for i in range(30)], 0)
     for q in same + [other]:
         s.waiting.append(q)
     plan = s.schedule()
     assert [c.seq.seq_id for c in plan.prefills] == [1] and other.status is Status.PREFILL  # admitted: its turn comes
+    for n in (64, 128):  # the first's chunks: 8, then 4 blocks of the prefix still to come
+        assert all(q.status is Status.WAITING for q in same[1:])
+        computed(s, same[0], n)
+        plan = s.schedule()
     assert all(q.status is Status.WAITING for q in same[1:])
-    computed(s, same[0], 64)  # its first chunk
-    s.schedule()
-    assert all(q.status is Status.WAITING for q in same[1:])
-    computed(s, same[0], 104)
-    same[0].output_ids, same[0].status = [1], Status.DECODE
+    computed(s, same[0], 192)
     plan = s.schedule()
-    assert [q.num_reused for q in same[1:]] == [96] * 3
-    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills][:3] == [(2, 96, 104), (3, 96, 104), (4, 96, 104)]
+    assert [q.num_reused for q in same[1:]] == [192] * 3
+    assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefills][1:4] == [(2, 192, 204), (3, 192, 204), (4, 192, 204)]
+    s.check_integrity()
+    late = _prompt(5, shared[:40], 30)  # a later prompt with part of it: the cached blocks at once
+    s.waiting.append(late)
+    s.schedule()
+    assert late.status is Status.PREFILL and late.num_reused == 32
     s.check_integrity()
 
 

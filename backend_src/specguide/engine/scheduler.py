@@ -308,16 +308,23 @@ class Scheduler:
         self.free_slots.remove(slot)
         return slot
 
+    wait_min_blocks = 4  # a shorter shared run costs less to compute again than to wait a step for
+
     def _in_flight(self, seq: Sequence) -> bool:
-        """Whether a prefilling sequence is computing the next block of the waiting one's prompt
-        that is not cached yet (16 requests with one system prompt, arriving together: the first
-        computes it, the others then share it)."""
+        """Whether a prefilling sequence is computing the next `wait_min_blocks` or more blocks of the
+        waiting one's prompt that are not cached yet (16 requests with one system prompt, arriving
+        together: the first computes it, the others then share it)."""
         keys = block_keys(seq.prompt_ids, seq.block_keys, len(seq.prompt_ids))
         n = len(self.pool.match(keys))
-        if n == len(keys):
-            return False
-        return any(r.status is Status.PREFILL and r.shares and n < len(r.block_keys) and r.block_keys[n] == keys[n]
-                   and r.num_cached < (n + 1) * BLOCK for r in self.running.values())
+        for r in self.running.values():
+            if r.status is not Status.PREFILL or not r.shares or r.num_cached >= (n + 1) * BLOCK:
+                continue
+            m, end = n, min(len(keys), len(r.block_keys))
+            while m < end and r.block_keys[m] == keys[m]:
+                m += 1
+            if m - n >= self.wait_min_blocks:
+                return True
+        return False
 
     def _share(self, seq: Sequence, limit: int) -> None:
         """The (blockless) sequence takes the cached blocks of its longest keyed prefix within
