@@ -170,3 +170,21 @@ def test_a_preempted_sequence_shares_its_own_cached_blocks_when_it_resumes():
     (chunk,) = plan.prefills
     assert chunk.seq is b and chunk.start == b.num_reused > 0 and chunk.end == b.num_tokens - 1
     s.check_integrity()
+
+
+def test_the_cache_reuses_memory_already_taken_so_memory_follows_the_work():
+    """On the CPU a block's pages are taken when it is first written. Had blocks never used gone
+    before cached ones, 40 distinct requests one after another would touch 120 blocks (all of them
+    cached). Cached blocks go first once the cache holds a table row's worth (5 here) or as many as
+    are in use: the blocks ever handed out stay within that and one request's own."""
+    s = Scheduler(max_slots=2, max_seq_len=64, prefill_chunk=64, prefix_caching=True, any_prefix=True,
+                  pool=BlockPool(np.zeros((2, 5), np.int32), 1 + 200))
+    for i in range(40):
+        q = seq(i + 1, 48)
+        q.prompt_ids = [1000 + 100 * i + j for j in range(48)]  # shares nothing
+        s.waiting.append(q)
+        run_chunks(s, s.schedule())
+        s.finish(q, "stop")
+    assert s.pool.num_blocks - 1 - len(s.pool.fresh) <= 5 + 3
+    assert len(s.pool.cached) >= 5  # the most recent prefixes stay cached
+    s.check_integrity()

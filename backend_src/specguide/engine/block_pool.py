@@ -41,15 +41,20 @@ class BlockPool:
     Prefix sharing: a full block whose K/V is computed can be registered under its key
     (`block_keys`); a sequence whose tokens have the same keys takes those blocks into its own table
     row (`share`) instead of computing them, and never writes them (its writes start past them).
-    A block counts its holders (`ref`); when none is left a registered block stays cached (least
-    recently used first out) until a block is needed and no other is free."""
+    A block counts its holders (`ref`); when none is left a registered block stays cached until
+    a block is needed. Blocks are taken in this order: free ones used before; then, while the cache
+    holds a sequence row's worth of blocks or as many as are in use, whichever is more, cached ones
+    (the least recently freed first); then ones never used. On the CPU a block's pages are taken when
+    it is first written: the cache stays within that bound of memory the work already took, and the
+    process's memory follows what the work holds, not the whole pool."""
 
     def __init__(self, table: np.ndarray, num_blocks: int):
         assert table.dtype == np.int32 and table.ndim == 2 and num_blocks >= 2
         self.table = table
         self.table[:] = 0
         self.num_blocks = num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, 0, -1))  # unkeyed, unheld: pop() hands out the lowest first
+        self.fresh: list[int] = list(range(num_blocks - 1, 0, -1))  # never handed out: pop() gives the lowest first
+        self.free: list[int] = []  # handed out before, unkeyed, unheld
         self.held = [0] * table.shape[0]  # blocks each slot holds: table[s, :held[s]]
         self.ref = [0] * num_blocks  # slots holding each block
         self.key_of: list[Optional[bytes]] = [None] * num_blocks
@@ -64,7 +69,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks a sequence can take: unused ones and cached ones (evicted on demand)."""
-        return len(self.free) + len(self.cached)
+        return len(self.free) + len(self.cached) + len(self.fresh)
 
     @property
     def num_used(self) -> int:
@@ -78,6 +83,8 @@ class BlockPool:
     def _take(self) -> int:
         if self.free:
             return self.free.pop()
+        if self.fresh and len(self.cached) < max(self.table.shape[1], self.num_used):
+            return self.fresh.pop()
         b, _ = self.cached.popitem(last=False)  # the least recently used prefix block
         del self.by_key[self.key_of[b]]
         self.key_of[b] = None
@@ -162,8 +169,8 @@ class BlockPool:
         assert all(not self.table[s, h:].any() for s, h in enumerate(self.held)), "a table entry past a slot's blocks"
         assert refs[1:] == self.ref[1:], "a block's holders miscounted"
         held = [b for b in range(1, self.num_blocks) if refs[b]]
-        assert sorted(held + self.free + list(self.cached)) == list(range(1, self.num_blocks)), \
+        assert sorted(held + self.free + list(self.cached) + self.fresh) == list(range(1, self.num_blocks)), \
             "a block leaked, or is both held and free"
-        assert all(self.key_of[b] is None for b in self.free), "a free block keeps a key"
+        assert all(self.key_of[b] is None for b in self.free + self.fresh), "a free block keeps a key"
         assert all(self.by_key[self.key_of[b]] == b for b in self.cached), "a cached block lost its key"
         assert all(self.key_of[b] == k for k, b in self.by_key.items()), "keys and blocks disagree"
