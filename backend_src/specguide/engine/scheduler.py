@@ -138,7 +138,7 @@ class Scheduler:
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
-        self.prefix_caching, self.prefix_min_tokens = prefix_caching, prefix_min_tokens
+        self.prefix_min_tokens = prefix_min_tokens
         # any_prefix: the model's forwards are chunk-invariant (LlamaModel.chunk_invariant: a position's
         # K/V, and the drafters' rows, are the same bits whatever the chunk split, batch or query count,
         # decode steps included), so a block computed by any sequence is the block every other sequence
@@ -222,7 +222,7 @@ class Scheduler:
         newest running sequences are preempted. Returns the preempted."""
         preempted: list[Sequence] = []
         for seq in sorted(self.running.values(), key=lambda s: s.seq_id):
-            while seq.status is Status.DECODE and not self._grow(seq.slot, self._decode_need(seq)):
+            while seq.status is Status.DECODE and not self.pool.grow(seq.slot, self._decode_need(seq)):
                 victim = self._newest()
                 assert victim is not None, "a decoding sequence holds blocks"
                 self._preempt(victim)
@@ -242,11 +242,6 @@ class Scheduler:
         seq.num_cached = seq.num_reused = 0
         seq.preemptions += 1
         self.num_preemptions += 1
-
-    def _grow(self, slot: int, positions: int) -> bool:
-        """Blocks for the slot's positions [0, positions) (cached prefix blocks nobody holds are
-        taken when no other is free); False when too few."""
-        return self.pool.grow(slot, positions)
 
     def _reserve(self) -> int:
         """Blocks the decoding sequences' next steps may take: kept free for them at admission."""
@@ -356,10 +351,10 @@ class Scheduler:
         """The next chunk of each prefilling sequence not in `planned`, oldest first, within `budget`
         (`weighted`: tokens' worth of work, chunks cut to fit) and with its blocks; `preempted`
         (None: nothing may be) collects the sequences preempted to make room for a chunk."""
-        # NOTE: a request's chunks are [r + k*chunk, r + (k+1)*chunk) after r reused tokens (r a
-        # multiple of chunk unless `any_prefix`), whatever else is running, so its prompt's numerics
-        # never depend on its neighbours; a chunk that does not fit the remaining budget waits for
-        # the next step (a step's first one always fits: n <= prefill_chunk)
+        # NOTE: a request's chunks are [r + k*chunk, r + (k+1)*chunk) after r shared tokens (whole
+        # blocks), whatever else is running, so its prompt's numerics never depend on its neighbours;
+        # a chunk that does not fit the remaining budget waits for the next step (a step's first one
+        # always fits: n <= prefill_chunk)
         prefills: list[PrefillChunk] = []
         prefilling = [s for s in self.running.values() if s.status is Status.PREFILL and s.seq_id not in planned]
         for seq in sorted(prefilling, key=lambda s: s.seq_id):
@@ -372,7 +367,7 @@ class Scheduler:
                 n = min(n, int(budget))
             if n <= 0 or (not weighted and n > budget):
                 break
-            while not self._grow(seq.slot, seq.num_cached + n):
+            while not self.pool.grow(seq.slot, seq.num_cached + n):
                 victim = self._newest() if preempted is not None else None
                 if victim is None or victim.seq_id <= seq.seq_id:
                     break
