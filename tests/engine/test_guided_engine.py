@@ -312,3 +312,37 @@ def test_a_grammar_with_no_way_to_end_is_refused_before_its_first_step(engine, b
     ids, _, last = run_alone(engine, req)
     assert (last.finish_reason, last.error_code, ids) == ("error", "INVALID_ARG", []), last
     assert "grammar" in last.error
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_choice_the_vocabulary_cannot_write_ends_with_invalid_arg_alone(engine, backend):
+    """The fuzz suite's finding: a choice whose later character no token encodes (U+B0CC5 is UTF-8
+    F2 B0 B3 85; SmolLM2 has no token for byte F2) reaches a mask that allows nothing after "b".
+    It was an internal error ("token 0 violates the grammar"); now it is the client's: INVALID_ARG
+    naming the guide, after the tokens it could write. A request beside it is unharmed."""
+    good = Request(prompt=chat(engine, "Give a person as JSON."), params=SamplingParams(max_tokens=24, temperature=0.0),
+                   guided=GuidedDecodingParams("json_schema", json.dumps(SCHEMA)))
+    dead = Request(prompt=chat(engine, "Pick one."), params=SamplingParams(max_tokens=8, temperature=0.0),
+                   guided=GuidedDecodingParams("choice", json.dumps(["b\U000B0CC5"]), backend=backend))
+    alone = run_alone(engine, dataclasses.replace(good))
+    results = run_many(engine, [good, dead, good])
+    ids, text, final = results[1]
+    assert (final.finish_reason, final.error_code) == ("error", "INVALID_ARG"), final
+    assert "choice guide allows no token after 1 output tokens" in final.error, final.error
+    assert "".join(text) == "b"
+    assert results[0][0] == results[2][0] == alone[0]
+    engine.core.scheduler.check_integrity()
+    assert not any(engine.core.guided.is_guided(s) for s in range(engine.config.max_slots))
+
+
+def test_bad_words_that_ban_every_token_the_guide_allows_end_with_invalid_arg(engine):
+    """A choice of one token, banned as a bad word: the masked row has no token left. The client's
+    bans and guide conflict: INVALID_ARG, not an internal error."""
+    tok = engine.tokenizer.encode("yes")
+    assert len(tok) == 1, tok
+    req = Request(prompt=chat(engine, "Say yes."), params=SamplingParams(max_tokens=8, temperature=0.0,
+                                                                           bad_words_ids=[tok]),
+                  guided=GuidedDecodingParams("regex", "yes"))
+    ids, _, last = run_alone(engine, req)
+    assert (last.finish_reason, last.error_code, ids) == ("error", "INVALID_ARG", []), last
+    assert "bad_words ban every token the regex guide allows after 0 output tokens" in last.error

@@ -54,10 +54,7 @@ class OutputProcessor:
         failed = None
         for t in tokens:
             if guided and not self.guided.advance(seq.slot, t):
-                why = self._violation(seq.slot)
-                failed = Finish("error", f"the output violates the JSON schema: {why}" if why else
-                                f"token {t} violates the grammar (its mask allowed no token outside bad_words/end_id?)",
-                                "INTERNAL")
+                failed = self._rejected(seq, t)
                 break
             if lps is not None:
                 out.logprobs.append(lps[len(new)])
@@ -82,6 +79,29 @@ class OutputProcessor:
         if self._cut_stop_string(seq, final=reason is not None):
             reason = "stop"
         return Finish(reason) if reason else None
+
+    def _rejected(self, seq: Sequence, t: int) -> Finish:
+        """How a request ends whose drawn token `t` its grammar rejects: no token was left to draw.
+        The guide takes none here (a character no token of this vocabulary writes: the client's
+        guide), or bad_words ban every one it takes (the client's bans); else a bug."""
+        why = self._violation(seq.slot)
+        if why:
+            return Finish("error", f"the output violates the JSON schema: {why}", "INTERNAL")
+        kind = seq.guide.params.guide_type if seq.guide.params is not None else "grammar"
+        n = len(seq.output_ids)
+        banned = frozenset(w[-1] for w in seq.params.bad_words_ids
+                           if len(w) - 1 <= n and seq.output_ids[n - len(w) + 1:] == w[:-1])
+        try:
+            if self.guided.viable_now(seq.slot) == -1:
+                return Finish("error", f"the {kind} guide allows no token after {n} output tokens: this model's "
+                              "vocabulary cannot write what it requires next (e.g. a character no token encodes)",
+                              "INVALID_ARG")
+            if banned and self.guided.viable_now(seq.slot, banned) == -1:
+                return Finish("error", f"bad_words ban every token the {kind} guide allows after {n} output tokens",
+                              "INVALID_ARG")
+        except Exception:  # noqa: BLE001 - a broken matcher: the plain message will do
+            log.exception("checking the guide of request %s after a rejected token", seq.seq_id)
+        return Finish("error", f"token {t} violates the {kind} guide (its masked row allowed no token)", "INTERNAL")
 
     def _violation(self, slot: int) -> Optional[str]:
         """A best-effort guide's value-check verdict for an error message (None when unknown)."""

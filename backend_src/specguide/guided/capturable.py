@@ -101,6 +101,12 @@ class CapturableGuidedDecoder:
         self.synchronize()
         return self.inner.violation(slot)
 
+    def viable_now(self, slot: int, skip: frozenset[int] = frozenset()) -> Optional[int]:
+        """GuidedDecoder.viable_now once every launched callback has run (after a rejected token:
+        from the state before it)."""
+        self.synchronize()
+        return self.inner.viable_now(slot, skip)
+
     def restore(self, slot: int, n_tokens: int) -> None:
         """Recovery after a failed step: the slot's matcher back to the state after its first
         `n_tokens` tokens (those the engine appended), whatever the step had fed since."""

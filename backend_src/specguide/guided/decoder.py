@@ -183,6 +183,23 @@ class GuidedDecoder:
             return np.arange(self.vocab_size)
         return bitmask_to_ids(self.bitmask[r], self.vocab_size)
 
+    def viable_now(self, slot: int, skip: frozenset[int] = frozenset(), tries: int = 1024) -> Optional[int]:
+        """A token the slot's matcher takes next from its current state, outside `skip` (error paths
+        only): its mask's ids, each tried and rolled back (llguidance's mask may allow a byte its
+        matcher then refuses). -1 at a dead end, where the vocabulary cannot write what the guide
+        requires; None when `tries` ids were refused and more are left (unknown)."""
+        m = self._matcher(slot)
+        if m.is_terminated():
+            return -1
+        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        m.fill(bitmask, 0)
+        ids = [t for t in bitmask_to_ids(bitmask[0], self.vocab_size).tolist() if t not in skip]
+        for t in ids[:tries]:
+            if m.accept(t):
+                m.rollback(1)
+                return t
+        return -1 if len(ids) <= tries else None
+
     # -- invariant 3 ---------------------------------------------------------------------------
 
     def check_fresh(self, slot: int, tokens: Sequence[int]) -> Optional[str]:

@@ -65,6 +65,12 @@ FOUND = [
     Case("openai_chat", path="/v1/chat/completions", body=json.dumps(  # 500 there
         {"model": "specguide", "messages": [{"role": "user", "content": "Pick."}], "max_tokens": 8,
          "guided_choice": ["\u00e9t\u00e9", "hiver"]}).encode()),
+    # a choice the vocabulary cannot write past its first character (SmolLM2 has no token for byte
+    # F2, the lead byte of U+B0CC5): "token 0 violates the grammar", 500 (INTERNAL); now 400
+    Case("openai_chat", path="/v1/chat/completions", body=json.dumps(
+        {"model": "specguide", "messages": [{"role": "user", "content": "Pick."}], "max_tokens": 8,
+         "guided_choice": ["b\U000B0CC5"]}).encode()),
+    _guided(b"Hi", "choice", '["b\U000B0CC5"]'),
     # a grammar with no way to end: its first mask is empty; answered 500 ("token 0 violates the
     # grammar") after a step
     _guided(b"Hi", "ebnf_grammar", "root ::= x\nx ::= y\ny ::= x"),
