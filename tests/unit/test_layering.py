@@ -23,8 +23,11 @@ LAYERS = {
     # per-request state (Sequence) and small services every layer above reads
     "engine.sequence_state": 0,  # the non-scheduler parts of a Sequence: plain data (its imports are type-only)
     "engine.block_pool": 0,  # which blocks each slot holds: numpy only
-    "engine.faults": 1, "engine.scheduler": 1, "tokenizer": 1, "kernels": 1,  # kernels: the C kernels (import nothing of ours)
-    "engine.sampler": 2, "cuda": 2,  # cuda: host functions, and graphs of any step body
+    "engine.step_budget": 0,  # how much of a step prompt chunks take: arithmetic
+    "engine.kv_blocks": 1,  # what each running sequence holds in the pool, prefix sharing
+    "engine.faults": 1, "tokenizer": 1, "kernels": 1,  # kernels: the C kernels (import nothing of ours)
+    "engine.scheduler": 2, "engine.sampler": 2,
+    "cuda": 3,  # host functions, and graphs of any step body
     "engine.slot_params": 3,
     "engine.kv_cache": 3,  # in the attention kernel's layout where the kernel serves the model
     "models": 3,

@@ -86,7 +86,7 @@ def test_while_streams_decode_a_prompt_token_counts_its_attention_so_late_chunks
     s.waiting.append(long)
     rows = 4 + (4 * 3 + 6) / 100  # the stream's last token and 3 drafts at positions 3 .. 6
     assert [(c.start, c.end) for c in s.schedule().prefills] == [(0, 48)]  # 48 + 48 * 47 / 200 <= 64 - rows
-    assert s._cost(0, 49) > 64 - rows
+    assert s.budget.cost(0, 49) > 64 - rows
     computed(s, long, 1000)
     assert [(c.start, c.end) for c in s.schedule().prefills] == [(1000, 1005)]  # ~11 a token at 1,000
     s.finish(stream, "stop")  # nothing decodes: a whole prefill_chunk, whatever its position

@@ -153,7 +153,7 @@ class EngineCore:
         CUDA graph captured before would not call it."""
         assert not self.scheduler.running and not self.scheduler.waiting, "feature_recording needs an idle engine"
         self.scheduler.forget_prefixes()  # rows computed before the owner joined are not in its buffers
-        sharing, self.scheduler.sharing = self.scheduler.sharing, False  # it records every position it is fed
+        sharing, self.scheduler.blocks.sharing = self.scheduler.blocks.sharing, False  # it records every position it is fed
         sink, graphs = self.runner.core.feature_sink, self.runner.graphs
 
         def both(slots: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -168,7 +168,7 @@ class EngineCore:
         finally:
             self.runner.core.feature_sink, self.runner.graphs = sink, graphs
             self.slot_state = tuple(o for o in self.slot_state if o is not owner)
-            self.scheduler.sharing = sharing
+            self.scheduler.blocks.sharing = sharing
 
     def make_sequence(self, request: Request, callback: Callback) -> Sequence:
         """Validate the request and build its sequence (Intake); raises InvalidRequestError. Any

@@ -1,5 +1,5 @@
-"""Slots, KV blocks (shared by prefix), waiting queue, admission, chunked prefill under a token
-budget, preemption, finish conditions.
+"""Slots, waiting queue, admission, chunked prefill, preemption, finish conditions (what each
+sequence holds in the KV blocks: kv_blocks.py; the step's token budget: step_budget.py).
 
 Pure Python: no torch. The runner turns a `StepPlan` into tensors."""
 from __future__ import annotations
@@ -13,8 +13,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..request import RequestOutput, SamplingParams
-from .block_pool import BLOCK, BlockPool, block_keys, blocks_per_seq
+from .block_pool import BLOCK, BlockPool, blocks_per_seq
+from .kv_blocks import KVBlocks
 from .sequence_state import GuideState, OutputState, SeqStats
+from .step_budget import StepBudget
 
 
 class Status(enum.Enum):
@@ -120,13 +122,10 @@ class StepPlan:
 
 
 class Scheduler:
-    """Owns the waiting queue, the slot free list and the KV blocks (`pool`); decides each step's work.
+    """Owns the waiting queue and the slot free list; decides each step's work. What each running
+    sequence holds in the KV blocks is `blocks`' (kv_blocks.KVBlocks: prefix sharing included);
+    how much of a step prompt chunks take is `budget`'s (step_budget.StepBudget).
 
-    Blocks: a running sequence holds blocks for the positions its next forward writes (a decoding
-    one: its tokens and `lookahead` draft positions, up to max_seq_len). Prefix sharing: each full
-    block a sequence has computed is registered under its key (the hash chain of its tokens and
-    the next one); a sequence admitted later whose tokens give the same keys shares those blocks
-    (`BlockPool.share`) and computes only the rest; blocks nobody holds stay cached until needed.
     When blocks run short the newest running sequence is preempted: it keeps its slot, gives its
     blocks back (its computed ones stay cached) and, once blocks are free again, shares what is
     still cached of them, recomputes the rest (a prefill: the same K/V bits with the
@@ -138,46 +137,42 @@ class Scheduler:
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
-        self.prefix_min_tokens = prefix_min_tokens
         # any_prefix: the model's forwards are chunk-invariant (LlamaModel.chunk_invariant: a position's
         # K/V, and the drafters' rows, are the same bits whatever the chunk split, batch or query count,
         # decode steps included), so a block computed by any sequence is the block every other sequence
-        # with its tokens would compute. Blocks are shared only then (`sharing`).
+        # with its tokens would compute. Blocks are shared only then, and chunks cut to a budget.
         self.any_prefix = any_prefix
-        self.sharing = prefix_caching and any_prefix
+        assert not step_budget or any_prefix, "chunks cut to the budget need chunk-invariant forwards"
+        self.budget = StepBudget(prefill_chunk, step_budget, key_cost, lookahead)
         self.free_slots: list[int] = list(range(max_slots))
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.reused_blocks = 0  # whole KV blocks of prompt prefixes reused at admission, all told (metrics)
-        self.lookahead = lookahead  # positions past a decoding sequence's tokens its step may write (drafts)
-        # step_budget > 0: prompt chunks and decode rows share one forward (Runner.varlen). While
-        # sequences decode, a step takes `step_budget` tokens' worth of work: the decode rows'
-        # (lookahead + 1 each) first, prompt chunks the rest (at least a quarter, so that waiting
-        # prompts always move), cut to fit; with nothing decoding, prompt chunks take
-        # `prefill_chunk` tokens. A token at position p is worth 1 + p * key_cost tokens (its
-        # attention: key_cost = a key's work / a token's other work), so that a long prompt's last
-        # chunks, each token attending to thousands of keys, hold the streams no longer than its first
-        assert not step_budget or any_prefix, "chunks cut to the budget need chunk-invariant forwards"
-        self.step_budget, self.key_cost = step_budget, key_cost
         # the last `new_request_slots` free slots go only to a request none of whose rows holds one: a
         # request of many rows (a batch, n > 1) leaves them to the requests that come after it
         self.new_request_slots = new_request_slots
         if pool is None:  # every slot can hold max_seq_len + lookahead + 1 positions at once
             mb = blocks_per_seq(max_seq_len, lookahead)
             pool = BlockPool(np.zeros((max_slots, mb), np.int32), 1 + max_slots * mb)
-        self.pool = pool
+        self.blocks = KVBlocks(pool, max_seq_len, lookahead, prefix_caching and any_prefix, prefix_min_tokens)
         self.num_preemptions = 0  # all told (metrics)
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.blocks.pool
+
     # ---- admission (the engine appends to `waiting`; it enforces max_queue) ------------------
     def schedule(self, ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:
         """The blocks the last step computed registered for sharing; blocks for the running sequences'
         next writes (preempting the newest where they run short), preempted sequences back to their
         recompute, waiting sequences into free slots; then the prefill chunks and the decode batch."""
         for seq in self.running.values():
-            self._register(seq)
+            self.blocks.register(seq)
         preempted = self._grow_decodes()
         self._resume()
         self._admit(ready)
-        prefills = self._chunks(*self._prefill_budget(), planned=set(), preempted=preempted)
+        budget = self.budget.for_prompts([s.num_tokens - 1 for s in self._with(Status.DECODE)])
+        prefills = self._chunks(*budget, planned=set(), preempted=preempted)
         decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
         return StepPlan(prefills, decodes, preempted)
 
@@ -188,41 +183,19 @@ class Scheduler:
         `budget` tokens left; no decodes (the step's own batch runs after its prefills). Nothing
         is preempted for them: a chunk whose blocks are not free waits."""
         for seq in self.running.values():
-            self._register(seq)  # what this step's prefills computed
+            self.blocks.register(seq)  # what this step's prefills computed
         self._admit(ready)
         return StepPlan(self._chunks(budget, False, planned, preempted=None), [])
 
-    def _prefill_budget(self) -> tuple[float, bool]:
-        """(what this step's prompt chunks may take, whether in tokens' worth of work: see
-        `step_budget`; else in tokens)."""
-        decoding = [s for s in self.running.values() if s.status is Status.DECODE]
-        if not self.step_budget or not decoding:
-            return self.prefill_chunk, False
-        rows = sum(self._cost(s.num_tokens - 1, self.lookahead + 1) for s in decoding)
-        return max(self.step_budget - rows, self.step_budget / 4), True
-
-    def _cost(self, start: int, n: int) -> float:
-        """Tokens' worth of work of n tokens at positions start ..: sum of 1 + p * key_cost."""
-        return n + self.key_cost * (n * start + n * (n - 1) / 2)
-
-    def _fit(self, start: int, n: int, budget: float) -> int:
-        """The most of n tokens at positions start .. whose work fits `budget`."""
-        lo, hi = 0, n
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self._cost(start, mid) <= budget else (lo, mid - 1)
-        return lo
-
-    def _decode_need(self, seq: Sequence) -> int:
-        """Positions a decoding sequence's next step may write: its tokens and its drafts."""
-        return min(seq.num_tokens + self.lookahead, self.max_seq_len)
+    def _with(self, status: Status) -> list[Sequence]:
+        return [s for s in self.running.values() if s.status is status]
 
     def _grow_decodes(self) -> list[Sequence]:
         """Blocks for every decoding sequence's next step, oldest first; where they run short, the
         newest running sequences are preempted. Returns the preempted."""
         preempted: list[Sequence] = []
         for seq in sorted(self.running.values(), key=lambda s: s.seq_id):
-            while seq.status is Status.DECODE and not self.pool.grow(seq.slot, self._decode_need(seq)):
+            while seq.status is Status.DECODE and not self.blocks.grow(seq, self.blocks.decode_need(seq)):
                 victim = self._newest()
                 assert victim is not None, "a decoding sequence holds blocks"
                 self._preempt(victim)
@@ -233,33 +206,25 @@ class Scheduler:
         """The running sequence to preempt first: the newest one holding blocks. NOTE: one sequence
         alone always fits the pool (the engine caps max_seq_len to it), so a sequence short of
         blocks finds one, itself at worst."""
-        return max((s for s in self.running.values() if self.pool.held[s.slot]), key=lambda s: s.seq_id, default=None)
+        return max((s for s in self.running.values() if self.blocks.holds(s)), key=lambda s: s.seq_id, default=None)
 
     def _preempt(self, seq: Sequence) -> None:
-        self._register(seq)  # what it computed stays cached: its recompute shares what is left of it
-        self.pool.shrink(seq.slot, 0)
+        self.blocks.release(seq)  # what it computed stays cached: its recompute shares what is left of it
         seq.status = Status.PREEMPTED
         seq.num_cached = seq.num_reused = 0
         seq.preemptions += 1
         self.num_preemptions += 1
 
-    def _reserve(self) -> int:
-        """Blocks the decoding sequences' next steps may take: kept free for them at admission."""
-        return sum(self.pool.missing(s.slot, self._decode_need(s) + self.lookahead + 1)
-                   for s in self.running.values() if s.status is Status.DECODE)
-
     def _fits(self, positions: int) -> bool:
-        """Whether positions [0, positions) of a (new or resumed) sequence fit beside the decoding
-        ones' growth (cached prefix blocks count as free)."""
-        return BlockPool.blocks_for(positions) <= self.pool.num_free - self._reserve()
+        return self.blocks.fits(positions, self._with(Status.DECODE))
 
     def _resume(self) -> None:
         """Preempted sequences, oldest first, back to prefilling (what is still cached of their
         blocks shared) while their first chunk fits."""
-        for seq in sorted((s for s in self.running.values() if s.status is Status.PREEMPTED), key=lambda s: s.seq_id):
+        for seq in sorted(self._with(Status.PREEMPTED), key=lambda s: s.seq_id):
             if not self._fits(min(self.prefill_chunk, seq.prefill_end)):
                 break
-            self._share(seq, seq.prefill_end)
+            self.blocks.share(seq, seq.prefill_end)
             seq.status = Status.PREFILL
 
     def _admit(self, ready: Callable[[Sequence], bool]) -> None:
@@ -278,18 +243,18 @@ class Scheduler:
             if seq.group in holding and len(self.free_slots) <= self.new_request_slots:
                 blocked.append(self.waiting.popleft())  # kept for a request that holds none
                 continue
-            if any(s.status is Status.PREEMPTED for s in self.running.values()):
+            if self._with(Status.PREEMPTED):
                 break  # the preempted go first
             if not self._fits(min(self.prefill_chunk, len(seq.prompt_ids)) + 1):
                 break
-            shares = self.sharing and not seq.params.return_context_logits and seq.params.prompt_logprobs is None
-            if shares and self._in_flight(seq):
+            shares = self.blocks.sharing and not seq.params.return_context_logits and seq.params.prompt_logprobs is None
+            if shares and self.blocks.in_flight(seq, self._with(Status.PREFILL)):
                 blocked.append(self.waiting.popleft())  # shares it once computed instead of computing it too
                 continue
             self.waiting.popleft()
             seq.slot = self._take_slot(seq)
             if shares:
-                self._share(seq, len(seq.prompt_ids))
+                self.blocks.share(seq, len(seq.prompt_ids))
             self.reused_blocks += seq.num_reused // BLOCK
             seq.status = Status.PREFILL
             seq.stats.first_scheduled_time_ns = time.time_ns()
@@ -303,49 +268,6 @@ class Scheduler:
         self.free_slots.remove(slot)
         return slot
 
-    wait_min_blocks = 4  # a shorter shared run costs less to compute again than to wait a step for
-
-    def _in_flight(self, seq: Sequence) -> bool:
-        """Whether a prefilling sequence is computing the next `wait_min_blocks` or more blocks of the
-        waiting one's prompt that are not cached yet (16 requests with one system prompt, arriving
-        together: the first computes it, the others then share it)."""
-        keys = block_keys(seq.prompt_ids, seq.block_keys, len(seq.prompt_ids))
-        n = len(self.pool.match(keys))
-        for r in self.running.values():
-            if r.status is not Status.PREFILL or not r.shares or r.num_cached >= (n + 1) * BLOCK:
-                continue
-            m, end = n, min(len(keys), len(r.block_keys))
-            while m < end and r.block_keys[m] == keys[m]:
-                m += 1
-            if m - n >= self.wait_min_blocks:
-                return True
-        return False
-
-    def _share(self, seq: Sequence, limit: int) -> None:
-        """The (blockless) sequence takes the cached blocks of its longest keyed prefix within
-        tokens[:limit] (each block's key reads the token after it: at least one token is left to
-        compute); it computes from there."""
-        seq.num_reused = seq.num_cached = seq.registered = 0
-        if not (self.sharing and seq.shares):
-            return
-        tokens = seq.prompt_ids + seq.output_ids if seq.output_ids else seq.prompt_ids
-        blocks = self.pool.match(block_keys(tokens, seq.block_keys, limit))
-        if not blocks or len(blocks) * BLOCK < self.prefix_min_tokens:
-            return
-        self.pool.share(seq.slot, blocks)
-        seq.num_reused = seq.num_cached = len(blocks) * BLOCK
-        seq.registered = len(blocks)
-
-    def _register(self, seq: Sequence) -> None:
-        """Key the sequence's computed full blocks for sharing: block b once its positions are
-        cached (num_cached >= 16b + 16; the token after it is then known)."""
-        n = min(seq.num_cached // BLOCK, self.pool.held[seq.slot]) if seq.slot is not None else 0
-        if n <= seq.registered or not (self.sharing and seq.shares):
-            return
-        keys = block_keys(seq.prompt_ids + seq.output_ids, seq.block_keys, seq.num_cached + 1)
-        self.pool.register(seq.slot, keys[:n], seq.registered)
-        seq.registered = n
-
     def _chunks(self, budget: float, weighted: bool, planned: set[int],
                 preempted: Optional[list[Sequence]]) -> list[PrefillChunk]:
         """The next chunk of each prefilling sequence not in `planned`, oldest first, within `budget`
@@ -356,27 +278,26 @@ class Scheduler:
         # a chunk that does not fit the remaining budget waits for the next step (a step's first one
         # always fits: n <= prefill_chunk)
         prefills: list[PrefillChunk] = []
-        prefilling = [s for s in self.running.values() if s.status is Status.PREFILL and s.seq_id not in planned]
-        for seq in sorted(prefilling, key=lambda s: s.seq_id):
+        for seq in sorted((s for s in self._with(Status.PREFILL) if s.seq_id not in planned), key=lambda s: s.seq_id):
             if seq.status is not Status.PREFILL:  # preempted below for an older one's chunk
                 continue
             n = min(self.prefill_chunk, seq.prefill_end - seq.num_cached)
             if weighted:  # cut to what is left (any split gives the same bits); a step's first chunk moves
-                n = max(self._fit(seq.num_cached, n, budget), 0 if prefills else 1)
-            elif self.step_budget:
+                n = max(self.budget.fit(seq.num_cached, n, budget), 0 if prefills else 1)
+            elif self.budget.step_budget:
                 n = min(n, int(budget))
             if n <= 0 or (not weighted and n > budget):
                 break
-            while not self.pool.grow(seq.slot, seq.num_cached + n):
+            while not self.blocks.grow(seq, seq.num_cached + n):
                 victim = self._newest() if preempted is not None else None
                 if victim is None or victim.seq_id <= seq.seq_id:
                     break
                 self._preempt(victim)
                 preempted.append(victim)
-            if self.pool.missing(seq.slot, seq.num_cached + n):
+            if self.blocks.missing(seq, seq.num_cached + n):
                 break  # waits for blocks (an older sequence's step frees them or a preemption does)
             prefills.append(PrefillChunk(seq, seq.num_cached, seq.num_cached + n))
-            budget -= self._cost(seq.num_cached, n) if weighted else n
+            budget -= self.budget.cost(seq.num_cached, n) if weighted else n
         return prefills
 
     # ---- bookkeeping -----------------------------------------------------------------------
@@ -389,8 +310,7 @@ class Scheduler:
         seq.error = error
         if seq.slot is not None:
             assert self.running.get(seq.slot) is seq
-            self._register(seq)  # what later prompts may share
-            self.pool.shrink(seq.slot, 0)
+            self.blocks.release(seq)  # what it computed stays cached: what later prompts may share
             del self.running[seq.slot]
             self.free_slots.append(seq.slot)
             seq.slot = None
@@ -400,9 +320,7 @@ class Scheduler:
     def forget_prefixes(self) -> None:
         """No block computed so far is shared, nor any the running sequences compute from now on (for
         a per-slot owner that joins now, e.g. a draft head: it has none of their rows)."""
-        self.pool.forget()
-        for seq in self.running.values():
-            seq.shares = False
+        self.blocks.forget(self.running.values())
 
     def check_stop_token(self, seq: Sequence) -> Optional[str]:
         """Finish reason after the newest output token, or None to go on."""
