@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import multiprocessing
 import queue
 import re
 import threading
@@ -267,9 +268,9 @@ class VictimRun:
 
 
 def victim_stream(server: Server, tokens: int, timeout: float = 600.0, run: Optional[VictimRun] = None,
-                  abandon: Optional[threading.Event] = None) -> VictimRun:
+                  abandon: Optional[threading.Event] = None, on_chunk=None) -> VictimRun:
     """One greedy stream of VICTIM_PROMPT on `specguide`, `tokens` long (EOS suppressed), into `run`;
-    cancelled when `abandon` is set."""
+    cancelled when `abandon` is set; `on_chunk(ids, text, arrival)` for each chunk with tokens."""
     run = run if run is not None else VictimRun()
     run.t0 = time.perf_counter()
     done = threading.Event()
@@ -285,6 +286,8 @@ def victim_stream(server: Server, tokens: int, timeout: float = 600.0, run: Opti
             run.ids += c.token_ids
             run.text += c.text
             run.times.append(now)
+            if on_chunk is not None:
+                on_chunk(c.token_ids, c.text, now)
         if c.final:
             run.final = True
             done.set()
@@ -304,9 +307,55 @@ def victim_stream(server: Server, tokens: int, timeout: float = 600.0, run: Opti
     return run
 
 
+def _victim_process(grpc_url: str, tokens: int, conn) -> None:
+    """The victims' process: one victim stream after another, each chunk sent to the parent with its
+    arrival time; after each run it waits for "go" ("stop": exit; "abandon" also cancels a run)."""
+    import types
+
+    lock = threading.Lock()
+    server = types.SimpleNamespace(grpc=grpc_url)
+    abandon, stop = threading.Event(), threading.Event()
+
+    def send(msg) -> None:
+        with lock:
+            conn.send(msg)
+
+    def listen() -> None:
+        while not abandon.is_set():
+            try:
+                cmd = conn.recv()
+            except (EOFError, OSError):
+                cmd = "abandon"
+            if cmd == "go":
+                go.set()
+            elif cmd == "stop":
+                stop.set()
+                go.set()
+            else:
+                stop.set()
+                abandon.set()
+                go.set()
+
+    go = threading.Event()
+    threading.Thread(target=listen, daemon=True).start()
+    while not stop.is_set():
+        run = VictimRun()
+        send(("start", time.perf_counter()))
+        victim_stream(server, tokens, run=run, abandon=abandon,
+                      on_chunk=lambda ids, text, now: send(("chunk", ids, text, now)))
+        send(("end", "abandoned" if abandon.is_set() else run.error, run.final))
+        if abandon.is_set():
+            return
+        go.wait()
+        go.clear()
+
+
 class Victims:
-    """Victim streams one after another in a thread while hostile requests run; each is compared with
-    the solo run (`solo`, taken before any hostile request)."""
+    """Victim streams one after another in a process of their own while hostile requests run; each
+    is compared with the solo run (`solo`, taken before any hostile request). NOTE: a process, not a
+    thread: the client's own work (drawing a 200 KB case, reading a 64-row answer) holds this
+    process's GIL, and a victim thread's arrival times would count that as the server's gap. The
+    child stamps each chunk with time.perf_counter (CLOCK_MONOTONIC: one clock for both processes)."""
 
     def __init__(self, server: Server, tokens: int):
         self.server, self.tokens = server, tokens
@@ -314,11 +363,14 @@ class Victims:
         assert not self.solo.error and self.solo.final and len(self.solo.ids) == tokens, self.solo
         self.runs: list[VictimRun] = []
         self._current: Optional[VictimRun] = None
-        self._stop = threading.Event()
-        self._abandon = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="victims", daemon=True)
+        self._stopping = False
+        ctx = multiprocessing.get_context("spawn")  # (no fork: gRPC's threads)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_victim_process, args=(server.grpc, tokens, child), name="victims", daemon=True)
+        self._thread = threading.Thread(target=self._receive, name="victims", daemon=True)
 
     def start(self) -> "Victims":
+        self._proc.start()
         self._thread.start()
         deadline = time.monotonic() + 120
         while not (self.runs or (self._current and self._current.times)):  # the first victim is streaming
@@ -326,24 +378,41 @@ class Victims:
             time.sleep(0.01)
         return self
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            run = VictimRun()
-            self._current = run
-            victim_stream(self.server, self.tokens, run=run, abandon=self._abandon)
-            if self._abandon.is_set():
+    def _receive(self) -> None:
+        """The child's messages into `runs`; after each run: settle the server if it failed, then go on."""
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
                 return
-            self.runs.append(run)
-            self._current = None
-            if run.error:  # the engine may be restarting: the next victim waits for it
-                settle(self.server)
+            kind = msg[0]
+            if kind == "start":
+                self._current = VictimRun(t0=msg[1])
+            elif kind == "chunk" and self._current is not None:
+                _, ids, text, now = msg
+                self._current.ids += ids
+                self._current.text += text
+                self._current.times.append(now)
+            elif kind == "end" and self._current is not None:
+                run, self._current = self._current, None
+                run.error, run.final = msg[1], msg[2]
+                if run.error == "abandoned":
+                    return
+                self.runs.append(run)
+                if run.error:  # the engine may be restarting: the next victim waits for it
+                    settle(self.server)
+                if self._stopping:
+                    return
+                self._conn.send("go")
 
     def stop(self, abandon: bool = False) -> list[VictimRun]:
         """Stop after the running victim (checked like the others), or (abandon) cancel it unchecked."""
-        self._stop.set()
-        if abandon:
-            self._abandon.set()
+        self._stopping = True
+        self._conn.send("abandon" if abandon else "stop")
         self._thread.join(timeout=900)
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
         return self.runs
 
     def progress(self) -> str:
