@@ -20,6 +20,9 @@ import torch
 
 SHAPES = {  # the config.json fields that differ from SmolLM2-135M's
     "smollm2-135m": {},
+    # one small layer, the real vocabulary: a forward that costs next to nothing (bench/bench_host.py)
+    "host-probe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+                       num_key_value_heads=1, head_dim=64),
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
                          rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}),
