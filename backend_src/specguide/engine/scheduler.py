@@ -71,6 +71,15 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
+    def tokens(self, a: int, b: int) -> list[int]:
+        """(prompt_ids + output_ids)[a:b], without building the whole list (0 <= a <= b)."""
+        n = len(self.prompt_ids)
+        if b <= n:
+            return self.prompt_ids[a:b]
+        if a >= n:
+            return self.output_ids[a - n: b - n]
+        return self.prompt_ids[a:] + self.output_ids[: b - n]
+
     @property
     def prefill_end(self) -> int:
         """Where its prefill ends: the prompt's end, or for a sequence recomputed after preemption

@@ -58,17 +58,40 @@ class DraftModel:
 
     @torch.inference_mode()
     def catch_up(self, seqs: list[Sequence]) -> None:
-        """Feed each sequence's tokens up to (not including) its last one."""
-        for s in seqs:
-            toks = s.prompt_ids + s.output_ids
-            while self.cached[s.slot] < len(toks) - 1:
-                a = self.cached[s.slot]
-                b = min(len(toks) - 1, a + self.chunk)
-                ids = torch.tensor([toks[a:b]], device=self.device)
-                ctx = self.model.make_context(torch.tensor([s.slot], device=self.device),
-                                              torch.arange(a, b, device=self.device)[None, :], [s.slot], b)
-                self.model(ids, ctx, self.kv)
-                self.cached[s.slot] = b
+        """Feed each sequence's tokens up to (not including) its last one. With chunk-invariant
+        forwards every sequence behind goes in one forward of rows of any length, at most `chunk`
+        tokens in all (after a step that accepted every draft: the bonus token of each row); else
+        one forward per sequence and chunk."""
+        while rows := [(s, self.cached[s.slot]) for s in seqs if self.cached[s.slot] < s.num_tokens - 1]:
+            if not self.model.chunk_invariant:
+                for s, a in rows:
+                    self._feed([(s, a, min(s.num_tokens - 1, a + self.chunk))])
+                continue
+            batch, left = [], self.chunk
+            for s, a in rows:
+                if left <= 0:
+                    break
+                b = min(s.num_tokens - 1, a + left)
+                batch.append((s, a, b))
+                left -= b - a
+            self._feed(batch)
+
+    def _feed(self, rows: list[tuple[Sequence, int, int]]) -> None:
+        """One forward of positions [a, b) of each (sequence, a, b) into the draft cache."""
+        dev = self.device
+        slots = torch.tensor([s.slot for s, _, _ in rows], device=dev)
+        if len(rows) == 1:
+            s, a, b = rows[0]
+            ids = torch.tensor([s.tokens(a, b)], device=dev)
+            ctx = self.model.make_context(slots, torch.arange(a, b, device=dev)[None, :], [s.slot], b)
+        else:
+            ids = torch.tensor([[t for s, a, b in rows for t in s.tokens(a, b)]], device=dev)
+            positions = torch.tensor([[p for _, a, b in rows for p in range(a, b)]], device=dev)
+            seg = torch.tensor([0] + [b - a for _, a, b in rows], device=dev).cumsum(0)
+            ctx = self.model.make_varlen_context(slots, positions, seg)
+        self.model(ids, ctx, self.kv)
+        for s, _, b in rows:
+            self.cached[s.slot] = b
 
     def draft(self, i: int, cur: torch.Tensor, pos0: torch.Tensor, slots: torch.Tensor, ctx) -> torch.Tensor:
         """Draft i in the step: logits [B, V] at position N-1+i."""

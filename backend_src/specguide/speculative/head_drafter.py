@@ -85,17 +85,14 @@ class HeadDrafter:
         """Host: feed long new prompts in chunks, then stage each row's verified (f_p, x_{p+1})
         rows up to p = N-2 (at most K+1; captured steps pad every row to K+1)."""
         rows: list[list[int]] = []
-        history: list[list[int]] = []
         t0 = time.perf_counter()
         for s in seqs:
             # a step that failed after this point last time (and is retried) re-feeds its rows
             self.cached[s.slot] = max(0, min(self.valid[s.slot], s.num_tokens - 2))
-            toks = s.prompt_ids + s.output_ids
-            history.append(toks)
             while (left := s.num_tokens - 1 - self.cached[s.slot]) > self.max_drafts + 1:
                 a = self.cached[s.slot]  # a new prompt: chunks of its own, leaving <= K+1 rows for the batch
                 n = min(self.chunk, left - self.max_drafts - 1)
-                self._run([s.slot], [list(range(a, a + n))], [toks[a + 1: a + 1 + n]])
+                self._run([s.slot], [list(range(a, a + n))], [s.tokens(a + 1, a + 1 + n)])
                 self.cached[s.slot] = self.valid[s.slot] = a + n
             rows.append(list(range(self.cached[s.slot], s.num_tokens - 1)))
         self.catchup_s += time.perf_counter() - t0
@@ -104,10 +101,10 @@ class HeadDrafter:
         P[:] = self.max_seq_len + np.arange(self.max_drafts + 1)[None, :]  # padding rows: dead positions
         X[:] = 0
         L[:] = 0
-        for b, (s, r, toks) in enumerate(zip(seqs, rows, history)):
+        for b, (s, r) in enumerate(zip(seqs, rows)):
             # padding positions continue past N-2: speculative positions that later steps rewrite
             P[b, :T] = r + list(range(s.num_tokens - 1, s.num_tokens - 1 + T - len(r)))
-            X[b, :T] = toks[r[0] + 1: s.num_tokens] + [s.last_token] * (T - len(r))
+            X[b, :T] = s.tokens(r[0] + 1, s.num_tokens) + [s.last_token] * (T - len(r))
             L[b] = len(r) - 1
             self.cached[s.slot] = s.num_tokens - 1
         self.T = T

@@ -64,19 +64,10 @@ class SuffixIndex:
             return 0
         lo = max(self.upto, g - 1)
         if lo < total - 1:  # index the n-grams ending at lo .. total-2 (the one ending at total-1 is the suffix)
-            w = _tokens(seq, lo - g + 1, total - 1)
+            w = seq.tokens(lo - g + 1, total - 1)
             for e in range(lo, total - 1):
                 self.ends[tuple(w[e - lo: e - lo + g])] = e
             self.upto = total - 1
-        end = self.ends.get(tuple(_tokens(seq, total - g, total)))
+        end = self.ends.get(tuple(seq.tokens(total - g, total)))
         return 0 if end is None else min(k, total - 1 - end)
 
-
-def _tokens(seq: "Sequence", start: int, end: int) -> list[int]:
-    """Tokens [start, end) of the sequence's prompt + output, without joining the two lists."""
-    P = len(seq.prompt_ids)
-    if end <= P:
-        return seq.prompt_ids[start:end]
-    if start >= P:
-        return seq.output_ids[start - P: end - P]
-    return seq.prompt_ids[start:] + seq.output_ids[: end - P]
