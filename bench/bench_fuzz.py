@@ -236,6 +236,13 @@ def run(server, api, args, targets) -> dict:
         q = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else [gaps[0]] * 99
         print(f"victim gap between tokens during one hostile request: p50 {statistics.median(gaps) * 1e3:.0f} ms, "
               f"p99 {q[98] * 1e3:.0f} ms, longest {tally.max_gap * 1e3:.0f} ms (goal < 1 s) during\n  {tally.max_gap_case}")
+        # what was in flight over the longest waits themselves (a short request queued behind a long
+        # one in the same model instance has the long one's wait in its window)
+        waits = sorted(((b - a, a, b) for r in victims.runs for a, b in zip(r.times, r.times[1:])), reverse=True)
+        for w, a, b in waits[:3]:
+            print(f"  a {w * 1e3:.0f} ms wait at {a - t_start:.1f} s; in flight over it:")
+            for d in tally.spanning(a, b)[:4]:
+                print(f"      {d}")
     restarts = {"engine": after_health["engine_restarts"] - before["engine_restarts"],
                 "server": after_health["server_restarts"] - before["server_restarts"]}
     same = {k: before[k] == after[k] for k in ("stubs", "engine")}

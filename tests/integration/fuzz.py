@@ -534,6 +534,12 @@ class Tally:
             if gap is not None and gap > self.max_gap:
                 self.max_gap, self.max_gap_case = gap, case.describe(300)
 
+    def spanning(self, a: float, b: float) -> list[str]:
+        """The requests in flight at some moment of [a, b], the longest-running first."""
+        with self.lock:
+            hits = [(t1 - t0, f"{t1 - t0:.1f} s ({t0 - a:+.1f} s): {d}") for t0, t1, d in self.windows if t0 <= b and t1 >= a]
+        return [d for _, d in sorted(hits, reverse=True)]
+
     def overlapping(self, t: float, slack: float = 0.5) -> list[str]:
         """The requests in flight around time t (a harmed victim's suspects)."""
         with self.lock:
