@@ -181,6 +181,8 @@ class EngineConfig:
     max_bad_words: int = 256  # bad words per request (`bad_words`, `bad_words_list`, vLLM `bad_words`),
     # as max_stop_words (0 = no limit)
     max_word_tokens: int = 8192  # token ids in a request's stop words and bad words together (0 = no limit)
+    max_logits_bytes: int = 268435456  # a request's logits as float32 (`return_context_logits`: prompt x vocab;
+    # `return_generation_logits`: max_tokens x vocab), larger is refused at intake (0 = no limit)
     guided_mask_threads: int = 1  # threads for the batched mask fill (1 is fastest on 2 cores)
     guided_executor: str = "auto"  # where the step's grammar callbacks run: "inline" (at once),
     # "worker" (a worker thread: the race test mode), "cuda" (host functions on a grammar
@@ -211,7 +213,7 @@ class EngineConfig:
                           ("guided_max_expansion", 0),
                           ("max_sampling_parameters_bytes", 0), ("gil_switch_interval_ms", 0),
                           ("max_stop_strings", 0), ("max_stop_token_ids", 0), ("max_stop_words", 0),
-                          ("max_bad_words", 0), ("max_word_tokens", 0),
+                          ("max_bad_words", 0), ("max_word_tokens", 0), ("max_logits_bytes", 0),
                           ("engine_nice", 0)):
             _check(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)!r}")
         _check(self.new_request_slots >= -1, f"new_request_slots must be >= -1, got {self.new_request_slots}")

@@ -98,6 +98,34 @@ def test_the_engines_intake_refuses_it_too():
         intake.sequence(Request(prompt_ids=[1, VOCAB]), print)
 
 
+def test_logits_past_max_logits_bytes_are_refused_at_intake():
+    """A client may not make the engine hold gigabytes of logits (an 8,192-token prompt's context
+    logits are 1.6 GB as float32): past max_logits_bytes the request is INVALID_ARG at intake,
+    naming the setting; within it, it is taken."""
+    from specguide.engine.intake import Intake
+
+    cap = 100 * VOCAB * 4  # 100 rows of logits
+    intake = Intake(EngineConfig(device="cpu", max_seq_len=2048, max_logits_bytes=cap), None, VOCAB, frozenset({2}),
+                    compiler=None)
+
+    def seq(prompt: int, max_tokens: int, **params):
+        return intake.sequence(Request(prompt_ids=[1] * prompt, params=SamplingParams(max_tokens=max_tokens, **params)),
+                               print)
+
+    for prompt, max_tokens, params in ((101, 4, dict(return_context_logits=True)),
+                                       (3, 101, dict(return_generation_logits=True)),
+                                       (60, 41, dict(return_context_logits=True, return_generation_logits=True))):
+        with pytest.raises(InvalidRequestError, match="max_logits_bytes") as e:
+            seq(prompt, max_tokens, **params)
+        assert error_code(e.value) == "INVALID_ARG" and "101 x 49152 logits" in str(e.value)
+    assert seq(100, 4, return_context_logits=True).prompt_ids == [1] * 100
+    assert seq(60, 40, return_context_logits=True, return_generation_logits=True)
+    assert seq(1500, 8, return_context_logits=False)  # no logits asked for: no cap
+    assert Intake(EngineConfig(device="cpu", max_seq_len=2048, max_logits_bytes=0), None, VOCAB, frozenset({2}),
+                  compiler=None).sequence(Request(prompt_ids=[1] * 1000, params=SamplingParams(
+                      max_tokens=4, return_context_logits=True)), print)  # 0: no limit
+
+
 # ------------------------------------------------------------------ every id, named
 
 

@@ -17,7 +17,7 @@ from ..guided.regex_completion import RegexScanner
 from ..guided.schema_completion import Schemas
 from ..guided.tag_completion import TagScanner
 from ..guided.reasoning import Reasoning
-from ..request import InvalidRequestError, ListLimits, Request, RequestOutput, check_token_ids, error_code
+from ..request import InvalidRequestError, ListLimits, Request, RequestOutput, SamplingParams, check_token_ids, error_code
 from .scheduler import Sequence
 from .sequence_state import GuideState, OutputState
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
@@ -65,6 +65,7 @@ starts, then collects, their grammar compiles."""
         p = request.params
         p.validate(cfg.max_tokens_limit, vocab, self.lists)  # every id in the vocabulary, the lists within their caps
         p.normalize(vocab)
+        self._check_logits(p, len(ids))
         k = request.num_draft_tokens
         if k is not None and not 0 <= k <= cfg.num_draft_tokens:
             raise InvalidRequestError(f"num_draft_tokens must be in [0, {cfg.num_draft_tokens}] "
@@ -87,6 +88,21 @@ starts, then collects, their grammar compiles."""
         if request.guided is not None:  # a malformed guide raises here; compile errors come later
             seq.guide.compile = self.compiler.submit(request.guided)
         return seq
+
+    def _check_logits(self, p: SamplingParams, prompt_len: int) -> None:
+        """The logits a request asks for (held until sent: a prompt's all at once) within
+        max_logits_bytes: a client must not make the engine hold gigabytes (8,192 x 49,152 floats:
+        1.6 GB)."""
+        limit = self.config.max_logits_bytes
+        rows = (prompt_len if p.return_context_logits else 0) + \
+            (min(p.max_tokens, self.config.max_seq_len - prompt_len) if p.return_generation_logits else 0)
+        if limit and rows * self.vocab_size * 4 > limit:
+            what = " and ".join(w for w, on in ((f"return_context_logits ({prompt_len} prompt tokens)", p.return_context_logits),
+                                                (f"return_generation_logits (max_tokens {p.max_tokens})",
+                                                 p.return_generation_logits)) if on)
+            raise InvalidRequestError(f"{what} asks for {rows} x {self.vocab_size} logits, "
+                                      f"{rows * self.vocab_size * 4 / 2**20:.0f} MiB as float32; max_logits_bytes is "
+                                      f"{limit / 2**20:.0f} MiB (a shorter prompt or fewer max_tokens fit)")
 
     def _within_budget(self, seq: Sequence) -> Any:
         """A JSON, regex or tool-call guide whose answer must close before max_tokens (guided/budget.py);
