@@ -20,14 +20,16 @@ Phases (exclusive time of the functions each names, ms per step):
   stage     StepCore.key + stage (the step's inputs into its static buffers)
   drafting  the drafter's prepare / done (its own rows)
   forward   LlamaModel.forward and .logits (target and draft model: the device's work)
+  kernels   the step's C scans of vocabulary-wide logits (greedy_verify, draft_pick, argmax, masks,
+            non-finite checks): on the CPU the device's work, on a GPU kernels
   grammar   the grammar worker's callbacks (fetch, mask fill, draft advance, commit, staging)
-  glue      the rest of the step body (sampling, acceptance, masking: torch ops launched by the host)
+  glue      the rest of the step body (contexts, copies, sampling: torch ops the host dispatches)
   wait      StepCore.finish (the host waiting for the device and the grammar commit)
   results   StepCore.results + Proposer.record (tokens back to host lists)
   outputs   OutputProcessor.append (tokens appended, detokenizing, stop checks)
   emit      OutputProcessor.emit (events built, pickled and written to the pipe)
   other     the rest of EngineCore.step
-host = every phase but forward and wait. Prints the CPU, then per configuration: ms per step by
+host = every phase but forward, kernels and wait. Prints the CPU, then per configuration: ms per step by
 phase, host ms per step, host share of the step, tokens per step.
 """
 from __future__ import annotations
@@ -51,9 +53,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from machine import cpu_header  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
-PHASES = ("schedule", "propose", "stage", "drafting", "forward", "grammar", "glue", "wait", "results",
+PHASES = ("schedule", "propose", "stage", "drafting", "forward", "kernels", "grammar", "glue", "wait", "results",
           "outputs", "emit", "other")
-DEVICE_PHASES = ("forward", "wait")
+DEVICE_PHASES = ("forward", "kernels", "wait")
+KERNELS = ("greedy_verify", "draft_pick", "argmax", "nonfinite_rows", "mask_logits_rows", "mask_tiles")
 
 
 class PhaseClock:
@@ -125,6 +128,10 @@ def instrument(engine, clock: PhaseClock) -> None:
             (OutputProcessor, ("append",), "outputs"), (OutputProcessor, ("emit",), "emit")):
         for name in names:
             clock.wrap(owner, name, phase)
+    from specguide import kernels
+
+    for name in KERNELS:  # (called as kernels.<name>: the package's attribute)
+        clock.wrap(kernels, name, "kernels")
     for obj in _drafters(engine.core.proposer):
         for name in ("prepare", "done"):
             clock.wrap(type(obj), name, "drafting")
