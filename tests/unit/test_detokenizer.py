@@ -48,3 +48,15 @@ def test_multibyte_char_split_across_tokens_is_held_back(tok):
     d = IncrementalDetokenizer(tok)
     assert all(d.add([t]) == "" for t in ids[:-1])
     assert d.add(ids[-1:]) + d.finish() == "🀄"
+
+
+def test_decode_is_the_fast_tokenizers_decode_without_clean_up(tok):
+    """Tokenizer.decode calls the Rust tokenizer directly (the detokenizer's two decodes per step):
+    the same text as transformers' decode with special tokens skipped and no clean-up, for random
+    windows of any ids (special tokens and byte pieces included)."""
+    rng = random.Random(1)
+    special = sorted(tok.hf.all_special_ids)
+    for _ in range(3000):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randrange(1, 16))]
+        assert tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), ids
