@@ -10,6 +10,7 @@ import torch
 
 from ..request import RequestOutput
 from .scheduler import Sequence, Status
+from .step_extras import bad_word_bans
 
 log = logging.getLogger("specguide")
 STAGES = {Status.WAITING: "queued", Status.PREFILL: "prefill", Status.DECODE: "decode",
@@ -89,8 +90,7 @@ class OutputProcessor:
             return Finish("error", f"the output violates the JSON schema: {why}", "INTERNAL")
         kind = seq.guide.params.guide_type if seq.guide.params is not None else "grammar"
         n = len(seq.output_ids)
-        banned = frozenset(w[-1] for w in seq.params.bad_words_ids
-                           if len(w) - 1 <= n and seq.output_ids[n - len(w) + 1:] == w[:-1])
+        banned = frozenset(bad_word_bans(seq))
         try:
             if self.guided.viable_now(seq.slot) == -1:
                 return Finish("error", f"the {kind} guide allows no token after {n} output tokens: this model's "

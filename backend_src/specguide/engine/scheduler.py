@@ -145,7 +145,6 @@ class Scheduler:
                  lookahead: int = 0, step_budget: int = 0, key_cost: float = 0.0, new_request_slots: int = 0):
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
-        self.prefill_chunk = prefill_chunk
         # any_prefix: the model's forwards are chunk-invariant (LlamaModel.chunk_invariant: a position's
         # K/V, and the drafters' rows, are the same bits whatever the chunk split, batch or query count,
         # decode steps included), so a block computed by any sequence is the block every other sequence
@@ -169,6 +168,10 @@ class Scheduler:
     @property
     def pool(self) -> BlockPool:
         return self.blocks.pool
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.budget.prefill_chunk
 
     # ---- admission (the engine appends to `waiting`; it enforces max_queue) ------------------
     def schedule(self, ready: Callable[[Sequence], bool] = lambda s: True) -> StepPlan:

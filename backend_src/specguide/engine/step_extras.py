@@ -17,6 +17,13 @@ from .slot_params import SlotSampling
 NEG_INF = float("-inf")
 
 
+def bad_word_bans(seq: Sequence) -> list[int]:
+    """The tokens banned at the sequence's next position: the last token of each bad word whose
+    other tokens end its output (all of a one-token bad word's)."""
+    out, n = seq.output_ids, len(seq.output_ids)
+    return [w[-1] for w in seq.params.bad_words_ids if n >= len(w) - 1 and out[n - len(w) + 1:] == w[:-1]]
+
+
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], start: int, n: int) -> list[PromptLogprob]:
     """A prefill chunk's raw logits [m, V] (prompt positions start..start+m-1) -> for each prompt token
     they predict (positions 1.. of the prompt: the last position predicts the first output, not a
@@ -58,12 +65,9 @@ class StepExtras:
             if len(seq.output_ids) < seq.params.min_tokens and not is_guided(seq.slot):
                 rows += [r] * len(seq.stop_ids)
                 toks += list(seq.stop_ids)
-            n = len(seq.output_ids)
-            for word in seq.params.bad_words_ids:
-                prefix = word[:-1]
-                if n >= len(prefix) and seq.output_ids[n - len(prefix):] == prefix:
-                    rows.append(r)
-                    toks.append(word[-1])
+            banned = bad_word_bans(seq)
+            rows += [r] * len(banned)
+            toks += banned
         return (rows, toks) if rows else None
 
     def before(self, logits: torch.Tensor) -> None:
