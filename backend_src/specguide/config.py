@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 CPU_SLOTS = 64  # max_slots 0 on CPU: sequences that run together (max_batch_size); KV blocks bound their memory
@@ -188,6 +189,9 @@ class EngineConfig:
     # "worker" (a worker thread: the race test mode), "cuda" (host functions on a grammar
     # stream, captured in the step graphs); "auto" = "cuda" on a CUDA device, else "inline"
     cuda_graphs: bool = True  # on CUDA: one CUDA graph per speculative step and batch bucket
+    lora_adapters: str = ""  # LoRA adapters (PEFT folders) served by name: a JSON object {"name": "folder"},
+    # or the path of a file holding one (the vLLM backend's multi_lora.json); "" = none
+    max_loras: int = 8  # adapters resident in memory at once (the least recently used idle one goes)
     reasoning_markers: str = ""  # reasoning models: '<start>,<end>' (e.g. '<think>,</think>'); a guide then
     # applies only after the end marker (guided/reasoning.py); "" = off
 
@@ -214,7 +218,7 @@ class EngineConfig:
                           ("max_sampling_parameters_bytes", 0), ("gil_switch_interval_ms", 0),
                           ("max_stop_strings", 0), ("max_stop_token_ids", 0), ("max_stop_words", 0),
                           ("max_bad_words", 0), ("max_word_tokens", 0), ("max_logits_bytes", 0),
-                          ("engine_nice", 0)):
+                          ("engine_nice", 0), ("max_loras", 0)):
             _check(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)!r}")
         _check(self.new_request_slots >= -1, f"new_request_slots must be >= -1, got {self.new_request_slots}")
         _check(self.engine_nice <= 19, f"engine_nice must be in [0, 19], got {self.engine_nice}")
@@ -272,6 +276,19 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def lora_file(text: str, model_dir: Path, version: str) -> str:
+    """config `lora_adapters` as a Triton model serves it: a relative file path is the model
+    folder's; unset, the version folder's `multi_lora.json` when there is one (where the vLLM
+    backend reads it)."""
+    text = text.strip()
+    if text.startswith("{"):
+        return text
+    if text:
+        return str(model_dir / text) if not Path(text).is_absolute() else text
+    found = model_dir / version / "multi_lora.json"
+    return str(found) if found.is_file() else ""
 
 
 def _coerce(f: dataclasses.Field, raw: Any) -> Any:

@@ -251,6 +251,7 @@ class Request:
     guided: Optional[GuidedDecodingParams] = None
     num_draft_tokens: Optional[int] = None  # None = the configured K; 0 = no speculation
     request_id: str = ""  # the client's id, echoed in logs
+    lora_name: Optional[str] = None  # a LoRA adapter the engine serves (engine/lora_adapters.py); None: the base model
     group: Optional[int] = None  # the client request this is a row of (its batch rows and n share it): slots
     # and decode rows are shared fairly between groups (Scheduler); None: a group of its own
     timeout_s: Optional[float] = None  # None = EngineConfig.request_timeout_s; 0 = no limit

@@ -34,6 +34,7 @@ LAYERS = {
     "guided": 4, "speculative": 4, "engine.step_extras": 4,
     "engine.step": 5,
     "engine.runner": 6,
+    "engine.lora_adapters": 6,  # which LoRA adapters are served, resident, held (models.lora's bank)
     "engine.intake": 7, "engine.output_processor": 7,
     "engine.core": 8,  # one iteration and what it owns
     "engine.loop": 9,  # its loop thread and thread-safe API

@@ -380,8 +380,10 @@ def test_vllm_interface_errors_are_named_and_worded_like_vllm():
         vparse({"text_input": vtext("Hi")}, {"tempratur": 0})
     with pytest.raises(InvalidRequestError, match="input 'max_tokens' is not part of this model's interface"):
         vparse({"text_input": vtext("Hi"), "max_tokens": np.array([3], np.int32)})
-    with pytest.raises(UnsupportedError, match="lora_name"):
-        vparse({"text_input": vtext("Hi"), "sampling_parameters": vtext('{"lora_name": "x"}')})
+    assert vparse({"text_input": vtext("Hi"), "sampling_parameters": vtext('{"lora_name": "sql"}')}
+                  )[0].request.lora_name == "sql"  # the engine checks that it serves it
+    with pytest.raises(InvalidRequestError, match="lora_name"):
+        vparse({"text_input": vtext("Hi"), "sampling_parameters": vtext('{"lora_name": 3}')})
     with pytest.raises(InvalidRequestError, match="logprobs must be in"):
         vparse({"text_input": vtext("Hi"), "sampling_parameters": vtext('{"logprobs": 21}')})
 

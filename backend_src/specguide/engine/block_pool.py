@@ -18,13 +18,14 @@ def blocks_per_seq(max_seq_len: int, lookahead: int) -> int:
     return BlockPool.blocks_for(max_seq_len + lookahead + 1)
 
 
-def block_keys(tokens: Sequence[int], keys: list[bytes], limit: int) -> list[bytes]:
+def block_keys(tokens: Sequence[int], keys: list[bytes], limit: int, seed: bytes = b"") -> list[bytes]:
     """Extend `keys` (block i's key, for the blocks already keyed) to every block b whose positions
     and the one after, [0, 16b + 17), lie within tokens[:limit]. Key b is a hash chain over those
-    tokens: the block's K/V (a function of the tokens up to its last position) and the draft head's
-    rows in it (row p reads token p + 1) are the same for every sequence with the same key."""
+    tokens, from `seed` (the sequence's LoRA adapter): the block's K/V (a function of the tokens up to
+    its last position) and the draft head's rows in it (row p reads token p + 1) are the same for
+    every sequence with the same key."""
     while (b := len(keys)) * BLOCK + BLOCK < min(limit, len(tokens)):
-        h = hashlib.blake2b(keys[-1] if keys else b"", digest_size=16)
+        h = hashlib.blake2b(keys[-1] if keys else seed, digest_size=16)
         h.update(np.asarray(tokens[b * BLOCK: b * BLOCK + BLOCK + 1], np.int64).tobytes())
         keys.append(h.digest())
     return keys

@@ -24,6 +24,7 @@ from ..guided.limits import GuideLimits
 from .intake import Intake
 from .block_pool import BlockPool
 from .kv_cache import block_bytes, kv_store, size_blocks, size_slots
+from .lora_adapters import LoRAAdapters, parse_adapters
 from ..models.loader import load_model, resolve_model_dir
 from .output_processor import Finish, OutputProcessor
 from ..request import InvalidRequestError, Request, RequestOutput, error_code
@@ -102,7 +103,9 @@ class EngineCore:
         self.proposer = Proposer(config, self.model, self.runner.kv, self.guided, folder, self.tokenizer.encode,
                                  DTYPES[config.dtype], self.device)
         self.runner.core.feature_sink = self.proposer.feature_sink
-        self.slot_state = (self.runner, self.proposer)  # every owner of per-slot state: admit / free
+        self.adapters = LoRAAdapters(self.model, config.max_slots, config.max_loras,
+                                     parse_adapters(config.lora_adapters), captured=self.runner.graphs is not None)
+        self.slot_state = (self.runner, self.proposer, self.adapters)  # every owner of per-slot state: admit / free
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,
                                    BlockPool(self.runner.table.numpy(), num_blocks), config.num_draft_tokens,
@@ -112,7 +115,8 @@ class EngineCore:
                                    else min(config.new_request_slots, config.max_slots - 1))
         self.outputs = OutputProcessor(self.guided, self.scheduler.check_stop_token, self.runner.vocab_size,
                                        self.runner.kv)
-        self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler)
+        self.intake = Intake(config, self.tokenizer, self.runner.vocab_size, self.eos_token_ids, self.compiler,
+                             self.adapters)
         self.seqs: dict[int, Sequence] = {}  # every request in flight, by id
         self.num_steps = 0
         # the latest iteration, for the TensorRT-LLM metric families: (prefill chunks, decoding
@@ -238,7 +242,7 @@ class EngineCore:
         """One engine iteration: schedule, run (prefill chunks, one batched decode), process outputs.
         Returns False when there was nothing to run (e.g. waiting on grammar compiles)."""
         self._poll_compiles()
-        ready = lambda seq: seq.guide.compile is None  # noqa: E731
+        ready = lambda seq: seq.guide.compile is None and self.adapters.acquire(seq)  # noqa: E731
         plan: StepPlan = self.scheduler.schedule(ready=ready)
         if plan.empty:
             return False
@@ -369,6 +373,9 @@ class EngineCore:
         """Move finished grammar compiles onto their sequences; a failed one fails its request."""
         for seq, message, code in self.intake.poll_compiles(self.scheduler.waiting):
             self.finish(seq, "error", message, code)
+        for seq_id, message in self.adapters.poll_failures():
+            if seq_id in self.seqs:
+                self.finish(self.seqs[seq_id], "error", message, "INVALID_ARG")
 
     def _prefill(self, chunk: PrefillChunk, hidden: Optional[torch.Tensor] = None) -> Optional[int]:
         """One prompt chunk (`hidden`: its forward ran already); the first one binds the slot."""
@@ -436,6 +443,7 @@ class EngineCore:
             return
         self.outputs.close(seq, reason, error_code)
         self.intake.release(seq)
+        self.adapters.release(seq)
         if seq.slot is not None:
             for owner in self.slot_state:
                 owner.free(seq.slot)

@@ -30,12 +30,13 @@ class Intake:
 starts, then collects, their grammar compiles."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, vocab_size: int,
-                 eos_token_ids: frozenset[int], compiler: Any):
+                 eos_token_ids: frozenset[int], compiler: Any, adapters: Any = None):
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.compiler = compiler  # starts a guided request's grammar compile
+        self.adapters = adapters  # the LoRA adapters served (engine/lora_adapters.py), for their names
         self.lists = ListLimits.from_config(config)  # the per-token lists' caps (the stub checks them first)
         self._ids = itertools.count(1)
         markers = config.reasoning()  # reasoning models: guides wait for the end marker
@@ -83,6 +84,10 @@ starts, then collects, their grammar compiles."""
             request_id=request.request_id,
             out=OutputState(detok=IncrementalDetokenizer(self.tokenizer)), guide=GuideState(params=request.guided))
         seq.group = request.group if request.group is not None else -seq.seq_id  # (<= 0: apart from the client's)
+        if request.lora_name is not None:
+            if self.adapters is None:
+                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r}: this engine serves none")
+            seq.adapter, seq.adapter_key = request.lora_name, self.adapters.key(request.lora_name)
         if timeout > 0:
             seq.deadline = seq.stats.arrival + timeout
         if request.guided is not None:  # a malformed guide raises here; compile errors come later

@@ -65,7 +65,7 @@ class KVBlocks:
         if not (self.sharing and seq.shares):
             return
         tokens = seq.prompt_ids + seq.output_ids if seq.output_ids else seq.prompt_ids
-        blocks = self.pool.match(block_keys(tokens, seq.block_keys, limit))
+        blocks = self.pool.match(block_keys(tokens, seq.block_keys, limit, seq.adapter_key))
         if not blocks or len(blocks) * BLOCK < self.prefix_min_tokens:
             return
         self.pool.share(seq.slot, blocks)
@@ -78,7 +78,7 @@ class KVBlocks:
         n = min(seq.num_cached // BLOCK, self.pool.held[seq.slot]) if seq.slot is not None else 0
         if n <= seq.registered or not (self.sharing and seq.shares):
             return
-        keys = block_keys(seq.prompt_ids + seq.output_ids, seq.block_keys, seq.num_cached + 1)
+        keys = block_keys(seq.prompt_ids + seq.output_ids, seq.block_keys, seq.num_cached + 1, seq.adapter_key)
         self.pool.register(seq.slot, keys[:n], seq.registered)
         seq.registered = n
 
@@ -86,7 +86,7 @@ class KVBlocks:
         """Whether one of the `prefilling` sequences is computing the next `wait_min_blocks` or more
         blocks of the waiting one's prompt that are not cached yet (16 requests with one system
         prompt, arriving together: the first computes it, the others then share it)."""
-        keys = block_keys(seq.prompt_ids, seq.block_keys, len(seq.prompt_ids))
+        keys = block_keys(seq.prompt_ids, seq.block_keys, len(seq.prompt_ids), seq.adapter_key)
         n = len(self.pool.match(keys))
         for r in prefilling:
             if not r.shares or r.num_cached >= (n + 1) * BLOCK:

@@ -45,6 +45,8 @@ class Sequence:
     num_draft_tokens: int = 0
     request_id: str = ""
     group: int = 0  # the client request it is a row of (Request.group): fair shares are per group
+    adapter: str = ""  # its LoRA adapter's name ("": the base model) and key (engine/lora_adapters.py)
+    adapter_key: bytes = b""
     output_ids: list[int] = field(default_factory=list)
     slot: Optional[int] = None
     num_cached: int = 0

@@ -1380,6 +1380,25 @@ typedef struct {
     const float *qkv_bias, *in_norm, *post_norm, *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm; /* or NULL */
 } layer_t;
 
+/* LoRA adapters (models/lora.py): y += B (A x) for each token whose cache row is bound to an
+   adapter. A projection's adapter is up to 3 pieces (q|k|v, gate|up: one per output range), each
+   A [r, in] and B [len, r] (the scale folded into B); its ranks summed are the token's t [rsum]. */
+typedef struct {
+    const float *a, *b;
+    int r, off, len;
+} lora_piece_t;
+
+typedef struct {
+    lora_piece_t piece[3];
+    int n;
+} lora_proj_t;
+
+typedef struct {
+    const lora_proj_t *proj; /* [adapters][layers][4] (P_QKV .. P_DOWN); n 0: none for that projection */
+    const int32_t *of_row;   /* [cache rows]: the adapter bound to the row, or -1 */
+    int layers, rmax;        /* rmax: the largest summed rank of any projection */
+} lora_t;
+
 typedef struct {
     int hidden, inter, nh, kvh, hd, mb, window, act; /* act: 0 silu, 1 gelu (tanh); mb: the block table's columns */
     float eps, scale, softcap;
@@ -1389,6 +1408,7 @@ typedef struct {
     int64_t layer_stride;  /* elements from one layer's cache to the next */
     int kvk;               /* what the caches hold (KV_*) */
     const float *final_norm; /* [hidden]: the model's norm after the last layer (NULL: none) */
+    const lora_t *lora;      /* adapters of the rows (NULL: none) */
 } stack_t;
 
 /* y = x * rsqrt(mean(x^2) + eps) * w over one row of D (y may be x). */
@@ -1453,15 +1473,63 @@ static void bias_rows_for(float *y, const float *b, int64_t N, int D) { /* y[n] 
         for (int i = 0; i < D; i++) y[n * D + i] += b[i];
 }
 
-/* The residual stream y += W x, or with a sandwich norm y += norm(W x) (tmp: scratch [N, O]). */
+/* sum a[i] b[i] in a fixed order (lanes, then the lanes in order: the same bits on any thread) */
+static inline float dot_row(const float *a, const float *b, int n) {
+    vf acc = (vf){0};
+    int i = 0;
+    for (; i + VW <= n; i += VW) acc += load(a + i) * load(b + i);
+    float s = sum_lanes(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Projection p of layer li: y [N, O] += B (A x [N, I]) for tokens with an adapter (ad [N], -1:
+   none); t: scratch [N, rmax]. Each output is one thread's dot: batch- and thread-invariant. */
+static void lora_add_for(const lora_t *lo, int li, int p, const int32_t *ad, const float *x, float *y, float *t,
+                         int64_t N, int I, int O) {
+    if (!lo) return;
+    const int R = lo->rmax;
+    #pragma omp for schedule(static)
+    for (int64_t e = 0; e < N * R; e++) { /* t = A x, the pieces' ranks one after another */
+        const int64_t n = e / R;
+        int k = (int)(e % R);
+        if (ad[n] < 0) continue;
+        const lora_proj_t *pr = &lo->proj[((int64_t)ad[n] * lo->layers + li) * 4 + p];
+        for (int i = 0; i < pr->n; k -= pr->piece[i].r, i++)
+            if (k < pr->piece[i].r) {
+                t[e] = dot_row(pr->piece[i].a + (int64_t)k * I, x + n * I, I);
+                break;
+            }
+    }
+    const int chunks = (O + 63) / 64;
+    #pragma omp for schedule(static)
+    for (int64_t e = 0; e < N * chunks; e++) { /* y += B t, 64 outputs at a time */
+        const int64_t n = e / chunks;
+        if (ad[n] < 0) continue;
+        const lora_proj_t *pr = &lo->proj[((int64_t)ad[n] * lo->layers + li) * 4 + p];
+        const int o0 = (int)(e % chunks) * 64, o1 = o0 + 64 < O ? o0 + 64 : O;
+        for (int i = 0, roff = 0; i < pr->n; roff += pr->piece[i].r, i++) {
+            const lora_piece_t *pc = &pr->piece[i];
+            const int a = o0 > pc->off ? o0 : pc->off, b = o1 < pc->off + pc->len ? o1 : pc->off + pc->len;
+            for (int o = a; o < b; o++)
+                y[n * O + o] += dot_row(pc->b + (int64_t)(o - pc->off) * pc->r, t + n * R + roff, pc->r);
+        }
+    }
+}
+
+/* The residual stream y += W x (+ the token's adapter's B A x), or with a sandwich norm
+   y += norm(W x + B A x) (tmp: scratch [N, O]). */
 static void proj_add_for(const layer_t *l, int p, const float *x, float *y, float *tmp, const float *out_norm,
-                         int64_t N, int I, int O, float eps, qact_t *qa) {
+                         int64_t N, int I, int O, float eps, qact_t *qa, const lora_t *lo, int li,
+                         const int32_t *ad, float *t) {
     if (out_norm) {
         gemv_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O, qa);
+        lora_add_for(lo, li, p, ad, x, tmp, t, N, I, O);
         rms_rows_for(tmp, out_norm, tmp, N, O, eps);
         add_rows_for(y, tmp, N, O);
-    } else {
+    } else { /* NOTE: (y + W x) + B A x: rows without an adapter keep their bits */
         gemv_for(l->kind[p], x, l->w[p], l->aux[p], y, y, (int)N, I, O, qa);
+        lora_add_for(lo, li, p, ad, x, y, t, N, I, O);
     }
 }
 
@@ -1478,6 +1546,17 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
     float *gu = att + N * Q, *h = gu + N * 2 * c->inter;
     const int widest = D > Q ? (D > c->inter ? D : c->inter) : (Q > c->inter ? Q : c->inter);
     qact_t qa = qact_alloc(N * widest); /* x quantized for the integer kinds (any projection's input) */
+    const lora_t *lo = c->lora;
+    int32_t *ad = NULL; /* [N] each token's adapter (its row's), -1: none */
+    float *lt = NULL;   /* [N, rmax] the adapters' low-rank inputs */
+    if (lo) {
+        ad = (int32_t *)malloc(sizeof(int32_t) * (size_t)N);
+        lt = (float *)malloc(sizeof(float) * (size_t)(N * lo->rmax));
+        int any = 0;
+        for (int b = 0; b < B; b++)
+            for (int64_t n = row_start(seg, b, T); n < row_start(seg, b + 1, T); n++) any |= (ad[n] = lo->of_row[slot[b]]) >= 0;
+        if (!any) lo = NULL;
+    }
     #pragma omp parallel num_threads(threads)
     for (int li = 0; li < nl; li++) {
         const layer_t *l = &L[li];
@@ -1486,6 +1565,7 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
         rms_rows_for(x, l->in_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd, &qa);
         if (l->qkv_bias) bias_rows_for(qkv, l->qkv_bias, N, H * c->hd);
+        lora_add_for(lo, li, P_QKV, ad, xn, qkv, lt, N, D, H * c->hd);
         if (l->q_norm) {  /* per head, before RoPE (Qwen3, Gemma 3) */
             #pragma omp for schedule(static)
             for (int64_t e = 0; e < N * (c->nh + c->kvh); e++) {
@@ -1500,13 +1580,16 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
                        c->hd);
         attn_for(qrot, kc, vc, c->kvk, c->table, c->mb, slot, pos, seg, att, B, T, c->nh, c->kvh, c->hd,
                  c->scale, l->local ? c->window : 0, c->softcap);
-        proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa);
+        proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa, lo, li, ad, lt);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter, &qa);
+        lora_add_for(lo, li, P_GATE_UP, ad, xn, gu, lt, N, D, 2 * c->inter);
         act_mul_for(gu, h, N, c->inter, c->act);
-        proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa);
+        proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa, lo, li, ad, lt);
     }
     if (c->final_norm) rms_rows_for(x, c->final_norm, x, N, D, c->eps);
+    free(ad);
+    free(lt);
     free(work);
     qact_free(&qa);
 }

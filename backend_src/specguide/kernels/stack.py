@@ -36,7 +36,25 @@ class StackStruct(ctypes.Structure):
                 ("hd", ctypes.c_int), ("mb", ctypes.c_int), ("window", ctypes.c_int), ("act", ctypes.c_int),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
                 ("cos", _P), ("sin", _P), ("cos_local", _P), ("sin_local", _P), ("kc", _P), ("vc", _P), ("table", _P),
-                ("layer_stride", ctypes.c_int64), ("kvk", ctypes.c_int), ("final_norm", _P)]
+                ("layer_stride", ctypes.c_int64), ("kvk", ctypes.c_int), ("final_norm", _P), ("lora", _P)]
+
+
+class LoraPiece(ctypes.Structure):
+    """ops.c `lora_piece_t`: one output range's A [r, in] and B [len, r] (scaled)."""
+
+    _fields_ = [("a", _P), ("b", _P), ("r", ctypes.c_int), ("off", ctypes.c_int), ("len", ctypes.c_int)]
+
+
+class LoraProj(ctypes.Structure):
+    """ops.c `lora_proj_t`: one projection's adapter (n pieces; 0: none)."""
+
+    _fields_ = [("piece", LoraPiece * 3), ("n", ctypes.c_int)]
+
+
+class LoraStruct(ctypes.Structure):
+    """ops.c `lora_t`: proj [adapters][layers][4], of_row [cache rows] (-1: no adapter)."""
+
+    _fields_ = [("proj", _P), ("of_row", _P), ("layers", ctypes.c_int), ("rmax", ctypes.c_int)]
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -132,14 +150,14 @@ class FusedStack:
     def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...], kc: torch.Tensor, vc: torch.Tensor,
                  block_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, num_layers: int = 0,
                  final_norm: Optional[torch.Tensor] = None, in_place: bool = False,
-                 seg: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 seg: Optional[torch.Tensor] = None, lora: Optional[int] = None) -> torch.Tensor:
         """x [B, T, hidden] through the first `num_layers` (0: all) layers, caches kc / vc (KVCache's
         kernel layout, paged by `block_table` [slots, mb]) written at (slots [B], positions [B, T]); tables: (cos, sin,
         cos_local, sin_local) [P, hd] -> [B, T, hidden] (a new tensor), RMS-normed by `final_norm`
         [hidden] when given (in the same call: a torch norm after it ran with cold caches). `in_place`:
         x is the caller's own temporary, updated and returned (no copy). Rows of any length (`seg`
         int64 [rows + 1], their starts: ops.rope_attention_f32): x [1, seg[-1], hidden], positions
-        [1, seg[-1]], slots [rows]."""
+        [1, seg[-1]], slots [rows]. `lora`: the address of a LoraStruct (the rows' adapters: models/lora.py)."""
         lib = library()
         assert lib is not None
         nl = num_layers or len(self.layers)
@@ -158,6 +176,7 @@ class FusedStack:
         assert slots.shape == (B,)
         stack = self._stack(tables, kc, vc, block_table)  # NOTE: kept alive until the call returns
         stack.final_norm = _ptr(final_norm)
+        stack.lora = lora
         lib.forward_f32(ctypes.addressof(self.array), nl, ctypes.addressof(stack), out.data_ptr(), slots.data_ptr(),
                         positions.data_ptr(), None if seg is None else seg.data_ptr(), B, T, torch.get_num_threads())
         return out

@@ -112,6 +112,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.sliding = sliding  # local layer: sliding window, local RoPE tables
+        self.index = 0  # its place in the stack (LlamaModel sets it): its adapters' layer
         self.window = cfg.sliding_window if sliding else 0
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -128,13 +129,13 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "AttnContext",
-                k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, lora=None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; this layer's paged caches [blocks, kvh, ..], block
-        table [slots, blocks_per_seq] (KVCache)."""
+        table [slots, blocks_per_seq] (KVCache); `lora`: the rows' adapters (models/lora.py LoRARows)."""
         cfg = self.cfg
         B, T, _ = x.shape
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.qkv_proj(x)  # [B, T, nh+2kvh, hd]
+        qkv = self.qkv_proj(x, lora)  # [B, T, nh+2kvh, hd]
         if ctx.mask is None:  # one batch- and chunk-invariant C call (RoPE, cache write, attention)
             attn = kernels.rope_attention_f32(qkv, cos, sin, k_cache, v_cache, table, ctx.slots, ctx.positions, nh,
                                               cfg.scale, self.window, cfg.attn_softcap, ctx.seg)
@@ -150,7 +151,7 @@ class DecoderLayer(nn.Module):
             keys, values = ctx.read(k_cache, table), ctx.read(v_cache, table)  # [B, kvh, L, hd]
             mask = ctx.window_mask if self.window else ctx.mask
             attn = attention(q.transpose(1, 2), keys, values, mask, cfg).transpose(1, 2)  # [B, T, nh, hd]
-        return self.out_mlp(x, attn.reshape(B, T, nh * hd))
+        return self.out_mlp(x, attn.reshape(B, T, nh * hd), lora)
 
     def weights(self) -> Optional[stack.LayerWeights]:
         """This layer as the C stack reads it (kernels/stack.py), or None when a linear is not the C
@@ -166,10 +167,13 @@ class DecoderLayer(nn.Module):
             **{name: opt(name).detach() for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
                if opt(name) is not None})
 
-    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+    def qkv_proj(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """x [..., T, hidden] -> fused q|k|v heads [..., T, nh+2kvh, hd] (before RoPE)."""
         cfg = self.cfg
-        qkv = self.qkv(rms_norm(x, self.input_norm, cfg.rms_norm_eps))
+        xn = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        qkv = self.qkv(xn)
+        if lora is not None:
+            qkv = lora.add(self.index, 0, xn, qkv)
         qkv = qkv.view(*x.shape[:-1], cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:  # per head, before RoPE (Qwen3)
             nh, kvh = cfg.num_heads, cfg.num_kv_heads
@@ -178,19 +182,21 @@ class DecoderLayer(nn.Module):
                             dim=-2)
         return qkv
 
-    def out_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def out_mlp(self, x: torch.Tensor, attn: torch.Tensor, lora=None) -> torch.Tensor:
         """The layer after attention: x + o(attn), then the gated MLP with its residual (Gemma 2/3:
-        each branch normed before its residual add)."""
+        each branch normed before its residual add); `lora` adds the rows' adapters as ops.c does."""
         eps = self.cfg.rms_norm_eps
+        add = (lambda p, a, y: y) if lora is None else (lambda p, a, y: lora.add(self.index, p, a, y))  # noqa: E731
         if self.cfg.sandwich_norm:
-            x = x + rms_norm(self.o(attn), self.attn_out_norm, eps)
+            x = x + rms_norm(add(1, attn, self.o(attn)), self.attn_out_norm, eps)
         else:
-            x = linear_add(self.o, attn, x)
-        gate, up = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)
+            x = add(1, attn, linear_add(self.o, attn, x))
+        xn = rms_norm(x, self.post_norm, eps)
+        gate, up = add(2, xn, self.gate_up(xn)).chunk(2, dim=-1)
         h = (F.gelu(gate, approximate="tanh") if self.cfg.act == "gelu_tanh" else F.silu(gate)) * up
         if self.cfg.sandwich_norm:
-            return x + rms_norm(self.down(h), self.mlp_out_norm, eps)
-        return linear_add(self.down, h, x)
+            return x + rms_norm(add(3, h, self.down(h)), self.mlp_out_norm, eps)
+        return add(3, h, linear_add(self.down, h, x))
 
 
 @dataclass
@@ -252,6 +258,8 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         sliding = cfg.sliding or (False,) * cfg.num_layers
         self.layers = nn.ModuleList(DecoderLayer(cfg, sliding[i]) for i in range(cfg.num_layers))
+        for i, layer in enumerate(self.layers):
+            layer.index = i
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -266,6 +274,7 @@ class LlamaModel(nn.Module):
         # SDPA for T > INVARIANT_MAX_QUERIES (benchmarks only: prefix reuse then stops at whole chunks)
         self.invariant_prefill = True
         self.fused: Optional[stack.FusedStack] = None  # every layer in one C call (set by finalize)
+        self.lora = None  # the LoRA adapters of its cache rows (models/lora.py LoRABank), when served
         self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope_tables(self, max_len: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,9 +354,11 @@ class LlamaModel(nn.Module):
             x = x * self.embed_scale
         if self.fused is not None and ctx.mask is None:  # the same kernels, one C call
             return self.fused(x, (*tables[False], *tables[True]), kv.k, kv.v, kv.table, ctx.slots, ctx.positions,
-                              num_layers or 0, final_norm=self.norm, in_place=True, seg=ctx.seg)  # x: a copy
+                              num_layers or 0, final_norm=self.norm, in_place=True, seg=ctx.seg,  # x: a copy
+                              lora=None if self.lora is None else self.lora.c_struct())
+        lora = None if self.lora is None else self.lora.rows(ctx.slots, input_ids.shape[1])
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
-            x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i], kv.table)
+            x = layer(x, *tables[layer.sliding], ctx, kv.k[i], kv.v[i], kv.table, lora)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def finalize(self, weight_dtype: str = "float32", integer_dot: bool = False) -> None:

@@ -23,11 +23,12 @@ import threading
 import time
 import traceback
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from ..config import EngineConfig
+from ..config import EngineConfig, lora_file
 from ..util.memory import trim
 from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput, error_code
 from .instance import instance_count
@@ -76,6 +77,8 @@ class TritonPythonModel:
         # each instance (instance_group) is a stub with an engine of its own, on the instance's device
         self.instance = Instance.from_args(args, self.model_name)
         config = EngineConfig.from_parameters(model_config.get("parameters", {}))
+        config = dataclasses.replace(config, lora_adapters=lora_file(
+            config.lora_adapters, Path(args.get("model_repository", ".")), self.model_version))
         config = dataclasses.replace(config, device=self.instance.engine_device(config.device))
         self.engine = EngineProcess(config, log=_log, server_pid=os.getppid())  # the stub's parent: tritonserver
         self.config = self.engine.config  # as the engine resolved it (slots sized to memory, ...)

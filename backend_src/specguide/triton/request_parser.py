@@ -27,7 +27,7 @@ from ..request import InvalidRequestError, Request, SamplingParams, check_token_
 from .input_limits import InputLimits, check_inputs
 from .request_inputs import CLIENT_PARAMETERS, FAULT_PARAMETER, check_names, interface_of
 from .trtllm_params import apply_trtllm_sampling
-from .values import Row, as_int, check_neutral, parse_json_object
+from .values import Row, as_int, as_str, check_neutral, parse_json_object
 from .vllm_params import VLLM_MAX_LOGPROBS, VLLM_SAMPLING_KEYS, sampling_from_vllm
 
 MAX_RETURN_SEQUENCES = 16
@@ -132,6 +132,8 @@ def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
         sp.prompt_logprobs = None
     sp.validate(ctx.max_tokens_limit, ctx.limits.vocab_size, ctx.limits.lists)  # the engine's intake asks again
     base.params = sp
+    if vllm_params is not None and vllm_params.get("lora_name") is not None:  # the engine checks the name
+        base.lora_name = as_str(vllm_params["lora_name"], "lora_name")
 
     # guided decoding: the TensorRT-LLM tensors or the vLLM JSON (one guide; guided.params checks it)
     gtype, guide = row.str("guided_decoding_guide_type"), row.str("guided_decoding_guide")

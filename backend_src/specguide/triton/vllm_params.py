@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..request import InvalidRequestError, ListLimits, SamplingParams, check_token_ids
-from .responses import UnsupportedError
 from .values import as_bool, as_float, as_int, as_list, as_str, check_neutral, encode_words, json_type
 
 VLLM_DEFAULT_MAX_TOKENS = 16
@@ -19,8 +18,8 @@ _VLLM_NEUTRAL = {
 }
 _VLLM_INTS = ("max_tokens", "min_tokens", "top_k", "seed", "prompt_logprobs")
 _VLLM_FLOATS = ("temperature", "top_p", "min_p") + PENALTIES
-# accepted and without effect here: output formatting vLLM does its own way, and the LoRA name
-# (null only), the structured-output backend options (read by guided.params)
+# accepted and without effect here: output formatting vLLM does its own way, the structured-output
+# backend options (read by guided.params), the LoRA adapter's name (read by request_parser)
 _VLLM_IGNORED = ("detokenize", "skip_special_tokens", "spaces_between_special_tokens", "output_kind",
                  "truncate_prompt_tokens", "lora_name", "logprobs", "structured_outputs", "guided_decoding",
                  "max_completion_tokens", "stop", "stop_token_ids", "ignore_eos", "bad_words", "early_stopping",
@@ -96,8 +95,6 @@ def sampling_from_vllm(d: dict[str, Any], tokenizer: Any, vocab_size: int = 0,
         sp.bad_words_ids = encode_words([as_str(w, "each bad_words entry") for w in words], tokenizer)
     if d.get("logit_bias") is not None:
         sp.logit_bias = logit_bias(d["logit_bias"], vocab_size)
-    if d.get("lora_name") is not None:
-        raise UnsupportedError(f"lora_name={d['lora_name']!r} is not supported (no LoRA adapters are loaded)")
     for key, neutral in _VLLM_NEUTRAL.items():
         v = d.get(key)
         if v is not None:

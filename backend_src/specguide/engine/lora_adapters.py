@@ -1,0 +1,174 @@
+"""The LoRA adapters an engine serves: registered by name (config `lora_adapters`: a vLLM backend
+`multi_lora.json`, or the same object inline), at most `max_loras` resident in the model's bank
+(models/lora.py), least recently used first out among those no sequence holds. A sequence holds its
+adapter from admission to its end (preemption included); its cache row is bound to it while it
+holds a slot."""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..models.llama import LlamaModel
+from ..models.lora import AdapterError, LoRABank, load_adapter
+from ..request import InvalidRequestError
+from .scheduler import Sequence, SlotOwner
+
+log = logging.getLogger("specguide")
+_serials = itertools.count(1)
+
+
+def parse_adapters(text: str, base: Optional[Path] = None) -> dict[str, Path]:
+    """config `lora_adapters`: '' (none), a JSON object {name: folder}, or the path of a file holding
+    one (the vLLM backend's multi_lora.json). A relative folder is the working directory's, as vLLM
+    reads it, or else the file's (`base`'s)."""
+    text = text.strip()
+    if not text:
+        return {}
+    where = "lora_adapters"
+    if not text.startswith("{"):
+        path = Path(text) if Path(text).is_absolute() or base is None else base / text
+        try:
+            text, base, where = path.read_text(), path.parent, str(path)
+        except OSError as exc:
+            raise ValueError(f"lora_adapters: cannot read {path} ({exc.strerror})") from None
+    try:
+        names = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(names, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                              for k, v in names.items()):
+        raise ValueError(f"{where}: must be a JSON object of adapter names to folders")
+    return {k: Path(v) if Path(v).is_absolute() or Path(v).exists() or base is None else base / v
+            for k, v in names.items()}
+
+
+@dataclass(eq=False)
+class Registered:
+    """An adapter the engine serves, resident at `index` of the bank or on disk (None)."""
+
+    name: str
+    path: Path
+    key: bytes  # unique per registration: the prefix cache's seed (blocks of another adapter never match)
+    index: Optional[int] = None
+    users: set[int] = field(default_factory=set)  # the sequences holding it
+    last_used: float = 0.0
+
+
+class LoRAAdapters(SlotOwner):
+    """Names -> adapters; the bank's residents; which sequence holds which (one owner of all three)."""
+
+    def __init__(self, model: LlamaModel, rows: int, max_loras: int, adapters: dict[str, Path],
+                 captured: bool = False):
+        self.model = model
+        self.captured = captured  # the step runs as CUDA graphs, which do not hold the adapters' products yet
+        self.bank = LoRABank(model.cfg, rows, max(max_loras, 1), model.device)
+        model.lora = self.bank
+        self.max_loras = max_loras
+        self.by_name: dict[str, Registered] = {}
+        self.held: dict[int, Registered] = {}  # seq_id -> what it holds
+        self.failed: dict[int, str] = {}  # seq_id -> why its adapter could not be loaded
+        self.loads = 0
+        for name, path in adapters.items():
+            self.register(name, path)
+
+    def register(self, name: str, path: Path) -> None:
+        """Serve the adapter at `path` as `name`, checked against the model now (AdapterError);
+        resident at once while there is room."""
+        if self.max_loras < 1:
+            raise AdapterError(f"LoRA adapter {name!r}: max_loras is 0 (no adapter can be resident)")
+        if name in self.by_name:
+            raise AdapterError(f"LoRA adapter {name!r} is already registered")
+        if self.captured:
+            raise AdapterError(f"LoRA adapter {name!r}: adapters on CUDA need cuda_graphs off for now "
+                               f"(the captured step does not hold their products yet)")
+        adapter = load_adapter(name, path, self.model.cfg, self.model.dtype, self.model.device)
+        reg = self.by_name[name] = Registered(name, Path(path), f"lora:{name}:{next(_serials)}".encode())
+        free = self._free_index()
+        if free is not None:
+            self._place(reg, free, adapter)
+        log.info("LoRA adapter %r: rank %d, %.1f MiB, %s", name, adapter.rank, adapter.nbytes / 2**20,
+                 "resident" if free is not None else "on disk until used")
+
+    def names(self) -> list[str]:
+        return list(self.by_name)
+
+    def key(self, name: str) -> bytes:
+        """The registered adapter's key; InvalidRequestError naming what is served otherwise."""
+        reg = self.by_name.get(name)
+        if reg is None:
+            served = ", ".join(repr(n) for n in self.by_name) or "none"
+            raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded (adapters served: {served})")
+        return reg.key
+
+    # ---- holding ----------------------------------------------------------------------------
+    def acquire(self, seq: Sequence) -> bool:
+        """Whether the sequence may be admitted now: it holds its adapter, made resident (the least
+        recently used one no sequence holds goes); False while every place is held, or when the load
+        failed (`poll_failures` then says why)."""
+        if not seq.adapter or seq.seq_id in self.held:
+            return True
+        if seq.seq_id in self.failed:
+            return False
+        reg = self.by_name.get(seq.adapter)
+        if reg is None or reg.key != seq.adapter_key:  # unloaded since its intake
+            self.failed[seq.seq_id] = f"LoRA adapter {seq.adapter!r} was unloaded before the request ran"
+            return False
+        if reg.index is None:
+            index = self._free_index()
+            if index is None:
+                idle = [r for r in self.by_name.values() if r.index is not None and not r.users]
+                if not idle:
+                    return False
+                out = min(idle, key=lambda r: r.last_used)
+                index, out.index = out.index, None
+                self.bank.place(index, None)
+            try:
+                adapter = load_adapter(reg.name, reg.path, self.model.cfg, self.model.dtype, self.model.device)
+            except AdapterError as exc:
+                self.failed[seq.seq_id] = str(exc)
+                return False
+            self._place(reg, index, adapter)
+        reg.users.add(seq.seq_id)
+        reg.last_used = time.monotonic()
+        self.held[seq.seq_id] = reg
+        return True
+
+    def poll_failures(self) -> list[tuple[int, str]]:
+        """(seq_id, message) of each sequence whose adapter could not be made resident."""
+        out, self.failed = list(self.failed.items()), {}
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        """A finished sequence lets its adapter go (it stays resident until its place is needed)."""
+        reg = self.held.pop(seq.seq_id, None)
+        if reg is not None:
+            reg.users.discard(seq.seq_id)
+            reg.last_used = time.monotonic()
+        self.failed.pop(seq.seq_id, None)
+
+    def admit(self, slot: int, seq: Sequence) -> None:
+        reg = self.held.get(seq.seq_id)
+        self.bank.bind(slot, -1 if reg is None else reg.index)
+
+    def free(self, slot: int) -> None:
+        self.bank.bind(slot, -1)
+
+    # ---- the bank -----------------------------------------------------------------------------
+    def _free_index(self) -> Optional[int]:
+        used = {r.index for r in self.by_name.values()}
+        return next((i for i in range(self.max_loras) if i not in used), None)
+
+    def _place(self, reg: Registered, index: int, adapter) -> None:
+        self.bank.place(index, adapter)
+        reg.index = index
+        self.loads += 1
+
+    def stats(self) -> dict[str, int]:
+        return {"lora_adapters_registered": len(self.by_name),
+                "lora_adapters_resident": sum(r.index is not None for r in self.by_name.values()),
+                "lora_adapter_loads": self.loads}

@@ -1,0 +1,194 @@
+"""LoRA adapters in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`), held beside
+the base model and applied per cache row: a projection's output gains B (A x) * scale for each
+token whose row is bound to an adapter (rows of one forward may use different adapters or none).
+
+The C stack adds them inside its one call (ops.c `lora_add_for`, each output one thread's dot:
+batch- and thread-invariant); the torch path (other dtypes, CUDA) groups the rows by adapter."""
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..kernels.stack import LoraProj, LoraStruct
+from .llama import ModelConfig
+
+PROJS = ("qkv", "o", "gate_up", "down")  # ops.c P_QKV .. P_DOWN
+# PEFT module -> (projection, piece: its output range in the fused projection; -1 the whole of it)
+MODULES = {"q_proj": (0, 0), "k_proj": (0, 1), "v_proj": (0, 2), "qkv_proj": (0, -1), "o_proj": (1, 0),
+           "gate_proj": (2, 0), "up_proj": (2, 1), "gate_up_proj": (2, -1), "down_proj": (3, 0)}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot serve this base model (the message names it and why)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One output range [off, off + len) of a projection: y[off:off+len] += b @ (a @ x)."""
+
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [len, r], the scale folded in
+    off: int
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter: `layers[i][p]` the pieces of layer i's projection PROJS[p] (empty: none)."""
+
+    name: str
+    path: Path
+    layers: list[list[list[Piece]]]
+    rank: int  # the largest summed rank of one projection (ops.c rmax)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.a.nbytes + p.b.nbytes for layer in self.layers for proj in layer for p in proj)
+
+
+def _ranges(cfg: ModelConfig) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Per projection: its input width and its pieces' output ranges (off, len)."""
+    q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+        cfg.intermediate_size
+    return [(h, [(0, q), (q, kv), (q + kv, kv)]), (q, [(0, h)]), (h, [(0, inter), (inter, inter)]), (inter, [(0, h)])]
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank / alpha patterns: the value of the first key that names the module (a suffix)."""
+    for key, value in (patterns or {}).items():
+        if module == key or re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def load_adapter(name: str, folder: Path | str, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> LoRAAdapter:
+    """Read a PEFT LoRA folder for a base model of `cfg`; AdapterError naming the adapter when it is not
+    one this model can use (another model's shapes, embeddings or heads adapted, DoRA, biases)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    where = f"LoRA adapter {name!r} ({folder})"
+    try:
+        conf = json.loads((folder / CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{where}: cannot read {CONFIG} ({exc})") from None
+    if not isinstance(conf, dict) or str(conf.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(f"{where}: not a LoRA adapter (peft_type {conf.get('peft_type')!r})")
+    for field, ok in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none")):
+        if conf.get(field, ok) not in (ok, None):
+            raise AdapterError(f"{where}: {field}={conf[field]!r} is not supported")
+    if conf.get("modules_to_save"):
+        raise AdapterError(f"{where}: modules_to_save {conf['modules_to_save']} is not supported "
+                           f"(only low-rank q/k/v/o and MLP projections)")
+    if not (folder / WEIGHTS).is_file():
+        raise AdapterError(f"{where}: no {WEIGHTS}")
+    try:
+        tensors = load_file(str(folder / WEIGHTS))
+    except Exception as exc:  # a truncated or foreign file
+        raise AdapterError(f"{where}: cannot read {WEIGHTS} ({exc})") from None
+    found: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m.group(3) not in MODULES:
+            raise AdapterError(f"{where}: tensor {key!r} adapts a module this server does not (only "
+                               f"{', '.join(MODULES)} of the decoder layers)")
+        found.setdefault((int(m.group(1)), m.group(2), m.group(3)), {})[m.group(4)] = t
+    if not found:
+        raise AdapterError(f"{where}: {WEIGHTS} holds no LoRA weights")
+    ranges = _ranges(cfg)
+    layers: list[list[list[Piece]]] = [[[] for _ in PROJS] for _ in range(cfg.num_layers)]
+    alpha0, rslora = float(conf.get("lora_alpha", 8)), bool(conf.get("use_rslora", False))
+    for (i, block, module), ab in sorted(found.items()):
+        full = f"model.layers.{i}.{block}.{module}"
+        if i >= cfg.num_layers or set(ab) != {"A", "B"}:
+            raise AdapterError(f"{where}: {full}: " + (f"the base model has {cfg.num_layers} layers" if
+                               i >= cfg.num_layers else "needs both lora_A and lora_B"))
+        proj, piece = MODULES[module]
+        width, outs = ranges[proj]
+        off, length = (outs[0][0], outs[-1][0] + outs[-1][1]) if piece < 0 else outs[piece]
+        a, b = ab["A"], ab["B"]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != width or b.shape != (length, r) or r < 1:
+            raise AdapterError(f"{where}: {full} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this base "
+                               f"model needs [r, {width}] and [{length}, r]")
+        alpha = float(_pattern_value(conf.get("alpha_pattern"), full, alpha0))
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        layers[i][proj].append(Piece(a.to(device, dtype).contiguous(),
+                                     (b.float() * scale).to(device, dtype).contiguous(), off))
+    for layer in layers:
+        for pieces in layer:
+            pieces.sort(key=lambda p: p.off)
+    rank = max(sum(p.a.shape[0] for p in pieces) for layer in layers for pieces in layer)
+    return LoRAAdapter(name, folder, layers, rank)
+
+
+class LoRARows:
+    """The adapters of one torch-path forward's tokens (idx [N]: a bank index, -1 none)."""
+
+    def __init__(self, bank: "LoRABank", idx: torch.Tensor):
+        self.bank, self.idx = bank, idx
+        self.groups = [(int(a), (idx == a).nonzero().squeeze(1)) for a in idx.unique().tolist() if a >= 0]
+
+    def add(self, layer: int, proj: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [..., O] += B (A x [..., in]) for each token's adapter (y updated in place, returned)."""
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for a, rows in self.groups:
+            xa = x2.index_select(0, rows)
+            for p in self.bank.adapters[a].layers[layer][proj]:
+                y2[rows, p.off: p.off + p.b.shape[0]] += (xa @ p.a.T) @ p.b.T
+        return y
+
+
+class LoRABank:
+    """Adapters resident in memory, at indices 0 .. capacity - 1, and the one each cache row is
+    bound to (`of_row`, -1: the base model). The engine's adapter registry decides what is resident."""
+
+    def __init__(self, cfg: ModelConfig, rows: int, capacity: int, device: torch.device | str = "cpu"):
+        self.cfg, self.capacity = cfg, capacity
+        self.adapters: list[Optional[LoRAAdapter]] = [None] * capacity
+        self.of_row = torch.full((rows,), -1, dtype=torch.int32, device=device)  # [cache rows]
+        self._host_rows = [-1] * rows
+        self._bound = 0
+        self._proj = (LoraProj * (capacity * cfg.num_layers * len(PROJS)))()
+        self._struct = LoraStruct(ctypes.addressof(self._proj), self.of_row.data_ptr(), cfg.num_layers, 0)
+
+    def place(self, index: int, adapter: Optional[LoRAAdapter]) -> None:
+        """Put `adapter` at `index` (None: empty it). NOTE: no row may be bound to the index."""
+        assert index not in self._host_rows
+        self.adapters[index] = adapter
+        L, P = self.cfg.num_layers, len(PROJS)
+        for li in range(L):
+            for p in range(P):
+                s = self._proj[(index * L + li) * P + p]
+                pieces = [] if adapter is None else adapter.layers[li][p]
+                s.n = len(pieces)
+                for k, pc in enumerate(pieces):
+                    s.piece[k].a, s.piece[k].b = pc.a.data_ptr(), pc.b.data_ptr()
+                    s.piece[k].r, s.piece[k].off, s.piece[k].len = pc.a.shape[0], pc.off, pc.b.shape[0]
+        self._struct.rmax = max([a.rank for a in self.adapters if a is not None], default=0)
+
+    def bind(self, row: int, index: int) -> None:
+        """Cache row `row` runs with the adapter at `index` (-1: none) from its next forward."""
+        self._bound += (index >= 0) - (self._host_rows[row] >= 0)
+        self._host_rows[row] = index
+        self.of_row[row] = index
+
+    def c_struct(self) -> Optional[int]:
+        """The address of the C stack's `lora_t`, or None while no row is bound (no cost at all)."""
+        return ctypes.addressof(self._struct) if self._bound else None
+
+    def rows(self, slots: torch.Tensor, T: int) -> Optional[LoRARows]:
+        """The torch path's adapters for rows `slots` [B] of T tokens each, or None when none has one."""
+        if not self._bound:
+            return None
+        idx = self.of_row.index_select(0, slots.to(self.of_row.device)).repeat_interleave(T)
+        return LoRARows(self, idx) if bool((idx >= 0).any()) else None

@@ -1,0 +1,194 @@
+"""LoRA adapters (models/lora.py, engine/lora_adapters.py) on the real SmolLM2 against `peft` on
+`transformers`: random adapters made here (rank 8 and 16), logits close in fp32 and greedy text
+equal; rows with different adapters or none in one batch each as alone; prefix blocks never shared
+across adapters; at most max_loras resident; adapters this model cannot use refused by name."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from specguide.config import EngineConfig
+from specguide.engine.kv_cache import KVCache
+from specguide.engine.loop import Engine
+from specguide.models.loader import load_model
+from specguide.models.lora import AdapterError, LoRABank, load_adapter
+from specguide.request import InvalidRequestError, Request, SamplingParams
+
+from ..lora_helpers import SPECS, make_adapters, peft_greedy
+from .conftest import PROMPTS, run_alone
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, model_dir):
+    """{name: folder} of PEFT adapters saved by peft, and the peft model holding them (float32)."""
+    return make_adapters(model_dir, tmp_path_factory.mktemp("loras"))
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir):
+    return load_model(model_dir, torch.float32)
+
+
+def _logits(model, kv, ids: list[int], slot: int) -> torch.Tensor:
+    positions = torch.arange(len(ids))[None]
+    ctx = model.make_context(torch.tensor([slot]), positions, [slot], len(ids))
+    return model.logits(model(torch.tensor([ids]), ctx, kv))[0]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("path", ["c_stack", "torch"])
+def test_an_adapters_logits_are_peft_s_and_the_base_rows_keep_their_bits(ours, adapters, model_dir, path):
+    from transformers import AutoTokenizer
+
+    folders, pm = adapters
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(PROMPTS[0])
+    bank = LoRABank(ours.cfg, 4, 2)
+    for i, name in enumerate(SPECS):
+        bank.place(i, load_adapter(name, folders[name], ours.cfg))
+    kv = KVCache(30, 4, 3, 128, 64, torch.float32)
+    fused = ours.fused
+    ours.lora = bank
+    try:
+        if path == "torch":
+            ours.fused = None
+        base = _logits(ours, kv, ids, 0)
+        for i, name in enumerate(SPECS):
+            pm.set_adapter(name)
+            want = pm(torch.tensor([ids])).logits[0]
+            bank.bind(i + 1, i)
+            got = _logits(ours, kv, ids, i + 1)
+            assert (got - want).abs().max().item() < 1e-3, name
+            assert (got - base).abs().max().item() > 0.1, name  # the adapter does change the logits
+            assert torch.equal(_logits(ours, kv, ids, 0), base)  # a row without one: the same bits
+    finally:
+        ours.fused, ours.lora = fused, None
+
+
+@torch.inference_mode()
+def test_rows_with_different_adapters_in_one_forward_each_have_their_own_bits(ours, adapters):
+    """One C-stack forward of three rows (adapter a, none, adapter b) gives each row the bits it
+    has alone: the adapters' products are per row (batch invariance holds with adapters)."""
+    folders, _ = adapters
+    bank = LoRABank(ours.cfg, 4, 2)
+    for i, name in enumerate(SPECS):
+        bank.place(i, load_adapter(name, folders[name], ours.cfg))
+    ours.lora = bank
+    try:
+        ids = list(range(100, 120))
+        kv = KVCache(30, 4, 3, 128, 64, torch.float32)
+        for row, index in ((0, 0), (1, -1), (2, 1)):
+            bank.bind(row, index)
+        alone = [_logits(ours, kv, ids, row) for row in range(3)]
+        ctx = ours.make_context(torch.tensor([0, 1, 2]), torch.arange(20)[None].repeat(3, 1), [0, 1, 2], 20)
+        together = ours.logits(ours(torch.tensor([ids] * 3), ctx, kv))
+        for row in range(3):
+            assert torch.equal(together[row], alone[row]), row
+        assert not torch.equal(alone[0], alone[1]) and not torch.equal(alone[2], alone[1])
+    finally:
+        ours.lora = None
+
+
+@pytest.fixture(scope="module")
+def lora_engine(adapters):
+    """The float32 engine serving both adapters (lora_adapters inline), one resident at a time."""
+    folders, _ = adapters
+    eng = Engine(EngineConfig(max_slots=8, max_seq_len=512, prefill_chunk=64, weight_dtype="float32",
+                              activation_dtype="float32", max_loras=1,
+                              lora_adapters=json.dumps({k: str(v) for k, v in folders.items()})))
+    yield eng
+    eng.shutdown()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@torch.inference_mode()
+def test_greedy_text_with_an_adapter_is_peft_s_with_speculation_on_and_off(lora_engine, adapters):
+    _, pm = adapters
+    engine = lora_engine
+    for name, prompt in (("support", PROMPTS[0]), ("legal", PROMPTS[2])):
+        ids = engine.tokenizer.encode(prompt)
+        want, base = peft_greedy(pm, name, ids, 24), peft_greedy(pm, None, ids, 24)
+        assert want != base
+        for k in (None, 0):
+            toks, _, final = run_alone(engine, Request(prompt_ids=ids, params=_greedy(24), lora_name=name,
+                                                       num_draft_tokens=k))
+            assert toks == want, (name, k)
+        toks, _, _ = run_alone(engine, Request(prompt_ids=ids, params=_greedy(24)))
+        assert toks == base
+
+
+def test_requests_with_two_adapters_and_none_at_once_each_get_their_alone_output(lora_engine):
+    """max_loras 1: the second adapter waits until the first is idle, then takes its place."""
+    engine = lora_engine
+    reqs = [Request(prompt=PROMPTS[i % 3], params=_greedy(20 + i), lora_name=name)
+            for i, name in enumerate(["support", None, "legal", "support", None, "legal"])]
+    alone = [run_alone(engine, r)[0] for r in reqs]
+    loads = engine.core.adapters.loads
+    results: dict[int, list[int]] = {}
+    done = threading.Event()
+
+    def cb_for(i):
+        def cb(out):
+            results.setdefault(i, []).extend(out.token_ids)
+            if out.finished:
+                assert out.error is None, out.error
+                if len(results) == len(reqs) and all(len(results[j]) == 20 + j for j in results):
+                    done.set()
+        return cb
+
+    for i, r in enumerate(reqs):
+        engine.submit(r, cb_for(i))
+    assert done.wait(300)
+    assert [results[i] for i in range(len(reqs))] == alone
+    assert engine.core.adapters.loads > loads  # the two adapters took turns in the one place
+    assert engine.core.adapters.stats()["lora_adapters_resident"] == 1
+
+
+def test_prefix_blocks_are_never_shared_across_adapters(lora_engine):
+    engine = lora_engine
+    prompt = " ".join(PROMPTS[3:4] * 6)  # several full blocks
+    base = run_alone(engine, Request(prompt=prompt, params=_greedy(8)))
+    with_a = run_alone(engine, Request(prompt=prompt, params=_greedy(8), lora_name="support"))
+    assert with_a[2].num_cached_tokens == 0  # the base model's blocks are not the adapter's
+    again = run_alone(engine, Request(prompt=prompt, params=_greedy(8), lora_name="support"))
+    assert again[2].num_cached_tokens > 0 and again[0] == with_a[0]  # its own blocks are
+    assert base[2].num_cached_tokens == 0
+
+
+def test_an_unknown_adapter_is_refused_at_intake_naming_those_served(lora_engine):
+    with pytest.raises(InvalidRequestError, match=r"'nope' is not loaded \(adapters served: 'support', 'legal'\)"):
+        lora_engine.submit(Request(prompt="hi", params=_greedy(4), lora_name="nope"))
+    assert lora_engine.is_alive()
+
+
+def _save(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 4, **config}))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("config, tensors, match", [
+    ({}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 960),
+          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(576, 4)},
+     r"q_proj has lora_A \(4, 960\).*needs \[r, 576\]"),
+    ({}, {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 49152)},
+     "adapts a module this server does not"),
+    ({"use_dora": True}, {}, "use_dora=True is not supported"),
+    ({}, {"base_model.model.model.layers.40.mlp.down_proj.lora_A.weight": torch.zeros(4, 1536),
+          "base_model.model.model.layers.40.mlp.down_proj.lora_B.weight": torch.zeros(576, 4)},
+     "the base model has 30 layers"),
+])
+def test_an_adapter_this_model_cannot_use_is_refused_naming_it(tmp_path, ours, config, tensors, match):
+    folder = _save(tmp_path / "bad", config, tensors)
+    with pytest.raises(AdapterError, match=match) as e:
+        load_adapter("bad-one", folder, ours.cfg)
+    assert "LoRA adapter 'bad-one'" in str(e.value)

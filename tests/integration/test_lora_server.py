@@ -1,0 +1,80 @@
+"""LoRA adapters through a real tritonserver, as a vLLM backend user serves them: `multi_lora.json`
+in the model's version folder, `lora_name` in `sampling_parameters`. The vLLM backend's own client
+script runs unchanged with `--lora-name`; greedy text with an adapter is peft's on transformers; a
+name the server does not serve is a clear per-request error naming those it does."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from .conftest import MODEL, Server, launch, repository_with, stop_and_check
+from .helpers import raw_stream
+from .test_conformance import _http_post, _run
+from ..lora_helpers import make_adapters, peft_greedy
+
+# float32 weights and activations: the numbers transformers computes (peft's greedy tokens)
+SETTINGS = {"weight_dtype": "float32", "activation_dtype": "float32", "draft_head_training": "off",
+            "guided_compile_workers": "1"}
+V = lambda text: np.array([text.encode()], dtype=np.object_)  # noqa: E731 (the vLLM backend's inputs: [1])
+PROMPT = "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from specguide.models.loader import resolve_model_dir
+
+    root = tmp_path_factory.mktemp("lora_server")
+    folders, pm = make_adapters(resolve_model_dir(), root / "loras")
+    repo = repository_with(root, SETTINGS)
+    (repo / MODEL / "1" / "multi_lora.json").write_text(json.dumps({k: str(v) for k, v in folders.items()}))
+    srv = launch(root / "server.log", repo)
+    yield srv, pm
+    stop_and_check(srv)
+
+
+def _vllm_text(server: Server, sp: dict) -> tuple[str, str]:
+    """A streamed greedy request to specguide_vllm: (its text, the final error's message or '')."""
+    got = raw_stream(server, {"text_input": V(PROMPT), "stream": np.array([True]),
+                              "sampling_parameters": V(json.dumps(sp))}, model="specguide_vllm")
+    text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r, e, _ in got
+                   if e is None and r.as_numpy("text_output") is not None and r.as_numpy("text_output").size)
+    return text, next((e.message() for _, e, _ in got if e is not None), "")
+
+
+def test_greedy_text_with_an_adapter_is_peft_s(served):
+    from transformers import AutoTokenizer
+    from specguide.models.loader import resolve_model_dir
+
+    server, pm = served
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir())
+    ids = tok.encode(PROMPT)
+    sp = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+    for name in ("support", "legal", None):
+        text, error = _vllm_text(server, {**sp, **({"lora_name": name} if name else {})})
+        assert not error
+        assert text == tok.decode(peft_greedy(pm, name, ids, 16), skip_special_tokens=True), name
+
+
+def test_the_vllm_sample_client_runs_unchanged_with_lora_name(served, tmp_path):
+    server, _ = served
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello, my name is\nThe most dangerous animal is\n")
+    ok = _run(["vllm_client.py", "-m", "specguide_vllm", "-u", server.grpc, "--input-prompts", str(prompts),
+               "--results-file", str(tmp_path / "ok.txt"), "--lora-name", "legal"])
+    assert ok.returncode == 0 and "PASS: vLLM example" in ok.stdout, ok.stdout[-2000:] + ok.stderr[-2000:]
+    bad = _run(["vllm_client.py", "-m", "specguide_vllm", "-u", server.grpc, "--input-prompts", str(prompts),
+                "--results-file", str(tmp_path / "bad.txt"), "--lora-name", "nope"])
+    assert "PASS: vLLM example" not in bad.stdout
+    assert "LoRA adapter 'nope' is not loaded (adapters served: 'support', 'legal')" in bad.stdout, bad.stdout[-2000:]
+
+
+def test_an_unknown_adapter_is_a_400_over_http_and_the_server_serves_on(served):
+    server, _ = served
+    status, body = _http_post(server, "specguide_vllm", {"text_input": PROMPT, "sampling_parameters": json.dumps(
+        {"lora_name": "nope", "max_tokens": 4})})
+    assert status == 400 and "'nope' is not loaded" in body, body
+    status, body = _http_post(server, "specguide_vllm", {"text_input": PROMPT, "sampling_parameters": json.dumps(
+        {"lora_name": "support", "max_tokens": 4})})
+    assert status == 200 and json.loads(body)["text_output"], body
