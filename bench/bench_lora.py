@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lora-dtype", default="auto", help="config lora_dtype (the random adapters are float32)")
     args = ap.parse_args()
     print(cpu_header())
 
@@ -106,14 +107,14 @@ def main() -> None:
     from specguide.util.memory import rss_bytes
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-lora-"))
-    engine = Engine(EngineConfig(max_seq_len=2048))  # the served defaults; adapters registered below
+    engine = Engine(EngineConfig(max_seq_len=2048, lora_dtype=args.lora_dtype))  # the served defaults
     core = engine.core
     folders = write_adapters(tmp, args.adapters, args.rank, core.model.cfg)
     names = list(folders)
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        adapter = load_adapter(names[0], Path(folders[names[0]]), core.model.cfg)
+        adapter = load_adapter(names[0], Path(folders[names[0]]), core.model.cfg, args.lora_dtype)
         core.adapters.bank.place(core.adapters.max_loras - 1, adapter)  # placed too, as a load is
         core.adapters.bank.place(core.adapters.max_loras - 1, None)
         times.append(time.perf_counter() - t0)

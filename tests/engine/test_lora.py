@@ -192,3 +192,36 @@ def test_an_adapter_this_model_cannot_use_is_refused_naming_it(tmp_path, ours, c
     with pytest.raises(AdapterError, match=match) as e:
         load_adapter("bad-one", folder, ours.cfg)
     assert "LoRA adapter 'bad-one'" in str(e.value)
+
+
+@torch.inference_mode()
+def test_an_adapter_whose_values_are_bfloat16_is_held_so_with_the_same_bits(ours, adapters, tmp_path):
+    """lora_dtype auto holds an adapter whose every value is a bfloat16 in bfloat16 (half the bytes a
+    step reads): the C kernels widen them exactly, so its logits are those of the float32 copy."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folders, _ = adapters
+    folder = tmp_path / "rounded"
+    folder.mkdir()
+    shutil.copy(folders["support"] / "adapter_config.json", folder)
+    tensors = load_file(str(folders["support"] / "adapter_model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).float() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
+    held = load_adapter("rounded", folder, ours.cfg)
+    wide = load_adapter("rounded", folder, ours.cfg, "float32")
+    assert {p.a.dtype for layer in held.layers for ps in layer for p in ps} == {torch.bfloat16}
+    assert held.nbytes * 2 == wide.nbytes
+    assert load_adapter("support", folders["support"], ours.cfg).layers[0][0][0].a.dtype == torch.float32
+    bank = LoRABank(ours.cfg, 4, 2)
+    bank.place(0, held)
+    bank.place(1, wide)
+    bank.bind(0, 0)
+    bank.bind(1, 1)
+    ours.lora = bank
+    try:
+        kv = KVCache(30, 4, 3, 128, 64, torch.float32)
+        ids = list(range(300, 340))
+        assert torch.equal(_logits(ours, kv, ids, 0), _logits(ours, kv, ids, 1))
+    finally:
+        ours.lora = None

@@ -104,7 +104,8 @@ class EngineCore:
                                  DTYPES[config.dtype], self.device)
         self.runner.core.feature_sink = self.proposer.feature_sink
         self.adapters = LoRAAdapters(self.model, config.max_slots, config.max_loras,
-                                     parse_adapters(config.lora_adapters), captured=self.runner.graphs is not None)
+                                     parse_adapters(config.lora_adapters), captured=self.runner.graphs is not None,
+                                     lora_dtype=config.lora_dtype)
         self.slot_state = (self.runner, self.proposer, self.adapters)  # every owner of per-slot state: admit / free
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,

@@ -63,8 +63,9 @@ class LoRAAdapters(SlotOwner):
     """Names -> adapters; the bank's residents; which sequence holds which (one owner of all three)."""
 
     def __init__(self, model: LlamaModel, rows: int, max_loras: int, adapters: dict[str, Path],
-                 captured: bool = False):
+                 captured: bool = False, lora_dtype: str = "auto"):
         self.model = model
+        self.lora_dtype = lora_dtype  # how adapters' weights are held (models/lora.py load_adapter)
         self.captured = captured  # the step runs as CUDA graphs, which do not hold the adapters' products yet
         self.bank = LoRABank(model.cfg, rows, max(max_loras, 1), model.device)
         model.lora = self.bank
@@ -86,7 +87,7 @@ class LoRAAdapters(SlotOwner):
         if self.captured:
             raise AdapterError(f"LoRA adapter {name!r}: adapters on CUDA need cuda_graphs off for now "
                                f"(the captured step does not hold their products yet)")
-        adapter = load_adapter(name, path, self.model.cfg, self.model.dtype, self.model.device)
+        adapter = load_adapter(name, path, self.model.cfg, self.lora_dtype, self.model.device)
         reg = self.by_name[name] = Registered(name, Path(path), f"lora:{name}:{next(_serials)}".encode())
         free = self._free_index()
         if free is not None:
@@ -128,7 +129,7 @@ class LoRAAdapters(SlotOwner):
                 index, out.index = out.index, None
                 self.bank.place(index, None)
             try:
-                adapter = load_adapter(reg.name, reg.path, self.model.cfg, self.model.dtype, self.model.device)
+                adapter = load_adapter(reg.name, reg.path, self.model.cfg, self.lora_dtype, self.model.device)
             except AdapterError as exc:
                 self.failed[seq.seq_id] = str(exc)
                 return False

@@ -1380,12 +1380,13 @@ typedef struct {
     const float *qkv_bias, *in_norm, *post_norm, *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm; /* or NULL */
 } layer_t;
 
-/* LoRA adapters (models/lora.py): y += B (A x) for each token whose cache row is bound to an
+/* LoRA adapters (models/lora.py): y += B (s A x) for each token whose cache row is bound to an
    adapter. A projection's adapter is up to 3 pieces (q|k|v, gate|up: one per output range), each
-   A [r, in] and B [len, r] (the scale folded into B); its ranks summed are the token's t [rsum]. */
+   A [r, in] and B^T [r, len] (fp32 or bf16: `kind`), scale s; its ranks summed are the token's t. */
 typedef struct {
-    const float *a, *b;
-    int r, off, len;
+    const void *a, *b;
+    float scale;
+    int r, off, len, kind;
 } lora_piece_t;
 
 typedef struct {
@@ -1396,8 +1397,16 @@ typedef struct {
 typedef struct {
     const lora_proj_t *proj; /* [adapters][layers][4] (P_QKV .. P_DOWN); n 0: none for that projection */
     const int32_t *of_row;   /* [cache rows]: the adapter bound to the row, or -1 */
-    int layers, rmax;        /* rmax: the largest summed rank of any projection */
+    int adapters, layers, rmax; /* rmax: the largest summed rank of any projection */
 } lora_t;
+
+/* The tokens of one forward grouped by adapter: tokens tok[start[g] .. start[g + 1]) use adapter
+   ad[g] (rows sharing an adapter read its weights once a step). */
+typedef struct {
+    int n;                  /* groups */
+    int32_t *ad;            /* [n] */
+    int64_t *start, *tok;   /* [n + 1], [N] */
+} lora_groups_t;
 
 typedef struct {
     int hidden, inter, nh, kvh, hd, mb, window, act; /* act: 0 silu, 1 gelu (tanh); mb: the block table's columns */
@@ -1473,63 +1482,139 @@ static void bias_rows_for(float *y, const float *b, int64_t N, int D) { /* y[n] 
         for (int i = 0; i < D; i++) y[n * D + i] += b[i];
 }
 
-/* sum a[i] b[i] in a fixed order (lanes, then the lanes in order: the same bits on any thread) */
-static inline float dot_row(const float *a, const float *b, int n) {
-    vf acc = (vf){0};
+/* w[i] as fp32 (w of `kind`: W_F32 or W_BF16). */
+static inline float wval(const void *w, int64_t i, int kind) {
+    if (kind != W_BF16) return ((const float *)w)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* sum w[i] x[i] (w of `kind`: W_F32 or W_BF16) in a fixed order (lanes, then the lanes in
+   order): the same bits on any thread. */
+static inline float dot_w(const void *w, int kind, const float *x, int n) {
+    vf a0 = (vf){0}, a1 = (vf){0}, a2 = (vf){0}, a3 = (vf){0};
     int i = 0;
-    for (; i + VW <= n; i += VW) acc += load(a + i) * load(b + i);
-    float s = sum_lanes(acc);
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i + 4 * VW <= n; i += 4 * VW) {
+        a0 += wload(w, i, kind) * load(x + i);
+        a1 += wload(w, i + VW, kind) * load(x + i + VW);
+        a2 += wload(w, i + 2 * VW, kind) * load(x + i + 2 * VW);
+        a3 += wload(w, i + 3 * VW, kind) * load(x + i + 3 * VW);
+    }
+    for (; i + VW <= n; i += VW) a0 += wload(w, i, kind) * load(x + i);
+    float s = sum_lanes((a0 + a1) + (a2 + a3));
+    for (; i < n; i++) s += wval(w, i, kind) * x[i];
     return s;
 }
 
-/* Projection p of layer li: y [N, O] += B (A x [N, I]) for tokens with an adapter (ad [N], -1:
-   none); t: scratch [N, rmax]. Each output is one thread's dot: batch- and thread-invariant. */
-static void lora_add_for(const lora_t *lo, int li, int p, const int32_t *ad, const float *x, float *y, float *t,
+static inline size_t lora_es(int kind) { return kind == W_BF16 ? 2 : 4; }
+
+/* Projection p of layer li: y [N, O] += B (s A x [N, I]) for each group's tokens; t: scratch
+   [N, rmax]. Each t and y element is one thread's dot: batch- and thread-invariant. */
+static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int p, const float *x, float *y, float *t,
                          int64_t N, int I, int O) {
+    (void)N;
     if (!lo) return;
     const int R = lo->rmax;
     #pragma omp for schedule(static)
-    for (int64_t e = 0; e < N * R; e++) { /* t = A x, the pieces' ranks one after another */
-        const int64_t n = e / R;
+    for (int64_t e = 0; e < (int64_t)gr->n * R; e++) { /* t = s A x, the pieces' ranks one after another */
+        const int g = (int)(e / R);
         int k = (int)(e % R);
-        if (ad[n] < 0) continue;
-        const lora_proj_t *pr = &lo->proj[((int64_t)ad[n] * lo->layers + li) * 4 + p];
-        for (int i = 0; i < pr->n; k -= pr->piece[i].r, i++)
-            if (k < pr->piece[i].r) {
-                t[e] = dot_row(pr->piece[i].a + (int64_t)k * I, x + n * I, I);
-                break;
+        const lora_proj_t *pr = &lo->proj[((int64_t)gr->ad[g] * lo->layers + li) * 4 + p];
+        for (int i = 0; i < pr->n; k -= pr->piece[i].r, i++) {
+            const lora_piece_t *pc = &pr->piece[i];
+            if (k >= pc->r) continue;
+            const void *row = (const char *)pc->a + (size_t)k * I * lora_es(pc->kind);
+            for (int64_t j = gr->start[g]; j < gr->start[g + 1]; j++) {
+                const int64_t n = gr->tok[j];
+                t[n * R + (e % R)] = pc->scale * dot_w(row, pc->kind, x + n * I, I);
             }
+            break;
+        }
     }
-    const int chunks = (O + 63) / 64;
+    enum { LC = 256 }; /* outputs a unit sums: B^T's rows are read in runs of LC */
+    const int chunks = (O + LC - 1) / LC;
     #pragma omp for schedule(static)
-    for (int64_t e = 0; e < N * chunks; e++) { /* y += B t, 64 outputs at a time */
-        const int64_t n = e / chunks;
-        if (ad[n] < 0) continue;
-        const lora_proj_t *pr = &lo->proj[((int64_t)ad[n] * lo->layers + li) * 4 + p];
-        const int o0 = (int)(e % chunks) * 64, o1 = o0 + 64 < O ? o0 + 64 : O;
+    for (int64_t e = 0; e < (int64_t)gr->n * chunks; e++) { /* y += B t, LC outputs at a time */
+        const int g = (int)(e / chunks);
+        const lora_proj_t *pr = &lo->proj[((int64_t)gr->ad[g] * lo->layers + li) * 4 + p];
+        const int o0 = (int)(e % chunks) * LC, o1 = o0 + LC < O ? o0 + LC : O;
         for (int i = 0, roff = 0; i < pr->n; roff += pr->piece[i].r, i++) {
             const lora_piece_t *pc = &pr->piece[i];
             const int a = o0 > pc->off ? o0 : pc->off, b = o1 < pc->off + pc->len ? o1 : pc->off + pc->len;
-            for (int o = a; o < b; o++)
-                y[n * O + o] += dot_row(pc->b + (int64_t)(o - pc->off) * pc->r, t + n * R + roff, pc->r);
+            if (a >= b) continue;
+            const int w = b - a, wv = w / VW * VW;
+            for (int64_t j = gr->start[g]; j < gr->start[g + 1]; j++) {
+                const int64_t n = gr->tok[j];
+                const float *tn = t + n * R + roff;
+                float acc[LC]; /* output o: sum over k of t[k] B^T[k, o], k in order */
+                memset(acc, 0, sizeof(float) * (size_t)w);
+                for (int k = 0; k < pc->r; k++) {
+                    const int64_t row = (int64_t)k * pc->len + a - pc->off;
+                    const vf tk = splat(tn[k]);
+                    for (int o = 0; o < wv; o += VW) {
+                        const vf v = load(acc + o) + tk * wload(pc->b, row + o, pc->kind);
+                        memcpy(acc + o, &v, sizeof v);
+                    }
+                    for (int o = wv; o < w; o++) acc[o] += tn[k] * wval(pc->b, row + o, pc->kind);
+                }
+                float *yn = y + n * O + a;
+                for (int o = 0; o < w; o++) yn[o] += acc[o];
+            }
         }
     }
+}
+
+/* The tokens of rows slot[b] grouped by their adapters (counting sort, in token order within a
+   group); n 0 when no token has one. */
+static lora_groups_t lora_groups(const lora_t *lo, const int64_t *slot, const int64_t *seg, int B, int T, int64_t N) {
+    lora_groups_t gr = {0, NULL, NULL, NULL};
+    int64_t *count = (int64_t *)calloc((size_t)lo->adapters + 1, sizeof(int64_t));
+    int32_t *ad = (int32_t *)malloc(sizeof(int32_t) * (size_t)(N ? N : 1));
+    for (int b = 0; b < B; b++)
+        for (int64_t n = row_start(seg, b, T); n < row_start(seg, b + 1, T); n++) {
+            const int32_t a = lo->of_row[slot[b]];
+            ad[n] = a >= 0 && a < lo->adapters ? a : -1;
+            if (ad[n] >= 0) count[ad[n]]++;
+        }
+    for (int a = 0; a < lo->adapters; a++) gr.n += count[a] > 0;
+    if (gr.n) {
+        gr.ad = (int32_t *)malloc(sizeof(int32_t) * (size_t)gr.n);
+        gr.start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(gr.n + 1));
+        gr.tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)N);
+        int64_t *at = (int64_t *)malloc(sizeof(int64_t) * (size_t)lo->adapters);
+        int g = 0;
+        gr.start[0] = 0;
+        for (int a = 0; a < lo->adapters; a++)
+            if (count[a]) {
+                gr.ad[g] = a;
+                at[a] = gr.start[g];
+                gr.start[g + 1] = gr.start[g] + count[a];
+                g++;
+            }
+        for (int64_t n = 0; n < N; n++)
+            if (ad[n] >= 0) gr.tok[at[ad[n]]++] = n;
+        free(at);
+    }
+    free(count);
+    free(ad);
+    return gr;
 }
 
 /* The residual stream y += W x (+ the token's adapter's B A x), or with a sandwich norm
    y += norm(W x + B A x) (tmp: scratch [N, O]). */
 static void proj_add_for(const layer_t *l, int p, const float *x, float *y, float *tmp, const float *out_norm,
-                         int64_t N, int I, int O, float eps, qact_t *qa, const lora_t *lo, int li,
-                         const int32_t *ad, float *t) {
+                         int64_t N, int I, int O, float eps, qact_t *qa, const lora_t *lo, const lora_groups_t *gr,
+                         int li, float *t) {
     if (out_norm) {
         gemv_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O, qa);
-        lora_add_for(lo, li, p, ad, x, tmp, t, N, I, O);
+        lora_add_for(lo, gr, li, p, x, tmp, t, N, I, O);
         rms_rows_for(tmp, out_norm, tmp, N, O, eps);
         add_rows_for(y, tmp, N, O);
     } else { /* NOTE: (y + W x) + B A x: rows without an adapter keep their bits */
         gemv_for(l->kind[p], x, l->w[p], l->aux[p], y, y, (int)N, I, O, qa);
-        lora_add_for(lo, li, p, ad, x, y, t, N, I, O);
+        lora_add_for(lo, gr, li, p, x, y, t, N, I, O);
     }
 }
 
@@ -1547,15 +1632,12 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
     const int widest = D > Q ? (D > c->inter ? D : c->inter) : (Q > c->inter ? Q : c->inter);
     qact_t qa = qact_alloc(N * widest); /* x quantized for the integer kinds (any projection's input) */
     const lora_t *lo = c->lora;
-    int32_t *ad = NULL; /* [N] each token's adapter (its row's), -1: none */
-    float *lt = NULL;   /* [N, rmax] the adapters' low-rank inputs */
+    lora_groups_t gr = {0, NULL, NULL, NULL};
+    float *lt = NULL; /* [N, rmax] the adapters' low-rank inputs */
     if (lo) {
-        ad = (int32_t *)malloc(sizeof(int32_t) * (size_t)N);
-        lt = (float *)malloc(sizeof(float) * (size_t)(N * lo->rmax));
-        int any = 0;
-        for (int b = 0; b < B; b++)
-            for (int64_t n = row_start(seg, b, T); n < row_start(seg, b + 1, T); n++) any |= (ad[n] = lo->of_row[slot[b]]) >= 0;
-        if (!any) lo = NULL;
+        gr = lora_groups(lo, slot, seg, B, T, N);
+        if (gr.n) lt = (float *)malloc(sizeof(float) * (size_t)(N * lo->rmax));
+        else lo = NULL;
     }
     #pragma omp parallel num_threads(threads)
     for (int li = 0; li < nl; li++) {
@@ -1565,7 +1647,7 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
         rms_rows_for(x, l->in_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd, &qa);
         if (l->qkv_bias) bias_rows_for(qkv, l->qkv_bias, N, H * c->hd);
-        lora_add_for(lo, li, P_QKV, ad, xn, qkv, lt, N, D, H * c->hd);
+        lora_add_for(lo, &gr, li, P_QKV, xn, qkv, lt, N, D, H * c->hd);
         if (l->q_norm) {  /* per head, before RoPE (Qwen3, Gemma 3) */
             #pragma omp for schedule(static)
             for (int64_t e = 0; e < N * (c->nh + c->kvh); e++) {
@@ -1580,15 +1662,17 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
                        c->hd);
         attn_for(qrot, kc, vc, c->kvk, c->table, c->mb, slot, pos, seg, att, B, T, c->nh, c->kvh, c->hd,
                  c->scale, l->local ? c->window : 0, c->softcap);
-        proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa, lo, li, ad, lt);
+        proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa, lo, &gr, li, lt);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter, &qa);
-        lora_add_for(lo, li, P_GATE_UP, ad, xn, gu, lt, N, D, 2 * c->inter);
+        lora_add_for(lo, &gr, li, P_GATE_UP, xn, gu, lt, N, D, 2 * c->inter);
         act_mul_for(gu, h, N, c->inter, c->act);
-        proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa, lo, li, ad, lt);
+        proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa, lo, &gr, li, lt);
     }
     if (c->final_norm) rms_rows_for(x, c->final_norm, x, N, D, c->eps);
-    free(ad);
+    free(gr.ad);
+    free(gr.start);
+    free(gr.tok);
     free(lt);
     free(work);
     qact_free(&qa);

@@ -40,9 +40,10 @@ class StackStruct(ctypes.Structure):
 
 
 class LoraPiece(ctypes.Structure):
-    """ops.c `lora_piece_t`: one output range's A [r, in] and B [len, r] (scaled)."""
+    """ops.c `lora_piece_t`: one output range's A [r, in] and B^T [r, len] (fp32 or bf16: kind), scale."""
 
-    _fields_ = [("a", _P), ("b", _P), ("r", ctypes.c_int), ("off", ctypes.c_int), ("len", ctypes.c_int)]
+    _fields_ = [("a", _P), ("b", _P), ("scale", ctypes.c_float), ("r", ctypes.c_int), ("off", ctypes.c_int),
+                ("len", ctypes.c_int), ("kind", ctypes.c_int)]
 
 
 class LoraProj(ctypes.Structure):
@@ -54,7 +55,8 @@ class LoraProj(ctypes.Structure):
 class LoraStruct(ctypes.Structure):
     """ops.c `lora_t`: proj [adapters][layers][4], of_row [cache rows] (-1: no adapter)."""
 
-    _fields_ = [("proj", _P), ("of_row", _P), ("layers", ctypes.c_int), ("rmax", ctypes.c_int)]
+    _fields_ = [("proj", _P), ("of_row", _P), ("adapters", ctypes.c_int), ("layers", ctypes.c_int),
+                ("rmax", ctypes.c_int)]
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:

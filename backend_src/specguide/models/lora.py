@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.bindings import WEIGHT_KINDS
 from ..kernels.stack import LoraProj, LoraStruct
 from .llama import ModelConfig
 
@@ -31,12 +32,16 @@ class AdapterError(ValueError):
     """An adapter that cannot serve this base model (the message names it and why)."""
 
 
+LORA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class Piece:
-    """One output range [off, off + len) of a projection: y[off:off+len] += b @ (a @ x)."""
+    """One output range [off, off + len) of a projection: y[off:off+len] += (scale * a @ x) @ bt."""
 
     a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [len, r], the scale folded in
+    bt: torch.Tensor  # [r, len]: B transposed (ops.c sums each output over r in vector lanes)
+    scale: float
     off: int
 
 
@@ -51,7 +56,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.a.nbytes + p.b.nbytes for layer in self.layers for proj in layer for p in proj)
+        return sum(p.a.nbytes + p.bt.nbytes for layer in self.layers for proj in layer for p in proj)
 
 
 def _ranges(cfg: ModelConfig) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -69,10 +74,20 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def load_adapter(name: str, folder: Path | str, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+def _held_as(tensors: list[torch.Tensor], lora_dtype: str) -> torch.dtype:
+    """lora_dtype "auto": bfloat16 when every value is one already (no rounding), else float32."""
+    if lora_dtype != "auto":
+        return LORA_DTYPES[lora_dtype]
+    exact = all(t.dtype == torch.bfloat16 or torch.equal(t.float().to(torch.bfloat16).float(), t.float())
+                for t in tensors)
+    return torch.bfloat16 if exact else torch.float32
+
+
+def load_adapter(name: str, folder: Path | str, cfg: ModelConfig, lora_dtype: str = "auto",
                  device: torch.device | str = "cpu") -> LoRAAdapter:
-    """Read a PEFT LoRA folder for a base model of `cfg`; AdapterError naming the adapter when it is not
-    one this model can use (another model's shapes, embeddings or heads adapted, DoRA, biases)."""
+    """Read a PEFT LoRA folder for a base model of `cfg`, its weights held in `lora_dtype` ("auto":
+    bfloat16 where that is exact, "float32", "bfloat16"); AdapterError naming the adapter when it is
+    not one this model can use (another model's shapes, embeddings or heads adapted, DoRA, biases)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -105,6 +120,7 @@ def load_adapter(name: str, folder: Path | str, cfg: ModelConfig, dtype: torch.d
     if not found:
         raise AdapterError(f"{where}: {WEIGHTS} holds no LoRA weights")
     ranges = _ranges(cfg)
+    dtype = _held_as(list(tensors.values()), lora_dtype)
     layers: list[list[list[Piece]]] = [[[] for _ in PROJS] for _ in range(cfg.num_layers)]
     alpha0, rslora = float(conf.get("lora_alpha", 8)), bool(conf.get("use_rslora", False))
     for (i, block, module), ab in sorted(found.items()):
@@ -122,8 +138,7 @@ def load_adapter(name: str, folder: Path | str, cfg: ModelConfig, dtype: torch.d
                                f"model needs [r, {width}] and [{length}, r]")
         alpha = float(_pattern_value(conf.get("alpha_pattern"), full, alpha0))
         scale = alpha / math.sqrt(r) if rslora else alpha / r
-        layers[i][proj].append(Piece(a.to(device, dtype).contiguous(),
-                                     (b.float() * scale).to(device, dtype).contiguous(), off))
+        layers[i][proj].append(Piece(a.to(device, dtype).contiguous(), b.T.to(device, dtype).contiguous(), scale, off))
     for layer in layers:
         for pieces in layer:
             pieces.sort(key=lambda p: p.off)
@@ -144,7 +159,8 @@ class LoRARows:
         for a, rows in self.groups:
             xa = x2.index_select(0, rows)
             for p in self.bank.adapters[a].layers[layer][proj]:
-                y2[rows, p.off: p.off + p.b.shape[0]] += (xa @ p.a.T) @ p.b.T
+                t = (xa @ p.a.to(xa.dtype).T) * p.scale
+                y2[rows, p.off: p.off + p.bt.shape[1]] += t @ p.bt.to(xa.dtype)
         return y
 
 
@@ -159,7 +175,7 @@ class LoRABank:
         self._host_rows = [-1] * rows
         self._bound = 0
         self._proj = (LoraProj * (capacity * cfg.num_layers * len(PROJS)))()
-        self._struct = LoraStruct(ctypes.addressof(self._proj), self.of_row.data_ptr(), cfg.num_layers, 0)
+        self._struct = LoraStruct(ctypes.addressof(self._proj), self.of_row.data_ptr(), capacity, cfg.num_layers, 0)
 
     def place(self, index: int, adapter: Optional[LoRAAdapter]) -> None:
         """Put `adapter` at `index` (None: empty it). NOTE: no row may be bound to the index."""
@@ -172,8 +188,9 @@ class LoRABank:
                 pieces = [] if adapter is None else adapter.layers[li][p]
                 s.n = len(pieces)
                 for k, pc in enumerate(pieces):
-                    s.piece[k].a, s.piece[k].b = pc.a.data_ptr(), pc.b.data_ptr()
-                    s.piece[k].r, s.piece[k].off, s.piece[k].len = pc.a.shape[0], pc.off, pc.b.shape[0]
+                    s.piece[k].a, s.piece[k].b, s.piece[k].scale = pc.a.data_ptr(), pc.bt.data_ptr(), pc.scale
+                    s.piece[k].r, s.piece[k].off, s.piece[k].len = pc.a.shape[0], pc.off, pc.bt.shape[1]
+                    s.piece[k].kind = WEIGHT_KINDS[str(pc.a.dtype).removeprefix("torch.")]
         self._struct.rmax = max([a.rank for a in self.adapters if a is not None], default=0)
 
     def bind(self, row: int, index: int) -> None:
