@@ -1517,10 +1517,18 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
     (void)N;
     if (!lo) return;
     const int R = lo->rmax;
+    int rp = 0; /* this projection's largest summed rank over the groups' adapters: the units that have work */
+    for (int g = 0; g < gr->n; g++) {
+        const lora_proj_t *pr = &lo->proj[((int64_t)gr->ad[g] * lo->layers + li) * 4 + p];
+        int r = 0;
+        for (int i = 0; i < pr->n; i++) r += pr->piece[i].r;
+        rp = r > rp ? r : rp;
+    }
+    if (!rp) return;
     #pragma omp for schedule(static)
-    for (int64_t e = 0; e < (int64_t)gr->n * R; e++) { /* t = s A x, the pieces' ranks one after another */
-        const int g = (int)(e / R);
-        int k = (int)(e % R);
+    for (int64_t e = 0; e < (int64_t)gr->n * rp; e++) { /* t = s A x, the pieces' ranks one after another */
+        const int g = (int)(e / rp);
+        int k = (int)(e % rp);
         const lora_proj_t *pr = &lo->proj[((int64_t)gr->ad[g] * lo->layers + li) * 4 + p];
         for (int i = 0; i < pr->n; k -= pr->piece[i].r, i++) {
             const lora_piece_t *pc = &pr->piece[i];
@@ -1528,12 +1536,12 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
             const void *row = (const char *)pc->a + (size_t)k * I * lora_es(pc->kind);
             for (int64_t j = gr->start[g]; j < gr->start[g + 1]; j++) {
                 const int64_t n = gr->tok[j];
-                t[n * R + (e % R)] = pc->scale * dot_w(row, pc->kind, x + n * I, I);
+                t[n * R + (e % rp)] = pc->scale * dot_w(row, pc->kind, x + n * I, I);
             }
             break;
         }
     }
-    enum { LC = 256 }; /* outputs a unit sums: B^T's rows are read in runs of LC */
+    enum { LC = 64 }; /* outputs a unit sums */
     const int chunks = (O + LC - 1) / LC;
     #pragma omp for schedule(static)
     for (int64_t e = 0; e < (int64_t)gr->n * chunks; e++) { /* y += B t, LC outputs at a time */
@@ -1544,23 +1552,32 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
             const lora_piece_t *pc = &pr->piece[i];
             const int a = o0 > pc->off ? o0 : pc->off, b = o1 < pc->off + pc->len ? o1 : pc->off + pc->len;
             if (a >= b) continue;
-            const int w = b - a, wv = w / VW * VW;
-            for (int64_t j = gr->start[g]; j < gr->start[g + 1]; j++) {
-                const int64_t n = gr->tok[j];
-                const float *tn = t + n * R + roff;
-                float acc[LC]; /* output o: sum over k of t[k] B^T[k, o], k in order */
-                memset(acc, 0, sizeof(float) * (size_t)w);
-                for (int k = 0; k < pc->r; k++) {
-                    const int64_t row = (int64_t)k * pc->len + a - pc->off;
-                    const vf tk = splat(tn[k]);
-                    for (int o = 0; o < wv; o += VW) {
-                        const vf v = load(acc + o) + tk * wload(pc->b, row + o, pc->kind);
-                        memcpy(acc + o, &v, sizeof v);
+            for (int o = a; o < b;) { /* output o: sum over k of t[k] B^T[k, o], k in order, in registers */
+                const int nv = b - o >= 4 * VW ? 4 : b - o >= VW ? 1 : 0, step = nv ? nv * VW : b - o;
+                for (int64_t j = gr->start[g]; j < gr->start[g + 1]; j++) { /* B^T's block from L1 after the first */
+                    const int64_t n = gr->tok[j];
+                    const float *tn = t + n * R + roff;
+                    float *yn = y + n * O;
+                    if (nv) {
+                        vf acc[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
+                        for (int k = 0; k < pc->r; k++) {
+                            const vf tk = splat(tn[k]);
+                            const int64_t row = (int64_t)k * pc->len + o - pc->off;
+                            for (int v = 0; v < nv; v++) acc[v] += tk * wload(pc->b, row + v * VW, pc->kind);
+                        }
+                        for (int v = 0; v < nv; v++) {
+                            const vf yv = load(yn + o + v * VW) + acc[v];
+                            memcpy(yn + o + v * VW, &yv, sizeof yv);
+                        }
+                    } else {
+                        for (int q = o; q < b; q++) {
+                            float acc = 0.0f;
+                            for (int k = 0; k < pc->r; k++) acc += tn[k] * wval(pc->b, (int64_t)k * pc->len + q - pc->off, pc->kind);
+                            yn[q] += acc;
+                        }
                     }
-                    for (int o = wv; o < w; o++) acc[o] += tn[k] * wval(pc->b, row + o, pc->kind);
                 }
-                float *yn = y + n * O + a;
-                for (int o = 0; o < w; o++) yn[o] += acc[o];
+                o += step;
             }
         }
     }
