@@ -6,6 +6,7 @@ defaults, `max_loras` 8), rounds interleaved.
 `--adapters` random PEFT adapters of rank `--rank` on every projection are written first (the file
 layout `peft` saves). Prints the CPU, then:
 - an adapter's load time (read, checked, placed; median of 5);
+- one decode forward (the C stack alone), batch 1 and 8, without adapters, with one, with 4 x 2 rows;
 - tokens/s of 1 stream and of 8 concurrent streams (base, and 4 adapters x 2 streams), with
   speculation (the served K) and without (K=0): the ratios adapter / base and each speculation
   speedup;
@@ -64,6 +65,38 @@ def write_adapters(root: Path, count: int, rank: int, cfg, seed: int = 0) -> dic
         save_file(tensors, str(folder / "adapter_model.safetensors"))
         out[folder.name] = str(folder)
     return out
+
+
+def forward_ab(core, rounds: int = 15) -> None:
+    """Median ms of one decode forward (the served model's C stack), base and with adapters bound to
+    its rows (the engine idle; bank places 0-3 hold 4 adapters)."""
+    import torch
+    from specguide.engine.kv_cache import KVCache
+
+    m, bank = core.model, core.adapters.bank
+    kv = KVCache(m.cfg.num_layers, 8, m.cfg.num_kv_heads, 256, m.cfg.head_dim, torch.float32)
+    cases = {"batch 1, base": (1, []), "batch 1, 1 adapter": (1, [0]), "batch 8, base": (8, []),
+             "batch 8, 1 adapter": (8, [0] * 8), "batch 8, 4 adapters x 2": (8, [0, 1, 2, 3] * 2)}
+    ctx = {B: m.make_context(torch.arange(B), torch.full((B, 1), 100), list(range(B)), 101) for B in (1, 8)}
+    got: dict[str, list[float]] = {c: [] for c in cases}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for c, (B, binds) in cases.items():
+                for r in range(8):
+                    bank.bind(r, binds[r] if r < len(binds) else -1)
+                ids = torch.full((B, 1), 5)
+                m(ids, ctx[B], kv)
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    m(ids, ctx[B], kv)
+                got[c].append((time.perf_counter() - t0) / 10 * 1e3)
+    for r in range(8):
+        bank.bind(r, -1)
+    med = {c: statistics.median(v) for c, v in got.items()}
+    print(f"\none decode forward, median of {rounds} rounds of 10 (ms; base / with):")
+    for c, v in med.items():
+        base = med["batch 1, base" if c.startswith("batch 1") else "batch 8, base"]
+        print(f"  {c:28s} {v:7.2f}   {base / v:.2f}x")
 
 
 def run(engine, reqs: list[tuple[str, str | None, int | None]], tokens: int) -> tuple[float, int]:
@@ -137,6 +170,8 @@ def main() -> None:
         f"8 streams, 4 adapters, K={K}": [(PROMPTS[i % 4], names[i % 4], None) for i in range(8)],
     }
     run(engine, configs[f"8 streams, 4 adapters, K={K}"], 16)  # warm: the 4 adapters resident
+    assert [core.adapters.by_name[n].index for n in names[:4]] == [0, 1, 2, 3]
+    forward_ab(core)
     rates: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(args.rounds):
         for c, reqs in configs.items():
