@@ -78,3 +78,33 @@ def test_an_unknown_adapter_is_a_400_over_http_and_the_server_serves_on(served):
     status, body = _http_post(server, "specguide_vllm", {"text_input": PROMPT, "sampling_parameters": json.dumps(
         {"lora_name": "support", "max_tokens": 4})})
     assert status == 200 and json.loads(body)["text_output"], body
+
+
+def test_the_openai_server_s_model_field_names_an_adapter(served, tmp_path):
+    """OpenAI `model`: the served name or an adapter's (answered under that name, the vLLM
+    interface's text for the same request); a name that is neither is 404 model_not_found."""
+    import time
+
+    import openai
+
+    from .openai_helpers import Api
+
+    server, _ = served
+    api = Api(server.grpc, tmp_path / "api.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "configured from Triton" not in api.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        client = api.client()
+        r = client.completions.create(model="legal", prompt=PROMPT, max_tokens=16, temperature=0)
+        assert r.model == "legal"
+        text, error = _vllm_text(server, {"lora_name": "legal", "temperature": 0, "max_tokens": 16})
+        assert not error and r.choices[0].text == text
+        base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+        assert base.model == MODEL and base.choices[0].text != text
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert e.value.body["code"] == "model_not_found" and "'nope' is not loaded" in e.value.body["message"]
+    finally:
+        api.stop()
+    assert "Traceback" not in api.log.read_text()

@@ -412,3 +412,21 @@ def test_an_event_stream_is_cancelled_when_its_client_goes_and_only_then():
     assert log == ["closed", 0]
     assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
     assert sent[-1]["more_body"] is False
+
+
+def test_a_model_other_than_the_served_one_names_a_lora_adapter(tmp_path):
+    """`model` naming an adapter reaches the engine as `lora_name` (the engine knows which it serves:
+    a name it does not serve comes back as 404 model_not_found); /v1/models lists those config
+    `lora_adapters` names, inline or in a file."""
+    from specguide.openai_api.app import adapter_names
+
+    t = request_params.build(chat_req(model="support"), "p", None, 4, 100, None, request_params.Limits(), "specguide")
+    assert t.sampling["lora_name"] == "support"
+    base = request_params.build(chat_req(), "p", None, 4, 100, None, request_params.Limits(), "specguide")
+    assert "lora_name" not in base.sampling
+    e = from_triton("INVALID_ARG", "LoRA adapter 'gpt-4o' is not loaded (adapters served: 'support')")
+    assert (e.status, e.body()["error"]["code"], e.param) == (404, "model_not_found", "model")
+    (tmp_path / "multi_lora.json").write_text('{"support": "/a", "legal": "/b"}')
+    assert adapter_names(str(tmp_path / "multi_lora.json")) == ["support", "legal"]
+    assert adapter_names('{"x": "/x"}') == ["x"]
+    assert adapter_names("") == adapter_names(str(tmp_path / "missing.json")) == adapter_names("[1]") == []

@@ -63,6 +63,17 @@ def _default_template_dir(params: dict[str, str]) -> Path:
     return cache_dir() / "models" / "smollm2-135m-instruct"  # the default model's converted folder
 
 
+def adapter_names(text: str) -> list[str]:
+    """The LoRA adapters config `lora_adapters` names (inline JSON or a file this server can read:
+    /v1/models lists them); [] when none or unreadable (a `multi_lora.json` the model found itself)."""
+    text = text.strip()
+    try:
+        names = json.loads(text if text.startswith("{") else Path(text).read_text()) if text else {}
+    except (OSError, ValueError):
+        return []
+    return [k for k in names if isinstance(k, str)] if isinstance(names, dict) else []
+
+
 def max_tokens_limit(params: dict[str, str], folder: Path) -> int:
     """The model's max_tokens_limit as its engine resolves it: the setting, else max_seq_len, else
     (0: the model's whole context) `max_position_embeddings` of the model folder's config.json;
@@ -86,6 +97,7 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
         limit = max_tokens_limit(params, model_folder)
         ctx.limits, ctx.default_chat_max_tokens = Limits(limit), limit
         ctx.reasoning = ReasoningMarkers.parse(params.get("reasoning_markers", ""))
+        ctx.adapters = adapter_names(params.get("lora_adapters", ""))
         folder = settings.chat_template_dir or model_folder
         try:
             ctx.template = ChatTemplate(folder)
@@ -148,10 +160,7 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
             req = model.model_validate(obj)
         except ValidationError as e:
             raise from_validation(e, obj) from None
-        if req.model != settings.served_model_name:
-            raise ApiError(404, f"The model `{req.model}` does not exist.", ErrorType.NOT_FOUND, "model",
-                           "model_not_found")
-        return req
+        return req  # a `model` other than the served one names a LoRA adapter (the engine knows which it serves)
 
     async def handle(request: Request, model: type[BaseModel], prepare: Callable[[handlers.Context, Any], Any],
                      run: Callable[[handlers.Context, Any], Any]) -> Any:
@@ -174,18 +183,20 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
     async def completions(request: Request):
         return await handle(request, CompletionRequest, completions_endpoint.prepare, completions_endpoint.run)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "specguide"}
+    def model_card(name: str = "") -> dict[str, Any]:
+        card = {"id": name or settings.served_model_name, "object": "model", "created": created,
+                "owned_by": "specguide"}
+        return {**card, "parent": settings.served_model_name} if name else card  # an adapter: vLLM's card
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card()] + [model_card(a) for a in ctx.adapters]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
-        if name != settings.served_model_name:
+        if name != settings.served_model_name and name not in ctx.adapters:
             raise ApiError(404, f"The model `{name}` does not exist.", ErrorType.NOT_FOUND, "model", "model_not_found")
-        return model_card()
+        return model_card("" if name == settings.served_model_name else name)
 
     @app.get("/health")
     async def health():

@@ -46,14 +46,15 @@ def prepare(ctx: Context, req: ChatCompletionRequest) -> ChatPlan:
     top = (req.top_logprobs or 0) if req.logprobs else None
     prompt = render_chat(ctx.template, req.messages, req.tools if tools_on else None, req.chat_template_kwargs)
     treq = request_params.build(req, prompt, guide, req.max_completion_tokens or req.max_tokens,
-                                ctx.default_chat_max_tokens, top, ctx.limits)
+                                ctx.default_chat_max_tokens, top, ctx.limits, ctx.model_name)
     return ChatPlan(treq, top, tools_on, usage_in, req.prompt_logprobs, bool(req.stream))
 
 
 async def run(ctx: Context, plan: ChatPlan) -> Answer:
     """Sends the plan's request to Triton: the answer, or its SSE stream."""
     it = await primed(merge([ctx.client.generate(plan.treq)]))
-    head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
+    head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()),
+            "model": plan.treq.sampling.get("lora_name", ctx.model_name)}  # an adapter's name, as vLLM answers
     if plan.stream:
         return guarded(_chat_stream(it, head, plan.treq, plan.top, plan.tools_on, plan.usage_in, ctx.reasoning))
     return await _chat_whole(it, head, plan.treq, plan.top, plan.tools_on, ctx.reasoning, plan.prompt_n)

@@ -42,7 +42,7 @@ def prepare(ctx: Context, req: CompletionRequest) -> CompletionPlan:
     if scoring and not req.echo:
         raise bad_request("max_tokens 0 scores the prompt: it needs echo: true", "max_tokens")
     treqs = [request_params.build(req, p, guide, 1 if scoring else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
-                                  req.logprobs, ctx.limits) for p in prompts]
+                                  req.logprobs, ctx.limits, ctx.model_name) for p in prompts]
     if req.echo and (req.logprobs is not None or any(isinstance(p, list) for p in prompts)):
         for t in treqs:  # the model sends the prompt's tokens (and their log probs) back
             t.sampling["prompt_logprobs"] = max(req.logprobs or 0, req.prompt_logprobs or 0)
@@ -54,7 +54,8 @@ def prepare(ctx: Context, req: CompletionRequest) -> CompletionPlan:
 async def run(ctx: Context, plan: CompletionPlan) -> Answer:
     """Sends the plan's requests to Triton: the answer, or its SSE stream."""
     it = await primed(merge([ctx.client.generate(t) for t in plan.treqs]))
-    head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
+    head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()),
+            "model": plan.treqs[0].sampling.get("lora_name", ctx.model_name)}  # an adapter's name, as vLLM answers
     n = plan.treqs[0].n
     if plan.stream:
         return guarded(_complete_stream(it, head, n, plan.echo, plan.top, plan.usage_in, plan.scoring))

@@ -93,6 +93,7 @@ _CODES = {
     "DEADLINE_EXCEEDED": (503, ErrorType.UNAVAILABLE),
 }
 QUEUE_FULL = "waiting queue is full"  # engine/loop.py's QueueFullError text (UNAVAILABLE)
+NO_ADAPTER = "is not loaded (adapters served:"  # engine/lora_adapters.py: `model` named no adapter it serves
 _NOT_SERVING = ("is not ready", "unknown model", "not found", "unavailable")  # Triton's own, uncoded
 
 
@@ -103,6 +104,8 @@ def from_triton(code: str, message: str, param: Optional[str] = None) -> ApiErro
     (with `param`, the field that carried the guide, when there is one); anything else 500."""
     if QUEUE_FULL in message:
         return ApiError(429, message, ErrorType.RATE_LIMIT, None, "queue_full")
+    if NO_ADAPTER in message:  # `model` is neither the served model nor one of its adapters
+        return ApiError(404, f"The model does not exist: {message}.", ErrorType.NOT_FOUND, "model", "model_not_found")
     if not code and any(s in message.lower() for s in _NOT_SERVING):
         code = "UNAVAILABLE"
     http, etype = _CODES.get(code, (500, ErrorType.SERVER))

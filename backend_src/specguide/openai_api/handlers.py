@@ -27,6 +27,7 @@ class Context:
     default_chat_max_tokens: int = 2048  # OpenAI: up to the context; the model's max_tokens_limit
     reasoning: Optional[ReasoningMarkers] = None  # the model's reasoning_markers: its thinking goes in reasoning_content
     caps: Caps = field(default_factory=Caps)  # counts per request (the --max-* options)
+    adapters: list[str] = field(default_factory=list)  # the LoRA adapters config `lora_adapters` names (/v1/models)
 
 
 Answer = Union[dict[str, Any], AsyncIterator[str]]

@@ -62,10 +62,13 @@ def _stops(stop: Union[str, list[str], None]) -> Optional[list[str]]:
 
 def build(req: Union[ChatCompletionRequest, CompletionRequest], prompt: Union[str, list[int]], guide: Optional[Guide],
           max_tokens: Optional[int], default_max_tokens: int, top_logprobs: Optional[int],
-          limits: Limits) -> TritonRequest:
-    """The TritonRequest for one prompt of `req` (n sequences)."""
+          limits: Limits, model_name: str = "") -> TritonRequest:
+    """The TritonRequest for one prompt of `req` (n sequences); a `model` other than `model_name`
+    names a LoRA adapter (the engine checks it serves one)."""
     check_refused(req)
     sp: dict[str, Any] = {"max_tokens": max_tokens or min(default_max_tokens, limits.max_tokens_limit)}
+    if model_name and req.model != model_name:
+        sp["lora_name"] = req.model
     for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "top_k", "min_tokens",
                 "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "stop_token_ids", "bad_words"):
         value = getattr(req, key)
