@@ -61,6 +61,9 @@ INPUT_TYPES: dict[str, tuple[Any, str]] = {
     "stop_words_list": (np.int32, "INT32"),
     "bad_words_list": (np.int32, "INT32"),
     "embedding_bias": (np.float32, "FP32"),
+    "lora_task_id": (np.uint64, "UINT64"),
+    "lora_weights": (np.float16, "FP16"),  # [n, size] a request (docs/lora.md)
+    "lora_config": (np.int32, "INT32"),  # [n, 3]
     "num_return_sequences": (np.int32, "INT32"),
     "return_log_probs": (np.bool_, "BOOL"),
     "return_logprobs": (np.bool_, "BOOL"),

@@ -47,3 +47,33 @@ def peft_greedy(pm, name, ids: list[int], n: int) -> list[int]:
             return run()
     pm.set_adapter(name)
     return run()
+
+
+TRTLLM_IDS = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
+
+
+def trtllm_arrays(folder: Path, dtype=None):
+    """A PEFT folder as TensorRT-LLM's hf_lora_convert.py writes it: (lora_weights [1, n, size], lora_config
+    [1, n, 3] int32); each row A [r, in] then B [out, r] * scale, flattened, zero padded to the longest."""
+    import json
+    import math
+    import re
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    conf = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    rows, config = [], []
+    for key in sorted(k for k in tensors if ".lora_A." in k):
+        m = re.search(r"layers\.(\d+)\.\w+\.(\w+)\.lora_A", key)
+        a, b = tensors[key].float(), tensors[key.replace("lora_A", "lora_B")].float()
+        r = a.shape[0]
+        alpha = next((v for p, v in (conf.get("alpha_pattern") or {}).items() if m.group(2).endswith(p)),
+                     conf["lora_alpha"])
+        scale = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+        rows.append(np.concatenate([a.flatten().numpy(), (b * scale).flatten().numpy()]))
+        config.append([TRTLLM_IDS[m.group(2)], int(m.group(1)), r])
+    size = max(len(x) for x in rows)
+    weights = np.stack([np.pad(x, (0, size - len(x))) for x in rows])[None]
+    return weights.astype(dtype or np.float32), np.array(config, np.int32)[None]

@@ -192,6 +192,8 @@ class EngineConfig:
     lora_adapters: str = ""  # LoRA adapters (PEFT folders) served by name: a JSON object {"name": "folder"},
     # or the path of a file holding one (the vLLM backend's multi_lora.json); "" = none
     max_loras: int = 8  # adapters resident in memory at once (the least recently used idle one goes)
+    lora_cache_host_memory_bytes: int = 1073741824  # TensorRT-LLM LoRA tasks' weights (sent with `lora_weights`)
+    # kept for later requests that name only their `lora_task_id`; past it the least recently used idle go
     lora_dtype: str = "auto"  # how adapters' weights are held: "auto" (bfloat16 where every value is one
     # already, else float32: the checkpoint's numbers), "float32", "bfloat16" (half the memory traffic)
     reasoning_markers: str = ""  # reasoning models: '<start>,<end>' (e.g. '<think>,</think>'); a guide then
@@ -220,7 +222,8 @@ class EngineConfig:
                           ("max_sampling_parameters_bytes", 0), ("gil_switch_interval_ms", 0),
                           ("max_stop_strings", 0), ("max_stop_token_ids", 0), ("max_stop_words", 0),
                           ("max_bad_words", 0), ("max_word_tokens", 0), ("max_logits_bytes", 0),
-                          ("engine_nice", 0), ("max_loras", 0)):
+                          ("engine_nice", 0), ("max_loras", 0),
+                          ("lora_cache_host_memory_bytes", 0)):
             _check(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)!r}")
         _check(self.new_request_slots >= -1, f"new_request_slots must be >= -1, got {self.new_request_slots}")
         _check(self.engine_nice <= 19, f"engine_nice must be in [0, 19], got {self.engine_nice}")

@@ -252,6 +252,9 @@ class Request:
     num_draft_tokens: Optional[int] = None  # None = the configured K; 0 = no speculation
     request_id: str = ""  # the client's id, echoed in logs
     lora_name: Optional[str] = None  # a LoRA adapter the engine serves (engine/lora_adapters.py); None: the base model
+    lora_task_id: Optional[int] = None  # TensorRT-LLM's LoRA cache id, with its weights the first time:
+    lora_weights: Optional[np.ndarray] = None  # [n, size] (models/lora.py adapter_from_trtllm)
+    lora_config: Optional[np.ndarray] = None  # [n, 3] int32: module id, layer, adapter size
     group: Optional[int] = None  # the client request this is a row of (its batch rows and n share it): slots
     # and decode rows are shared fairly between groups (Scheduler); None: a group of its own
     timeout_s: Optional[float] = None  # None = EngineConfig.request_timeout_s; 0 = no limit

@@ -225,3 +225,36 @@ def test_an_adapter_whose_values_are_bfloat16_is_held_so_with_the_same_bits(ours
         assert torch.equal(_logits(ours, kv, ids, 0), _logits(ours, kv, ids, 1))
     finally:
         ours.lora = None
+
+
+@torch.inference_mode()
+def test_tensorrt_llm_lora_tasks_weights_once_then_the_id(lora_engine, adapters):
+    """TensorRT-LLM's interface: the first request sends `lora_task_id` with `lora_weights` and
+    `lora_config` (hf_lora_convert.py's layout, the scale folded into B); later ones the id alone.
+    Greedy text is peft's; an id never sent is TensorRT-LLM's error; weights that do not fit the
+    model are refused naming the row."""
+    from ..lora_helpers import trtllm_arrays
+
+    folders, pm = adapters
+    engine = lora_engine
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    want = peft_greedy(pm, "legal", ids, 24)
+    weights, config = trtllm_arrays(folders["legal"])
+    first = run_alone(engine, Request(prompt_ids=ids, params=_greedy(24), lora_task_id=7, lora_weights=weights[0],
+                                      lora_config=config[0]))[0]
+    assert first == want
+    assert run_alone(engine, Request(prompt_ids=ids, params=_greedy(24), lora_task_id=7))[0] == want
+    with pytest.raises(InvalidRequestError, match="LoRA task 8 not found in cache. Please send LoRA weights"):
+        engine.submit(Request(prompt_ids=ids, params=_greedy(4), lora_task_id=8))
+    bad = config[0].copy()
+    bad[3, 2] = 4096  # an adapter size past the row
+    with pytest.raises(InvalidRequestError, match="lora_config row 3: adapter size 4096 does not fit"):
+        engine.submit(Request(prompt_ids=ids, params=_greedy(4), lora_task_id=9, lora_weights=weights[0],
+                              lora_config=bad))
+    bad[3] = [12, 0, 16]  # cross attention: not in this model
+    with pytest.raises(InvalidRequestError, match="module id 12 is not one this model has"):
+        engine.submit(Request(prompt_ids=ids, params=_greedy(4), lora_task_id=9, lora_weights=weights[0],
+                              lora_config=bad))
+    with pytest.raises(InvalidRequestError, match="need a lora_task_id"):
+        engine.submit(Request(prompt_ids=ids, params=_greedy(4), lora_weights=weights[0], lora_config=config[0]))
+    assert engine.is_alive()

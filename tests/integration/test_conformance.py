@@ -184,10 +184,15 @@ def test_tensorrt_llm_core_names_over_grpc_and_http(server):
     # both spellings of one setting, and a key no interface knows, are errors naming them
     got = _stream(server, "specguide", {"text_input": S(PROMPT), "max_tokens": I(3), "request_output_len": I(4)})
     assert "give either max_tokens or request_output_len" in got[-1][1].message()
+    status, body = _http_post(server, "specguide", {"text_input": PROMPT, "max_tokens": 3, "draft_input_ids": 4})
+    assert status == 400 and "unknown request parameter 'draft_input_ids'" in body
+    got = _stream(server, "specguide", {"text_input": S(PROMPT), "draft_input_ids": np.array([[4]], np.int32)})
+    assert "draft_input_ids" in got[-1][1].message()  # not declared: Triton names it
+    # a LoRA task id never sent with its weights: TensorRT-LLM's error, over HTTP and gRPC
     status, body = _http_post(server, "specguide", {"text_input": PROMPT, "max_tokens": 3, "lora_task_id": 4})
-    assert status == 400 and "unknown request parameter 'lora_task_id'" in body
+    assert status == 400 and "LoRA task 4 not found in cache" in body, body
     got = _stream(server, "specguide", {"text_input": S(PROMPT), "lora_task_id": np.array([[4]], np.uint64)})
-    assert "lora_task_id" in got[-1][1].message()  # not declared: Triton names it
+    assert "LoRA task 4 not found in cache" in got[-1][1].message()
 
 
 def _prompt_ids(server) -> list[int]:

@@ -30,7 +30,7 @@ def served(tmp_path_factory):
     repo = repository_with(root, SETTINGS)
     (repo / MODEL / "1" / "multi_lora.json").write_text(json.dumps({k: str(v) for k, v in folders.items()}))
     srv = launch(root / "server.log", repo)
-    yield srv, pm
+    yield srv, pm, folders
     stop_and_check(srv)
 
 
@@ -47,7 +47,7 @@ def test_greedy_text_with_an_adapter_is_peft_s(served):
     from transformers import AutoTokenizer
     from specguide.models.loader import resolve_model_dir
 
-    server, pm = served
+    server, pm, _ = served
     tok = AutoTokenizer.from_pretrained(resolve_model_dir())
     ids = tok.encode(PROMPT)
     sp = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
@@ -55,10 +55,13 @@ def test_greedy_text_with_an_adapter_is_peft_s(served):
         text, error = _vllm_text(server, {**sp, **({"lora_name": name} if name else {})})
         assert not error
         assert text == tok.decode(peft_greedy(pm, name, ids, 16), skip_special_tokens=True), name
+    assert server.metric("specguide_lora_requests_total", adapter="legal") >= 1  # counted before the last response
+    assert server.metric("specguide_lora_generation_tokens_total", adapter="support") >= 16
+    assert server.wait_metric("specguide_lora_adapters_resident", 2) == 2  # both, from the start (max_loras 8)
 
 
 def test_the_vllm_sample_client_runs_unchanged_with_lora_name(served, tmp_path):
-    server, _ = served
+    server, _, _ = served
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello, my name is\nThe most dangerous animal is\n")
     ok = _run(["vllm_client.py", "-m", "specguide_vllm", "-u", server.grpc, "--input-prompts", str(prompts),
@@ -71,7 +74,7 @@ def test_the_vllm_sample_client_runs_unchanged_with_lora_name(served, tmp_path):
 
 
 def test_an_unknown_adapter_is_a_400_over_http_and_the_server_serves_on(served):
-    server, _ = served
+    server, _, _ = served
     status, body = _http_post(server, "specguide_vllm", {"text_input": PROMPT, "sampling_parameters": json.dumps(
         {"lora_name": "nope", "max_tokens": 4})})
     assert status == 400 and "'nope' is not loaded" in body, body
@@ -89,7 +92,7 @@ def test_the_openai_server_s_model_field_names_an_adapter(served, tmp_path):
 
     from .openai_helpers import Api
 
-    server, _ = served
+    server, _, _ = served
     api = Api(server.grpc, tmp_path / "api.log")
     try:
         deadline = time.monotonic() + 60
@@ -108,3 +111,35 @@ def test_the_openai_server_s_model_field_names_an_adapter(served, tmp_path):
     finally:
         api.stop()
     assert "Traceback" not in api.log.read_text()
+
+
+def test_the_tensorrt_llm_client_sends_lora_weights_once_then_the_task_id(served, tmp_path):
+    """tensorrtllm_backend's inflight_batcher_llm_client.py unchanged: `--lora-path` (the .npy files
+    hf_lora_convert.py writes, float16) with `--lora-task-id`, then the id alone: the same text, not
+    the base model's; an id never sent is TensorRT-LLM's error."""
+    import re
+
+    import numpy as np
+
+    from ..lora_helpers import trtllm_arrays
+    from .test_conformance import _model_dir
+
+    server, _, folders = served
+    lora_dir = tmp_path / "legal-trtllm"
+    lora_dir.mkdir()
+    weights, config = trtllm_arrays(folders["legal"], np.float16)
+    np.save(lora_dir / "model.lora_weights.npy", weights)
+    np.save(lora_dir / "model.lora_config.npy", config)
+    common = ["inflight_batcher_llm_client.py", "-u", server.grpc, "--text", PROMPT, "--request-output-len", "12",
+              "--tokenizer-dir", _model_dir(), "--model-name", MODEL, "--streaming"]
+
+    def text(*extra: str) -> str:
+        p = _run(common + list(extra))
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return re.search(r"Output beam 0: (.*)", p.stdout).group(1)
+
+    first = text("--lora-path", str(lora_dir), "--lora-task-id", "5")
+    assert text("--lora-task-id", "5") == first
+    assert text() != first
+    p = _run(common + ["--lora-task-id", "6"])
+    assert "LoRA task 6 not found in cache. Please send LoRA weights with request" in p.stdout + p.stderr

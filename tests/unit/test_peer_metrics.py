@@ -240,3 +240,25 @@ def test_the_kv_block_gauges_and_the_preemption_count_follow_the_engine():
     assert (series("specguide_kv_blocks_used").value, series("specguide_kv_blocks_free").value) == (3, 97)
     assert series("specguide_preempted_sequences").value == 0
     registry.clear()
+
+
+def test_lora_metrics_count_per_adapter_and_follow_the_engine(monkeypatch):
+    """Requests and tokens per adapter (a series each, up to MAX_ADAPTER_LABELS, then `other`);
+    resident adapters and loads are the engine's figures."""
+    from specguide.triton import metrics as mod
+
+    registry.clear()
+    monkeypatch.setattr(mod, "MAX_ADAPTER_LABELS", 2)
+    m = mod.Metrics(SimpleNamespace(MetricFamily=Family), "specguide", "1")
+    for adapter, tokens in (("support", 5), ("support", 7), ("task 3", 2), ("legal", 1), ("x", 4)):
+        m.adapter_finished(adapter, tokens)
+    assert (series("specguide_lora_requests_total", adapter="support").value,
+            series("specguide_lora_generation_tokens_total", adapter="support").value) == (2, 12)
+    assert series("specguide_lora_requests_total", adapter="task 3").value == 1
+    assert (series("specguide_lora_requests_total", adapter="other").value,
+            series("specguide_lora_generation_tokens_total", adapter="other").value) == (2, 5)
+    for resident, loads in ((2, 3), (2, 3), (1, 5), (1, 2)):  # (the last: an engine started again)
+        m.engine_stats({"lora_adapters_resident": resident, "lora_adapter_loads": loads})
+    assert series("specguide_lora_adapters_resident").value == 1
+    assert series("specguide_lora_adapter_loads_total").value == 7
+    registry.clear()

@@ -105,7 +105,7 @@ class EngineCore:
         self.runner.core.feature_sink = self.proposer.feature_sink
         self.adapters = LoRAAdapters(self.model, config.max_slots, config.max_loras,
                                      parse_adapters(config.lora_adapters), captured=self.runner.graphs is not None,
-                                     lora_dtype=config.lora_dtype)
+                                     lora_dtype=config.lora_dtype, host_bytes=config.lora_cache_host_memory_bytes)
         self.slot_state = (self.runner, self.proposer, self.adapters)  # every owner of per-slot state: admit / free
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,

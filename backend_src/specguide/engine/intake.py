@@ -17,6 +17,7 @@ from ..guided.regex_completion import RegexScanner
 from ..guided.schema_completion import Schemas
 from ..guided.tag_completion import TagScanner
 from ..guided.reasoning import Reasoning
+from ..models.lora import AdapterError, adapter_from_trtllm
 from ..request import InvalidRequestError, ListLimits, Request, RequestOutput, SamplingParams, check_token_ids, error_code
 from .scheduler import Sequence
 from .sequence_state import GuideState, OutputState
@@ -84,15 +85,38 @@ starts, then collects, their grammar compiles."""
             request_id=request.request_id,
             out=OutputState(detok=IncrementalDetokenizer(self.tokenizer)), guide=GuideState(params=request.guided))
         seq.group = request.group if request.group is not None else -seq.seq_id  # (<= 0: apart from the client's)
-        if request.lora_name is not None:
+        lora = request.lora_name
+        if request.lora_task_id is not None or request.lora_weights is not None or request.lora_config is not None:
+            lora = self._task(request)
+        if lora is not None:
             if self.adapters is None:
-                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r}: this engine serves none")
-            seq.adapter, seq.adapter_key = request.lora_name, self.adapters.key(request.lora_name)
+                raise InvalidRequestError(f"LoRA adapter {lora!r}: this engine serves none")
+            seq.adapter, seq.adapter_key = lora, self.adapters.key(lora)
         if timeout > 0:
             seq.deadline = seq.stats.arrival + timeout
         if request.guided is not None:  # a malformed guide raises here; compile errors come later
             seq.guide.compile = self.compiler.submit(request.guided)
         return seq
+
+    def _task(self, request: Request) -> str:
+        """A TensorRT-LLM LoRA task (its weights cached the first time): the name it runs under."""
+        if request.lora_task_id is None:
+            raise InvalidRequestError("lora_weights and lora_config need a lora_task_id (the id later requests name)")
+        if (request.lora_weights is None) != (request.lora_config is None):
+            raise InvalidRequestError("lora_weights and lora_config come together")
+        if request.lora_name is not None:
+            raise InvalidRequestError("a request names one LoRA adapter: lora_name or lora_task_id, not both")
+        if self.adapters is None:
+            raise InvalidRequestError("LoRA tasks: this engine serves no adapters")
+        adapter = None
+        if request.lora_weights is not None:
+            try:
+                adapter = adapter_from_trtllm(str(request.lora_task_id), request.lora_weights, request.lora_config,
+                                              self.adapters.model.cfg, self.adapters.lora_dtype,
+                                              self.adapters.model.device)
+            except AdapterError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        return self.adapters.put_task(request.lora_task_id, adapter)
 
     def _check_logits(self, p: SamplingParams, prompt_len: int) -> None:
         """The logits a request asks for (held until sent: a prompt's all at once) within

@@ -132,6 +132,7 @@ class Engine:
                 "kv_blocks_reused": sched.reused_blocks,
                 "preempted": sum(s.status is Status.PREEMPTED for s in running),
                 "preemptions": sched.num_preemptions,
+                **core.adapters.stats(),
                 **_memory_bytes(core.device)}
 
     @property

@@ -8,18 +8,29 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from ..models.llama import LlamaModel
-from ..models.lora import AdapterError, LoRABank, load_adapter
+from ..models.lora import AdapterError, LoRAAdapter, LoRABank, load_adapter
 from ..request import InvalidRequestError
 from .scheduler import Sequence, SlotOwner
 
 log = logging.getLogger("specguide")
 _serials = itertools.count(1)
+
+
+def _same(a: LoRAAdapter, b: LoRAAdapter) -> bool:
+    """The same pieces, bit for bit (a client sending a cached task's weights again)."""
+    pa = [p for layer in a.layers for ps in layer for p in ps]
+    pb = [p for layer in b.layers for ps in layer for p in ps]
+    return len(pa) == len(pb) and all(x.off == y.off and x.scale == y.scale and torch.equal(x.a, y.a)
+                                      and torch.equal(x.bt, y.bt) for x, y in zip(pa, pb))
 
 
 def parse_adapters(text: str, base: Optional[Path] = None) -> dict[str, Path]:
@@ -57,14 +68,18 @@ class Registered:
     index: Optional[int] = None
     users: set[int] = field(default_factory=set)  # the sequences holding it
     last_used: float = 0.0
+    adapter: Optional[LoRAAdapter] = None  # a TensorRT-LLM task's weights, kept on the host (no folder)
 
 
 class LoRAAdapters(SlotOwner):
-    """Names -> adapters; the bank's residents; which sequence holds which (one owner of all three)."""
+    """Names -> adapters; the bank's residents; which sequence holds which (one owner of all three).
+    NOTE: intake (a client's thread) registers and looks up while the loop acquires: `_lock`."""
 
     def __init__(self, model: LlamaModel, rows: int, max_loras: int, adapters: dict[str, Path],
-                 captured: bool = False, lora_dtype: str = "auto"):
+                 captured: bool = False, lora_dtype: str = "auto", host_bytes: int = 1 << 30):
         self.model = model
+        self._lock = threading.Lock()
+        self.host_bytes = host_bytes  # TensorRT-LLM tasks' weights kept on the host (lora_cache_host_memory_bytes)
         self.lora_dtype = lora_dtype  # how adapters' weights are held (models/lora.py load_adapter)
         self.captured = captured  # the step runs as CUDA graphs, which do not hold the adapters' products yet
         self.bank = LoRABank(model.cfg, rows, max(max_loras, 1), model.device)
@@ -88,21 +103,59 @@ class LoRAAdapters(SlotOwner):
             raise AdapterError(f"LoRA adapter {name!r}: adapters on CUDA need cuda_graphs off for now "
                                f"(the captured step does not hold their products yet)")
         adapter = load_adapter(name, path, self.model.cfg, self.lora_dtype, self.model.device)
-        reg = self.by_name[name] = Registered(name, Path(path), f"lora:{name}:{next(_serials)}".encode())
-        free = self._free_index()
-        if free is not None:
-            self._place(reg, free, adapter)
+        with self._lock:
+            reg = self.by_name[name] = Registered(name, Path(path), f"lora:{name}:{next(_serials)}".encode())
+            free = self._free_index()
+            if free is not None:
+                self._place(reg, free, adapter)
         log.info("LoRA adapter %r: rank %d, %.1f MiB, %s", name, adapter.rank, adapter.nbytes / 2**20,
                  "resident" if free is not None else "on disk until used")
+
+    def put_task(self, task_id: int, adapter: Optional[LoRAAdapter]) -> str:
+        """TensorRT-LLM's LoRA cache: a request's `lora_task_id`, with its weights (`adapter`) the first
+        time, the id alone later. Returns the name its requests run under; InvalidRequestError for an id
+        never sent, or sent again with other weights while running with the first ones."""
+        name = f"task {task_id}"
+        with self._lock:
+            reg = self.by_name.get(name)
+            if adapter is None:
+                if reg is None:  # TensorRT-LLM's words
+                    raise InvalidRequestError(f"LoRA task {task_id} not found in cache. Please send LoRA weights "
+                                              f"with request")
+                return name
+            if reg is not None and reg.adapter is not None and _same(reg.adapter, adapter):
+                return name
+            if reg is not None and reg.users:
+                raise InvalidRequestError(f"LoRA task {task_id} is running with other weights; send these under "
+                                          f"another lora_task_id")
+            if reg is not None:
+                self._forget(reg)
+            self.by_name[name] = Registered(name, Path(), f"lora:{name}:{next(_serials)}".encode(), adapter=adapter)
+            tasks = sorted((r for r in self.by_name.values() if r.adapter is not None), key=lambda r: r.last_used)
+            total = sum(r.adapter.nbytes for r in tasks)
+            for r in tasks:  # the host cache's bound: the least recently used idle tasks go
+                if total <= self.host_bytes:
+                    break
+                if not r.users and r.name != name:
+                    total -= r.adapter.nbytes
+                    self._forget(r)
+            return name
+
+    def _forget(self, reg: Registered) -> None:
+        del self.by_name[reg.name]
+        if reg.index is not None:
+            self.bank.place(reg.index, None)
+            reg.index = None
 
     def names(self) -> list[str]:
         return list(self.by_name)
 
     def key(self, name: str) -> bytes:
         """The registered adapter's key; InvalidRequestError naming what is served otherwise."""
-        reg = self.by_name.get(name)
+        with self._lock:
+            reg = self.by_name.get(name)
+            served = ", ".join(repr(n) for n in self.by_name if self.by_name[n].adapter is None) or "none"
         if reg is None:
-            served = ", ".join(repr(n) for n in self.by_name) or "none"
             raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded (adapters served: {served})")
         return reg.key
 
@@ -113,6 +166,10 @@ class LoRAAdapters(SlotOwner):
         failed (`poll_failures` then says why)."""
         if not seq.adapter or seq.seq_id in self.held:
             return True
+        with self._lock:
+            return self._acquire(seq)
+
+    def _acquire(self, seq: Sequence) -> bool:
         if seq.seq_id in self.failed:
             return False
         reg = self.by_name.get(seq.adapter)
@@ -129,7 +186,8 @@ class LoRAAdapters(SlotOwner):
                 index, out.index = out.index, None
                 self.bank.place(index, None)
             try:
-                adapter = load_adapter(reg.name, reg.path, self.model.cfg, self.lora_dtype, self.model.device)
+                adapter = reg.adapter or load_adapter(reg.name, reg.path, self.model.cfg, self.lora_dtype,
+                                                      self.model.device)
             except AdapterError as exc:
                 self.failed[seq.seq_id] = str(exc)
                 return False
@@ -146,11 +204,12 @@ class LoRAAdapters(SlotOwner):
 
     def release(self, seq: Sequence) -> None:
         """A finished sequence lets its adapter go (it stays resident until its place is needed)."""
-        reg = self.held.pop(seq.seq_id, None)
-        if reg is not None:
-            reg.users.discard(seq.seq_id)
-            reg.last_used = time.monotonic()
-        self.failed.pop(seq.seq_id, None)
+        with self._lock:
+            reg = self.held.pop(seq.seq_id, None)
+            if reg is not None:
+                reg.users.discard(seq.seq_id)
+                reg.last_used = time.monotonic()
+            self.failed.pop(seq.seq_id, None)
 
     def admit(self, slot: int, seq: Sequence) -> None:
         reg = self.held.get(seq.seq_id)
@@ -170,6 +229,8 @@ class LoRAAdapters(SlotOwner):
         self.loads += 1
 
     def stats(self) -> dict[str, int]:
-        return {"lora_adapters_registered": len(self.by_name),
-                "lora_adapters_resident": sum(r.index is not None for r in self.by_name.values()),
-                "lora_adapter_loads": self.loads}
+        """Adapters registered and resident, and loads so far (any thread)."""
+        with self._lock:
+            return {"lora_adapters_registered": len(self.by_name),
+                    "lora_adapters_resident": sum(r.index is not None for r in self.by_name.values()),
+                    "lora_adapter_loads": self.loads}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..kernels.bindings import WEIGHT_KINDS
@@ -119,31 +120,89 @@ def load_adapter(name: str, folder: Path | str, cfg: ModelConfig, lora_dtype: st
         found.setdefault((int(m.group(1)), m.group(2), m.group(3)), {})[m.group(4)] = t
     if not found:
         raise AdapterError(f"{where}: {WEIGHTS} holds no LoRA weights")
-    ranges = _ranges(cfg)
-    dtype = _held_as(list(tensors.values()), lora_dtype)
-    layers: list[list[list[Piece]]] = [[[] for _ in PROJS] for _ in range(cfg.num_layers)]
     alpha0, rslora = float(conf.get("lora_alpha", 8)), bool(conf.get("use_rslora", False))
+    entries = []
     for (i, block, module), ab in sorted(found.items()):
         full = f"model.layers.{i}.{block}.{module}"
-        if i >= cfg.num_layers or set(ab) != {"A", "B"}:
-            raise AdapterError(f"{where}: {full}: " + (f"the base model has {cfg.num_layers} layers" if
-                               i >= cfg.num_layers else "needs both lora_A and lora_B"))
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{where}: {full}: needs both lora_A and lora_B")
+        r = ab["A"].shape[0] if ab["A"].dim() == 2 else 0
+        alpha = float(_pattern_value(conf.get("alpha_pattern"), full, alpha0))
+        entries.append((i, full, module, ab["A"], ab["B"], alpha / math.sqrt(r) if rslora else alpha / max(r, 1)))
+    return _build(name, where, folder, entries, cfg, _held_as(list(tensors.values()), lora_dtype), device)
+
+
+def _build(name: str, where: str, path: Path, entries: list, cfg: ModelConfig, dtype: torch.dtype,
+           device: torch.device | str) -> LoRAAdapter:
+    """The adapter of (layer, its name for errors, PEFT module, A [r, in], B [out, r], scale) entries,
+    each checked against the base model's shapes."""
+    ranges = _ranges(cfg)
+    layers: list[list[list[Piece]]] = [[[] for _ in PROJS] for _ in range(cfg.num_layers)]
+    for i, full, module, a, b, scale in entries:
+        if not 0 <= i < cfg.num_layers:
+            raise AdapterError(f"{where}: {full}: the base model has {cfg.num_layers} layers")
         proj, piece = MODULES[module]
         width, outs = ranges[proj]
         off, length = (outs[0][0], outs[-1][0] + outs[-1][1]) if piece < 0 else outs[piece]
-        a, b = ab["A"], ab["B"]
-        r = a.shape[0]
+        r = a.shape[0] if a.dim() == 2 else 0
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != width or b.shape != (length, r) or r < 1:
             raise AdapterError(f"{where}: {full} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this base "
                                f"model needs [r, {width}] and [{length}, r]")
-        alpha = float(_pattern_value(conf.get("alpha_pattern"), full, alpha0))
-        scale = alpha / math.sqrt(r) if rslora else alpha / r
-        layers[i][proj].append(Piece(a.to(device, dtype).contiguous(), b.T.to(device, dtype).contiguous(), scale, off))
+        if not math.isfinite(scale):
+            raise AdapterError(f"{where}: {full}: its scale is {scale}")
+        ps = layers[i][proj]
+        if any(p.off < off + length and off < p.off + p.bt.shape[1] for p in ps):
+            raise AdapterError(f"{where}: {full} adapts outputs another of its modules adapts too")
+        ps.append(Piece(a.to(device, dtype).contiguous(), b.T.to(device, dtype).contiguous(), float(scale), off))
     for layer in layers:
         for pieces in layer:
             pieces.sort(key=lambda p: p.off)
     rank = max(sum(p.a.shape[0] for p in pieces) for layer in layers for pieces in layer)
-    return LoRAAdapter(name, folder, layers, rank)
+    if not rank:
+        raise AdapterError(f"{where}: it adapts nothing")
+    return LoRAAdapter(name, path, layers, rank)
+
+
+# TensorRT-LLM's LoRA module ids (its `lora_config` rows) -> the PEFT module they are
+TRTLLM_MODULES = {0: "qkv_proj", 1: "q_proj", 2: "k_proj", 3: "v_proj", 4: "o_proj", 5: "gate_proj",
+                  6: "down_proj", 7: "up_proj"}
+
+
+def adapter_from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, cfg: ModelConfig,
+                        lora_dtype: str = "auto", device: torch.device | str = "cpu") -> LoRAAdapter:
+    """An adapter sent as TensorRT-LLM sends one: `lora_config` [n, 3] rows (module id, layer, rank
+    D), `lora_weights` [n, >= D x in + out x D] rows (A [D, in] then B [out, D] flattened, the scale
+    folded into B: hf_lora_convert.py's layout); AdapterError saying what does not fit."""
+    where = f"LoRA task {name}"
+    w, c = np.asarray(weights), np.asarray(config)
+    if w.ndim == 3 and w.shape[0] == 1:  # the converter's leading batch dimension
+        w = w[0]
+    if c.ndim == 3 and c.shape[0] == 1:
+        c = c[0]
+    if w.ndim != 2 or c.ndim != 2 or c.shape[1] != 3 or w.shape[0] != c.shape[0] or not c.shape[0]:
+        raise AdapterError(f"{where}: lora_weights must be [n, size] and lora_config [n, 3] with the same n, got "
+                           f"{list(w.shape)} and {list(c.shape)}")
+    ranges = _ranges(cfg)
+    entries = []
+    for row, (mid, layer, rank) in enumerate(c.tolist()):
+        module = TRTLLM_MODULES.get(int(mid))
+        if module is None:
+            raise AdapterError(f"{where}: lora_config row {row}: module id {mid} is not one this model has "
+                               f"(0-7: attention q/k/v/qkv/dense, MLP gate/up/down)")
+        proj, piece = MODULES[module]
+        width, outs = ranges[proj]
+        length = outs[-1][0] + outs[-1][1] - outs[0][0] if piece < 0 else outs[piece][1]
+        if not 1 <= rank <= min(width, length) or rank * (width + length) > w.shape[1]:
+            raise AdapterError(f"{where}: lora_config row {row}: adapter size {rank} does not fit (module {mid}: "
+                               f"{rank} x {width} + {length} x {rank} values in a row of {w.shape[1]})")
+        flat = torch.from_numpy(np.ascontiguousarray(w[row])).float()
+        a = flat[: rank * width].view(rank, width)
+        b = flat[rank * width: rank * (width + length)].view(length, rank)
+        entries.append((int(layer), f"lora_config row {row} (module {mid}, layer {layer})", module, a, b, 1.0))
+    values = torch.from_numpy(np.asarray(w, dtype=np.float32))
+    if not torch.isfinite(values).all():
+        raise AdapterError(f"{where}: lora_weights holds a value that is not finite")
+    return _build(name, where, Path(), entries, cfg, _held_as([values], lora_dtype), device)
 
 
 class LoRARows:

@@ -272,6 +272,10 @@ class TritonPythonModel:
             if seq.parsed.sequence_index == 0:
                 peer.row(seq.n)
             m.finished(out.finish_reason or "error")
+            req = seq.parsed.request
+            adapter = req.lora_name or (f"task {req.lora_task_id}" if req.lora_task_id is not None else None)
+            if adapter is not None and out.error is None:
+                m.adapter_finished(adapter, seq.generated)
             if out.finish_reason == "cancelled":
                 m.cancelled(out.stage or "")
         if payload is not None and seq.group.deliver(seq.index, payload):

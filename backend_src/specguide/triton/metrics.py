@@ -24,6 +24,11 @@
     specguide_accepted_draft_tokens_total          speculative draft tokens accepted
     specguide_tokens_per_step                      histogram: tokens a sequence gains per decode step
                                                    (accepted drafts + 1; 1 without speculation)
+    specguide_lora_requests_total{adapter}         sequences that ran with a LoRA adapter (its name, or
+                                                   `task N` for a TensorRT-LLM task), ended without error
+    specguide_lora_generation_tokens_total{adapter}  tokens they generated
+    specguide_lora_adapters_resident               gauge: adapters in memory (at most max_loras)
+    specguide_lora_adapter_loads_total             adapters made resident (each time one takes a place)
 
 Every metric carries the labels `model`, `version` and `model_instance`: the Triton instance
 whose engine it describes (`instance.Instance.label`, e.g. `specguide_0_1`), so several instances of
@@ -35,7 +40,7 @@ gauges apart and show which engine served. Sum over `model_instance` for the mod
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from ..process.restarts import RESTARTS_ENV
 
@@ -45,6 +50,7 @@ LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 
 FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "error", "rejected")
 CANCEL_STAGES = ("queued", "compiling", "prefill", "decode")
 STEP_BUCKETS = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0]
+MAX_ADAPTER_LABELS = 256  # adapters with series of their own; later ones count under "other"
 
 
 class Metrics:
@@ -114,6 +120,12 @@ class Metrics:
         self.cancellations = {s: canc.Metric(labels={**labels, "stage": s}) for s in CANCEL_STAGES}
         self.tokens_per_step = histogram("specguide_tokens_per_step",
                                          "Tokens a sequence gains per decode step (accepted drafts + 1)", STEP_BUCKETS)
+        self._labels, self._family, self._counter = labels, family, MF.COUNTER
+        self._lora_families: Optional[tuple[Any, Any]] = None  # made when the first adapter's sequence ends
+        self._per_adapter: dict[str, tuple[Any, Any]] = {}
+        self.lora_resident = gauge("specguide_lora_adapters_resident", "LoRA adapters in memory (at most max_loras)")
+        self.lora_loads = counter("specguide_lora_adapter_loads_total", "LoRA adapters made resident")
+        self._lora_loads = 0.0
 
     def finished(self, reason: str) -> None:
         self.requests.get(reason if reason in self.requests else "error").increment(1)
@@ -123,16 +135,40 @@ class Metrics:
         if m is not None:
             m.increment(1)
 
+    def adapter_finished(self, adapter: str, tokens: int) -> None:
+        """A sequence that ran with `adapter` ended (without error), having generated `tokens`."""
+        if self._lora_families is None:
+            self._lora_families = (
+                self._family("specguide_lora_requests_total",
+                             "Sequences that ran with a LoRA adapter and ended without error", self._counter),
+                self._family("specguide_lora_generation_tokens_total", "Tokens generated with a LoRA adapter",
+                             self._counter))
+            self._families += list(self._lora_families)
+        if adapter not in self._per_adapter:
+            if len(self._per_adapter) >= MAX_ADAPTER_LABELS:
+                adapter = "other"
+            if adapter not in self._per_adapter:
+                labels = {**self._labels, "adapter": adapter}
+                self._per_adapter[adapter] = tuple(f.Metric(labels=labels) for f in self._lora_families)
+        requests, generated = self._per_adapter[adapter]
+        requests.increment(1)
+        generated.increment(float(tokens))
+
     def engine_stats(self, stats: dict) -> None:
         """Set the gauges whose values changed (each set is a message to the server, every poll)."""
         n = float(stats.get("preemptions", self._preemptions))
         if n != self._preemptions:
             self.preemptions.increment(n - self._preemptions if n > self._preemptions else n)
             self._preemptions = n
+        n = float(stats.get("lora_adapter_loads", self._lora_loads))
+        if n != self._lora_loads:  # (a restarted engine counts from 0)
+            self.lora_loads.increment(n - self._lora_loads if n > self._lora_loads else n)
+            self._lora_loads = n
         for gauge, key, default in ((self.active_slots, "active_slots", 0), (self.queue_depth, "queue_depth", 0),
                                     (self.engine_alive, "alive", 1), (self.draft_head, "draft_head", 0),
                                     (self.kv_used, "kv_blocks_used", 0), (self.kv_free, "kv_blocks_free", 0),
-                                    (self.preempted, "preempted", 0)):
+                                    (self.preempted, "preempted", 0),
+                                    (self.lora_resident, "lora_adapters_resident", 0)):
             value = float(stats.get(key, default))
             if self._set.get(key) != value:
                 gauge.set(value)

@@ -134,6 +134,7 @@ def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
     base.params = sp
     if vllm_params is not None and vllm_params.get("lora_name") is not None:  # the engine checks the name
         base.lora_name = as_str(vllm_params["lora_name"], "lora_name")
+    _parse_lora_task(row, base)
 
     # guided decoding: the TensorRT-LLM tensors or the vLLM JSON (one guide; guided.params checks it)
     gtype, guide = row.str("guided_decoding_guide_type"), row.str("guided_decoding_guide")
@@ -174,6 +175,22 @@ def _parse_row(row: Row, ctx: _Context) -> list[ParsedRequest]:
         if not p.exclude_input:
             p.echo_text, p.echo_ids = _echo(p.request, ctx.tokenizer)
     return out
+
+
+def _parse_lora_task(row: Row, req: Request) -> None:
+    """TensorRT-LLM's LoRA inputs: `lora_task_id`, and the first time `lora_weights` [n, size] with
+    `lora_config` [n, 3] (the engine checks them against the model)."""
+    req.lora_task_id = row.int("lora_task_id")
+    for name in ("lora_weights", "lora_config"):
+        arr = row.tensors.get(name)
+        if arr is None:
+            continue
+        arr = np.asarray(arr)
+        one = arr[row.b] if arr.ndim == 3 else arr  # [batch, n, ...]: this row's
+        if one.ndim != 2 or (name == "lora_config" and one.shape[1] != 3):
+            raise InvalidRequestError(f"{name} must be [n, {'3' if name == 'lora_config' else 'size'}] per request, "
+                                      f"got {list(arr.shape)}")
+        setattr(req, name, np.ascontiguousarray(one))
 
 
 def _parse_prompt(row: Row, req: Request, vocab_size: int) -> None:

@@ -19,10 +19,10 @@ from .primitives import COMMON_IDS, OUT_OF_VOCAB, floats32, ints32, lengths, sma
 from .sampling import SANE_IDS, SANE_WORDS, VLLM_KEYS, sampling_parameters, vllm_sane
 
 NP = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_UINT64": np.uint64,
-      "TYPE_BOOL": np.bool_}
+      "TYPE_BOOL": np.bool_, "TYPE_FP16": np.float16}
 WRONG_DTYPES = [np.object_, np.int32, np.int64, np.float32, np.float64, np.float16, np.bool_, np.uint64, np.int8,
                 np.uint8, np.uint32, np.int16]
-UNKNOWN_NAMES = ["foo", "TEXT_INPUT", "text_input ", "prompt", "lora_weights", "prompt_embedding_table",
+UNKNOWN_NAMES = ["foo", "TEXT_INPUT", "text_input ", "prompt", "lora_path", "prompt_embedding_table",
                  "draft_input_ids", "x" * 200, "max_tokens\x00", "image", "embedding_request", "return_finish_reason",
                  "input_ids", "sampling_parameters", "text_output", "specguide_error"]
 # names whose values mean something (drawn with care); the rest by their declared dtype
@@ -88,6 +88,12 @@ def sane_row(draw, name: str, spec: Spec) -> list:
         return [draw(st.integers(0, VOCAB - 1))]
     if name in ("stop_words_list", "bad_words_list"):
         return _word_list(draw(st.lists(SANE_IDS, min_size=1, max_size=3)))
+    if name == "lora_task_id":
+        return [draw(st.integers(1, 3))]
+    if name == "lora_weights":
+        return [[0.0] * 8]
+    if name == "lora_config":
+        return [[draw(st.integers(0, 7)), draw(st.integers(0, 29)), 1]]
     if name == "embedding_bias":
         i, w = draw(st.integers(0, VOCAB - 1)), draw(st.floats(-100, 100, width=32))
         return [w if j == i else 0.0 for j in range(VOCAB)]
@@ -139,6 +145,13 @@ def row_values(draw, name: str, spec: Spec) -> list:
         return [draw(small_counts)]
     if name in ("end_id", "pad_id"):
         return [draw(token_ids)]
+    if name == "lora_weights":  # rows of any length, extremes and NaN among them
+        n = draw(st.sampled_from([0, 1, 3, 240]))
+        width = draw(st.sampled_from([0, 1, 7] if n > 3 else [0, 1, 7, 1536, 20000]))
+        return [[draw(st.sampled_from([0.0, 1.0, -65504.0, float("nan"), float("inf")]))] * width for _ in range(n)]
+    if name == "lora_config":
+        n = draw(st.sampled_from([0, 1, 3, 240]))
+        return [[draw(st.one_of(st.integers(-1, 17), ints32)) for _ in range(3)] for _ in range(n)]
     if name in ("stop_words_list", "bad_words_list"):
         if draw(st.integers(0, 3)) == 0:  # a common token, then one out of the vocabulary (issue 75)
             return _word_list([[draw(st.sampled_from(COMMON_IDS)), draw(st.sampled_from(OUT_OF_VOCAB))]])
@@ -180,6 +193,8 @@ def row_values(draw, name: str, spec: Spec) -> list:
 def _row_shape(spec: Spec, row: list, name: str) -> tuple[int, ...]:
     if name in ("stop_words_list", "bad_words_list"):
         return (2, len(row[0]))
+    if name in ("lora_weights", "lora_config"):
+        return (len(row), len(row[0]) if row else (3 if name == "lora_config" else 0))
     if spec.dims == (1,):
         return (1,)
     return (len(row),)
@@ -191,7 +206,7 @@ def tensor(draw, name: str, spec: Spec, batch: Optional[int]) -> np.ndarray:
     or a wrong shape. `batch` None: a max_batch_size 0 model (no batch dimension). Values are sane
     (two thirds) or hostile."""
     row = draw(st.one_of(sane_row(name, spec), sane_row(name, spec), row_values(name, spec)))
-    if name in ("stop_words_list", "bad_words_list"):
+    if name in ("stop_words_list", "bad_words_list", "lora_weights", "lora_config"):
         flat = [v for part in row for v in part]
     else:
         flat = row
