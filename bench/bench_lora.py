@@ -130,7 +130,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--lora-dtype", default="auto", help="config lora_dtype (the random adapters are float32)")
+    ap.add_argument("--lora-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
+                    help="config lora_dtype (the random adapters are float32)")
     args = ap.parse_args()
     print(cpu_header())
 

@@ -195,7 +195,8 @@ class EngineConfig:
     lora_cache_host_memory_bytes: int = 1073741824  # TensorRT-LLM LoRA tasks' weights (sent with `lora_weights`)
     # kept for later requests that name only their `lora_task_id`; past it the least recently used idle go
     lora_dtype: str = "auto"  # how adapters' weights are held: "auto" (bfloat16 where every value is one
-    # already, else float32: the checkpoint's numbers), "float32", "bfloat16" (half the memory traffic)
+    # already, else float32: the checkpoint's numbers), "float32", "bfloat16" (half the memory traffic),
+    # "int8" (a scale per rank row; a quarter of float32's traffic, values within 1/254 of each row's largest)
     reasoning_markers: str = ""  # reasoning models: '<start>,<end>' (e.g. '<think>,</think>'); a guide then
     # applies only after the end marker (guided/reasoning.py); "" = off
 
@@ -235,8 +236,8 @@ class EngineConfig:
                f"unknown guided_backend {self.guided_backend!r} (one of auto, xgrammar, llguidance)")
         _check(self.guided_undeclared_keys in ("forbid", "allow"),
                f"guided_undeclared_keys must be 'forbid' or 'allow', got {self.guided_undeclared_keys!r}")
-        _check(self.lora_dtype in ("auto", "float32", "bfloat16"),
-               f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype!r}")
+        _check(self.lora_dtype in ("auto", "float32", "bfloat16", "int8"),
+               f"lora_dtype must be auto, float32, bfloat16 or int8, got {self.lora_dtype!r}")
         _check(self.guided_executor in GUIDED_EXECUTORS,
                f"unknown guided_executor {self.guided_executor!r} (one of {GUIDED_EXECUTORS})")
         _check(self.kv_cache_bytes >= 0, f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes!r}")

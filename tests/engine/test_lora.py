@@ -287,3 +287,36 @@ def test_guided_answers_with_an_adapter_close_valid_within_the_budget_and_specul
         assert (toks_on, final_on.finish_reason) == (toks, final.finish_reason)
         closed += any(n.startswith("closed by the budget") for n in final.guide_notes)
     assert closed >= 1
+
+
+@torch.inference_mode()
+def test_int8_adapters_stay_close_to_float32_and_keep_each_rows_bits_in_a_batch(ours, adapters):
+    """lora_dtype int8 (a scale per rank row, a quarter of the bytes): logits close to the float32
+    adapter's, and a row's bits the same alone and beside rows with other adapters."""
+    folders, _ = adapters
+    wide = load_adapter("legal", folders["legal"], ours.cfg, "float32")
+    narrow = load_adapter("legal", folders["legal"], ours.cfg, "int8")
+    assert {p.a.dtype for layer in narrow.layers for ps in layer for p in ps} == {torch.int8}
+    assert narrow.nbytes < wide.nbytes / 3.5
+    bank = LoRABank(ours.cfg, 4, 3)
+    for i, adapter in enumerate((wide, narrow, load_adapter("support", folders["support"], ours.cfg, "int8"))):
+        bank.place(i, adapter)
+        bank.bind(i, i)
+    ours.lora = bank
+    try:
+        kv = KVCache(30, 4, 3, 128, 64, torch.float32)
+        ids = list(range(500, 530))
+        alone = [_logits(ours, kv, ids, row) for row in range(3)]
+        assert (alone[0] - alone[1]).abs().max().item() < 0.1  # int8 rounding of a mild adapter
+        assert not torch.equal(alone[0], alone[1])
+        ctx = ours.make_context(torch.tensor([0, 1, 2]), torch.arange(30)[None].repeat(3, 1), [0, 1, 2], 30)
+        together = ours.logits(ours(torch.tensor([ids] * 3), ctx, kv))
+        assert all(torch.equal(together[r], alone[r]) for r in range(3))
+        fused = ours.fused
+        ours.fused = None  # the torch path dequantizes the same values
+        try:
+            assert (_logits(ours, kv, ids, 1) - alone[1]).abs().max().item() < 1e-3
+        finally:
+            ours.fused = fused
+    finally:
+        ours.lora = None

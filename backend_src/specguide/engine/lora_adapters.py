@@ -30,7 +30,9 @@ def _same(a: LoRAAdapter, b: LoRAAdapter) -> bool:
     pa = [p for layer in a.layers for ps in layer for p in ps]
     pb = [p for layer in b.layers for ps in layer for p in ps]
     return len(pa) == len(pb) and all(x.off == y.off and x.scale == y.scale and torch.equal(x.a, y.a)
-                                      and torch.equal(x.bt, y.bt) for x, y in zip(pa, pb))
+                                      and torch.equal(x.bt, y.bt) and (x.sa is None) == (y.sa is None)
+                                      and (x.sa is None or torch.equal(x.sa, y.sa) and torch.equal(x.sb, y.sb))
+                                      for x, y in zip(pa, pb))
 
 
 def parse_adapters(text: str, base: Optional[Path] = None) -> dict[str, Path]:

@@ -1382,9 +1382,11 @@ typedef struct {
 
 /* LoRA adapters (models/lora.py): y += B (s A x) for each token whose cache row is bound to an
    adapter. A projection's adapter is up to 3 pieces (q|k|v, gate|up: one per output range), each
-   A [r, in] and B^T [r, len] (fp32 or bf16: `kind`), scale s; its ranks summed are the token's t. */
+   A [r, in] and B^T [r, len] (fp32, bf16 or int8: `kind`; int8 with a scale per row, sa / sb [r]),
+   scale s; its ranks summed are the token's t. */
 typedef struct {
     const void *a, *b;
+    const float *sa, *sb;
     float scale;
     int r, off, len, kind;
 } lora_piece_t;
@@ -1484,6 +1486,7 @@ static void bias_rows_for(float *y, const float *b, int64_t N, int D) { /* y[n] 
 
 /* w[i] as fp32 (w of `kind`: W_F32 or W_BF16). */
 static inline float wval(const void *w, int64_t i, int kind) {
+    if (kind == W_I8) return (float)((const int8_t *)w)[i];
     if (kind != W_BF16) return ((const float *)w)[i];
     const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
     float v;
@@ -1508,7 +1511,7 @@ static inline float dot_w(const void *w, int kind, const float *x, int n) {
     return s;
 }
 
-static inline size_t lora_es(int kind) { return kind == W_BF16 ? 2 : 4; }
+static inline size_t lora_es(int kind) { return kind == W_BF16 ? 2 : kind == W_I8 ? 1 : 4; }
 
 /* Projection p of layer li: y [N, O] += B (s A x [N, I]) for each group's tokens; t: scratch
    [N, rmax]. Each t and y element is one thread's dot: batch- and thread-invariant. */
@@ -1536,7 +1539,8 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
             const void *row = (const char *)pc->a + (size_t)k * I * lora_es(pc->kind);
             for (int64_t j = gr->start[g]; j < gr->start[g + 1]; j++) {
                 const int64_t n = gr->tok[j];
-                t[n * R + (e % rp)] = pc->scale * dot_w(row, pc->kind, x + n * I, I);
+                const float d = dot_w(row, pc->kind, x + n * I, I);
+                t[n * R + (e % rp)] = pc->scale * (pc->sa ? pc->sa[k] * d : d);
             }
             break;
         }
@@ -1561,7 +1565,7 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
                     if (nv) {
                         vf acc[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
                         for (int k = 0; k < pc->r; k++) {
-                            const vf tk = splat(tn[k]);
+                            const vf tk = splat(pc->sb ? tn[k] * pc->sb[k] : tn[k]);
                             const int64_t row = (int64_t)k * pc->len + o - pc->off;
                             for (int v = 0; v < nv; v++) acc[v] += tk * wload(pc->b, row + v * VW, pc->kind);
                         }
@@ -1572,7 +1576,8 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
                     } else {
                         for (int q = o; q < b; q++) {
                             float acc = 0.0f;
-                            for (int k = 0; k < pc->r; k++) acc += tn[k] * wval(pc->b, (int64_t)k * pc->len + q - pc->off, pc->kind);
+                            for (int k = 0; k < pc->r; k++)
+                                acc += (pc->sb ? tn[k] * pc->sb[k] : tn[k]) * wval(pc->b, (int64_t)k * pc->len + q - pc->off, pc->kind);
                             yn[q] += acc;
                         }
                     }

@@ -33,7 +33,7 @@ class AdapterError(ValueError):
     """An adapter that cannot serve this base model (the message names it and why)."""
 
 
-LORA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LORA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,20 @@ class Piece:
     bt: torch.Tensor  # [r, len]: B transposed (ops.c sums each output over r in vector lanes)
     scale: float
     off: int
+    sa: Optional[torch.Tensor] = None  # int8: a's and bt's scales per row [r] (value = q * s)
+    sb: Optional[torch.Tensor] = None
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, bt) as floats (int8 rows times their scales)."""
+        if self.sa is None:
+            return self.a, self.bt
+        return self.a.float() * self.sa[:, None], self.bt.float() * self.sb[:, None]
+
+
+def _rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [r, n] as int8 rows and their scales (symmetric, per row: max |w| -> 127)."""
+    s = w.abs().amax(dim=1).clamp_min(1e-30) / 127.0
+    return torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), s.float().contiguous()
 
 
 @dataclass
@@ -57,7 +71,8 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.a.nbytes + p.bt.nbytes for layer in self.layers for proj in layer for p in proj)
+        return sum(p.a.nbytes + p.bt.nbytes + (0 if p.sa is None else p.sa.nbytes + p.sb.nbytes)
+                   for layer in self.layers for proj in layer for p in proj)
 
 
 def _ranges(cfg: ModelConfig) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -153,7 +168,11 @@ def _build(name: str, where: str, path: Path, entries: list, cfg: ModelConfig, d
         ps = layers[i][proj]
         if any(p.off < off + length and off < p.off + p.bt.shape[1] for p in ps):
             raise AdapterError(f"{where}: {full} adapts outputs another of its modules adapts too")
-        ps.append(Piece(a.to(device, dtype).contiguous(), b.T.to(device, dtype).contiguous(), float(scale), off))
+        if dtype == torch.int8:
+            (qa, sa), (qb, sb) = _rows_int8(a.float()), _rows_int8(b.T.float())
+            ps.append(Piece(qa.to(device), qb.to(device), float(scale), off, sa.to(device), sb.to(device)))
+        else:
+            ps.append(Piece(a.to(device, dtype).contiguous(), b.T.to(device, dtype).contiguous(), float(scale), off))
     for layer in layers:
         for pieces in layer:
             pieces.sort(key=lambda p: p.off)
@@ -218,8 +237,9 @@ class LoRARows:
         for a, rows in self.groups:
             xa = x2.index_select(0, rows)
             for p in self.bank.adapters[a].layers[layer][proj]:
-                t = (xa @ p.a.to(xa.dtype).T) * p.scale
-                y2[rows, p.off: p.off + p.bt.shape[1]] += t @ p.bt.to(xa.dtype)
+                pa, pbt = p.dense()
+                t = (xa @ pa.to(xa.dtype).T) * p.scale
+                y2[rows, p.off: p.off + pbt.shape[1]] += t @ pbt.to(xa.dtype)
         return y
 
 
@@ -250,6 +270,8 @@ class LoRABank:
                     s.piece[k].a, s.piece[k].b, s.piece[k].scale = pc.a.data_ptr(), pc.bt.data_ptr(), pc.scale
                     s.piece[k].r, s.piece[k].off, s.piece[k].len = pc.a.shape[0], pc.off, pc.bt.shape[1]
                     s.piece[k].kind = WEIGHT_KINDS[str(pc.a.dtype).removeprefix("torch.")]
+                    s.piece[k].sa = None if pc.sa is None else pc.sa.data_ptr()
+                    s.piece[k].sb = None if pc.sb is None else pc.sb.data_ptr()
         self._struct.rmax = max([a.rank for a in self.adapters if a is not None], default=0)
 
     def bind(self, row: int, index: int) -> None:
