@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -297,6 +298,31 @@ def lora_file(text: str, model_dir: Path, version: str) -> str:
         return str(model_dir / text) if not Path(text).is_absolute() else text
     found = model_dir / version / "multi_lora.json"
     return str(found) if found.is_file() else ""
+
+
+def parse_adapters(text: str, base: Optional[Path] = None) -> dict[str, Path]:
+    """config `lora_adapters`: '' (none), a JSON object {name: folder}, or the path of a file holding
+    one (the vLLM backend's multi_lora.json); ValueError saying what is wrong. A relative folder is the
+    working directory's, as vLLM reads it, or else the file's (`base`'s)."""
+    text = text.strip()
+    if not text:
+        return {}
+    where = "lora_adapters"
+    if not text.startswith("{"):
+        path = Path(text) if Path(text).is_absolute() or base is None else base / text
+        try:
+            text, base, where = path.read_text(), path.parent, str(path)
+        except OSError as exc:
+            raise ValueError(f"lora_adapters: cannot read {path} ({exc.strerror})") from None
+    try:
+        names = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(names, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                              for k, v in names.items()):
+        raise ValueError(f"{where}: must be a JSON object of adapter names to folders")
+    return {k: Path(v) if Path(v).is_absolute() or Path(v).exists() or base is None else base / v
+            for k, v in names.items()}
 
 
 def _coerce(f: dataclasses.Field, raw: Any) -> Any:

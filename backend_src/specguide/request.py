@@ -84,6 +84,11 @@ class EngineDeadError(RuntimeError):
 CLIENT_ERRORS = (InvalidRequestError, QueueFullError, EngineDeadError)  # their messages are written for clients
 
 
+def task_name(task_id: int) -> str:
+    """The adapter name a TensorRT-LLM LoRA task runs under (engine and metrics alike)."""
+    return f"task {task_id}"
+
+
 def error_code(exc: BaseException) -> str:
     """The Triton error code name for an exception: its own for ours, INTERNAL for anything else."""
     return exc.code if isinstance(exc, CLIENT_ERRORS) else "INTERNAL"

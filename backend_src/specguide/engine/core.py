@@ -17,14 +17,14 @@ import torch
 
 from .. import kernels
 from ..util import memory
-from ..config import CPU_SLOTS, EngineConfig
+from ..config import CPU_SLOTS, EngineConfig, parse_adapters
 from ..cuda.hostfunc import HostFuncError
 from ..guided.compiler import GrammarCompilerService
 from ..guided.limits import GuideLimits
 from .intake import Intake
 from .block_pool import BlockPool
 from .kv_cache import block_bytes, kv_store, size_blocks, size_slots
-from .lora_adapters import LoRAAdapters, parse_adapters
+from .lora_adapters import LoRAAdapters
 from ..models.loader import load_model, resolve_model_dir
 from .output_processor import Finish, OutputProcessor
 from ..request import InvalidRequestError, Request, RequestOutput, error_code

@@ -6,7 +6,6 @@ holds a slot."""
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
@@ -18,7 +17,7 @@ import torch
 
 from ..models.llama import LlamaModel
 from ..models.lora import AdapterError, LoRAAdapter, LoRABank, load_adapter
-from ..request import InvalidRequestError
+from ..request import InvalidRequestError, task_name
 from .scheduler import Sequence, SlotOwner
 
 log = logging.getLogger("specguide")
@@ -33,31 +32,6 @@ def _same(a: LoRAAdapter, b: LoRAAdapter) -> bool:
                                       and torch.equal(x.bt, y.bt) and (x.sa is None) == (y.sa is None)
                                       and (x.sa is None or torch.equal(x.sa, y.sa) and torch.equal(x.sb, y.sb))
                                       for x, y in zip(pa, pb))
-
-
-def parse_adapters(text: str, base: Optional[Path] = None) -> dict[str, Path]:
-    """config `lora_adapters`: '' (none), a JSON object {name: folder}, or the path of a file holding
-    one (the vLLM backend's multi_lora.json). A relative folder is the working directory's, as vLLM
-    reads it, or else the file's (`base`'s)."""
-    text = text.strip()
-    if not text:
-        return {}
-    where = "lora_adapters"
-    if not text.startswith("{"):
-        path = Path(text) if Path(text).is_absolute() or base is None else base / text
-        try:
-            text, base, where = path.read_text(), path.parent, str(path)
-        except OSError as exc:
-            raise ValueError(f"lora_adapters: cannot read {path} ({exc.strerror})") from None
-    try:
-        names = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{where}: not JSON ({exc})") from None
-    if not isinstance(names, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
-                                              for k, v in names.items()):
-        raise ValueError(f"{where}: must be a JSON object of adapter names to folders")
-    return {k: Path(v) if Path(v).is_absolute() or Path(v).exists() or base is None else base / v
-            for k, v in names.items()}
 
 
 @dataclass(eq=False)
@@ -117,7 +91,7 @@ class LoRAAdapters(SlotOwner):
         """TensorRT-LLM's LoRA cache: a request's `lora_task_id`, with its weights (`adapter`) the first
         time, the id alone later. Returns the name its requests run under; InvalidRequestError for an id
         never sent, or sent again with other weights while running with the first ones."""
-        name = f"task {task_id}"
+        name = task_name(task_id)
         with self._lock:
             reg = self.by_name.get(name)
             if adapter is None:
@@ -146,11 +120,7 @@ class LoRAAdapters(SlotOwner):
     def _forget(self, reg: Registered) -> None:
         del self.by_name[reg.name]
         if reg.index is not None:
-            self.bank.place(reg.index, None)
-            reg.index = None
-
-    def names(self) -> list[str]:
-        return list(self.by_name)
+            self._unplace(reg)
 
     def key(self, name: str) -> bytes:
         """The registered adapter's key; InvalidRequestError naming what is served otherwise."""
@@ -184,9 +154,7 @@ class LoRAAdapters(SlotOwner):
                 idle = [r for r in self.by_name.values() if r.index is not None and not r.users]
                 if not idle:
                     return False
-                out = min(idle, key=lambda r: r.last_used)
-                index, out.index = out.index, None
-                self.bank.place(index, None)
+                index = self._unplace(min(idle, key=lambda r: r.last_used))
             try:
                 adapter = reg.adapter or load_adapter(reg.name, reg.path, self.model.cfg, self.lora_dtype,
                                                       self.model.device)
@@ -224,6 +192,12 @@ class LoRAAdapters(SlotOwner):
     def _free_index(self) -> Optional[int]:
         used = {r.index for r in self.by_name.values()}
         return next((i for i in range(self.max_loras) if i not in used), None)
+
+    def _unplace(self, reg: Registered) -> int:
+        """Take an idle resident adapter out of the bank; returns the place it had."""
+        index, reg.index = reg.index, None
+        self.bank.place(index, None)
+        return index
 
     def _place(self, reg: Registered, index: int, adapter) -> None:
         self.bank.place(index, adapter)

@@ -1484,7 +1484,7 @@ static void bias_rows_for(float *y, const float *b, int64_t N, int D) { /* y[n] 
         for (int i = 0; i < D; i++) y[n * D + i] += b[i];
 }
 
-/* w[i] as fp32 (w of `kind`: W_F32 or W_BF16). */
+/* w[i] as fp32 (w of `kind`: W_F32, W_BF16 or W_I8). */
 static inline float wval(const void *w, int64_t i, int kind) {
     if (kind == W_I8) return (float)((const int8_t *)w)[i];
     if (kind != W_BF16) return ((const float *)w)[i];
@@ -1494,7 +1494,7 @@ static inline float wval(const void *w, int64_t i, int kind) {
     return v;
 }
 
-/* sum w[i] x[i] (w of `kind`: W_F32 or W_BF16) in a fixed order (lanes, then the lanes in
+/* sum w[i] x[i] (w of `kind`: W_F32, W_BF16 or W_I8) in a fixed order (lanes, then the lanes in
    order): the same bits on any thread. */
 static inline float dot_w(const void *w, int kind, const float *x, int n) {
     vf a0 = (vf){0}, a1 = (vf){0}, a2 = (vf){0}, a3 = (vf){0};
@@ -1511,13 +1511,10 @@ static inline float dot_w(const void *w, int kind, const float *x, int n) {
     return s;
 }
 
-static inline size_t lora_es(int kind) { return kind == W_BF16 ? 2 : kind == W_I8 ? 1 : 4; }
-
 /* Projection p of layer li: y [N, O] += B (s A x [N, I]) for each group's tokens; t: scratch
    [N, rmax]. Each t and y element is one thread's dot: batch- and thread-invariant. */
 static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int p, const float *x, float *y, float *t,
-                         int64_t N, int I, int O) {
-    (void)N;
+                         int I, int O) {
     if (!lo) return;
     const int R = lo->rmax;
     int rp = 0; /* this projection's largest summed rank over the groups' adapters: the units that have work */
@@ -1536,7 +1533,7 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
         for (int i = 0; i < pr->n; k -= pr->piece[i].r, i++) {
             const lora_piece_t *pc = &pr->piece[i];
             if (k >= pc->r) continue;
-            const void *row = (const char *)pc->a + (size_t)k * I * lora_es(pc->kind);
+            const void *row = (const char *)pc->a + (size_t)k * I * wsize(pc->kind);
             for (int64_t j = gr->start[g]; j < gr->start[g + 1]; j++) {
                 const int64_t n = gr->tok[j];
                 const float d = dot_w(row, pc->kind, x + n * I, I);
@@ -1631,12 +1628,12 @@ static void proj_add_for(const layer_t *l, int p, const float *x, float *y, floa
                          int li, float *t) {
     if (out_norm) {
         gemv_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O, qa);
-        lora_add_for(lo, gr, li, p, x, tmp, t, N, I, O);
+        lora_add_for(lo, gr, li, p, x, tmp, t, I, O);
         rms_rows_for(tmp, out_norm, tmp, N, O, eps);
         add_rows_for(y, tmp, N, O);
     } else { /* NOTE: (y + W x) + B A x: rows without an adapter keep their bits */
         gemv_for(l->kind[p], x, l->w[p], l->aux[p], y, y, (int)N, I, O, qa);
-        lora_add_for(lo, gr, li, p, x, y, t, N, I, O);
+        lora_add_for(lo, gr, li, p, x, y, t, I, O);
     }
 }
 
@@ -1669,7 +1666,7 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
         rms_rows_for(x, l->in_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd, &qa);
         if (l->qkv_bias) bias_rows_for(qkv, l->qkv_bias, N, H * c->hd);
-        lora_add_for(lo, &gr, li, P_QKV, xn, qkv, lt, N, D, H * c->hd);
+        lora_add_for(lo, &gr, li, P_QKV, xn, qkv, lt, D, H * c->hd);
         if (l->q_norm) {  /* per head, before RoPE (Qwen3, Gemma 3) */
             #pragma omp for schedule(static)
             for (int64_t e = 0; e < N * (c->nh + c->kvh); e++) {
@@ -1687,7 +1684,7 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
         proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa, lo, &gr, li, lt);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);
         gemv_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter, &qa);
-        lora_add_for(lo, &gr, li, P_GATE_UP, xn, gu, lt, N, D, 2 * c->inter);
+        lora_add_for(lo, &gr, li, P_GATE_UP, xn, gu, lt, D, 2 * c->inter);
         act_mul_for(gu, h, N, c->inter, c->act);
         proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa, lo, &gr, li, lt);
     }

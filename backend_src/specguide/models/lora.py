@@ -75,11 +75,16 @@ class LoRAAdapter:
                    for layer in self.layers for proj in layer for p in proj)
 
 
-def _ranges(cfg: ModelConfig) -> list[tuple[int, list[tuple[int, int]]]]:
-    """Per projection: its input width and its pieces' output ranges (off, len)."""
+def _shape(cfg: ModelConfig, module: str) -> tuple[int, int, int, int]:
+    """A PEFT module on this model: (its projection, input width, output offset and length in the
+    fused projection)."""
     q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
         cfg.intermediate_size
-    return [(h, [(0, q), (q, kv), (q + kv, kv)]), (q, [(0, h)]), (h, [(0, inter), (inter, inter)]), (inter, [(0, h)])]
+    width, outs = [(h, [(0, q), (q, kv), (q + kv, kv)]), (q, [(0, h)]), (h, [(0, inter), (inter, inter)]),
+                   (inter, [(0, h)])][MODULES[module][0]]
+    piece = MODULES[module][1]
+    off, length = (0, outs[-1][0] + outs[-1][1]) if piece < 0 else outs[piece]
+    return MODULES[module][0], width, off, length
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -102,7 +107,7 @@ def _held_as(tensors: list[torch.Tensor], lora_dtype: str) -> torch.dtype:
 def load_adapter(name: str, folder: Path | str, cfg: ModelConfig, lora_dtype: str = "auto",
                  device: torch.device | str = "cpu") -> LoRAAdapter:
     """Read a PEFT LoRA folder for a base model of `cfg`, its weights held in `lora_dtype` ("auto":
-    bfloat16 where that is exact, "float32", "bfloat16"); AdapterError naming the adapter when it is
+    bfloat16 where that is exact, "float32", "bfloat16", "int8"); AdapterError naming the adapter when it is
     not one this model can use (another model's shapes, embeddings or heads adapted, DoRA, biases)."""
     from safetensors.torch import load_file
 
@@ -151,14 +156,11 @@ def _build(name: str, where: str, path: Path, entries: list, cfg: ModelConfig, d
            device: torch.device | str) -> LoRAAdapter:
     """The adapter of (layer, its name for errors, PEFT module, A [r, in], B [out, r], scale) entries,
     each checked against the base model's shapes."""
-    ranges = _ranges(cfg)
     layers: list[list[list[Piece]]] = [[[] for _ in PROJS] for _ in range(cfg.num_layers)]
     for i, full, module, a, b, scale in entries:
         if not 0 <= i < cfg.num_layers:
             raise AdapterError(f"{where}: {full}: the base model has {cfg.num_layers} layers")
-        proj, piece = MODULES[module]
-        width, outs = ranges[proj]
-        off, length = (outs[0][0], outs[-1][0] + outs[-1][1]) if piece < 0 else outs[piece]
+        proj, width, off, length = _shape(cfg, module)
         r = a.shape[0] if a.dim() == 2 else 0
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != width or b.shape != (length, r) or r < 1:
             raise AdapterError(f"{where}: {full} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this base "
@@ -201,24 +203,21 @@ def adapter_from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, cfg:
     if w.ndim != 2 or c.ndim != 2 or c.shape[1] != 3 or w.shape[0] != c.shape[0] or not c.shape[0]:
         raise AdapterError(f"{where}: lora_weights must be [n, size] and lora_config [n, 3] with the same n, got "
                            f"{list(w.shape)} and {list(c.shape)}")
-    ranges = _ranges(cfg)
+    values = torch.from_numpy(np.asarray(w, dtype=np.float32))  # [n, size]
     entries = []
     for row, (mid, layer, rank) in enumerate(c.tolist()):
         module = TRTLLM_MODULES.get(int(mid))
         if module is None:
             raise AdapterError(f"{where}: lora_config row {row}: module id {mid} is not one this model has "
                                f"(0-7: attention q/k/v/qkv/dense, MLP gate/up/down)")
-        proj, piece = MODULES[module]
-        width, outs = ranges[proj]
-        length = outs[-1][0] + outs[-1][1] - outs[0][0] if piece < 0 else outs[piece][1]
+        _, width, _, length = _shape(cfg, module)
         if not 1 <= rank <= min(width, length) or rank * (width + length) > w.shape[1]:
             raise AdapterError(f"{where}: lora_config row {row}: adapter size {rank} does not fit (module {mid}: "
                                f"{rank} x {width} + {length} x {rank} values in a row of {w.shape[1]})")
-        flat = torch.from_numpy(np.ascontiguousarray(w[row])).float()
+        flat = values[row]
         a = flat[: rank * width].view(rank, width)
         b = flat[rank * width: rank * (width + length)].view(length, rank)
         entries.append((int(layer), f"lora_config row {row} (module {mid}, layer {layer})", module, a, b, 1.0))
-    values = torch.from_numpy(np.asarray(w, dtype=np.float32))
     if not torch.isfinite(values).all():
         raise AdapterError(f"{where}: lora_weights holds a value that is not finite")
     return _build(name, where, Path(), entries, cfg, _held_as([values], lora_dtype), device)
@@ -228,7 +227,7 @@ class LoRARows:
     """The adapters of one torch-path forward's tokens (idx [N]: a bank index, -1 none)."""
 
     def __init__(self, bank: "LoRABank", idx: torch.Tensor):
-        self.bank, self.idx = bank, idx
+        self.bank = bank
         self.groups = [(int(a), (idx == a).nonzero().squeeze(1)) for a in idx.unique().tolist() if a >= 0]
 
     def add(self, layer: int, proj: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -248,7 +247,7 @@ class LoRABank:
     bound to (`of_row`, -1: the base model). The engine's adapter registry decides what is resident."""
 
     def __init__(self, cfg: ModelConfig, rows: int, capacity: int, device: torch.device | str = "cpu"):
-        self.cfg, self.capacity = cfg, capacity
+        self.cfg = cfg
         self.adapters: list[Optional[LoRAAdapter]] = [None] * capacity
         self.of_row = torch.full((rows,), -1, dtype=torch.int32, device=device)  # [cache rows]
         self._host_rows = [-1] * rows

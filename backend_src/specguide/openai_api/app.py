@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import ReasoningMarkers
+from ..config import ReasoningMarkers, parse_adapters
 from ..guided.limits import json_depth
 from . import chat_endpoint, completions_endpoint, handlers
 from .chat import ChatTemplate
@@ -66,12 +66,10 @@ def _default_template_dir(params: dict[str, str]) -> Path:
 def adapter_names(text: str) -> list[str]:
     """The LoRA adapters config `lora_adapters` names (inline JSON or a file this server can read:
     /v1/models lists them); [] when none or unreadable (a `multi_lora.json` the model found itself)."""
-    text = text.strip()
     try:
-        names = json.loads(text if text.startswith("{") else Path(text).read_text()) if text else {}
-    except (OSError, ValueError):
+        return list(parse_adapters(text))
+    except ValueError:
         return []
-    return [k for k in names if isinstance(k, str)] if isinstance(names, dict) else []
 
 
 def max_tokens_limit(params: dict[str, str], folder: Path) -> int:

@@ -30,7 +30,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig, lora_file
 from ..util.memory import trim
-from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput, error_code
+from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput, error_code, task_name
 from .instance import instance_count
 from . import request_parser
 from .groups import Group, GroupMember, shaped
@@ -273,7 +273,7 @@ class TritonPythonModel:
                 peer.row(seq.n)
             m.finished(out.finish_reason or "error")
             req = seq.parsed.request
-            adapter = req.lora_name or (f"task {req.lora_task_id}" if req.lora_task_id is not None else None)
+            adapter = req.lora_name or (task_name(req.lora_task_id) if req.lora_task_id is not None else None)
             if adapter is not None and out.error is None:
                 m.adapter_finished(adapter, seq.generated)
             if out.finish_reason == "cancelled":
