@@ -7,6 +7,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specguide.guided import GuidedDecoder
@@ -133,3 +134,19 @@ def save_random_head(path: Path, cfg=None) -> Path:
     torch.manual_seed(0)
     DraftHead(cfg, torch.arange(0, cfg.vocab_size, 3)).save(path, {"note": "random"})
     return path
+
+
+def rambler(hf_tokenizer, vocab: int):
+    """A 'model' that never closes a value: among the allowed tokens it takes the longest one
+    without a quote or a closing bracket (string content, new keys, digits), else the first allowed."""
+    texts = [hf_tokenizer.decode([t]) for t in range(len(hf_tokenizer))]
+    order = sorted((t for t, s in enumerate(texts) if not any(c in s for c in '"}]')),
+                   key=lambda t: -len(texts[t]))
+    rest = set(range(vocab)) - set(order)
+    order = np.array(order + sorted(rest), dtype=np.int64)
+
+    def pick(mask: torch.Tensor) -> int:
+        words = mask[0].numpy().view(np.uint32)
+        allowed = (words[order >> 5] >> (order & 31).astype(np.uint32)) & 1
+        return int(order[np.flatnonzero(allowed)[0]])
+    return pick

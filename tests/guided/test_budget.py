@@ -19,6 +19,7 @@ from specguide.request import GuidedDecodingParams as G
 from specguide.request import InvalidRequestError
 
 from .conftest import VOCAB
+from .helpers import rambler
 
 BOTH = ["xgrammar", "llguidance"]
 PERSON = {"type": "object", "properties": {
@@ -48,6 +49,24 @@ CASES = [
     ({"type": "array", "items": {"anyOf": [{"type": "object", "properties": {"k": {"enum": ["alpha", "beta"]}},
                                             "required": ["k"]}, {"type": "null"}]}, "minItems": 2},
      '[{"k": "beta"}, null, {"k":"alpha"}]'),
+    # issue 80: branches that all start with `{` (each followed; the const drops the other), its keys first
+    ({"type": "object", "properties": {"note": {"type": "string"}},
+      "oneOf": [{"properties": {"kind": {"const": "a"}, "x": {"type": "integer"}}, "required": ["kind", "x"]},
+                {"properties": {"kind": {"const": "b"}, "y": {"type": "string", "minLength": 2}},
+                 "required": ["kind", "y"]}]},
+     '{"kind": "b", "y": "hello", "note": "n"}'),
+    # an allOf's part before the branches: its keys first
+    ({"allOf": [{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+                {"anyOf": [{"properties": {"k": {"const": 1}}, "required": ["k"]},
+                           {"properties": {"j": {"type": "array", "items": {"type": "integer"}, "minItems": 1}},
+                            "required": ["j"]}]}]},
+     '{"name": "x", "j": [2, 3]}'),
+    # keys a pattern names; a pattern string with a minLength; a format half written
+    ({"type": "object", "patternProperties": {"^[0-9]+$": {"type": "object", "properties": {
+        "id": {"type": "string", "pattern": "^[a-z][a-z0-9]*$", "minLength": 3},
+        "at": {"type": "string", "format": "date-time"}}, "required": ["id", "at"]}},
+      "additionalProperties": False},
+     '{"12": {"id": "ab12", "at": "2024-02-29T10:30:00Z"}, "7": {"id": "xyz", "at": "1999-12-31T23:59:59+01:00"}}'),
 ]
 
 
@@ -98,26 +117,10 @@ def test_bytes_fed_in_tokens_and_memoized_ends_match_byte_by_byte(schema, doc, w
         assert warm.completion(st) == fresh
 
 
-def rambler(hf_tokenizer):
-    """A 'model' that never closes a value: among the allowed tokens it takes the longest one
-    without a quote or a closing bracket (string content, new keys, digits), else the first allowed."""
-    texts = [hf_tokenizer.decode([t]) for t in range(len(hf_tokenizer))]
-    order = sorted((t for t, s in enumerate(texts) if not any(c in s for c in '"}]')),
-                   key=lambda t: -len(texts[t]))
-    rest = set(range(VOCAB)) - set(order)
-    order = np.array(order + sorted(rest), dtype=np.int64)
-
-    def pick(mask: torch.Tensor) -> int:
-        words = mask[0].numpy().view(np.uint32)
-        allowed = (words[order >> 5] >> (order & 31).astype(np.uint32)) & 1
-        return int(order[np.flatnonzero(allowed)[0]])
-    return pick
-
-
 @pytest.mark.parametrize("backend", BOTH)
 @pytest.mark.parametrize("budget", [32, 48, 80])
 def test_a_rambling_answer_still_closes_valid_by_max_tokens(xgr_service, hf_tokenizer, backend, budget):
-    pick = rambler(hf_tokenizer)
+    pick = rambler(hf_tokenizer, VOCAB)
     stop = xgr_service.stop_token_ids[0]
     encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     for schema in (PERSON, NESTED):
@@ -200,7 +203,7 @@ def test_a_regex_answer_closes_within_max_tokens_too(xgr_service, hf_tokenizer, 
     from specguide.guided.regex_completion import RegexScanner
 
     pattern = r"Name: [A-Za-z ]+\. Phone: [0-9]{3}-[0-9]{4}\."
-    pick, stop = rambler(hf_tokenizer), xgr_service.stop_token_ids[0]
+    pick, stop = rambler(hf_tokenizer, VOCAB), xgr_service.stop_token_ids[0]
     encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     sc = RegexScanner(pattern)
     assert sc.completion(sc.feed(sc.start(), b"Name: Ada")) == ". Phone: 000-0000."
@@ -292,7 +295,7 @@ def test_rambling_tool_calls_still_close_valid_by_max_tokens(xgr_service, hf_tok
     token by max_tokens: the budget ends the output where no further call could fit."""
     from specguide.guided.tag_completion import TagScanner
 
-    pick, stop = rambler(hf_tokenizer), xgr_service.stop_token_ids[0]
+    pick, stop = rambler(hf_tokenizer, VOCAB), xgr_service.stop_token_ids[0]
     encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     tag = _tool_tag(choice)
     guide = within_budget(xgr_service.compile(G("structural_tag", json.dumps(tag), backend=backend)),
@@ -323,7 +326,7 @@ def test_auto_tools_leave_free_text_alone_and_finish_a_late_call(xgr_service, hf
     that begins near the end is finished, valid, within max_tokens."""
     from specguide.guided.tag_completion import TagScanner
 
-    stop, pick = xgr_service.stop_token_ids[0], rambler(hf_tokenizer)
+    stop, pick = xgr_service.stop_token_ids[0], rambler(hf_tokenizer, VOCAB)
     encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     tag, budget = _tool_tag("auto"), 60
     guide = within_budget(xgr_service.compile(G("structural_tag", json.dumps(tag), backend=backend)),

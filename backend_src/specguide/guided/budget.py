@@ -13,9 +13,10 @@ while n + g + SLACK < r the grammar's mask stands, so after any token the answer
 from then on the mask allows only the first token of the completion (its tokens are also the
 forced tokens drafters propose), so the answer ends valid with finish reason "stop". Every
 decision is a function of the matcher's own state, so draft positions get the same masks as plain
-decoding: speculation stays lossless. Where the scanner cannot tell (an anyOf between objects, a
-pattern-constrained string half written) or the grammar refuses the completion, it does nothing
-and the grammar's mask stands. A regex guide gets the same through `RegexScanner`: the states of
+decoding: speculation stays lossless. Where anyOf / oneOf branches read the answer alike, the
+completions of all of them are tried, shortest first (TRIES). Where the scanner cannot tell (a
+format-constrained string half written, more readings than it follows) or the grammar refuses
+every completion, it does nothing and the grammar's mask stands. A regex guide gets the same through `RegexScanner`: the states of
 an NFA of the regex after the text so far, and the shortest text that completes the match.
 
 What this costs is bounded by the budget, never by what the guide asks for (issue 75): a
@@ -36,6 +37,7 @@ from .backend import CompiledGuide, Encode, Matcher, fill_by_class
 from .regex_completion import MAX_BYTES, TooLong, Unknown
 
 SLACK = 8  # tokens kept in hand beyond what one free token may add to the completion
+TRIES = 4  # completions (of anyOf / oneOf readings, shortest first) checked against the grammar per state
 _LONGEST: dict[int, tuple[Sequence[bytes], int]] = {}  # id(vocabulary) -> (it, its longest token's bytes)
 
 
@@ -78,23 +80,29 @@ class BudgetMatcher(Matcher):
     def __init__(self, inner: Matcher, plan: BudgetPlan):
         self.inner, self.plan = inner, plan
         self.states: list[Any] = [plan.scanner.start()]  # the scanner's state after each accepted token (None: Unknown)
-        self._texts: dict[int, Optional[str]] = {}  # per state index: the completion's text
+        self._texts: dict[int, Optional[list[str]]] = {}  # per state index: the completions' texts
         self._growths: dict[int, int] = {}  # per state index: Scanner.growth
         self._plans: dict[int, Optional[list[int]]] = {}  # per state index: its verified tokens + stop
         self._cut: set[int] = set()  # state indices whose plan is only the first left + 1 tokens
 
     # -- the completion ---------------------------------------------------------------------
 
-    def _text(self) -> Optional[str]:
-        """The shortest completion's text from the current state (None: cannot tell)."""
+    def _candidates(self) -> Optional[list[str]]:
+        """The completions' texts from the current state, shortest first (None: cannot tell)."""
         i = len(self.states) - 1
         if i not in self._texts:
-            st = self.states[-1]
+            st, scanner = self.states[-1], self.plan.scanner
             try:
-                self._texts[i] = None if st is None else self.plan.scanner.completion(st)
+                self._texts[i] = None if st is None else \
+                    scanner.completions(st) if hasattr(scanner, "completions") else [scanner.completion(st)]
             except Unknown:
                 self._texts[i] = None
         return self._texts[i]
+
+    def _text(self) -> Optional[str]:
+        """The shortest completion's text from the current state (None: cannot tell)."""
+        texts = self._candidates()
+        return texts[0] if texts else None
 
     def _growth(self) -> int:
         """Scanner.growth of the current state, in bytes (>= the tokens it may add)."""
@@ -112,18 +120,21 @@ class BudgetMatcher(Matcher):
         far as a refusal's message needs, never more than can be used."""
         i = len(self.states) - 1
         if i not in self._plans:
-            text, out = self._text(), None
-            if text is not None:
+            out = None
+            for text in (self._candidates() or [])[:TRIES]:  # the shortest the grammar takes
                 most = 2 * (self.plan.budget + 1)
                 chars = (most + 1) * self.plan.longest  # holds at least most + 1 tokens
                 toks = self.plan.tokens(text[:chars])
                 if len(text) <= chars:
                     toks.append(self.plan.stop_id)
-                if len(toks) > most:  # cannot fit: the tokens it may still force (a cut text's
+                cut = len(toks) > most
+                if cut:  # cannot fit: the tokens it may still force (a cut text's
                     toks = toks[:most]  # last tokens may differ from the whole text's: dropped)
-                    self._cut.add(i)
                 if self.inner.validate(toks) == len(toks):  # the grammar takes it, stop token included
                     out = toks
+                    if cut:
+                        self._cut.add(i)
+                    break
             self._plans[i] = out
         return self._plans[i]
 

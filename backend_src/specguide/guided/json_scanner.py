@@ -2,7 +2,13 @@
 and the shortest text that completes a valid document from there (`Scanner.completion`) and the
 most one free token can add to it (`Scanner.growth`): the token budget's view (budget.py). The
 end of a scalar being written comes from partial_scalar.py. A completion longer than the
-schemas' `max_bytes` is never built (TooLong): its length is known before its text is."""
+schemas' `max_bytes` is never built (TooLong): its length is known before its text is.
+
+Where several anyOf / oneOf branches may take a value (objects that all start with `{`), each is
+followed as a reading of its own (`Readings`, at most MAX_READINGS): JSON's syntax is one, so the
+readings share their containers and lexeme and differ only in schemas. A reading whose schema the
+bytes break (a key its object forbids, a value outside its enum or const, a value of another type)
+is dropped while another holds; the completions are the readings' ones, shortest first."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +18,7 @@ from typing import Any, Optional
 
 from . import client_regex
 from .partial_scalar import decoded_prefix, escape_end, finish_scalar
-from .regex_completion import Unknown, again
+from .regex_completion import TooLong, Unknown, again, shortest_match
 from .schema_completion import Schemas, count, json_text
 
 _WS = b" \t\n\r"
@@ -39,9 +45,35 @@ class State:
     stack: tuple[Frame, ...] = ()
     lex: Optional[tuple[str, bytes]] = None
     done: bool = False  # the top-level value is complete
+    weak: bool = False  # the bytes broke this reading's schema (kept only while no other reading holds)
+
+
+@dataclass(frozen=True)
+class Readings:
+    """Several readings of the same bytes (module docstring): their containers and lexeme are one."""
+
+    states: tuple[State, ...]
+
+    @property
+    def stack(self) -> tuple[Frame, ...]:
+        return self.states[0].stack
+
+    @property
+    def lex(self) -> Optional[tuple[str, bytes]]:
+        return self.states[0].lex
+
+    @property
+    def done(self) -> bool:
+        return self.states[0].done
+
+
+def _pack(states: tuple[State, ...]) -> "State | Readings":
+    return states[0] if len(states) == 1 else Readings(states)
 
 
 CLOSINGS_KEPT = 512  # closing texts a scanner memoizes (one per container configuration seen)
+MAX_READINGS = 32  # readings followed at once; past it the scanner cannot tell (Unknown)
+MAX_NESTING = 8  # anyOf / oneOf nested in branches, flattened as far as this
 
 
 class Scanner:
@@ -80,40 +112,69 @@ class Scanner:
         extra = node.get("additionalProperties", {})
         return extra if isinstance(extra, (dict, bool)) else {}
 
-    def value_schema(self, node: Any, first: int) -> Any:
-        """The branch of `node` a value starting with byte `first` takes (anyOf / oneOf by JSON type)."""
+    def value_schemas(self, node: Any, first: int, depth: int = 0) -> list[Any]:
+        """The schemas a value starting with byte `first` may take under `node`: the anyOf / oneOf
+        branches (each merged with the node's other keywords; nested ones flattened) that may start
+        so (none: [] ), else the node itself."""
         node = self.s.resolve(node)
         if not isinstance(node, dict):
-            return node
+            return [node]
         for key in ("anyOf", "oneOf"):
             if isinstance(node.get(key), list):
-                fits = [i for i, x in enumerate(node[key]) if _starts(self.s.resolve(x), first)]
-                if len(fits) != 1:
-                    if len(fits) > 1 and first not in b"{[":
-                        return {}  # several scalar branches: a scalar closes the same way in each
-                    raise Unknown(f"{key}: {len(fits)} branches start with {chr(first)!r}")
-                return self.s.branches(node, key)[fits[0]]
-        return node
+                if depth >= MAX_NESTING:
+                    raise Unknown(f"{key} nested more than {MAX_NESTING} deep")
+                return [x for b in self.s.branches(node, key) if _starts(self.s.resolve(b), first)
+                        for x in self.value_schemas(b, first, depth + 1)]
+        return [node]
+
+    def allows_key(self, frame: Frame, key: str) -> bool:
+        """Whether an object of this frame's schema may hold `key` (declared, or not forbidden)."""
+        node = self.s.resolve(frame.schema)
+        if not isinstance(node, dict) or node.get("additionalProperties") is not False or node.get("patternProperties"):
+            return True
+        props = node.get("properties")
+        return isinstance(props, dict) and key in props
 
     def start(self) -> State:
         return State()
 
-    def feed(self, state: State, data: bytes) -> State:
+    def feed(self, state: "State | Readings", data: bytes) -> "State | Readings":
+        states = state.states if isinstance(state, Readings) else (state,)
         i = 0
         while i < len(data):
-            lex = state.lex
+            lex = states[0].lex
             if lex is not None and lex[0] in ("string", "key"):  # inside a string: up to its quote at once
                 q = data.find(b'"', i)
                 if q < 0:
-                    return State(state.stack, (lex[0], lex[1] + data[i:]))
+                    return _pack(tuple(dataclasses.replace(st, lex=(lex[0], st.lex[1] + data[i:])) for st in states))
                 if q > i:
-                    state, i = State(state.stack, (lex[0], lex[1] + data[i:q])), q
-            state = self._byte(state, data[i])
+                    states = tuple(dataclasses.replace(st, lex=(lex[0], st.lex[1] + data[i:q])) for st in states)
+                    i = q
+            states = self._step(states, data[i])
             i += 1
-        return state
+        return _pack(states)
 
-    def _byte(self, st: State, c: int) -> State:
-        lex, stack = st.lex, st.stack
+    def _step(self, states: tuple[State, ...], c: int) -> tuple[State, ...]:
+        """One byte for every reading: those it breaks are dropped while another holds."""
+        strong: list[State] = []
+        weak: list[State] = []
+        error: Optional[Unknown] = None
+        for st in states:
+            try:
+                for nxt in self._byte(st, c):
+                    (weak if nxt.weak else strong).append(nxt)
+            except Unknown as e:
+                error = e
+        out = strong or weak
+        if not out:
+            assert error is not None
+            raise error
+        if len(out) > MAX_READINGS:
+            raise Unknown(f"more than {MAX_READINGS} readings")
+        return tuple(out)
+
+    def _byte(self, st: State, c: int) -> tuple[State, ...]:
+        lex, stack, weak = st.lex, st.stack, st.weak
         top = stack[-1] if stack else None
         if lex is not None:
             kind, buf = lex
@@ -121,53 +182,74 @@ class Scanner:
                 if _string_closed(buf, c):
                     if kind == "key":
                         key = json.loads(b'"' + buf + b'"')
-                        return State(stack[:-1] + (dataclasses.replace(top, keys=top.keys + (key,), phase=":"),))
-                    return self._after_value(State(stack))
-                return State(stack, (kind, buf + bytes([c])))
+                        weak = weak or not self.allows_key(top, key)
+                        return State(stack[:-1] + (dataclasses.replace(top, keys=top.keys + (key,), phase=":"),),
+                                     weak=weak),
+                    return self._after_value(State(stack, weak=weak or self._outside(top, b'"' + buf + b'"'))),
+                return State(stack, (kind, buf + bytes([c])), weak=weak),
             if kind == "number" and (48 <= c <= 57 or c in b"+-.eE"):
-                return State(stack, (kind, buf + bytes([c])))
+                return State(stack, (kind, buf + bytes([c])), weak=weak),
             if kind == "literal" and 97 <= c <= 122:
-                return State(stack, (kind, buf + bytes([c])))
-            st = self._after_value(State(stack))  # the number / literal ended at this byte
+                return State(stack, (kind, buf + bytes([c])), weak=weak),
+            st = self._after_value(State(stack, weak=weak or self._outside(top, buf)))  # it ended at this byte
             return self._byte(st, c)
         if c in _WS:
-            return st
+            return st,
         if st.done:
             raise Unknown("bytes after the document")
         if top is not None and top.kind == "object" and top.phase in ("key?", "key"):
             if c == ord('"'):
-                return State(stack, ("key", b""))
+                return State(stack, ("key", b""), weak=weak),
             if c == ord("}") and top.phase == "key?":
-                return self._after_value(State(stack[:-1]))
+                return self._after_value(State(stack[:-1], weak=weak)),
             raise Unknown(f"byte {chr(c)!r} where a key goes")
         if top is not None and top.phase == ":":
             if c != ord(":"):
                 raise Unknown("no colon after a key")
-            return State(stack[:-1] + (dataclasses.replace(top, phase="value"),))
+            return State(stack[:-1] + (dataclasses.replace(top, phase="value"),), weak=weak),
         if top is not None and top.phase == "more":
             if c == ord(","):
                 nxt = "key" if top.kind == "object" else "value"
-                return State(stack[:-1] + (dataclasses.replace(top, phase=nxt),))
+                return State(stack[:-1] + (dataclasses.replace(top, phase=nxt),), weak=weak),
             if c == ord("}" if top.kind == "object" else "]"):
-                return self._after_value(State(stack[:-1]))
+                return self._after_value(State(stack[:-1], weak=weak)),
             raise Unknown(f"byte {chr(c)!r} after a value")
         if top is not None and top.kind == "array" and c == ord("]") and top.items == 0:
-            return self._after_value(State(stack[:-1]))
-        # a value starts here
-        schema = self.value_schema(self.child(top), c)
+            return self._after_value(State(stack[:-1], weak=weak)),
+        # a value starts here: one reading per schema it may take
+        node = self.child(top)
+        schemas = self.value_schemas(node, c)
         if top is not None and top.kind == "array":  # its schema decided: count it now
             stack = stack[:-1] + (dataclasses.replace(top, phase="value"),)
+        if not schemas:  # no branch starts so, yet the grammar took it: follow the grammar (an untyped value)
+            schemas, weak = [{}], True
+        elif len(schemas) == 1:
+            weak = weak or not _starts(self.s.resolve(schemas[0]), c)
         if c == ord("{"):
-            return State(stack + (Frame("object", schema, "key?"),))
+            return tuple(State(stack + (Frame("object", x, "key?"),), weak=weak) for x in schemas)
         if c == ord("["):
-            return State(stack + (Frame("array", schema, "value"),))
+            return tuple(State(stack + (Frame("array", x, "value"),), weak=weak) for x in schemas)
         if c == ord('"'):
-            return State(stack + (Frame("scalar", schema, ""),), ("string", b""))
-        if c == ord("-") or 48 <= c <= 57:
-            return State(stack + (Frame("scalar", schema, ""),), ("number", bytes([c])))
-        if c in b"tfn":
-            return State(stack + (Frame("scalar", schema, ""),), ("literal", bytes([c])))
-        raise Unknown(f"byte {chr(c)!r} cannot start a value")
+            lex = ("string", b"")
+        elif c == ord("-") or 48 <= c <= 57:
+            lex = ("number", bytes([c]))
+        elif c in b"tfn":
+            lex = ("literal", bytes([c]))
+        else:
+            raise Unknown(f"byte {chr(c)!r} cannot start a value")
+        return tuple(State(stack + (Frame("scalar", x, ""),), lex, weak=weak) for x in schemas)
+
+    def _outside(self, frame: Optional[Frame], text: bytes) -> bool:
+        """Whether a scalar just written (its JSON text) is outside its schema's enum or const."""
+        node = self.s.resolve(frame.schema) if frame is not None else None
+        if not isinstance(node, dict) or ("const" not in node and not isinstance(node.get("enum"), list)):
+            return False
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return False
+        values = [node["const"]] if "const" in node else node["enum"]
+        return not any(value == v and type(value) is type(v) or _same_number(value, v) for v in values)
 
     def _after_value(self, st: State) -> State:
         """A value just ended: drop its scalar frame, advance the container."""
@@ -175,15 +257,34 @@ class Scanner:
         if stack and stack[-1].kind == "scalar":
             stack = stack[:-1]
         if not stack:
-            return State((), None, True)
+            return State((), None, True, st.weak)
         top = stack[-1]
         items = top.items + 1 if top.kind == "array" else top.items
-        return State(stack[:-1] + (dataclasses.replace(top, phase="more", items=items),))
+        return State(stack[:-1] + (dataclasses.replace(top, phase="more", items=items),), weak=st.weak)
 
     # -- the shortest completion -------------------------------------------------------------
 
-    def completion(self, st: State) -> str:
+    def completions(self, state: "State | Readings") -> list[str]:
+        """The readings' completions, shortest first (one per reading that can tell; duplicates
+        dropped); TooLong when every reading's is too long, else Unknown when none can tell."""
+        if not isinstance(state, Readings):
+            return [self.completion(state)]
+        texts: list[str] = []
+        failures: list[Unknown] = []
+        for st in state.states:
+            try:
+                texts.append(self.completion(st))
+            except Unknown as e:
+                failures.append(e)
+        if not texts:
+            long = [e for e in failures if isinstance(e, TooLong)]
+            raise long[0] if len(long) == len(failures) else Unknown(f"no reading can tell: {failures[0]}")
+        return sorted(dict.fromkeys(texts), key=len)
+
+    def completion(self, st: "State | Readings") -> str:
         """The shortest text that ends a valid document from `st`."""
+        if isinstance(st, Readings):
+            return self.completions(st)[0]
         if st.done:
             return ""
         out, stack = [], list(st.stack)
@@ -244,8 +345,10 @@ class Scanner:
                 if k in required:
                     break
         options = [k for k in later if k.startswith(prefix)]
+        if not options and isinstance(node.get("patternProperties"), dict) and node["patternProperties"]:
+            return self._pattern_key(node, prefix)
         if not options:
-            if node.get("additionalProperties") is False or node.get("patternProperties"):
+            if node.get("additionalProperties") is False:
                 raise Unknown("a key that matches no declared key")
             extra = node.get("additionalProperties", {})
             value = self.s.shortest(extra if isinstance(extra, dict) else {})
@@ -260,6 +363,25 @@ class Scanner:
             key = min(options, key=lambda k: len(k) + self.s.cost(props[k]))
         return key, json_text(key)[1:][len(json_text(prefix)[1:-1]):], self.s.shortest(props[key])
 
+    def _pattern_key(self, node: dict, prefix: str) -> tuple[str, str, str]:
+        """(key, rest of its text, value) for a key being written in an object with
+        patternProperties: the shortest key a pattern takes after `prefix` with its value, or
+        (where other keys may come) the key as it stands with an additional value."""
+        options: list[tuple[str, str]] = []
+        for pattern, sub in node["patternProperties"].items():
+            try:
+                key = prefix + shortest_match(pattern, prefix, self.s.max_bytes)
+                options.append((key, self.s.shortest(sub)))
+            except Unknown:
+                continue
+        if node.get("additionalProperties") is not False:
+            extra = node.get("additionalProperties", {})
+            options.append((prefix, self.s.shortest(extra if isinstance(extra, dict) else {})))
+        if not options:
+            raise Unknown("a key that matches no pattern")
+        key, value = min(options, key=lambda kv: len(json_text(kv[0])) + len(kv[1]))
+        return key, json_text(key)[1:][len(json_text(prefix)[1:-1]):], value
+
     def _next_index(self, top: Frame, props: dict) -> int:
         """Keys come in the schema's order: the first property index after the last declared key."""
         if not props:
@@ -270,11 +392,29 @@ class Scanner:
         order = hit[1]
         return max((order[k] for k in top.keys if k in order), default=-1) + 1
 
-    def growth(self, st: State) -> int:
+    def growth(self, st: "State | Readings") -> int:
         """The most bytes one more element adds to the completion, over the open containers (one
         token may close inner ones and start an element of an outer one: `},{"`): an array's item,
-        an object's optional key (any of them: an upper bound; a free object's: a 20-byte key)."""
-        return max((self.s.extra(top.schema, top.kind) for top in st.stack if top.kind != "scalar"), default=0)
+        an object's optional key (any of them: an upper bound; a free object's: a 20-byte key); where
+        a value is due, the container one token may open with its first element; the most over the
+        readings."""
+        most = 0
+        for s in st.states if isinstance(st, Readings) else (st,):
+            most = max([most] + [self.s.extra(top.schema, top.kind) for top in s.stack if top.kind != "scalar"])
+            top = s.stack[-1] if s.stack else None
+            if s.lex is None and not s.done and (top is None or top.phase in (":", "value")):
+                most = max(most, self._opening(self.child(top)))
+        return most
+
+    def _opening(self, node: Any) -> int:
+        """The most bytes one token that starts the value due here (`[{`, `{"`) commits to: the
+        shortest array or object it opens, and one element of it (memoized in the schemas)."""
+        most = 0
+        for c, kind in ((ord("["), "array"), (ord("{"), "object")):
+            for branch in self.value_schemas(node, c):
+                if _starts(self.s.resolve(branch), c):
+                    most = max(most, self.s.size(branch) + self.s.extra(branch, kind))
+        return most
 
     def _close(self, top: Frame) -> str:
         node = self.s.resolve(top.schema)
@@ -313,10 +453,16 @@ class Scanner:
         if top.phase == "key":  # after ',': a key must come
             if not pairs:
                 later = [k for k in list(props)[self._next_index(top, props):] if k not in done]
-                if not later:
+                if later:
+                    k = min(later, key=lambda k: len(k) + self.s.cost(props[k]))
+                    pairs = [json_text(k) + ":" + self.s.shortest(props[k])]
+                elif isinstance(node.get("patternProperties"), dict) and node["patternProperties"]:
+                    key, _, value = self._pattern_key(node, "")
+                    if key in done:
+                        raise Unknown("a comma whose shortest key is written already")
+                    pairs = [json_text(key) + ":" + value]
+                else:
                     raise Unknown("a comma with no key left to write")
-                k = min(later, key=lambda k: len(k) + self.s.cost(props[k]))
-                pairs = [json_text(k) + ":" + self.s.shortest(props[k])]
             return text + ",".join(pairs) + "}"
         if top.phase == "key?":
             return text + ",".join(pairs) + "}"
@@ -350,6 +496,11 @@ def _starts(node: Any, first: int) -> bool:
             ord("n"): "null"}.get(first, "number")
     names = types if isinstance(types, list) else [types]
     return want in names or (want == "number" and "integer" in names)
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    """1 and 1.0 are one JSON number (booleans are not numbers)."""
+    return all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)) and a == b
 
 
 def _string_closed(buf: bytes, c: int) -> bool:

@@ -8,7 +8,7 @@ import re
 from typing import Any, Optional
 
 from .regex_completion import TooLong, Unknown, shortest_match
-from .schema_completion import count, json_text, shortest_string
+from .schema_completion import FORMAT_PATTERNS, count, json_text, shortest_string
 
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
 _JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
@@ -68,13 +68,17 @@ def finish_scalar(kind: str, buf: bytes, node: Any, max_bytes: int) -> str:
             raise Unknown("no enum value with this prefix")
         return json_text(min(fits, key=len))[1:][len(json_text(prefix)[1:-1]):]
     if isinstance(node.get("format"), str):
-        if prefix:
-            raise Unknown("a string with a format half written")
-        return json_text(shortest_string(node, max_bytes))[1:]
+        if not prefix:
+            return json_text(shortest_string(node, max_bytes))[1:]
+        if node["format"] in FORMAT_PATTERNS:  # else a format no grammar checks: the string ends as any would
+            try:
+                return escape + json_text(shortest_match(FORMAT_PATTERNS[node["format"]], prefix, max_bytes))[1:]
+            except TooLong:
+                raise
+            except Unknown:  # a text this pattern does not take, which the grammar did: its own check
+                pass
     if isinstance(node.get("pattern"), str):
-        end = shortest_match(node["pattern"], prefix, max_bytes)
-        if len(prefix + end) < count(node.get("minLength")):
-            raise Unknown("pattern and minLength")
+        end = shortest_match(node["pattern"], prefix, max_bytes, count(node.get("minLength")) - len(prefix))
         return escape + json_text(end)[1:]
     missing = max(0, count(node.get("minLength")) - len(prefix))
     if missing + 2 > max_bytes:

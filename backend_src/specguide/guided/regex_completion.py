@@ -39,13 +39,14 @@ def again(e: Unknown) -> Unknown:
 
 MAX_BYTES = 1 << 20  # the default cap on a completion's text (budget.completion_cap gives a request's)
 MAX_STATES = 1 << 12  # NFA states a regex may build (a character's step costs up to all of them)
+MAX_WALK = 1 << 16  # characters x states a minLength walk may visit
 
 
-def shortest_match(pattern: str, prefix: str = "", max_bytes: int = MAX_BYTES) -> str:
+def shortest_match(pattern: str, prefix: str = "", max_bytes: int = MAX_BYTES, min_chars: int = 0) -> str:
     """The shortest text that, after `prefix`, makes a string JSON Schema's `pattern` accepts
-    (a search: unanchored ends take anything); Unknown when none (or the regex is beyond this),
-    TooLong when longer than `max_bytes`."""
-    return nfa(pattern, False, max_bytes).shortest_end(prefix, max_bytes=max_bytes)
+    (a search: unanchored ends take anything), at least `min_chars` characters long (a minLength);
+    Unknown when none (or the regex is beyond this), TooLong when longer than `max_bytes`."""
+    return nfa(pattern, False, max_bytes).shortest_end(prefix, max_bytes=max_bytes, min_chars=min_chars)
 
 
 def nfa(pattern: str, full: bool, max_bytes: int = MAX_BYTES) -> "Nfa":
@@ -100,6 +101,7 @@ class Nfa:
         self.moves: list[list[tuple[Any, int]]] = []  # (predicate, target)
         self._dist: Optional[tuple[list[int], list[tuple[int, str]]]] = None  # _distances, once
         self._picks: dict[int, Optional[str]] = {}  # id(predicate) -> the character it is walked with
+        self._reached: dict[int, frozenset[int]] = {}  # state -> its empty-move closure (_reach)
         anchored_start = full or (bool(items) and items[0] == Anchor("^"))
         anchored_end = full or (bool(items) and items[-1] in (Anchor("$"), Anchor("\\Z")))
         self.start = self._state()
@@ -181,17 +183,23 @@ class Nfa:
                 raise Unknown("the text leaves the pattern")
         return cur
 
-    def shortest_end(self, prefix: str, cur: Optional[frozenset[int]] = None, max_bytes: int = MAX_BYTES) -> str:
+    def shortest_end(self, prefix: str, cur: Optional[frozenset[int]] = None, max_bytes: int = MAX_BYTES,
+                     min_chars: int = 0) -> str:
         """The shortest text that takes the states after `prefix` (from `cur`) to the accepting
-        state: the nearest state's distance, then its path (its own length in steps)."""
+        state: the nearest state's distance, then its path (its own length in steps). With
+        `min_chars`, at least that many characters: the states `min_chars` characters on, then the
+        nearest of those."""
         cur = self.step(self.initial() if cur is None else cur, prefix)
         dist, nxt = self._distances()
-        best = min(cur, key=lambda s: (dist[s], s))
+        heads = self._walk(cur, min_chars, max_bytes) if min_chars > 0 else dict.fromkeys(cur, "")
+        best = min(heads, key=lambda s: (dist[s], s))
         if dist[best] == _FAR:
             raise Unknown("no end matches the pattern")
         if dist[best] > max_bytes:
             raise TooLong("the rest of the match", max_bytes)
-        out, s = [], best
+        out, s = [heads[best]], best
+        if dist[best] + len(out[0]) > max_bytes:
+            raise TooLong("the rest of the match", max_bytes)
         while s != self.accept:  # the first character move on a shortest way (as a forward search
             d = dist[s]          # meets them), else the BFS's step: each step nears the end
             step = next(((t, c) for c, t in ((self._picks[id(p)], t) for p, t in self.moves[s])
@@ -200,6 +208,42 @@ class Nfa:
             if step[1]:
                 out.append(step[1])
         return "".join(out)
+
+    def _walk(self, cur: frozenset[int], n: int, max_bytes: int) -> dict[int, str]:
+        """Each state `n` characters on from `cur`, with a text that reaches it (the first found),
+        layer by layer; Unknown where none is, or past MAX_WALK states visited."""
+        if n > max_bytes:
+            raise TooLong("the minLength string", max_bytes)
+        if n * len(self.eps) > MAX_WALK:
+            raise Unknown(f"a minLength of {n} over {len(self.eps)} states")
+        self._distances()  # the picked characters
+        layers: list[dict[int, tuple[int, str]]] = [{s: (-1, "") for s in cur}]  # state -> (previous, character)
+        for _ in range(n):
+            nxt: dict[int, tuple[int, str]] = {}
+            for s in layers[-1]:
+                for pred, t in self.moves[s]:
+                    c = self._picks[id(pred)]
+                    if c is not None and t not in nxt:
+                        for u in self._reach(t):
+                            nxt.setdefault(u, (s, c))
+            if not nxt:
+                raise Unknown("no match that long")
+            layers.append(nxt)
+        out: dict[int, str] = {}
+        for end in layers[-1]:
+            chars, s = [], end
+            for layer in reversed(layers[1:]):
+                s, c = layer[s]
+                chars.append(c)
+            out[end] = "".join(reversed(chars))
+        return out
+
+    def _reach(self, s: int) -> frozenset[int]:
+        """The states `s` reaches by empty moves (itself included), memoized."""
+        hit = self._reached.get(s)
+        if hit is None:
+            hit = self._reached[s] = frozenset(self._closure({s}))
+        return hit
 
     def _distances(self) -> tuple[list[int], list[tuple[int, str]]]:
         """Per state: characters to the accepting state, and the next step on a shortest way there

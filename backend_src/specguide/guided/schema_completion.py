@@ -16,8 +16,20 @@ from .regex_completion import MAX_BYTES, TooLong, Unknown, again, shortest_match
 _FORMATS = {"date": "2000-01-01", "time": "00:00:00Z", "date-time": "2000-01-01T00:00:00Z", "email": "a@a.aa",
             "uuid": "00000000-0000-0000-0000-000000000000", "ipv4": "0.0.0.0", "ipv6": "::", "hostname": "a",
             "uri": "a:a", "uri-reference": "a", "duration": "P0D"}
+_DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+# what a format's string looks like, to end one half written (the grammar checks the end it gives)
+FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[Tt]{_TIME}$",
+    "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$", "email": r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}$",
+    "hostname": r"^[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*$",
+    "uri": r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s]*$",
+}
 WORK_PER_BYTE = 8  # the bytes of shortest values a request may build, per byte of its completion cap
 MAX_STEPS = 1 << 16  # schema nodes a request's shortest values may evaluate
+_BASE_FIRST = "$specguide:base-first"  # on a merged allOf whose anyOf / oneOf came after properties
 
 
 class Work:
@@ -87,7 +99,10 @@ class Schemas:
         if isinstance(node, dict) and isinstance(node.get("allOf"), list):
             merged = {k: v for k, v in node.items() if k != "allOf"}
             for part in node["allOf"]:
-                merged = self.merge(merged, self.resolve(part))
+                part = self.resolve(part)
+                if isinstance(part, dict) and ("anyOf" in part or "oneOf" in part) and merged.get("properties"):
+                    merged = {**merged, _BASE_FIRST: True}  # keys of the parts before come before the branch's
+                merged = self.merge(merged, part)
             node = merged
         return node
 
@@ -105,11 +120,16 @@ class Schemas:
         return hit[2]
 
     def branches(self, node: dict, key: str) -> list:
-        """The anyOf / oneOf branches of a resolved node, each merged with the node's other keywords."""
+        """The anyOf / oneOf branches of a resolved node, each merged with the node's other keywords:
+        the branch's properties first, as the grammars write them, except after an allOf's earlier
+        parts (whose keys come first)."""
         hit = self._branches.get((id(node), key))
         if hit is None:
             base = {k: v for k, v in node.items() if k != key}
-            hit = self._branches[(id(node), key)] = (node, [self.merge(base, self.resolve(b)) for b in node[key]])
+            merged = [self.merge(base, self.resolve(b)) for b in node[key]]
+            if not node.get(_BASE_FIRST):
+                merged = [_branch_first(m, self.resolve(b)) for m, b in zip(merged, node[key])]
+            hit = self._branches[(id(node), key)] = (node, merged)
         return hit[1]
 
     def _pointer(self, ref: Any) -> Any:
@@ -254,20 +274,20 @@ class Schemas:
             if kind == "array":
                 subs = list(node.get("prefixItems", [])) if isinstance(node.get("prefixItems"), list) else []
                 subs.append(node.get("items", {}) if isinstance(node.get("items"), (dict, bool)) else {})
-                most = max(1 + self._size(sub) for sub in subs)
+                most = max(1 + self.size(sub) for sub in subs)
             else:
                 props = node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
                 required = set(k for k in node.get("required", []) if isinstance(k, str)) \
                     if isinstance(node.get("required"), list) else set()
-                most = max((2 + len(json_text(k)) + self._size(v) for k, v in props.items() if k not in required),
+                most = max((2 + len(json_text(k)) + self.size(v) for k, v in props.items() if k not in required),
                            default=0)
                 if node.get("additionalProperties") is not False and not node.get("patternProperties"):
                     extra = node.get("additionalProperties", {})
-                    most = max(most, 20 + self._size(extra if isinstance(extra, dict) else {}))
+                    most = max(most, 20 + self.size(extra if isinstance(extra, dict) else {}))
             self._extra[key] = (node, min(most, 256))
         return self._extra[key][1]
 
-    def _size(self, node: Any) -> int:
+    def size(self, node: Any) -> int:
         """Bytes of the shortest value (64 where it cannot be told: a recursive schema; the cap
         and one where it is too long)."""
         try:
@@ -301,6 +321,18 @@ def merge_schemas(a: Any, b: Any) -> Any:
         else:
             out.setdefault(k, v)
     return out
+
+
+def _branch_first(merged: Any, branch: Any) -> Any:
+    """`merged` with `branch`'s properties ahead of the others (their merged schemas kept)."""
+    if not (isinstance(merged, dict) and isinstance(branch, dict) and isinstance(branch.get("properties"), dict)
+            and isinstance(merged.get("properties"), dict)) or merged is branch:
+        return merged
+    props = merged["properties"]
+    order = [k for k in branch["properties"] if k in props] + [k for k in props if k not in branch["properties"]]
+    if order == list(props):
+        return merged
+    return {**merged, "properties": {k: props[k] for k in order}}
 
 
 def json_text(value: Any) -> str:
@@ -338,8 +370,5 @@ def shortest_string(node: dict, max_bytes: int = MAX_BYTES) -> str:
     if n + 2 > max_bytes:
         raise TooLong("the minLength string", max_bytes)
     if isinstance(node.get("pattern"), str):
-        s = shortest_match(node["pattern"], max_bytes=max_bytes)
-        if len(s) < n:
-            raise Unknown("pattern and minLength")
-        return s
+        return shortest_match(node["pattern"], max_bytes=max_bytes, min_chars=n)
     return "a" * n
