@@ -73,15 +73,16 @@ def wait(url: str, what: str, proc: subprocess.Popen, limit: float = 600) -> Non
 class Stack:
     """tritonserver serving `specguide` (bench_interfaces.Server) + the OpenAI server, on free ports.
     `api_session` "server": the OpenAI server starts in tritonserver's session, as under `make serve`;
-    "client": in this benchmark's, beside the clients (the layout of the runs before cf63a6f)."""
+    "client": in this benchmark's, beside the clients (the layout of the runs before cf63a6f).
+    `parameters`: config.pbtxt parameters to replace (bench_interfaces.Server)."""
 
-    def __init__(self, api_session: str = "server") -> None:
+    def __init__(self, api_session: str = "server", parameters: dict[str, str] | None = None) -> None:
         self.api, grpc = free_port(), free_port()
         # the served defaults (`make serve`: log level info, so uvicorn's access log a request)
         command = [sys.executable, "-m", "specguide.openai_api", "--triton-url", f"127.0.0.1:{grpc}", "--port",
                    str(self.api)]
         beside = {"openai": command} if api_session == "server" else None
-        self.triton = Server(("specguide",), beside=beside, grpc=grpc)
+        self.triton = Server(("specguide",), parameters=parameters, beside=beside, grpc=grpc)
         self.grpc, self.own = grpc, None
         if beside is None:
             self.own = subprocess.Popen(command, stdout=open(self.triton.dir / "openai.log", "wb"),

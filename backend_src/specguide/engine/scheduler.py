@@ -185,7 +185,8 @@ class Scheduler:
         preempted = self._grow_decodes()
         self._resume()
         self._admit(ready)
-        budget = self.budget.for_prompts([s.num_tokens - 1 for s in self._with(Status.DECODE)])
+        budget = self.budget.for_prompts([s.num_tokens - 1 for s in self._with(Status.DECODE)],
+                                         len(self._with(Status.PREFILL)))
         prefills = self._chunks(*budget, planned=set(), preempted=preempted)
         decodes = [self.running[s] for s in sorted(self.running) if self.running[s].status is Status.DECODE]
         return StepPlan(prefills, decodes, preempted)
