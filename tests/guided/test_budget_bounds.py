@@ -127,3 +127,20 @@ def test_free_text_meets_the_triggers_through_one_automaton():
     nodes = len(sc._ac.children)
     assert nodes <= sum(map(len, triggers)) + 1
     assert len(sc._ac._steps) <= nodes * 3  # each (node, byte) computed once: the alphabet here is 3 bytes
+
+
+def test_nested_anyofs_stop_at_the_readings_cap_before_they_multiply(monkeypatch):
+    """anyOf of 200 branches nested 7 deep (200^7 flattened readings): the scanner stops at
+    MAX_READINGS as the branches come, having looked at a few hundred of them."""
+    from specguide.guided import json_scanner
+
+    seen = []
+    starts = json_scanner._starts
+    monkeypatch.setattr(json_scanner, "_starts", lambda node, first: seen.append(1) or starts(node, first))
+    node: dict = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for _ in range(7):
+        node = {"anyOf": [node] * 200}
+    sc = json_scanner.Scanner(Schemas(node))
+    with pytest.raises(Unknown, match="more than 32 readings"):
+        sc.feed(json_scanner.State(), b'{"a": 1')
+    assert len(seen) < 8 * 200

@@ -123,8 +123,13 @@ class Scanner:
             if isinstance(node.get(key), list):
                 if depth >= MAX_NESTING:
                     raise Unknown(f"{key} nested more than {MAX_NESTING} deep")
-                return [x for b in self.s.branches(node, key) if _starts(self.s.resolve(b), first)
-                        for x in self.value_schemas(b, first, depth + 1)]
+                out: list[Any] = []
+                for b in self.s.branches(node, key):
+                    if _starts(self.s.resolve(b), first):
+                        out += self.value_schemas(b, first, depth + 1)
+                        if len(out) > MAX_READINGS:  # NOTE: checked as they come: nested anyOfs multiply
+                            raise Unknown(f"more than {MAX_READINGS} readings")
+                return out
         return [node]
 
     def allows_key(self, frame: Frame, key: str) -> bool:
