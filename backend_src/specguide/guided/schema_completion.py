@@ -121,7 +121,7 @@ class Schemas:
 
     def branches(self, node: dict, key: str) -> list:
         """The anyOf / oneOf branches of a resolved node, each merged with the node's other keywords:
-        the branch's properties first, as the grammars write them, except after an allOf's earlier
+        the branch's properties first, as llguidance writes them, except after an allOf's earlier
         parts (whose keys come first)."""
         hit = self._branches.get((id(node), key))
         if hit is None:
