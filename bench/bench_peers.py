@@ -41,7 +41,6 @@ import http.client
 import json
 import os
 import queue
-import shutil
 import statistics
 import subprocess
 import sys
@@ -208,25 +207,34 @@ class Memory(threading.Thread):
 
     def run(self) -> None:
         from specguide.process.supervisor import descendants
+        from specguide.util.memory import rss_bytes
 
         while not self.stop_at.is_set():
-            total = 0
-            for p in [self.pid] + [int(x) for x in descendants(self.pid)]:
-                try:
-                    for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                        if line.startswith("VmRSS:"):
-                            total += int(line.split()[1]) * 1024
-                except OSError:
-                    pass
-            self.peak = max(self.peak, total)
+            self.peak = max(self.peak, sum(rss_bytes(p) for p in [self.pid, *descendants(self.pid)]))
             self.stop_at.wait(0.5)
+
+
+def judge(row: Row, text: str, finish: str, schema: Optional[dict]) -> None:
+    """Count an answer into its row: cut at max_tokens; for JSON, parsed and valid."""
+    from specguide.guided.value_check import make_validator
+
+    row.cut += finish == "length"
+    if schema is None:
+        return
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return
+    row.parsed += 1
+    try:
+        row.valid += make_validator(schema).is_valid(doc)
+    except Exception:  # noqa: BLE001 - a schema jsonschema cannot load: parsing is what counts
+        row.valid += 1
 
 
 def run_level(peer: str, mode: str, concurrency: int, work: list[Job], ask: Callable[[Job, list], Answer],
               pid: int, tokenizer: Any) -> Row:
     """`work` sent by `concurrency` threads, each with its own connection."""
-    from specguide.guided.value_check import make_validator
-
     todo: "queue.Queue[tuple[int, Job]]" = queue.Queue()
     for i, j in enumerate(work):
         todo.put((i, j))
@@ -263,20 +271,9 @@ def run_level(peer: str, mode: str, concurrency: int, work: list[Job], ask: Call
             if len(row.error_samples) < 3:
                 row.error_samples.append(a.error[:200])
             continue
-        n = a.tokens or len(tokenizer.encode(a.text, add_special_tokens=False))
-        tokens += n
+        tokens += a.tokens or len(tokenizer.encode(a.text, add_special_tokens=False))
         ttfts.append(a.ttft)
-        row.cut += a.finish == "length"
-        if j.schema is not None:
-            try:
-                doc = json.loads(a.text)
-            except ValueError:
-                continue
-            row.parsed += 1
-            try:
-                row.valid += make_validator(j.schema).is_valid(doc)
-            except Exception:  # noqa: BLE001 - a schema jsonschema cannot load: parsing is what counts
-                row.valid += 1
+        judge(row, a.text, a.finish, j.schema)
     row.tokens_per_s = tokens / wall
     if ttfts:
         q = statistics.quantiles(ttfts, n=10) if len(ttfts) > 1 else [ttfts[0]] * 9
@@ -386,8 +383,6 @@ if __name__ == "__main__":
 
 
 def vllm_offline(mode: str, work: list[Job], max_tokens: int, logdir: Path) -> Row:
-    from specguide.guided.value_check import make_validator
-
     python = venv_python("vllm")
     row = Row("vllm-offline", mode, len(work), len(work))
     if python is None:
@@ -413,17 +408,7 @@ def vllm_offline(mode: str, work: list[Job], max_tokens: int, logdir: Path) -> R
     row.peak_rss_mib = mem.peak / 2**20
     row.note = "offline LLM.chat, all prompts at once"
     for text, fin, j in zip(res["texts"], res["finish"], work):
-        row.cut += fin == "length"
-        if j.schema is not None:
-            try:
-                doc = json.loads(text)
-            except ValueError:
-                continue
-            row.parsed += 1
-            try:
-                row.valid += make_validator(j.schema).is_valid(doc)
-            except Exception:  # noqa: BLE001
-                row.valid += 1
+        judge(row, text, fin, j.schema)
     return row
 
 
@@ -484,39 +469,27 @@ def main() -> None:
                                                                    args.max_tokens, conn), stack.triton.proc.pid)
         finally:
             stack.stop()
-    if "vllm" in peers:
+    for peer, start in (("vllm", start_vllm), ("llama", start_llama)):  # the peers' OpenAI servers
+        if peer not in peers:
+            continue
         try:
-            proc, port = start_vllm(max(levels), logdir)
+            proc, port = start(max(levels), logdir)
         except Exception as e:  # noqa: BLE001 - reported in the table
-            failed("vllm", f"{e} ({logdir / 'vllm.log'})")
-        else:
-            try:
-                levels_of("vllm", lambda j, conn: openai_answer(port, "smollm2", j, args.max_tokens, conn),
-                          proc.proc.pid)
-            finally:
-                proc.stop()
+            failed(peer, f"{e} ({logdir / (peer + '.log')})")
+            continue
+        try:
+            levels_of(peer, lambda j, conn: openai_answer(port, "smollm2", j, args.max_tokens, conn), proc.proc.pid)
+        finally:
+            proc.stop()
     if "vllm-offline" in peers:
         for mode in args.modes:
             rows.append(vllm_offline(mode, jobs(mode, max(counts)), args.max_tokens, logdir))
             show(rows[-1])
-    if "llama" in peers:
-        try:
-            proc, port = start_llama(max(levels), logdir)
-        except Exception as e:  # noqa: BLE001
-            failed("llama", f"{e} ({logdir / 'llama.log'})")
-        else:
-            try:
-                levels_of("llama", lambda j, conn: openai_answer(port, "smollm2", j, args.max_tokens, conn),
-                          proc.proc.pid)
-            finally:
-                proc.stop()
     table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": cpu_header(), "args": vars(args),
                                                "rows": [asdict(r) for r in rows]}, indent=1))
     print(f"logs: {logdir}")
-    if not os.environ.get("KEEP_LOGS"):
-        shutil.rmtree(logdir / "__pycache__", ignore_errors=True)
 
 
 def show(r: Row) -> None:
