@@ -18,22 +18,29 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(str(resolve_model_dir()))
 
 
+def _compile_service(hf_tokenizer, backend: str):
+    svc = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=2, cache_limit_bytes=256 << 20,
+                                 default_backend=backend)
+    yield svc
+    svc.shutdown()
+
+
 @pytest.fixture(scope="session", params=["xgrammar", "llguidance"])
 def service(request, hf_tokenizer):
     """One compile service per grammar backend (its default); every test using it runs for both."""
-    svc = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=2, cache_limit_bytes=256 << 20,
-                                 default_backend=request.param)
-    yield svc
-    svc.shutdown()
+    yield from _compile_service(hf_tokenizer, request.param)
 
 
 @pytest.fixture(scope="session")
 def xgr_service(hf_tokenizer):
     """xgrammar only (its own error messages, cache)."""
-    svc = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=2, cache_limit_bytes=256 << 20,
-                                 default_backend="xgrammar")
-    yield svc
-    svc.shutdown()
+    yield from _compile_service(hf_tokenizer, "xgrammar")
+
+
+@pytest.fixture(scope="session")
+def served_service(hf_tokenizer):
+    """The grammar service as served (`guided_backend` auto: llguidance for JSON schemas)."""
+    yield from _compile_service(hf_tokenizer, "auto")
 
 
 @pytest.fixture(scope="session")

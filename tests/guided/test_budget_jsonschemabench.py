@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from specguide.guided import GrammarCompilerService
 from specguide.guided.budget import completion_cap, within_budget
 from specguide.guided.json_scanner import Scanner
 from specguide.guided.schema_completion import Schemas
@@ -26,15 +25,6 @@ from specguide.request import InvalidRequestError
 
 from .conftest import VOCAB
 from .helpers import data_dir, rambler
-
-
-@pytest.fixture(scope="module")
-def served(hf_tokenizer):
-    """The grammar service as served (`guided_backend` auto)."""
-    svc = GrammarCompilerService(hf_tokenizer, VOCAB, max_workers=2, cache_limit_bytes=256 << 20,
-                                 default_backend="auto")
-    yield svc
-    svc.shutdown()
 
 
 def random_pick(seed: int):
@@ -50,9 +40,9 @@ def random_pick(seed: int):
 
 
 @pytest.mark.parametrize("budget", [40, 96])
-def test_every_answer_over_the_sample_closes_valid_within_max_tokens(served, hf_tokenizer, budget):
+def test_every_answer_over_the_sample_closes_valid_within_max_tokens(served_service, hf_tokenizer, budget):
     encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-    stop = served.stop_token_ids[0]
+    stop = served_service.stop_token_ids[0]
     pickers = {"rambler": rambler(hf_tokenizer, VOCAB), "random": random_pick(budget)}
     files = sorted(data_dir("jsonschemabench_dev").glob("*/*.json"))
     assert len(files) == 180
@@ -60,12 +50,12 @@ def test_every_answer_over_the_sample_closes_valid_within_max_tokens(served, hf_
     for f in files:
         text = f.read_text()
         try:
-            guide = served.compile(G("json_schema", text))
+            guide = served_service.compile(G("json_schema", text))
         except Exception:
             continue  # refused with a per-request error (test_compiler covers which and how)
-        scanner = lambda: Scanner(Schemas(guide.schema, completion_cap(budget, served.token_bytes)))  # noqa: E731
+        scanner = lambda: Scanner(Schemas(guide.schema, completion_cap(budget, served_service.token_bytes)))  # noqa: E731
         try:
-            wrapped = within_budget(guide, scanner, budget, served.token_bytes, encode, stop)
+            wrapped = within_budget(guide, scanner, budget, served_service.token_bytes, encode, stop)
         except InvalidRequestError as e:
             assert f"max_tokens {budget} cannot hold a valid answer" in str(e)
             continue

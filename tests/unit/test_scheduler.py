@@ -76,28 +76,25 @@ def test_a_burst_of_prompts_beside_decoding_streams_gets_a_share_per_prompt():
     """Each prefilling sequence gets as much of a step as a decoding one's rows on average (up to
     prefill_chunk in all): one prompt beside 8 streams keeps what the budget leaves, 40 prompts
     (a burst whose first requests already decode) are not held to it."""
-    s = Scheduler(max_slots=64, max_seq_len=1000, prefill_chunk=128, any_prefix=True, lookahead=3, step_budget=64)
-    streams = [seq(i, n_prompt=4) for i in range(8)]
-    for q in streams:
-        s.waiting.append(q)
-    for c in s.schedule().prefills:
-        computed(s, c.seq, c.end)
-        c.seq.status = Status.DECODE
+    def eight_streams() -> Scheduler:
+        s = Scheduler(max_slots=64, max_seq_len=1000, prefill_chunk=128, any_prefix=True, lookahead=3, step_budget=64)
+        for q in [seq(i, n_prompt=4) for i in range(8)]:
+            s.waiting.append(q)
+        for c in s.schedule().prefills:
+            computed(s, c.seq, c.end)
+            c.seq.status = Status.DECODE
+        return s
+
+    s = eight_streams()
     s.waiting.append(seq(100, n_prompt=100))
     assert sum(c.end - c.start for c in s.schedule().prefills) == 64 - 8 * 4  # the budget's rest
-    s2 = Scheduler(max_slots=64, max_seq_len=1000, prefill_chunk=128, any_prefix=True, lookahead=3, step_budget=64)
-    streams = [seq(i, n_prompt=4) for i in range(8)]
-    for q in streams:
-        s2.waiting.append(q)
-    for c in s2.schedule().prefills:
-        computed(s2, c.seq, c.end)
-        c.seq.status = Status.DECODE
+    s = eight_streams()
     for i in range(40):
-        s2.waiting.append(seq(100 + i, n_prompt=100 + i))
-    plan = s2.schedule()
+        s.waiting.append(seq(100 + i, n_prompt=100 + i))
+    plan = s.schedule()
     assert len(plan.decodes) == 8
     assert sum(c.end - c.start for c in plan.prefills) == 128  # 40 x 32 / 8 rows' worth, capped at prefill_chunk
-    s2.check_integrity()
+    s.check_integrity()
 
 
 def test_while_streams_decode_a_prompt_token_counts_its_attention_so_late_chunks_are_shorter():
