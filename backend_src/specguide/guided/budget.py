@@ -91,10 +91,9 @@ class BudgetMatcher(Matcher):
         """The completions' texts from the current state, shortest first (None: cannot tell)."""
         i = len(self.states) - 1
         if i not in self._texts:
-            st, scanner = self.states[-1], self.plan.scanner
+            st = self.states[-1]
             try:
-                self._texts[i] = None if st is None else \
-                    scanner.completions(st) if hasattr(scanner, "completions") else [scanner.completion(st)]
+                self._texts[i] = None if st is None else self.plan.scanner.completions(st)
             except Unknown:
                 self._texts[i] = None
         return self._texts[i]

@@ -222,8 +222,7 @@ class Scanner:
         if top is not None and top.kind == "array" and c == ord("]") and top.items == 0:
             return self._after_value(State(stack[:-1], weak=weak)),
         # a value starts here: one reading per schema it may take
-        node = self.child(top)
-        schemas = self.value_schemas(node, c)
+        schemas = self.value_schemas(self.child(top), c)
         if top is not None and top.kind == "array":  # its schema decided: count it now
             stack = stack[:-1] + (dataclasses.replace(top, phase="value"),)
         if not schemas:  # no branch starts so, yet the grammar took it: follow the grammar (an untyped value)

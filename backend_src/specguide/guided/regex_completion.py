@@ -339,5 +339,9 @@ class RegexScanner:
             raise Unknown("half a UTF-8 character")
         return self.nfa.shortest_end("", cur, self.max_bytes)
 
+    def completions(self, state: tuple[frozenset[int], bytes]) -> list[str]:
+        """The completions the budget checks, shortest first: here the one."""
+        return [self.completion(state)]
+
     def growth(self, state: Any) -> int:
         return 0

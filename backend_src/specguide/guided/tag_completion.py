@@ -176,6 +176,10 @@ class TagScanner:
             return tag.scanner.completion(st.json) + tag.end.decode()
         return tag.end[len(st.buf):].decode()
 
+    def completions(self, st: TagState) -> list[str]:
+        """The completions the budget checks, shortest first: here the one."""
+        return [self.completion(st)]
+
     def growth(self, st: TagState) -> int:
         """The most one more token adds to the completion's tokens (bytes bound them where they are
         not counted): where the output may end, a whole new call; in a head, the dearest call it
