@@ -64,6 +64,7 @@ INPUT_TYPES: dict[str, tuple[Any, str]] = {
     "lora_task_id": (np.uint64, "UINT64"),
     "lora_weights": (np.float16, "FP16"),  # [n, size] a request (docs/lora.md)
     "lora_config": (np.int32, "INT32"),  # [n, 3]
+    "specguide_lora": (np.object_, "BYTES"),  # a LoRA control request's JSON (docs/lora.md)
     "num_return_sequences": (np.int32, "INT32"),
     "return_log_probs": (np.bool_, "BOOL"),
     "return_logprobs": (np.bool_, "BOOL"),

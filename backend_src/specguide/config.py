@@ -193,6 +193,8 @@ class EngineConfig:
     lora_adapters: str = ""  # LoRA adapters (PEFT folders) served by name: a JSON object {"name": "folder"},
     # or the path of a file holding one (the vLLM backend's multi_lora.json); "" = none
     max_loras: int = 8  # adapters resident in memory at once (the least recently used idle one goes)
+    lora_root: str = ""  # the folder adapters loaded at run time must be under (`/v1/load_lora_adapter`);
+    # "" = `loras/` in the cache folder (~/.cache/specguide/loras); "off" = no loading at run time
     lora_cache_host_memory_bytes: int = 1073741824  # TensorRT-LLM LoRA tasks' weights (sent with `lora_weights`)
     # kept for later requests that name only their `lora_task_id`; past it the least recently used idle go
     lora_dtype: str = "auto"  # how adapters' weights are held: "auto" (bfloat16 where every value is one

@@ -1,7 +1,9 @@
 """LoRA adapters through a real tritonserver, as a vLLM backend user serves them: `multi_lora.json`
 in the model's version folder, `lora_name` in `sampling_parameters`. The vLLM backend's own client
 script runs unchanged with `--lora-name`; greedy text with an adapter is peft's on transformers; a
-name the server does not serve is a clear per-request error naming those it does."""
+name the server does not serve is a clear per-request error naming those it does. Adapters are
+loaded and unloaded at run time through the OpenAI server (vLLM's endpoints) and the engine model's
+control request, from under `lora_root` only."""
 from __future__ import annotations
 
 import json
@@ -27,7 +29,7 @@ def served(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora_server")
     folders, pm = make_adapters(resolve_model_dir(), root / "loras")
-    repo = repository_with(root, SETTINGS)
+    repo = repository_with(root, {**SETTINGS, "lora_root": str(root / "loras")})  # run-time loads come from here
     (repo / MODEL / "1" / "multi_lora.json").write_text(json.dumps({k: str(v) for k, v in folders.items()}))
     srv = launch(root / "server.log", repo)
     yield srv, pm, folders
@@ -143,3 +145,104 @@ def test_the_tensorrt_llm_client_sends_lora_weights_once_then_the_task_id(served
     assert text() != first
     p = _run(common + ["--lora-task-id", "6"])
     assert "LoRA task 6 not found in cache. Please send LoRA weights with request" in p.stdout + p.stderr
+
+
+def _post(api, path: str, body: dict) -> tuple[int, str]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=300)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read().decode()
+    conn.close()
+    return r.status, data
+
+
+def test_adapters_load_and_unload_at_run_time_through_the_openai_server(served, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, bodies and answers: a folder under
+    lora_root served under a new name gives that adapter's text; /v1/models lists it beside the
+    adapters the model found in its multi_lora.json; a path outside the root, a name served already,
+    the served model's name are 400s; unloading a name not served is a 404."""
+    import time
+
+    import openai
+
+    from .openai_helpers import Api
+
+    server, _, folders = served
+    api = Api(server.grpc, tmp_path / "api.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "configured from Triton" not in api.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        client = api.client()
+        assert [m.id for m in client.models.list().data] == [MODEL, "support", "legal"]  # multi_lora.json's
+        assert _post(api, "/v1/load_lora_adapter", {"lora_name": "sup2", "lora_path": "support"}) == \
+            (200, "Success: LoRA adapter 'sup2' added successfully.")
+        cards = {m.id: m for m in client.models.list().data}
+        assert list(cards) == [MODEL, "support", "legal", "sup2"] and cards["sup2"].parent == MODEL
+        ask = dict(prompt=PROMPT, max_tokens=12, temperature=0)
+        r = client.completions.create(model="sup2", **ask)
+        assert r.model == "sup2" and r.choices[0].text == client.completions.create(model="support", **ask).choices[0].text
+        for body, status, words in (
+                ({"lora_name": "sup2", "lora_path": "legal"}, 400, "The lora adapter 'sup2' has already been loaded."),
+                ({"lora_name": "x", "lora_path": str(folders["legal"].parent.parent)}, 400, "not under the adapter root"),
+                ({"lora_name": "x", "lora_path": "../server.log"}, 400, "not under the adapter root"),
+                ({"lora_name": MODEL, "lora_path": "legal"}, 400, "is the served model's name"),
+                ({"lora_name": "x"}, 400, "Missing required parameter: 'lora_path'")):
+            got = _post(api, "/v1/load_lora_adapter", body)
+            assert got[0] == status and words in json.loads(got[1])["error"]["message"], (body, got)
+        # in place: the name now serves legal's weights
+        assert _post(api, "/v1/load_lora_adapter", {"lora_name": "sup2", "lora_path": "legal", "load_inplace": True})[0] == 200
+        assert client.completions.create(model="sup2", **ask).choices[0].text == \
+            client.completions.create(model="legal", **ask).choices[0].text
+        assert _post(api, "/v1/unload_lora_adapter", {"lora_name": "sup2"}) == \
+            (200, "Success: LoRA adapter 'sup2' removed successfully.")
+        status, body = _post(api, "/v1/unload_lora_adapter", {"lora_name": "sup2"})
+        assert status == 404 and json.loads(body)["error"]["message"] == "The lora adapter 'sup2' cannot be found."
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model="sup2", **ask)
+        assert e.value.body["code"] == "model_not_found"
+        assert [m.id for m in client.models.list().data] == [MODEL, "support", "legal"]
+    finally:
+        api.stop()
+    assert "Traceback" not in api.log.read_text()
+
+
+def test_the_engine_model_s_control_request_loads_lists_and_unloads(served):
+    """The control request the OpenAI server sends, as any Triton client sends it: the one input
+    `specguide_lora` (JSON); the answer's `text_output` is JSON, an error INVALID_ARG or NOT_FOUND.
+    specguide_unary takes it too (one answer); specguide_vllm refuses it."""
+    import tritonclient.http as httpclient
+
+    server, _, _ = served
+
+    def control(body, model=MODEL) -> tuple[object, str]:
+        text = body if isinstance(body, str) else json.dumps(body)
+        got = raw_stream(server, {"specguide_lora": np.array([[text.encode()]], dtype=np.object_)}, model=model)
+        result, error, _ = got[0]
+        if error is not None:
+            return None, error.message()
+        return json.loads(result.as_numpy("text_output").reshape(-1)[0]), ""
+
+    assert control({"action": "list"}) == ({"adapters": ["support", "legal"]}, "")
+    answer, _ = control({"action": "load", "lora_name": "third", "lora_path": "legal"})
+    assert answer["lora_name"] == "third" and answer["lora_path"].endswith("/loras/legal")
+    assert control({"action": "list"})[0] == {"adapters": ["support", "legal", "third"]}
+    text, error = _vllm_text(server, {"lora_name": "third", "temperature": 0, "max_tokens": 8})
+    assert not error and text == _vllm_text(server, {"lora_name": "legal", "temperature": 0, "max_tokens": 8})[0]
+    assert control({"action": "unload", "lora_name": "third"}) == ({"lora_name": "third"}, "")
+    for body, words in (({"action": "unload", "lora_name": "third"}, "The lora adapter 'third' cannot be found."),
+                        ({"action": "load", "lora_name": "y", "lora_path": "/etc"}, "not under the adapter root"),
+                        ({"action": "drop"}, "action must be load, unload or list"),
+                        ({"action": "list", "extra": 1}, "unknown key 'extra'"),
+                        ("[1]", "must be a JSON object")):
+        answer, error = control(body)
+        assert answer is None and words in error, (body, error)
+    assert control({"action": "list"})[0] == {"adapters": ["support", "legal"]}
+    assert control({"action": "list"}, "specguide_vllm")[0] is None  # not an input of the vLLM interface
+    http = httpclient.InferenceServerClient(server.http)
+    lora = httpclient.InferInput("specguide_lora", [1, 1], "BYTES")
+    lora.set_data_from_numpy(np.array([[json.dumps({"action": "list"}).encode()]], dtype=np.object_))
+    unary = http.infer("specguide_unary", [lora])
+    assert json.loads(unary.as_numpy("text_output").reshape(-1)[0]) == {"adapters": ["support", "legal"]}

@@ -24,7 +24,7 @@ from ..guided.limits import GuideLimits
 from .intake import Intake
 from .block_pool import BlockPool
 from .kv_cache import block_bytes, kv_store, size_blocks, size_slots
-from .lora_adapters import LoRAAdapters
+from .lora_adapters import LoRAAdapters, lora_root
 from ..models.loader import load_model, resolve_model_dir
 from .output_processor import Finish, OutputProcessor
 from ..request import InvalidRequestError, Request, RequestOutput, error_code
@@ -105,7 +105,8 @@ class EngineCore:
         self.runner.core.feature_sink = self.proposer.feature_sink
         self.adapters = LoRAAdapters(self.model, config.max_slots, config.max_loras,
                                      parse_adapters(config.lora_adapters), captured=self.runner.graphs is not None,
-                                     lora_dtype=config.lora_dtype, host_bytes=config.lora_cache_host_memory_bytes)
+                                     lora_dtype=config.lora_dtype, host_bytes=config.lora_cache_host_memory_bytes,
+                                     root=lora_root(config.lora_root))
         self.slot_state = (self.runner, self.proposer, self.adapters)  # every owner of per-slot state: admit / free
         self.scheduler = Scheduler(config.max_slots, config.max_seq_len, config.prefill_chunk,
                                    config.prefix_caching, config.prefix_min_tokens, self.model.chunk_invariant,
@@ -444,10 +445,10 @@ class EngineCore:
             return
         self.outputs.close(seq, reason, error_code)
         self.intake.release(seq)
-        self.adapters.release(seq)
         if seq.slot is not None:
             for owner in self.slot_state:
                 owner.free(seq.slot)
+        self.adapters.release(seq)  # after its row is unbound: an unloaded adapter then leaves the bank
         self.scheduler.finish(seq, reason, error)
         self.seqs.pop(seq.seq_id, None)
         self.outputs.emit(seq, finished=True)

@@ -105,6 +105,20 @@ class Engine:
             self._inbox.append(("cancel", seq_id))
             self._cv.notify()
 
+    def load_adapter(self, name: str, lora_path: str, replace: bool = False) -> str:
+        """Serve the LoRA adapter in folder `lora_path` (under config `lora_root`) as `name` (`replace`:
+        in place of one served so); returns the folder. Raises InvalidRequestError saying what is
+        refused (engine/lora_adapters.py)."""
+        return self.core.adapters.load(name, lora_path, replace)
+
+    def unload_adapter(self, name: str) -> None:
+        """Serve the LoRA adapter `name` no more (its running requests finish with it)."""
+        self.core.adapters.unload(name)
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters served by name (config and run-time loads)."""
+        return self.core.adapters.served()
+
     def stats(self) -> dict[str, int]:
         """Active slots, queue depth, steps run, loop turns (the watchdog's sign of life) and
         liveness (for metrics and readiness), and the batch and KV-cache figures the TensorRT-LLM

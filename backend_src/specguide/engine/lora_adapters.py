@@ -2,7 +2,11 @@
 `multi_lora.json`, or the same object inline), at most `max_loras` resident in the model's bank
 (models/lora.py), least recently used first out among those no sequence holds. A sequence holds its
 adapter from admission to its end (preemption included); its cache row is bound to it while it
-holds a slot."""
+holds a slot.
+
+Adapters are also loaded and unloaded at run time (`load`, `unload`: the OpenAI server's
+/v1/load_lora_adapter, through the engine model's control request) from folders under `lora_root`
+only. An unloaded adapter's running sequences finish with it; its queued ones fail."""
 from __future__ import annotations
 
 import itertools
@@ -16,12 +20,60 @@ from typing import Optional
 import torch
 
 from ..models.llama import LlamaModel
-from ..models.lora import AdapterError, LoRAAdapter, LoRABank, load_adapter
+from ..models.lora import CONFIG, WEIGHTS, AdapterError, LoRAAdapter, LoRABank, load_adapter
 from ..request import InvalidRequestError, task_name
 from .scheduler import Sequence, SlotOwner
 
 log = logging.getLogger("specguide")
 _serials = itertools.count(1)
+MAX_REGISTERED = 1024  # adapters served by name at once (each costs a registry entry; loads make more)
+MAX_NAME = 256  # characters of an adapter's name
+MAX_PATH = 4096  # characters of a `lora_path`
+
+
+class AdapterNotFoundError(InvalidRequestError):
+    """Unloading a name no adapter is served under."""
+
+    code = "NOT_FOUND"
+
+
+def check_name(name: object) -> str:
+    """An adapter name a client gives (InvalidRequestError otherwise): printable, at most MAX_NAME
+    characters, not a TensorRT-LLM task's name."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable() \
+            or name != name.strip():
+        raise InvalidRequestError(f"lora_name must be 1 to {MAX_NAME} printable characters without surrounding "
+                                  f"spaces")
+    if name.startswith("task "):  # request.task_name
+        raise InvalidRequestError(f"lora_name {name!r}: names starting with 'task ' are TensorRT-LLM LoRA tasks'")
+    return name
+
+
+def lora_root(setting: str) -> Optional[Path]:
+    """config `lora_root`: the folder run-time loads come from ("" = the cache folder's `loras/`),
+    None for "off"."""
+    from ..util.paths import cache_dir
+
+    if setting == "off":
+        return None
+    return Path(setting).expanduser() if setting else cache_dir() / "loras"
+
+
+def under_root(root: Path, lora_path: object) -> Path:
+    """The adapter folder `lora_path` names (relative: to `root`), resolved; InvalidRequestError when
+    it, or a file the load reads, is not under `root` once every symlink is followed."""
+    if not isinstance(lora_path, str) or not lora_path or len(lora_path) > MAX_PATH or "\0" in lora_path:
+        raise InvalidRequestError(f"lora_path must be a folder's path of 1 to {MAX_PATH} characters")
+    base = root.expanduser().resolve()
+    folder = (base / Path(lora_path).expanduser()).resolve()  # an absolute path stays itself
+    for path in (folder, folder / CONFIG, folder / WEIGHTS):
+        real = path.resolve()
+        if real != base and base not in real.parents:
+            raise InvalidRequestError(f"lora_path {lora_path!r} is not under the adapter root (lora_root); "
+                                      f"adapters are loaded from there only")
+    if not folder.is_dir():
+        raise InvalidRequestError(f"lora_path {lora_path!r}: no such folder under the adapter root")
+    return folder
 
 
 def _same(a: LoRAAdapter, b: LoRAAdapter) -> bool:
@@ -52,8 +104,10 @@ class LoRAAdapters(SlotOwner):
     NOTE: intake (a client's thread) registers and looks up while the loop acquires: `_lock`."""
 
     def __init__(self, model: LlamaModel, rows: int, max_loras: int, adapters: dict[str, Path],
-                 captured: bool = False, lora_dtype: str = "auto", host_bytes: int = 1 << 30):
+                 captured: bool = False, lora_dtype: str = "auto", host_bytes: int = 1 << 30,
+                 root: Optional[Path] = None):
         self.model = model
+        self.root = root  # run-time loads come from under it (None: none)
         self._lock = threading.Lock()
         self.host_bytes = host_bytes  # TensorRT-LLM tasks' weights kept on the host (lora_cache_host_memory_bytes)
         self.lora_dtype = lora_dtype  # how adapters' weights are held (models/lora.py load_adapter)
@@ -63,14 +117,15 @@ class LoRAAdapters(SlotOwner):
         self.max_loras = max_loras
         self.by_name: dict[str, Registered] = {}
         self.held: dict[int, Registered] = {}  # seq_id -> what it holds
+        self.retired: set[Registered] = set()  # unloaded while sequences held them: in the bank until they end
         self.failed: dict[int, str] = {}  # seq_id -> why its adapter could not be loaded
         self.loads = 0
         for name, path in adapters.items():
             self.register(name, path)
 
     def register(self, name: str, path: Path) -> None:
-        """Serve the adapter at `path` as `name`, checked against the model now (AdapterError);
-        resident at once while there is room."""
+        """Serve the adapter at `path` as `name` (at start-up), checked against the model now
+        (AdapterError); resident at once while there is room."""
         if self.max_loras < 1:
             raise AdapterError(f"LoRA adapter {name!r}: max_loras is 0 (no adapter can be resident)")
         if name in self.by_name:
@@ -86,6 +141,63 @@ class LoRAAdapters(SlotOwner):
                 self._place(reg, free, adapter)
         log.info("LoRA adapter %r: rank %d, %.1f MiB, %s", name, adapter.rank, adapter.nbytes / 2**20,
                  "resident" if free is not None else "on disk until used")
+
+    # ---- run time -----------------------------------------------------------------------------
+    def load(self, name: str, lora_path: str, replace: bool = False) -> str:
+        """Serve the folder `lora_path` (under the adapter root) as `name` from now on (vLLM's
+        /v1/load_lora_adapter); returns the folder. `replace` (vLLM's `load_inplace`): an adapter
+        served as `name` already is replaced (its running sequences finish with it). InvalidRequestError
+        for a name or path refused, a name already served (unless `replace`), an adapter this model
+        cannot use."""
+        if self.root is None:
+            raise InvalidRequestError("loading LoRA adapters at run time is off (lora_root \"off\")")
+        check_name(name)
+        if self.max_loras < 1 or self.captured:
+            raise InvalidRequestError("this engine serves no LoRA adapters (max_loras 0, or CUDA graphs on)")
+        folder = under_root(self.root, lora_path)
+        with self._lock:
+            old = self.by_name.get(name)
+            if old is not None and (not replace or old.adapter is not None):
+                raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.")
+            if old is None and len(self.by_name) >= MAX_REGISTERED:
+                raise InvalidRequestError(f"{MAX_REGISTERED} LoRA adapters are served already; unload one first")
+        try:
+            adapter = load_adapter(name, folder, self.model.cfg, self.lora_dtype, self.model.device)
+        except AdapterError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        with self._lock:
+            if self.by_name.get(name) is not old:  # changed by another caller meanwhile
+                raise InvalidRequestError(f"LoRA adapter {name!r} changed while it loaded; try again")
+            if old is not None:
+                self._retire(old)
+            # NOTE: only the loop places adapters in the bank at run time (the forward reads it): on first use
+            self.by_name[name] = Registered(name, folder, f"lora:{name}:{next(_serials)}".encode())
+        log.info("LoRA adapter %r loaded from %s: rank %d, %.1f MiB%s", name, folder, adapter.rank,
+                 adapter.nbytes / 2**20, " (replacing the one served so)" if old is not None else "")
+        return str(folder)
+
+    def unload(self, name: str) -> None:
+        """Serve `name` no more (vLLM's /v1/unload_lora_adapter): running sequences finish with it,
+        queued ones fail; AdapterNotFoundError when no adapter is served under `name`."""
+        with self._lock:
+            reg = self.by_name.get(name)
+            if reg is None or reg.adapter is not None:  # TensorRT-LLM tasks go by their own cache
+                raise AdapterNotFoundError(f"The lora adapter '{name}' cannot be found.")
+            self._retire(reg)
+        log.info("LoRA adapter %r unloaded%s", name, f" ({len(reg.users)} running)" if reg.users else "")
+
+    def _retire(self, reg: Registered) -> None:
+        """`reg` is served no more; it stays in the bank while sequences hold it."""
+        del self.by_name[reg.name]
+        if reg.users:
+            self.retired.add(reg)
+        elif reg.index is not None:
+            self._unplace(reg)
+
+    def served(self) -> list[str]:
+        """The names adapters are served under, in the order they came (TensorRT-LLM tasks apart)."""
+        with self._lock:
+            return [n for n, r in self.by_name.items() if r.adapter is None]
 
     def put_task(self, task_id: int, adapter: Optional[LoRAAdapter]) -> str:
         """TensorRT-LLM's LoRA cache: a request's `lora_task_id`, with its weights (`adapter`) the first
@@ -126,7 +238,9 @@ class LoRAAdapters(SlotOwner):
         """The registered adapter's key; InvalidRequestError naming what is served otherwise."""
         with self._lock:
             reg = self.by_name.get(name)
-            served = ", ".join(repr(n) for n in self.by_name if self.by_name[n].adapter is None) or "none"
+            names = [n for n in self.by_name if self.by_name[n].adapter is None]
+            served = ", ".join(repr(n) for n in names[:16]) + (f" and {len(names) - 16} more" if len(names) > 16
+                                                               else "") or "none"
         if reg is None:
             raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded (adapters served: {served})")
         return reg.key
@@ -179,6 +293,10 @@ class LoRAAdapters(SlotOwner):
             if reg is not None:
                 reg.users.discard(seq.seq_id)
                 reg.last_used = time.monotonic()
+                if reg in self.retired and not reg.users:  # unloaded: its place is free now
+                    self.retired.discard(reg)
+                    if reg.index is not None:
+                        self._unplace(reg)
             self.failed.pop(seq.seq_id, None)
 
     def admit(self, slot: int, seq: Sequence) -> None:
@@ -190,7 +308,7 @@ class LoRAAdapters(SlotOwner):
 
     # ---- the bank -----------------------------------------------------------------------------
     def _free_index(self) -> Optional[int]:
-        used = {r.index for r in self.by_name.values()}
+        used = {r.index for r in self.by_name.values()} | {r.index for r in self.retired}
         return next((i for i in range(self.max_loras) if i not in used), None)
 
     def _unplace(self, reg: Registered) -> int:

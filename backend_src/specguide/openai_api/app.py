@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,11 +27,11 @@ from ..guided.limits import json_depth
 from . import chat_endpoint, completions_endpoint, handlers
 from .chat import ChatTemplate
 from .caps import Caps
-from .errors import ApiError, ErrorType, bad_request, from_validation
+from .errors import ApiError, ErrorType, bad_request, from_triton, from_validation
 from .event_stream import EventStream
 from .request_params import Limits
-from .schemas import ChatCompletionRequest, CompletionRequest
-from .triton_client import MODEL, TritonClient
+from .schemas import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from .triton_client import MODEL, TritonClient, TritonError
 
 log = logging.getLogger("specguide.openai_api")
 
@@ -186,13 +186,47 @@ def create_app(settings: Settings, client: Optional[TritonClient] = None) -> Fas
                 "owned_by": "specguide"}
         return {**card, "parent": settings.served_model_name} if name else card  # an adapter: vLLM's card
 
+    async def adapters() -> list[str]:
+        """The adapters the engine serves (config, its own multi_lora.json, run-time loads); the
+        config's names while Triton cannot say."""
+        try:
+            return list((await ctx.client.lora({"action": "list"}))["adapters"])
+        except (ApiError, TritonError, KeyError, TypeError, ValueError) as e:
+            log.warning("listing the LoRA adapters: %s", e)
+            return ctx.adapters
+
+    async def lora_control(request: Request, model: type[BaseModel], action: str) -> Any:
+        """/v1/load_lora_adapter and /v1/unload_lora_adapter: vLLM's bodies and answers (plain text)."""
+        req = parse(await _read_body(request, 1 << 16), model)
+        if req.lora_name == settings.served_model_name:
+            raise bad_request(f"lora_name {req.lora_name!r} is the served model's name", "lora_name")
+        control = {"action": action, "lora_name": req.lora_name}
+        if action == "load":
+            control.update(lora_path=req.lora_path, load_inplace=req.load_inplace)
+        try:
+            await ctx.client.lora(control)
+        except TritonError as e:
+            if e.code == "NOT_FOUND":  # unloading a name not served
+                raise ApiError(404, e.message, ErrorType.NOT_FOUND, "lora_name", "not_found") from None
+            raise from_triton(e.code, e.message, "lora_path" if action == "load" else "lora_name") from None
+        done = "added" if action == "load" else "removed"
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' {done} successfully.")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await lora_control(request, LoadLoRAAdapterRequest, "load")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await lora_control(request, UnloadLoRAAdapterRequest, "unload")
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()] + [model_card(a) for a in ctx.adapters]}
+        return {"object": "list", "data": [model_card()] + [model_card(a) for a in await adapters()]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
-        if name != settings.served_model_name and name not in ctx.adapters:
+        if name != settings.served_model_name and name not in await adapters():
             raise ApiError(404, f"The model `{name}` does not exist.", ErrorType.NOT_FOUND, "model", "model_not_found")
         return model_card("" if name == settings.served_model_name else name)
 

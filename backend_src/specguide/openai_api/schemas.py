@@ -214,3 +214,18 @@ class CompletionRequest(_Sampling):
     echo: Optional[bool] = None
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # OpenAI caps it at 5, vLLM at 20
     suffix: Optional[str] = None  # refused
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's /v1/load_lora_adapter body: the folder (under the model's `lora_root`) served as `lora_name`."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False  # replace the adapter served under lora_name
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: Optional[int] = None  # vLLM's engine id: accepted, the name decides

@@ -28,6 +28,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
 from ..triton.interfaces import ERROR_OUTPUT_PARAMETER, PROXY_ERROR
+from ..triton.lora_control import LORA_INPUT
 from .errors import ApiError, ErrorType, from_triton
 
 MODEL = "specguide"
@@ -226,6 +227,34 @@ class TritonClient:
         except (GRPCError, TimeoutError, *_DOWN):
             return {}
         return {k: v.string_value for k, v in r.config.parameters.items()}
+
+    async def lora(self, control: dict[str, Any], timeout: float = 180.0) -> dict[str, Any]:
+        """A LoRA control request (triton/lora_control.py: load, unload, list) and its answer's JSON.
+        Raises TritonError (the model's code and message) or ApiError (Triton down: 503)."""
+        msg = service_pb2.ModelInferRequest(model_name=self.model, id=new_request_id())
+        tensor, raw = _tensor(LORA_INPUT, json.dumps(control), np.object_, "BYTES")
+        msg.inputs.append(tensor)
+        msg.raw_input_contents.append(raw)
+        msg.parameters[ERROR_OUTPUT_PARAMETER].bool_param = True
+        try:
+            async with self._channel.request(_SERVICE + "ModelStreamInfer", Cardinality.STREAM_STREAM,
+                                             service_pb2.ModelInferRequest, service_pb2.ModelStreamInferResponse,
+                                             timeout=timeout) as call:
+                await call.send_message(msg, end=True)
+                response = await call.recv_message()
+                await _finish(call)
+        except GRPCError as e:
+            raise from_triton(e.status.name, e.message or e.status.name) from None
+        except (*_DOWN, TimeoutError) as e:
+            log.warning("Triton at %s is not reachable: %s", self.url, e)
+            raise from_triton("UNAVAILABLE", "Triton is not reachable") from None
+        if response is None or response.error_message:
+            raise TritonError("", response.error_message if response is not None else "no answer")
+        out = _outputs(response.infer_response)
+        if PROXY_ERROR in out:
+            code, message = (v.decode("utf-8", "replace") for v in out[PROXY_ERROR][:2])
+            raise TritonError(code, message)
+        return json.loads(out["text_output"][0])
 
     async def generate(self, req: TritonRequest) -> AsyncIterator[Delta]:
         """Send `req` on a fresh stream; yield its Deltas until the final response.

@@ -28,6 +28,7 @@ class EngineHandle:
                                      stdout=subprocess.PIPE, close_fds=True)
         self.write_lock = threading.Lock()
         self.stalled = ""  # why the watchdog killed it ("" unless it did)
+        self.exited = False  # its end was handled (EngineProcess._on_exit)
         limit, late = config.engine_start_timeout_s, threading.Event()
 
         def expire() -> None:  # ends the read below

@@ -49,13 +49,16 @@ from .restarts import Backoff, sleep_unless
 Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
 
 SUBMIT_WAIT_S = 60.0  # without the watchdog: how long a submit waits for the engine's answer
+CALL_WAIT_S = 120.0  # how long a control call (an adapter's load: files read) waits for its answer
 WATCH_S = 1.0  # how often the watchdog looks (at most)
 DUMP_WAIT_S = 1.0  # a stuck engine process's time to write its threads' stacks before it is killed
 
 
 class EngineProcess:
-    """The engine's interface (`submit`, `cancel`, `stats`, `is_alive`, `shutdown`) over an engine
-    process that is restarted when it dies. Callbacks run on this object's reader thread.
+    """The engine's interface (`submit`, `cancel`, `stats`, `is_alive`, `shutdown`, the LoRA adapters'
+    `load_adapter`, `unload_adapter`, `adapters`) over an engine process that is restarted when it
+    dies. Callbacks run on this object's reader thread. Adapters loaded or unloaded at run time are
+    loaded or unloaded again in a restarted engine before it takes requests.
 
     The first start happens in the constructor and raises if the engine cannot load. `server_pid`:
     the server process (a Triton stub's parent) whose end ends this process and the engine's.
@@ -69,7 +72,10 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._keys = itertools.count(1)
         self._callbacks: dict[int, Callback] = {}  # requests the engine holds, by key
-        self._pending: dict[int, tuple[threading.Event, list]] = {}  # submits awaiting the engine's answer
+        self._pending: dict[int, tuple[threading.Event, list]] = {}  # submits and calls awaiting the engine's
+        # answer: [error or None] for a submit, [error or None, value] for a call
+        self._adapter_lock = threading.Lock()  # one adapter change at a time: `_adapter_log` in their order
+        self._adapter_log: dict[str, Optional[str]] = {}  # name -> folder loaded at run time; None: unloaded
         self._stats: dict[str, int] = {}
         self._down: Optional[str] = None  # why the engine is down (None while it serves)
         self._closing = False
@@ -170,6 +176,64 @@ class EngineProcess:
         child.send(("cancel", key))  # should it take the request after all
         raise EngineDeadError(f"the engine did not take the request within {SUBMIT_WAIT_S:g} s")
 
+    def load_adapter(self, name: str, lora_path: str, replace: bool = False) -> str:
+        """Serve the LoRA adapter in `lora_path` (under config `lora_root`) as `name` (`replace`: in
+        place of one served so), in this engine and any restarted one; returns its folder. Raises
+        InvalidRequestError (refused), EngineDeadError (the engine is down)."""
+        with self._adapter_lock:
+            folder = self._call(self._serving(), "load_adapter", (name, lora_path, replace))
+            self._adapter_log[name] = lora_path
+        return folder
+
+    def unload_adapter(self, name: str) -> None:
+        """Serve the LoRA adapter `name` no more, in this engine and any restarted one."""
+        with self._adapter_lock:
+            self._call(self._serving(), "unload_adapter", (name,))
+            if self._adapter_log.get(name) is not None:
+                del self._adapter_log[name]  # loaded at run time: a new engine will not know it
+            else:
+                self._adapter_log[name] = None  # the config's: a new engine must unload it again
+        self._log("info", f"specguide: LoRA adapter {name!r} unloaded")
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters the engine serves by name."""
+        return self._call(self._serving(), "adapters", ())
+
+    def _serving(self) -> EngineHandle:
+        with self._lock:
+            if self._down is not None or self._closing:
+                raise EngineDeadError(self._down or "the engine is shutting down")
+            return self._child
+
+    def _call(self, child: EngineHandle, method: str, args: tuple) -> object:
+        """One of the engine's CALLS (engine_protocol.py), answered by `child`."""
+        key = next(self._keys)
+        done, result = threading.Event(), []
+        with self._lock:
+            self._pending[key] = (done, result)
+        child.send(("call", key, method, args))
+        if not done.wait(CALL_WAIT_S):
+            with self._lock:
+                self._pending.pop(key, None)
+            raise EngineDeadError(f"the engine did not answer ({method}) within {CALL_WAIT_S:g} s")
+        if result[0] is not None:
+            raise result[0]
+        return result[1]
+
+    def _replay_adapters(self, child: EngineHandle) -> None:
+        """A new engine process serves the adapters its predecessor was given at run time."""
+        with self._adapter_lock:
+            log = list(self._adapter_log.items())
+            for name, path in log:
+                try:
+                    self._call(child, "load_adapter" if path is not None else "unload_adapter",
+                               (name, path, True) if path is not None else (name,))
+                except Exception as e:
+                    self._log("error", f"specguide: the restarted engine could not "
+                                       f"{'load' if path is not None else 'unload'} LoRA adapter {name!r}: {e}")
+                    if path is not None:
+                        del self._adapter_log[name]
+
     def cancel(self, key: int) -> None:
         """Stop a request; a final 'cancelled' event follows (or the engine's death's error)."""
         with self._lock:
@@ -241,6 +305,8 @@ class EngineProcess:
                 self._answer(msg[1], msg[2])
             elif kind == "submitted":
                 self._answer(msg[1], None)
+            elif kind == "reply":
+                self._answer(msg[1], None, msg[2])
             elif kind == "stats":
                 with self._lock:
                     self._stats = msg[1]
@@ -265,19 +331,20 @@ class EngineProcess:
             except Exception as e:  # the reader thread must live on
                 self._log("error", f"specguide: a request's callback failed: {e!r}")
 
-    def _answer(self, key: int, error: Optional[BaseException]) -> None:
+    def _answer(self, key: int, error: Optional[BaseException], value: object = None) -> None:
         with self._lock:
             done, result = self._pending.pop(key, (None, None))
             if error is not None:
                 self._callbacks.pop(key, None)
         if done is not None:
-            result.append(error)
+            result.extend((error, value))
             done.set()
 
     def _on_exit(self, child: EngineHandle, cause: str) -> None:
         """The engine process ended: fail what it held, then (unless closing) restart it."""
         with self._lock:
             closing = self._closing
+            child.exited = True
             if not closing:
                 self._restart_delay = self._backoff.failed()
                 self._down = f"{cause}; a new engine is starting"
@@ -286,7 +353,7 @@ class EngineProcess:
         message = (f"{cause}; the request was lost (a new engine is starting: retry in a few seconds)"
                    if not closing else "the model was unloaded")
         for done, result in pending.values():
-            result.append(EngineDeadError(message))
+            result.extend((EngineDeadError(message), None))
             done.set()
         for key, callback in callbacks.items():
             try:
@@ -365,9 +432,13 @@ class EngineProcess:
                 if self._closing:
                     child.kill()
                     return
-                self._child, self._down, self.info = child, None, child.info
+                self._child, self.info = child, child.info
                 self.restarts += 1
                 self._stats, self._turns, self._progress_at = {}, -1, time.monotonic()
             self._reader = self._start_reader(child)
+            self._replay_adapters(child)  # before it takes requests: they may name those adapters
+            with self._lock:
+                if not child.exited:  # (else its end was handled: the next restart is due)
+                    self._down = None
             self._log("info", f"specguide: engine restarted in {time.monotonic() - t0:.1f} s "
                               f"(restart {self.restarts}, pid {child.info.pid})")

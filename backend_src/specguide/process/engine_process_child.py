@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from .engine_protocol import EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_IDLE_S, STATS_S, Callback, EngineInfo
+from .engine_protocol import CALLS, EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_IDLE_S, STATS_S, Callback, EngineInfo
 from ..util.heap import freeze_startup_heap
 from .ipc import die_with_parent, read_msg, renice, wait_until_gone, write_msg
 from ..request import RequestOutput
@@ -110,6 +110,9 @@ def child_main() -> None:
                 send(("refused", key, e))
             else:
                 send(("submitted", key))
+        elif kind == "call":  # a control call (CALLS), on a thread of its own: it may read files
+            threading.Thread(target=_call, args=(engine, send) + tuple(msg[1:]), name="specguide-engine-call",
+                             daemon=True).start()
         elif kind == "cancel":
             with seq_lock:
                 seq_id = seq_of.get(msg[1])
@@ -119,6 +122,18 @@ def child_main() -> None:
             engine.shutdown(drain=msg[1], timeout=msg[2])
             out.flush()
             os._exit(0)
+
+
+def _call(engine, send, key: int, method: str, args: tuple) -> None:
+    if method not in CALLS:
+        send(("refused", key, ValueError(f"unknown engine call {method!r}")))
+        return
+    try:
+        value = getattr(engine, method)(*args)
+    except Exception as e:
+        send(("refused", key, e))
+    else:
+        send(("reply", key, value))
 
 
 def _end_with_server(server: str) -> None:

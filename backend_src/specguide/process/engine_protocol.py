@@ -4,9 +4,9 @@ The child's side is engine_process_child.py (its command line names it, so tools
 engine process by "engine_process"). Messages are length-prefixed pickles over the child's stdin
 / stdout (compile_worker's framing, ipc.py).
 Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", key) |
-("shutdown", drain, timeout). Child -> parent: ("ready", EngineInfo) | ("failed", text), then
-("out", key, RequestOutput) | ("refused", key, exception) | ("submitted", key) | ("stats", dict) |
-("dead", text).
+("call", key, method, args) | ("shutdown", drain, timeout). Child -> parent: ("ready", EngineInfo) |
+("failed", text), then ("out", key, RequestOutput) | ("refused", key, exception) | ("submitted", key)
+| ("reply", key, value) | ("stats", dict) | ("dead", text). A call is one of the Engine's CALLS.
 `key` is the parent's id for a request: the seq_id `submit` returns and outputs carry.
 
 Also here: the settings both sides read (the environment's names, the stats' periods, the exit
@@ -25,6 +25,7 @@ Callback = Callable[[RequestOutput], None]
 STATS_S = 0.05  # how often the engine process sends its stats while they change (and checks its loop thread)
 STATS_IDLE_S = 0.5  # its period while they do not (an idle engine): unchanged stats are not sent again
 EXIT_LOOP_DIED = 3  # the engine process's exit code when its loop thread died
+CALLS = frozenset({"load_adapter", "unload_adapter", "adapters"})  # Engine methods the parent may call
 PARENT_ENV = "SPECGUIDE_ENGINE_PARENT"
 SERVER_ENV = "SPECGUIDE_ENGINE_SERVER"  # the server (ipc.process_identity) whose end ends the stub and engine
 

@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig, lora_file
@@ -37,6 +38,7 @@ from .groups import Group, GroupMember, shaped
 from .instance import Instance
 from .interfaces import INTERFACES, SERVED_MODEL_PARAMETER, SERVED_VERSION_PARAMETER
 from .input_limits import BIG_REQUEST_BYTES, InputLimits, model_vocab_size, request_bytes
+from .lora_control import LORA_INPUT, LoRAControl, read_control
 from .metrics import Metrics
 from .peer_metrics import PeerMetrics, Served
 from .request_inputs import interface_of, is_stop_request, read_parameters, read_tensors, wants_error_output
@@ -95,6 +97,7 @@ class TritonPythonModel:
                                         instance=self.instance.label if several else "")
         # with several instances a stop request may reach one that does not run the request
         self._stops = StopBoard(self.model_name, os.getppid()) if several else None
+        self._lora = LoRAControl(self.engine, instance_count(model_config))  # run-time adapter loads
         self._outbox: "queue.Queue[Any]" = queue.Queue()
         self._live: set[GroupMember] = set()
         self._live_lock = threading.Lock()
@@ -127,6 +130,9 @@ class TritonPythonModel:
             error_output = wants_error_output(parameters)
             interface = interface_of(parameters)
             tensors = read_tensors(pb_utils, request)
+            if LORA_INPUT in tensors:
+                self._lora_control(sender, tensors, interface, error_output)
+                return
             if is_stop_request(tensors):
                 self._stop(request.request_id())
                 safe_send(pb_utils, sender, None, FINAL)
@@ -174,6 +180,20 @@ class TritonPythonModel:
                 self.metrics.finished("rejected")
             with self._live_lock:
                 self._live.difference_update(seqs)
+
+    def _lora_control(self, sender: Any, tensors: dict, interface: str, error_output: bool) -> None:
+        """A LoRA control request (triton/lora_control.py): answered from the control thread."""
+        control = read_control(tensors, interface, self.limits.max_json_depth)
+
+        def answer(text: Any, exc: Any) -> None:
+            if exc is not None:
+                response = error_response(pb_utils, _message(exc, "trtllm"), error_code(exc))
+                safe_send(pb_utils, sender, shaped(pb_utils, response, error_output), FINAL)
+                return
+            out = pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))
+            safe_send(pb_utils, sender, pb_utils.InferenceResponse(output_tensors=[out]), FINAL)
+
+        self._lora.submit(control, answer)
 
     def _served(self, parameters: dict, interface: str) -> Served:
         """The metric series of the model the request came through: a proxy names itself (BLS

@@ -103,6 +103,9 @@ TRTLLM_INPUTS: tuple[Spec, ...] = (
     _s("lora_weights", "FP16", [-1, -1], "none",
        "TensorRT-LLM's LoRA weights: per `lora_config` row, A [D, in] then B [out, D] flattened (hf_lora_convert.py)"),
     _s("lora_config", "INT32", [-1, 3], "none", "TensorRT-LLM's LoRA rows: module id, layer, adapter size D"),
+    _s("specguide_lora", "STRING", [1], "-",
+       "a LoRA control request, alone: JSON `{\"action\": \"load\" | \"unload\" | \"list\", \"lora_name\", "
+       "\"lora_path\", \"load_inplace\"}` (docs/lora.md); answered by one response, its `text_output` JSON"),
     _s("end_id", "INT32", [1], "the tokenizer's EOS", "token id that ends generation"),
     _s("pad_id", "INT32", [1], "-", "accepted and ignored"),
     _s("num_return_sequences", "INT32", [1], "1",

@@ -94,6 +94,11 @@ def sane_row(draw, name: str, spec: Spec) -> list:
         return [[0.0] * 8]
     if name == "lora_config":
         return [[draw(st.integers(0, 7)), draw(st.integers(0, 29)), 1]]
+    if name == "specguide_lora":  # LoRA control requests (none can load: no folder under the root)
+        return [json.dumps(draw(st.sampled_from([
+            {"action": "list"}, {"action": "unload", "lora_name": "fuzz"},
+            {"action": "load", "lora_name": "fuzz", "lora_path": "/etc"},
+            {"action": "load", "lora_name": "fuzz", "lora_path": "../../x"}]))).encode()]
     if name == "embedding_bias":
         i, w = draw(st.integers(0, VOCAB - 1)), draw(st.floats(-100, 100, width=32))
         return [w if j == i else 0.0 for j in range(VOCAB)]
