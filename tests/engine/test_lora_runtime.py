@@ -208,3 +208,38 @@ def test_a_restarted_engine_process_serves_the_adapters_loaded_and_unloaded_befo
             ep.submit(Request(prompt_ids=ids, params=_greedy(4), lora_name="legal"))
     finally:
         ep.shutdown(drain=False, timeout=10)
+
+
+def test_an_adapter_is_read_off_the_engine_loop_while_other_streams_go_on(engine, root, monkeypatch):
+    """Reading an adapter's folder (milliseconds to seconds) never holds the loop: with the read held
+    up, a base-model request runs to its end; the adapter's request then runs with its text."""
+    from specguide.engine import lora_adapters
+
+    _, pm = root
+    gate, readers = threading.Event(), []
+    real = lora_adapters.load_adapter
+
+    def held_read(*args, **kw):
+        readers.append(threading.current_thread().name)
+        assert gate.wait(120)
+        return real(*args, **kw)
+
+    engine.load_adapter("held", "support")  # (checked at once, with the real read)
+    monkeypatch.setattr(lora_adapters, "load_adapter", held_read)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    waiting, base = [], threading.Event()
+    engine.submit(Request(prompt_ids=ids, params=_greedy(16), lora_name="held"), waiting.append)
+    engine.submit(Request(prompt_ids=ids, params=_greedy(48)), lambda out: out.finished and base.set())
+    try:
+        assert base.wait(120), "the base request waited for the adapter's read"
+        assert readers and all(name.startswith("specguide-lora-read") for name in readers), readers
+        assert not any(out.token_ids for out in waiting)  # its adapter is still being read
+    finally:
+        gate.set()
+    deadline = time.monotonic() + 120
+    while not (waiting and waiting[-1].finished):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert waiting[-1].error is None
+    assert [t for out in waiting for t in out.token_ids] == peft_greedy(pm, "support", ids, 16)
+    engine.unload_adapter("held")

@@ -235,8 +235,9 @@ class EngineCore:
         return True
 
     def close(self) -> None:
-        """Stop the compile workers and release the runner's resources (after the last step)."""
+        """Stop the compile workers and the adapter reader; release the runner's resources (after the last step)."""
         self.compiler.shutdown()
+        self.adapters.close()
         self.runner.close()
 
     # ---- one iteration (loop thread) ------------------------------------------------------

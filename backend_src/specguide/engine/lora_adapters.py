@@ -13,6 +13,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -29,6 +30,7 @@ _serials = itertools.count(1)
 MAX_REGISTERED = 1024  # adapters served by name at once (each costs a registry entry; loads make more)
 MAX_NAME = 256  # characters of an adapter's name
 MAX_PATH = 4096  # characters of a `lora_path`
+WANTED_S = 1.0  # an adapter read ahead that no sequence asked for this long may be dropped
 
 
 class AdapterNotFoundError(InvalidRequestError):
@@ -96,6 +98,7 @@ class Registered:
     index: Optional[int] = None
     users: set[int] = field(default_factory=set)  # the sequences holding it
     last_used: float = 0.0
+    wanted_at: float = 0.0  # a waiting sequence last asked for it (reads ahead nobody wants are dropped)
     adapter: Optional[LoRAAdapter] = None  # a TensorRT-LLM task's weights, kept on the host (no folder)
 
 
@@ -118,6 +121,10 @@ class LoRAAdapters(SlotOwner):
         self.by_name: dict[str, Registered] = {}
         self.held: dict[int, Registered] = {}  # seq_id -> what it holds
         self.retired: set[Registered] = set()  # unloaded while sequences held them: in the bank until they end
+        # adapters read from their folders off the loop (one reader thread), placed when a place is free;
+        # at most max_loras at once (host memory)
+        self.reading: dict[Registered, Future] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="specguide-lora-read")
         self.failed: dict[int, str] = {}  # seq_id -> why its adapter could not be loaded
         self.loads = 0
         for name, path in adapters.items():
@@ -189,6 +196,7 @@ class LoRAAdapters(SlotOwner):
     def _retire(self, reg: Registered) -> None:
         """`reg` is served no more; it stays in the bank while sequences hold it."""
         del self.by_name[reg.name]
+        self.reading.pop(reg, None)
         if reg.users:
             self.retired.add(reg)
         elif reg.index is not None:
@@ -231,6 +239,7 @@ class LoRAAdapters(SlotOwner):
 
     def _forget(self, reg: Registered) -> None:
         del self.by_name[reg.name]
+        self.reading.pop(reg, None)
         if reg.index is not None:
             self._unplace(reg)
 
@@ -263,23 +272,45 @@ class LoRAAdapters(SlotOwner):
             self.failed[seq.seq_id] = f"LoRA adapter {seq.adapter!r} was unloaded before the request ran"
             return False
         if reg.index is None:
+            adapter = reg.adapter or self._read(reg, seq)  # a TensorRT-LLM task's weights are on the host
+            if adapter is None:
+                return False  # being read (the loop goes on), or failed (`failed` says why)
             index = self._free_index()
             if index is None:
                 idle = [r for r in self.by_name.values() if r.index is not None and not r.users]
                 if not idle:
-                    return False
+                    return False  # what was read waits in `reading` for a place
                 index = self._unplace(min(idle, key=lambda r: r.last_used))
-            try:
-                adapter = reg.adapter or load_adapter(reg.name, reg.path, self.model.cfg, self.lora_dtype,
-                                                      self.model.device)
-            except AdapterError as exc:
-                self.failed[seq.seq_id] = str(exc)
-                return False
+            self.reading.pop(reg, None)
             self._place(reg, index, adapter)
         reg.users.add(seq.seq_id)
         reg.last_used = time.monotonic()
         self.held[seq.seq_id] = reg
         return True
+
+    def _read(self, reg: Registered, seq: Sequence) -> Optional[LoRAAdapter]:
+        """`reg`'s adapter once read from its folder on the reader thread (NOTE: never on the loop:
+        reading and checking an adapter takes milliseconds to seconds, and every stream would wait);
+        None while it is read, or when it failed (the sequence's `failed` entry says why)."""
+        now = reg.wanted_at = time.monotonic()
+        fut = self.reading.get(reg)
+        if fut is None:
+            if len(self.reading) >= self.max_loras:  # drop reads ahead that no waiting sequence wants now
+                for r in [r for r, f in self.reading.items() if f.done() and now - r.wanted_at > WANTED_S]:
+                    del self.reading[r]
+                if len(self.reading) >= self.max_loras:
+                    return None
+            self.reading[reg] = self._reader.submit(load_adapter, reg.name, reg.path, self.model.cfg,
+                                                    self.lora_dtype, self.model.device)
+            return None
+        if not fut.done():
+            return None
+        try:
+            return fut.result()
+        except AdapterError as exc:
+            del self.reading[reg]  # read again for a later request (the folder may be mended)
+            self.failed[seq.seq_id] = str(exc)
+            return None
 
     def poll_failures(self) -> list[tuple[int, str]]:
         """(seq_id, message) of each sequence whose adapter could not be made resident."""
@@ -321,6 +352,10 @@ class LoRAAdapters(SlotOwner):
         self.bank.place(index, adapter)
         reg.index = index
         self.loads += 1
+
+    def close(self) -> None:
+        """Stop the reader thread (a read in progress is left to finish on its own)."""
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, int]:
         """Adapters registered and resident, and loads so far (any thread)."""
