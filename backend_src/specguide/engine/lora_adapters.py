@@ -67,7 +67,7 @@ def under_root(root: Path, lora_path: object) -> Path:
     if not isinstance(lora_path, str) or not lora_path or len(lora_path) > MAX_PATH or "\0" in lora_path:
         raise InvalidRequestError(f"lora_path must be a folder's path of 1 to {MAX_PATH} characters")
     base = root.expanduser().resolve()
-    folder = (base / Path(lora_path).expanduser()).resolve()  # an absolute path stays itself
+    folder = (base / lora_path).resolve()  # an absolute path stays itself
     for path in (folder, folder / CONFIG, folder / WEIGHTS):
         real = path.resolve()
         if real != base and base not in real.parents:

@@ -223,8 +223,7 @@ class EngineProcess:
     def _replay_adapters(self, child: EngineHandle) -> None:
         """A new engine process serves the adapters its predecessor was given at run time."""
         with self._adapter_lock:
-            log = list(self._adapter_log.items())
-            for name, path in log:
+            for name, path in list(self._adapter_log.items()):
                 try:
                     self._call(child, "load_adapter" if path is not None else "unload_adapter",
                                (name, path, True) if path is not None else (name,))
