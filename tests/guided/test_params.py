@@ -128,6 +128,8 @@ def test_vllm_mapping(value, expected):
     ({"json": SCHEMA, "undeclared_keys": True}, "undeclared_keys must be 'forbid' or 'allow'"),
     ({"json": SCHEMA, "disable_additional_properties": "yes"}, "disable_additional_properties must be a boolean"),
     ({"json": SCHEMA, "undeclared_keys": "allow", "disable_additional_properties": True}, "contradicts"),
+    ({"json": "[" * 20000 + "]" * 20000}, "nested 20000 levels deep; at most 512 are read"),  # not a RecursionError
+    ("[" * 5000, "nested 5000 levels deep"),  # the whole structured_outputs value as a string
 ])
 def test_vllm_errors(value, msg):
     with pytest.raises(InvalidRequestError, match=msg):

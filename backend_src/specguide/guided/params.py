@@ -14,6 +14,7 @@ import re
 from typing import Any, Mapping, Optional, Sequence
 
 from ..request import GuidedDecodingParams, InvalidRequestError, UndeclaredKeys
+from .limits import json_depth
 
 BACKENDS = ("xgrammar", "llguidance")  # implementations
 BACKEND_NAMES = ("auto",) + BACKENDS + ("guidance",)  # what a request or the server may name
@@ -260,8 +261,20 @@ def normalize_structural_tag(tag: dict) -> dict:
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
 
 
+PARSE_DEPTH = 512  # nesting a guide's JSON text may have to be parsed at all (the guide limits, lower, apply after)
+
+
 def _parse_json(text: Any, what: str) -> Any:
+    """`text` parsed (a clear InvalidRequestError otherwise); nesting past PARSE_DEPTH is refused
+    before the parser recurses (a RecursionError is not a client's message)."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise InvalidRequestError(f"{what} is not valid JSON: a {type(text).__name__}, not a string")
+    if not isinstance(text, str):
+        text = bytes(text).decode("utf-8", "replace")
+    depth = json_depth(text)  # one linear pass
+    if depth > PARSE_DEPTH:
+        raise InvalidRequestError(f"{what} is nested {depth} levels deep; at most {PARSE_DEPTH} are read")
     try:
         return json.loads(text)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise InvalidRequestError(f"{what} is not valid JSON: {e}") from None

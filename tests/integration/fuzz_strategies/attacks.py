@@ -77,4 +77,9 @@ FOUND = [
     Case("openai_completions", path="/v1/completions", body=json.dumps(
         {"model": "specguide", "prompt": "Say yes.", "max_tokens": 8,
          "guided_grammar": "root ::= x\nx ::= y\ny ::= x"}).encode()),
+    # a JSON schema given as a string nested thousands of levels deep: its parse recursed past
+    # Python's limit (RecursionError, 500); now 400 before the parse
+    Case("openai_completions", path="/v1/completions", body=json.dumps(
+        {"model": "specguide", "prompt": "Say yes.", "max_tokens": 3,
+         "guided_json": "[" * 20000 + "]" * 20000}).encode()),
 ]
