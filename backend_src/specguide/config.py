@@ -93,7 +93,8 @@ class EngineConfig:
     # as kv_cache_memory_fraction of the free memory (after the weights) holds at max_seq_len, at most 256 (logged)
     kv_cache_memory_fraction: float = 0.9  # the share of free memory for the KV blocks (CUDA: the GPU's after
     # the weights, CPU: MemAvailable; CPU pages are taken as blocks are first used), at most what every slot
-    # at max_seq_len holds; fewer blocks than that: the newest sequence is preempted when they run out
+    # at max_seq_len holds; fewer blocks than that: a sequence is preempted when they run out (the newest; first
+    # the newest row of a request of many rows holding more than its share)
     kv_cache_bytes: int = 0  # bytes for the KV blocks instead of kv_cache_memory_fraction (0: the fraction)
     max_seq_len: int = 0  # prompt + generated tokens per sequence; 0: the model's context (config.json
     # max_position_embeddings, set by the engine), at most what the KV blocks hold

@@ -188,3 +188,46 @@ def test_the_cache_reuses_memory_already_taken_so_memory_follows_the_work():
     assert s.pool.num_blocks - 1 - len(s.pool.fresh) <= 5 + 3
     assert len(s.pool.cached) >= 5  # the most recent prefixes stay cached
     s.check_integrity()
+
+
+def test_a_request_of_many_rows_gives_up_its_own_rows_before_a_later_one_row_request():
+    """A batch of 3 rows (one client request) admitted first holds most blocks; a one-row request
+    comes after. When blocks run short the batch's newest row is preempted, never the one-row
+    request (newest-first alone would preempt it again and again); two one-row requests still go
+    newest first."""
+    K = 3
+    s = Scheduler(max_slots=4, max_seq_len=128, prefill_chunk=64, pool=BlockPool(
+        np.zeros((4, BlockPool.blocks_for(128 + K + 1)), np.int32), 1 + 12), lookahead=K)
+    batch = [seq(i) for i in (1, 2, 3)]
+    for q in batch:
+        q.group = 7
+    lone = seq(4)
+    lone.group = 9
+    for q in (*batch, lone):
+        s.waiting.append(q)
+    run_chunks(s, s.schedule())
+    preempted = []
+    for _ in range(200):
+        plan = s.schedule()
+        s.check_integrity()
+        preempted += plan.preempted
+        if len(preempted) >= 2:
+            break
+        run_chunks(s, plan)
+        decode(plan)
+    assert preempted[:2] == [batch[2], batch[1]], preempted
+    assert lone.preemptions == 0 and lone.status is Status.DECODE
+    # one-row requests alone: the newest goes
+    t = Scheduler(max_slots=3, max_seq_len=128, prefill_chunk=64, pool=BlockPool(
+        np.zeros((3, BlockPool.blocks_for(128 + K + 1)), np.int32), 1 + 9), lookahead=K)
+    solo = [seq(i) for i in (1, 2, 3)]
+    for i, q in enumerate(solo):
+        q.group = 10 + i
+        t.waiting.append(q)
+    run_chunks(t, t.schedule())
+    first = []
+    while not first:
+        plan = t.schedule()
+        first = plan.preempted
+        decode(plan)
+    assert first == [solo[2]]

@@ -137,7 +137,8 @@ class Scheduler:
     sequence holds in the KV blocks is `blocks`' (kv_blocks.KVBlocks: prefix sharing included);
     how much of a step prompt chunks take is `budget`'s (step_budget.StepBudget).
 
-    When blocks run short the newest running sequence is preempted: it keeps its slot, gives its
+    When blocks run short a running sequence is preempted (`_victim`: the newest, or the newest row
+    of a request of many rows holding more than its share): it keeps its slot, gives its
     blocks back (its computed ones stay cached) and, once blocks are free again, shares what is
     still cached of them, recomputes the rest (a prefill: the same K/V bits with the
     chunk-invariant kernels) and decodes on."""
@@ -211,17 +212,30 @@ class Scheduler:
         preempted: list[Sequence] = []
         for seq in sorted(self.running.values(), key=lambda s: s.seq_id):
             while seq.status is Status.DECODE and not self.blocks.grow(seq, self.blocks.decode_need(seq)):
-                victim = self._newest()
+                victim = self._victim()
                 assert victim is not None, "a decoding sequence holds blocks"
                 self._preempt(victim)
                 preempted.append(victim)
         return preempted
 
-    def _newest(self) -> Optional[Sequence]:
-        """The running sequence to preempt first: the newest one holding blocks. NOTE: one sequence
-        alone always fits the pool (the engine caps max_seq_len to it), so a sequence short of
-        blocks finds one, itself at worst."""
-        return max((s for s in self.running.values() if self.blocks.holds(s)), key=lambda s: s.seq_id, default=None)
+    def _victim(self) -> Optional[Sequence]:
+        """The running sequence to preempt first: the newest row of a request of several rows (a
+        batch, n > 1) that holds more than an equal share of the blocks held (one share per request
+        holding any), so that one client's many rows never push another's few out again and again;
+        where none does, the newest sequence holding blocks (the cheapest to recompute, usually).
+        NOTE: one sequence alone always fits the pool (the engine caps max_seq_len to it), so a
+        sequence short of blocks finds one, itself at worst."""
+        holders = [s for s in self.running.values() if self.blocks.holds(s)]
+        if not holders:
+            return None
+        held: dict[int, int] = {}
+        rows: dict[int, int] = {}
+        for s in holders:
+            held[s.group] = held.get(s.group, 0) + int(self.pool.held[s.slot])
+            rows[s.group] = rows.get(s.group, 0) + 1
+        share = sum(held.values()) / len(held)
+        over = [s for s in holders if rows[s.group] > 1 and held[s.group] > share]
+        return max(over or holders, key=lambda s: s.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)  # what it computed stays cached: its recompute shares what is left of it
@@ -304,7 +318,7 @@ class Scheduler:
             if n <= 0 or (not weighted and n > budget):
                 break
             while not self.blocks.grow(seq, seq.num_cached + n):
-                victim = self._newest() if preempted is not None else None
+                victim = self._victim() if preempted is not None else None
                 if victim is None or victim.seq_id <= seq.seq_id:
                     break
                 self._preempt(victim)
