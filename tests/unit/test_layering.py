@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "backend_src" / "specguide"
 LAYERS = {
     # plain data, settings and helpers that import nothing of ours
     "request": 0, "config": 0, "engine.step_layout": 0,
-    "util.paths": 0, "util.progress": 0, "util.memory": 0, "util.heap": 0,
+    "util.paths": 0, "util.progress": 0, "util.memory": 0, "util.heap": 0, "util.stalls": 0,
     "process.ipc": 0, "process.health_probe": 0, "process.restarts": 0,
     "process.head_training": 1,  # starts `python -m specguide.training.cli` in a process: imports no training code
     "process.engine_protocol": 1,  # the engine process's messages and EngineInfo: plain data over config / request

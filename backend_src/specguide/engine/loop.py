@@ -10,7 +10,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..config import EngineConfig
-from ..util import memory
+from ..util import memory, stalls
 from ..request import EngineDeadError, QueueFullError, Request, RequestOutput
 from .core import Callback, EngineCore, log
 from .scheduler import Sequence, Status
@@ -201,6 +201,7 @@ class Engine:
                     self._pending_submits -= sum(1 for kind, _ in inbox if kind == "submit")
                     stopping, drain = self._stopping, self._drain
                 self.turns += 1
+                t0 = time.perf_counter()
                 self._apply(inbox)
                 core.expire(time.monotonic())
                 self._poll_head()
@@ -208,12 +209,26 @@ class Engine:
                     core.cancel_all()
                 if stopping and not core.has_work():
                     return
-                if core.has_work() and not core.step():
+                t1 = time.perf_counter()
+                stepped = core.has_work() and core.step()
+                self._report(t0, t1, stepped, len(inbox))
+                if core.has_work() and not stepped:
                     with self._cv:  # only grammar compiles are pending: doze instead of spinning
                         self._cv.wait(IDLE_WAIT_S)
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine loop crashed")
             self._die(exc)
+
+    def _report(self, t0: float, t1: float, stepped: bool, arrivals: int) -> None:
+        """A loop turn that held every stream SLOW_S or longer goes to the log, with what it did."""
+        now = time.perf_counter()
+        if now - t0 < stalls.SLOW_S:
+            return
+        prefills, decodes, prompt_tokens, step_us = self.core.last_step if stepped else (0, 0, 0, 0)
+        stalls.report("engine loop turn", now - t0,
+                      f"{arrivals} arrivals and cancels {t1 - t0:.2f} s; step {now - t1:.2f} s: {prefills} prefill "
+                      f"rows of {prompt_tokens} prompt tokens, {decodes} decode rows; "
+                      f"{len(self.core.scheduler.running)} running, {self.core.scheduler.num_waiting} waiting")
 
     def _die(self, exc: BaseException) -> None:
         """The loop crashed: refuse new requests, fail every in-flight and queued one (UNAVAILABLE)."""

@@ -14,6 +14,7 @@ import time
 
 from .engine_protocol import CALLS, EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_IDLE_S, STATS_S, Callback, EngineInfo
 from ..util.heap import freeze_startup_heap
+from ..util.stalls import watch_collections
 from .ipc import die_with_parent, read_msg, renice, wait_until_gone, write_msg
 from ..request import RequestOutput
 
@@ -58,6 +59,7 @@ def child_main() -> None:
     from ..tokenizer import probe
 
     frozen = freeze_startup_heap()  # the model, torch, transformers: never walked by a collection again
+    watch_collections()
     send(("ready", EngineInfo(os.getpid(), core.config, str(core.model_dir), core.drafter,
                               core.head_drafter is not None, probe(core.tokenizer), core.warmup_s,
                               str(core.proposer.head_path) if core.proposer.awaits_head else "", frozen)))

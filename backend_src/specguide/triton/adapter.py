@@ -30,6 +30,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..config import EngineConfig, lora_file
+from ..util import stalls
 from ..util.memory import trim
 from ..request import CLIENT_ERRORS, EngineDeadError, RequestOutput, error_code, task_name
 from .instance import instance_count
@@ -103,6 +104,7 @@ class TritonPythonModel:
         self._live_lock = threading.Lock()
         self._groups = itertools.count(1)  # Request.group: one per Triton request (its rows share slots fairly)
         self._closing = False
+        stalls.watch_collections()
         self._thread = threading.Thread(target=self._response_loop, name="specguide-responses", daemon=True)
         self._thread.start()
         self._restarts = 0  # engine restarts already counted in the metrics
@@ -116,7 +118,10 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         for request in requests:
+            t0 = time.perf_counter()
             self._handle(request)
+            stalls.report("request intake (Triton's execute thread)", time.perf_counter() - t0, "",
+                          pb_utils.Logger.log_warn)
         return None
 
     def _handle(self, request: Any) -> None:
@@ -237,12 +242,15 @@ class TritonPythonModel:
             if item is _STOP:
                 return
             try:
+                t0 = time.perf_counter()
                 if item is not None:
                     self._deliver(*item)
                 now = time.perf_counter()
                 if now >= next_poll:
                     next_poll = now + POLL_S
                     self._poll()
+                stalls.report("response thread turn", time.perf_counter() - t0,
+                              f"delivering {now - t0:.2f} s, then polling", pb_utils.Logger.log_warn)
             except Exception as e:  # never let the response thread die
                 pb_utils.Logger.log_error(f"specguide: response thread: {e!r}")
 
