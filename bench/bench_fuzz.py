@@ -15,6 +15,12 @@ draws `--count` cases from tests/integration/fuzz_strategies/ (`--seed` picks th
 seed draws the same cases), after issue 75's measured attacks (`known_attacks`, unless `--no-known`), sent `--concurrency` at a time and judged as tests/integration/fuzz.py
 says (ok / refused: a valid answer or a clear error; internal / hang / malformed: a finding).
 
+The client (this process: drawing cases, sending them) runs at nice 5 once the server and the victims'
+process run (and its session's scheduler autogroup too; the victims' process has a session of its
+own): it stands for a client on another machine, whose CPU is not the server's (drawing a
+[64, 49152] float tensor in Python takes a core for seconds, and on 2 cores that slowed the engine's
+steps under it to 1-2 s).
+
 `--record` writes every request in the order sent; `--replay` sends them again (a slice of them with
 `--range`), to find which one a crash or a harmed victim followed.
 
@@ -51,6 +57,9 @@ from tests.integration.fuzz_strategies import TARGETS, cases, known_attacks  # n
 from tests.integration.openai_helpers import Api  # noqa: E402
 
 from machine import cpu_header, cpu_model  # noqa: E402  (bench/ is on sys.path when run as a script)
+from specguide.process.ipc import renice  # noqa: E402
+
+CLIENT_NICE = 5  # the hostile client's priority (and its autogroup's) once the server and the victims run (see run())
 
 
 def main() -> None:
@@ -115,6 +124,15 @@ def replayed(path: Path, where: str) -> list:
 def run(server, api, args, targets) -> dict:
     before = engine_state(server)
     victims = Victims(server, args.victim_tokens).start()
+    # NOTE: the hostile client's own work (hypothesis draws tensors of megabytes in Python, tritonclient
+    # serializes them) stands for a client on another machine: from here this process (its later
+    # threads too) yields the 2 cores to the server and the victims' process, started above at the
+    # default priority. Taking them, it slowed every engine step under it (1-2 s steps of 2 rows).
+    renice(CLIENT_NICE)
+    try:  # and so does its session's scheduler autogroup, which the server's (a session of its own) competes with
+        Path("/proc/self/autogroup").write_text(str(CLIENT_NICE))
+    except OSError:
+        pass
     tally = Tally()
     gaps: list[float] = []
     pool = ThreadPoolExecutor(args.concurrency)
@@ -240,7 +258,7 @@ def run(server, api, args, targets) -> dict:
         # one in the same model instance has the long one's wait in its window)
         waits = sorted(((b - a, a, b) for r in victims.runs for a, b in zip(r.times, r.times[1:])), reverse=True)
         for w, a, b in waits[:3]:
-            print(f"  a {w * 1e3:.0f} ms wait at {a - t_start:.1f} s; in flight over it:")
+            print(f"  a {w * 1e3:.0f} ms wait at {a - t_start:.1f} s (monotonic {a:.3f} to {b:.3f}); in flight over it:")
             for d in tally.spanning(a, b)[:4]:
                 print(f"      {d}")
     restarts = {"engine": after_health["engine_restarts"] - before["engine_restarts"],

@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import queue
 import re
+import os
 import threading
 import time
 import urllib.error
@@ -312,13 +313,26 @@ def _victim_process(grpc_url: str, tokens: int, conn) -> None:
     arrival time; after each run it waits for "go" ("stop": exit; "abandon" also cancels a run)."""
     import types
 
-    lock = threading.Lock()
+    try:  # a session (and so a scheduler autogroup) of its own: the client may yield its own (bench_fuzz)
+        os.setsid()
+    except OSError:
+        pass
     server = types.SimpleNamespace(grpc=grpc_url)
     abandon, stop = threading.Event(), threading.Event()
+    outbox: queue.Queue = queue.Queue()
 
-    def send(msg) -> None:
-        with lock:
-            conn.send(msg)
+    def send(msg) -> None:  # NOTE: never blocks the stream's callbacks (a busy parent fills the pipe)
+        outbox.put(msg)
+
+    def post() -> None:
+        while (msg := outbox.get()) is not None:
+            try:
+                conn.send(msg)
+            except (EOFError, OSError):
+                return
+
+    poster = threading.Thread(target=post, daemon=True)
+    poster.start()
 
     def listen() -> None:
         while not abandon.is_set():
@@ -345,9 +359,11 @@ def _victim_process(grpc_url: str, tokens: int, conn) -> None:
                       on_chunk=lambda ids, text, now: send(("chunk", ids, text, now)))
         send(("end", "abandoned" if abandon.is_set() else run.error, run.final))
         if abandon.is_set():
-            return
+            break
         go.wait()
         go.clear()
+    outbox.put(None)  # what is queued goes out first
+    poster.join(30)
 
 
 class Victims:

@@ -244,6 +244,8 @@ class TritonPythonModel:
             try:
                 t0 = time.perf_counter()
                 if item is not None:
+                    stalls.report("wait of an engine output in the stub's queue", t0 - item[2], "",
+                                  pb_utils.Logger.log_warn)
                     self._deliver(*item)
                 now = time.perf_counter()
                 if now >= next_poll:
