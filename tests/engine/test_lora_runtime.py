@@ -155,6 +155,34 @@ def test_unloading_under_running_and_queued_requests(engine, root):
     assert engine.adapters() == []
 
 
+def test_a_folder_changed_to_point_out_of_the_root_after_its_load_is_not_read(engine, root):
+    """The folder is checked again at every read (its first request, and each swap in): a file made
+    a symlink out of the root after the load fails the request that would read it, and no other."""
+    import shutil
+
+    base, _ = root
+    folder = base / "loras" / "turncoat"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(base / "loras" / "legal", folder)
+    engine.load_adapter("turncoat", "turncoat")  # checked and read: fine
+    weights = folder / "adapter_model.safetensors"
+    outside = base / "outside" / "weights.safetensors"
+    shutil.copy(weights, outside)
+    weights.unlink()
+    weights.symlink_to(outside)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    outs = []
+    engine.submit(Request(prompt_ids=ids, params=_greedy(4), lora_name="turncoat"), outs.append)
+    alone = run_alone(engine, Request(prompt_ids=ids, params=_greedy(4)))
+    deadline = time.monotonic() + 60
+    while not (outs and outs[-1].finished):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert outs[-1].error_code == "INVALID_ARG" and "is not under the adapter root" in outs[-1].error, outs[-1]
+    assert alone[2].error is None and engine.is_alive()
+    engine.unload_adapter("turncoat")
+
+
 @torch.inference_mode()
 def test_load_inplace_replaces_the_adapter_served_under_a_name(engine, root):
     _, pm = root

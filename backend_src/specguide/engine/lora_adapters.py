@@ -100,6 +100,7 @@ class Registered:
     last_used: float = 0.0
     wanted_at: float = 0.0  # a waiting sequence last asked for it (reads ahead nobody wants are dropped)
     adapter: Optional[LoRAAdapter] = None  # a TensorRT-LLM task's weights, kept on the host (no folder)
+    root: Optional[Path] = None  # loaded at run time: its folder must stay under this one at every read
 
 
 class LoRAAdapters(SlotOwner):
@@ -178,7 +179,7 @@ class LoRAAdapters(SlotOwner):
             if old is not None:
                 self._retire(old)
             # NOTE: only the loop places adapters in the bank at run time (the forward reads it): on first use
-            self.by_name[name] = Registered(name, folder, f"lora:{name}:{next(_serials)}".encode())
+            self.by_name[name] = Registered(name, folder, f"lora:{name}:{next(_serials)}".encode(), root=self.root)
         log.info("LoRA adapter %r loaded from %s: rank %d, %.1f MiB%s", name, folder, adapter.rank,
                  adapter.nbytes / 2**20, " (replacing the one served so)" if old is not None else "")
         return str(folder)
@@ -300,17 +301,29 @@ class LoRAAdapters(SlotOwner):
                     del self.reading[r]
                 if len(self.reading) >= self.max_loras:
                     return None
-            self.reading[reg] = self._reader.submit(load_adapter, reg.name, reg.path, self.model.cfg,
-                                                    self.lora_dtype, self.model.device)
+            self.reading[reg] = self._reader.submit(self._load, reg)
             return None
         if not fut.done():
             return None
         try:
             return fut.result()
-        except AdapterError as exc:
-            del self.reading[reg]  # read again for a later request (the folder may be mended)
-            self.failed[seq.seq_id] = str(exc)
+        except Exception as exc:  # read again for a later request (the folder may be mended)
+            del self.reading[reg]
+            if not isinstance(exc, AdapterError):
+                log.error("reading LoRA adapter %r failed: %r", reg.name, exc)
+            self.failed[seq.seq_id] = str(exc) if isinstance(exc, AdapterError) else \
+                f"LoRA adapter {reg.name!r} could not be read ({type(exc).__name__}; the server log has the details)"
             return None
+
+    def _load(self, reg: Registered) -> LoRAAdapter:
+        """The reader thread's work: a run-time adapter's folder checked under the root again (a
+        symlink may have been put there since its load), then read."""
+        if reg.root is not None:
+            try:
+                under_root(reg.root, str(reg.path))
+            except InvalidRequestError as exc:
+                raise AdapterError(f"LoRA adapter {reg.name!r}: {exc}") from None
+        return load_adapter(reg.name, reg.path, self.model.cfg, self.lora_dtype, self.model.device)
 
     def poll_failures(self) -> list[tuple[int, str]]:
         """(seq_id, message) of each sequence whose adapter could not be made resident."""
