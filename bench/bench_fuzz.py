@@ -256,9 +256,15 @@ def run(server, api, args, targets) -> dict:
               f"p99 {q[98] * 1e3:.0f} ms, longest {tally.max_gap * 1e3:.0f} ms (goal < 1 s) during\n  {tally.max_gap_case}")
         # what was in flight over the longest waits themselves (a short request queued behind a long
         # one in the same model instance has the long one's wait in its window)
-        waits = sorted(((b - a, a, b) for r in victims.runs for a, b in zip(r.times, r.times[1:])), reverse=True)
-        for w, a, b in waits[:3]:
-            print(f"  a {w * 1e3:.0f} ms wait at {a - t_start:.1f} s (monotonic {a:.3f} to {b:.3f}); in flight over it:")
+        waits = sorted(((b - a, a, b, lag) for r in victims.runs
+                        for a, b, lag in zip(r.times, r.times[1:], r.lags[1:])), reverse=True)
+        for w, a, b, lag in waits[:3]:
+            # the token that ended the wait left the engine `lag` before it arrived: a wait the engine
+            # made (it produced the token late) has a small lag; one made after it (the stub, Triton,
+            # gRPC) a lag near the wait
+            after = "" if lag is None else f"; its token left the engine {lag * 1e3:.0f} ms before it arrived"
+            print(f"  a {w * 1e3:.0f} ms wait at {a - t_start:.1f} s (monotonic {a:.3f} to {b:.3f}{after}); "
+                  f"in flight over it:")
             for d in tally.spanning(a, b)[:4]:
                 print(f"      {d}")
     restarts = {"engine": after_health["engine_restarts"] - before["engine_restarts"],

@@ -263,6 +263,8 @@ class VictimRun:
     ids: list[int] = field(default_factory=list)
     text: str = ""
     times: list[float] = field(default_factory=list)
+    # per chunk: seconds from the engine's last token time (return_perf_metrics) to its arrival here
+    lags: list[Optional[float]] = field(default_factory=list)
     error: str = ""
     final: bool = False
     t0: float = 0.0
@@ -277,18 +279,21 @@ def victim_stream(server: Server, tokens: int, timeout: float = 600.0, run: Opti
     done = threading.Event()
 
     def on(result, error) -> None:
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time_ns()
         if error is not None:
             run.error = error.message()
             done.set()
             return
         c = _chunk_from_result(result, now)
         if c.token_ids:
+            made = result.as_numpy("last_token_time_ns")
+            lag = (wall - int(made.reshape(-1)[0])) / 1e9 if made is not None and made.size else None
             run.ids += c.token_ids
             run.text += c.text
             run.times.append(now)
+            run.lags.append(lag)
             if on_chunk is not None:
-                on_chunk(c.token_ids, c.text, now)
+                on_chunk(c.token_ids, c.text, now, lag)
         if c.final:
             run.final = True
             done.set()
@@ -296,7 +301,8 @@ def victim_stream(server: Server, tokens: int, timeout: float = 600.0, run: Opti
     client = grpcclient.InferenceServerClient(server.grpc)
     client.start_stream(callback=on)
     client.async_stream_infer(MODEL, grpc_inputs({"text_input": VICTIM_PROMPT, "max_tokens": tokens,
-                                                  "min_tokens": tokens, "stream": True, "temperature": 0.0}),
+                                                  "min_tokens": tokens, "stream": True, "temperature": 0.0,
+                                                  "return_perf_metrics": True}),
                               request_id="victim", enable_empty_final_response=True)
     deadline = time.monotonic() + timeout
     while not done.wait(0.5) and time.monotonic() < deadline and not (abandon and abandon.is_set()):
@@ -356,7 +362,7 @@ def _victim_process(grpc_url: str, tokens: int, conn) -> None:
         run = VictimRun()
         send(("start", time.perf_counter()))
         victim_stream(server, tokens, run=run, abandon=abandon,
-                      on_chunk=lambda ids, text, now: send(("chunk", ids, text, now)))
+                      on_chunk=lambda ids, text, now, lag: send(("chunk", ids, text, now, lag)))
         send(("end", "abandoned" if abandon.is_set() else run.error, run.final))
         if abandon.is_set():
             break
@@ -405,10 +411,11 @@ class Victims:
             if kind == "start":
                 self._current = VictimRun(t0=msg[1])
             elif kind == "chunk" and self._current is not None:
-                _, ids, text, now = msg
+                _, ids, text, now, lag = msg
                 self._current.ids += ids
                 self._current.text += text
                 self._current.times.append(now)
+                self._current.lags.append(lag)
             elif kind == "end" and self._current is not None:
                 run, self._current = self._current, None
                 run.error, run.final = msg[1], msg[2]
