@@ -262,8 +262,8 @@ def run(server, api, args, targets) -> dict:
             # the token that ended the wait left the engine `lag` before it arrived: a wait the engine
             # made (it produced the token late) has a small lag; one made after it (the stub, Triton,
             # gRPC) a lag near the wait
-            after = "" if lag is None else f"; its token left the engine {lag * 1e3:.0f} ms before it arrived"
-            print(f"  a {w * 1e3:.0f} ms wait at {a - t_start:.1f} s (monotonic {a:.3f} to {b:.3f}{after}); "
+            left = "" if lag is None else f"; its token left the engine {lag * 1e3:.0f} ms before it arrived"
+            print(f"  a {w * 1e3:.0f} ms wait at {a - t_start:.1f} s (monotonic {a:.3f} to {b:.3f}{left}); "
                   f"in flight over it:")
             for d in tally.spanning(a, b)[:4]:
                 print(f"      {d}")

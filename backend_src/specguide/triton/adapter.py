@@ -247,6 +247,10 @@ class TritonPythonModel:
                     stalls.report("wait of an engine output in the stub's queue", t0 - item[2], "",
                                   pb_utils.Logger.log_warn)
                     self._deliver(*item)
+                    made = item[1].last_token_time_ns  # the engine appended its newest token then (wall clock)
+                    if item[1].token_ids and made:
+                        stalls.report("time from an engine token to its response's send", (time.time_ns() - made) / 1e9,
+                                      "", pb_utils.Logger.log_warn)
                 now = time.perf_counter()
                 if now >= next_poll:
                     next_poll = now + POLL_S
