@@ -88,9 +88,7 @@ def main() -> None:
         server = launch(Path(tmp) / "server.log", repository_with(Path(tmp), settings_), command="serve")
         api = Api(server.grpc, Path(tmp) / "api.log")
         try:
-            deadline = time.monotonic() + 60
-            while "configured from Triton" not in api.log.read_text() and time.monotonic() < deadline:
-                time.sleep(0.2)
+            api.wait_configured()
             result = run(server, api, args, targets)
         finally:
             api.stop()

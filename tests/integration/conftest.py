@@ -181,9 +181,7 @@ def api(server, tmp_path_factory):
     from .openai_helpers import Api  # (openai_helpers imports this module)
 
     a = Api(server.grpc, tmp_path_factory.mktemp("openai") / "api.log")
-    deadline = time.monotonic() + 60  # the server reads the model's settings from Triton once it answers
-    while "configured from Triton" not in a.log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    a.wait_configured()
     yield a
     a.stop()
     assert "Traceback" not in a.log.read_text(), a.log.read_text()[-3000:]

@@ -58,13 +58,23 @@ class Api:
     def client(self, key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=300)
 
-    def post(self, path: str, body: bytes, headers: Optional[dict] = None) -> tuple[int, dict]:
+    def wait_configured(self, timeout: float = 60.0) -> None:
+        """Until the server has read the model's settings from Triton (it does once Triton answers)."""
+        deadline = time.monotonic() + timeout
+        while "configured from Triton" not in self.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def post_raw(self, path: str, body: bytes, headers: Optional[dict] = None) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
         conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         r = conn.getresponse()
         data = r.read()
         conn.close()
-        return r.status, json.loads(data)
+        return r.status, data
+
+    def post(self, path: str, body: bytes, headers: Optional[dict] = None) -> tuple[int, dict]:
+        status, data = self.post_raw(path, body, headers)
+        return status, json.loads(data)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -20,7 +20,6 @@ The long run, with counts and the victim's longest gap: bench/bench_fuzz.py.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -40,9 +39,7 @@ def stack(tmp_path_factory) -> tuple[Server, Api]:
     root = tmp_path_factory.mktemp("fuzz")
     srv = launch(root / "server.log", ROOT / "model_repository")
     api = Api(srv.grpc, root / "api.log")
-    deadline = time.monotonic() + 60  # the OpenAI server reads the model's settings once Triton answers
-    while "configured from Triton" not in api.log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    api.wait_configured()
     yield srv, api
     api.stop()
     api_log = api.log.read_text(errors="replace")

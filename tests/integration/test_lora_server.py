@@ -88,8 +88,6 @@ def test_an_unknown_adapter_is_a_400_over_http_and_the_server_serves_on(served):
 def test_the_openai_server_s_model_field_names_an_adapter(served, tmp_path):
     """OpenAI `model`: the served name or an adapter's (answered under that name, the vLLM
     interface's text for the same request); a name that is neither is 404 model_not_found."""
-    import time
-
     import openai
 
     from .openai_helpers import Api
@@ -97,9 +95,7 @@ def test_the_openai_server_s_model_field_names_an_adapter(served, tmp_path):
     server, _, _ = served
     api = Api(server.grpc, tmp_path / "api.log")
     try:
-        deadline = time.monotonic() + 60
-        while "configured from Triton" not in api.log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        api.wait_configured()
         client = api.client()
         r = client.completions.create(model="legal", prompt=PROMPT, max_tokens=16, temperature=0)
         assert r.model == "legal"
@@ -148,14 +144,8 @@ def test_the_tensorrt_llm_client_sends_lora_weights_once_then_the_task_id(served
 
 
 def _post(api, path: str, body: dict) -> tuple[int, str]:
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=300)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    data = r.read().decode()
-    conn.close()
-    return r.status, data
+    status, data = api.post_raw(path, json.dumps(body).encode())
+    return status, data.decode()
 
 
 def test_adapters_load_and_unload_at_run_time_through_the_openai_server(served, tmp_path):
@@ -163,8 +153,6 @@ def test_adapters_load_and_unload_at_run_time_through_the_openai_server(served, 
     lora_root served under a new name gives that adapter's text; /v1/models lists it beside the
     adapters the model found in its multi_lora.json; a path outside the root, a name served already,
     the served model's name are 400s; unloading a name not served is a 404."""
-    import time
-
     import openai
 
     from .openai_helpers import Api
@@ -172,9 +160,7 @@ def test_adapters_load_and_unload_at_run_time_through_the_openai_server(served, 
     server, _, folders = served
     api = Api(server.grpc, tmp_path / "api.log")
     try:
-        deadline = time.monotonic() + 60
-        while "configured from Triton" not in api.log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        api.wait_configured()
         client = api.client()
         assert [m.id for m in client.models.list().data] == [MODEL, "support", "legal"]  # multi_lora.json's
         assert _post(api, "/v1/load_lora_adapter", {"lora_name": "sup2", "lora_path": "support"}) == \

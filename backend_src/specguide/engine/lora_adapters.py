@@ -39,6 +39,11 @@ class AdapterNotFoundError(InvalidRequestError):
     code = "NOT_FOUND"
 
 
+def _new_key(name: str) -> bytes:
+    """A registration's key, unique to it: the prefix cache's seed (blocks of another adapter never match)."""
+    return f"lora:{name}:{next(_serials)}".encode()
+
+
 def check_name(name: object) -> str:
     """An adapter name a client gives (InvalidRequestError otherwise): printable, at most MAX_NAME
     characters, not a TensorRT-LLM task's name."""
@@ -143,7 +148,7 @@ class LoRAAdapters(SlotOwner):
                                f"(the captured step does not hold their products yet)")
         adapter = load_adapter(name, path, self.model.cfg, self.lora_dtype, self.model.device)
         with self._lock:
-            reg = self.by_name[name] = Registered(name, Path(path), f"lora:{name}:{next(_serials)}".encode())
+            reg = self.by_name[name] = Registered(name, Path(path), _new_key(name))
             free = self._free_index()
             if free is not None:
                 self._place(reg, free, adapter)
@@ -179,7 +184,7 @@ class LoRAAdapters(SlotOwner):
             if old is not None:
                 self._retire(old)
             # NOTE: only the loop places adapters in the bank at run time (the forward reads it): on first use
-            self.by_name[name] = Registered(name, folder, f"lora:{name}:{next(_serials)}".encode(), root=self.root)
+            self.by_name[name] = Registered(name, folder, _new_key(name), root=self.root)
         log.info("LoRA adapter %r loaded from %s: rank %d, %.1f MiB%s", name, folder, adapter.rank,
                  adapter.nbytes / 2**20, " (replacing the one served so)" if old is not None else "")
         return str(folder)
@@ -227,7 +232,7 @@ class LoRAAdapters(SlotOwner):
                                           f"another lora_task_id")
             if reg is not None:
                 self._forget(reg)
-            self.by_name[name] = Registered(name, Path(), f"lora:{name}:{next(_serials)}".encode(), adapter=adapter)
+            self.by_name[name] = Registered(name, Path(), _new_key(name), adapter=adapter)
             tasks = sorted((r for r in self.by_name.values() if r.adapter is not None), key=lambda r: r.last_used)
             total = sum(r.adapter.nbytes for r in tasks)
             for r in tasks:  # the host cache's bound: the least recently used idle tasks go

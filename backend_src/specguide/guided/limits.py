@@ -98,10 +98,14 @@ def _too_big(fact: str, limit: int, setting: str) -> InvalidRequestError:
                                f"and config.pbtxt parameter, raises it)")
 
 
-def check_json_text(text: str, what: str, max_depth: int, setting: str = "guided_max_nesting_depth") -> Any:
-    """`json.loads(text)` that refuses nesting deeper than `max_depth` before parsing (no RecursionError)."""
+def check_json_text(text: str, what: str, max_depth: int,
+                    setting: Optional[str] = "guided_max_nesting_depth") -> Any:
+    """`json.loads(text)` that refuses nesting deeper than `max_depth` before parsing (no RecursionError);
+    `setting`: the one that raises `max_depth` (None: a fixed bound)."""
     depth = json_depth(text)
     if max_depth and depth > max_depth:
+        if setting is None:
+            raise InvalidRequestError(f"{what} is nested {depth} levels deep; at most {max_depth} are read")
         raise _too_big(f"{what} is nested {depth} levels deep", max_depth, setting)
     try:
         return json.loads(text)

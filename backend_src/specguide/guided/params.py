@@ -14,7 +14,7 @@ import re
 from typing import Any, Mapping, Optional, Sequence
 
 from ..request import GuidedDecodingParams, InvalidRequestError, UndeclaredKeys
-from .limits import json_depth
+from .limits import check_json_text
 
 BACKENDS = ("xgrammar", "llguidance")  # implementations
 BACKEND_NAMES = ("auto",) + BACKENDS + ("guidance",)  # what a request or the server may name
@@ -271,10 +271,4 @@ def _parse_json(text: Any, what: str) -> Any:
         raise InvalidRequestError(f"{what} is not valid JSON: a {type(text).__name__}, not a string")
     if not isinstance(text, str):
         text = bytes(text).decode("utf-8", "replace")
-    depth = json_depth(text)  # one linear pass
-    if depth > PARSE_DEPTH:
-        raise InvalidRequestError(f"{what} is nested {depth} levels deep; at most {PARSE_DEPTH} are read")
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise InvalidRequestError(f"{what} is not valid JSON: {e}") from None
+    return check_json_text(text, what, PARSE_DEPTH, setting=None)

@@ -250,11 +250,10 @@ class TritonClient:
             raise from_triton("UNAVAILABLE", "Triton is not reachable") from None
         if response is None or response.error_message:
             raise TritonError("", response.error_message if response is not None else "no answer")
-        out = _outputs(response.infer_response)
-        if PROXY_ERROR in out:
-            code, message = (v.decode("utf-8", "replace") for v in out[PROXY_ERROR][:2])
-            raise TritonError(code, message)
-        return json.loads(out["text_output"][0])
+        delta = parse_response(response.infer_response)  # raises TritonError for the model's error
+        if delta is None:
+            raise TritonError("", "no answer")
+        return json.loads(delta.text)
 
     async def generate(self, req: TritonRequest) -> AsyncIterator[Delta]:
         """Send `req` on a fresh stream; yield its Deltas until the final response.
