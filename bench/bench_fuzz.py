@@ -3,7 +3,7 @@ and the OpenAI server beside victim streams, with counts.
 
     python bench/bench_fuzz.py [--count 10000] [--seed 0] [--concurrency 2] [--victim-tokens 400]
                                [--targets specguide,specguide_unary,specguide_vllm,http,openai_completions,openai_chat]
-                               [--settings key=value,...] [--no-known] [--json out.json] [--failures out.jsonl]
+                               [--settings key=value,...] [--autogroup off|keep] [--no-known] [--json out.json] [--failures out.jsonl]
                                [--logs DIR] [--record FILE | --replay FILE [--range a:b]]
 
 Starts `scripts/tritonserver.py serve` (under specguide.process.supervisor, which restarts a server whose
@@ -19,7 +19,10 @@ The client (this process: drawing cases, sending them) runs at nice 5 once the s
 process run (and its session's scheduler autogroup too; the victims' process has a session of its
 own): it stands for a client on another machine, whose CPU is not the server's (drawing a
 [64, 49152] float tensor in Python takes a core for seconds, and on 2 cores that slowed the engine's
-steps under it to 1-2 s).
+steps under it to 1-2 s). The kernel's session autogroups are off for the run where this process may
+turn them off (root; `--autogroup keep` leaves them): with them on, the victims' own process stood
+still for seconds beside the busy server (see `autogroups`). The victims' process reports its own
+stalls (a heartbeat), and each long wait printed says how much of it the victims themselves stood still.
 
 `--record` writes every request in the order sent; `--replay` sends them again (a slice of them with
 `--range`), to find which one a crash or a harmed victim followed.
@@ -34,6 +37,7 @@ victim's longest gap during any single hostile request under 1 s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
@@ -52,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
 from tests.integration.conftest import _stop, launch, repository_with  # noqa: E402
-from tests.integration.fuzz import GOOD, VICTIM_PROMPT, Tally, Victims, engine_state, healthy, send, settle  # noqa: E402
+from tests.integration.fuzz import GOOD, OWN_STALL_S, VICTIM_PROMPT, Tally, Victims, engine_state, healthy, send, settle  # noqa: E402
 from tests.integration.fuzz_strategies import TARGETS, cases, known_attacks  # noqa: E402
 from tests.integration.openai_helpers import Api  # noqa: E402
 
@@ -71,6 +75,8 @@ def main() -> None:
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--settings", default="", help="config.pbtxt overrides, key=value,...")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds a request may take before it counts as a hang")
+    ap.add_argument("--autogroup", choices=("off", "keep"), default="off",
+                    help="off: turn the kernel's session autogroups off for the run (root; restored after)")
     ap.add_argument("--no-known", action="store_true", help="leave out issue 75's measured attacks (sent first)")
     ap.add_argument("--json", type=Path, help="write the counts here")
     ap.add_argument("--failures", type=Path, help="write every finding here (one JSON object a line)")
@@ -84,7 +90,7 @@ def main() -> None:
     print(cpu_header() + f"; load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     print(f"settings: {settings_ or 'model_repository defaults'}; {args.count} requests to {', '.join(targets)}, "
           f"{args.concurrency} at a time, seed {args.seed}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with autogroups(args.autogroup == "keep"), tempfile.TemporaryDirectory() as tmp:
         server = launch(Path(tmp) / "server.log", repository_with(Path(tmp), settings_), command="serve")
         api = Api(server.grpc, Path(tmp) / "api.log")
         try:
@@ -104,6 +110,38 @@ def main() -> None:
     print(f"tracebacks in the logs: server {result['server_log_tracebacks']}, OpenAI server {result['openai_log_tracebacks']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+
+
+@contextlib.contextmanager
+def autogroups(keep: bool):
+    """The kernel's session autogroups off for the run, where this process may (root), and as before after.
+
+    NOTE: with autogroups on (the default of most kernels, for processes outside a container's cgroup),
+    the victims' process, a session of its own that sleeps between tokens, stood still for 0.5-2.7 s at
+    a time beside the busy server and client on 2 cores (its own heartbeat overslept over exactly the
+    waits counted), while the engine made each token and the stub sent it on time. Clients on other
+    machines, and a server in a container's cgroup, see no such thing. Off, the same repro's longest
+    victim wait was under 60 ms; the client then yields by its own nice alone."""
+    path = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    try:
+        before = path.read_text().strip()
+    except OSError:
+        before = ""
+    if keep or before != "1":
+        print(f"scheduler autogroups: {'on' if before == '1' else 'off' if before == '0' else 'not in this kernel'} (kept)")
+        yield
+        return
+    try:
+        path.write_text("0")
+    except OSError as e:
+        print(f"scheduler autogroups: on (turning them off failed: {e}); the victims' own stalls are reported")
+        yield
+        return
+    print("scheduler autogroups: off for the run (on again after)")
+    try:
+        yield
+    finally:
+        path.write_text(before)
 
 
 def replayed(path: Path, where: str) -> list:
@@ -261,10 +299,15 @@ def run(server, api, args, targets) -> dict:
             # made (it produced the token late) has a small lag; one made after it (the stub, Triton,
             # gRPC) a lag near the wait
             left = "" if lag is None else f"; its token left the engine {lag * 1e3:.0f} ms before it arrived"
-            print(f"  a {w * 1e3:.0f} ms wait at {a - t_start:.1f} s (monotonic {a:.3f} to {b:.3f}{left}); "
+            own = victims.own_stall(a, b)  # the victims' process not run at all: the machine's, not the server's
+            still = f"; the victims' own process stood still {own * 1e3:.0f} ms of it" if own else ""
+            print(f"  a {w * 1e3:.0f} ms wait at {a - t_start:.1f} s (monotonic {a:.3f} to {b:.3f}{left}{still}); "
                   f"in flight over it:")
             for d in tally.spanning(a, b)[:4]:
                 print(f"      {d}")
+    own = sorted((b - a for a, b in victims.stalls), reverse=True)
+    print(f"the victims' own process stood still {len(own)} times for {1e3 * OWN_STALL_S:.0f} ms or more"
+          + (f" (longest {own[0] * 1e3:.0f} ms): a wait over such a stall is the client machine's" if own else ""))
     restarts = {"engine": after_health["engine_restarts"] - before["engine_restarts"],
                 "server": after_health["server_restarts"] - before["server_restarts"]}
     same = {k: before[k] == after[k] for k in ("stubs", "engine")}
@@ -282,7 +325,8 @@ def run(server, api, args, targets) -> dict:
         "classes": dict(tally.classes.most_common(200)), "findings": len(tally.failures),
         "finding_classes": sorted(seen), "victims": len(victims.runs), "victims_harmed": len(harmed),
         "victim_gap_p50_s": statistics.median(gaps) if gaps else None, "victim_gap_max_s": tally.max_gap,
-        "victim_gap_max_case": tally.max_gap_case, "engine_restarts": restarts["engine"],
+        "victim_gap_max_case": tally.max_gap_case, "victim_own_stall_max_s": own[0] if own else 0.0,
+        "autogroup": args.autogroup, "engine_restarts": restarts["engine"],
         "server_restarts": restarts["server"], "health_problems": problems,
         "interrupted": not finished,
         "all_good": finished and not tally.failures and not harmed and not problems and not any(restarts.values())

@@ -62,6 +62,8 @@ INTERNAL_TEXT = re.compile(
 # Triton 2.51's HTTP front end answers these with 500 (server issue 8762), no model code involved
 TRITON_HTTP_500 = re.compile(r"^(?:failed to parse the request JSON buffer|Unable to parse |attempt to get members for "
                              r"non-object$|parameter key '[^']*' was not found in the JSON$)")
+HEARTBEAT_S = 0.01  # the victims' process's heartbeat: a sleep this long ...
+OWN_STALL_S = 0.1  # ... that overruns by this much is a stall of the process itself (reported, not the server's)
 VICTIM_PROMPT = "<|im_start|>user\nTell me a long story about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -340,6 +342,16 @@ def _victim_process(grpc_url: str, tokens: int, conn) -> None:
     poster = threading.Thread(target=post, daemon=True)
     poster.start()
 
+    def heartbeat() -> None:  # this process's own stalls: a wait it made itself is not the server's
+        while True:
+            t0 = time.perf_counter()
+            time.sleep(HEARTBEAT_S)
+            t1 = time.perf_counter()
+            if t1 - t0 >= HEARTBEAT_S + OWN_STALL_S:
+                send(("stall", t0 + HEARTBEAT_S, t1))
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+
     def listen() -> None:
         while not abandon.is_set():
             try:
@@ -384,6 +396,7 @@ class Victims:
         self.solo = victim_stream(server, tokens)
         assert not self.solo.error and self.solo.final and len(self.solo.ids) == tokens, self.solo
         self.runs: list[VictimRun] = []
+        self.stalls: list[tuple[float, float]] = []  # (start, end) of each of the victims' process's own stalls
         self._current: Optional[VictimRun] = None
         self._stopping = False
         ctx = multiprocessing.get_context("spawn")  # (no fork: gRPC's threads)
@@ -416,6 +429,8 @@ class Victims:
                 self._current.text += text
                 self._current.times.append(now)
                 self._current.lags.append(lag)
+            elif kind == "stall":
+                self.stalls.append((msg[1], msg[2]))
             elif kind == "end" and self._current is not None:
                 run, self._current = self._current, None
                 run.error, run.final = msg[1], msg[2]
@@ -460,6 +475,11 @@ class Victims:
             k = next((j for j, (a, b) in enumerate(zip(run.ids, self.solo.ids)) if a != b), len(run.times) - 1)
             return run.times[min(k, len(run.times) - 1)] if run.times else run.t0
         return run.times[-1] if run.times else run.t0
+
+    def own_stall(self, t0: float, t1: float) -> float:
+        """How long the victims' own process stood still within [t0, t1] (its heartbeat overslept: the
+        machine did not run it, as a client on the server's cores can be starved); 0 when it did not."""
+        return max((min(b, t1) - max(a, t0) for a, b in list(self.stalls) if a < t1 and b > t0), default=0.0)
 
     def gap(self, t0: float, t1: float) -> Optional[float]:
         """The longest wait between a victim's tokens over [t0, t1] (counting the last token before and
