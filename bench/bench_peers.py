@@ -1,7 +1,8 @@
 """This engine against the engines users would pick instead, side by side in one run, one client.
 
     bash bench/peers/setup.sh            # once: vLLM's CPU build and llama.cpp's server, each in its own venv
-    python bench/bench_peers.py [--peers specguide,triton,vllm,vllm-offline,llama] [--concurrency 1 8 64]
+    python bench/bench_peers.py [--peers specguide,triton,vllm,vllm-ngram,vllm-offline,llama,llama-ngram]
+                                [--concurrency 1 8 64]
                                 [--modes chat json] [--requests 8 16 64] [--max-tokens 192] [--json out.json]
 
 Peers (each at its best documented CPU settings, on the same model, one after the other):
@@ -17,6 +18,11 @@ Peers (each at its best documented CPU settings, on the same model, one after th
   serves it): `-t 2`, `-np` the highest concurrency, continuous batching, 1,536 tokens of
   context a slot, `--jinja` (the GGUF's chat template). Not `-kvu`: one KV buffer for all slots
   made it about half as fast at 64 streams here.
+- `vllm-ngram`, `llama-ngram`: the same servers with their own speculation, as their docs show it
+  (neither is in the default `--peers`): vLLM's n-gram prompt lookup (`--speculative-config
+  {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}`, its docs' example) and
+  llama.cpp's draftless n-gram map (`--spec-type ngram-simple`, lookup 4 tokens, drafts of 5). A
+  draft model is neither's option here: SmolLM2-135M is the smallest of its family.
 vLLM reads the model folder this engine loads (the GGUF's weights, dequantized). A peer that cannot
 start is reported as such in the table, with why, not skipped.
 
@@ -326,20 +332,26 @@ def vllm_env(python: Path) -> dict:
     return env
 
 
-def start_vllm(max_seqs: int, logdir: Path) -> tuple[Process, int]:
+# the peers' own speculation, as their docs show it (vLLM's n-gram example; llama.cpp's draftless
+# n-gram map with the same lookup and draft lengths: SmolLM2-135M has no smaller draft model)
+VLLM_NGRAM = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})]
+LLAMA_NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4", "--spec-ngram-simple-size-m", "5"]
+
+
+def start_vllm(max_seqs: int, logdir: Path, extra: tuple[str, ...] = (), name: str = "vllm") -> tuple[Process, int]:
     python = venv_python("vllm")
     if python is None:
         raise RuntimeError("not installed (bash bench/peers/setup.sh vllm)")
     port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir()),
                "--served-model-name", "smollm2", "--dtype", "bfloat16", "--port", str(port), "--host", "127.0.0.1",
-               "--max-model-len", "4096", "--max-num-seqs", str(max_seqs)]
-    p = Process(command, vllm_env(python), logdir / "vllm.log")
+               "--max-model-len", "4096", "--max-num-seqs", str(max_seqs), *extra]
+    p = Process(command, vllm_env(python), logdir / f"{name}.log")
     wait(f"http://127.0.0.1:{port}/health", "vLLM's server", p.proc, 1200)
     return p, port
 
 
-def start_llama(slots: int, logdir: Path) -> tuple[Process, int]:
+def start_llama(slots: int, logdir: Path, extra: tuple[str, ...] = (), name: str = "llama") -> tuple[Process, int]:
     python = venv_python("llama")
     if python is None:
         raise RuntimeError("not installed (bash bench/peers/setup.sh llama)")
@@ -348,9 +360,9 @@ def start_llama(slots: int, logdir: Path) -> tuple[Process, int]:
 
     port = free_port()
     command = [str(server), "-m", str(default_gguf_path()), "--port", str(port), "--host", "127.0.0.1",
-               "-t", "2", "-np", str(slots), "-cb", "-c", str(1536 * slots), "--jinja", "--no-webui"]
+               "-t", "2", "-np", str(slots), "-cb", "-c", str(1536 * slots), "--jinja", "--no-webui", *extra]
     env = {**os.environ, "LD_LIBRARY_PATH": str(server.parent)}
-    p = Process(command, env, logdir / "llama.log")
+    p = Process(command, env, logdir / f"{name}.log")
     wait(f"http://127.0.0.1:{port}/health", "llama.cpp's server", p.proc, 300)
     return p, port
 
@@ -469,11 +481,13 @@ def main() -> None:
                                                                    args.max_tokens, conn), stack.triton.proc.pid)
         finally:
             stack.stop()
-    for peer, start in (("vllm", start_vllm), ("llama", start_llama)):  # the peers' OpenAI servers
+    servers = (("vllm", start_vllm, ()), ("vllm-ngram", start_vllm, VLLM_NGRAM),
+               ("llama", start_llama, ()), ("llama-ngram", start_llama, LLAMA_NGRAM))
+    for peer, launch, extra in servers:  # the peers' OpenAI servers
         if peer not in peers:
             continue
         try:
-            proc, port = start(max(levels), logdir)
+            proc, port = launch(max(levels), logdir, tuple(extra), peer)
         except Exception as e:  # noqa: BLE001 - reported in the table
             failed(peer, f"{e} ({logdir / (peer + '.log')})")
             continue
