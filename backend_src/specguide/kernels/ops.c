@@ -749,10 +749,17 @@ static const tile_fn TILE_FNS[] = {tile_f32, tile_i8, tile_bf16, tile_q4_1, tile
    (then waits at the loop's end); outside one, the calling thread does them all. `qa`: room for
    x's int8 quantization (integer kinds: quantized here, once per call). `sel` (NULL: every tile):
    only tiles sel[0..nsel) are computed, each to the same bits as in a call over all of them. */
+typedef struct epi epi_t; /* what a layer's projection adds to each tile it computes (forward_f32) */
+static void epi_tile(const epi_t *ep, float *y, int t, int64_t b0, int nb, int O);
+
 static void gemv_sel_for(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
-                         int B, int I, int O, qact_t *qa, const int32_t *sel, int nsel) {
+                         int B, int I, int O, qact_t *qa, const int32_t *sel, int nsel, const epi_t *ep) {
     const int tiles = sel ? nsel : (O + TILE - 1) / TILE;
-    if (IS_INT_KIND(kind)) quant_rows_for(x, B, I, qa); /* (the loop's end is a barrier) */
+    if (IS_INT_KIND(kind)) {
+        quant_rows_for(x, B, I, qa); /* (the loop's end is a barrier) */
+    } else if (ep) { /* the epilogue reads what the team wrote before the call */
+        #pragma omp barrier
+    }
     const int widen = kind != W_F32 && !IS_INT_KIND(kind) && B >= SCRATCH_B;
     float *buf = widen ? (float *)aligned_alloc(64, sizeof(float) * (size_t)I * TILE) : NULL;
     /* Many rows (prefill): work items of ROWS_CHUNK rows x one tile, so that the team shares the
@@ -768,13 +775,14 @@ static void gemv_sel_for(int kind, const float *x, const void *Wp, const void *a
         if (qa->q) qb.q += (int64_t)b0 * I, qb.d += (int64_t)b0 * (I / QBLK), qb.s += (int64_t)b0 * (I / QBLK);
         TILE_FNS[kind](x + (int64_t)b0 * I, &qb, Wp, buf, aux, r ? r + (int64_t)b0 * O : NULL, y + (int64_t)b0 * O,
                        t, nb, I, O);
+        if (ep) epi_tile(ep, y, t, b0, nb, O);
     }
     free(buf);
 }
 
 static void gemv_for(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
                      int B, int I, int O, qact_t *qa) {
-    gemv_sel_for(kind, x, Wp, aux, r, y, B, I, O, qa, NULL, 0);
+    gemv_sel_for(kind, x, Wp, aux, r, y, B, I, O, qa, NULL, 0, NULL);
 }
 
 static void gemv_any(int kind, const float *x, const void *Wp, const void *aux, const float *r, float *y,
@@ -796,7 +804,7 @@ void gemv_tiles(int kind, const float *x, const void *Wp, const void *aux, float
     {
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < (int64_t)B * O; i++) y[i] = -INFINITY;
-        gemv_sel_for(kind, x, Wp, aux, NULL, y, B, I, O, &qa, sel, nsel);
+        gemv_sel_for(kind, x, Wp, aux, NULL, y, B, I, O, &qa, sel, nsel, NULL);
     }
     qact_free(&qa);
 }
@@ -1382,8 +1390,10 @@ typedef struct {
 
 /* LoRA adapters (models/lora.py): y += B (s A x) for each token whose cache row is bound to an
    adapter. A projection's adapter is up to 3 pieces (q|k|v, gate|up: one per output range), each
-   A [r, in] and B^T [r, len] (fp32, bf16 or int8: `kind`; int8 with a scale per row, sa / sb [r]),
-   scale s; its ranks summed are the token's t. */
+   A [r, in] and B^T [r, len] in tiles of outputs ([ceil(len / LORA_TILE), r, LORA_TILE], zero-padded)
+   (fp32, bf16 or int8: `kind`; int8 with a scale per row, sa / sb [r]), scale s; its ranks summed
+   are the token's t. */
+#define LORA_TILE 64 /* models/lora.py B_TILE */
 typedef struct {
     const void *a, *b;
     const float *sa, *sb;
@@ -1408,6 +1418,7 @@ typedef struct {
     int n;                  /* groups */
     int32_t *ad;            /* [n] */
     int64_t *start, *tok;   /* [n + 1], [N] */
+    int32_t *of_tok;        /* [N] each token's adapter, or -1 */
 } lora_groups_t;
 
 typedef struct {
@@ -1478,12 +1489,6 @@ static void add_rows_for(float *y, const float *a, int64_t N, int D) { /* y += a
         for (int i = 0; i < D; i++) y[n * D + i] += a[n * D + i];
 }
 
-static void bias_rows_for(float *y, const float *b, int64_t N, int D) { /* y[n] += b */
-    #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int i = 0; i < D; i++) y[n * D + i] += b[i];
-}
-
 /* w[i] as fp32 (w of `kind`: W_F32, W_BF16 or W_I8). */
 static inline float wval(const void *w, int64_t i, int kind) {
     if (kind == W_I8) return (float)((const int8_t *)w)[i];
@@ -1494,27 +1499,57 @@ static inline float wval(const void *w, int64_t i, int kind) {
     return v;
 }
 
-/* sum w[i] x[i] (w of `kind`: W_F32, W_BF16 or W_I8) in a fixed order (lanes, then the lanes in
-   order): the same bits on any thread. */
-static inline float dot_w(const void *w, int kind, const float *x, int n) {
-    vf a0 = (vf){0}, a1 = (vf){0}, a2 = (vf){0}, a3 = (vf){0};
+#if VW == 16
+#define LM 4 /* tokens that share each weight vector loaded (the adapters' products; registers: AVX-512 32) */
+#else
+#define LM 2
+#endif
+
+/* out[j] = sum w[i] x[j][i] for j < m (w of `kind`: W_F32, W_BF16 or W_I8), each in a fixed order
+   (4 partial sums over the vectors, their lanes in order, then the tail): the same bits whatever
+   m, the token's neighbours or the thread. One load of w serves the m rows. */
+static inline __attribute__((always_inline)) void dots_w(const void *w, const int kind, const float *const *x, int n,
+                                                         float *out, const int m) {
+    vf a[LM][4];
+    for (int j = 0; j < m; j++) a[j][0] = a[j][1] = a[j][2] = a[j][3] = (vf){0};
     int i = 0;
     for (; i + 4 * VW <= n; i += 4 * VW) {
-        a0 += wload(w, i, kind) * load(x + i);
-        a1 += wload(w, i + VW, kind) * load(x + i + VW);
-        a2 += wload(w, i + 2 * VW, kind) * load(x + i + 2 * VW);
-        a3 += wload(w, i + 3 * VW, kind) * load(x + i + 3 * VW);
+        const vf w0 = wload(w, i, kind), w1 = wload(w, i + VW, kind), w2 = wload(w, i + 2 * VW, kind),
+                 w3 = wload(w, i + 3 * VW, kind);
+        for (int j = 0; j < m; j++) {
+            a[j][0] += w0 * load(x[j] + i);
+            a[j][1] += w1 * load(x[j] + i + VW);
+            a[j][2] += w2 * load(x[j] + i + 2 * VW);
+            a[j][3] += w3 * load(x[j] + i + 3 * VW);
+        }
     }
-    for (; i + VW <= n; i += VW) a0 += wload(w, i, kind) * load(x + i);
-    float s = sum_lanes((a0 + a1) + (a2 + a3));
-    for (; i < n; i++) s += wval(w, i, kind) * x[i];
-    return s;
+    for (; i + VW <= n; i += VW) {
+        const vf w0 = wload(w, i, kind);
+        for (int j = 0; j < m; j++) a[j][0] += w0 * load(x[j] + i);
+    }
+    for (int j = 0; j < m; j++) {
+        float sj = sum_lanes((a[j][0] + a[j][1]) + (a[j][2] + a[j][3]));
+        for (int q = i; q < n; q++) sj += wval(w, q, kind) * x[j][q];
+        out[j] = sj;
+    }
 }
 
-/* Projection p of layer li: y [N, O] += B (s A x [N, I]) for each group's tokens; t: scratch
-   [N, rmax]. Each t and y element is one thread's dot: batch- and thread-invariant. */
-static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int p, const float *x, float *y, float *t,
-                         int I, int O) {
+#define DOTS_W_CASE(K, M) case (K) * 8 + (M): dots_w(w, K, x, n, out, M); break;
+#if LM == 4
+#define DOTS_W_KIND(K) DOTS_W_CASE(K, 1) DOTS_W_CASE(K, 2) DOTS_W_CASE(K, 3) DOTS_W_CASE(K, 4)
+#else
+#define DOTS_W_KIND(K) DOTS_W_CASE(K, 1) DOTS_W_CASE(K, 2)
+#endif
+static void dots_w_any(const void *w, int kind, const float *const *x, int n, float *out, int m) {
+    switch (kind * 8 + m) { /* the kind and count as constants: wload's branch and the loops resolved */
+        DOTS_W_KIND(W_F32) DOTS_W_KIND(W_I8) DOTS_W_KIND(W_BF16)
+    }
+}
+
+/* The low-rank half of projection p of layer li: t [N, rmax] = s A x [N, I] for each group's
+   tokens (each element one thread's dot: batch- and thread-invariant). NOTE: no barrier at its
+   end: the projection's tile loop reads t after the barrier it starts with (gemv_sel_for). */
+static void lora_low_for(const lora_t *lo, const lora_groups_t *gr, int li, int p, const float *x, float *t, int I) {
     if (!lo) return;
     const int R = lo->rmax;
     int rp = 0; /* this projection's largest summed rank over the groups' adapters: the units that have work */
@@ -1524,9 +1559,8 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
         for (int i = 0; i < pr->n; i++) r += pr->piece[i].r;
         rp = r > rp ? r : rp;
     }
-    if (!rp) return;
-    #pragma omp for schedule(static)
-    for (int64_t e = 0; e < (int64_t)gr->n * rp; e++) { /* t = s A x, the pieces' ranks one after another */
+    #pragma omp for schedule(static) nowait
+    for (int64_t e = 0; e < (int64_t)gr->n * rp; e++) { /* the pieces' ranks one after another */
         const int g = (int)(e / rp);
         int k = (int)(e % rp);
         const lora_proj_t *pr = &lo->proj[((int64_t)gr->ad[g] * lo->layers + li) * 4 + p];
@@ -1534,53 +1568,124 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
             const lora_piece_t *pc = &pr->piece[i];
             if (k >= pc->r) continue;
             const void *row = (const char *)pc->a + (size_t)k * I * wsize(pc->kind);
-            for (int64_t j = gr->start[g]; j < gr->start[g + 1]; j++) {
-                const int64_t n = gr->tok[j];
-                const float d = dot_w(row, pc->kind, x + n * I, I);
-                t[n * R + (e % rp)] = pc->scale * (pc->sa ? pc->sa[k] * d : d);
+            for (int64_t j0 = gr->start[g]; j0 < gr->start[g + 1]; j0 += LM) {
+                const int m = gr->start[g + 1] - j0 < LM ? (int)(gr->start[g + 1] - j0) : LM;
+                const float *xs[LM];
+                float d[LM];
+                for (int j = 0; j < m; j++) xs[j] = x + gr->tok[j0 + j] * I;
+                dots_w_any(row, pc->kind, xs, I, d, m);
+                for (int j = 0; j < m; j++)
+                    t[gr->tok[j0 + j] * R + (e % rp)] = pc->scale * (pc->sa ? pc->sa[k] * d[j] : d[j]);
             }
             break;
         }
     }
-    enum { LC = 64 }; /* outputs a unit sums */
-    const int chunks = (O + LC - 1) / LC;
-    #pragma omp for schedule(static)
-    for (int64_t e = 0; e < (int64_t)gr->n * chunks; e++) { /* y += B t, LC outputs at a time */
-        const int g = (int)(e / chunks);
-        const lora_proj_t *pr = &lo->proj[((int64_t)gr->ad[g] * lo->layers + li) * 4 + p];
-        const int o0 = (int)(e % chunks) * LC, o1 = o0 + LC < O ? o0 + LC : O;
-        for (int i = 0, roff = 0; i < pr->n; roff += pr->piece[i].r, i++) {
-            const lora_piece_t *pc = &pr->piece[i];
-            const int a = o0 > pc->off ? o0 : pc->off, b = o1 < pc->off + pc->len ? o1 : pc->off + pc->len;
-            if (a >= b) continue;
-            for (int o = a; o < b;) { /* output o: sum over k of t[k] B^T[k, o], k in order, in registers */
-                const int nv = b - o >= 4 * VW ? 4 : b - o >= VW ? 1 : 0, step = nv ? nv * VW : b - o;
-                for (int64_t j = gr->start[g]; j < gr->start[g + 1]; j++) { /* B^T's block from L1 after the first */
-                    const int64_t n = gr->tok[j];
-                    const float *tn = t + n * R + roff;
-                    float *yn = y + n * O;
+}
+
+static inline void store_add(float *p, vf a) { /* p[0 .. VW) += a */
+    const vf v = load(p) + a;
+    memcpy(p, &v, sizeof v);
+}
+
+/* ys[j] [a, b) += B^T[:, a - off .. b - off]^T ts[j] for j < m tokens of one piece's adapter:
+   output o sums t[k] B^T[k, o] over k in order, in registers, whatever the vector width or m (one
+   load of B^T serves the m tokens). B^T is held in tiles of LORA_TILE outputs ([tiles, r, LORA_TILE]:
+   a tile's weights one stream); [a, b) is split where a tile ends. */
+static inline __attribute__((always_inline)) void lora_out(const lora_piece_t *pc, const int kind,
+                                                           const float *const *ts, float *const *ys, int a, int b,
+                                                           const int m) {
+    const void *bt = pc->b;
+    const float *sb = pc->sb;
+    for (int s0 = a, s1; s0 < b; s0 = s1) {
+        const int tile = (s0 - pc->off) / LORA_TILE;
+        s1 = pc->off + (tile + 1) * LORA_TILE < b ? pc->off + (tile + 1) * LORA_TILE : b;
+        const int64_t base = (int64_t)tile * pc->r * LORA_TILE - tile * LORA_TILE - pc->off; /* + k LORA_TILE + o */
+        for (int o = s0; o < s1;) {
+            const int nv = s1 - o >= 4 * VW ? 4 : s1 - o >= VW ? 1 : 0, step = nv ? nv * VW : s1 - o;
+            if (nv == 4) {
+                vf acc[LM][4];
+                for (int j = 0; j < m; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = (vf){0};
+                for (int k = 0; k < pc->r; k++) {
+                    const int64_t row = base + (int64_t)k * LORA_TILE + o;
+                    const vf w0 = wload(bt, row, kind), w1 = wload(bt, row + VW, kind),
+                             w2 = wload(bt, row + 2 * VW, kind), w3 = wload(bt, row + 3 * VW, kind);
+                    for (int j = 0; j < m; j++) {
+                        const vf tk = splat(sb ? ts[j][k] * sb[k] : ts[j][k]);
+                        acc[j][0] += tk * w0, acc[j][1] += tk * w1, acc[j][2] += tk * w2, acc[j][3] += tk * w3;
+                    }
+                }
+                for (int j = 0; j < m; j++)
+                    for (int v = 0; v < 4; v++) store_add(ys[j] + o + v * VW, acc[j][v]);
+            } else {
+                for (int j = 0; j < m; j++) {
                     if (nv) {
-                        vf acc[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
-                        for (int k = 0; k < pc->r; k++) {
-                            const vf tk = splat(pc->sb ? tn[k] * pc->sb[k] : tn[k]);
-                            const int64_t row = (int64_t)k * pc->len + o - pc->off;
-                            for (int v = 0; v < nv; v++) acc[v] += tk * wload(pc->b, row + v * VW, pc->kind);
-                        }
-                        for (int v = 0; v < nv; v++) {
-                            const vf yv = load(yn + o + v * VW) + acc[v];
-                            memcpy(yn + o + v * VW, &yv, sizeof yv);
-                        }
+                        vf a0 = (vf){0};
+                        for (int k = 0; k < pc->r; k++)
+                            a0 += splat(sb ? ts[j][k] * sb[k] : ts[j][k]) * wload(bt, base + (int64_t)k * LORA_TILE + o, kind);
+                        store_add(ys[j] + o, a0);
                     } else {
-                        for (int q = o; q < b; q++) {
+                        for (int q = o; q < s1; q++) {
                             float acc = 0.0f;
                             for (int k = 0; k < pc->r; k++)
-                                acc += (pc->sb ? tn[k] * pc->sb[k] : tn[k]) * wval(pc->b, (int64_t)k * pc->len + q - pc->off, pc->kind);
-                            yn[q] += acc;
+                                acc += (sb ? ts[j][k] * sb[k] : ts[j][k]) * wval(bt, base + (int64_t)k * LORA_TILE + q, kind);
+                            ys[j][q] += acc;
                         }
                     }
                 }
-                o += step;
             }
+            o += step;
+        }
+    }
+}
+
+#define LORA_OUT_CASE(K, M) case (K) * 8 + (M): lora_out(pc, K, ts, ys, a, b, M); break;
+#if LM == 4
+#define LORA_OUT_KIND(K) LORA_OUT_CASE(K, 1) LORA_OUT_CASE(K, 2) LORA_OUT_CASE(K, 3) LORA_OUT_CASE(K, 4)
+#else
+#define LORA_OUT_KIND(K) LORA_OUT_CASE(K, 1) LORA_OUT_CASE(K, 2)
+#endif
+static void lora_out_any(const lora_piece_t *pc, const float *const *ts, float *const *ys, int a, int b, int m) {
+    switch (pc->kind * 8 + m) {
+        LORA_OUT_KIND(W_F32) LORA_OUT_KIND(W_I8) LORA_OUT_KIND(W_BF16)
+    }
+}
+
+struct epi {
+    const float *bias;     /* [O] or NULL */
+    const lora_t *lo;      /* NULL: no adapters in this forward */
+    const int32_t *ad;     /* [N] each token's adapter, or -1 */
+    const float *t;        /* [N, rmax] lora_low_for's */
+    int li, p;             /* layer, projection */
+};
+
+/* Tile t (outputs t * TILE ..) of tokens b0 .. b0 + nb - 1 of a projection, after its products:
+   y += bias, then y += B t for the token's adapter (the order the torch path adds them in). Rows
+   without an adapter keep their bits. */
+static void epi_tile(const epi_t *ep, float *y, int t, int64_t b0, int nb, int O) {
+    const int o0 = t * TILE, o1 = o0 + TILE < O ? o0 + TILE : O;
+    const lora_t *lo = ep->lo;
+    if (ep->bias)
+        for (int64_t n = b0; n < b0 + nb; n++)
+            for (int o = o0; o < o1; o++) y[n * O + o] += ep->bias[o];
+    if (!lo) return;
+    _Static_assert(2 * ROWS_CHUNK <= 64, "a work item's rows fit the mask");
+    uint64_t done = 0; /* the item's tokens done (nb < 2 * ROWS_CHUNK) */
+    for (int i = 0; i < nb; i++) {
+        const int32_t ad = ep->ad[b0 + i];
+        if (ad < 0 || (done >> i & 1)) continue;
+        int64_t tok[LM];
+        int m = 0;
+        for (int j = i; j < nb && m < LM; j++) /* up to LM of the tile's tokens with this adapter */
+            if (ep->ad[b0 + j] == ad && !(done >> j & 1)) done |= 1ull << j, tok[m++] = b0 + j;
+        const lora_proj_t *pr = &lo->proj[((int64_t)ad * lo->layers + ep->li) * 4 + ep->p];
+        for (int q = 0, roff = 0; q < pr->n; roff += pr->piece[q].r, q++) {
+            const lora_piece_t *pc = &pr->piece[q];
+            const int a = o0 > pc->off ? o0 : pc->off, b = o1 < pc->off + pc->len ? o1 : pc->off + pc->len;
+            if (a >= b) continue;
+            const float *ts[LM];
+            float *ys[LM];
+            for (int j = 0; j < m; j++) ts[j] = ep->t + tok[j] * lo->rmax + roff, ys[j] = y + tok[j] * O;
+            lora_out_any(pc, ts, ys, a, b, m);
         }
     }
 }
@@ -1588,7 +1693,7 @@ static void lora_add_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
 /* The tokens of rows slot[b] grouped by their adapters (counting sort, in token order within a
    group); n 0 when no token has one. */
 static lora_groups_t lora_groups(const lora_t *lo, const int64_t *slot, const int64_t *seg, int B, int T, int64_t N) {
-    lora_groups_t gr = {0, NULL, NULL, NULL};
+    lora_groups_t gr = {0, NULL, NULL, NULL, NULL};
     int64_t *count = (int64_t *)calloc((size_t)lo->adapters + 1, sizeof(int64_t));
     int32_t *ad = (int32_t *)malloc(sizeof(int32_t) * (size_t)(N ? N : 1));
     for (int b = 0; b < B; b++)
@@ -1617,23 +1722,21 @@ static lora_groups_t lora_groups(const lora_t *lo, const int64_t *slot, const in
         free(at);
     }
     free(count);
-    free(ad);
+    gr.of_tok = ad;
     return gr;
 }
 
-/* The residual stream y += W x (+ the token's adapter's B A x), or with a sandwich norm
+/* The residual stream y += W x (+ the token's adapter's B A x: ep), or with a sandwich norm
    y += norm(W x + B A x) (tmp: scratch [N, O]). */
 static void proj_add_for(const layer_t *l, int p, const float *x, float *y, float *tmp, const float *out_norm,
-                         int64_t N, int I, int O, float eps, qact_t *qa, const lora_t *lo, const lora_groups_t *gr,
-                         int li, float *t) {
+                         int64_t N, int I, int O, float eps, qact_t *qa, const lora_groups_t *gr, const epi_t *ep) {
+    if (ep) lora_low_for(ep->lo, gr, ep->li, p, x, (float *)ep->t, I);
     if (out_norm) {
-        gemv_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O, qa);
-        lora_add_for(lo, gr, li, p, x, tmp, t, I, O);
+        gemv_sel_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O, qa, NULL, 0, ep);
         rms_rows_for(tmp, out_norm, tmp, N, O, eps);
         add_rows_for(y, tmp, N, O);
     } else { /* NOTE: (y + W x) + B A x: rows without an adapter keep their bits */
-        gemv_for(l->kind[p], x, l->w[p], l->aux[p], y, y, (int)N, I, O, qa);
-        lora_add_for(lo, gr, li, p, x, y, t, I, O);
+        gemv_sel_for(l->kind[p], x, l->w[p], l->aux[p], y, y, (int)N, I, O, qa, NULL, 0, ep);
     }
 }
 
@@ -1651,7 +1754,7 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
     const int widest = D > Q ? (D > c->inter ? D : c->inter) : (Q > c->inter ? Q : c->inter);
     qact_t qa = qact_alloc(N * widest); /* x quantized for the integer kinds (any projection's input) */
     const lora_t *lo = c->lora;
-    lora_groups_t gr = {0, NULL, NULL, NULL};
+    lora_groups_t gr = {0, NULL, NULL, NULL, NULL};
     float *lt = NULL; /* [N, rmax] the adapters' low-rank inputs */
     if (lo) {
         gr = lora_groups(lo, slot, seg, B, T, N);
@@ -1663,10 +1766,12 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
         const layer_t *l = &L[li];
         const int64_t at = li * c->layer_stride * kv_es(c->kvk); /* bytes */
         void *kc = (char *)c->kc + at, *vc = (char *)c->vc + at;
+        const epi_t eq = {l->qkv_bias, lo, gr.of_tok, lt, li, P_QKV}, eo = {NULL, lo, gr.of_tok, lt, li, P_O},
+                    eg = {NULL, lo, gr.of_tok, lt, li, P_GATE_UP}, ed = {NULL, lo, gr.of_tok, lt, li, P_DOWN};
         rms_rows_for(x, l->in_norm, xn, N, D, c->eps);
-        gemv_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd, &qa);
-        if (l->qkv_bias) bias_rows_for(qkv, l->qkv_bias, N, H * c->hd);
-        lora_add_for(lo, &gr, li, P_QKV, xn, qkv, lt, D, H * c->hd);
+        lora_low_for(lo, &gr, li, P_QKV, xn, lt, D);
+        gemv_sel_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd, &qa, NULL, 0,
+                     l->qkv_bias || lo ? &eq : NULL);
         if (l->q_norm) {  /* per head, before RoPE (Qwen3, Gemma 3) */
             #pragma omp for schedule(static)
             for (int64_t e = 0; e < N * (c->nh + c->kvh); e++) {
@@ -1681,17 +1786,19 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
                        c->hd);
         attn_for(qrot, kc, vc, c->kvk, c->table, c->mb, slot, pos, seg, att, B, T, c->nh, c->kvh, c->hd,
                  c->scale, l->local ? c->window : 0, c->softcap);
-        proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa, lo, &gr, li, lt);
+        proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa, &gr, lo ? &eo : NULL);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);
-        gemv_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter, &qa);
-        lora_add_for(lo, &gr, li, P_GATE_UP, xn, gu, lt, D, 2 * c->inter);
+        lora_low_for(lo, &gr, li, P_GATE_UP, xn, lt, D);
+        gemv_sel_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter,
+                     &qa, NULL, 0, lo ? &eg : NULL);
         act_mul_for(gu, h, N, c->inter, c->act);
-        proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa, lo, &gr, li, lt);
+        proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa, &gr, lo ? &ed : NULL);
     }
     if (c->final_norm) rms_rows_for(x, c->final_norm, x, N, D, c->eps);
     free(gr.ad);
     free(gr.start);
     free(gr.tok);
+    free(gr.of_tok);
     free(lt);
     free(work);
     qact_free(&qa);

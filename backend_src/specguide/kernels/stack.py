@@ -40,8 +40,9 @@ class StackStruct(ctypes.Structure):
 
 
 class LoraPiece(ctypes.Structure):
-    """ops.c `lora_piece_t`: one output range's A [r, in] and B^T [r, len] (fp32, bf16 or int8: kind;
-    int8 with per-row scales sa / sb [r]), scale."""
+    """ops.c `lora_piece_t`: one output range's A [r, in] and B^T [r, len] in tiles of 64 outputs
+    ([ceil(len / 64), r, 64], zero-padded; fp32, bf16 or int8: kind; int8 with per-row scales sa / sb
+    [r]), scale."""
 
     _fields_ = [("a", _P), ("b", _P), ("sa", _P), ("sb", _P), ("scale", ctypes.c_float), ("r", ctypes.c_int),
                 ("off", ctypes.c_int), ("len", ctypes.c_int), ("kind", ctypes.c_int)]

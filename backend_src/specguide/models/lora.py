@@ -2,8 +2,9 @@
 the base model and applied per cache row: a projection's output gains B (A x) * scale for each
 token whose row is bound to an adapter (rows of one forward may use different adapters or none).
 
-The C stack adds them inside its one call (ops.c `lora_add_for`, each output one thread's dot:
-batch- and thread-invariant); the torch path (other dtypes, CUDA) groups the rows by adapter."""
+The C stack adds them inside its one call (ops.c `lora_low_for`, then `epi_tile` as each output
+tile of the projection is computed; each output one thread's sums: batch- and thread-invariant);
+the torch path (other dtypes, CUDA) groups the rows by adapter."""
 from __future__ import annotations
 
 import ctypes
@@ -27,6 +28,7 @@ MODULES = {"q_proj": (0, 0), "k_proj": (0, 1), "v_proj": (0, 2), "qkv_proj": (0,
            "gate_proj": (2, 0), "up_proj": (2, 1), "gate_up_proj": (2, -1), "down_proj": (3, 0)}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+B_TILE = 64  # outputs per tile of a piece's B^T (ops.c LORA_TILE)
 
 
 class AdapterError(ValueError):
@@ -41,17 +43,29 @@ class Piece:
     """One output range [off, off + len) of a projection: y[off:off+len] += (scale * a @ x) @ bt."""
 
     a: torch.Tensor  # [r, in]
-    bt: torch.Tensor  # [r, len]: B transposed (ops.c sums each output over r in vector lanes)
+    bt: torch.Tensor  # [ceil(len / B_TILE), r, B_TILE]: B transposed in tiles of outputs, zero-padded
     scale: float
     off: int
-    sa: Optional[torch.Tensor] = None  # int8: a's and bt's scales per row [r] (value = q * s)
+    length: int  # len: the outputs it adds to
+    sa: Optional[torch.Tensor] = None  # int8: a's and B^T's scales per row [r] (value = q * s)
     sb: Optional[torch.Tensor] = None
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a, bt) as floats (int8 rows times their scales)."""
+        """(a [r, in], B^T [r, len]) as floats (int8 rows times their scales)."""
+        bt = self.bt.transpose(0, 1).reshape(self.bt.shape[1], -1)[:, : self.length]
         if self.sa is None:
-            return self.a, self.bt
-        return self.a.float() * self.sa[:, None], self.bt.float() * self.sb[:, None]
+            return self.a, bt
+        return self.a.float() * self.sa[:, None], bt.float() * self.sb[:, None]
+
+
+def _tiles(bt: torch.Tensor) -> torch.Tensor:
+    """B^T [r, len] -> [ceil(len / B_TILE), r, B_TILE] (zeros past len): the rows of one tile of
+    outputs side by side, so that a tile's weights are one stream (ops.c `lora_out`)."""
+    r, n = bt.shape
+    tiles = -(-n // B_TILE)
+    out = torch.zeros(r, tiles * B_TILE, dtype=bt.dtype, device=bt.device)
+    out[:, :n] = bt
+    return out.view(r, tiles, B_TILE).transpose(0, 1).contiguous()
 
 
 def _rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,13 +182,14 @@ def _build(name: str, where: str, path: Path, entries: list, cfg: ModelConfig, d
         if not math.isfinite(scale):
             raise AdapterError(f"{where}: {full}: its scale is {scale}")
         ps = layers[i][proj]
-        if any(p.off < off + length and off < p.off + p.bt.shape[1] for p in ps):
+        if any(p.off < off + length and off < p.off + p.length for p in ps):
             raise AdapterError(f"{where}: {full} adapts outputs another of its modules adapts too")
         if dtype == torch.int8:
             (qa, sa), (qb, sb) = _rows_int8(a.float()), _rows_int8(b.T.float())
-            ps.append(Piece(qa.to(device), qb.to(device), float(scale), off, sa.to(device), sb.to(device)))
+            ps.append(Piece(qa.to(device), _tiles(qb.to(device)), float(scale), off, length, sa.to(device),
+                            sb.to(device)))
         else:
-            ps.append(Piece(a.to(device, dtype).contiguous(), b.T.to(device, dtype).contiguous(), float(scale), off))
+            ps.append(Piece(a.to(device, dtype).contiguous(), _tiles(b.T.to(device, dtype)), float(scale), off, length))
     for layer in layers:
         for pieces in layer:
             pieces.sort(key=lambda p: p.off)
@@ -182,6 +197,7 @@ def _build(name: str, where: str, path: Path, entries: list, cfg: ModelConfig, d
     if not rank:
         raise AdapterError(f"{where}: it adapts nothing")
     return LoRAAdapter(name, path, layers, rank)
+
 
 
 # TensorRT-LLM's LoRA module ids (its `lora_config` rows) -> the PEFT module they are
@@ -267,7 +283,7 @@ class LoRABank:
                 s.n = len(pieces)
                 for k, pc in enumerate(pieces):
                     s.piece[k].a, s.piece[k].b, s.piece[k].scale = pc.a.data_ptr(), pc.bt.data_ptr(), pc.scale
-                    s.piece[k].r, s.piece[k].off, s.piece[k].len = pc.a.shape[0], pc.off, pc.bt.shape[1]
+                    s.piece[k].r, s.piece[k].off, s.piece[k].len = pc.a.shape[0], pc.off, pc.length
                     s.piece[k].kind = WEIGHT_KINDS[str(pc.a.dtype).removeprefix("torch.")]
                     s.piece[k].sa = None if pc.sa is None else pc.sa.data_ptr()
                     s.piece[k].sb = None if pc.sb is None else pc.sb.data_ptr()
