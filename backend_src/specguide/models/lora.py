@@ -43,7 +43,7 @@ class Piece:
     """One output range [off, off + len) of a projection: y[off:off+len] += (scale * a @ x) @ bt."""
 
     a: torch.Tensor  # [r, in]
-    bt: torch.Tensor  # [ceil(len / B_TILE), r, B_TILE]: B transposed in tiles of outputs, zero-padded
+    bt: torch.Tensor  # B^T [r, len]; on the CPU in tiles of outputs [ceil(len / B_TILE), r, B_TILE], zero-padded
     scale: float
     off: int
     length: int  # len: the outputs it adds to
@@ -52,7 +52,7 @@ class Piece:
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(a [r, in], B^T [r, len]) as floats (int8 rows times their scales)."""
-        bt = self.bt.transpose(0, 1).reshape(self.bt.shape[1], -1)[:, : self.length]
+        bt = self.bt if self.bt.dim() == 2 else self.bt.transpose(0, 1).reshape(self.bt.shape[1], -1)[:, : self.length]
         if self.sa is None:
             return self.a, bt
         return self.a.float() * self.sa[:, None], bt.float() * self.sb[:, None]
@@ -184,12 +184,13 @@ def _build(name: str, where: str, path: Path, entries: list, cfg: ModelConfig, d
         ps = layers[i][proj]
         if any(p.off < off + length and off < p.off + p.length for p in ps):
             raise AdapterError(f"{where}: {full} adapts outputs another of its modules adapts too")
+        held = _tiles if torch.device(device).type == "cpu" else torch.Tensor.contiguous  # the C stack's layout
         if dtype == torch.int8:
             (qa, sa), (qb, sb) = _rows_int8(a.float()), _rows_int8(b.T.float())
-            ps.append(Piece(qa.to(device), _tiles(qb.to(device)), float(scale), off, length, sa.to(device),
+            ps.append(Piece(qa.to(device), held(qb.to(device)), float(scale), off, length, sa.to(device),
                             sb.to(device)))
         else:
-            ps.append(Piece(a.to(device, dtype).contiguous(), _tiles(b.T.to(device, dtype)), float(scale), off, length))
+            ps.append(Piece(a.to(device, dtype).contiguous(), held(b.T.to(device, dtype)), float(scale), off, length))
     for layer in layers:
         for pieces in layer:
             pieces.sort(key=lambda p: p.off)
