@@ -1546,8 +1546,8 @@ static void dots_w_any(const void *w, int kind, const float *const *x, int n, fl
     }
 }
 
-/* The low-rank half of projection p of layer li: t [N, rmax] = s A x [N, I] for each group's
-   tokens (each element one thread's dot: batch- and thread-invariant). NOTE: no barrier at its
+/* The low-rank half of projection p of layer li: t [N, rmax] = s A x [N, I] (times B^T's row
+   scales, int8) for each group's tokens (each element one thread's dot: batch- and thread-invariant). NOTE: no barrier at its
    end: the projection's tile loop reads t after the barrier it starts with (gemv_sel_for). */
 static void lora_low_for(const lora_t *lo, const lora_groups_t *gr, int li, int p, const float *x, float *t, int I) {
     if (!lo) return;
@@ -1574,8 +1574,10 @@ static void lora_low_for(const lora_t *lo, const lora_groups_t *gr, int li, int 
                 float d[LM];
                 for (int j = 0; j < m; j++) xs[j] = x + gr->tok[j0 + j] * I;
                 dots_w_any(row, pc->kind, xs, I, d, m);
-                for (int j = 0; j < m; j++)
-                    t[gr->tok[j0 + j] * R + (e % rp)] = pc->scale * (pc->sa ? pc->sa[k] * d[j] : d[j]);
+                for (int j = 0; j < m; j++) { /* with int8 B^T's row scale: lora_out's */
+                    const float v = pc->scale * (pc->sa ? pc->sa[k] * d[j] : d[j]);
+                    t[gr->tok[j0 + j] * R + (e % rp)] = pc->sb ? v * pc->sb[k] : v;
+                }
             }
             break;
         }
@@ -1587,7 +1589,8 @@ static inline void store_add(float *p, vf a) { /* p[0 .. VW) += a */
     memcpy(p, &v, sizeof v);
 }
 
-/* ys[j] [a, b) += B^T[:, a - off .. b - off]^T ts[j] for j < m tokens of one piece's adapter:
+/* ys[j] [a, b) += B^T[:, a - off .. b - off]^T ts[j] for j < m tokens of one piece's adapter (ts:
+   lora_low_for's t, int8 row scales in it):
    output o sums t[k] B^T[k, o] over k in order, in registers, whatever the vector width or m (one
    load of B^T serves the m tokens). B^T is held in tiles of LORA_TILE outputs ([tiles, r, LORA_TILE]:
    a tile's weights one stream); [a, b) is split where a tile ends. */
@@ -1595,7 +1598,6 @@ static inline __attribute__((always_inline)) void lora_out(const lora_piece_t *p
                                                            const float *const *ts, float *const *ys, int a, int b,
                                                            const int m) {
     const void *bt = pc->b;
-    const float *sb = pc->sb;
     for (int s0 = a, s1; s0 < b; s0 = s1) {
         const int tile = (s0 - pc->off) / LORA_TILE;
         s1 = pc->off + (tile + 1) * LORA_TILE < b ? pc->off + (tile + 1) * LORA_TILE : b;
@@ -1610,7 +1612,7 @@ static inline __attribute__((always_inline)) void lora_out(const lora_piece_t *p
                     const vf w0 = wload(bt, row, kind), w1 = wload(bt, row + VW, kind),
                              w2 = wload(bt, row + 2 * VW, kind), w3 = wload(bt, row + 3 * VW, kind);
                     for (int j = 0; j < m; j++) {
-                        const vf tk = splat(sb ? ts[j][k] * sb[k] : ts[j][k]);
+                        const vf tk = splat(ts[j][k]);
                         acc[j][0] += tk * w0, acc[j][1] += tk * w1, acc[j][2] += tk * w2, acc[j][3] += tk * w3;
                     }
                 }
@@ -1621,13 +1623,13 @@ static inline __attribute__((always_inline)) void lora_out(const lora_piece_t *p
                     if (nv) {
                         vf a0 = (vf){0};
                         for (int k = 0; k < pc->r; k++)
-                            a0 += splat(sb ? ts[j][k] * sb[k] : ts[j][k]) * wload(bt, base + (int64_t)k * LORA_TILE + o, kind);
+                            a0 += splat(ts[j][k]) * wload(bt, base + (int64_t)k * LORA_TILE + o, kind);
                         store_add(ys[j] + o, a0);
                     } else {
                         for (int q = o; q < s1; q++) {
                             float acc = 0.0f;
                             for (int k = 0; k < pc->r; k++)
-                                acc += (sb ? ts[j][k] * sb[k] : ts[j][k]) * wval(bt, base + (int64_t)k * LORA_TILE + q, kind);
+                                acc += ts[j][k] * wval(bt, base + (int64_t)k * LORA_TILE + q, kind);
                             ys[j][q] += acc;
                         }
                     }
@@ -1654,7 +1656,7 @@ struct epi {
     const float *bias;     /* [O] or NULL */
     const lora_t *lo;      /* NULL: no adapters in this forward */
     const int32_t *ad;     /* [N] each token's adapter, or -1 */
-    const float *t;        /* [N, rmax] lora_low_for's */
+    float *t;              /* [N, rmax] lora_low_for's */
     int li, p;             /* layer, projection */
 };
 
@@ -1726,17 +1728,24 @@ static lora_groups_t lora_groups(const lora_t *lo, const int64_t *slot, const in
     return gr;
 }
 
+/* y = W x (+ r) of projection p, then its epilogue ep (NULL: none): the adapters' low-rank half
+   first, then their output half and the bias as each tile is computed. */
+static void proj_for(const layer_t *l, int p, const float *x, const float *r, float *y, int64_t N, int I, int O,
+                     qact_t *qa, const lora_groups_t *gr, const epi_t *ep) {
+    if (ep) lora_low_for(ep->lo, gr, ep->li, p, x, ep->t, I);
+    gemv_sel_for(l->kind[p], x, l->w[p], l->aux[p], r, y, (int)N, I, O, qa, NULL, 0, ep);
+}
+
 /* The residual stream y += W x (+ the token's adapter's B A x: ep), or with a sandwich norm
    y += norm(W x + B A x) (tmp: scratch [N, O]). */
 static void proj_add_for(const layer_t *l, int p, const float *x, float *y, float *tmp, const float *out_norm,
                          int64_t N, int I, int O, float eps, qact_t *qa, const lora_groups_t *gr, const epi_t *ep) {
-    if (ep) lora_low_for(ep->lo, gr, ep->li, p, x, (float *)ep->t, I);
     if (out_norm) {
-        gemv_sel_for(l->kind[p], x, l->w[p], l->aux[p], NULL, tmp, (int)N, I, O, qa, NULL, 0, ep);
+        proj_for(l, p, x, NULL, tmp, N, I, O, qa, gr, ep);
         rms_rows_for(tmp, out_norm, tmp, N, O, eps);
         add_rows_for(y, tmp, N, O);
     } else { /* NOTE: (y + W x) + B A x: rows without an adapter keep their bits */
-        gemv_sel_for(l->kind[p], x, l->w[p], l->aux[p], y, y, (int)N, I, O, qa, NULL, 0, ep);
+        proj_for(l, p, x, y, y, N, I, O, qa, gr, ep);
     }
 }
 
@@ -1769,9 +1778,7 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
         const epi_t eq = {l->qkv_bias, lo, gr.of_tok, lt, li, P_QKV}, eo = {NULL, lo, gr.of_tok, lt, li, P_O},
                     eg = {NULL, lo, gr.of_tok, lt, li, P_GATE_UP}, ed = {NULL, lo, gr.of_tok, lt, li, P_DOWN};
         rms_rows_for(x, l->in_norm, xn, N, D, c->eps);
-        lora_low_for(lo, &gr, li, P_QKV, xn, lt, D);
-        gemv_sel_for(l->kind[P_QKV], xn, l->w[P_QKV], l->aux[P_QKV], NULL, qkv, (int)N, D, H * c->hd, &qa, NULL, 0,
-                     l->qkv_bias || lo ? &eq : NULL);
+        proj_for(l, P_QKV, xn, NULL, qkv, N, D, H * c->hd, &qa, &gr, l->qkv_bias || lo ? &eq : NULL);
         if (l->q_norm) {  /* per head, before RoPE (Qwen3, Gemma 3) */
             #pragma omp for schedule(static)
             for (int64_t e = 0; e < N * (c->nh + c->kvh); e++) {
@@ -1788,9 +1795,7 @@ void forward_f32(const layer_t *L, int nl, const stack_t *c, float *x, const int
                  c->scale, l->local ? c->window : 0, c->softcap);
         proj_add_for(l, P_O, att, x, tmp, l->attn_out_norm, N, Q, D, c->eps, &qa, &gr, lo ? &eo : NULL);
         rms_rows_for(x, l->post_norm, xn, N, D, c->eps);
-        lora_low_for(lo, &gr, li, P_GATE_UP, xn, lt, D);
-        gemv_sel_for(l->kind[P_GATE_UP], xn, l->w[P_GATE_UP], l->aux[P_GATE_UP], NULL, gu, (int)N, D, 2 * c->inter,
-                     &qa, NULL, 0, lo ? &eg : NULL);
+        proj_for(l, P_GATE_UP, xn, NULL, gu, N, D, 2 * c->inter, &qa, &gr, lo ? &eg : NULL);
         act_mul_for(gu, h, N, c->inter, c->act);
         proj_add_for(l, P_DOWN, h, x, tmp, l->mlp_out_norm, N, c->inter, D, c->eps, &qa, &gr, lo ? &ed : NULL);
     }
