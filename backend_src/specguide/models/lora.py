@@ -200,7 +200,6 @@ def _build(name: str, where: str, path: Path, entries: list, cfg: ModelConfig, d
     return LoRAAdapter(name, path, layers, rank)
 
 
-
 # TensorRT-LLM's LoRA module ids (its `lora_config` rows) -> the PEFT module they are
 TRTLLM_MODULES = {0: "qkv_proj", 1: "q_proj", 2: "k_proj", 3: "v_proj", 4: "o_proj", 5: "gate_proj",
                   6: "down_proj", 7: "up_proj"}
