@@ -100,6 +100,10 @@ class StepCore:
         self.arange = torch.arange(K + 1, device=dev)
         self.slot_list: Optional[list[int]] = None  # eager: host slots (consecutive slots: a slice of the block table)
         self.sparse_lm_head = self.sparse_lm_head and sparse_head(self.model)
+        # [S * (K+1), V] fp32: an eager CPU step's logits (its pages touched as batches use them).
+        # NOTE: a new tensor this size each step is one mmap / munmap past glibc's 32 MiB threshold,
+        # its pages faulted in anew: 15 ms a step at 64 rows x 4 positions
+        self.logits_buf: Optional[torch.Tensor] = None
 
     # ---- host side -----------------------------------------------------------------------
     def key(self, seqs: list[Sequence], plan: DraftPlan) -> StepKey:
@@ -227,8 +231,18 @@ class StepCore:
             V = self.model.head.out_features
             tiles = self.grammar.mask_tiles(rows, V)
             if tiles is not None and tiles.numel() * SPARSE_HEAD_AT_MOST[1] <= SPARSE_HEAD_AT_MOST[0] * V // TILE:
-                return self.model.logits(hidden, tiles)
-        return self.model.logits(hidden)
+                return self.model.logits(hidden, tiles, self._logits_out(key, hidden))
+        return self.model.logits(hidden, out=self._logits_out(key, hidden))
+
+    def _logits_out(self, key: StepKey, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """The static buffer's first B * T rows for an eager CPU step's logits (None elsewhere)."""
+        if key.captured or hidden.device.type != "cpu":
+            return None
+        V = self.model.head.out_features
+        if self.logits_buf is None or self.logits_buf.shape[1] != V:
+            self.logits_buf = torch.empty(self.kv.max_slots * self.rows_per_slot, V)
+        n = hidden.shape[0] * hidden.shape[1]
+        return self.logits_buf[:n] if n <= self.logits_buf.shape[0] else None
 
     def open(self, key: StepKey) -> None:
         """Grammar stream: fetch the snapshot, fill the first masks (overlapping the forwards)."""

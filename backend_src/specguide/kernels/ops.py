@@ -38,16 +38,24 @@ def serves_attention(device: torch.device | str, dtype: torch.dtype, head_dim: i
             and head_dim <= MAX_HEAD_DIM and library() is not None)
 
 
+def _output(out: Optional[torch.Tensor], B: int, out_features: int) -> torch.Tensor:
+    """`out` [B, O] fp32 contiguous (a caller's static buffer), else a new one."""
+    if out is None:
+        return torch.empty(B, out_features, dtype=torch.float32)
+    assert out.shape == (B, out_features) and out.dtype == torch.float32 and out.is_contiguous()
+    return out
+
+
 def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], out_features: int,
-         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+         residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [B, I] fp32 @ W^T (+ residual [B, O]) with W and `scale` (its aux) from `pack_weight`;
-    fp32 accumulation, batch-invariant."""
+    fp32 accumulation, batch-invariant. `out`: [B, O] to write (else a new tensor)."""
     lib = library()
     assert lib is not None
     B, I = x.shape
     assert x.dtype == torch.float32 and packed.shape[1] * (4 if packed.dim() == 4 else 1) == I
     x = x.contiguous()
-    y = torch.empty(B, out_features, dtype=torch.float32)
+    y = _output(out, B, out_features)
     r = residual.contiguous() if residual is not None else None
     rp = r.data_ptr() if r is not None else None
     n = torch.get_num_threads()
@@ -76,7 +84,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], o
 
 
 def gemv_tiles(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tensor], out_features: int,
-               sel: torch.Tensor, weight_dtype: str) -> torch.Tensor:
+               sel: torch.Tensor, weight_dtype: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`gemv` over the output tiles `sel` (int32, TILE outputs each) only, W packed in `weight_dtype`
     (a `FORMATS` name): their outputs are the same bits as `gemv`'s, every other output -inf."""
     lib = library()
@@ -84,7 +92,7 @@ def gemv_tiles(x: torch.Tensor, packed: torch.Tensor, scale: Optional[torch.Tens
     B, I = x.shape
     assert x.dtype == torch.float32 and sel.dtype == torch.int32 and sel.is_contiguous()
     x = x.contiguous()
-    y = torch.empty(B, out_features, dtype=torch.float32)
+    y = _output(out, B, out_features)
     lib.gemv_tiles(WEIGHT_KINDS[weight_dtype], x.data_ptr(), packed.data_ptr(), None if scale is None else scale.data_ptr(),
                    y.data_ptr(), B, I, out_features, sel.data_ptr(), sel.numel(), torch.get_num_threads())
     return y

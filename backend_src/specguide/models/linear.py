@@ -78,21 +78,23 @@ class InvariantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         return self
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x W^T + b (+ residual); `out`: [rows, out_features] fp32 to write (a caller's static buffer)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         r2 = None if residual is None else residual.reshape(-1, self.out_features)
         if self.bias is not None:  # bias, then the residual: both per-row adds
             r2 = self.bias.expand(x2.shape[0], -1) if r2 is None else r2 + self.bias
-        y = kernels.gemv(x2, self.packed, self.scale, self.out_features, r2)
+        y = kernels.gemv(x2, self.packed, self.scale, self.out_features, r2, out)
         return y.view(*shape[:-1], self.out_features)
 
-    def forward_tiles(self, x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    def forward_tiles(self, x: torch.Tensor, sel: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`forward` (no bias) over the output tiles `sel` only (kernels.gemv_tiles): their outputs
         are the same bits, every other output -inf."""
         assert self.bias is None
         y = kernels.gemv_tiles(x.reshape(-1, self.in_features), self.packed, self.scale, self.out_features, sel,
-                               self.weight_dtype)
+                               self.weight_dtype, out)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -383,10 +383,17 @@ class LlamaModel(nn.Module):
         # as transformers: the scale in the model dtype (sqrt(hidden) is rounded in bf16)
         self.embed_scale = float(torch.tensor(self.cfg.embed_scale).to(w.dtype))
 
-    def logits(self, hidden: torch.Tensor, tiles: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, tiles: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [..., hidden] -> fp32 logits [..., vocab] (soft-capped: Gemma 2). `tiles`: only those
-        output tiles of a C-kernel head (`sparse_head`); the other logits are -inf (-cap soft-capped)."""
-        logits = self.head(hidden).float() if tiles is None else self.head.forward_tiles(hidden, tiles)
+        output tiles of a C-kernel head (`sparse_head`); the other logits are -inf (-cap soft-capped).
+        `out`: [rows, vocab] fp32 a C-kernel head writes into (a caller's static buffer; others ignore it)."""
+        if not isinstance(self.head, InvariantLinear):
+            out = None
+        if tiles is not None:
+            logits = self.head.forward_tiles(hidden, tiles, out)
+        else:
+            logits = self.head(hidden).float() if out is None else self.head(hidden, out=out)
         cap = self.cfg.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
