@@ -7,10 +7,11 @@ shape, random weights), so that what a step costs is the host's work around the 
 
 Each configuration keeps `batch` requests in flight (a finished one is replaced at once: closed
 loop), greedy, K fixed (adaptive and cost-aware K off, spec_max_rows 0), through an in-process
-Engine whose callbacks do what the engine process does with each output: pickle it and write it to
-a pipe (read by a `cat` process). Only steps with exactly `batch` decode rows and no prompt chunk
-are counted, `--steps` of them after 5 warm-up steps. Guided requests carry a JSON schema with one
-free string (the budget closing on); unguided ones ignore EOS. K=3 drafts with the draft model
+Engine whose callbacks do what the engine process does with each output: put it in an Outbox,
+sent at the end of the step as one pickled message written to a pipe (read by a `cat` process).
+Only steps with exactly `batch` decode rows and no prompt chunk are counted, `--steps` of them
+after 5 warm-up steps. Guided requests carry a JSON schema with one free string (the budget
+closing on); unguided ones ignore EOS. K=3 drafts with the draft model
 (`--drafter`; the draft model is the target itself, so every draft is accepted and each row
 verifies K + 1 positions).
 
@@ -27,7 +28,7 @@ Phases (exclusive time of the functions each names, ms per step):
   wait      StepCore.finish (the host waiting for the device and the grammar commit)
   results   StepCore.results + Proposer.record (tokens back to host lists)
   outputs   OutputProcessor.append (tokens appended, detokenizing, stop checks)
-  emit      OutputProcessor.emit (events built, pickled and written to the pipe)
+  emit      OutputProcessor.emit and Outbox.flush (events built; the step's pickled and written to the pipe)
   other     the rest of EngineCore.step
 host = every phase but forward, kernels and wait. Prints the CPU, then per configuration: ms per step by
 phase, host ms per step, host share of the step, tokens per step.
@@ -101,13 +102,14 @@ def probe_model(folder: Path) -> Path:
     return folder
 
 
-def build_engine(model: Path, k: int, drafter: str, device: str, max_slots: int):
+def build_engine(model: Path, k: int, drafter: str, device: str, max_slots: int, flush=None):
     from specguide.config import EngineConfig
     from specguide.engine.loop import Engine
 
-    return Engine(EngineConfig(model_dir=str(model), device=device, max_slots=max_slots, max_seq_len=2048,
-                               num_draft_tokens=k, drafter=drafter if k else "ngram", draft_model_dir=str(model),
-                               adaptive_k=False, cost_aware_k=False, spec_max_rows=0, prefix_caching=False))
+    return Engine(flush=flush, config=EngineConfig(
+        model_dir=str(model), device=device, max_slots=max_slots, max_seq_len=2048, num_draft_tokens=k,
+        drafter=drafter if k else "ngram", draft_model_dir=str(model), adaptive_k=False, cost_aware_k=False,
+        spec_max_rows=0, prefix_caching=False))
 
 
 def instrument(engine, clock: PhaseClock) -> None:
@@ -117,6 +119,7 @@ def instrument(engine, clock: PhaseClock) -> None:
     from specguide.engine.step import StepCore
     from specguide.guided.grammar_worker import GrammarWorker
     from specguide.models.llama import LlamaModel
+    from specguide.process.ipc import Outbox
     from specguide.speculative.proposer import Proposer
 
     for owner, names, phase in (
@@ -125,7 +128,8 @@ def instrument(engine, clock: PhaseClock) -> None:
             (GrammarWorker, ("fetch", "fill_step", "draft_advance", "draft_end", "commit", "stage_host"), "grammar"),
             (StepCore, ("body",), "glue"), (StepCore, ("finish",), "wait"),
             (StepCore, ("results",), "results"), (Proposer, ("record",), "results"),
-            (OutputProcessor, ("append",), "outputs"), (OutputProcessor, ("emit",), "emit")):
+            (OutputProcessor, ("append",), "outputs"), (OutputProcessor, ("emit",), "emit"),
+            (Outbox, ("flush",), "emit")):
         for name in names:
             clock.wrap(owner, name, phase)
     from specguide import kernels
@@ -143,8 +147,7 @@ def _drafters(proposer) -> list:
     return [d for d in (proposer.head, proposer.early_exit, proposer.draft_model) if d is not None]
 
 
-def measure(engine, clock: PhaseClock, batch: int, guided: bool, steps: int, sink) -> dict:
-    from specguide.process.ipc import write_msg
+def measure(engine, clock: PhaseClock, batch: int, guided: bool, steps: int, outbox) -> dict:
     from specguide.request import GuidedDecodingParams, Request, SamplingParams
 
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Write a long text as JSON."}])
@@ -162,7 +165,7 @@ def measure(engine, clock: PhaseClock, batch: int, guided: bool, steps: int, sin
 
     def on_output(o) -> None:
         with lock:
-            write_msg(sink, ("out", 0, o))  # what the engine process sends its parent
+            outbox.put(0, o)  # what the engine process does
             if o.finished:
                 live.discard(o.seq_id)
         if o.finished and not stop.is_set():
@@ -176,6 +179,7 @@ def measure(engine, clock: PhaseClock, batch: int, guided: bool, steps: int, sin
         before = sum(len(s.output_ids) for s in core.scheduler.running.values())
         t0 = time.perf_counter()
         worked = original()
+        outbox.flush()  # (the loop's own flush after the step then finds nothing)
         total = time.perf_counter() - t0
         prefills, decodes = core.last_step[:2] if worked else (0, 0)
         if worked and not prefills and decodes == batch:
@@ -225,16 +229,19 @@ def main() -> None:
     print(cpu_header(), flush=True)
     model = probe_model(Path(args.model))
     sink_proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    from specguide.process.ipc import Outbox, write_msg
+
+    outbox = Outbox(lambda msg: write_msg(sink_proc.stdin, msg))
     results = []
     clock = PhaseClock()
     for k in (int(x) for x in args.ks.split(",")):
-        engine = build_engine(model, k, args.drafter, args.device, max(batches))
+        engine = build_engine(model, k, args.drafter, args.device, max(batches), outbox.flush)
         clock.thread = engine._thread.ident  # the loop thread: the step's calls (grammar callbacks inline on CPU)
         instrument(engine, clock)
         try:
             for mode in args.modes.split(","):
                 for batch in batches:
-                    r = measure(engine, clock, batch, mode == "guided", args.steps, sink_proc.stdin)
+                    r = measure(engine, clock, batch, mode == "guided", args.steps, outbox)
                     r.update(batch=batch, k=k, mode=mode, device=args.device)
                     results.append(r)
                     if not r["steps"]:

@@ -55,10 +55,12 @@ def _cause(exc: BaseException) -> BaseException:
 class EngineCore:
     """The engine's state and one iteration (`step`); used on one thread only (Engine's loop).
     `arrivals` hands over the requests submitted since the iteration began (`step` lets them join
-    its prefills within the chunk budget)."""
+    its prefills within the chunk budget); `flush` sends the events callbacks held back."""
 
-    def __init__(self, config: EngineConfig, arrivals: Callable[[], list[Sequence]] = list):
+    def __init__(self, config: EngineConfig, arrivals: Callable[[], list[Sequence]] = list,
+                 flush: Callable[[], None] = lambda: None):
         self._arrivals = arrivals
+        self._flush = flush  # sends the events held back so far (Engine's `flush`): a first token at once
         self.config = config
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
@@ -265,6 +267,7 @@ class EngineCore:
             seq = self._prefill_chunk(prefills.popleft())
             if seq is not None and seq.status is not Status.FINISHED:
                 self._emit(seq)
+                self._flush()
             arrived = self._arrivals() if not prefills and budget > 0 else []
             for seq in arrived:
                 self.add(seq)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -39,7 +39,11 @@ class Engine:
     `core` is the EngineCore the loop runs: read its parts (tokenizer, config, scheduler ...)
     from any thread, change them only from the loop's."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, flush: Optional[Callable[[], None]] = None):
+        """`flush`: called on the loop thread after each turn's callbacks (and where a prompt's first
+        token should go out at once), for a caller whose callbacks hold their events back to send
+        them together (the engine process's Outbox)."""
+        self._flush = flush or (lambda: None)
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, object]] = []  # ("submit", Sequence) | ("cancel", seq id)
         self._pending_submits = 0
@@ -64,7 +68,7 @@ class Engine:
     def _run(self, config: EngineConfig) -> None:
         """The loop thread: build, then serve until shutdown."""
         try:
-            self.core = EngineCore(config, arrivals=self._take_arrivals)
+            self.core = EngineCore(config, arrivals=self._take_arrivals, flush=self._flush_outputs)
         except BaseException as exc:  # re-raised by __init__ on the caller's thread
             self._init_error = exc
             return
@@ -208,9 +212,11 @@ class Engine:
                 if stopping and not drain:
                     core.cancel_all()
                 if stopping and not core.has_work():
+                    self._flush_outputs()
                     return
                 t1 = time.perf_counter()
                 stepped = core.has_work() and core.step()
+                self._flush_outputs()
                 self._report(t0, t1, stepped, len(inbox))
                 if core.has_work() and not stepped:
                     with self._cv:  # only grammar compiles are pending: doze instead of spinning
@@ -238,6 +244,14 @@ class Engine:
             self._pending_submits = 0
         taken = [s for kind, s in inbox if kind == "submit"]
         self.core.fail_all(taken, self._dead_message(), EngineDeadError.code)  # type: ignore[arg-type]
+        self._flush_outputs()
+
+    def _flush_outputs(self) -> None:
+        """The caller's `flush` (loop thread); a failure to send is logged, the loop goes on."""
+        try:
+            self._flush()
+        except Exception:
+            log.exception("sending the engine's events failed")
 
     def _dead_message(self) -> str:
         return f"the engine stopped ({type(self._dead).__name__}; see the server log); a new engine is starting"

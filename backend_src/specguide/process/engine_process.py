@@ -297,9 +297,10 @@ class EngineProcess:
             if msg is None:
                 break
             kind = msg[0]
-            if kind == "out":
+            if kind == "outs":  # a loop turn's events
                 self._progress_at = time.monotonic()
-                self._deliver(msg[1], msg[2])
+                for key, out in msg[1]:
+                    self._deliver(key, out)
             elif kind == "refused":
                 self._answer(msg[1], msg[2])
             elif kind == "submitted":

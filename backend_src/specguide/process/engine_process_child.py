@@ -15,7 +15,7 @@ import time
 from .engine_protocol import CALLS, EXIT_LOOP_DIED, PARENT_ENV, SERVER_ENV, STATS_IDLE_S, STATS_S, Callback, EngineInfo
 from ..util.heap import freeze_startup_heap
 from ..util.stalls import watch_collections
-from .ipc import die_with_parent, read_msg, renice, wait_until_gone, write_msg
+from .ipc import Outbox, die_with_parent, read_msg, renice, wait_until_gone, write_msg
 from ..request import RequestOutput
 
 
@@ -41,13 +41,14 @@ def child_main() -> None:
         with write_lock:
             write_msg(out, msg)
 
+    outbox = Outbox(send)  # the events of a loop turn, sent as one message
     config = read_msg(inp)
     renice(config.engine_nice)  # before the engine's threads start (they inherit it)
     try:
         from ..engine import faults
         from ..engine.loop import Engine
 
-        engine = Engine(config)
+        engine = Engine(config, flush=outbox.flush)
         core = engine.core
         if faults.enabled():  # reliability tests: each request may name a fault
             faults.FaultInjector(core).install()
@@ -71,7 +72,7 @@ def child_main() -> None:
             if o.finished:
                 with seq_lock:
                     seq_of.pop(key, None)
-            send(("out", key, o))
+            outbox.put(key, o)
         return on_output
 
     def watch() -> None:  # stats for the metrics; the loop thread's death ends the process

@@ -5,8 +5,9 @@ engine process by "engine_process"). Messages are length-prefixed pickles over t
 / stdout (compile_worker's framing, ipc.py).
 Parent -> child: the EngineConfig, then ("submit", key, Request) | ("cancel", key) |
 ("call", key, method, args) | ("shutdown", drain, timeout). Child -> parent: ("ready", EngineInfo) |
-("failed", text), then ("out", key, RequestOutput) | ("refused", key, exception) | ("submitted", key)
-| ("reply", key, value) | ("stats", dict) | ("dead", text). A call is one of the Engine's CALLS.
+("failed", text), then ("outs", [(key, RequestOutput), ...]) (a loop turn's events) |
+("refused", key, exception) | ("submitted", key) | ("reply", key, value) | ("stats", dict) |
+("dead", text). A call is one of the Engine's CALLS.
 `key` is the parent's id for a request: the seq_id `submit` returns and outputs carry.
 
 Also here: the settings both sides read (the environment's names, the stats' periods, the exit

@@ -13,7 +13,7 @@ import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 _HEADER = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -23,6 +23,24 @@ def write_msg(f: BinaryIO, obj: Any) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     f.write(_HEADER.pack(len(data)) + data)
     f.flush()
+
+
+class Outbox:
+    """A loop turn's request events, sent as one message ("outs", [(key, RequestOutput), ...]) at
+    `flush`: one pickle and one write a turn rather than one per request and step. `put` and
+    `flush` run on one thread (the engine's loop)."""
+
+    def __init__(self, send: Callable[[Any], None]):
+        self._send = send
+        self._items: list[tuple[int, Any]] = []
+
+    def put(self, key: int, out: Any) -> None:
+        self._items.append((key, out))
+
+    def flush(self) -> None:
+        if self._items:
+            items, self._items = self._items, []
+            self._send(("outs", items))
 
 
 def read_msg(f: BinaryIO) -> Optional[Any]:
