@@ -37,6 +37,7 @@ from .backend import CompiledGuide, Encode, Matcher, fill_by_class
 from .regex_completion import MAX_BYTES, TooLong, Unknown
 
 SLACK = 8  # tokens kept in hand beyond what one free token may add to the completion
+PLAIN_KEPT = 16  # plain-string states remembered (more than a step rolls back)
 TRIES = 4  # completions (of anyOf / oneOf readings, shortest first) checked against the grammar per state
 _LONGEST: dict[int, tuple[Sequence[bytes], int]] = {}  # id(vocabulary) -> (it, its longest token's bytes)
 
@@ -84,19 +85,40 @@ class BudgetMatcher(Matcher):
         self._growths: dict[int, int] = {}  # per state index: Scanner.growth
         self._plans: dict[int, Optional[list[int]]] = {}  # per state index: its verified tokens + stop
         self._cut: set[int] = set()  # state indices whose plan is only the first left + 1 tokens
+        self._plain: list[int] = []  # the latest state indices inside a plain string (Scanner.plain_end), ascending
 
     # -- the completion ---------------------------------------------------------------------
 
     def _candidates(self) -> Optional[list[str]]:
         """The completions' texts from the current state, shortest first (None: cannot tell)."""
         i = len(self.states) - 1
-        if i not in self._texts:
+        if i not in self._texts and not self._as_before(i):
             st = self.states[-1]
             try:
                 self._texts[i] = None if st is None else self.plan.scanner.completions(st)
             except Unknown:
                 self._texts[i] = None
+            plain_end = getattr(self.plan.scanner, "plain_end", None)  # (JSON scanners only)
+            if self._texts[i] is not None and plain_end is not None and plain_end(st):
+                self._mark_plain(i)
         return self._texts[i]
+
+    def _as_before(self, i: int) -> bool:
+        """State i only added characters to the plain string of the latest state before it whose
+        completions are known (Scanner.extends): it takes that state's completions and growth (the
+        same text: written, not computed again, token after token of a free string)."""
+        j = self._plain[-1] if self._plain else -1  # (every index kept is below i: i's texts are not known)
+        if j < 0 or self.states[i] is None or not self.plan.scanner.extends(self.states[j], self.states[i]):
+            return False
+        self._texts[i] = self._texts[j]
+        if j in self._growths:
+            self._growths[i] = self._growths[j]
+        self._mark_plain(i)
+        return True
+
+    def _mark_plain(self, i: int) -> None:
+        self._plain.append(i)
+        del self._plain[:-PLAIN_KEPT]
 
     def _text(self) -> Optional[str]:
         """The shortest completion's text from the current state (None: cannot tell)."""
@@ -181,6 +203,8 @@ class BudgetMatcher(Matcher):
                 self._texts.pop(i, None)
                 self._growths.pop(i, None)
             del self.states[len(self.states) - n:]
+            while self._plain and self._plain[-1] >= len(self.states):
+                self._plain.pop()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.inner.fill(bitmask, row)
@@ -213,6 +237,7 @@ class BudgetMatcher(Matcher):
         self.states = [self.plan.scanner.start()]
         self._plans.clear()
         self._cut.clear()
+        self._plain.clear()
         self._texts.clear()
         self._growths.clear()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -22,6 +23,7 @@ from .regex_completion import TooLong, Unknown, again, shortest_match
 from .schema_completion import Schemas, count, json_text
 
 _WS = b" \t\n\r"
+_PLAIN_CHARS = re.compile(rb'[^\x00-\x1f"\\]+')  # a string's characters that end no string nor escape
 
 
 @dataclass(frozen=True)
@@ -409,6 +411,49 @@ class Scanner:
             if s.lex is None and not s.done and (top is None or top.phase in (":", "value")):
                 most = max(most, self._opening(self.child(top)))
         return most
+
+    def plain_end(self, st: "State | Readings") -> bool:
+        """Whether every reading of `st` is inside a plain string (no const, enum, format, pattern or
+        minLength) whose bytes so far decode whole, no escape half written: its completion is the
+        quote and the containers' closing, whatever characters follow (`extends`)."""
+        for s in st.states if isinstance(st, Readings) else (st,):
+            if s.lex is None or s.lex[0] != "string" or not s.stack or escape_end(s.lex[1]):
+                return False
+            try:
+                node = self.s.resolve(s.stack[-1].schema)
+                json.loads(b'"' + s.lex[1] + b'"')
+            except (Unknown, ValueError):
+                return False
+            node = node if isinstance(node, dict) else {}
+            if "const" in node or isinstance(node.get("enum"), list) or isinstance(node.get("format"), str) \
+                    or isinstance(node.get("pattern"), str) or count(node.get("minLength")):
+                return False
+        return True
+
+    @staticmethod
+    def extends(a: "State | Readings", b: "State | Readings") -> bool:
+        """Whether `b` is `a` with more characters of the same string: the same containers, bytes that
+        add no quote, backslash or control character and decode whole. Where `plain_end(a)`, then
+        `plain_end(b)` too, and b's completions and growth are a's (the bytes do not enter them)."""
+        xs = a.states if isinstance(a, Readings) else (a,)
+        ys = b.states if isinstance(b, Readings) else (b,)
+        if len(xs) != len(ys):
+            return False
+        for x, y in zip(xs, ys):
+            if x.stack is not y.stack or x.weak != y.weak or x.lex is None or y.lex is None or x.lex[0] != y.lex[0]:
+                return False
+        old, new = xs[0].lex[1], ys[0].lex[1]
+        if len(new) <= len(old) or not new.startswith(old) or any(x.lex[1] != old for x in xs[1:]) \
+                or any(y.lex[1] != new for y in ys[1:]):  # (readings share their lexeme: a check)
+            return False
+        delta = new[len(old):]
+        if not _PLAIN_CHARS.fullmatch(delta):
+            return False
+        try:
+            delta.decode()
+        except UnicodeDecodeError:
+            return False
+        return True
 
     def _opening(self, node: Any) -> int:
         """The most bytes one token that starts the value due here (`[{`, `{"`) commits to: the
