@@ -137,7 +137,8 @@ def test_the_sparse_lm_head_changes_no_token(engine, monkeypatch):
         pytest.skip("the LM head is not a C-kernel head here")
     used = []
     real = kernels.gemv_tiles
-    monkeypatch.setattr(kernels, "gemv_tiles", lambda x, p, a, O, sel, wd: used.append(sel.numel()) or real(x, p, a, O, sel, wd))
+    monkeypatch.setattr(kernels, "gemv_tiles",
+                        lambda x, p, a, O, sel, wd, out=None: used.append(sel.numel()) or real(x, p, a, O, sel, wd, out))
     schema = GuidedDecodingParams("json_schema", json.dumps(SCHEMA))
     reqs = [Request(prompt=chat(engine, f"Describe {who} as JSON."), guided=schema, num_draft_tokens=k,
                     params=SamplingParams(max_tokens=48, temperature=t, top_p=0.95, seed=3))
