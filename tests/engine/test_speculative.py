@@ -218,3 +218,23 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_with_any_drafts(ngram_en
         plain.setdefault(seed, runs[0][0])
     assert accepted > 0
     assert runs[0][0] != plain[13]  # min_p changed what seed 13 samples
+
+@pytest.mark.parametrize("which", ["engine", "ngram_engine"])
+def test_a_step_takes_back_only_the_drafts_verification_rejects(request, monkeypatch, which):
+    """The drafts a guided row's matcher took while its masks were filled stay fed through the step;
+    the commit takes back only those verification rejected (a matcher takes each accepted draft once,
+    not again at the commit): over a run the tokens rolled back are the drafts verified less those
+    accepted, in-step drafts (the served hybrid) and host-known ones (n-gram) alike."""
+    from specguide.guided.decoder import GuidedDecoder
+
+    engine = request.getfixturevalue(which)
+    rolled = []
+    original = GuidedDecoder.rollback
+    monkeypatch.setattr(GuidedDecoder, "rollback", lambda self, slot, n: rolled.append(n) or original(self, slot, n))
+    reqs = [r for r in requests(engine, lambda i: 3) if r.guided is not None]
+    finals = [f for _, _, f in run_many(engine, reqs)]
+    assert all(f.finish_reason in ("stop", "length") for f in finals)
+    drafted = sum(f.total_draft_tokens for f in finals)
+    accepted = sum(f.total_accepted_draft_tokens for f in finals)
+    assert accepted > 0 and drafted > accepted  # both kinds of draft happened
+    assert sum(rolled) == drafted - accepted

@@ -13,8 +13,9 @@ way whether it runs eagerly or is captured in a CUDA graph (TensorRT-LLM's Captu
   grammar stream  `launch_begin`: fetch the snapshot, fill row 0 (or walk host-known drafts read
                   from `out_host`), stage masks / limits / hybrid proposals, record the mask event;
                   `launch_draft_advance(i)`: feed draft i (from `out_host`), fill row i + 1,
-                  propose for position i + 1; `launch_draft_end`: roll the drafts back, publish
-                  the per-row limits; `launch_commit`: feed each row's emitted tokens;
+                  propose for position i + 1; `launch_draft_end`: publish the per-row limits
+                  (the drafts fed); `launch_commit`: take back the drafts verification rejected,
+                  feed each row's next token;
   forward stream  `apply_rows` / `proposals` wait for the mask event, then read device copies.
 Matchers are touched only by callbacks. The host's `advance(slot, t)` (the engine's append loop)
 confirms a token that `commit` already fed; `is_terminated` reads the matcher after the commit event.

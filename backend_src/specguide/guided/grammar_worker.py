@@ -36,6 +36,7 @@ class GuidedStep:
     ks: list[int] = field(default_factory=list)  # [B] drafts per row (host count or model budget)
     picker: Any = None  # hybrid: speculative.hybrid.HybridPicks (propose / picked)
     limit: list[int] = field(default_factory=list)  # [B] drafts the grammar accepts (NO_LIMIT: all)
+    fed: list[int] = field(default_factory=list)  # [B] drafts the matcher holds from drafting until the commit
     live: list[bool] = field(default_factory=list)  # [B] guided row still drafting
     drafted: list[int] = field(default_factory=list)  # [B] drafts fed to the matcher so far
     props: list[tuple[int, int]] = field(default_factory=list)  # [B] (fixed, fallback) for the next draft
@@ -93,6 +94,7 @@ class GrammarWorker:
             return
         B = len(st.slots)
         st.limit = [NO_LIMIT] * B
+        st.fed = [0] * B
         rows = [b for b in range(B) if st.guided[b]]
         for b in rows:
             g.clear_slot(st.slots[b])
@@ -109,7 +111,7 @@ class GrammarWorker:
         """Masks of rows 0..k for drafts known to the host (out_host's drafts); limit = drafts fed."""
         drafts = {st.slots[b]: self._out.drafts[: st.ks[b], b].tolist() for b in rows}
         fed = self.inner.fill_verify_rows(drafts)
-        self._take_back(st, rows, [fed[st.slots[b]] for b in rows])
+        self._keep(st, rows, [fed[st.slots[b]] for b in rows])
 
     def draft_advance(self, i: int) -> None:
         st, g = self._cur, self.inner
@@ -150,15 +152,14 @@ class GrammarWorker:
         if st.drafting is Drafting.UNMASKED:
             self._walk(st, rows)
             return
-        self._take_back(st, rows, [st.drafted[b] for b in rows])
+        self._keep(st, rows, [st.drafted[b] for b in rows])
 
-    def _take_back(self, st: GuidedStep, rows: list[int], fed: list[int]) -> None:
-        """The one rollback of a step: the fed[i] drafts the matcher of row rows[i] took while its
-        masks were filled are taken back (the commit feeds what verification accepts), and that
-        count is the row's limit (drafts past it are not verified)."""
+    def _keep(self, st: GuidedStep, rows: list[int], fed: list[int]) -> None:
+        """The fed[i] drafts the matcher of row rows[i] took while its masks were filled stay fed
+        (the commit takes back those verification rejects), and that count is the row's limit
+        (drafts past it are not verified)."""
         for b, n in zip(rows, fed):
-            self.inner.rollback(st.slots[b], n)
-            st.limit[b] = n
+            st.fed[b] = st.limit[b] = n
 
     def stage_host(self) -> None:
         """The pinned staging of token_mask / limits / proposals (the stepper copies it on)."""
@@ -179,7 +180,9 @@ class GrammarWorker:
         if st is not None:
             out = StepOutputs(self._out.buf[:, : len(st.slots)].tolist())
             for b, s in enumerate(st.slots):
-                if st.guided[b]:
+                if st.guided[b]:  # the step's one rollback: the drafts verification rejected
                     a = out.accepted[b]
-                    committed[s] = g.advance_many(s, [out.drafts[i][b] for i in range(a)] + [out.next[b]])
+                    keep = min(a, st.fed[b])
+                    g.rollback(s, st.fed[b] - keep)
+                    committed[s] = keep + g.advance_many(s, [out.drafts[i][b] for i in range(keep, a)] + [out.next[b]])
         self.committed = committed

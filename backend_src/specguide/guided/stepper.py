@@ -89,7 +89,7 @@ class GuidedStepper:
         self._stage()
 
     def launch_draft_end(self) -> None:
-        """After the last draft: roll the drafts back (or walk unmasked ones), publish limits."""
+        """After the last draft: publish limits, the drafts fed (or walk unmasked ones)."""
         self.stream.wait_for_forward()
         self.stream.launch(self.worker.timed(self.worker.draft_end))
         self._stage()
