@@ -152,10 +152,12 @@ class Scanner:
             lex = states[0].lex
             if lex is not None and lex[0] in ("string", "key"):  # inside a string: up to its quote at once
                 q = data.find(b'"', i)
+                # (State(...) rather than dataclasses.replace: this runs for every token of a string)
                 if q < 0:
-                    return _pack(tuple(dataclasses.replace(st, lex=(lex[0], st.lex[1] + data[i:])) for st in states))
+                    return _pack(tuple(State(st.stack, (lex[0], st.lex[1] + data[i:]), st.done, st.weak)
+                                       for st in states))
                 if q > i:
-                    states = tuple(dataclasses.replace(st, lex=(lex[0], st.lex[1] + data[i:q])) for st in states)
+                    states = tuple(State(st.stack, (lex[0], st.lex[1] + data[i:q]), st.done, st.weak) for st in states)
                     i = q
             states = self._step(states, data[i])
             i += 1
