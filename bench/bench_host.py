@@ -31,12 +31,13 @@ Phases (exclusive time of the functions each names, ms per step):
   emit      OutputProcessor.emit and Outbox.flush (events built; the step's pickled and written to the pipe)
   other     the rest of EngineCore.step
 host = every phase but forward, kernels and wait. Prints the CPU, then per configuration: ms per step by
-phase, host ms per step, host share of the step, tokens per step.
+phase (means), host ms per step (mean, share of the step, median step), tokens per step.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import statistics
 import subprocess
@@ -209,8 +210,10 @@ def measure(engine, clock: PhaseClock, batch: int, guided: bool, steps: int, out
     ms = {p: 1e3 * statistics.fmean(r[0].get(p, 0.0) for r in rows) for p in PHASES}
     total = 1e3 * statistics.fmean(r[0]["total"] for r in rows)
     host = sum(v for p, v in ms.items() if p not in DEVICE_PHASES)
+    host_p50 = 1e3 * statistics.median(sum(v for p, v in r[0].items() if p in PHASES and p not in DEVICE_PHASES)
+                                       for r in rows)  # (a step a collection or the machine stalled: out)
     tokens = statistics.fmean(r[1] for r in rows)  # (a finished row's tokens are not counted)
-    return {"steps": len(rows), "ms": ms, "total_ms": total, "host_ms": host, "host_share": host / total,
+    return {"steps": len(rows), "ms": ms, "total_ms": total, "host_ms": host, "host_ms_p50": host_p50, "host_share": host / total,
             "tokens_per_step": tokens}
 
 
@@ -230,12 +233,14 @@ def main() -> None:
     model = probe_model(Path(args.model))
     sink_proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     from specguide.process.ipc import Outbox, write_msg
+    from specguide.util.heap import freeze_startup_heap
 
     outbox = Outbox(lambda msg: write_msg(sink_proc.stdin, msg))
     results = []
     clock = PhaseClock()
     for k in (int(x) for x in args.ks.split(",")):
         engine = build_engine(model, k, args.drafter, args.device, max(batches), outbox.flush)
+        freeze_startup_heap()  # as the engine process does: a full collection walks only what came since
         clock.thread = engine._thread.ident  # the loop thread: the step's calls (grammar callbacks inline on CPU)
         instrument(engine, clock)
         try:
@@ -249,12 +254,15 @@ def main() -> None:
                         continue
                     phases = " ".join(f"{p} {r['ms'][p]:.2f}" for p in PHASES if r["ms"][p] >= 0.005)
                     print(f"K={k} {mode:8s} batch {batch:3d}: step {r['total_ms']:.2f} ms, host {r['host_ms']:.2f} ms "
-                          f"({100 * r['host_share']:.0f}%), {r['tokens_per_step']:.1f} tokens/step | {phases}",
+                          f"({100 * r['host_share']:.0f}%; median {r['host_ms_p50']:.2f}), {r['tokens_per_step']:.1f} tokens/step | "
+                          f"{phases}",
                           flush=True)
         finally:
             engine.shutdown()
     sink_proc.stdin.close()
     sink_proc.wait()
+    gc.unfreeze()  # (the grammar libraries' objects freed before exit, not reported as leaks)
+    gc.collect()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
