@@ -117,3 +117,87 @@ def test_budget_matcher_texts_are_a_fresh_scanners_through_rollbacks(xgr_service
         if doc is PLAIN_DOC:  # past its opening quote, no state of the free text was computed
             assert computed and not [st for st in computed if st is not None and st.lex is not None
                                      and st.lex[1].startswith(b"the")]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_copied_mask_is_the_mask_the_grammar_computes(xgr_service, hf_tokenizer, backend, monkeypatch):
+    """Inside a free string the grammar's mask is copied from the latest state it was computed at
+    (Matcher.mask_by_position): at every state of these answers, taken back and fed again as a step
+    does, the mask (the budget's restriction included) is the bits a matcher that computes every mask
+    writes; and in the free text most masks were copied."""
+    import numpy as np
+    import torch
+
+    from .conftest import VOCAB
+
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    stop = xgr_service.stop_token_ids[0]
+    W = (VOCAB + 31) // 32
+    copied = []
+    real_copy = BudgetMatcher._copy_mask
+    monkeypatch.setattr(BudgetMatcher, "_copy_mask",
+                        lambda self, b, r: copied.append(real_copy(self, b, r)) or copied[-1])
+    plain = {"type": "object", "properties": {"text": {"type": "string"}, "id": {"type": "string", "minLength": 12}},
+             "required": ["text", "id"]}
+    for schema, doc in ((FREE, FREE_DOC), (plain, PLAIN_DOC), (PERSON, CASES[0][1])):
+        toks = encode(json.dumps(json.loads(doc), separators=(",", ":"), ensure_ascii=False))
+        compiled = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend))
+        fast, slow = (within_budget(compiled, Scanner(Schemas(schema)), len(toks) + 12, xgr_service.token_bytes,
+                                    encode, stop).matcher() for _ in range(2))
+        slow._copy_mask = lambda b, r: False  # every mask computed
+        rng, i, n_copied = random.Random(1), 0, len(copied)
+        while i < len(toks):
+            k = min(rng.randint(1, 4), len(toks) - i)
+            for t in toks[i: i + k]:
+                masks = []
+                for m in (fast, slow):
+                    bm = torch.zeros((2, W), dtype=torch.int32)
+                    type(m).fill_many([m], bm, [1])
+                    masks.append(bm[1].numpy().copy())
+                    assert m.accept(t)
+                assert np.array_equal(masks[0], masks[1]), (backend, hf_tokenizer.decode(toks[:i + k]))
+            back = rng.randint(0, k)
+            fast.rollback(back)
+            slow.rollback(back)
+            i += k - back
+        if doc is PLAIN_DOC:  # (a grammar backend's own matcher: no value check wraps it)
+            assert fast.inner.mask_by_position
+            assert sum(copied[n_copied:]) > len(toks) / 2, (sum(copied[n_copied:]), len(toks))
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_rambling_answers_copied_masks_are_the_computed_ones(xgr_service, hf_tokenizer, backend):
+    """The same over an answer of the longest tokens that close nothing (multi-byte pieces, spaces,
+    digits: helpers.rambler), until the budget closes it; a string with a maxLength computes its own."""
+    import torch
+
+    from .conftest import VOCAB
+    from .helpers import rambler
+
+    pick = rambler(hf_tokenizer, VOCAB)
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    stop = xgr_service.stop_token_ids[0]
+    plain = {"type": "object", "properties": {"note": {"type": "string"}, "tags": {"type": "array", "items": {
+        "type": "string"}}}, "required": ["note", "tags"]}
+    capped = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 9}, "more": {"type": "string"}},
+              "required": ["note", "more"]}  # the grammar counts a maxLength string's characters: its own masks
+    for schema in (plain, PERSON, capped):
+        compiled = xgr_service.compile(G("json_schema", json.dumps(schema), backend=backend))
+        fast, slow = (within_budget(compiled, Scanner(Schemas(schema)), 96, xgr_service.token_bytes, encode,
+                                    stop).matcher() for _ in range(2))
+        slow._copy_mask = lambda b, r: False
+        real, hits = fast._copy_mask, []
+        fast._copy_mask = lambda b, r: hits.append(real(b, r)) or hits[-1]
+        W = (VOCAB + 31) // 32
+        while not fast.is_terminated():
+            masks = []
+            for m in (fast, slow):
+                bm = torch.zeros((1, W), dtype=torch.int32)
+                type(m).fill_many([m], bm, [0])
+                masks.append(bm)
+            assert torch.equal(masks[0], masks[1])
+            t = pick(masks[0])
+            assert fast.accept(t) and slow.accept(t)
+        assert len(fast.states) == len(slow.states)
+        if schema is plain:
+            assert sum(hits) > len(hits) / 4, (sum(hits), len(hits))

@@ -35,6 +35,11 @@ def allocate_token_bitmask(rows: int, vocab_size: int, pin_memory: bool = False)
 class Matcher(ABC):
     """One sequence's grammar state. A rejected token leaves the state unchanged."""
 
+    # whether `fill` depends on the grammar's position alone: a grammar backend's own matcher, whose
+    # mask inside a free string is the same after any whole characters (budget.py copies it there);
+    # not a wrapper that reads what the answer wrote (value checks)
+    mask_by_position = False
+
     @abstractmethod
     def accept(self, token: int) -> bool:
         """Feed one token; False (state unchanged) when rejected or already terminated."""

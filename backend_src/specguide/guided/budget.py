@@ -19,6 +19,12 @@ format-constrained string half written, more readings than it follows) or the gr
 every completion, it does nothing and the grammar's mask stands. A regex guide gets the same through `RegexScanner`: the states of
 an NFA of the regex after the text so far, and the shortest text that completes the match.
 
+Token after token of a free string (no const, enum, format, pattern or minLength) nothing of this
+changes: such a state takes the completions and growth of the latest state the string only went on
+from (Scanner.plain_end / extends), and where the string's schema says nothing of its text
+(Scanner.free_text: no maxLength either) that state's grammar mask too (Matcher.mask_by_position:
+the grammar's position is the same), rather than computing them again.
+
 What this costs is bounded by the budget, never by what the guide asks for (issue 75): a
 completion longer than the budget's bytes (`completion_cap`: tokens left x the longest token's
 bytes) cannot fit, so no scanner builds it (TooLong); at most 2 x (budget + 2) tokens' worth of a
@@ -86,6 +92,9 @@ class BudgetMatcher(Matcher):
         self._plans: dict[int, Optional[list[int]]] = {}  # per state index: its verified tokens + stop
         self._cut: set[int] = set()  # state indices whose plan is only the first left + 1 tokens
         self._plain: list[int] = []  # the latest state indices inside a plain string (Scanner.plain_end), ascending
+        # (state index, the state, the grammar's mask words there) of a plain-string state: the mask of
+        # every state that extends it (`_copy_mask`)
+        self._mask: Optional[tuple[int, Any, np.ndarray]] = None
 
     # -- the completion ---------------------------------------------------------------------
 
@@ -207,8 +216,31 @@ class BudgetMatcher(Matcher):
                 self._plain.pop()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.inner.fill(bitmask, row)
+        if not self._copy_mask(bitmask, row):
+            self.inner.fill(bitmask, row)
+            self._keep_mask(bitmask, row)
         self._restrict(bitmask, row)
+
+    def _copy_mask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """The grammar's mask of a plain-string state whose string only went on since a state whose
+        mask is kept (inside free text, Scanner.free_text): the same words (the grammar's position is
+        the same: `Matcher.mask_by_position`), copied rather than computed."""
+        if self._mask is None or not self.inner.mask_by_position:
+            return False
+        k, st, words = self._mask
+        i = len(self.states) - 1
+        if k > i or self.states[k] is not st or self._candidates() is None or not self._plain \
+                or self._plain[-1] != i or (k < i and not self.plan.scanner.extends(st, self.states[i])):
+            return False
+        bitmask.numpy()[row].view(np.uint32)[:] = words
+        return True
+
+    def _keep_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Keep the grammar's mask just filled where the state is inside a string of free text."""
+        i = len(self.states) - 1
+        if self.inner.mask_by_position and self._candidates() is not None and self._plain and self._plain[-1] == i \
+                and self.plan.scanner.free_text(self.states[i]):
+            self._mask = (i, self.states[i], bitmask.numpy()[row].view(np.uint32).copy())
 
     def _restrict(self, bitmask: torch.Tensor, row: int) -> None:
         comp = self.forcing()
@@ -238,6 +270,7 @@ class BudgetMatcher(Matcher):
         self._plans.clear()
         self._cut.clear()
         self._plain.clear()
+        self._mask = None
         self._texts.clear()
         self._growths.clear()
 
@@ -247,7 +280,10 @@ class BudgetMatcher(Matcher):
     @classmethod
     def fill_many(cls, matchers: list["BudgetMatcher"], bitmask: torch.Tensor, rows: list[int],
                   num_threads: int | str = "auto") -> None:
-        fill_by_class([m.inner for m in matchers], bitmask, rows, num_threads)
+        fresh = [(m, r) for m, r in zip(matchers, rows) if not m._copy_mask(bitmask, r)]
+        fill_by_class([m.inner for m, _ in fresh], bitmask, [r for _, r in fresh], num_threads)
+        for m, r in fresh:
+            m._keep_mask(bitmask, r)
         for m, r in zip(matchers, rows):
             m._restrict(bitmask, r)
 

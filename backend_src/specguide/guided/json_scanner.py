@@ -23,6 +23,9 @@ from .regex_completion import TooLong, Unknown, again, shortest_match
 from .schema_completion import Schemas, count, json_text
 
 _WS = b" \t\n\r"
+# a string schema's keywords that say nothing of its text
+_TEXT_FREE = frozenset({"type", "title", "description", "$comment", "examples", "default", "deprecated", "readOnly",
+                        "writeOnly", "$id", "$anchor", "$schema"})
 _PLAIN_CHARS = re.compile(rb'[^\x00-\x1f"\\]+')  # a string's characters that end no string nor escape
 
 
@@ -429,6 +432,22 @@ class Scanner:
             node = node if isinstance(node, dict) else {}
             if "const" in node or isinstance(node.get("enum"), list) or isinstance(node.get("format"), str) \
                     or isinstance(node.get("pattern"), str) or count(node.get("minLength")):
+                return False
+        return True
+
+    def free_text(self, st: "State | Readings") -> bool:
+        """Whether every reading of `st` is inside a string whose schema says nothing of its text (no
+        keyword but `type` and annotations): the grammar then takes any characters there, at any
+        length, and its mask after whole characters is the same (what a plain_end state that extends
+        another may copy)."""
+        for s in st.states if isinstance(st, Readings) else (st,):
+            if s.lex is None or s.lex[0] != "string" or not s.stack:
+                return False
+            try:
+                node = self.s.resolve(s.stack[-1].schema)
+            except Unknown:
+                return False
+            if isinstance(node, dict) and not set(node) <= _TEXT_FREE:
                 return False
         return True
 

@@ -105,6 +105,8 @@ class LlguidanceMatcher(Matcher):
     """llg.LLMatcher; tokens are validated before they are consumed, so a rejected token
     leaves the state unchanged (LLMatcher's consume on a bad token is a permanent error)."""
 
+    mask_by_position = True
+
     _executors: dict[int, llg.LLExecutor] = {}
 
     def __init__(self, m: llg.LLMatcher, stop_ids: frozenset[int]):

@@ -57,6 +57,8 @@ def build_tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_token_ids: Opt
 class XgrammarMatcher(Matcher):
     """xgr.GrammarMatcher (rollback is unlimited in xgrammar 0.2.8)."""
 
+    mask_by_position = True
+
     _batches: dict[int, xgr.BatchGrammarMatcher] = {}
 
     def __init__(self, compiled: xgr.CompiledGrammar):
