@@ -95,6 +95,7 @@ class BudgetMatcher(Matcher):
         # (state index, the state, the grammar's mask words there) of a plain-string state: the mask of
         # every state that extends it (`_copy_mask`)
         self._mask: Optional[tuple[int, Any, np.ndarray]] = None
+        self._linked: tuple = ()  # (j, state j, i, state i): the latest pair `_as_before` found to extend
 
     # -- the completion ---------------------------------------------------------------------
 
@@ -123,6 +124,7 @@ class BudgetMatcher(Matcher):
         if j in self._growths:
             self._growths[i] = self._growths[j]
         self._mark_plain(i)
+        self._linked = (j, self.states[j], i, self.states[i])  # extends(states[j], states[i]), known
         return True
 
     def _mark_plain(self, i: int) -> None:
@@ -229,10 +231,14 @@ class BudgetMatcher(Matcher):
             return False
         k, st, words = self._mask
         i = len(self.states) - 1
-        if k > i or self.states[k] is not st or self._candidates() is None or not self._plain \
-                or self._plain[-1] != i or (k < i and not self.plan.scanner.extends(st, self.states[i])):
+        if k > i or self.states[k] is not st or self._candidates() is None or not self._plain or self._plain[-1] != i:
+            return False
+        lk = self._linked
+        known = bool(lk) and lk[0] == k and lk[1] is st and lk[2] == i and lk[3] is self.states[i]
+        if k < i and not known and not self.plan.scanner.extends(st, self.states[i]):
             return False
         bitmask.numpy()[row].view(np.uint32)[:] = words
+        self._mask = (i, self.states[i], words)  # the next state extends this one: a short check
         return True
 
     def _keep_mask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -271,6 +277,7 @@ class BudgetMatcher(Matcher):
         self._cut.clear()
         self._plain.clear()
         self._mask = None
+        self._linked = ()
         self._texts.clear()
         self._growths.clear()
 
