@@ -73,8 +73,8 @@ def main() -> None:
                     BudgetMatcher.fill_many(ms, bm, list(range(args.rows)), 1)
                     times.append(time.perf_counter() - t0)
                 ms_of[mode] = 1e3 * statistics.median(times)
-                print(f"{backend:10s} {mode:8s}: a fill of {args.rows} rows {ms_of[mode]:.3f} ms (median of {args.fills})",
-                      flush=True)
+                print(f"{backend:10s} {mode:8s}: a fill of {args.rows} rows {ms_of[mode]:.3f} ms "
+                      f"(median of {args.fills})", flush=True)
             print(f"{backend:10s} copied / computed: {ms_of['copied'] / ms_of['computed']:.2f}", flush=True)
     finally:
         svc.shutdown()
