@@ -238,9 +238,8 @@ class StepCore:
         """The static buffer's first B * T rows for an eager CPU step's logits (None elsewhere)."""
         if key.captured or hidden.device.type != "cpu":
             return None
-        V = self.model.head.out_features
-        if self.logits_buf is None or self.logits_buf.shape[1] != V:
-            self.logits_buf = torch.empty(self.kv.max_slots * self.rows_per_slot, V)
+        if self.logits_buf is None:
+            self.logits_buf = torch.empty(self.kv.max_slots * self.rows_per_slot, self.model.head.out_features)
         n = hidden.shape[0] * hidden.shape[1]
         return self.logits_buf[:n] if n <= self.logits_buf.shape[0] else None
 

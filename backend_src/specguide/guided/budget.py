@@ -231,7 +231,7 @@ class BudgetMatcher(Matcher):
             return False
         k, st, words = self._mask
         i = len(self.states) - 1
-        if k > i or self.states[k] is not st or self._candidates() is None or not self._plain or self._plain[-1] != i:
+        if k > i or self.states[k] is not st or not self._plain_here(i):
             return False
         lk = self._linked
         known = bool(lk) and lk[0] == k and lk[1] is st and lk[2] == i and lk[3] is self.states[i]
@@ -244,9 +244,12 @@ class BudgetMatcher(Matcher):
     def _keep_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Keep the grammar's mask just filled where the state is inside a string of free text."""
         i = len(self.states) - 1
-        if self.inner.mask_by_position and self._candidates() is not None and self._plain and self._plain[-1] == i \
-                and self.plan.scanner.free_text(self.states[i]):
+        if self.inner.mask_by_position and self._plain_here(i) and self.plan.scanner.free_text(self.states[i]):
             self._mask = (i, self.states[i], bitmask.numpy()[row].view(np.uint32).copy())
+
+    def _plain_here(self, i: int) -> bool:
+        """Whether the current state, i, is inside a plain string (its completions known)."""
+        return self._candidates() is not None and bool(self._plain) and self._plain[-1] == i
 
     def _restrict(self, bitmask: torch.Tensor, row: int) -> None:
         comp = self.forcing()

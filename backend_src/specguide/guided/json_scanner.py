@@ -417,39 +417,41 @@ class Scanner:
                 most = max(most, self._opening(self.child(top)))
         return most
 
+    def _string_schemas(self, st: "State | Readings") -> Optional[list[dict]]:
+        """The schema of the string each reading of `st` is inside ({} for a non-dict one); None when
+        some reading is not inside a string value or its schema cannot be resolved."""
+        nodes = []
+        for s in st.states if isinstance(st, Readings) else (st,):
+            if s.lex is None or s.lex[0] != "string" or not s.stack:
+                return None
+            try:
+                node = self.s.resolve(s.stack[-1].schema)
+            except Unknown:
+                return None
+            nodes.append(node if isinstance(node, dict) else {})
+        return nodes
+
     def plain_end(self, st: "State | Readings") -> bool:
         """Whether every reading of `st` is inside a plain string (no const, enum, format, pattern or
         minLength) whose bytes so far decode whole, no escape half written: its completion is the
         quote and the containers' closing, whatever characters follow (`extends`)."""
-        for s in st.states if isinstance(st, Readings) else (st,):
-            if s.lex is None or s.lex[0] != "string" or not s.stack or escape_end(s.lex[1]):
-                return False
-            try:
-                node = self.s.resolve(s.stack[-1].schema)
-                json.loads(b'"' + s.lex[1] + b'"')
-            except (Unknown, ValueError):
-                return False
-            node = node if isinstance(node, dict) else {}
-            if "const" in node or isinstance(node.get("enum"), list) or isinstance(node.get("format"), str) \
-                    or isinstance(node.get("pattern"), str) or count(node.get("minLength")):
-                return False
-        return True
+        nodes = self._string_schemas(st)
+        if nodes is None or escape_end(st.lex[1]):
+            return False
+        try:
+            json.loads(b'"' + st.lex[1] + b'"')  # (the readings share their lexeme)
+        except ValueError:
+            return False
+        return not any("const" in node or isinstance(node.get("enum"), list) or isinstance(node.get("format"), str)
+                       or isinstance(node.get("pattern"), str) or count(node.get("minLength")) for node in nodes)
 
     def free_text(self, st: "State | Readings") -> bool:
         """Whether every reading of `st` is inside a string whose schema says nothing of its text (no
         keyword but `type` and annotations): the grammar then takes any characters there, at any
         length, and its mask after whole characters is the same (what a plain_end state that extends
         another may copy)."""
-        for s in st.states if isinstance(st, Readings) else (st,):
-            if s.lex is None or s.lex[0] != "string" or not s.stack:
-                return False
-            try:
-                node = self.s.resolve(s.stack[-1].schema)
-            except Unknown:
-                return False
-            if isinstance(node, dict) and not set(node) <= _TEXT_FREE:
-                return False
-        return True
+        nodes = self._string_schemas(st)
+        return nodes is not None and all(set(node) <= _TEXT_FREE for node in nodes)
 
     @staticmethod
     def extends(a: "State | Readings", b: "State | Readings") -> bool:
