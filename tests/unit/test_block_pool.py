@@ -172,6 +172,30 @@ def test_a_preempted_sequence_shares_its_own_cached_blocks_when_it_resumes():
     s.check_integrity()
 
 
+def test_a_resumed_sequence_whose_last_block_reads_its_last_token_still_computes_up_to_it():
+    """Preempted with 16k + 17 tokens, a sequence's keyed blocks cover every token but its last
+    (block k's key reads token 16k + 16, the last one); its recompute stops one short of that
+    (the next decode step feeds the last token), so it shares k blocks, not k + 1, and its chunk
+    ends where its tokens do: it once took all k + 1, had nothing left to compute, and was given
+    chunks past its tokens (the request failed)."""
+    s = Scheduler(max_slots=1, max_seq_len=128, prefill_chunk=64, prefix_caching=True, any_prefix=True,
+                  pool=BlockPool(np.zeros((1, BlockPool.blocks_for(128 + 1)), np.int32), 1 + 12))
+    a = seq(1, 40)
+    s.waiting.append(a)
+    run_chunks(s, s.schedule())
+    while a.num_tokens < 3 * BLOCK + 1:  # 49 = 16 * 2 + 17
+        decode(s.schedule())
+    assert a.num_tokens == 3 * BLOCK + 1 and a.num_cached == a.num_tokens - 1
+    s._preempt(a)
+    assert len(a.block_keys) == 3  # blocks 0-2 keyed: block 2's key reads token 48
+    plan = s.schedule()
+    (chunk,) = plan.prefills
+    assert (chunk.start, chunk.end) == (2 * BLOCK, a.num_tokens - 1) and chunk.resumes
+    run_chunks(s, plan)
+    assert a.status is Status.DECODE
+    s.check_integrity()
+
+
 def test_the_cache_reuses_memory_already_taken_so_memory_follows_the_work():
     """On the CPU a block's pages are taken when it is first written. Had blocks never used gone
     before cached ones, 40 distinct requests one after another would touch 120 blocks (all of them
