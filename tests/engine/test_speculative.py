@@ -228,6 +228,7 @@ def test_a_step_takes_back_only_the_drafts_verification_rejects(request, monkeyp
     from specguide.guided.decoder import GuidedDecoder
 
     engine = request.getfixturevalue(which)
+    monkeypatch.setattr(engine.core.proposer, "step_costs", None)  # every K > 0 step drafts (see above)
     rolled = []
     original = GuidedDecoder.rollback
     monkeypatch.setattr(GuidedDecoder, "rollback", lambda self, slot, n: rolled.append(n) or original(self, slot, n))
