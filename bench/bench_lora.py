@@ -17,7 +17,9 @@ layout `peft` saves). Prints the CPU, then:
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -142,6 +144,7 @@ def main() -> None:
     from specguide.util.memory import rss_bytes
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    atexit.register(shutil.rmtree, tmp, True)  # the adapters' files (hundreds of MB) go with the run
     # the served defaults; the adapters are loaded at run time from under lora_root
     engine = Engine(EngineConfig(max_seq_len=2048, lora_dtype=args.lora_dtype, lora_root=str(tmp)))
     core = engine.core

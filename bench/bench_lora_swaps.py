@@ -12,7 +12,9 @@ inter-token gaps (p50 / p99 / longest) during that phase, the phase's wall time 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 import threading
@@ -41,6 +43,7 @@ def main() -> None:
     from specguide.request import Request, SamplingParams
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-lora-swaps-"))
+    atexit.register(shutil.rmtree, tmp, True)  # the adapters' files (hundreds of MB) go with the run
     probe = Engine(EngineConfig(max_seq_len=2048, warmup=False))
     folders = write_adapters(tmp, args.adapters, args.rank, probe.core.model.cfg)
     probe.shutdown()
