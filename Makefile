@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 WORK := .work
 STAMPS := $(WORK)/stamps
-PYTEST_ARGS ?= -q -ra --timeout=900 --durations=25
+# passing tests' tmp_path folders are removed at the end (a clean venv with torch is GBs a run)
+PYTEST_ARGS ?= -q -ra --timeout=900 --durations=25 -o tmp_path_retention_policy=failed
 
 export TRITON_HTTP_PORT ?= 8000
 export TRITON_GRPC_PORT ?= 8001
