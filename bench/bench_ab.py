@@ -74,7 +74,13 @@ def main() -> None:
         a, b = values["old"].get(key), values["new"][key]
         if not a:
             continue
-        print(f"| {' | '.join(map(str, key))} | {mean(a):.1f} | {mean(b):.1f} | {mean(b) / mean(a):.3f} |")
+        print(f"| {' | '.join(map(str, key))} | {_fmt(a)} | {_fmt(b)} | {mean(b) / mean(a):.3f} |")
+
+
+def _fmt(values: list[float]) -> str:
+    """The mean, then each round's value (3 decimals below 10: ratios such as speedup_vs_off)."""
+    f = (lambda v: f"{v:.1f}") if max(abs(v) for v in values) >= 10 else (lambda v: f"{v:.3f}")
+    return f"{f(mean(values))} ({', '.join(f(v) for v in values)})"
 
 
 if __name__ == "__main__":
