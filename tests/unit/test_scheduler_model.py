@@ -1,6 +1,7 @@
 """The scheduler and its KV blocks driven as the engine drives them, by random traffic (hypothesis):
 arrivals at random steps, prompts that share prefixes, speculative steps that accept any number of
-drafts, cancels, and pools from tight (preemption every few steps) to ample. A shadow of every
+drafts, cancels, requests that arrive during a step's prefills, prefix sharing turned off midway,
+and pools from tight (preemption every few steps) to ample. A shadow of every
 block's contents (what each position's K/V was computed from) checks, at every step, that each
 running sequence's cached positions hold its own tokens' K/V, shared or not; that every chunk is
 the next span of its sequence's tokens; that a decoding sequence holds the blocks its step writes;
@@ -103,8 +104,10 @@ def traffic(draw):
         tail = draw(st.lists(st.integers(1, 3), min_size=1, max_size=20))
         prompt = (head + tail)[: max_seq_len - 1]
         requests.append((draw(st.integers(0, 12)), prompt, draw(st.integers(1, 60)),
-                         draw(st.one_of(st.none(), st.integers(0, 40))), draw(st.integers(0, 3))))
-    return config, K, requests, draw(st.randoms(use_true_random=False))
+                         draw(st.one_of(st.none(), st.integers(0, 40))), draw(st.integers(0, 3)),
+                         draw(st.booleans())))  # arrives during the step's prefills (schedule_more)
+    forget_at = draw(st.one_of(st.none(), st.integers(0, 20)))  # a draft head joins: no sharing from then
+    return config, K, requests, forget_at, draw(st.randoms(use_true_random=False))
 
 
 # the same 500 cases every run (derandomized)
@@ -112,20 +115,23 @@ def traffic(draw):
           suppress_health_check=[HealthCheck.too_slow])
 @given(traffic())
 def test_random_traffic_keeps_every_sequences_kv_its_own_and_every_request_ends(case):
-    config, K, requests, rng = case
+    config, K, requests, forget_at, rng = case
     s = Scheduler(**config)
     shadow = Shadow(s)
     seqs = []
-    for i, (at, prompt, max_tokens, cancel_at, group) in enumerate(requests):
-        seqs.append((at, cancel_at, Sequence(seq_id=i, prompt_ids=prompt, params=SamplingParams(max_tokens=max_tokens),
-                                             seed=0, callback=lambda o: None, stop_ids=frozenset(), group=group)))
-    last_arrival = max(at for at, _, _ in seqs)
-    limit = last_arrival + 30 * sum(len(q.prompt_ids) + q.params.max_tokens for _, _, q in seqs)
+    for i, (at, prompt, max_tokens, cancel_at, group, mid) in enumerate(requests):
+        q = Sequence(seq_id=i, prompt_ids=prompt, params=SamplingParams(max_tokens=max_tokens), seed=0,
+                     callback=lambda o: None, stop_ids=frozenset(), group=group)
+        seqs.append((at, cancel_at, mid and not config["step_budget"], q))  # mid-step: the stepwise engine's
+    last_arrival = max(at for at, _, _, _ in seqs)
+    limit = last_arrival + 30 * sum(len(q.prompt_ids) + q.params.max_tokens for _, _, _, q in seqs)
     step = 0
     while step <= last_arrival or s.has_work():
         assert step < limit, "a request never ends"
-        for at, cancel_at, q in seqs:
-            if at == step:
+        if step == forget_at:
+            s.forget_prefixes()
+        for at, cancel_at, mid, q in seqs:
+            if at == step and not mid:
                 s.waiting.append(q)
             if cancel_at is not None and at + cancel_at == step and q.status is not Status.FINISHED:
                 q.cancelled = True
@@ -134,10 +140,19 @@ def test_random_traffic_keeps_every_sequences_kv_its_own_and_every_request_ends(
         assert all(q.status is Status.PREEMPTED or q.status is Status.PREFILL for q in plan.preempted)
         for chunk in plan.prefills:
             _prefill(shadow, chunk, rng)
+        arrived = [q for at, _, mid, q in seqs if at == step and mid and not q.cancelled]
+        budget = s.prefill_chunk - sum(c.end - c.start for c in plan.prefills)
+        if arrived:  # EngineCore.step's stepwise path: they join the step's prefills within its budget
+            s.waiting.extend(arrived)
+            if budget > 0:
+                more = s.schedule_more(budget, {c.seq.seq_id for c in plan.prefills})
+                assert sum(c.end - c.start for c in more.prefills) <= budget
+                for chunk in more.prefills:
+                    _prefill(shadow, chunk, rng)
         for q in plan.decodes:
             if q.status is Status.DECODE:  # not finished by this step's prefill bookkeeping
                 _decode(shadow, q, K, rng)
         s.check_integrity()
         step += 1
-    assert all(q.status is Status.FINISHED for _, _, q in seqs)
+    assert all(q.status is Status.FINISHED for _, _, _, q in seqs)
     assert s.pool.num_used == 0
