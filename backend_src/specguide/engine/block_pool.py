@@ -20,15 +20,17 @@ def blocks_per_seq(max_seq_len: int, lookahead: int) -> int:
 
 def block_keys(tokens: Sequence[int], keys: list[bytes], limit: int, seed: bytes = b"") -> list[bytes]:
     """Extend `keys` (block i's key, for the blocks already keyed) to every block b whose positions
-    and the one after, [0, 16b + 17), lie within tokens[:limit]. Key b is a hash chain over those
+    and the one after, [0, 16b + 17), lie within tokens[:limit]; returns the keys of those blocks
+    (`keys` may hold more, keyed with a larger limit before). Key b is a hash chain over those
     tokens, from `seed` (the sequence's LoRA adapter): the block's K/V (a function of the tokens up to
     its last position) and the draft head's rows in it (row p reads token p + 1) are the same for
     every sequence with the same key."""
-    while (b := len(keys)) * BLOCK + BLOCK < min(limit, len(tokens)):
+    end = min(limit, len(tokens))
+    while (b := len(keys)) * BLOCK + BLOCK < end:
         h = hashlib.blake2b(keys[-1] if keys else seed, digest_size=16)
         h.update(np.asarray(tokens[b * BLOCK: b * BLOCK + BLOCK + 1], np.int64).tobytes())
         keys.append(h.digest())
-    return keys
+    return keys[: max(0, (end - 1) // BLOCK)]  # b with 16b + 17 <= end
 
 
 class BlockPool:

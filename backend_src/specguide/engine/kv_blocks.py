@@ -65,10 +65,7 @@ class KVBlocks:
         if not (self.sharing and seq.shares):
             return
         tokens = seq.prompt_ids + seq.output_ids if seq.output_ids else seq.prompt_ids
-        keys = block_keys(tokens, seq.block_keys, limit, seq.adapter_key)
-        # NOTE: seq.block_keys may run past `limit` (keyed when more of it was cached: a preempted
-        # sequence's last block reads its last token); blocks b with 16b + 17 <= limit only
-        blocks = self.pool.match(keys[: (min(limit, len(tokens)) - 1) // BLOCK])
+        blocks = self.pool.match(block_keys(tokens, seq.block_keys, limit, seq.adapter_key))
         if not blocks or len(blocks) * BLOCK < self.prefix_min_tokens:
             return
         self.pool.share(seq.slot, blocks)
