@@ -61,7 +61,7 @@ def main() -> None:
                       for _ in range(args.rows)]
                 if mode == "computed":
                     for m in ms:
-                        m._copy_mask = lambda bitmask, row: False  # every mask from the grammar
+                        m._copy_mask = lambda words, row: False  # every mask from the grammar
                 bm = torch.zeros((args.rows, (vocab + 31) // 32), dtype=torch.int32)
                 times = []
                 for j in range(8, 8 + args.fills):

@@ -222,7 +222,7 @@ class BudgetMatcher(Matcher):
         if not self._copy_mask(words, row):
             self.inner.fill(bitmask, row)
             self._keep_mask(words, row)
-        self._restrict(bitmask, row)
+        self._restrict(words, row)
 
     def _copy_mask(self, words: np.ndarray, row: int) -> bool:
         """The grammar's mask of a plain-string state whose string only went on since a state whose
@@ -253,15 +253,14 @@ class BudgetMatcher(Matcher):
         """Whether the current state, i, is inside a plain string (its completions known)."""
         return self._candidates() is not None and bool(self._plain) and self._plain[-1] == i
 
-    def _restrict(self, bitmask: torch.Tensor, row: int) -> None:
+    def _restrict(self, words: np.ndarray, row: int) -> None:
         comp = self.forcing()
         if comp is None:
             return
         t = comp[0]
         self.plan.forced[len(self.states) - 1] = t
-        words = bitmask.numpy()[row].view(np.uint32)  # bit t % 32 of word t // 32: token t allowed
-        words[:] = 0
-        words[t >> 5] = np.uint32(1 << (t & 31))
+        words[row] = 0  # bit t % 32 of word t // 32: token t allowed
+        words[row, t >> 5] = np.uint32(1 << (t & 31))
 
     def forced_tokens(self, encode: Encode, k: int) -> list[int]:
         comp = self.forcing()
@@ -298,7 +297,7 @@ class BudgetMatcher(Matcher):
         for m, r in fresh:
             m._keep_mask(words, r)
         for m, r in zip(matchers, rows):
-            m._restrict(bitmask, r)
+            m._restrict(words, r)
 
 
 def within_budget(guide: CompiledGuide, scanner: Any, budget: int, token_bytes: Sequence[bytes], encode: Encode,
