@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 import threading
 import time
 
@@ -78,6 +79,31 @@ def test_requests_run_through_the_engine_process_and_errors_come_back_as_raised(
     with pytest.raises(InvalidRequestError):  # the engine's own refusal, raised here
         engine.submit(Request(prompt_ids=[], params=SamplingParams(max_tokens=4)), Collector())
     assert engine.pid != os.getpid() and engine.stats()["alive"] == 1
+
+
+def test_the_text_is_made_in_the_stub_and_a_stop_string_there_ends_the_request_in_the_engine(engine, monkeypatch):
+    """Only token ids cross the pipe; the stub's TextStream makes the text, finds the stop string
+    and asks the engine to stop: the request ends there ("stop", its slot free for the next one)."""
+    raw: list[RequestOutput] = []
+    deliver = engine._deliver
+    monkeypatch.setattr(engine, "_deliver", lambda key, out: (raw.append(replace(out)), deliver(key, out)))
+    c = Collector()
+    engine.submit(request(engine, 24), c)
+    ids, full = c.ids(), "".join(o.text for o in c.outs)
+    assert full == engine.tokenizer.decode(ids) and all(o.text == "" for o in raw)
+    word = full.split()[4]
+    stopped = Collector()
+    engine.submit(Request(prompt_ids=engine.tokenizer.encode(PROMPT), params=SamplingParams(
+        max_tokens=400, temperature=0.0, ignore_eos=True, stop=[word])), stopped)
+    final = stopped.last
+    assert final.finish_reason == "stop" and "".join(o.text for o in stopped.outs) == full[:full.find(word)]
+    got = [t for o in stopped.outs for t in o.token_ids]
+    assert got == ids[:len(got)] and final.num_output_tokens == len(got) < 24
+    assert raw[-1].finished and raw[-1].finish_reason == "stop"  # the engine's own ending, not a cancel
+    assert all(o.text == "" for o in raw)
+    after = Collector()  # one slot: the stopped request left it
+    engine.submit(request(engine, 4), after)
+    assert len(after.ids()) == 4
 
 
 def test_the_engine_freezes_its_start_up_heap(engine):

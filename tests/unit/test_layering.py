@@ -26,6 +26,7 @@ LAYERS = {
     "engine.step_budget": 0,  # how much of a step prompt chunks take: arithmetic
     "engine.kv_blocks": 1,  # what each running sequence holds in the pool, prefix sharing
     "engine.faults": 1, "tokenizer": 1, "kernels": 1,  # kernels: the C kernels (import nothing of ours)
+    "text_stream": 2,  # a request's text from its token events: where the events are read
     "engine.scheduler": 2, "engine.sampler": 2,
     "cuda": 3,  # host functions, and graphs of any step body
     "engine.slot_params": 3,

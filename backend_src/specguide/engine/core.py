@@ -188,12 +188,13 @@ class EngineCore:
         self.seqs[seq.seq_id] = seq
         self.scheduler.waiting.append(seq)
 
-    def cancel(self, seq_id: int) -> None:
-        """Stop a request (unknown or finished ids are ignored); its final event says "cancelled"."""
+    def cancel(self, seq_id: int, reason: str = "cancelled") -> None:
+        """Stop a request (unknown or finished ids are ignored); its final event gives `reason`
+        ("cancelled", or "stop" for a stop string found in its text)."""
         seq = self.seqs.get(seq_id)
         if seq is not None:
             seq.cancelled = True
-            self.finish(seq, "cancelled")
+            self.finish(seq, reason)
 
     def cancel_all(self) -> None:
         for seq in list(self.seqs.values()):

@@ -21,7 +21,7 @@ from ..models.lora import AdapterError, adapter_from_trtllm
 from ..request import InvalidRequestError, ListLimits, Request, RequestOutput, SamplingParams, check_token_ids, error_code
 from .scheduler import Sequence
 from .sequence_state import GuideState, OutputState
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from ..tokenizer import Tokenizer
 
 log = logging.getLogger("specguide")
 
@@ -83,7 +83,7 @@ starts, then collects, their grammar compiles."""
             seed=p.seed if p.seed is not None else random.getrandbits(64), callback=callback,
             stop_ids=frozenset(stop_ids), num_draft_tokens=cfg.num_draft_tokens if k is None else k,
             request_id=request.request_id,
-            out=OutputState(detok=IncrementalDetokenizer(self.tokenizer)), guide=GuideState(params=request.guided))
+            out=OutputState(), guide=GuideState(params=request.guided))
         seq.group = request.group if request.group is not None else -seq.seq_id  # (<= 0: apart from the client's)
         lora = request.lora_name
         if request.lora_task_id is not None or request.lora_weights is not None or request.lora_config is not None:

@@ -12,6 +12,7 @@ import torch
 from ..config import EngineConfig
 from ..util import memory, stalls
 from ..request import EngineDeadError, QueueFullError, Request, RequestOutput
+from ..text_stream import TextStream
 from .core import Callback, EngineCore, log
 from .scheduler import Sequence, Status
 
@@ -35,17 +36,20 @@ def _memory_bytes(device: torch.device) -> dict[str, int]:
 
 class Engine:
     """In-flight batched generation. `submit` returns at once; events arrive on the callback
-    from the loop thread: one per step with new text, and exactly one with `finished=True`.
+    from the loop thread: one per step with new tokens, and exactly one with `finished=True`.
     `core` is the EngineCore the loop runs: read its parts (tokenizer, config, scheduler ...)
     from any thread, change them only from the loop's."""
 
-    def __init__(self, config: EngineConfig, flush: Optional[Callable[[], None]] = None):
+    def __init__(self, config: EngineConfig, flush: Optional[Callable[[], None]] = None, text: bool = True):
         """`flush`: called on the loop thread after each turn's callbacks (and where a prompt's first
         token should go out at once), for a caller whose callbacks hold their events back to send
-        them together (the engine process's Outbox)."""
+        them together (the engine process's Outbox). `text`: events carry their text, and stop
+        strings end requests (text_stream.py, on the loop thread); False: token ids only, for a
+        caller that makes the text itself (the engine process's parent) and calls `stop`."""
         self._flush = flush or (lambda: None)
+        self._text = text
         self._cv = threading.Condition()
-        self._inbox: list[tuple[str, object]] = []  # ("submit", Sequence) | ("cancel", seq id)
+        self._inbox: list[tuple[str, object]] = []  # ("submit", Sequence) | ("cancel" | "stop", seq id)
         self._pending_submits = 0
         self._stopping = False
         self._drain = True
@@ -80,7 +84,10 @@ class Engine:
     def submit(self, request: Request, callback: Optional[Callback] = None) -> int:
         """Validate and queue a request; returns its sequence id. Raises InvalidRequestError,
         QueueFullError or EngineDeadError; never blocks on generation."""
-        seq = self.core.make_sequence(request, callback or (lambda out: None))
+        callback = callback or (lambda out: None)
+        if self._text:
+            callback = TextStream.wrap(self.core.tokenizer, request.params, callback, lambda: self.stop(seq.seq_id))
+        seq = self.core.make_sequence(request, callback)
         with self._cv:
             if self._dead is not None or not self._thread.is_alive():
                 raise EngineDeadError(self._dead_message())
@@ -107,6 +114,12 @@ class Engine:
         """Stop a request; its slot is freed at the next step and a final 'cancelled' event follows."""
         with self._cv:
             self._inbox.append(("cancel", seq_id))
+            self._cv.notify()
+
+    def stop(self, seq_id: int) -> None:
+        """End a request whose text reached a stop string: as `cancel`, its final event says "stop"."""
+        with self._cv:
+            self._inbox.append(("stop", seq_id))
             self._cv.notify()
 
     def load_adapter(self, name: str, lora_path: str, replace: bool = False) -> str:
@@ -272,8 +285,8 @@ class Engine:
             if kind == "submit":
                 assert isinstance(item, Sequence)
                 self.core.add(item)
-            elif kind == "cancel":
-                self.core.cancel(item)  # type: ignore[arg-type]
+            elif kind in ("cancel", "stop"):
+                self.core.cancel(item, "cancelled" if kind == "cancel" else "stop")  # type: ignore[arg-type]
 
     def _poll_head(self) -> None:
         """Every HEAD_POLL_S while a configured draft head is missing: attach it once its file is written."""

@@ -1,5 +1,6 @@
-"""Output processing: appending a step's tokens to a request, its stop conditions and stop strings,
-and the events its callback receives."""
+"""Output processing: appending a step's tokens to a request, its stop conditions, and the events
+its callback receives (token ids: their text and stop strings are made where the events are read,
+text_stream.py)."""
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,8 @@ class Finish(NamedTuple):
 
 class OutputProcessor:
     """The one owner of what a request has produced and been told: output tokens and their
-    per-token values, text held back for stop strings, and the events sent to its callback
-    (`seq.output_ids` and `seq.out`, sequence_state.OutputState)."""
+    per-token values, and the events sent to its callback (`seq.output_ids` and `seq.out`,
+    sequence_state.OutputState)."""
 
     def __init__(self, guided: Any, check_stop_token: Callable[[Sequence], Optional[str]],
                  vocab_size: int, kv: Any):
@@ -38,8 +39,8 @@ class OutputProcessor:
         self.kv = kv
 
     def append(self, seq: Sequence, tokens: list[int]) -> Optional[Finish]:
-        """Append accepted tokens up to the first finish condition; detokenize; check stop strings.
-        Returns how the request ends, or None when it goes on."""
+        """Append accepted tokens up to the first finish condition. Returns how the request ends,
+        or None when it goes on."""
         out, stats = seq.out, seq.stats
         if stats.first_token_time is None:
             stats.first_token_time = time.monotonic()
@@ -73,12 +74,8 @@ class OutputProcessor:
                 reason = "stop"  # TRT-LLM stop words: the tokens stay in the output
             if reason:
                 break
-        out.pending_text += out.detok.add(new)  # NOTE: also before an error: the tokens before it are output
-        if failed is not None:
-            self._cut_stop_string(seq, final=True)
+        if failed is not None:  # NOTE: the tokens before it are output (its final event carries them)
             return failed
-        if self._cut_stop_string(seq, final=reason is not None):
-            reason = "stop"
         return Finish(reason) if reason else None
 
     def _rejected(self, seq: Sequence, t: int) -> Finish:
@@ -110,50 +107,19 @@ class OutputProcessor:
         except Exception:  # noqa: BLE001 - a broken matcher: the plain message will do
             return None
 
-    def _cut_stop_string(self, seq: Sequence, final: bool) -> bool:
-        """Move pending text to emitted text, holding back a possible stop-string prefix.
-        Returns True when a stop string was found (the text is cut right before it, or right after
-        it with include_stop_str_in_output)."""
-        out = seq.out
-        if final:
-            out.pending_text += out.detok.finish()
-        stops = seq.params.stop
-        if stops:
-            hits = [(i, -len(s)) for i, s in ((out.pending_text.find(s), s) for s in stops) if i >= 0]
-            if hits:
-                start, neg = min(hits)  # the first stop string (the longer one where two start together)
-                end = start - neg if seq.params.include_stop_str_in_output else start
-                out.delta += out.pending_text[:end]
-                out.text += out.pending_text[:end]
-                out.pending_text = ""
-                return True
-            keep = 0 if final else max(len(s) for s in stops) - 1
-            cut = max(len(out.pending_text) - keep, 0)
-        else:
-            cut = len(out.pending_text)
-        out.delta += out.pending_text[:cut]
-        out.text += out.pending_text[:cut]
-        out.pending_text = out.pending_text[cut:]
-        return False
-
     def close(self, seq: Sequence, reason: str, error_code: Optional[str]) -> None:
-        """The output side of finishing, before the scheduler frees the slot: where the request was,
-        its error code, and its held-back text (dropped on cancel/error, flushed on timeout)."""
+        """The output side of finishing, before the scheduler frees the slot: where the request was
+        and its error code."""
         seq.out.stage = "compiling" if seq.guide.compile is not None else STAGES[seq.status]
-        if reason in ("cancelled", "error"):
-            seq.out.pending_text = ""
-        elif reason == "timeout":  # keep what was generated; flush the held-back text
-            self._cut_stop_string(seq, final=True)
         seq.out.error_code = error_code or ("INTERNAL" if reason == "error" else None)
 
     def emit(self, seq: Sequence, finished: bool) -> bool:
-        """Send the request's new text and tokens (and, when `finished`, its final event) to its
-        callback. Returns False when the callback raised (the caller cancels the request)."""
-        delta, seq.out.delta = seq.out.delta, ""
+        """Send the request's new tokens (and, when `finished`, its final event) to its callback.
+        Returns False when the callback raised (the caller cancels the request)."""
         new_ids = seq.output_ids[seq.out.ids_sent:]
-        if not finished and not delta and not new_ids:
+        if not finished and not new_ids:
             return True
-        out = self._event(seq, delta, new_ids, finished)
+        out = self._event(seq, new_ids, finished)
         seq.out.ids_sent = len(seq.output_ids)
         try:
             seq.callback(out)
@@ -162,7 +128,7 @@ class OutputProcessor:
             log.exception("callback of request %s raised; cancelling it", seq.seq_id)
             return False
 
-    def _event(self, seq: Sequence, delta: str, new_ids: list[int], finished: bool) -> RequestOutput:
+    def _event(self, seq: Sequence, new_ids: list[int], finished: bool) -> RequestOutput:
         p, o, st = seq.params, seq.out, seq.stats
         sent = o.ids_sent
         context = None
@@ -180,7 +146,7 @@ class OutputProcessor:
         blocks = self.kv.blocks(seq.num_tokens) if st.first_scheduled_time_ns else 0
         reused = seq.num_reused // self.kv.tokens_per_block  # whole blocks of a reused prompt prefix
         return RequestOutput(
-            seq_id=seq.seq_id, text=delta, token_ids=new_ids, finished=finished,
+            seq_id=seq.seq_id, token_ids=new_ids, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error,
             error_code=o.error_code if finished else None, stage=o.stage if finished else None,
             guide_notes=guide_notes(seq.guide.grammar, seq.output_ids) if finished else (),

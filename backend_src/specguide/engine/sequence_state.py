@@ -2,8 +2,7 @@
 
 - `OutputState` (`seq.out`): what the request has produced and been told. Written by
   `output_processor.OutputProcessor`, which takes the per-token values the step leaves in `step_*`
-  (`step_extras.StepExtras.deliver`) and the prefill's raw logits (`runner.Runner.prefill`);
-  `intake.Intake` gives it its detokenizer.
+  (`step_extras.StepExtras.deliver`) and the prefill's raw logits (`runner.Runner.prefill`).
 - `GuideState` (`seq.guide`): the request's guide, its compile and the compiled grammar. Written by
   `intake.Intake` only (start, collect, cancel the compile).
 - `SeqStats` (`seq.stats`): timestamps and speculative counters for the perf metrics; each field
@@ -22,17 +21,12 @@ if TYPE_CHECKING:
     from ..guided.backend import CompiledGuide
     from ..guided.compiler import CompileHandle
     from ..request import GuidedDecodingParams
-    from ..tokenizer import IncrementalDetokenizer
 
 
 @dataclass(eq=False, slots=True)
 class OutputState:
-    """Owned by output_processor.OutputProcessor: text, per-token values, and what was sent to the callback."""
+    """Owned by output_processor.OutputProcessor: per-token values, and what was sent to the callback."""
 
-    detok: Optional[IncrementalDetokenizer] = None  # set by Intake when it builds the sequence
-    text: str = ""  # text emitted so far (after stop-string handling)
-    pending_text: str = ""  # decoded but held back: could be the start of a stop string
-    delta: str = ""  # emitted text not yet reported to the callback
     ids_sent: int = 0  # output tokens already reported
     # per-token outputs for requests that ask: the step leaves this step's values in step_* (aligned
     # with the tokens it returned: StepExtras.deliver); append keeps those of the tokens it appends

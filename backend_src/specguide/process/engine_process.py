@@ -44,6 +44,7 @@ from .engine_protocol import Callback, EngineInfo, describe_exit
 from .head_training import BackgroundTraining
 from .ipc import process_identity, read_msg
 from ..request import EngineDeadError, Request, RequestOutput
+from ..text_stream import TextStream
 from .restarts import Backoff, sleep_unless
 
 Log = Callable[[str, str], None]  # (level: "info" | "warn" | "error", message)
@@ -148,7 +149,9 @@ class EngineProcess:
                 raise EngineDeadError(self._down or "the engine is shutting down")
             if not self._callbacks:  # the engine has work from now on: the watchdog counts from here
                 self._progress_at = time.monotonic()
-            self._callbacks[key] = callback or (lambda out: None)
+            # the text is made here, on the reader thread: only token ids cross the pipe
+            self._callbacks[key] = TextStream.wrap(self.tokenizer, request.params, callback or (lambda out: None),
+                                                   lambda: self._stop(key))
             self._pending[key] = (done, result)
             child = self._child
         child.send(("submit", key, request))
@@ -239,6 +242,14 @@ class EngineProcess:
             child = self._child if key in self._callbacks else None
         if child is not None:
             child.send(("cancel", key))
+
+    def _stop(self, key: int) -> None:
+        """The request's text reached a stop string (its TextStream, on the reader thread): the
+        engine ends it; its final event says "stop"."""
+        with self._lock:
+            child = self._child if key in self._callbacks else None
+        if child is not None:
+            child.send(("stop", key))
 
     def stats(self) -> dict[str, int]:
         """The engine's last reported slots / queue / steps, its liveness and the restart count."""

@@ -48,7 +48,7 @@ def child_main() -> None:
         from ..engine import faults
         from ..engine.loop import Engine
 
-        engine = Engine(config, flush=outbox.flush)
+        engine = Engine(config, flush=outbox.flush, text=False)  # the parent makes the text
         core = engine.core
         if faults.enabled():  # reliability tests: each request may name a fault
             faults.FaultInjector(core).install()
@@ -116,11 +116,11 @@ def child_main() -> None:
         elif kind == "call":  # a control call (CALLS), on a thread of its own: it may read files
             threading.Thread(target=_call, args=(engine, send) + tuple(msg[1:]), name="specguide-engine-call",
                              daemon=True).start()
-        elif kind == "cancel":
+        elif kind in ("cancel", "stop"):  # "stop": the parent found a stop string in the text
             with seq_lock:
                 seq_id = seq_of.get(msg[1])
             if seq_id is not None:
-                engine.cancel(seq_id)
+                (engine.cancel if kind == "cancel" else engine.stop)(seq_id)
         elif kind == "shutdown":
             engine.shutdown(drain=msg[1], timeout=msg[2])
             out.flush()
