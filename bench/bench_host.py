@@ -27,7 +27,8 @@ Phases (exclusive time of the functions each names, ms per step):
   glue      the rest of the step body (contexts, copies, sampling: torch ops the host dispatches)
   wait      StepCore.finish (the host waiting for the device and the grammar commit)
   results   StepCore.results + Proposer.record (tokens back to host lists)
-  outputs   OutputProcessor.append (tokens appended, detokenizing, stop checks)
+  outputs   OutputProcessor.append (tokens appended, stop checks; the text is made where the events are
+            read, as the served engine process leaves it to its parent: text_stream.py)
   emit      OutputProcessor.emit and Outbox.flush (events built; the step's pickled and written to the pipe)
   other     the rest of EngineCore.step
 host = every phase but forward, kernels and wait. Prints the CPU, then per configuration: ms per step by
@@ -107,7 +108,7 @@ def build_engine(model: Path, k: int, drafter: str, device: str, max_slots: int,
     from specguide.config import EngineConfig
     from specguide.engine.loop import Engine
 
-    return Engine(flush=flush, config=EngineConfig(
+    return Engine(flush=flush, text=False, config=EngineConfig(  # as the engine process: the parent makes the text
         model_dir=str(model), device=device, max_slots=max_slots, max_seq_len=2048, num_draft_tokens=k,
         drafter=drafter if k else "ngram", draft_model_dir=str(model), adaptive_k=False, cost_aware_k=False,
         spec_max_rows=0, prefix_caching=False))
