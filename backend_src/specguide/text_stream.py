@@ -4,15 +4,15 @@ detokenizing and stop strings over the engine's token events.
 The engine's events carry token ids (and their per-token values); `TextStream` gives each event
 its text. In the served engine it runs on the Triton stub's reader thread (process/engine_process.py:
 only token ids cross the pipe), in the in-process `Engine` on its caller's side of the callback.
-When the text holds a stop string, the stream cuts the text there, asks the engine to stop the
-request (its slot is freed at the engine's next turn) and passes nothing of what the engine made
-after it: the engine's final event then comes through with finish_reason "stop"."""
+When the text holds a stop string, the stream cuts the text there, holds that event back and asks
+the engine to stop the request (its slot is freed at the engine's next turn); the engine's final
+event then ends it: the held event goes out as the final one (finish_reason "stop", with the final
+event's stage and guide notes), as if the engine had found the stop string itself. Nothing the
+engine made after the stop string reaches the client."""
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Callable, Optional
-
-import numpy as np
 
 from .request import RequestOutput, SamplingParams
 from .tokenizer import IncrementalDetokenizer
@@ -30,15 +30,12 @@ class TextStream:
         self.hold = max((len(s) for s in self.stops), default=1) - 1  # characters held back meanwhile
         self.include_stop = params.include_stop_str_in_output
         self.pending = ""  # decoded, held back: could be the start of a stop string
-        self.stopped = False  # a stop string ended the text: later tokens are not the client's
-        self.num_tokens = 0  # output tokens passed on
-        self.cum_logprob: Optional[float] = None
+        self.held: Optional[RequestOutput] = None  # the event whose text ends at a stop string, until the final
         self._stop = stop  # asks the engine to stop the request
 
     @staticmethod
     def wrap(tokenizer, params: SamplingParams, callback: Callback, stop: Callable[[], None]) -> Callback:
-        """`callback` given the events with their text (events after a stop string, but the final
-        one, are not passed on)."""
+        """`callback` given the events with their text (after a stop string: the final event only)."""
         stream = TextStream(tokenizer, params, stop)
 
         def on_output(out: RequestOutput) -> None:
@@ -48,12 +45,10 @@ class TextStream:
         return on_output
 
     def take(self, out: RequestOutput) -> Optional[RequestOutput]:
-        """The event with its text; None for a non-final event after the stop string."""
-        if self.stopped:
-            return self._after_stop(out) if out.finished else None
+        """The event with its text; None while a stop string's event waits for the final one."""
+        if self.held is not None:
+            return self._stopped(out) if out.finished else None
         new = self.detok.add(out.token_ids) if out.token_ids else ""
-        self.num_tokens += len(out.token_ids)
-        self.cum_logprob = out.cum_logprob
         # the end: the rest of the text goes out, but on a cancel or an error without new tokens
         # (an error with tokens: the guide rejected one; the tokens before it are output)
         flush = out.finished and (out.finish_reason not in ("cancelled", "error") or bool(out.token_ids))
@@ -64,12 +59,12 @@ class TextStream:
         else:
             text, hit = self._cut(self.pending + new, final=flush)
         out.text = text
-        if hit:
-            self.stopped = True
-            if out.finished:
-                out.finish_reason, out.error, out.error_code = "stop", None, None
-            else:
-                self._stop()
+        if hit and out.finished:
+            out.finish_reason, out.error, out.error_code = "stop", None, None
+        elif hit:
+            self.held = out
+            self._stop()
+            return None
         return out
 
     def _cut(self, text: str, final: bool) -> tuple[str, bool]:
@@ -86,12 +81,7 @@ class TextStream:
         self.pending = text[cut:]
         return text[:cut], False
 
-    def _after_stop(self, out: RequestOutput) -> RequestOutput:
-        """The engine's final event after the stop string: its ending, none of its tokens."""
-        vocab = out.generation_logits.shape[1] if out.generation_logits is not None else 0
-        return replace(
-            out, text="", token_ids=[], finish_reason="stop", error=None, error_code=None,
-            num_output_tokens=self.num_tokens, first_token=False, cum_logprob=self.cum_logprob,
-            logprobs=[] if out.logprobs is not None else None,
-            top_logprobs=[] if out.top_logprobs is not None else None,
-            generation_logits=np.zeros((0, vocab), np.float32) if out.generation_logits is not None else None)
+    def _stopped(self, final: RequestOutput) -> RequestOutput:
+        """The held event, ended by the engine's final one (its tokens, if any, came after the stop string)."""
+        return replace(self.held, finished=True, finish_reason="stop", error=None, error_code=None,
+                       stage=final.stage, guide_notes=final.guide_notes)

@@ -28,7 +28,7 @@ class Run:
 
     def __init__(self, tok, **params):
         self.stops = 0
-        self.hit_on_final = False  # the stop string came with the engine's final event
+        self.nonfinal_ids: list[int] = []  # the tokens of the events before the final one
         self.passed: list[RequestOutput] = []
         self.stream = TextStream(tok, SamplingParams(**params), self._stop)
 
@@ -44,9 +44,9 @@ class Run:
                                  num_output_tokens=sent + len(final_ids), **extra))
 
     def _take(self, out: RequestOutput) -> None:
-        before = self.stream.stopped
+        if not out.finished:
+            self.nonfinal_ids += out.token_ids
         got = self.stream.take(out)
-        self.hit_on_final |= out.finished and self.stream.stopped and not before
         if got is not None:
             self.passed.append(got)
 
@@ -85,12 +85,16 @@ def test_text_is_the_full_decode_cut_at_the_first_stop_string_however_events_spl
         assert run.text == full[: i + len(stop[0]) if include else i]
         assert final.finish_reason == "stop" and run.stops <= 1
         assert final.num_output_tokens == len(run.ids) and run.ids == ids[: len(run.ids)]
-        assert run.stops == (0 if run.hit_on_final else 1)  # the engine is asked to stop once, unless it had ended
+        # the engine is asked to stop once where a running request's text reached the stop string
+        assert run.stops == (1 if stop[0] in tok.decode(run.nonfinal_ids) else 0)
     else:
         assert run.text == full and run.ids == ids and final.finish_reason == "length" and run.stops == 0
 
 
-def test_after_a_stop_string_the_engines_later_tokens_never_reach_the_client(tok):
+def test_a_stop_strings_event_waits_for_the_engines_end_and_its_later_tokens_never_reach_the_client(tok):
+    """The event whose text reaches the stop string is held back and the engine asked to stop;
+    the engine's final event (after one more step's tokens, here) ends it: one final event, the
+    held one's tokens and values, the final one's stage and guide notes, finish_reason "stop"."""
     ids = tok.encode("The answer is: Paris. The end of it all")
     k = len(tok.encode("The answer is: Paris."))
     run = Run(tok, max_tokens=100, stop=[" The"])
@@ -98,16 +102,18 @@ def test_after_a_stop_string_the_engines_later_tokens_never_reach_the_client(tok
                             cum_logprob=-0.5 * (k + 1), generation_logits=np.ones((k + 1, 7), np.float32)),
               RequestOutput(seq_id=1, token_ids=ids[k + 1:k + 3], num_output_tokens=k + 3, logprobs=[-1.0] * 2),
               RequestOutput(seq_id=1, token_ids=ids[k + 3:k + 4], finished=True, finish_reason="cancelled",
-                            num_output_tokens=k + 4, logprobs=[-2.0], cum_logprob=-99.0,
-                            generation_logits=np.ones((1, 7), np.float32), error="x", error_code="INTERNAL")]
+                            num_output_tokens=k + 4, logprobs=[-2.0], cum_logprob=-99.0, stage="decode",
+                            guide_notes=("not enforced: x",), generation_logits=np.ones((1, 7), np.float32),
+                            error="x", error_code="INTERNAL")]
     for e in events:
         run._take(e)
-    assert run.stops == 1 and len(run.passed) == 2  # the event after the stop string is not passed on
-    assert run.text == "The answer is: Paris."
-    final = run.passed[-1]
+    assert run.stops == 1 and len(run.passed) == 1
+    final = run.passed[0]
     assert (final.finished, final.finish_reason, final.error, final.error_code) == (True, "stop", None, None)
-    assert final.token_ids == [] and final.logprobs == [] and final.generation_logits.shape == (0, 7)
-    assert final.num_output_tokens == k + 1 and final.cum_logprob == -0.5 * (k + 1) and final.text == ""
+    assert final.text == "The answer is: Paris." and final.token_ids == ids[:k + 1]
+    assert final.logprobs == [-0.5] * (k + 1) and final.generation_logits.shape == (k + 1, 7)
+    assert final.num_output_tokens == k + 1 and final.cum_logprob == -0.5 * (k + 1)
+    assert final.stage == "decode" and final.guide_notes == ("not enforced: x",)
 
 
 @pytest.mark.parametrize("reason,kept", [("length", True), ("timeout", True), ("stop", True), ("cancelled", False),
