@@ -46,6 +46,59 @@ def test_greedy_with_each_drafter_equals_speculation_off(engine, random_head, dr
         eng.shutdown()
 
 
+class _Behind:
+    """What the head's catch-up reads of a sequence: its slot and tokens."""
+
+    def __init__(self, slot: int, ids: list[int]):
+        self.slot, self.ids = slot, ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def tokens(self, a: int, b: int) -> list[int]:
+        return self.ids[a:b]
+
+
+def test_the_heads_catch_up_takes_every_slot_behind_in_one_forward_with_the_rows_slot_by_slot_gives(
+        engine, monkeypatch):
+    """Slots behind catch up together, in forwards of as many rows as the nearest has left (at most
+    `chunk`); the head's cache rows are, bit for bit, those of catching up one slot at a time."""
+    import torch
+
+    from specguide.speculative.head_drafter import HeadDrafter
+
+    head = engine.core.head_drafter.head
+    together, alone = (HeadDrafter(head, max_slots=4, max_seq_len=256, K=3, chunk=32, device=torch.device("cpu"))
+                       for _ in range(2))
+    rng = random.Random(0)
+    seqs = [_Behind(slot, [rng.randrange(head.target.cfg.vocab_size) for _ in range(n)])
+            for slot, n in enumerate((3, 41, 42, 120))]  # (3: nothing to catch up)
+    gen = torch.Generator().manual_seed(0)
+    for d in (together, alone):
+        for s in seqs:  # the target's features the head reads, the same in both
+            hidden = torch.randn(1, s.num_tokens, head.cfg.hidden_size, generator=gen.manual_seed(s.slot))
+            d.record(torch.tensor([s.slot]), torch.arange(s.num_tokens)[None], hidden)
+    calls: list[int] = []
+    run_ = HeadDrafter._run
+    monkeypatch.setattr(HeadDrafter, "_run", lambda self, slots, *a: (calls.append(len(slots)), run_(self, slots, *a))[1])
+    with torch.inference_mode():
+        together._catch_up(seqs)
+        n_together = list(calls)
+        calls.clear()
+        for s in seqs:
+            alone._catch_up([s])
+    # 3 slots behind by 36, 37 and 115 rows (K+1 rows left for the step): 32 rows each, then 4 each,
+    # 1 for the last two, then the last one's 32 + 32 + 14; one at a time: 2 + 2 + 4 forwards
+    assert n_together == [3, 3, 2, 1, 1, 1] and calls == [1] * 8
+    assert together.cached == alone.cached == [0, 36, 37, 115]
+    for s in seqs:  # every block of every slot (block 0, no slot's, is scratch)
+        blocks = together.kv.table[s.slot].long()
+        assert torch.equal(together.kv.k[:, blocks], alone.kv.k[:, blocks])
+        assert torch.equal(together.kv.v[:, blocks], alone.kv.v[:, blocks])
+    assert together.kv.k[:, 1:].abs().sum() > 0  # (rows were written)
+
+
 def test_cost_aware_k_is_lossless_and_measured(engine, random_head):
     """cost_aware_k: whether a step drafts follows measured step times (batch 1: one request at a
     time; then all together); greedy output still equals speculation off."""

@@ -84,17 +84,12 @@ class HeadDrafter:
     def prepare(self, seqs: list[Sequence], key) -> None:
         """Host: feed long new prompts in chunks, then stage each row's verified (f_p, x_{p+1})
         rows up to p = N-2 (at most K+1; captured steps pad every row to K+1)."""
-        rows: list[list[int]] = []
         t0 = time.perf_counter()
         for s in seqs:
             # a step that failed after this point last time (and is retried) re-feeds its rows
             self.cached[s.slot] = max(0, min(self.valid[s.slot], s.num_tokens - 2))
-            while (left := s.num_tokens - 1 - self.cached[s.slot]) > self.max_drafts + 1:
-                a = self.cached[s.slot]  # a new prompt: chunks of its own, leaving <= K+1 rows for the batch
-                n = min(self.chunk, left - self.max_drafts - 1)
-                self._run([s.slot], [list(range(a, a + n))], [s.tokens(a + 1, a + 1 + n)])
-                self.cached[s.slot] = self.valid[s.slot] = a + n
-            rows.append(list(range(self.cached[s.slot], s.num_tokens - 1)))
+        self._catch_up(seqs)
+        rows = [list(range(self.cached[s.slot], s.num_tokens - 1)) for s in seqs]
         self.catchup_s += time.perf_counter() - t0
         T = self.max_drafts + 1 if key.captured else max(len(r) for r in rows)
         P, X, L = self.pos_host.numpy(), self.tok_host.numpy(), self.last_host.numpy()
@@ -110,6 +105,23 @@ class HeadDrafter:
         self.T = T
         for dev, host in ((self.pos, self.pos_host), (self.tok, self.tok_host), (self.last, self.last_host)):
             dev.copy_(host, non_blocking=key.captured)
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Rows more than K+1 behind (a new prompt; a sequence back from plain steps), leaving <= K+1
+        rows for the step: every slot behind goes in one forward, of as many rows as the nearest of
+        them has to catch up (at most `chunk`), until none is behind (after plain steps every slot is
+        as far behind: one forward)."""
+        while True:
+            behind = [(s, s.num_tokens - 1 - self.max_drafts - 1 - self.cached[s.slot]) for s in seqs]
+            behind = [(s, n) for s, n in behind if n > 0]
+            if not behind:
+                return
+            n = min(self.chunk, min(n for _, n in behind))
+            starts = [self.cached[s.slot] for s, _ in behind]
+            self._run([s.slot for s, _ in behind], [list(range(a, a + n)) for a in starts],
+                      [s.tokens(a + 1, a + 1 + n) for (s, _), a in zip(behind, starts)])
+            for (s, _), a in zip(behind, starts):
+                self.cached[s.slot] = self.valid[s.slot] = a + n
 
     def draft(self, i: int, cur: torch.Tensor, pos0: torch.Tensor, slots: torch.Tensor, ctx) -> torch.Tensor:
         """Draft i in the step: i = 0 runs the staged rows and takes g at p = N-2; i >= 1 feeds
