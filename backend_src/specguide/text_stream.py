@@ -4,11 +4,12 @@ detokenizing and stop strings over the engine's token events.
 The engine's events carry token ids (and their per-token values); `TextStream` gives each event
 its text. In the served engine it runs on the Triton stub's reader thread (process/engine_process.py:
 only token ids cross the pipe), in the in-process `Engine` on its caller's side of the callback.
-When the text holds a stop string, the stream cuts the text there, holds that event back and asks
-the engine to stop the request (its slot is freed at the engine's next turn); the engine's final
-event then ends it: the held event goes out as the final one (finish_reason "stop", with the final
-event's stage and guide notes), as if the engine had found the stop string itself. Nothing the
-engine made after the stop string reaches the client."""
+When the text holds a stop string, the stream cuts the text there, asks the engine to stop the
+request (its slot is freed at the engine's next turn) and ends it at once: that event goes out as
+the final one, finish_reason "stop", as if the engine had found the stop string itself. A guided
+request's event waits for the engine's final one instead, whose guide notes it carries (what the
+grammar left unchecked, whether the budget closed the document: known at the engine's end). Nothing
+the engine made after the stop string reaches the client."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -24,19 +25,22 @@ class TextStream:
     """One request's text: deltas that never split a UTF-8 character, with the text that could
     begin a stop string held back until it cannot (or is cut, or the request ends)."""
 
-    def __init__(self, tokenizer, params: SamplingParams, stop: Callable[[], None]):
+    def __init__(self, tokenizer, params: SamplingParams, stop: Callable[[], None], guided: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = params.stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1  # characters held back meanwhile
         self.include_stop = params.include_stop_str_in_output
         self.pending = ""  # decoded, held back: could be the start of a stop string
-        self.held: Optional[RequestOutput] = None  # the event whose text ends at a stop string, until the final
+        self.wait_for_end = guided  # a stop string's event waits for the engine's final one (its guide notes)
+        self.held: Optional[RequestOutput] = None  # that event, until then
+        self.ended = False  # the client's final event is out: the engine's later events are not passed on
         self._stop = stop  # asks the engine to stop the request
 
     @staticmethod
-    def wrap(tokenizer, params: SamplingParams, callback: Callback, stop: Callable[[], None]) -> Callback:
-        """`callback` given the events with their text (after a stop string: the final event only)."""
-        stream = TextStream(tokenizer, params, stop)
+    def wrap(tokenizer, params: SamplingParams, callback: Callback, stop: Callable[[], None],
+             guided: bool = False) -> Callback:
+        """`callback` given the events with their text, up to the request's final one."""
+        stream = TextStream(tokenizer, params, stop, guided)
 
         def on_output(out: RequestOutput) -> None:
             out = stream.take(out)
@@ -45,7 +49,10 @@ class TextStream:
         return on_output
 
     def take(self, out: RequestOutput) -> Optional[RequestOutput]:
-        """The event with its text; None while a stop string's event waits for the final one."""
+        """The event with its text; None once the request has ended, or while a stop string's event
+        waits for the engine's final one."""
+        if self.ended:
+            return None
         if self.held is not None:
             return self._stopped(out) if out.finished else None
         new = self.detok.add(out.token_ids) if out.token_ids else ""
@@ -62,9 +69,12 @@ class TextStream:
         if hit and out.finished:
             out.finish_reason, out.error, out.error_code = "stop", None, None
         elif hit:
-            self.held = out
             self._stop()
-            return None
+            if self.wait_for_end:
+                self.held = out
+                return None
+            self.ended = True
+            out.finished, out.finish_reason, out.stage = True, "stop", "decode"
         return out
 
     def _cut(self, text: str, final: bool) -> tuple[str, bool]:

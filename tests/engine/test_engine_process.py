@@ -82,8 +82,9 @@ def test_requests_run_through_the_engine_process_and_errors_come_back_as_raised(
 
 
 def test_the_text_is_made_in_the_stub_and_a_stop_string_there_ends_the_request_in_the_engine(engine, monkeypatch):
-    """Only token ids cross the pipe; the stub's TextStream makes the text, finds the stop string
-    and asks the engine to stop: the request ends there ("stop", its slot free for the next one)."""
+    """Only token ids cross the pipe; the stub's TextStream makes the text, finds the stop string,
+    ends the request for its client at once and asks the engine to stop: the request ends there too
+    ("stop", its slot free for the next one)."""
     raw: list[RequestOutput] = []
     deliver = engine._deliver
     monkeypatch.setattr(engine, "_deliver", lambda key, out: (raw.append(replace(out)), deliver(key, out)))
@@ -99,8 +100,11 @@ def test_the_text_is_made_in_the_stub_and_a_stop_string_there_ends_the_request_i
     assert final.finish_reason == "stop" and "".join(o.text for o in stopped.outs) == full[:full.find(word)]
     got = [t for o in stopped.outs for t in o.token_ids]
     assert got == ids[:len(got)] and final.num_output_tokens == len(got) < 24
+    deadline = time.monotonic() + 60  # the client's final went out at once; the engine ends the request after
+    while not (raw[-1].finished and raw[-1].seq_id == final.seq_id) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert raw[-1].finished and raw[-1].finish_reason == "stop"  # the engine's own ending, not a cancel
-    assert all(o.text == "" for o in raw)
+    assert sum(o.finished for o in stopped.outs) == 1 and all(o.text == "" for o in raw)
     after = Collector()  # one slot: the stopped request left it
     engine.submit(request(engine, 4), after)
     assert len(after.ids()) == 4

@@ -26,11 +26,11 @@ def tok():
 class Run:
     """Feeds a stream events of token chunks, as the engine sends them; records what passes."""
 
-    def __init__(self, tok, **params):
+    def __init__(self, tok, guided: bool = False, **params):
         self.stops = 0
         self.nonfinal_ids: list[int] = []  # the tokens of the events before the final one
         self.passed: list[RequestOutput] = []
-        self.stream = TextStream(tok, SamplingParams(**params), self._stop)
+        self.stream = TextStream(tok, SamplingParams(**params), self._stop, guided)
 
     def _stop(self) -> None:
         self.stops += 1
@@ -91,29 +91,40 @@ def test_text_is_the_full_decode_cut_at_the_first_stop_string_however_events_spl
         assert run.text == full and run.ids == ids and final.finish_reason == "length" and run.stops == 0
 
 
-def test_a_stop_strings_event_waits_for_the_engines_end_and_its_later_tokens_never_reach_the_client(tok):
-    """The event whose text reaches the stop string is held back and the engine asked to stop;
-    the engine's final event (after one more step's tokens, here) ends it: one final event, the
-    held one's tokens and values, the final one's stage and guide notes, finish_reason "stop"."""
+def _events_past_a_stop_string(tok):
+    """The engine's events for a request whose text reaches " The" in its first event: one more
+    step's tokens, then its final event (the stop the stream asked for), with guide notes."""
     ids = tok.encode("The answer is: Paris. The end of it all")
     k = len(tok.encode("The answer is: Paris."))
-    run = Run(tok, max_tokens=100, stop=[" The"])
-    events = [RequestOutput(seq_id=1, token_ids=ids[:k + 1], num_output_tokens=k + 1, logprobs=[-0.5] * (k + 1),
-                            cum_logprob=-0.5 * (k + 1), generation_logits=np.ones((k + 1, 7), np.float32)),
-              RequestOutput(seq_id=1, token_ids=ids[k + 1:k + 3], num_output_tokens=k + 3, logprobs=[-1.0] * 2),
-              RequestOutput(seq_id=1, token_ids=ids[k + 3:k + 4], finished=True, finish_reason="cancelled",
-                            num_output_tokens=k + 4, logprobs=[-2.0], cum_logprob=-99.0, stage="decode",
-                            guide_notes=("not enforced: x",), generation_logits=np.ones((1, 7), np.float32),
-                            error="x", error_code="INTERNAL")]
+    return ids, k, [
+        RequestOutput(seq_id=1, token_ids=ids[:k + 1], num_output_tokens=k + 1, logprobs=[-0.5] * (k + 1),
+                      cum_logprob=-0.5 * (k + 1), generation_logits=np.ones((k + 1, 7), np.float32)),
+        RequestOutput(seq_id=1, token_ids=ids[k + 1:k + 3], num_output_tokens=k + 3, logprobs=[-1.0] * 2),
+        RequestOutput(seq_id=1, token_ids=ids[k + 3:k + 4], finished=True, finish_reason="stop",
+                      num_output_tokens=k + 4, logprobs=[-2.0], cum_logprob=-99.0, stage="decode",
+                      guide_notes=("not enforced: x",), generation_logits=np.ones((1, 7), np.float32))]
+
+
+@pytest.mark.parametrize("guided", [False, True])
+def test_a_stop_string_ends_the_request_with_its_event_and_the_engines_later_tokens_never_reach_the_client(
+        tok, guided):
+    """The event whose text reaches the stop string is the request's final one (the engine is asked
+    to stop). A guided request's waits for the engine's final event, whose stage and guide notes it
+    takes; an unguided one's goes out at once. Either way: one final event, the stop event's tokens
+    and values."""
+    ids, k, events = _events_past_a_stop_string(tok)
+    run = Run(tok, guided=guided, max_tokens=100, stop=[" The"])
+    seen = []
     for e in events:
         run._take(e)
-    assert run.stops == 1 and len(run.passed) == 1
+        seen.append(len(run.passed))
+    assert seen == ([0, 0, 1] if guided else [1, 1, 1]) and run.stops == 1
     final = run.passed[0]
     assert (final.finished, final.finish_reason, final.error, final.error_code) == (True, "stop", None, None)
     assert final.text == "The answer is: Paris." and final.token_ids == ids[:k + 1]
     assert final.logprobs == [-0.5] * (k + 1) and final.generation_logits.shape == (k + 1, 7)
     assert final.num_output_tokens == k + 1 and final.cum_logprob == -0.5 * (k + 1)
-    assert final.stage == "decode" and final.guide_notes == ("not enforced: x",)
+    assert final.stage == "decode" and final.guide_notes == (("not enforced: x",) if guided else ())
 
 
 @pytest.mark.parametrize("reason,kept", [("length", True), ("timeout", True), ("stop", True), ("cancelled", False),

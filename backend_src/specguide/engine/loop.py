@@ -86,7 +86,8 @@ class Engine:
         QueueFullError or EngineDeadError; never blocks on generation."""
         callback = callback or (lambda out: None)
         if self._text:
-            callback = TextStream.wrap(self.core.tokenizer, request.params, callback, lambda: self.stop(seq.seq_id))
+            callback = TextStream.wrap(self.core.tokenizer, request.params, callback, lambda: self.stop(seq.seq_id),
+                                       guided=request.guided is not None)
         seq = self.core.make_sequence(request, callback)
         with self._cv:
             if self._dead is not None or not self._thread.is_alive():

@@ -151,7 +151,7 @@ class EngineProcess:
                 self._progress_at = time.monotonic()
             # the text is made here, on the reader thread: only token ids cross the pipe
             self._callbacks[key] = TextStream.wrap(self.tokenizer, request.params, callback or (lambda out: None),
-                                                   lambda: self._stop(key))
+                                                   lambda: self._stop(key), guided=request.guided is not None)
             self._pending[key] = (done, result)
             child = self._child
         child.send(("submit", key, request))
