@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Optional
 
-from .request import RequestOutput, SamplingParams
+from .request import Request, RequestOutput, SamplingParams
 from .tokenizer import IncrementalDetokenizer
 
 Callback = Callable[[RequestOutput], None]
@@ -37,10 +37,9 @@ class TextStream:
         self._stop = stop  # asks the engine to stop the request
 
     @staticmethod
-    def wrap(tokenizer, params: SamplingParams, callback: Callback, stop: Callable[[], None],
-             guided: bool = False) -> Callback:
-        """`callback` given the events with their text, up to the request's final one."""
-        stream = TextStream(tokenizer, params, stop, guided)
+    def wrap(tokenizer, request: Request, callback: Callback, stop: Callable[[], None]) -> Callback:
+        """`callback` given the request's events with their text, up to its final one."""
+        stream = TextStream(tokenizer, request.params, stop, guided=request.guided is not None)
 
         def on_output(out: RequestOutput) -> None:
             out = stream.take(out)

@@ -86,8 +86,7 @@ class Engine:
         QueueFullError or EngineDeadError; never blocks on generation."""
         callback = callback or (lambda out: None)
         if self._text:
-            callback = TextStream.wrap(self.core.tokenizer, request.params, callback, lambda: self.stop(seq.seq_id),
-                                       guided=request.guided is not None)
+            callback = TextStream.wrap(self.core.tokenizer, request, callback, lambda: self.stop(seq.seq_id))
         seq = self.core.make_sequence(request, callback)
         with self._cv:
             if self._dead is not None or not self._thread.is_alive():
@@ -113,14 +112,15 @@ class Engine:
 
     def cancel(self, seq_id: int) -> None:
         """Stop a request; its slot is freed at the next step and a final 'cancelled' event follows."""
-        with self._cv:
-            self._inbox.append(("cancel", seq_id))
-            self._cv.notify()
+        self._post("cancel", seq_id)
 
     def stop(self, seq_id: int) -> None:
         """End a request whose text reached a stop string: as `cancel`, its final event says "stop"."""
+        self._post("stop", seq_id)
+
+    def _post(self, kind: str, seq_id: int) -> None:
         with self._cv:
-            self._inbox.append(("stop", seq_id))
+            self._inbox.append((kind, seq_id))
             self._cv.notify()
 
     def load_adapter(self, name: str, lora_path: str, replace: bool = False) -> str:

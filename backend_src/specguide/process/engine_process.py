@@ -150,8 +150,8 @@ class EngineProcess:
             if not self._callbacks:  # the engine has work from now on: the watchdog counts from here
                 self._progress_at = time.monotonic()
             # the text is made here, on the reader thread: only token ids cross the pipe
-            self._callbacks[key] = TextStream.wrap(self.tokenizer, request.params, callback or (lambda out: None),
-                                                   lambda: self._stop(key), guided=request.guided is not None)
+            self._callbacks[key] = TextStream.wrap(self.tokenizer, request, callback or (lambda out: None),
+                                                   lambda: self._send_held(key, "stop"))
             self._pending[key] = (done, result)
             child = self._child
         child.send(("submit", key, request))
@@ -238,18 +238,15 @@ class EngineProcess:
 
     def cancel(self, key: int) -> None:
         """Stop a request; a final 'cancelled' event follows (or the engine's death's error)."""
-        with self._lock:
-            child = self._child if key in self._callbacks else None
-        if child is not None:
-            child.send(("cancel", key))
+        self._send_held(key, "cancel")
 
-    def _stop(self, key: int) -> None:
-        """The request's text reached a stop string (its TextStream, on the reader thread): the
-        engine ends it; its final event says "stop"."""
+    def _send_held(self, key: int, kind: str) -> None:
+        """Send `kind` for a request the engine holds: "cancel", or "stop" (its TextStream found a stop
+        string: the engine ends it, its final event saying "stop")."""
         with self._lock:
             child = self._child if key in self._callbacks else None
         if child is not None:
-            child.send(("stop", key))
+            child.send((kind, key))
 
     def stats(self) -> dict[str, int]:
         """The engine's last reported slots / queue / steps, its liveness and the restart count."""
